@@ -39,7 +39,9 @@ class RequestError(LLMRTError, ValueError):
     when the whole request is at fault) and ``field`` the argument at fault.
     """
 
-    def __init__(self, field: str, reason: str, *, row: int | None = None, value: Any = None) -> None:
+    def __init__(
+        self, field: str, reason: str, *, row: int | None = None, value: Any = None
+    ) -> None:
         self.field = field
         self.row = row
         self.value = value
@@ -65,7 +67,9 @@ class FamilyError(LLMRTError, LookupError):
 class KVCacheStateError(LLMRTError, RuntimeError):
     """An illegal paged-KV manager transition or a foreign/stale KV handle."""
 
-    def __init__(self, message: str, *, current: str | None = None, requested: str | None = None) -> None:
+    def __init__(
+        self, message: str, *, current: str | None = None, requested: str | None = None
+    ) -> None:
         self.current = current
         self.requested = requested
         super().__init__(message)

@@ -1,0 +1,578 @@
+"""Decode preparation, signatures, eager invocation, trace refresh, output leases, cleanup.
+
+One decode step runs a fixed-capacity lane batch: ``prepare`` validates and
+normalizes host inputs (page table to the layout's width, int32), classifies the
+output path (``logits`` / ``argmax`` / ``sample``) and the device position
+feedback, and records reset and page-table-change state; ``invoke`` stages the
+inputs and runs the model body; ``consume`` reads and normalizes, or moves the
+raw output into a :class:`DecodeOutputLease` for an external scheduler.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from llmrt.config import PageTableLayout
+from llmrt.device.base import Device
+from llmrt.errors import ConfigError, IdentityError, RequestError
+from llmrt.families.base import CausalLM
+from llmrt.lifecycle import component_logger, emit
+from llmrt.output_reader import OutputReader, PendingRead
+from llmrt.prefill.postprocess import program_head, sample_outputs
+from llmrt.prefill.sampling_helpers import counts_of
+from llmrt.sampling import SamplingTensors, apply_penalties
+from llmrt.sampling_params import SamplingParams
+from llmrt.tensor_resources import (
+    ReleaseLedger,
+    TensorResourceOrphan,
+    release_tensors,
+    retry_orphans,
+)
+from llmrt.trace_compiler import TraceArtifact, TraceCapturePlan
+
+DECODE_PATHS = ("logits", "argmax", "sample")
+
+
+@attrs.frozen(kw_only=True)
+class DecodeRuntimeConfig:
+    """Resolved static decode collaborators and geometry (all borrowed)."""
+
+    model: CausalLM
+    device: Device
+    output_reader: OutputReader
+    lane_capacity: int
+    layout: PageTableLayout
+    device_sampling: bool
+    vocab_size: int
+    lane: int = 0
+
+    @classmethod
+    def resolve(
+        cls,
+        *,
+        model: CausalLM,
+        device: Device,
+        output_reader: OutputReader,
+        lane_capacity: int,
+        page_table_layout: PageTableLayout,
+        device_sampling_enabled: bool,
+        lane: int = 0,
+    ) -> DecodeRuntimeConfig:
+        if (
+            isinstance(lane_capacity, bool)
+            or not isinstance(lane_capacity, int)
+            or lane_capacity < 1
+        ):
+            raise ConfigError("decode.lane_capacity", lane_capacity, "must be a positive integer")
+        if output_reader.borrowed_device is not device:
+            raise IdentityError(
+                "decode output reader uses the lane device", output_reader.borrowed_device, device
+            )
+        return cls(
+            model=model,
+            device=device,
+            output_reader=output_reader,
+            lane_capacity=lane_capacity,
+            layout=page_table_layout,
+            device_sampling=device_sampling_enabled,
+            vocab_size=model.config.vocab_size,
+            lane=lane,
+        )
+
+    def with_layout(self, layout: PageTableLayout) -> DecodeRuntimeConfig:
+        self.layout.check_replacement(layout)
+        return attrs.evolve(self, layout=layout)
+
+
+@attrs.frozen(kw_only=True)
+class DecodeSignature:
+    """Decode program identity: physical batch, page-table width, output path."""
+
+    batch_size: int
+    page_table_width: int
+    head: str  # "logits" | "argmax": what the program returns (sampling runs after it)
+
+    @property
+    def operation(self) -> str:
+        return "decode"
+
+    def material(self) -> Mapping[str, Any]:
+        return {
+            "batch_size": self.batch_size,
+            "page_table_width": self.page_table_width,
+            "head": self.head,
+        }
+
+    def describe(self) -> str:
+        return f"decode[b{self.batch_size} w{self.page_table_width} {self.head}]"
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class PreparedDecode:
+    """Normalized host inputs of one decode step, padded to the lane capacity."""
+
+    active_rows: int
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    page_table: torch.Tensor
+    path: str
+    sampling: SamplingTensors | None
+    step_offsets: torch.Tensor
+    reset_batch: bool
+    page_table_changed: bool
+    feedback_compatible: bool
+    signature: DecodeSignature
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class DecodeInputs:
+    """Device-resident inputs of one decode program (transient or trace-persistent)."""
+
+    tokens: torch.Tensor
+    positions: torch.Tensor
+    page_table: torch.Tensor
+
+    def owned_tensors(self) -> tuple[torch.Tensor, ...]:
+        return (self.tokens, self.positions, self.page_table)
+
+
+@attrs.frozen(kw_only=True)
+class DecodeOutput:
+    """Host result of one decode step for the active rows."""
+
+    tokens: torch.Tensor | None
+    logits: torch.Tensor | None
+    logprobs: torch.Tensor | None = None
+    top_logprobs: tuple[torch.Tensor, torch.Tensor] | None = None
+
+
+@attrs.define(kw_only=True, eq=False)
+class DecodeOutputLease:
+    """A raw device output handed to an external scheduler; the runtime still owns it."""
+
+    raw: dict[str, torch.Tensor]
+    active_rows: int
+    is_tokens: bool
+    pending: PendingRead | None = None
+    released: bool = False
+
+
+class DecodeRuntime:
+    """Runs decode steps for one lane; owns invocation transients and external leases."""
+
+    def __init__(self, config: DecodeRuntimeConfig) -> None:
+        self.config = config
+        self._leases: dict[int, DecodeOutputLease] = {}
+        self._lease_by_host: dict[int, DecodeOutputLease] = {}
+        self._last_positions: torch.Tensor | None = None
+        self._last_page_table: torch.Tensor | None = None
+        self._last_artifact: str | None = None
+        self._ledger = ReleaseLedger()
+        self._orphans: list[TensorResourceOrphan] = []
+        self._generator = torch.Generator(device="cpu").manual_seed(0)
+        self._log = component_logger("decode_runtime", lane=config.lane, object_id=f"{id(self):#x}")
+
+    def configure_page_table_layout(self, layout: PageTableLayout) -> None:
+        self.config = self.config.with_layout(layout)
+
+    # -- prepare -------------------------------------------------------------------------
+
+    def prepare(
+        self,
+        *,
+        tokens: torch.Tensor | Sequence[int],
+        start_pos: torch.Tensor | Sequence[int],
+        page_table: torch.Tensor,
+        sampling_params: Sequence[SamplingParams | None] | None = None,
+        step_offsets: Sequence[int] | torch.Tensor | None = None,
+        reset_batch: bool = False,
+    ) -> PreparedDecode:
+        """Validate and normalize one step's host inputs; raises before any device work."""
+        cfg = self.config
+        tok = torch.as_tensor(tokens).reshape(-1)
+        pos = torch.as_tensor(start_pos).reshape(-1)
+        table = torch.as_tensor(page_table)
+        rows = tok.numel()
+        if rows == 0:
+            raise RequestError("tokens", "decode needs at least one row")
+        if rows > cfg.lane_capacity:
+            raise RequestError(
+                "tokens",
+                f"batch of {rows} rows exceeds the lane capacity {cfg.lane_capacity}",
+                value=rows,
+            )
+        if pos.numel() != rows:
+            raise RequestError("start_pos", f"has {pos.numel()} entries for {rows} token rows")
+        if table.dim() != 2 or table.shape[0] != rows:
+            raise RequestError("page_table", f"must be [{rows}, width], got {tuple(table.shape)}")
+        if table.shape[1] > cfg.layout.width:
+            raise RequestError(
+                "page_table",
+                f"width {table.shape[1]} exceeds the layout's decode width {cfg.layout.width}",
+                value=int(table.shape[1]),
+            )
+        if (
+            tok.dtype.is_floating_point
+            or pos.dtype.is_floating_point
+            or table.dtype.is_floating_point
+        ):
+            raise RequestError("tokens", "tokens, start_pos and page_table must be integer tensors")
+        self._validate_rows(tok, pos, table)
+        cap, width = cfg.lane_capacity, cfg.layout.width
+        norm_table = torch.full((cap, width), -1, dtype=torch.int32)
+        norm_table[:rows, : table.shape[1]] = table.to(torch.int32)
+        norm_tokens = torch.zeros(cap, dtype=torch.int64)
+        norm_tokens[:rows] = tok.to(torch.int64)
+        norm_pos = torch.zeros(cap, dtype=torch.int32)
+        norm_pos[:rows] = pos.to(torch.int32)
+        offsets = torch.zeros(cap, dtype=torch.int64)
+        if step_offsets is not None:
+            offsets[:rows] = torch.as_tensor(step_offsets, dtype=torch.int64).reshape(-1)[:rows]
+        path, sampling = self._classify(sampling_params, rows)
+        changed = self._last_page_table is None or not torch.equal(
+            self._last_page_table, norm_table
+        )
+        feedback = (
+            not reset_batch
+            and self._last_positions is not None
+            and torch.equal(self._last_positions[:rows] + 1, norm_pos[:rows])
+            and torch.equal(self._last_positions[rows:], norm_pos[rows:])
+        )
+        return PreparedDecode(
+            active_rows=rows,
+            tokens=norm_tokens,
+            positions=norm_pos,
+            page_table=norm_table,
+            path=path,
+            sampling=sampling,
+            step_offsets=offsets,
+            reset_batch=reset_batch,
+            page_table_changed=changed,
+            feedback_compatible=feedback,
+            signature=DecodeSignature(
+                batch_size=cap,
+                page_table_width=width,
+                head="argmax" if path == "argmax" else "logits",
+            ),
+        )
+
+    def _validate_rows(self, tok: torch.Tensor, pos: torch.Tensor, table: torch.Tensor) -> None:
+        cfg = self.config
+        bs = cfg.layout.block_size
+        bad_tok = ((tok < 0) | (tok >= cfg.vocab_size)).nonzero()
+        if bad_tok.numel():
+            r = int(bad_tok[0, 0])
+            raise RequestError(
+                "tokens", f"token id out of range [0, {cfg.vocab_size})", row=r, value=int(tok[r])
+            )
+        bad_pos = ((pos < 0) | (pos >= cfg.layout.max_sequence_length)).nonzero()
+        if bad_pos.numel():
+            r = int(bad_pos[0, 0])
+            raise RequestError(
+                "start_pos",
+                f"position out of range [0, {cfg.layout.max_sequence_length})",
+                row=r,
+                value=int(pos[r]),
+            )
+        bad_blk = ((table < -1) | (table >= cfg.layout.num_blocks)).nonzero()
+        if bad_blk.numel():
+            r, c = int(bad_blk[0, 0]), int(bad_blk[0, 1])
+            raise RequestError(
+                "page_table",
+                f"block id at column {c} out of range [0, {cfg.layout.num_blocks}) (or -1 to skip)",
+                row=r,
+                value=int(table[r, c]),
+            )
+        needed = torch.div(pos, bs, rounding_mode="floor").to(torch.int64)
+        has_width = needed < table.shape[1]
+        missing = (~has_width).nonzero()
+        if missing.numel():
+            r = int(missing[0, 0])
+            raise RequestError(
+                "page_table",
+                f"has no column for position {int(pos[r])} (block {int(needed[r])})",
+                row=r,
+            )
+        current = table.gather(1, needed.clamp(max=table.shape[1] - 1).unsqueeze(1)).squeeze(1)
+        unmapped = (current < 0).nonzero()
+        if unmapped.numel():
+            r = int(unmapped[0, 0])
+            raise RequestError(
+                "page_table", f"block for position {int(pos[r])} is -1 (unmapped)", row=r
+            )
+
+    def _classify(
+        self, params: Sequence[SamplingParams | None] | None, rows: int
+    ) -> tuple[str, SamplingTensors | None]:
+        if params is None:
+            return "logits", None
+        if len(params) != rows:
+            raise RequestError("sampling_params", f"has {len(params)} entries for {rows} rows")
+        if all(p is None or (p.greedy and p.logprobs is None) for p in params):
+            return "argmax", None
+        tensors = SamplingTensors.from_params(
+            list(params),
+            batch_size=self.config.lane_capacity,
+            vocab_size=self.config.vocab_size,
+            device=self.config.device.torch_device,
+        )
+        return "sample", tensors
+
+    # -- invoke --------------------------------------------------------------------------
+
+    def stage(self, prepared: PreparedDecode) -> DecodeInputs:
+        """Upload one step's inputs as transients owned by this runtime until released."""
+        device = self.config.device
+        uploaded: list[torch.Tensor] = []
+        try:
+            for host in (prepared.tokens, prepared.positions, prepared.page_table):
+                uploaded.append(device.upload(host))
+        except BaseException:
+            self._release(uploaded)
+            raise
+        return DecodeInputs(tokens=uploaded[0], positions=uploaded[1], page_table=uploaded[2])
+
+    def body(self, inputs: DecodeInputs, *, head: str) -> dict[str, torch.Tensor]:
+        """The device program: model decode plus its head (logits or argmax tokens)."""
+        logits = self.config.model.decode_forward(
+            tokens=inputs.tokens, positions=inputs.positions, page_table=inputs.page_table
+        )
+        return program_head(logits, head=head)
+
+    def body_once(self, prepared: PreparedDecode) -> dict[str, torch.Tensor]:
+        """Stage and run one step without touching the step state (compilation)."""
+        inputs = self.stage(prepared)
+        try:
+            return self.body(inputs, head=prepared.signature.head)
+        finally:
+            self._release(inputs)
+
+    def invoke(self, prepared: PreparedDecode) -> dict[str, torch.Tensor]:
+        """Eager step: stage, run, release the staged inputs."""
+        inputs = self.stage(prepared)
+        try:
+            return self.body(inputs, head=prepared.signature.head)
+        finally:
+            self._release(inputs)
+            self.note_submitted(prepared, artifact=None)
+
+    def finish(
+        self,
+        prepared: PreparedDecode,
+        raw: dict[str, torch.Tensor],
+        *,
+        history: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Sampling after the program; penalties read each row's prompt and output tokens."""
+        if prepared.path != "sample" or prepared.sampling is None:
+            return raw
+        sampling = prepared.sampling
+        logits = raw["logits"]
+        if sampling.any_penalties and history is not None:
+            rows = [*history, *([((), ())] * (self.config.lane_capacity - len(history)))]
+            prompt = counts_of([r[0] for r in rows], vocab_size=self.config.vocab_size)
+            output = counts_of([r[1] for r in rows], vocab_size=self.config.vocab_size)
+            logits = apply_penalties(
+                logits,
+                tensors=sampling,
+                prompt_counts=prompt.to(logits.device),
+                output_counts=output.to(logits.device),
+            )
+        return sample_outputs(
+            {"logits": logits},
+            path="sample",
+            sampling=sampling,
+            step_offsets=prepared.step_offsets.to(logits.device),
+            generator=self._generator,
+        )
+
+    def _release(self, value: Any) -> None:
+        self._orphans.extend(
+            release_tensors(value, device=self.config.device, ledger=ReleaseLedger())
+        )
+
+    # -- traces --------------------------------------------------------------------------
+
+    def capture_plan(self, prepared: PreparedDecode, *, program_key: str) -> TraceCapturePlan:
+        """A plan to capture this step's program over persistent inputs with position feedback."""
+        device = self.config.device
+        head = prepared.signature.head
+        template = prepared
+
+        def allocate_inputs() -> DecodeInputs:
+            made = [
+                device.allocate(shape=tuple(h.shape), dtype=h.dtype)
+                for h in (template.tokens, template.positions, template.page_table)
+            ]
+            return DecodeInputs(tokens=made[0], positions=made[1], page_table=made[2])
+
+        def prime(inputs: DecodeInputs) -> None:
+            self._refresh_all(inputs, template)
+
+        def program(inputs: DecodeInputs) -> dict[str, torch.Tensor]:
+            out = self.body(inputs, head=head)
+            inputs.positions.add_(1)  # device position feedback for the next step
+            return out
+
+        return TraceCapturePlan(
+            program_key=program_key,
+            operation="decode",
+            batch_size=prepared.signature.batch_size,
+            material=prepared.signature.material(),
+            description=prepared.signature.describe(),
+            allocate_inputs=allocate_inputs,
+            prime_inputs=prime,
+            program=program,
+        )
+
+    def _refresh_all(self, inputs: DecodeInputs, prepared: PreparedDecode) -> None:
+        device = self.config.device
+        device.refresh(inputs.tokens, prepared.tokens)
+        device.refresh(inputs.positions, prepared.positions)
+        device.refresh(inputs.page_table, prepared.page_table)
+
+    def refresh_decision(self, prepared: PreparedDecode, artifact: TraceArtifact) -> str:
+        """``full`` | ``page_table`` | ``fields``: what a replay must rewrite.
+
+        Full on the artifact's first replay, a batch reset, a graph switch (the last
+        replay on this lane was another trace) or when the device-incremented
+        positions do not match this step; the page table when it changed; otherwise
+        only the per-step fields (tokens).
+        """
+        if (
+            artifact.replays == 0
+            or prepared.reset_batch
+            or self._last_artifact != artifact.trace_key
+            or not prepared.feedback_compatible
+        ):
+            return "full"
+        if prepared.page_table_changed:
+            return "page_table"
+        return "fields"
+
+    def refresh_trace(
+        self, prepared: PreparedDecode, inputs: DecodeInputs, artifact: TraceArtifact
+    ) -> str:
+        decision = self.refresh_decision(prepared, artifact)
+        device = self.config.device
+        if decision == "full":
+            self._refresh_all(inputs, prepared)
+        else:
+            device.refresh(inputs.tokens, prepared.tokens)
+            if decision == "page_table":
+                device.refresh(inputs.page_table, prepared.page_table)
+        artifact.replay_state["last_refresh"] = decision
+        return decision
+
+    def note_submitted(self, prepared: PreparedDecode, *, artifact: TraceArtifact | None) -> None:
+        """Remember what the device now holds, for the next step's refresh decision."""
+        self._last_positions = prepared.positions
+        self._last_page_table = prepared.page_table
+        self._last_artifact = artifact.trace_key if artifact is not None else None
+
+    # -- outputs -------------------------------------------------------------------------
+
+    def consume(
+        self,
+        raw: dict[str, torch.Tensor],
+        prepared: PreparedDecode,
+        *,
+        read_from_device: bool = True,
+        copy_outputs: bool = False,
+    ) -> DecodeOutput | DecodeOutputLease:
+        """Blocking read + normalization, or a lease that keeps the raw output alive."""
+        if read_from_device:
+            host = self.config.output_reader.read(raw)
+            return self._normalize(host, prepared.active_rows)
+        if copy_outputs:
+            # Trace outputs are overwritten by the next replay; a lease must keep its own copy.
+            raw = {k: v.clone() for k, v in raw.items()}
+        lease = DecodeOutputLease(
+            raw=raw, active_rows=prepared.active_rows, is_tokens="tokens" in raw
+        )
+        self._leases[id(lease)] = lease
+        emit(self._log, "lease.created", rows=prepared.active_rows)
+        return lease
+
+    def _normalize(self, host: Mapping[str, torch.Tensor], rows: int) -> DecodeOutput:
+        tops = None
+        if "top_logprob_values" in host:
+            tops = (host["top_logprob_values"][:rows], host["top_logprob_ids"][:rows])
+        return DecodeOutput(
+            tokens=host["tokens"][:rows] if "tokens" in host else None,
+            logits=host["logits"][:rows] if "logits" in host else None,
+            logprobs=host["logprobs"][:rows] if "logprobs" in host else None,
+            top_logprobs=tops,
+        )
+
+    def read_decode_output(
+        self, lease: DecodeOutputLease, *, async_read: bool
+    ) -> tuple[Any, tuple[Any, ...]]:
+        """Start reading a lease: ``(host_value, events)``; host_value is valid after completion."""
+        self._check_lease(lease)
+        if not async_read:
+            host = self.config.output_reader.read(lease.raw)
+            self._lease_by_host[id(host)] = lease
+            return host, ()
+        pending = self.config.output_reader.submit(lease.raw)
+        lease.pending = pending
+        self._lease_by_host[id(pending.host_value)] = lease
+        return pending.host_value, pending.events
+
+    def process_decode_output_host(
+        self, host_value: Any, *, is_tokens: bool | None = None
+    ) -> DecodeOutput:
+        """Complete a read started by ``read_decode_output``, normalize it and release the lease."""
+        lease = self._lease_by_host.pop(id(host_value), None)
+        if lease is None:
+            raise RequestError(
+                "host_value", "was not produced by read_decode_output on this runtime"
+            )
+        if lease.pending is not None:
+            host_value = self.config.output_reader.complete(lease.pending)
+        if is_tokens is not None and is_tokens != lease.is_tokens:
+            raise RequestError(
+                "is_tokens", f"lease holds {'tokens' if lease.is_tokens else 'logits'}"
+            )
+        out = self._normalize(host_value, lease.active_rows)
+        self._release_lease(lease)
+        return out
+
+    def _check_lease(self, lease: DecodeOutputLease) -> None:
+        if self._leases.get(id(lease)) is not lease:
+            raise RequestError("lease", "is not an outstanding lease of this decode runtime")
+
+    def _release_lease(self, lease: DecodeOutputLease) -> None:
+        if lease.released:
+            return
+        lease.released = True
+        self._leases.pop(id(lease), None)
+        emit(self._log, "lease.released", rows=lease.active_rows)
+
+    @property
+    def outstanding_leases(self) -> int:
+        return len(self._leases)
+
+    def drain_external_outputs(self) -> int:
+        """Retire every lease the external scheduler never completed; idempotent."""
+        leases = list(self._leases.values())
+        if any(lease.pending is not None for lease in leases):
+            self.config.output_reader.drain()
+        for lease in leases:
+            self._release_lease(lease)
+        self._lease_by_host.clear()
+        return len(leases)
+
+    def cleanup_transients(self) -> None:
+        """Release staged inputs that failed to release earlier and forget step state."""
+        self._last_positions = None
+        self._last_page_table = None
+        self._last_artifact = None
+        if self._orphans:
+            self._orphans = retry_orphans(
+                self._orphans, device=self.config.device, ledger=self._ledger
+            )

@@ -1,0 +1,470 @@
+"""``TorchDevice``: the device port on a torch CPU or CUDA device.
+
+CPU: a trace keeps the captured program and its output tensors; a replay re-runs the
+program and copies the results into those same output tensors, so only tensors refreshed in
+place change what a replay sees (re-binding a Python name to a new tensor does not reach a
+captured closure). A non-blocking read fills its host tensor with a poison value and copies a
+snapshot in only when a later event is synchronized, so a read consumed too early is visibly
+wrong in tests.
+
+CUDA: a trace is a ``torch.cuda.CUDAGraph`` captured on a per-device side stream into a
+per-device memory pool after eager warm-up runs; events are ``torch.cuda.Event``; non-blocking
+reads copy into pinned host memory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Generic, TypeVar
+
+import attrs
+import torch
+
+from llmrt.device.base import Device, DeviceKind, DeviceStats, Event, Trace
+from llmrt.device.identity import IdentitySet
+from llmrt.errors import ConfigError, DeviceError, TraceStateError
+
+T = TypeVar("T")
+
+
+@attrs.frozen(kw_only=True)
+class TorchEvent:
+    """A queue position of one ``TorchDevice``; ``seq`` orders it against queued reads."""
+
+    device_id: str
+    seq: int
+    origin: object = attrs.field(eq=False, repr=False)
+    cuda_event: Any = attrs.field(default=None, eq=False, repr=False)
+
+
+@attrs.frozen(kw_only=True)
+class TorchTrace(Generic[T]):
+    """Handle of a captured trace; the device owns ``outputs`` until the trace is released."""
+
+    trace_id: int
+    device_id: str
+    outputs: T = attrs.field(eq=False, repr=False)
+
+
+@attrs.define
+class _TraceRecord:
+    program: Callable[[], Any]
+    handle: TorchTrace[Any]
+    graph: Any = None
+
+
+@attrs.define
+class _PendingRead:
+    seq: int
+    host: torch.Tensor
+    source: torch.Tensor
+
+
+@attrs.define
+class _Hardware:
+    """State shared by a root device and its lanes: the devices and what was deallocated."""
+
+    torch_device: torch.device
+    devices: list[TorchDevice] = attrs.Factory(list)
+    deallocated: IdentitySet = attrs.Factory(IdentitySet)
+
+
+class TorchDevice:
+    """The device port on ``torch.device(spec)``; ``spec`` is ``"cpu"`` or ``"cuda[:N]"``.
+
+    ``cuda_warmup_runs`` eager runs precede each CUDA graph capture (torch requires warm-up
+    on a side stream), so a CUDA program must tolerate running more than once per capture.
+    """
+
+    def __init__(self, spec: str = "cpu", *, cuda_warmup_runs: int = 1) -> None:
+        device = _parse_spec(spec)
+        if cuda_warmup_runs < 1:
+            raise ConfigError("cuda_warmup_runs", cuda_warmup_runs, "must be >= 1")
+        kind: DeviceKind = "cuda" if device.type == "cuda" else "cpu"
+        index = 0 if device.index is None else device.index
+        self._setup(
+            device_id=f"{kind}:{index}",
+            kind=kind,
+            hardware=_Hardware(torch_device=device),
+            parent=None,
+            cuda_warmup_runs=cuda_warmup_runs,
+        )
+
+    def _setup(
+        self,
+        *,
+        device_id: str,
+        kind: DeviceKind,
+        hardware: _Hardware,
+        parent: TorchDevice | None,
+        cuda_warmup_runs: int,
+    ) -> None:
+        self._id = device_id
+        self._kind = kind
+        self._hw = hardware
+        self._parent = parent
+        self._warmup_runs = cuda_warmup_runs
+        self._lanes: tuple[TorchDevice, ...] | None = None
+        self._busy: str | None = None
+        self._owned = IdentitySet()
+        self._traces: dict[int, _TraceRecord] = {}
+        self._released_trace_ids: set[int] = set()
+        self._next_trace_id = 0
+        self._seq = 0
+        self._pending: list[_PendingRead] = []
+        self._allocations = 0
+        self._deallocations = 0
+        self._captures = 0
+        self._replays = 0
+        self._pool: Any = None
+        self._side_stream: Any = None
+        hardware.devices.append(self)
+
+    def __repr__(self) -> str:
+        return f"TorchDevice({self._id!r})"
+
+    # identity
+
+    @property
+    def id(self) -> str:
+        return self._id
+
+    @property
+    def kind(self) -> DeviceKind:
+        return self._kind
+
+    @property
+    def torch_device(self) -> torch.device:
+        return self._hw.torch_device
+
+    @property
+    def parent(self) -> Device | None:
+        return self._parent
+
+    @property
+    def capturing(self) -> bool:
+        return self._busy == "capture"
+
+    def lanes(self, n: int) -> tuple[Device, ...]:
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ConfigError("lanes", n, "must be a positive integer")
+        if self._parent is not None:
+            raise DeviceError(f"lanes: {self._id} is a lane sub-device and cannot be split again")
+        if self._lanes is None:
+            self._lanes = tuple(self._make_lane(i) for i in range(n))
+        elif len(self._lanes) != n:
+            raise DeviceError(
+                f"lanes: {self._id} is already split into {len(self._lanes)} lanes, asked for {n}"
+            )
+        return self._lanes
+
+    def _make_lane(self, index: int) -> TorchDevice:
+        lane = TorchDevice.__new__(TorchDevice)
+        lane._setup(
+            device_id=f"{self._id}/lane{index}",
+            kind=self._kind,
+            hardware=self._hw,
+            parent=self,
+            cuda_warmup_runs=self._warmup_runs,
+        )
+        return lane
+
+    # tensors
+
+    def allocate(self, *, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        self._require_idle("allocate")
+        return self._own(torch.zeros(tuple(shape), dtype=dtype, device=self.torch_device))
+
+    def upload(self, host: torch.Tensor) -> torch.Tensor:
+        self._require_idle("upload")
+        _require_host("upload", host)
+        tensor = torch.empty(host.shape, dtype=host.dtype, device=self.torch_device)
+        tensor.copy_(host.detach())
+        return self._own(tensor)
+
+    def refresh(self, dst: torch.Tensor, host: torch.Tensor) -> None:
+        self._require_idle("refresh")
+        self._require_device_tensor("refresh", dst)
+        _require_host("refresh", host)
+        if dst not in self._owned:
+            raise DeviceError(f"refresh: dst {_describe(dst)} {self._owner_of(dst)}")
+        if dst.shape != host.shape or dst.dtype != host.dtype:
+            raise DeviceError(
+                f"refresh: host tensor {_describe(host)} does not match "
+                f"device tensor {_describe(dst)}"
+            )
+        with torch.no_grad():
+            dst.copy_(host)
+
+    def deallocate(self, tensor: torch.Tensor) -> None:
+        self._require_device_tensor("deallocate", tensor)
+        if tensor in self._owned:
+            self._owned.discard(tensor)
+            self._deallocations += 1
+        elif any(tensor in other._owned for other in self._hw.devices):
+            raise DeviceError(f"deallocate: {_describe(tensor)} {self._owner_of(tensor)}")
+        self._hw.deallocated.add(tensor)
+
+    def _owner_of(self, tensor: torch.Tensor) -> str:
+        """Why ``tensor`` is not this device's: who owns it instead, if anyone."""
+        for other in self._hw.devices:
+            if tensor in other._owned:
+                return f"is owned by {other.id}, not {self._id}"
+        return f"was not allocated by {self._id} (allocate or upload persistent tensors)"
+
+    def _own(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._owned.add(tensor)
+        self._allocations += 1
+        return tensor
+
+    # reads and events
+
+    def read(self, tensor: torch.Tensor, *, blocking: bool) -> torch.Tensor:
+        self._require_idle("read")
+        self._require_device_tensor("read", tensor)
+        if blocking:
+            return tensor.detach().to("cpu", copy=True)
+        self._seq += 1
+        if self._kind == "cuda":
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            with torch.cuda.device(self.torch_device):
+                host.copy_(tensor.detach(), non_blocking=True)
+            self._pending.append(_PendingRead(seq=self._seq, host=host, source=tensor))
+            return host
+        host = torch.full(tensor.shape, _poison(tensor.dtype), dtype=tensor.dtype)
+        snapshot = tensor.detach().clone()
+        self._pending.append(_PendingRead(seq=self._seq, host=host, source=snapshot))
+        return host
+
+    def record_event(self) -> TorchEvent:
+        self._require_idle("record_event")
+        self._seq += 1
+        cuda_event = None
+        if self._kind == "cuda":
+            cuda_event = torch.cuda.Event()
+            cuda_event.record(torch.cuda.current_stream(self.torch_device))
+        return TorchEvent(
+            device_id=self._id, seq=self._seq, origin=self, cuda_event=cuda_event
+        )
+
+    def event_synchronize(self, event: Event) -> None:
+        self._require_idle("event_synchronize")
+        if not isinstance(event, TorchEvent) or event.origin is not self:
+            raise DeviceError(
+                f"event_synchronize: event {event!r} was not recorded on {self._id}"
+            )
+        if event.cuda_event is not None:
+            event.cuda_event.synchronize()
+        self._complete_reads(before=event.seq)
+
+    def synchronize(self) -> None:
+        self._require_idle("synchronize")
+        if self._kind == "cuda":
+            torch.cuda.synchronize(self.torch_device)
+        self._complete_reads(before=self._seq + 1)
+
+    def _complete_reads(self, *, before: int) -> None:
+        done = [r for r in self._pending if r.seq < before]
+        self._pending = [r for r in self._pending if r.seq >= before]
+        if self._kind == "cpu":
+            for read in done:
+                read.host.copy_(read.source)
+
+    # traces
+
+    def capture_trace(self, program: Callable[[], T]) -> TorchTrace[T]:
+        if self._busy is not None:
+            raise TraceStateError(
+                f"capture_trace: {self._id} is already in trace {self._busy}; "
+                f"nested trace capture is not allowed"
+            )
+        self._busy = "capture"
+        try:
+            if self._kind == "cuda":
+                graph, outputs = self._capture_cuda(program)
+            else:
+                graph, outputs = None, program()
+        finally:
+            self._busy = None
+        handle = TorchTrace(trace_id=self._next_trace_id, device_id=self._id, outputs=outputs)
+        self._next_trace_id += 1
+        self._traces[handle.trace_id] = _TraceRecord(program=program, handle=handle, graph=graph)
+        self._captures += 1
+        return handle
+
+    def execute_trace(self, trace: Trace[Any], *, blocking: bool = False) -> None:
+        record = self._trace_record("execute_trace", trace)
+        if record is None:
+            raise TraceStateError(
+                f"execute_trace: trace {trace.trace_id} on {self._id} was released"
+            )
+        self._busy = "replay"
+        try:
+            if record.graph is not None:
+                with torch.cuda.device(self.torch_device):
+                    record.graph.replay()
+                    if blocking:
+                        torch.cuda.current_stream(self.torch_device).synchronize()
+            else:
+                _copy_outputs(
+                    dst=record.handle.outputs,
+                    src=record.program(),
+                    where=f"trace {trace.trace_id} outputs",
+                )
+        finally:
+            self._busy = None
+        self._replays += 1
+
+    def release_trace(self, trace: Trace[Any]) -> None:
+        record = self._trace_record("release_trace", trace)
+        if record is None:
+            return
+        if record.graph is not None:
+            record.graph.reset()
+        del self._traces[trace.trace_id]
+        self._released_trace_ids.add(trace.trace_id)
+
+    def _trace_record(self, op: str, trace: Trace[Any]) -> _TraceRecord | None:
+        """The live record of ``trace``, or None if it was released; raises if it is foreign."""
+        if self._busy is not None:
+            raise TraceStateError(f"{op}: not allowed during trace {self._busy} on {self._id}")
+        if trace.device_id != self._id:
+            raise TraceStateError(
+                f"{op}: trace {trace.trace_id} belongs to {trace.device_id}, not {self._id}"
+            )
+        if trace.trace_id in self._released_trace_ids:
+            return None
+        record = self._traces.get(trace.trace_id)
+        if record is None or record.handle is not trace:
+            raise TraceStateError(f"{op}: {trace!r} was not captured by {self._id}")
+        return record
+
+    def _capture_cuda(self, program: Callable[[], T]) -> tuple[Any, T]:
+        device = self.torch_device
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+            self._side_stream = torch.cuda.Stream(device=device)
+        side = self._side_stream
+        graph = torch.cuda.CUDAGraph()
+        failure: BaseException | None = None
+        # The outer stream context restores the current stream even if capture_end raises.
+        with torch.cuda.device(device), torch.cuda.stream(torch.cuda.current_stream(device)):
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                for _ in range(self._warmup_runs):
+                    program()
+            torch.cuda.current_stream(device).wait_stream(side)
+            try:
+                with torch.cuda.graph(graph, pool=self._pool, stream=side):
+                    try:
+                        outputs = program()
+                    except BaseException as exc:
+                        failure = exc
+            except BaseException:
+                if failure is None:
+                    with contextlib.suppress(Exception):
+                        graph.reset()
+                    raise
+        if failure is not None:
+            with contextlib.suppress(Exception):
+                graph.reset()
+            raise failure
+        return graph, outputs
+
+    # accounting and guards
+
+    def stats(self) -> DeviceStats:
+        return DeviceStats(
+            live_tensors=self._allocations - self._deallocations,
+            live_traces=len(self._traces),
+            pending_reads=len(self._pending),
+            allocations=self._allocations,
+            deallocations=self._deallocations,
+            captures=self._captures,
+            replays=self._replays,
+        )
+
+    @property
+    def live_tensor_count(self) -> int:
+        """Tensors from ``allocate``/``upload`` not yet deallocated."""
+        return self._allocations - self._deallocations
+
+    @property
+    def live_trace_count(self) -> int:
+        """Captured traces not yet released."""
+        return len(self._traces)
+
+    def _require_idle(self, op: str) -> None:
+        if self._busy is not None:
+            raise DeviceError(f"{op}: not allowed on {self._id} during trace {self._busy}")
+
+    def _require_device_tensor(self, op: str, tensor: torch.Tensor) -> None:
+        if not isinstance(tensor, torch.Tensor):
+            raise DeviceError(f"{op}: expected a device tensor, got {type(tensor).__name__}")
+        if tensor.device != self.torch_device:
+            raise DeviceError(f"{op}: {_describe(tensor)} is not on {self._id}")
+        if tensor in self._hw.deallocated:
+            raise DeviceError(f"{op}: {_describe(tensor)} was already deallocated")
+
+
+def _parse_spec(spec: str) -> torch.device:
+    try:
+        device = torch.device(spec)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError("device", spec, f"is not a torch device spec ({exc})") from exc
+    if device.type == "cpu":
+        if device.index not in (None, 0):
+            raise ConfigError("device", spec, "the cpu backend has one device, cpu:0")
+        return torch.device("cpu")
+    if device.type != "cuda":
+        raise ConfigError("device", spec, "must be 'cpu' or 'cuda[:N]'")
+    if not torch.cuda.is_available():
+        raise DeviceError(f"device {spec!r}: CUDA is not available on this machine")
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if index >= torch.cuda.device_count():
+        raise DeviceError(
+            f"device {spec!r}: only {torch.cuda.device_count()} CUDA device(s) are visible"
+        )
+    return torch.device("cuda", index)
+
+
+def _require_host(op: str, host: torch.Tensor) -> None:
+    if not isinstance(host, torch.Tensor) or host.device.type != "cpu":
+        shown = _describe(host) if isinstance(host, torch.Tensor) else type(host).__name__
+        raise DeviceError(f"{op}: expected a host (cpu) tensor, got {shown}")
+
+
+def _describe(tensor: torch.Tensor) -> str:
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    return f"tensor(shape={tuple(tensor.shape)}, dtype={dtype}, device={tensor.device})"
+
+
+def _poison(dtype: torch.dtype) -> float | int | bool:
+    """A value no correct read returns by accident."""
+    if dtype.is_floating_point or dtype.is_complex:
+        return float("nan")
+    if dtype == torch.bool:
+        return True
+    return torch.iinfo(dtype).max
+
+
+def _copy_outputs(*, dst: Any, src: Any, where: str) -> None:
+    """Copy a replay's results into the captured outputs in place; non-tensor values stay baked."""
+    if isinstance(dst, torch.Tensor):
+        if not isinstance(src, torch.Tensor) or src.shape != dst.shape or src.dtype != dst.dtype:
+            shown = _describe(src) if isinstance(src, torch.Tensor) else type(src).__name__
+            raise DeviceError(f"{where}: replay produced {shown}, capture {_describe(dst)}")
+        if src is not dst:
+            with torch.no_grad():
+                dst.copy_(src)
+    elif isinstance(dst, (tuple, list)):
+        if type(src) is not type(dst) or len(src) != len(dst):
+            raise DeviceError(f"{where}: replay produced a different structure than capture")
+        for i, (d, s) in enumerate(zip(dst, src, strict=True)):
+            _copy_outputs(dst=d, src=s, where=f"{where}[{i}]")
+    elif isinstance(dst, Mapping):
+        if not isinstance(src, Mapping) or set(src) != set(dst):
+            raise DeviceError(f"{where}: replay produced a different structure than capture")
+        for key, d in dst.items():
+            _copy_outputs(dst=d, src=src[key], where=f"{where}[{key!r}]")

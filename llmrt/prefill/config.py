@@ -1,0 +1,117 @@
+"""Fully resolved static prefill collaborators, capabilities and geometry ceilings."""
+
+from __future__ import annotations
+
+import attrs
+
+from llmrt.config import PREFILL_BATCH_SIZES, PageTableLayout
+from llmrt.device.base import Device
+from llmrt.errors import ConfigError, IdentityError
+from llmrt.families.base import CausalLM
+from llmrt.output_reader import OutputReader
+from llmrt.prefill.buckets import FINE_DEFAULT_STEP
+from llmrt.prefill.plan import PrefillPlanPolicy
+
+
+@attrs.frozen(kw_only=True)
+class PrefillRuntimeConfig:
+    """What one lane's prefill runtime borrows and may do, decided once."""
+
+    model: CausalLM
+    device: Device
+    output_reader: OutputReader
+    layout: PageTableLayout
+    lane_capacity: int
+    policy: PrefillPlanPolicy
+    device_sampling: bool
+    vocab_size: int
+    batching_enabled: bool
+    max_batch_size: int
+    buckets: str
+    bucket_step: int
+    lane: int = 0
+
+    @classmethod
+    def resolve(
+        cls,
+        *,
+        model: CausalLM,
+        device: Device,
+        output_reader: OutputReader,
+        page_table_layout: PageTableLayout,
+        lane_capacity: int,
+        batching_enabled: bool = True,
+        max_batch_size: int = 8,
+        buckets: str = "tile",
+        bucket_step: int = FINE_DEFAULT_STEP,
+        device_sampling_enabled: bool = True,
+        lane: int = 0,
+    ) -> PrefillRuntimeConfig:
+        if output_reader.borrowed_device is not device:
+            raise IdentityError(
+                "prefill output reader uses the lane device", output_reader.borrowed_device, device
+            )
+        if max_batch_size not in PREFILL_BATCH_SIZES:
+            raise ConfigError(
+                "prefill.max_batch_size", max_batch_size, f"must be one of {PREFILL_BATCH_SIZES}"
+            )
+        policy = cls._policy(
+            model=model,
+            layout=page_table_layout,
+            lane_capacity=lane_capacity,
+            batching_enabled=batching_enabled,
+            max_batch_size=max_batch_size,
+            buckets=buckets,
+            bucket_step=bucket_step,
+        )
+        return cls(
+            model=model,
+            device=device,
+            output_reader=output_reader,
+            layout=page_table_layout,
+            lane_capacity=lane_capacity,
+            policy=policy,
+            device_sampling=device_sampling_enabled,
+            vocab_size=model.config.vocab_size,
+            batching_enabled=batching_enabled,
+            max_batch_size=max_batch_size,
+            buckets=buckets,
+            bucket_step=bucket_step,
+            lane=lane,
+        )
+
+    @staticmethod
+    def _policy(
+        *,
+        model: CausalLM,
+        layout: PageTableLayout,
+        lane_capacity: int,
+        batching_enabled: bool,
+        max_batch_size: int,
+        buckets: str,
+        bucket_step: int,
+    ) -> PrefillPlanPolicy:
+        return PrefillPlanPolicy.from_layout(
+            layout,
+            batching_supported=True,
+            batching_enabled=batching_enabled,
+            max_batch_size=max_batch_size,
+            lane_capacity=lane_capacity,
+            model_extracts_batched_outputs=bool(model.supports_batched_prefill_outputs),
+            buckets=buckets,
+            bucket_step=bucket_step,
+        )
+
+    def with_layout(self, layout: PageTableLayout) -> PrefillRuntimeConfig:
+        """The late physical-capacity replacement (shrink only)."""
+        self.layout.check_replacement(layout)
+        policy = self._policy(
+            model=self.model,
+            layout=layout,
+            lane_capacity=self.lane_capacity,
+            batching_enabled=self.batching_enabled,
+            max_batch_size=self.max_batch_size,
+            buckets=self.buckets,
+            bucket_step=self.bucket_step,
+        )
+        return attrs.evolve(self, layout=layout, policy=policy)

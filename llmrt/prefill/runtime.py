@@ -1,0 +1,312 @@
+"""The prefill runtime facade: prepare, invoke, assemble; trace hooks; transient cleanup.
+
+``prepare`` plans a public call once (rows, slots, chunking, padded waves) and
+derives each step's program signature; ``invoke`` runs one prepared request's
+complete chunk sequence eagerly; ``assemble`` reads every request's outputs and
+restores source-row order. The runtime borrows the model, device and output
+reader; it owns only invocation transients.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from llmrt.config import PageTableLayout
+from llmrt.errors import RequestError
+from llmrt.prefill.config import PrefillRuntimeConfig
+from llmrt.prefill.inputs import PrefillInputs, refresh, stage
+from llmrt.prefill.plan import PrefillChunk, PrefillRow, plan_prefill
+from llmrt.prefill.postprocess import program_head, sample_outputs
+from llmrt.prefill.result_collector import PrefillOutput, ResultCollector
+from llmrt.prefill.sampling_helpers import (
+    counts_of,
+    normalize_params,
+    output_path,
+    request_tensors,
+)
+from llmrt.prefill.sequence_runner import StepHook, run_sequence
+from llmrt.prefill.signatures import (
+    PrefillSignature,
+    PreparedPrefill,
+    PreparedPrefillRequest,
+    chunk_signature,
+)
+from llmrt.prefill.trace import capture_plan as build_capture_plan
+from llmrt.sampling import apply_penalties
+from llmrt.sampling_params import SamplingParams
+from llmrt.tensor_resources import (
+    ReleaseLedger,
+    TensorResourceOrphan,
+    release_tensors,
+    retry_orphans,
+)
+from llmrt.trace_compiler import TraceCapturePlan
+
+TokenHistory = Sequence[tuple[Sequence[int], Sequence[int]]]
+
+
+class PrefillRuntime:
+    """Prefill for one lane."""
+
+    def __init__(self, config: PrefillRuntimeConfig) -> None:
+        self.config = config
+        self._orphans: list[TensorResourceOrphan] = []
+        self._generator = torch.Generator(device=config.device.torch_device).manual_seed(0)
+
+    def configure_page_table_layout(self, layout: PageTableLayout) -> None:
+        self.config = self.config.with_layout(layout)
+
+    # -- prepare -------------------------------------------------------------------------
+
+    def rows_from_batch(
+        self,
+        *,
+        tokens: torch.Tensor | Sequence[Sequence[int]],
+        page_table: torch.Tensor | Sequence[Sequence[int]],
+        prompt_lens: Sequence[int] | torch.Tensor | None = None,
+        start_pos: Sequence[int] | torch.Tensor | None = None,
+        slots: Sequence[int] | torch.Tensor | None = None,
+    ) -> list[PrefillRow]:
+        """Normalize vLLM-shaped batch arguments into planner rows (lane-local slots)."""
+        bs = self.config.layout.block_size
+        table = torch.as_tensor(page_table)
+        if table.dim() != 2:
+            raise RequestError("page_table", "must be [rows, width]", value=tuple(table.shape))
+        if isinstance(tokens, torch.Tensor):
+            if tokens.dim() != 2:
+                raise RequestError("tokens", "must be [rows, length]", value=tuple(tokens.shape))
+            lens = (
+                torch.as_tensor(prompt_lens).tolist()
+                if prompt_lens is not None
+                else [tokens.shape[1]] * tokens.shape[0]
+            )
+            seqs = [
+                tokens[i, : int(n)] if 0 <= int(n) <= tokens.shape[1] else tokens[i]
+                for i, n in enumerate(lens)
+            ]
+            for i, n in enumerate(lens):
+                if not 0 < int(n) <= tokens.shape[1]:
+                    raise RequestError(
+                        "prompt_lens", f"must be in [1, {tokens.shape[1]}]", row=i, value=int(n)
+                    )
+        else:
+            seqs = [torch.as_tensor(list(t), dtype=torch.int64) for t in tokens]
+            if prompt_lens is not None:
+                for i, (seq, n) in enumerate(
+                    zip(seqs, torch.as_tensor(prompt_lens).tolist(), strict=True)
+                ):
+                    if int(n) != seq.numel():
+                        raise RequestError(
+                            "prompt_lens",
+                            f"disagrees with the {seq.numel()} tokens given",
+                            row=i,
+                            value=int(n),
+                        )
+        n_rows = len(seqs)
+        if table.shape[0] != n_rows:
+            raise RequestError("page_table", f"has {table.shape[0]} rows for {n_rows} prompts")
+        cached = (
+            [0] * n_rows
+            if start_pos is None
+            else [int(v) for v in torch.as_tensor(start_pos).tolist()]
+        )
+        slot_list = (
+            list(range(n_rows))
+            if slots is None
+            else [int(v) for v in torch.as_tensor(slots).tolist()]
+        )
+        for name, values in (("start_pos", cached), ("slots", slot_list)):
+            if len(values) != n_rows:
+                raise RequestError(name, f"has {len(values)} entries for {n_rows} prompts")
+        rows = []
+        for i, seq in enumerate(seqs):
+            if seq.dtype.is_floating_point:
+                raise RequestError("tokens", "must be integer token ids", row=i)
+            vocab = self.config.vocab_size
+            if seq.numel() and (int(seq.min()) < 0 or int(seq.max()) >= vocab):
+                raise RequestError("tokens", f"token id out of range [0, {vocab})", row=i)
+            n_blocks = min(-(-seq.numel() // bs), table.shape[1])
+            rows.append(
+                PrefillRow(
+                    source_row=i,
+                    tokens=seq.to(torch.int64),
+                    cached_tokens=cached[i],
+                    slot=slot_list[i],
+                    block_ids=tuple(int(b) for b in table[i, :n_blocks].tolist()),
+                )
+            )
+        return rows
+
+    def prepare(
+        self,
+        *,
+        rows: Sequence[PrefillRow],
+        sampling_params: SamplingParams | Sequence[SamplingParams | None] | None = None,
+        step_offsets: Sequence[int] | None = None,
+    ) -> PreparedPrefill:
+        """Plan the call and derive every step's program signature (no device work)."""
+        params = normalize_params(sampling_params, num_rows=len(rows))
+        plan = plan_prefill(
+            rows=rows, policy=self.config.policy, sampling_params_given=params is not None
+        )
+        path = output_path(params)
+        offsets = [0] * len(rows) if step_offsets is None else [int(v) for v in step_offsets]
+        if len(offsets) != len(rows):
+            raise RequestError("step_offsets", f"has {len(offsets)} entries for {len(rows)} rows")
+        prepared = []
+        for request in plan.requests:
+            sampling = None
+            if path == "sample" and params is not None:
+                sampling = request_tensors(
+                    params,
+                    source_rows=request.source_rows,
+                    padded_batch=request.padded_batch_size,
+                    vocab_size=self.config.vocab_size,
+                    device=self.config.device.torch_device,
+                )
+            row_offsets = torch.zeros(request.padded_batch_size, dtype=torch.int64)
+            row_offsets[: request.active_batch_size] = torch.tensor(
+                [offsets[r] for r in request.source_rows], dtype=torch.int64
+            )
+            sigs = tuple(chunk_signature(request, c, path=path) for c in request.chunks)
+            prepared.append(
+                PreparedPrefillRequest(
+                    request=request,
+                    signatures=sigs,
+                    path=path,
+                    sampling=sampling,
+                    step_offsets=row_offsets,
+                )
+            )
+        return PreparedPrefill(
+            plan=plan, requests=tuple(prepared), num_rows=len(rows), want_logits=path == "logits"
+        )
+
+    # -- execution -----------------------------------------------------------------------
+
+    def body(self, inputs: PrefillInputs, signature: PrefillSignature) -> dict[str, torch.Tensor]:
+        """The device program of one step: model prefill plus the program head."""
+        logits = self.config.model.prefill_forward(
+            tokens=inputs.tokens,
+            start_pos=inputs.start_pos,
+            seq_lens=inputs.seq_lens,
+            page_table=inputs.page_table,
+            last_token_index=inputs.last_token_index,
+        )
+        return program_head(logits, head=signature.head)
+
+    def invoke_step(
+        self, chunk: PrefillChunk, signature: PrefillSignature
+    ) -> dict[str, torch.Tensor]:
+        """Stage and run one chunk step alone (compilation); staged inputs are released."""
+        inputs = stage(chunk, device=self.config.device)
+        try:
+            return self.body(inputs, signature)
+        finally:
+            self._orphans.extend(
+                release_tensors(inputs, device=self.config.device, ledger=ReleaseLedger())
+            )
+
+    def invoke(
+        self, prepared: PreparedPrefillRequest, *, on_step: StepHook | None = None
+    ) -> dict[str, torch.Tensor]:
+        """Run a request's complete chunk sequence eagerly; returns the final raw outputs."""
+        return run_sequence(
+            prepared,
+            device=self.config.device,
+            body=self.body,
+            on_step=on_step,
+            orphans=self._orphans,
+        )
+
+    def finish(
+        self,
+        prepared: PreparedPrefillRequest,
+        raw: dict[str, torch.Tensor],
+        *,
+        history: TokenHistory | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Sampling after the program (penalties use each row's prompt and output tokens)."""
+        if prepared.path != "sample":
+            return raw
+        sampling = prepared.sampling
+        if sampling is not None and sampling.any_penalties and history is not None:
+            prompt, output = _history_counts(prepared, history, vocab_size=self.config.vocab_size)
+            raw = {
+                **raw,
+                "logits": apply_penalties(
+                    raw["logits"], tensors=sampling, prompt_counts=prompt, output_counts=output
+                ),
+            }
+        return sample_outputs(
+            raw,
+            path=prepared.path,
+            sampling=sampling,
+            step_offsets=prepared.step_offsets,
+            generator=self._generator,
+        )
+
+    def assemble(
+        self, prepared: PreparedPrefill, raws: Sequence[dict[str, torch.Tensor]]
+    ) -> PrefillOutput:
+        """Read every request's outputs and restore the caller's source-row order."""
+        collector = ResultCollector(
+            output_reader=self.config.output_reader, num_rows=prepared.num_rows
+        )
+        for request, raw in zip(prepared.requests, raws, strict=True):
+            collector.collect(
+                raw,
+                source_rows=request.request.source_rows,
+                batch_rows=request.request.last_token_rows,
+            )
+        return collector.result()
+
+    # -- traces --------------------------------------------------------------------------
+
+    def capture_plan(
+        self, prepared: PreparedPrefillRequest, *, step: int, program_key: str
+    ) -> TraceCapturePlan:
+        chunk, signature = prepared.steps[step]
+        return build_capture_plan(
+            program_key=program_key,
+            signature=signature,
+            chunk=chunk,
+            device=self.config.device,
+            body=self.body,
+        )
+
+    def refresh_trace(self, inputs: Any, chunk: PrefillChunk) -> None:
+        """Rewrite a prefill trace's persistent inputs for one chunk step (always full)."""
+        refresh(inputs, chunk, device=self.config.device)
+
+    def finish_trace(
+        self, prepared: PreparedPrefillRequest, outputs: dict[str, torch.Tensor]
+    ) -> dict[str, torch.Tensor]:
+        """After a request's final replayed step: detach its outputs from the trace buffers."""
+        return {k: v.clone() for k, v in outputs.items()}
+
+    def can_trace(self, *, tokens: int, prefill_len: int | None = None, start_pos: int = 0) -> bool:
+        """Capability query by invocation geometry only (the spec's legacy inputs)."""
+        length = prefill_len if prefill_len is not None else tokens
+        return length > 0 and start_pos + length <= self.config.layout.max_sequence_length
+
+    def cleanup(self) -> None:
+        """Release transients whose deallocation failed earlier; idempotent."""
+        if self._orphans:
+            self._orphans = retry_orphans(
+                self._orphans, device=self.config.device, ledger=ReleaseLedger()
+            )
+
+
+def _history_counts(
+    prepared: PreparedPrefillRequest, history: TokenHistory, *, vocab_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    batch = prepared.request.padded_batch_size
+    prompts: list[Sequence[int]] = [[] for _ in range(batch)]
+    outputs: list[Sequence[int]] = [[] for _ in range(batch)]
+    for b, src in enumerate(prepared.request.source_rows):
+        prompts[b], outputs[b] = history[src]
+    return counts_of(prompts, vocab_size=vocab_size), counts_of(outputs, vocab_size=vocab_size)

@@ -1,0 +1,63 @@
+"""Stateless prefill sampling helpers: per-request parameter rows and output-path choice."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from llmrt.errors import RequestError
+from llmrt.sampling import SamplingTensors, token_counts
+from llmrt.sampling_params import SamplingParams
+
+
+def normalize_params(
+    params: SamplingParams | Sequence[SamplingParams | None] | None, *, num_rows: int
+) -> tuple[SamplingParams | None, ...] | None:
+    """One entry per source row; a single value broadcasts to every row."""
+    if params is None:
+        return None
+    if isinstance(params, SamplingParams):
+        return (params,) * num_rows
+    rows = tuple(params)
+    if len(rows) == 1 and num_rows > 1:
+        return rows * num_rows
+    if len(rows) != num_rows:
+        raise RequestError("sampling_params", f"has {len(rows)} entries for {num_rows} rows")
+    return rows
+
+
+def output_path(params: Sequence[SamplingParams | None] | None) -> str:
+    """``logits`` without params, ``argmax`` when every row is greedy without logprobs."""
+    if params is None:
+        return "logits"
+    if all(p is None or (p.greedy and p.logprobs is None) for p in params):
+        return "argmax"
+    return "sample"
+
+
+def request_tensors(
+    params: Sequence[SamplingParams | None],
+    *,
+    source_rows: Sequence[int],
+    padded_batch: int,
+    vocab_size: int,
+    device: torch.device,
+) -> SamplingTensors:
+    """Sampling tensors for one request's physical rows (padding rows greedy)."""
+    return SamplingTensors.from_params(
+        [params[r] for r in source_rows],
+        batch_size=padded_batch,
+        vocab_size=vocab_size,
+        device=device,
+    )
+
+
+def counts_of(rows: Sequence[Sequence[int]], *, vocab_size: int) -> torch.Tensor:
+    """Per-row token occurrence counts ``[len(rows), vocab]`` (for penalties)."""
+    width = max(1, max((len(r) for r in rows), default=0))
+    ids = torch.full((len(rows), width), -1, dtype=torch.int64)
+    for i, r in enumerate(rows):
+        if len(r):
+            ids[i, : len(r)] = torch.as_tensor(list(r), dtype=torch.int64)
+    return token_counts(ids, vocab_size=vocab_size)

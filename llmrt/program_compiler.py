@@ -1,0 +1,196 @@
+"""Eager program identity, compilation, output contracts and the compile gate.
+
+``ProgramCompiler`` is the sole registry of eager program signatures. A key is a
+SHA-256 over the signature's canonical material, never object identity, so two
+equal requests map to one program however they were built.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+import attrs
+import torch
+
+from llmrt.device.base import Device
+from llmrt.errors import CompileGateClosed, KVCacheStateError
+from llmrt.lifecycle import component_logger, emit
+from llmrt.output_reader import map_tensors
+from llmrt.tensor_resources import (
+    ReleaseLedger,
+    TensorResourceOrphan,
+    release_tensors,
+    retry_orphans,
+)
+
+
+class ProgramSignature(Protocol):
+    """An operation-specific, hashable description of one eager program's geometry."""
+
+    @property
+    def operation(self) -> str: ...
+
+    def material(self) -> Mapping[str, Any]: ...
+
+    def describe(self) -> str: ...
+
+
+class BoundCacheCheck(Protocol):
+    @property
+    def is_bound(self) -> bool: ...
+
+
+@attrs.frozen(kw_only=True)
+class TensorContract:
+    shape: tuple[int, ...]
+    dtype: str
+
+
+@attrs.frozen(kw_only=True)
+class CompiledProgram:
+    """A compiled signature: its key, its description and the shape of what it returns."""
+
+    key: str
+    operation: str
+    description: str
+    output_contract: Any
+
+
+def signature_key(signature: ProgramSignature) -> str:
+    """Canonical SHA-256 of a signature's material (operation included)."""
+    material = {"operation": signature.operation, **dict(signature.material())}
+    blob = json.dumps(material, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def output_contract(value: Any) -> Any:
+    return map_tensors(value, lambda t: TensorContract(shape=tuple(t.shape), dtype=str(t.dtype)))
+
+
+class ProgramCompiler:
+    """Owns the eager program registry and any retryable compile-output orphans."""
+
+    def __init__(self, *, device: Device, kv_cache: BoundCacheCheck, lane: int = 0) -> None:
+        self.borrowed_device = device
+        self.borrowed_kv_cache = kv_cache
+        self.lane = lane
+        self._programs: dict[str, CompiledProgram] = {}
+        self._gate_closed_reason: str | None = None
+        self._ledger = ReleaseLedger()
+        self._orphans: list[TensorResourceOrphan] = []
+        self._terminal = False
+        self._log = component_logger("program_compiler", lane=lane, object_id=f"{id(self):#x}")
+
+    # -- registry ------------------------------------------------------------------------
+
+    key_for = staticmethod(signature_key)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._programs
+
+    def get(self, key: str) -> CompiledProgram | None:
+        return self._programs.get(key)
+
+    @property
+    def programs(self) -> Mapping[str, CompiledProgram]:
+        return dict(self._programs)
+
+    @property
+    def gate_closed(self) -> bool:
+        return self._gate_closed_reason is not None
+
+    def close_gate(self, *, reason: str) -> None:
+        if self._gate_closed_reason is None:
+            self._gate_closed_reason = reason
+            emit(self._log, "compile_gate.closed", reason=reason, programs=len(self._programs))
+
+    def _require_open(self, key: str, signature: ProgramSignature) -> None:
+        if self._terminal:
+            raise KVCacheStateError("the program compiler was cleaned up")
+        if not self.borrowed_kv_cache.is_bound:
+            raise KVCacheStateError(
+                f"cannot compile {signature.describe()}: "
+                "the paged KV cache is not allocated and bound"
+            )
+        if self._gate_closed_reason is not None:
+            raise CompileGateClosed(key, signature.describe())
+
+    # -- compilation ---------------------------------------------------------------------
+
+    def compile(self, signature: ProgramSignature, invoke: Callable[[], Any]) -> CompiledProgram:
+        """Run ``invoke`` once to materialize the program, record its contract, drop its output."""
+        key = self.key_for(signature)
+        existing = self._programs.get(key)
+        if existing is not None:
+            return existing
+        self._require_open(key, signature)
+        output = invoke()
+        self.borrowed_device.synchronize()
+        program = self._record(key, signature, output)
+        self._orphans.extend(
+            release_tensors(output, device=self.borrowed_device, ledger=self._ledger)
+        )
+        return program
+
+    def admit(self, signature: ProgramSignature, output: Any) -> CompiledProgram:
+        """Record a program whose first real (eager) run just produced ``output``.
+
+        Eager serving compiles on first use: the first run *is* the compile, so its
+        output is kept for the caller instead of being discarded.
+        """
+        key = self.key_for(signature)
+        existing = self._programs.get(key)
+        if existing is not None:
+            return existing
+        self._require_open(key, signature)
+        return self._record(key, signature, output)
+
+    def check_runnable(self, signature: ProgramSignature) -> str:
+        """Raise ``CompileGateClosed`` before device work if this signature could not run."""
+        key = self.key_for(signature)
+        if key not in self._programs:
+            self._require_open(key, signature)
+        return key
+
+    def _record(self, key: str, signature: ProgramSignature, output: Any) -> CompiledProgram:
+        program = CompiledProgram(
+            key=key,
+            operation=signature.operation,
+            description=signature.describe(),
+            output_contract=output_contract(output),
+        )
+        self._programs[key] = program
+        emit(
+            self._log,
+            "program.compiled",
+            key=key[:16],
+            operation=signature.operation,
+            signature=signature.describe(),
+        )
+        return program
+
+    # -- cleanup -------------------------------------------------------------------------
+
+    @property
+    def orphans(self) -> tuple[TensorResourceOrphan, ...]:
+        return tuple(self._orphans)
+
+    def cleanup(self) -> None:
+        """Terminalize the registry; retry any compile-output orphans. Idempotent."""
+        self._terminal = True
+        self._programs.clear()
+        if self._orphans:
+            self._orphans = retry_orphans(
+                self._orphans, device=self.borrowed_device, ledger=self._ledger
+            )
+        if self._orphans:
+            raise KVCacheStateError(
+                f"{len(self._orphans)} compile output tensor(s) failed to release"
+            )
+
+
+def describe_tensor(t: torch.Tensor) -> str:
+    return f"{tuple(t.shape)}:{str(t.dtype).removeprefix('torch.')}"

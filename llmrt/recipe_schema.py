@@ -1,0 +1,476 @@
+"""The recipe schema: frozen attrs sections and the cross-field rules of a recipe.
+
+A ``Recipe`` validates itself once, at construction: every section checks its own
+fields, then ``Recipe`` checks the rules that span sections. Every error is a
+``RecipeError`` whose ``field`` is the dotted path inside the recipe
+(``prefill.max_chunk_size``). The ``trace``, ``warmup`` and ``kv_cache`` sections
+are the runtime's own ``TraceConfig``, ``WarmupConfig`` and ``PagedKVCacheConfig``.
+"""
+
+from __future__ import annotations
+
+import math
+from importlib.metadata import entry_points
+from typing import Any, Literal, TypeAlias, get_args
+
+import attrs
+
+from llmrt.config import (
+    PREFILL_BATCH_SIZES,
+    PagedKVCacheConfig,
+    TraceConfig,
+    WarmupConfig,
+)
+from llmrt.errors import RecipeError
+from llmrt.prefill.buckets import FINE_DEFAULT_STEP, SeqLenBuckets
+
+CheckpointFormat = Literal["random", "safetensors", "gguf"]
+CheckpointDType = Literal["float32", "bfloat16"]
+TokenizerSource = Literal["checkpoint", "byte", "path"]
+Backend = Literal["torch", "ttnn"]
+DeviceKind = Literal["cpu", "cuda"]
+CompileMode = Literal["eager", "inductor"]
+InductorMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+SeqLenBucketKind = Literal["tile", "fine"]
+
+#: A value in ``Recipe.model``: what a Hugging Face ``config.json`` holds.
+ModelValue: TypeAlias = int | float | str | bool | list[Any] | dict[str, Any] | None
+ModelConfig: TypeAlias = dict[str, ModelValue]
+
+#: Families that ship with llmrt; others register under ``FAMILY_ENTRY_POINT_GROUP``.
+BUILTIN_FAMILIES: tuple[str, ...] = ("llama", "gpt2")
+FAMILY_ENTRY_POINT_GROUP = "llmrt.families"
+#: ``family: auto`` picks the family from the checkpoint's ``model_type``.
+AUTO_FAMILY = "auto"
+
+#: Size of the byte tokenizer's vocabulary: 256 bytes, then bos (256) and eos (257).
+BYTE_TOKENIZER_VOCAB_SIZE = 258
+
+_LLAMA_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+    "max_position_embeddings",
+)
+_GPT2_KEYS = ("vocab_size", "n_embd", "n_layer", "n_head", "n_positions")
+#: ``model`` keys a ``random`` checkpoint needs, by ``model.model_type``. Other model
+#: types need ``vocab_size`` here; their family checks the rest when it builds.
+RANDOM_MODEL_KEYS: dict[str, tuple[str, ...]] = {
+    "llama": _LLAMA_KEYS,
+    "mistral": _LLAMA_KEYS,
+    "qwen2": _LLAMA_KEYS,
+    "gpt2": _GPT2_KEYS,
+}
+#: (embedding width, query heads) per model type, checked for divisibility.
+_HEAD_KEYS: dict[str, tuple[str, str]] = {
+    "llama": ("hidden_size", "num_attention_heads"),
+    "mistral": ("hidden_size", "num_attention_heads"),
+    "qwen2": ("hidden_size", "num_attention_heads"),
+    "gpt2": ("n_embd", "n_head"),
+}
+
+
+def _check(ok: bool, field: str, value: Any, reason: str) -> None:
+    if not ok:
+        raise RecipeError(field, value, reason)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _positive_int(field: str, value: Any) -> None:
+    _check(_is_int(value) and value > 0, field, value, "must be a positive integer")
+
+
+def _non_negative_int(field: str, value: Any) -> None:
+    _check(_is_int(value) and value >= 0, field, value, "must be a non-negative integer")
+
+
+def _bool(field: str, value: Any) -> None:
+    _check(isinstance(value, bool), field, value, "must be true or false")
+
+
+def _one_of(field: str, value: Any, literal: Any) -> None:
+    choices = get_args(literal)
+    _check(isinstance(value, str) and value in choices, field, value, f"must be one of {choices}")
+
+
+def _optional_str(field: str, value: Any) -> None:
+    _check(value is None or isinstance(value, str), field, value, "must be a string or null")
+
+
+def _brief(values: tuple[int, ...]) -> str:
+    shown = ", ".join(map(str, values[:6]))
+    return f"{shown}, ..., {values[-1]}" if len(values) > 6 else shown
+
+
+def registered_families() -> tuple[str, ...]:
+    """Family names a recipe may use: ``auto``, the built-ins and entry-point plugins."""
+    plugins = {ep.name for ep in entry_points(group=FAMILY_ENTRY_POINT_GROUP)}
+    return (AUTO_FAMILY, *sorted(set(BUILTIN_FAMILIES) | plugins))
+
+
+def check_model_value(field: str, value: Any) -> None:
+    """Raise unless ``value`` is config.json-like: scalars, lists and string-keyed maps."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return
+    if isinstance(value, list):
+        for i, item in enumerate(value):
+            check_model_value(f"{field}[{i}]", item)
+        return
+    if isinstance(value, dict):
+        for key, item in value.items():
+            _check(isinstance(key, str), field, key, "keys must be strings")
+            check_model_value(f"{field}.{key}", item)
+        return
+    raise RecipeError(field, value, "must be a number, string, boolean, null, list or mapping")
+
+
+@attrs.frozen(kw_only=True)
+class CheckpointSpec:
+    """Where the weights come from.
+
+    ``random``: seeded weights shaped by ``Recipe.model``. ``safetensors``: a local
+    Hugging Face checkpoint directory (``path``). ``gguf``: a file (``path``) or a
+    file inside an installed package (``package`` + ``file``). ``dtype`` is the
+    compute dtype the weights are materialised in.
+    """
+
+    format: CheckpointFormat
+    path: str | None = None
+    package: str | None = None
+    file: str | None = None
+    seed: int = 0
+    dtype: CheckpointDType = "float32"
+
+    def __attrs_post_init__(self) -> None:
+        _one_of("checkpoint.format", self.format, CheckpointFormat)
+        for name in ("path", "package", "file"):
+            _optional_str(f"checkpoint.{name}", getattr(self, name))
+        _non_negative_int("checkpoint.seed", self.seed)
+        _one_of("checkpoint.dtype", self.dtype, CheckpointDType)
+        if self.format == "random":
+            for name in ("path", "package", "file"):
+                _check(getattr(self, name) is None, f"checkpoint.{name}", getattr(self, name),
+                       "is not used by checkpoint.format=random (dims go under model:)")
+        elif self.format == "safetensors":
+            _check(bool(self.path), "checkpoint.path", self.path,
+                   "is required for checkpoint.format=safetensors (a Hugging Face checkpoint "
+                   "directory): pass --set checkpoint.path=DIR")
+            for name in ("package", "file"):
+                _check(getattr(self, name) is None, f"checkpoint.{name}", getattr(self, name),
+                       "is only used by checkpoint.format=gguf")
+        elif self.path:
+            _check(self.package is None and self.file is None, "checkpoint.path", self.path,
+                   "give either checkpoint.path or checkpoint.package + checkpoint.file, not both")
+        else:
+            _check(bool(self.package), "checkpoint.package", self.package,
+                   "checkpoint.format=gguf needs checkpoint.path, or checkpoint.package "
+                   "+ checkpoint.file (a file inside an installed package)")
+            _check(bool(self.file), "checkpoint.file", self.file,
+                   f"names the GGUF file inside package {self.package!r} and is required "
+                   "without checkpoint.path")
+
+
+@attrs.frozen(kw_only=True)
+class TokenizerSpec:
+    """The tokenizer: the checkpoint's own, the byte tokenizer, or a ``tokenizer.json`` path."""
+
+    source: TokenizerSource = "checkpoint"
+    path: str | None = None
+
+    def __attrs_post_init__(self) -> None:
+        _one_of("tokenizer.source", self.source, TokenizerSource)
+        _optional_str("tokenizer.path", self.path)
+        if self.source == "path":
+            _check(bool(self.path), "tokenizer.path", self.path,
+                   "is required for tokenizer.source=path")
+        else:
+            _check(self.path is None, "tokenizer.path", self.path,
+                   "is only used with tokenizer.source=path")
+
+
+@attrs.frozen(kw_only=True)
+class InductorSpec:
+    """``torch.compile`` options used when ``device.compile`` is ``inductor``."""
+
+    freezing: bool = False
+    max_autotune: bool = False
+    mode: InductorMode | None = None
+
+    def __attrs_post_init__(self) -> None:
+        _bool("device.inductor.freezing", self.freezing)
+        _bool("device.inductor.max_autotune", self.max_autotune)
+        if self.mode is not None:
+            _one_of("device.inductor.mode", self.mode, InductorMode)
+
+
+@attrs.frozen(kw_only=True)
+class DeviceSpec:
+    """Backend and placement.
+
+    ``kind``/``index`` pick a torch device (``kind`` None means cpu); ``mesh_shape`` is
+    the ttnn mesh (rows, cols) the lanes split. ``num_threads`` sets torch's intra-op
+    threads (None keeps torch's default).
+    """
+
+    backend: Backend = "torch"
+    kind: DeviceKind | None = None
+    index: int = 0
+    mesh_shape: tuple[int, int] | None = None
+    compile: CompileMode = "eager"
+    inductor: InductorSpec = attrs.Factory(InductorSpec)
+    num_threads: int | None = None
+
+    def __attrs_post_init__(self) -> None:
+        _one_of("device.backend", self.backend, Backend)
+        if self.kind is not None:
+            _one_of("device.kind", self.kind, DeviceKind)
+        _non_negative_int("device.index", self.index)
+        _one_of("device.compile", self.compile, CompileMode)
+        _check(isinstance(self.inductor, InductorSpec), "device.inductor", self.inductor,
+               "must be an inductor section")
+        if self.num_threads is not None:
+            _positive_int("device.num_threads", self.num_threads)
+        if self.backend == "torch":
+            _check(self.mesh_shape is None, "device.mesh_shape", self.mesh_shape,
+                   "is only used with device.backend=ttnn")
+            _check(self.kind == "cuda" or self.index == 0, "device.index", self.index,
+                   "must be 0 for a cpu device")
+        else:
+            _check(self.kind is None, "device.kind", self.kind,
+                   "is only used with device.backend=torch")
+            _check(self.compile == "eager", "device.compile", self.compile,
+                   "must be eager with device.backend=ttnn")
+            if self.mesh_shape is not None:
+                _check(isinstance(self.mesh_shape, tuple) and len(self.mesh_shape) == 2,
+                       "device.mesh_shape", self.mesh_shape, "must be [rows, cols]")
+                for i, n in enumerate(self.mesh_shape):
+                    _positive_int(f"device.mesh_shape[{i}]", n)
+
+    @property
+    def torch_device(self) -> str:
+        """The torch device string (``cpu`` or ``cuda:N``) for the torch backend."""
+        return f"cuda:{self.index}" if self.kind == "cuda" else "cpu"
+
+
+@attrs.frozen(kw_only=True)
+class PrefillSpec:
+    """Prefill policy: chunk size, batched padded waves, and padded-length buckets.
+
+    ``seq_len_buckets`` is ``tile`` (powers of two from 128: fewer programs) or ``fine``
+    (multiples of ``fine_step``: less padding, more programs); both cap at
+    ``max_chunk_size``, since longer prefills are chunked.
+    """
+
+    max_chunk_size: int = 512
+    batched: bool = True
+    max_batch_size: int = 8
+    seq_len_buckets: SeqLenBucketKind = "tile"
+    fine_step: int = FINE_DEFAULT_STEP
+
+    def __attrs_post_init__(self) -> None:
+        _positive_int("prefill.max_chunk_size", self.max_chunk_size)
+        _bool("prefill.batched", self.batched)
+        _check(self.max_batch_size in PREFILL_BATCH_SIZES and _is_int(self.max_batch_size),
+               "prefill.max_batch_size", self.max_batch_size,
+               f"must be one of {PREFILL_BATCH_SIZES}")
+        _one_of("prefill.seq_len_buckets", self.seq_len_buckets, SeqLenBucketKind)
+        _check(_is_int(self.fine_step) and self.fine_step > 0 and self.fine_step % 8 == 0,
+               "prefill.fine_step", self.fine_step, "must be a positive multiple of 8")
+
+    def buckets(self) -> SeqLenBuckets:
+        """The padded-length policy these settings select (``llmrt.prefill.buckets``)."""
+        return SeqLenBuckets.named(self.seq_len_buckets, max_len=self.max_chunk_size,
+                                   step=self.fine_step)
+
+
+@attrs.frozen(kw_only=True)
+class DecodeSpec:
+    """Decode policy: fixed slots per lane and whether sampling runs on the device."""
+
+    lane_capacity: int = 32
+    device_sampling: bool = True
+
+    def __attrs_post_init__(self) -> None:
+        _positive_int("decode.lane_capacity", self.lane_capacity)
+        _bool("decode.device_sampling", self.device_sampling)
+
+
+@attrs.frozen(kw_only=True)
+class ServingSpec:
+    """Serving-layer limits: prefix cache, per-step token budget, context and sequence caps.
+
+    ``max_num_seqs`` None means every decode slot (``lanes * decode.lane_capacity``).
+    """
+
+    prefix_caching: bool = True
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 4096
+    max_num_seqs: int | None = None
+
+    def __attrs_post_init__(self) -> None:
+        _bool("serving.prefix_caching", self.prefix_caching)
+        _positive_int("serving.max_num_batched_tokens", self.max_num_batched_tokens)
+        _positive_int("serving.max_model_len", self.max_model_len)
+        if self.max_num_seqs is not None:
+            _positive_int("serving.max_num_seqs", self.max_num_seqs)
+
+
+def _default_kv_cache() -> PagedKVCacheConfig:
+    return PagedKVCacheConfig(block_size=32, max_num_blocks=2048)
+
+
+@attrs.frozen(kw_only=True)
+class Recipe:
+    """A validated, declarative description of one model deployment.
+
+    ``model`` holds Hugging Face ``config.json`` keys; it shapes a ``random``
+    checkpoint and must stay empty for the other formats (their config comes from
+    the checkpoint). Treat it as read-only.
+    """
+
+    name: str
+    description: str = ""
+    family: str = AUTO_FAMILY
+    checkpoint: CheckpointSpec
+    model: ModelConfig = attrs.Factory(dict)
+    tokenizer: TokenizerSpec = attrs.Factory(TokenizerSpec)
+    device: DeviceSpec = attrs.Factory(DeviceSpec)
+    lanes: int = 1
+    kv_cache: PagedKVCacheConfig = attrs.Factory(_default_kv_cache)
+    prefill: PrefillSpec = attrs.Factory(PrefillSpec)
+    decode: DecodeSpec = attrs.Factory(DecodeSpec)
+    trace: TraceConfig = attrs.Factory(TraceConfig)
+    warmup: WarmupConfig = attrs.Factory(WarmupConfig)
+    serving: ServingSpec = attrs.Factory(ServingSpec)
+
+    def __attrs_post_init__(self) -> None:
+        self._check_sections()
+        self._check_identity()
+        self._check_model()
+        self._check_tokenizer()
+        self._check_placement()
+        self._check_geometry()
+
+    @property
+    def decode_slots(self) -> int:
+        """Decode slots over all lanes."""
+        return self.lanes * self.decode.lane_capacity
+
+    @property
+    def max_num_seqs(self) -> int:
+        """Concurrent sequences the serving layer admits."""
+        return self.serving.max_num_seqs or self.decode_slots
+
+    def _check_sections(self) -> None:
+        sections: dict[str, type] = {
+            "checkpoint": CheckpointSpec, "tokenizer": TokenizerSpec, "device": DeviceSpec,
+            "kv_cache": PagedKVCacheConfig, "prefill": PrefillSpec, "decode": DecodeSpec,
+            "trace": TraceConfig, "warmup": WarmupConfig, "serving": ServingSpec,
+        }
+        for name, cls in sections.items():
+            value = getattr(self, name)
+            _check(isinstance(value, cls), name, value, f"must be a {cls.__name__}")
+
+    def _check_identity(self) -> None:
+        _check(isinstance(self.name, str) and bool(self.name.strip()), "name", self.name,
+               "must be a non-empty string")
+        _check(isinstance(self.description, str), "description", self.description,
+               "must be a string")
+        _check(isinstance(self.family, str) and bool(self.family), "family", self.family,
+               "must be a family name")
+        if self.family in (AUTO_FAMILY, *BUILTIN_FAMILIES):
+            return
+        known = registered_families()
+        _check(self.family in known, "family", self.family,
+               f"is not a registered model family (known: {', '.join(known)}; plugins "
+               f"register under the {FAMILY_ENTRY_POINT_GROUP!r} entry-point group)")
+
+    def _check_model(self) -> None:
+        _check(isinstance(self.model, dict), "model", self.model, "must be a mapping")
+        for key, value in self.model.items():
+            _check(isinstance(key, str), "model", key, "keys must be strings")
+            check_model_value(f"model.{key}", value)
+        if self.checkpoint.format != "random":
+            _check(not self.model, "model", self.model,
+                   f"is only used by checkpoint.format=random; a {self.checkpoint.format} "
+                   "checkpoint brings its own config")
+            return
+        model_type = self.model.get("model_type")
+        if not isinstance(model_type, str) or not model_type:
+            raise RecipeError("model.model_type", model_type,
+                              "is required for checkpoint.format=random (e.g. llama or gpt2)")
+        for key in RANDOM_MODEL_KEYS.get(model_type, ("vocab_size",)):
+            _check(key in self.model, f"model.{key}", None,
+                   f"is required for a random {model_type} checkpoint")
+            self._model_int(key)
+        if model_type in _HEAD_KEYS:
+            width_key, heads_key = _HEAD_KEYS[model_type]
+            width, heads = self._model_int(width_key), self._model_int(heads_key)
+            _check(width % heads == 0, f"model.{width_key}", width,
+                   f"must be a multiple of model.{heads_key}={heads}")
+            if heads_key == "num_attention_heads" and "num_key_value_heads" in self.model:
+                kv_heads = self._model_int("num_key_value_heads")
+                _check(heads % kv_heads == 0, "model.num_key_value_heads", kv_heads,
+                       f"must divide model.num_attention_heads={heads}")
+
+    def _model_int(self, key: str) -> int:
+        value = self.model.get(key)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+        raise RecipeError(f"model.{key}", value, "must be a positive integer")
+
+    def _check_tokenizer(self) -> None:
+        source, fmt = self.tokenizer.source, self.checkpoint.format
+        if source == "byte":
+            _check(fmt == "random", "tokenizer.source", source,
+                   f"byte is only for random checkpoints; a {fmt} checkpoint has its own "
+                   "tokenizer (use checkpoint)")
+            vocab = self._model_int("vocab_size")
+            _check(vocab >= BYTE_TOKENIZER_VOCAB_SIZE, "model.vocab_size",
+                   vocab, f"must be at least {BYTE_TOKENIZER_VOCAB_SIZE} for the byte tokenizer "
+                   "(256 bytes + bos + eos)")
+        elif source == "checkpoint":
+            _check(fmt != "random", "tokenizer.source", source,
+                   "a random checkpoint has no tokenizer; use byte or path")
+
+    def _check_placement(self) -> None:
+        _positive_int("lanes", self.lanes)
+        mesh = self.device.mesh_shape
+        if self.device.backend == "ttnn" and mesh is not None:
+            chips = math.prod(mesh)
+            _check(chips % self.lanes == 0, "lanes", self.lanes,
+                   f"must divide the {chips} chips of device.mesh_shape={list(mesh)} "
+                   "into equal lane sub-meshes")
+
+    def _check_geometry(self) -> None:
+        block = self.kv_cache.block_size
+        chunk = self.prefill.max_chunk_size
+        _check(chunk % block == 0, "prefill.max_chunk_size", chunk,
+               f"must be a multiple of kv_cache.block_size={block}")
+        capacity = self.kv_cache.max_capacity_tokens
+        _check(self.serving.max_model_len <= capacity, "serving.max_model_len",
+               self.serving.max_model_len,
+               f"must fit the KV cache: kv_cache.max_num_blocks * kv_cache.block_size = "
+               f"{self.kv_cache.max_num_blocks} * {block} = {capacity} tokens")
+        if self.serving.max_num_seqs is not None:
+            _check(self.serving.max_num_seqs <= self.decode_slots, "serving.max_num_seqs",
+                   self.serving.max_num_seqs,
+                   f"must not exceed the decode slots lanes * decode.lane_capacity = "
+                   f"{self.lanes} * {self.decode.lane_capacity} = {self.decode_slots}")
+        lengths = self.prefill.buckets().lengths()
+        for i, n in enumerate(self.warmup.prefill_seq_lens):
+            _check(n <= chunk, f"warmup.prefill_seq_lens[{i}]", n,
+                   f"must not exceed prefill.max_chunk_size={chunk} (longer prefills run "
+                   "in chunks, so that length is never used)")
+            _check(n in lengths, f"warmup.prefill_seq_lens[{i}]", n,
+                   f"is not a padded length of prefill.seq_len_buckets="
+                   f"{self.prefill.seq_len_buckets} (it pads to {_brief(lengths)})")
+        for i, b in enumerate(self.warmup.prefill_batch_sizes):
+            _check(b <= self.prefill.max_batch_size, f"warmup.prefill_batch_sizes[{i}]", b,
+                   f"must not exceed prefill.max_batch_size={self.prefill.max_batch_size}")
+

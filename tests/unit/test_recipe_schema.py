@@ -1,0 +1,217 @@
+"""Recipe schema rules: every rule rejects a bad value with an error naming its field path."""
+
+from __future__ import annotations
+
+from importlib.metadata import EntryPoint
+from typing import Any
+
+import attrs
+import pytest
+
+from llmrt import recipe_schema
+from llmrt.config import PagedKVCacheConfig, TraceConfig
+from llmrt.errors import ConfigError, RecipeError
+from llmrt.recipe import (
+    CheckpointSpec,
+    DeviceSpec,
+    Recipe,
+    TokenizerSpec,
+    recipe_from_dict,
+)
+
+
+def tiny() -> dict[str, Any]:
+    """A minimal valid random-llama recipe as plain data."""
+    return {
+        "name": "t",
+        "family": "llama",
+        "checkpoint": {"format": "random"},
+        "model": {
+            "model_type": "llama", "vocab_size": 258, "hidden_size": 64,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "intermediate_size": 128, "max_position_embeddings": 512,
+        },
+        "tokenizer": {"source": "byte"},
+        "kv_cache": {"block_size": 16, "max_num_blocks": 64},
+        "prefill": {"max_chunk_size": 128, "max_batch_size": 4, "seq_len_buckets": "fine"},
+        "decode": {"lane_capacity": 4},
+        "warmup": {"prefill_seq_lens": [32, 64], "prefill_batch_sizes": [1, 2]},
+        "serving": {"max_model_len": 512},
+    }
+
+
+GGUF = {"checkpoint": {"format": "gguf", "package": "pkg", "file": "m.gguf"},
+        "tokenizer": {"source": "checkpoint"}}
+
+
+def build(**overrides: Any) -> Recipe:
+    """``tiny()`` with dotted-path overrides."""
+    return recipe_from_dict(tiny(), overrides=overrides)
+
+
+def test_minimal_recipe_is_valid_and_defaults_fill_in() -> None:
+    recipe = build()
+    assert recipe.lanes == 1
+    assert recipe.device == DeviceSpec()
+    assert recipe.device.torch_device == "cpu"
+    assert recipe.trace == TraceConfig(mode="none")
+    assert recipe.kv_cache == PagedKVCacheConfig(block_size=16, max_num_blocks=64)
+    assert recipe.decode_slots == 4
+    assert recipe.max_num_seqs == 4
+
+
+#: (overrides, field, reason). ``"model": None`` empties ``model`` first (overrides merge).
+RULES: list[tuple[dict[str, Any], str, str]] = [
+    # section-level rules
+    ({"name": ""}, "name", "non-empty"),
+    ({"family": "nope"}, "family", "not a registered model family"),
+    ({"lanes": 0}, "lanes", "positive integer"),
+    ({"checkpoint.format": "pickle"}, "checkpoint.format", "must be one of"),
+    ({"checkpoint.dtype": "float16"}, "checkpoint.dtype", "must be one of"),
+    ({"checkpoint.seed": -1}, "checkpoint.seed", "non-negative"),
+    ({"checkpoint.path": "/w"}, "checkpoint.path", "not used by checkpoint.format=random"),
+    ({"tokenizer.source": "path"}, "tokenizer.path", "required for tokenizer.source=path"),
+    ({"tokenizer.path": "/t.json"}, "tokenizer.path", "only used with tokenizer.source=path"),
+    ({"device.backend": "tpu"}, "device.backend", "must be one of"),
+    ({"device.kind": "mps"}, "device.kind", "must be one of"),
+    ({"device.index": -1}, "device.index", "non-negative"),
+    ({"device.index": 1}, "device.index", "must be 0 for a cpu device"),
+    ({"device.compile": "jit"}, "device.compile", "must be one of"),
+    ({"device.inductor.mode": "turbo"}, "device.inductor.mode", "must be one of"),
+    ({"device.num_threads": 0}, "device.num_threads", "positive integer"),
+    ({"device.mesh_shape": [1, 2]}, "device.mesh_shape", "only used with device.backend=ttnn"),
+    ({"device.backend": "ttnn", "device.kind": "cpu"}, "device.kind", "only used with"),
+    ({"device.backend": "ttnn", "device.compile": "inductor"}, "device.compile", "eager"),
+    ({"device.backend": "ttnn", "device.mesh_shape": [0, 2]}, "device.mesh_shape[0]",
+     "positive integer"),
+    ({"kv_cache.block_size": 24}, "kv_cache.block_size", "power of two"),
+    ({"kv_cache.num_blocks": 65}, "kv_cache.num_blocks", "must not exceed"),
+    ({"prefill.max_chunk_size": 0}, "prefill.max_chunk_size", "positive integer"),
+    ({"prefill.max_batch_size": 3}, "prefill.max_batch_size", "must be one of"),
+    ({"prefill.seq_len_buckets": "coarse"}, "prefill.seq_len_buckets", "must be one of"),
+    ({"prefill.fine_step": 0}, "prefill.fine_step", "positive multiple of 8"),
+    ({"prefill.fine_step": 12}, "prefill.fine_step", "positive multiple of 8"),
+    ({"decode.lane_capacity": 0}, "decode.lane_capacity", "positive integer"),
+    ({"trace.mode": "sometimes"}, "trace.mode", "must be one of"),
+    ({"warmup.prefill_seq_lens": [64, 32]}, "warmup.prefill_seq_lens", "strictly increasing"),
+    ({"warmup.prefill_batch_sizes": [3]}, "warmup.prefill_batch_sizes[0]", "must be one of"),
+    ({"serving.max_num_batched_tokens": 0}, "serving.max_num_batched_tokens", "positive"),
+    ({"serving.max_num_seqs": 0}, "serving.max_num_seqs", "positive integer"),
+    # cross-field rules
+    ({"prefill.max_chunk_size": 120}, "prefill.max_chunk_size",
+     "multiple of kv_cache.block_size=16"),
+    ({"serving.max_model_len": 1025}, "serving.max_model_len",
+     "kv_cache.max_num_blocks * kv_cache.block_size = 64 * 16 = 1024"),
+    ({"serving.max_num_seqs": 5}, "serving.max_num_seqs", "lanes * decode.lane_capacity"),
+    ({"warmup.prefill_seq_lens": [32, 256]}, "warmup.prefill_seq_lens[1]",
+     "prefill.max_chunk_size=128"),
+    ({"warmup.prefill_seq_lens": [32, 48]}, "warmup.prefill_seq_lens[1]",
+     "not a padded length of prefill.seq_len_buckets=fine (it pads to 32, 64, 96, 128)"),
+    ({"prefill.seq_len_buckets": "tile"}, "warmup.prefill_seq_lens[0]",
+     "not a padded length of prefill.seq_len_buckets=tile (it pads to 128)"),
+    ({"warmup.prefill_batch_sizes": [1, 8]}, "warmup.prefill_batch_sizes[1]",
+     "prefill.max_batch_size=4"),
+    ({"device.backend": "ttnn", "device.mesh_shape": [1, 3], "lanes": 2}, "lanes",
+     "must divide the 3 chips"),
+    ({"tokenizer.source": "checkpoint"}, "tokenizer.source", "random checkpoint has no tokenizer"),
+    ({"model.vocab_size": 200}, "model.vocab_size", "at least 258 for the byte tokenizer"),
+    # checkpoint format requirements
+    ({"model.model_type": None}, "model.model_type", "required for checkpoint.format=random"),
+    ({"model.hidden_size": None}, "model.hidden_size", "positive integer"),
+    ({"model.num_hidden_layers": "2"}, "model.num_hidden_layers", "positive integer"),
+    ({"model.hidden_size": 66}, "model.hidden_size", "multiple of model.num_attention_heads=4"),
+    ({"model.num_key_value_heads": 3}, "model.num_key_value_heads", "divide"),
+    ({"model.rope_scaling": {"factor": {1, 2}}}, "model.rope_scaling.factor", "must be a number"),
+    ({"model": None, "checkpoint.format": "safetensors", "tokenizer.source": "checkpoint"},
+     "checkpoint.path",
+     "--set checkpoint.path=DIR"),
+    ({"model": None, "checkpoint": {"format": "gguf"}, "tokenizer.source": "checkpoint"},
+     "checkpoint.package",
+     "checkpoint.package + checkpoint.file"),
+    ({"model": None, "checkpoint": {"format": "gguf", "package": "p"},
+      "tokenizer.source": "checkpoint"}, "checkpoint.file", "required without checkpoint.path"),
+    ({"model": None, "checkpoint": {"format": "gguf", "path": "/m.gguf", "file": "m.gguf"},
+      "tokenizer.source": "checkpoint"}, "checkpoint.path", "not both"),
+    ({"model": None, "checkpoint": {"format": "safetensors", "path": "/d", "package": "p"},
+      "tokenizer.source": "checkpoint"}, "checkpoint.package",
+     "only used by checkpoint.format=gguf"),
+    ({"model": None, **GGUF, "tokenizer.source": "byte"}, "tokenizer.source",
+     "byte is only for random checkpoints"),
+    ({**GGUF}, "model", "only used by checkpoint.format=random"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "field", "reason"), RULES,
+                         ids=[f"{f}-{i}" for i, (_, f, _) in enumerate(RULES)])
+def test_rule_names_the_field_path(overrides: dict[str, Any], field: str, reason: str) -> None:
+    data = tiny()
+    if "model" in overrides and overrides["model"] is None:
+        data["model"] = {}
+        overrides = {k: v for k, v in overrides.items() if k != "model"}
+    with pytest.raises(RecipeError) as info:
+        recipe_from_dict(data, overrides=overrides)
+    assert info.value.field == field
+    assert str(info.value).startswith(f"{field}: ")
+    assert reason in info.value.reason
+
+
+def test_gguf_and_safetensors_recipes_validate() -> None:
+    data = tiny()
+    data["model"] = {}
+    gguf = recipe_from_dict(data, overrides=GGUF)
+    assert gguf.checkpoint == CheckpointSpec(format="gguf", package="pkg", file="m.gguf")
+    safetensors = recipe_from_dict(data, overrides={
+        "checkpoint": {"format": "safetensors", "path": "/ckpt"},
+        "tokenizer": {"source": "path", "path": "/ckpt/tokenizer.json"},
+    })
+    assert safetensors.checkpoint.path == "/ckpt"
+    assert safetensors.tokenizer == TokenizerSpec(source="path", path="/ckpt/tokenizer.json")
+
+
+def test_ttnn_mesh_splits_into_lanes() -> None:
+    recipe = build(**{"device.backend": "ttnn", "device.mesh_shape": [2, 4], "lanes": 4})
+    assert recipe.device.mesh_shape == (2, 4)
+    assert recipe.lanes == 4
+
+
+def test_cuda_device_takes_an_index() -> None:
+    recipe = build(**{"device.kind": "cuda", "device.index": 1})
+    assert recipe.device.torch_device == "cuda:1"
+
+
+def test_unknown_model_type_needs_only_vocab_size() -> None:
+    data = tiny()
+    data["model"] = {"model_type": "mamba", "vocab_size": 300}
+    assert recipe_from_dict(data).model["model_type"] == "mamba"
+    data["model"] = {"model_type": "mamba"}
+    with pytest.raises(RecipeError, match=r"^model\.vocab_size: is required"):
+        recipe_from_dict(data)
+
+
+def test_direct_construction_is_validated_too() -> None:
+    with pytest.raises(RecipeError, match=r"^checkpoint\.format: must be one of"):
+        CheckpointSpec(format="pickle")  # type: ignore[arg-type]
+    ok = build()
+    with pytest.raises(RecipeError, match=r"^lanes: "):
+        attrs.evolve(ok, lanes=-1)
+    with pytest.raises(RecipeError, match=r"^kv_cache: must be a PagedKVCacheConfig"):
+        attrs.evolve(ok, kv_cache={"block_size": 16})  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"^kv_cache\.block_size: must be a power of two"):
+        attrs.evolve(ok, kv_cache=PagedKVCacheConfig(block_size=12, max_num_blocks=4))
+
+
+def test_family_from_an_entry_point_plugin(monkeypatch: pytest.MonkeyPatch) -> None:
+    plugin = EntryPoint(name="mamba", value="some_pkg.family:FAMILY", group="llmrt.families")
+
+    def fake_entry_points(*, group: str) -> list[EntryPoint]:
+        return [plugin] if group == "llmrt.families" else []
+
+    monkeypatch.setattr(recipe_schema, "entry_points", fake_entry_points)
+    assert build(family="mamba").family == "mamba"
+    assert "mamba" in recipe_schema.registered_families()
+    with pytest.raises(RecipeError, match=r"known: auto, gpt2, llama, mamba"):
+        build(family="rwkv")
+
+
+def test_builtin_families_are_registered_entry_points() -> None:
+    assert {"auto", "llama", "gpt2"} <= set(recipe_schema.registered_families())
