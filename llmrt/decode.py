@@ -22,7 +22,7 @@ from llmrt.errors import ConfigError, IdentityError, RequestError
 from llmrt.families.base import CausalLM
 from llmrt.lifecycle import component_logger, emit
 from llmrt.output_reader import OutputReader, PendingRead
-from llmrt.prefill.postprocess import program_head, sample_outputs
+from llmrt.prefill.postprocess import sample_outputs
 from llmrt.prefill.sampling_helpers import counts_of
 from llmrt.sampling import SamplingTensors, apply_penalties
 from llmrt.sampling_params import SamplingParams
@@ -94,7 +94,6 @@ class DecodeSignature:
 
     batch_size: int
     page_table_width: int
-    head: str  # "logits" | "argmax": what the program returns (sampling runs after it)
 
     @property
     def operation(self) -> str:
@@ -104,11 +103,10 @@ class DecodeSignature:
         return {
             "batch_size": self.batch_size,
             "page_table_width": self.page_table_width,
-            "head": self.head,
         }
 
     def describe(self) -> str:
-        return f"decode[b{self.batch_size} w{self.page_table_width} {self.head}]"
+        return f"decode[b{self.batch_size} w{self.page_table_width}]"
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -256,7 +254,6 @@ class DecodeRuntime:
             signature=DecodeSignature(
                 batch_size=cap,
                 page_table_width=width,
-                head="argmax" if path == "argmax" else "logits",
             ),
         )
 
@@ -336,18 +333,18 @@ class DecodeRuntime:
             raise
         return DecodeInputs(tokens=uploaded[0], positions=uploaded[1], page_table=uploaded[2])
 
-    def body(self, inputs: DecodeInputs, *, head: str) -> dict[str, torch.Tensor]:
-        """The device program: model decode plus its head (logits or argmax tokens)."""
+    def body(self, inputs: DecodeInputs) -> dict[str, torch.Tensor]:
+        """The device program: one model decode step returning logits."""
         logits = self.config.model.decode_forward(
             tokens=inputs.tokens, positions=inputs.positions, page_table=inputs.page_table
         )
-        return program_head(logits, head=head)
+        return {"logits": logits}
 
     def body_once(self, prepared: PreparedDecode) -> dict[str, torch.Tensor]:
         """Stage and run one step without touching the step state (compilation)."""
         inputs = self.stage(prepared)
         try:
-            return self.body(inputs, head=prepared.signature.head)
+            return self.body(inputs)
         finally:
             self._release(inputs)
 
@@ -355,7 +352,7 @@ class DecodeRuntime:
         """Eager step: stage, run, release the staged inputs."""
         inputs = self.stage(prepared)
         try:
-            return self.body(inputs, head=prepared.signature.head)
+            return self.body(inputs)
         finally:
             self._release(inputs)
             self.note_submitted(prepared, artifact=None)
@@ -367,9 +364,15 @@ class DecodeRuntime:
         *,
         history: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
     ) -> dict[str, torch.Tensor]:
-        """Sampling after the program; penalties read each row's prompt and output tokens."""
+        """Argmax or sampling after the program; penalties read each row's token history."""
         if prepared.path != "sample" or prepared.sampling is None:
-            return raw
+            return sample_outputs(
+                raw,
+                path=prepared.path,
+                sampling=None,
+                step_offsets=prepared.step_offsets,
+                generator=None,
+            )
         sampling = prepared.sampling
         logits = raw["logits"]
         if sampling.any_penalties and history is not None:
@@ -400,7 +403,6 @@ class DecodeRuntime:
     def capture_plan(self, prepared: PreparedDecode, *, program_key: str) -> TraceCapturePlan:
         """A plan to capture this step's program over persistent inputs with position feedback."""
         device = self.config.device
-        head = prepared.signature.head
         template = prepared
 
         def allocate_inputs() -> DecodeInputs:
@@ -414,7 +416,7 @@ class DecodeRuntime:
             self._refresh_all(inputs, template)
 
         def program(inputs: DecodeInputs) -> dict[str, torch.Tensor]:
-            out = self.body(inputs, head=head)
+            out = self.body(inputs)
             inputs.positions.add_(1)  # device position feedback for the next step
             return out
 

@@ -1,17 +1,16 @@
-"""Prefill post-processing: the program head and the sampling step after it."""
+"""Post-processing after a program: argmax or sampling over its logits.
+
+Programs (eager or traced) always return logits; choosing tokens runs after them,
+outside any trace (as vLLM samples outside CUDA graphs), so seeds and per-request
+filters are never baked into a captured program and one program serves every
+output path.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from llmrt.sampling import SamplingTensors, sample
-
-
-def program_head(logits: torch.Tensor, *, head: str) -> dict[str, torch.Tensor]:
-    """What the (traceable) program returns: raw logits or argmax tokens."""
-    if head == "argmax":
-        return {"tokens": torch.argmax(logits, dim=-1)}
-    return {"logits": logits}
 
 
 def sample_outputs(
@@ -22,9 +21,11 @@ def sample_outputs(
     step_offsets: torch.Tensor,
     generator: torch.Generator | None,
 ) -> dict[str, torch.Tensor]:
-    """Run the sampling step on the device outputs when the request samples."""
-    if path != "sample" or sampling is None:
+    """``logits`` passes through; ``argmax`` and ``sample`` turn logits into tokens."""
+    if path == "logits":
         return raw
+    if path == "argmax" or sampling is None:
+        return {"tokens": torch.argmax(raw["logits"], dim=-1)}
     result = sample(raw["logits"], sampling, step_offsets=step_offsets, generator=generator)
     out = {"tokens": result.tokens}
     if result.logprobs is not None:

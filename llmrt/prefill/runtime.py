@@ -19,7 +19,7 @@ from llmrt.errors import RequestError
 from llmrt.prefill.config import PrefillRuntimeConfig
 from llmrt.prefill.inputs import PrefillInputs, refresh, stage
 from llmrt.prefill.plan import PrefillChunk, PrefillRow, plan_prefill
-from llmrt.prefill.postprocess import program_head, sample_outputs
+from llmrt.prefill.postprocess import sample_outputs
 from llmrt.prefill.result_collector import PrefillOutput, ResultCollector
 from llmrt.prefill.sampling_helpers import (
     counts_of,
@@ -188,7 +188,7 @@ class PrefillRuntime:
     # -- execution -----------------------------------------------------------------------
 
     def body(self, inputs: PrefillInputs, signature: PrefillSignature) -> dict[str, torch.Tensor]:
-        """The device program of one step: model prefill plus the program head."""
+        """The device program of one step: model prefill returning last-token logits."""
         logits = self.config.model.prefill_forward(
             tokens=inputs.tokens,
             start_pos=inputs.start_pos,
@@ -196,7 +196,7 @@ class PrefillRuntime:
             page_table=inputs.page_table,
             last_token_index=inputs.last_token_index,
         )
-        return program_head(logits, head=signature.head)
+        return {"logits": logits}
 
     def invoke_step(
         self, chunk: PrefillChunk, signature: PrefillSignature
@@ -230,8 +230,6 @@ class PrefillRuntime:
         history: TokenHistory | None = None,
     ) -> dict[str, torch.Tensor]:
         """Sampling after the program (penalties use each row's prompt and output tokens)."""
-        if prepared.path != "sample":
-            return raw
         sampling = prepared.sampling
         if sampling is not None and sampling.any_penalties and history is not None:
             prompt, output = _history_counts(prepared, history, vocab_size=self.config.vocab_size)

@@ -25,7 +25,6 @@ class PrefillSignature:
     padded_batch: int
     padded_seq_len: int
     page_table_width: int
-    head: str  # "logits" | "argmax": what the program itself returns (sampling runs after)
 
     @property
     def operation(self) -> str:
@@ -37,13 +36,12 @@ class PrefillSignature:
             "padded_batch": self.padded_batch,
             "padded_seq_len": self.padded_seq_len,
             "page_table_width": self.page_table_width,
-            "head": self.head,
         }
 
     def describe(self) -> str:
         return (
             f"prefill[{self.variant} b{self.padded_batch} s{self.padded_seq_len} "
-            f"w{self.page_table_width} {self.head}]"
+            f"w{self.page_table_width}]"
         )
 
 
@@ -87,5 +85,4 @@ def chunk_signature(request: PrefillRequest, chunk: PrefillChunk, *, path: str) 
         padded_batch=request.padded_batch_size,
         padded_seq_len=chunk.padded_len,
         page_table_width=request.page_table_width,
-        head="argmax" if path == "argmax" else "logits",
     )

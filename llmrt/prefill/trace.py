@@ -1,7 +1,7 @@
 """Prefill trace capture plans and replay-time input refresh.
 
 A prefill trace is keyed by its program signature (padded batch, padded length,
-width, variant, head). Every replay rewrites all persistent inputs (tokens,
+width, variant). Every replay rewrites all persistent inputs (tokens,
 offsets, lengths, page table), so one chunk trace serves every chunk of a long
 request and every wave with the same padded geometry. Capture fills all physical
 rows; padding rows carry ``-1`` page tables and write nothing. Sampling runs

@@ -1,0 +1,310 @@
+"""Warmup coverage and the prefill/decode trace-capture barrier.
+
+``WarmupCoordinator.warmup_prefill`` and ``warmup_decode`` may run in either
+order. Each resolves representative inputs through the real planner, compiles
+every required program signature, registers trace capture plans for the traced
+operations, and records coverage idempotently. Capture starts only when both
+are complete; with several lanes a shared :class:`CaptureBarrier` waits until
+every lane reports identical readiness and then captures them as one step.
+Warmup inputs carry ``-1`` page tables, so warmup never writes KV.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import attrs
+import torch
+
+from llmrt.config import PageTableLayout, TraceConfig, WarmupConfig
+from llmrt.decode import PreparedDecode
+from llmrt.errors import ConfigError, IdentityError
+from llmrt.execution import EagerExecutor, TracedExecutor
+from llmrt.lifecycle import component_logger, emit
+from llmrt.prefill.plan import PrefillRow
+from llmrt.prefill.signatures import PreparedPrefill
+
+MANIFEST_SCHEMA = 1
+
+
+@attrs.frozen(kw_only=True)
+class PrefillCoverage:
+    """One representative prefill geometry: padded length, physical batch, variant."""
+
+    seq_len: int
+    batch_size: int
+    variant: str  # "regular" | "chunked"
+
+
+@attrs.frozen(kw_only=True)
+class WarmupCoordinatorConfig:
+    """Resolved warmup coverage for one lane."""
+
+    warmup: WarmupConfig
+    trace: TraceConfig
+    prefill_coverage: tuple[PrefillCoverage, ...]
+    layout: PageTableLayout
+    lane_capacity: int
+    lane: int = 0
+
+    @classmethod
+    def resolve(
+        cls,
+        *,
+        warmup: WarmupConfig,
+        trace: TraceConfig,
+        execution: EagerExecutor | TracedExecutor,
+        lane: int = 0,
+    ) -> WarmupCoordinatorConfig:
+        prefill = execution.prefill.config
+        policy = prefill.policy
+        for i, n in enumerate(warmup.prefill_seq_lens):
+            if n > policy.max_chunk_size:
+                raise ConfigError(
+                    f"warmup.prefill_seq_lens[{i}]",
+                    n,
+                    f"exceeds prefill.max_chunk_size={policy.max_chunk_size}",
+                )
+            if policy.buckets.pad(n) != n:
+                raise ConfigError(
+                    f"warmup.prefill_seq_lens[{i}]",
+                    n,
+                    f"is not a padded length of the {policy.buckets.kind} buckets "
+                    f"(would pad to {policy.buckets.pad(n)})",
+                )
+        for i, b in enumerate(warmup.prefill_batch_sizes):
+            if b > policy.max_batch_size or b > policy.lane_capacity:
+                raise ConfigError(
+                    f"warmup.prefill_batch_sizes[{i}]",
+                    b,
+                    f"exceeds prefill.max_batch_size={policy.max_batch_size} or the lane "
+                    f"capacity {policy.lane_capacity}",
+                )
+        shortest = min(warmup.prefill_seq_lens)
+        coverage: list[PrefillCoverage] = []
+        for n in warmup.prefill_seq_lens:
+            # The Q128 rule: configured batch sizes denote physical waves at the shortest
+            # length; other lengths use single-row coverage.
+            for b in warmup.prefill_batch_sizes if n == shortest else (1,):
+                coverage.append(PrefillCoverage(seq_len=n, batch_size=b, variant="regular"))
+        if trace.enabled:
+            # Once traces are active the compile gate is closed, so every single-row geometry
+            # the planner can produce (each bucket length, with and without a cached prefix)
+            # must be compiled now, whether that operation replays a trace or runs eagerly.
+            limit = prefill.layout.max_sequence_length - prefill.layout.block_size
+            for n in policy.buckets.lengths():
+                coverage.append(PrefillCoverage(seq_len=n, batch_size=1, variant="regular"))
+                if n <= limit:
+                    coverage.append(PrefillCoverage(seq_len=n, batch_size=1, variant="chunked"))
+        coverage = sorted(set(coverage), key=lambda c: (c.variant, c.seq_len, c.batch_size))
+        return cls(
+            warmup=warmup,
+            trace=trace,
+            prefill_coverage=tuple(coverage),
+            layout=prefill.layout,
+            lane_capacity=prefill.lane_capacity,
+            lane=lane,
+        )
+
+
+@attrs.frozen(kw_only=True)
+class CoverageManifest:
+    """Immutable record of what a lane compiled and captured (sorted: order-independent)."""
+
+    eager_programs: tuple[tuple[str, str], ...]
+    traced_programs: tuple[str, ...]
+    trace_signatures: tuple[str, ...]
+    aliases: tuple[tuple[str, str], ...]
+    schema_fingerprint: str
+    workspace_fingerprint: str
+
+    def to_dict(self) -> dict[str, object]:
+        return attrs.asdict(self, retain_collection_types=False)
+
+
+def _fingerprint(material: object) -> str:
+    blob = json.dumps(material, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+class CaptureBarrier:
+    """Defers capture until every lane is ready, then captures all lanes together."""
+
+    def __init__(self, *, lanes: int) -> None:
+        self.lanes = lanes
+        self._ready: dict[int, WarmupCoordinator] = {}
+        self.captured = False
+
+    def report(self, coordinator: WarmupCoordinator) -> bool:
+        """Record one lane's readiness; capture everything once all lanes agree."""
+        self._ready[coordinator.config.lane] = coordinator
+        if self.captured or len(self._ready) < self.lanes:
+            return self.captured
+        prints = {lane: c.readiness() for lane, c in sorted(self._ready.items())}
+        first = next(iter(prints.values()))
+        for lane, fp in prints.items():
+            if fp != first:
+                raise IdentityError(
+                    "every lane reports identical warmup readiness",
+                    self._ready[0],
+                    self._ready[lane],
+                )
+        for _, coordinator_ in sorted(self._ready.items()):
+            coordinator_.capture_now()
+        self.captured = True
+        return True
+
+
+class WarmupCoordinator:
+    """Compiles one lane's coverage and triggers trace capture at the barrier."""
+
+    def __init__(
+        self,
+        config: WarmupCoordinatorConfig,
+        *,
+        execution: EagerExecutor | TracedExecutor,
+        barrier: CaptureBarrier | None = None,
+    ) -> None:
+        self.config = config
+        self.execution = execution
+        self.barrier = barrier if barrier is not None else CaptureBarrier(lanes=1)
+        self._prefill_done = False
+        self._decode_done = False
+        self._captured = False
+        self._log = component_logger("warmup", lane=config.lane, object_id=f"{id(self):#x}")
+
+    @property
+    def ready(self) -> bool:
+        return self._prefill_done and self._decode_done
+
+    @property
+    def captured(self) -> bool:
+        return self._captured
+
+    @property
+    def _eager(self) -> EagerExecutor:
+        ex = self.execution
+        return ex.eager_executor if isinstance(ex, TracedExecutor) else ex
+
+    # -- warmup --------------------------------------------------------------------------
+
+    def warmup_prefill(self) -> None:
+        if not self._prefill_done:
+            for cov in self.config.prefill_coverage:
+                self.execution.compile_prefill(self._representative_prefill(cov))
+            self._prefill_done = True
+            emit(
+                self._log,
+                "warmup.completed",
+                operation="prefill",
+                geometries=len(self.config.prefill_coverage),
+            )
+        self._maybe_capture()
+
+    def warmup_decode(self) -> None:
+        if not self._decode_done:
+            self.execution.compile_decode(self._representative_decode())
+            self._decode_done = True
+            emit(self._log, "warmup.completed", operation="decode")
+        self._maybe_capture()
+
+    def _maybe_capture(self) -> None:
+        if self.ready and self.config.trace.enabled and not self._captured:
+            emit(self._log, "lane.ready", lane=self.config.lane, readiness=self.readiness())
+            self.barrier.report(self)
+
+    def capture_now(self) -> None:
+        """Capture this lane's registered traces (called by the barrier)."""
+        if self._captured or not isinstance(self.execution, TracedExecutor):
+            self._captured = True
+            return
+        self.execution.capture_all()
+        self._captured = True
+
+    # -- representative inputs -----------------------------------------------------------
+
+    def _representative_prefill(self, cov: PrefillCoverage) -> PreparedPrefill:
+        runtime = self._eager.prefill
+        bs = self.config.layout.block_size
+        cached = bs if cov.variant == "chunked" else 0
+        length = cached + cov.seq_len
+        per_row = -(-length // bs)
+        rows = [
+            PrefillRow(
+                source_row=i,
+                tokens=torch.zeros(length, dtype=torch.int64),
+                cached_tokens=cached,
+                slot=i,
+                block_ids=tuple(range(i * per_row, (i + 1) * per_row)),
+            )
+            for i in range(cov.batch_size)
+        ]
+        prepared = runtime.prepare(rows=rows)
+        return _without_kv_writes(prepared)
+
+    def _representative_decode(self) -> PreparedDecode:
+        runtime = self._eager.decode
+        cap = self.config.lane_capacity
+        table = torch.zeros((cap, 1), dtype=torch.int32)
+        prepared = runtime.prepare(
+            tokens=torch.zeros(cap, dtype=torch.int64),
+            start_pos=torch.zeros(cap, dtype=torch.int32),
+            page_table=table,
+            reset_batch=True,
+        )
+        return attrs.evolve(prepared, page_table=torch.full_like(prepared.page_table, -1))
+
+    # -- coverage ------------------------------------------------------------------------
+
+    def readiness(self) -> str:
+        """Fingerprint of what this lane compiled and registered (lane-independent)."""
+        m = self.manifest()
+        return _fingerprint([m.eager_programs, m.traced_programs, m.trace_signatures, m.aliases])
+
+    def manifest(self) -> CoverageManifest:
+        """The coverage manifest, read from the authoritative registries."""
+        compiler = self._eager.program_compiler
+        programs = tuple(sorted((p.description, p.key) for p in compiler.programs.values()))
+        traced: list[str] = []
+        signatures: list[str] = []
+        aliases: list[tuple[str, str]] = []
+        if isinstance(self.execution, TracedExecutor):
+            for trace_key, artifact in self.execution.trace_compiler.artifacts.items():
+                signatures.append(trace_key)
+                traced.extend(artifact.program_keys)
+                aliases.extend((p, trace_key) for p in artifact.program_keys[1:])
+        layout = self.config.layout
+        return CoverageManifest(
+            eager_programs=programs,
+            traced_programs=tuple(sorted(traced)),
+            trace_signatures=tuple(sorted(signatures)),
+            aliases=tuple(sorted(aliases)),
+            schema_fingerprint=_fingerprint(
+                {"schema": MANIFEST_SCHEMA, "programs": [k for _, k in programs]}
+            ),
+            workspace_fingerprint=_fingerprint(
+                {
+                    "block_size": layout.block_size,
+                    "num_blocks": layout.num_blocks,
+                    "width": layout.width,
+                    "lane_capacity": self.config.lane_capacity,
+                    "trace": self.config.trace.mode,
+                }
+            ),
+        )
+
+
+def _without_kv_writes(prepared: PreparedPrefill) -> PreparedPrefill:
+    """The same prepared call with every page table set to ``-1`` (no KV reads or writes)."""
+    requests = []
+    for req in prepared.requests:
+        chunks = tuple(
+            attrs.evolve(c, page_table=torch.full_like(c.page_table, -1))
+            for c in req.request.chunks
+        )
+        request = attrs.evolve(
+            req.request, chunks=chunks, page_table=torch.full_like(req.request.page_table, -1)
+        )
+        requests.append(attrs.evolve(req, request=request))
+    return attrs.evolve(prepared, requests=tuple(requests))
