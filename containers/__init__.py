@@ -1,0 +1,19 @@
+"""Dependency-injection containers (installed as ``llmrt.containers``)."""
+
+from .runtime import (
+    DeviceContainer,
+    LaneContainer,
+    ModelContainer,
+    RuntimeContainer,
+    build_lane_group,
+    build_lanes,
+)
+
+__all__ = [
+    "DeviceContainer",
+    "LaneContainer",
+    "ModelContainer",
+    "RuntimeContainer",
+    "build_lane_group",
+    "build_lanes",
+]

@@ -295,7 +295,9 @@ class DecodeRuntime:
                 row=r,
             )
         current = table.gather(1, needed.clamp(max=table.shape[1] - 1).unsqueeze(1)).squeeze(1)
-        unmapped = (current < 0).nonzero()
+        # A row whose page table is all -1 is an inert padding row (no write, output ignored).
+        live = (table >= 0).any(dim=1)
+        unmapped = ((current < 0) & live).nonzero()
         if unmapped.numel():
             r = int(unmapped[0, 0])
             raise RequestError(
@@ -554,6 +556,9 @@ class DecodeRuntime:
         lease.released = True
         self._leases.pop(id(lease), None)
         emit(self._log, "lease.released", rows=lease.active_rows)
+
+    def owns_lease(self, lease: DecodeOutputLease) -> bool:
+        return self._leases.get(id(lease)) is lease
 
     @property
     def outstanding_leases(self) -> int:

@@ -80,6 +80,31 @@ class EagerExecutor:
 
     # -- execution -----------------------------------------------------------------------
 
+    def prepare_prefill(
+        self,
+        *,
+        rows: Sequence[PrefillRow],
+        sampling_params: ParamsArg = None,
+        step_offsets: Sequence[int] | None = None,
+    ) -> PreparedPrefill:
+        return self.prefill.prepare(
+            rows=rows, sampling_params=sampling_params, step_offsets=step_offsets
+        )
+
+    def preflight_prefill(self, prepared: PreparedPrefill) -> None:
+        """Raise ``CompileGateClosed`` before any KV write if a step could not run."""
+        for signature in prepared.signatures():
+            self.program_compiler.check_runnable(signature)
+
+    def run_prefill(
+        self, prepared: PreparedPrefill, *, history: TokenHistory | None = None
+    ) -> PrefillOutput:
+        raws = []
+        for request in prepared.requests:
+            raw = self.prefill.invoke(request, on_step=self.program_compiler.admit)
+            raws.append(self.prefill.finish(request, raw, history=history))
+        return self.prefill.assemble(prepared, raws)
+
     def prefill_forward(
         self,
         *,
@@ -88,16 +113,11 @@ class EagerExecutor:
         step_offsets: Sequence[int] | None = None,
         history: TokenHistory | None = None,
     ) -> PrefillOutput:
-        prepared = self.prefill.prepare(
+        prepared = self.prepare_prefill(
             rows=rows, sampling_params=sampling_params, step_offsets=step_offsets
         )
-        for signature in prepared.signatures():
-            self.program_compiler.check_runnable(signature)
-        raws = []
-        for request in prepared.requests:
-            raw = self.prefill.invoke(request, on_step=self.program_compiler.admit)
-            raws.append(self.prefill.finish(request, raw, history=history))
-        return self.prefill.assemble(prepared, raws)
+        self.preflight_prefill(prepared)
+        return self.run_prefill(prepared, history=history)
 
     def decode_forward(
         self,
@@ -202,26 +222,29 @@ class TracedExecutor:
             raise TraceCoverageError(operation, missing)
         return artifacts
 
-    def prefill_forward(
+    def prepare_prefill(
         self,
         *,
         rows: Sequence[PrefillRow],
         sampling_params: ParamsArg = None,
         step_offsets: Sequence[int] | None = None,
-        history: TokenHistory | None = None,
-    ) -> PrefillOutput:
-        if not self.trace_config.prefill_enabled:
-            return self.eager_executor.prefill_forward(
-                rows=rows,
-                sampling_params=sampling_params,
-                step_offsets=step_offsets,
-                history=history,
-            )
-        prepared = self.prefill.prepare(
+    ) -> PreparedPrefill:
+        return self.eager_executor.prepare_prefill(
             rows=rows, sampling_params=sampling_params, step_offsets=step_offsets
         )
-        # Preflight the complete public call before the first KV write.
+
+    def preflight_prefill(self, prepared: PreparedPrefill) -> None:
+        """Every step of the complete call has a captured trace (or eager is selected)."""
+        if not self.trace_config.prefill_enabled:
+            self.eager_executor.preflight_prefill(prepared)
+            return
         self._preflight("prefill", [sig for r in prepared.requests for sig in r.signatures])
+
+    def run_prefill(
+        self, prepared: PreparedPrefill, *, history: TokenHistory | None = None
+    ) -> PrefillOutput:
+        if not self.trace_config.prefill_enabled:
+            return self.eager_executor.run_prefill(prepared, history=history)
         raws = []
         for request in prepared.requests:
             steps = self._preflight("prefill", list(request.signatures))
@@ -231,6 +254,21 @@ class TracedExecutor:
             raw = self.prefill.finish_trace(request, outputs)
             raws.append(self.prefill.finish(request, raw, history=history))
         return self.prefill.assemble(prepared, raws)
+
+    def prefill_forward(
+        self,
+        *,
+        rows: Sequence[PrefillRow],
+        sampling_params: ParamsArg = None,
+        step_offsets: Sequence[int] | None = None,
+        history: TokenHistory | None = None,
+    ) -> PrefillOutput:
+        prepared = self.prepare_prefill(
+            rows=rows, sampling_params=sampling_params, step_offsets=step_offsets
+        )
+        # Preflight the complete public call before the first KV write.
+        self.preflight_prefill(prepared)
+        return self.run_prefill(prepared, history=history)
 
     def _prefill_refresh(self, chunk: PrefillChunk) -> Callable[[Any, TraceArtifact], None]:
         def refresh(inputs: Any, _artifact: TraceArtifact) -> None:

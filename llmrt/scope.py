@@ -24,7 +24,7 @@ T = TypeVar("T")
 @attrs.define(kw_only=True, eq=False)
 class _Entry:
     name: str
-    close: Callable[[], None]
+    close: Callable[[], object]
     scope: LifetimeScope | None = None
 
 
@@ -50,7 +50,7 @@ class LifetimeScope:
     def closed(self) -> bool:
         return self._closed
 
-    def own(self, name: str, obj: T, close: Callable[[], None] | None = None) -> T:
+    def own(self, name: str, obj: T, close: Callable[[], object] | None = None) -> T:
         """Record ``obj`` as created now; ``close`` runs at teardown (None: nothing to release)."""
         if self._closed:
             raise RuntimeError(f"scope {self.path} is closed; cannot own {name}")

@@ -174,6 +174,11 @@ class WarmupCoordinator:
         self._captured = False
         self._log = component_logger("warmup", lane=config.lane, object_id=f"{id(self):#x}")
 
+    def configure_page_table_layout(self, layout: PageTableLayout) -> None:
+        """Adopt the late physical layout (shrink only) before any warmup ran."""
+        self.config.layout.check_replacement(layout)
+        self.config = attrs.evolve(self.config, layout=layout)
+
     @property
     def ready(self) -> bool:
         return self._prefill_done and self._decode_done
