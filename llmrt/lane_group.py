@@ -182,9 +182,9 @@ class LaneGroupExecutor:
             )
         outputs: list[tuple[int, DecodeOutput | DecodeOutputLease]] = []
         for lane_index, (lane, t) in enumerate(zip(self.lanes, self._split(tok), strict=True)):
-            if t.numel() == 0:
-                continue
             lo, hi = lane_index * cap, lane_index * cap + t.numel()
+            if t.numel() == 0 or bool((table[lo:hi] < 0).all()):
+                continue  # no live row on this lane: nothing to run there
             outputs.append(
                 (
                     lane_index,
@@ -313,3 +313,45 @@ def _concat(outs: Sequence[DecodeOutput]) -> DecodeOutput:
     return DecodeOutput(
         tokens=cat("tokens"), logits=cat("logits"), logprobs=cat("logprobs"), top_logprobs=tops
     )
+
+
+def _scatter_lanes(
+    outs: Sequence[tuple[int, DecodeOutput]], *, rows: int, cap: int
+) -> DecodeOutput:
+    """Place each lane's rows at its global slots; rows of skipped lanes are zero."""
+    if len(outs) == 1 and outs[0][0] == 0:
+        return outs[0][1]
+
+    def place(name: str) -> torch.Tensor | None:
+        values = [(i, getattr(o, name)) for i, o in outs]
+        if not values or any(v is None for _, v in values):
+            return None
+        first = values[0][1]
+        result = first.new_zeros((rows, *first.shape[1:]))
+        for lane_index, value in values:
+            result[lane_index * cap : lane_index * cap + value.shape[0]] = value
+        return result
+
+    tops = None
+    if outs and all(o.top_logprobs is not None for _, o in outs):
+        values = place_pair(outs, rows=rows, cap=cap)
+        tops = values
+    return DecodeOutput(
+        tokens=place("tokens"),
+        logits=place("logits"),
+        logprobs=place("logprobs"),
+        top_logprobs=tops,
+    )
+
+
+def place_pair(
+    outs: Sequence[tuple[int, DecodeOutput]], *, rows: int, cap: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    firsts = [(i, o.top_logprobs) for i, o in outs if o.top_logprobs is not None]
+    v0, i0 = firsts[0][1]
+    values = v0.new_zeros((rows, *v0.shape[1:]))
+    ids = i0.new_zeros((rows, *i0.shape[1:]))
+    for lane_index, (v, i) in firsts:
+        values[lane_index * cap : lane_index * cap + v.shape[0]] = v
+        ids[lane_index * cap : lane_index * cap + i.shape[0]] = i
+    return values, ids

@@ -1,0 +1,230 @@
+"""The ``llmrt`` command: generate, bench, recipes, warmup, audit."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from llmrt.errors import LLMRTError
+
+DEFAULT_RECIPE = "smollm2-135m"
+USER_ERRORS: tuple[type[BaseException], ...] = (LLMRTError, FileNotFoundError)
+
+
+def _add_recipe_args(p: argparse.ArgumentParser, *, default: str | None = DEFAULT_RECIPE) -> None:
+    p.add_argument(
+        "recipe",
+        nargs="?" if default else None,
+        default=default,
+        help=f"bundled recipe name or YAML path (default: {default})",
+    )
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a recipe field by dotted path, e.g. --set trace.mode=all",
+    )
+    p.add_argument("--audit-log", metavar="FILE", help="write the lifecycle log as JSON lines")
+    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="llmrt", description="A declarative LLM inference runtime."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text for prompts with a recipe")
+    _add_recipe_args(gen)
+    src = gen.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", action="append", help="a text prompt (repeat for several)")
+    src.add_argument(
+        "--prompt-ids",
+        action="append",
+        metavar="1,2,3",
+        help="a prompt as comma-separated token ids (repeat for several)",
+    )
+    src.add_argument("--chat", help="one user message, formatted with the model's chat template")
+    gen.add_argument("--max-new-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
+
+    bench = sub.add_parser("bench", help="measure throughput and latency on a workload")
+    _add_recipe_args(bench)
+    bench.add_argument(
+        "--workload", choices=["mixed", "shared-prefix", "decode", "prefill"], default="mixed"
+    )
+    bench.add_argument(
+        "--baseline",
+        choices=["hf", "none"],
+        default="none",
+        help="also run Hugging Face transformers on the same weights and workload",
+    )
+    bench.add_argument("--num-prompts", type=int, default=None)
+    bench.add_argument("--json", action="store_true")
+    bench.add_argument("--plot", metavar="FILE.png", help="write a latency plot")
+
+    recipes = sub.add_parser("recipes", help="list, show or validate recipes")
+    rsub = recipes.add_subparsers(dest="recipes_command", required=True)
+    rsub.add_parser("list", help="bundled recipe names")
+    for name in ("show", "validate"):
+        rp = rsub.add_parser(name, help=f"{name} a recipe (name or path)")
+        rp.add_argument("recipe")
+        rp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+
+    warm = sub.add_parser("warmup", help="build, warm and print the coverage manifest")
+    _add_recipe_args(warm)
+    warm.add_argument("--json", action="store_true")
+
+    audit = sub.add_parser("audit", help="check a JSON-lines lifecycle log against the contract")
+    audit.add_argument("file")
+    audit.add_argument("--json", action="store_true")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return _dispatch(args)
+    except USER_ERRORS as exc:
+        print(f"llmrt: error: {_one_line(exc)}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("llmrt: interrupted", file=sys.stderr)
+        return 130
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "recipes":
+        return _recipes(args)
+    if args.command == "audit":
+        from llmrt.audit import audit_file
+
+        return audit_file(args.file, as_json=args.json)
+    from llmrt.lifecycle import configure_logging
+
+    configure_logging(level=args.log_level, audit_path=args.audit_log)
+    if args.command == "generate":
+        return _generate(args)
+    if args.command == "bench":
+        from llmrt.bench import run_bench
+
+        return run_bench(args)
+    if args.command == "warmup":
+        return _warmup(args)
+    raise AssertionError(args.command)
+
+
+def _recipes(args: argparse.Namespace) -> int:
+    from llmrt.recipe import dump_recipe_yaml, list_recipes, load_recipe
+
+    if args.recipes_command == "list":
+        for name in list_recipes():
+            recipe = load_recipe(name)
+            print(f"{name:24s} {recipe.description}")
+        return 0
+    recipe = load_recipe(args.recipe, overrides=args.overrides)
+    if args.recipes_command == "show":
+        print(dump_recipe_yaml(recipe), end="")
+    else:
+        print(f"{args.recipe}: ok ({recipe.name}, family {recipe.family})")
+    return 0
+
+
+def _sampling(args: argparse.Namespace) -> Any:
+    from llmrt.sampling_params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+    )
+
+
+def _prompt_ids(values: Sequence[str]) -> list[list[int]]:
+    from llmrt.errors import RequestError
+
+    prompts = []
+    for i, value in enumerate(values):
+        try:
+            prompts.append([int(t) for t in value.split(",") if t.strip()])
+        except ValueError:
+            raise RequestError(
+                "--prompt-ids", "must be comma-separated integers", row=i, value=value
+            ) from None
+    return prompts
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from llmrt.serving.llm import LLM
+
+    params = _sampling(args)
+    with LLM.from_recipe(args.recipe, overrides=args.overrides) as llm:
+        if args.chat is not None:
+            prompts: list[Any] = [
+                llm.tokenizer.encode(
+                    llm.tokenizer.apply_chat_template([{"role": "user", "content": args.chat}]),
+                    add_special_tokens=False,
+                )
+            ]
+        elif args.prompt_ids:
+            prompts = _prompt_ids(args.prompt_ids)
+        else:
+            prompts = list(args.prompt)
+        if args.json:
+            for out in llm.generate(prompts, params):
+                print(json.dumps(out.to_json(), ensure_ascii=False), flush=True)
+            return 0
+        stream_text = sys.stdout.isatty() and len(prompts) == 1
+        if stream_text:
+            for event in llm.stream(prompts, params):
+                print(event.text, end="", flush=True)
+            print()
+            return 0
+        for out in llm.generate(prompts, params):
+            if len(prompts) > 1:
+                print(f"--- prompt {out.index} ({out.finish_reason})")
+            print(out.text, flush=True)
+    return 0
+
+
+def _warmup(args: argparse.Namespace) -> int:
+    from llmrt.serving.llm import LLM
+
+    with LLM.from_recipe(args.recipe, overrides=args.overrides) as llm:
+        manifests = [lane.manifest().to_dict() for lane in llm.engine.executor.lanes]
+        if args.json:
+            print(json.dumps({"recipe": llm.recipe.name, "lanes": manifests}, indent=2))
+            return 0
+        for lane, manifest in enumerate(manifests):
+            programs = manifest["eager_programs"]
+            print(
+                f"lane {lane}: {len(programs)} programs, "  # type: ignore[arg-type]
+                f"{len(manifest['trace_signatures'])} traces "  # type: ignore[arg-type]
+                f"(schema {manifest['schema_fingerprint']}, "
+                f"workspace {manifest['workspace_fingerprint']})"
+            )
+            for description, key in programs:  # type: ignore[attr-defined]
+                traced = "traced" if key in manifest["traced_programs"] else "eager"  # type: ignore[operator]
+                print(f"  {description:40s} {traced:6s} {key[:16]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,304 @@
+"""The serving engine: scheduler steps driven through the lane group.
+
+One ``step`` runs the scheduler's plan: a decode over the fixed-capacity slot
+batch for every request that has its first token, then one prefill call (the
+runtime's planner batches compatible rows into padded waves and chunks the
+rest) for the requests admitted or still prefilling. Finished requests give
+back their slot and blocks immediately.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator, Sequence
+
+import attrs
+import torch
+
+from llmrt.decode import DecodeOutput
+from llmrt.errors import RequestError
+from llmrt.lane_group import LaneGroupExecutor
+from llmrt.prefill.plan import PrefillRow
+from llmrt.sampling_params import SamplingParams
+from llmrt.serving.block_pool import BlockAllocator
+from llmrt.serving.request import Request, RequestStatus
+from llmrt.serving.scheduler import PrefillWork, Scheduler, SchedulerConfig
+from llmrt.weights.tokenizer import DetokenizerStream, Tokenizer
+
+
+@attrs.frozen(kw_only=True)
+class TokenEvent:
+    """One generated token of one request (what a stream yields)."""
+
+    index: int
+    request_id: str
+    token_id: int
+    text: str
+    finished: bool
+    finish_reason: str | None
+
+
+@attrs.frozen(kw_only=True)
+class EngineStats:
+    prefill_tokens_computed: int
+    prefix_hit_tokens: int
+    prefix_queried_tokens: int
+    preemptions: int
+    steps: int
+
+
+class Engine:
+    """Drives one lane group with a continuous-batching scheduler (borrows the group)."""
+
+    def __init__(
+        self,
+        *,
+        executor: LaneGroupExecutor,
+        tokenizer: Tokenizer,
+        num_blocks: Sequence[int],
+        block_size: int,
+        prefix_caching: bool,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        max_num_seqs: int,
+    ) -> None:
+        self.executor = executor
+        self.tokenizer = tokenizer
+        allocators = [
+            BlockAllocator(
+                num_blocks=n, block_size=block_size, enable_prefix_caching=prefix_caching
+            )
+            for n in num_blocks
+        ]
+        self.scheduler = Scheduler(
+            config=SchedulerConfig(
+                num_lanes=len(executor.lanes),
+                lane_capacity=executor.lane_capacity,
+                block_size=block_size,
+                max_num_batched_tokens=max_num_batched_tokens,
+                max_model_len=max_model_len,
+                max_num_seqs=max_num_seqs,
+            ),
+            allocators=allocators,
+        )
+        self.width = executor.lanes[0].layout.width
+        self._ids = itertools.count()
+        self._streams: dict[str, DetokenizerStream] = {}
+        self._steps = 0
+        self._preemptions = 0
+        self._prefill_tokens = 0
+
+    # -- requests ------------------------------------------------------------------------
+
+    def add_request(
+        self, *, prompt_token_ids: Sequence[int], params: SamplingParams, index: int
+    ) -> Request:
+        ids = tuple(int(t) for t in prompt_token_ids)
+        if not ids:
+            raise RequestError("prompt", "is empty", row=index)
+        vocab = self.executor.lanes[0].decode.config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestError(
+                "prompt_token_ids", f"token id out of range [0, {vocab})", row=index, value=bad[0]
+            )
+        request = Request(
+            request_id=f"req-{next(self._ids)}",
+            index=index,
+            prompt_token_ids=ids,
+            params=params,
+            arrival=index,
+        )
+        self.scheduler.add(request)
+        self._streams[request.request_id] = self.tokenizer.stream()
+        return request
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    def stats(self) -> EngineStats:
+        hit = sum(a.prefix_cache_stats.hit_tokens for a in self.scheduler.allocators)
+        queried = sum(a.prefix_cache_stats.queried_tokens for a in self.scheduler.allocators)
+        return EngineStats(
+            prefill_tokens_computed=self._prefill_tokens,
+            prefix_hit_tokens=hit,
+            prefix_queried_tokens=queried,
+            preemptions=self._preemptions,
+            steps=self._steps,
+        )
+
+    # -- stepping ------------------------------------------------------------------------
+
+    def step(self) -> list[TokenEvent]:
+        """One scheduler step; returns the tokens it produced."""
+        plan = self.scheduler.schedule()
+        self._steps += 1
+        self._preemptions += len(plan.preempted)
+        events: list[TokenEvent] = []
+        if plan.decode:
+            events.extend(self._decode(plan.decode))
+        if plan.prefill:
+            events.extend(self._prefill(plan.prefill))
+        return events
+
+    def run(self) -> Iterator[TokenEvent]:
+        """Step until every request finished."""
+        while self.has_work:
+            yield from self.step()
+
+    def _history(
+        self, requests: Sequence[Request | None]
+    ) -> list[tuple[Sequence[int], Sequence[int]]] | None:
+        if not any(r is not None and r.params.has_penalties for r in requests):
+            return None
+        return [
+            ((), ()) if r is None else (r.prompt_token_ids, r.output_token_ids) for r in requests
+        ]
+
+    def _prefill(self, work: Sequence[PrefillWork]) -> list[TokenEvent]:
+        rows = []
+        for i, w in enumerate(work):
+            tokens = torch.tensor(w.request.all_token_ids[: w.end], dtype=torch.int64)
+            n_blocks = -(-w.end // self.scheduler.config.block_size)
+            rows.append(
+                PrefillRow(
+                    source_row=i,
+                    tokens=tokens,
+                    cached_tokens=w.start,
+                    slot=int(w.request.slot or 0),
+                    block_ids=w.block_ids[:n_blocks],
+                )
+            )
+            self._prefill_tokens += w.end - w.start
+            w.request.prefill_tokens_computed += w.end - w.start
+        params = [w.request.params for w in work]
+        out = self.executor.prefill_forward(
+            rows=rows,
+            sampling_params=params,
+            step_offsets=[len(w.request.output_token_ids) for w in work],
+            history=self._history([w.request for w in work]),
+        )
+        events = []
+        for i, w in enumerate(work):
+            request = w.request
+            request.num_computed_tokens = w.end
+            allocator = self.scheduler.allocator_of(request)
+            allocator.cache_blocks(
+                request_id=request.request_id, token_ids=request.all_token_ids[: w.end]
+            )
+            if not w.completes_prompt:
+                continue
+            request.status = RequestStatus.DECODING
+            if out.tokens is None:
+                raise RuntimeError("prefill returned no tokens")
+            events.append(
+                self._accept(request, int(out.tokens[i]), out.logprobs, i, out.top_logprobs)
+            )
+        return events
+
+    def _decode(self, requests: Sequence[Request]) -> list[TokenEvent]:
+        cap = self.scheduler.config.capacity
+        by_slot: list[Request | None] = [None] * cap
+        for r in requests:
+            by_slot[int(r.slot or 0)] = r
+        last = max(int(r.slot or 0) for r in requests) + 1
+        tokens = torch.zeros(last, dtype=torch.int64)
+        positions = torch.zeros(last, dtype=torch.int32)
+        table = torch.full((last, self.width), -1, dtype=torch.int32)
+        params: list[SamplingParams | None] = [None] * last
+        offsets = [0] * last
+        for slot in range(last):
+            held = by_slot[slot]
+            if held is None:
+                continue
+            tokens[slot] = held.output_token_ids[-1]
+            positions[slot] = held.num_tokens - 1
+            blocks = self.scheduler.block_table(held)
+            table[slot, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+            params[slot] = held.params
+            offsets[slot] = len(held.output_token_ids)
+        out = self.executor.decode_forward(
+            tokens=tokens,
+            start_pos=positions,
+            page_table=table,
+            sampling_params=params,
+            step_offsets=offsets,
+            history=self._history(by_slot[:last]),
+        )
+        if not isinstance(out, DecodeOutput) or out.tokens is None:
+            raise RuntimeError("decode returned no tokens")
+        events = []
+        for r in requests:
+            slot = int(r.slot or 0)
+            r.num_computed_tokens = r.num_tokens
+            events.append(
+                self._accept(r, int(out.tokens[slot]), out.logprobs, slot, out.top_logprobs)
+            )
+        return events
+
+    # -- outputs -------------------------------------------------------------------------
+
+    def _accept(
+        self,
+        request: Request,
+        token: int,
+        logprobs: torch.Tensor | None,
+        row: int,
+        top: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> TokenEvent:
+        now = time.perf_counter()
+        if request.first_token_time is None:
+            request.first_token_time = now
+        request.token_times.append(now)
+        request.output_token_ids.append(token)
+        if request.params.logprobs is not None and logprobs is not None:
+            request.logprobs.append(float(logprobs[row]))
+            if top is not None and request.params.logprobs:
+                n = request.params.logprobs
+                request.top_logprobs.append(
+                    {
+                        int(i): float(v)
+                        for v, i in zip(
+                            top[0][row, :n].tolist(), top[1][row, :n].tolist(), strict=True
+                        )
+                    }
+                )
+        stream = self._streams[request.request_id]
+        delta = stream.push(token)
+        request.text += delta
+        reason = self._stop_reason(request, token)
+        if reason is not None:
+            if reason == "stop_string":
+                reason = "stop"
+            else:
+                tail = stream.flush()
+                request.text += tail
+                delta += tail
+            self.scheduler.finish(request, reason)
+        return TokenEvent(
+            index=request.index,
+            request_id=request.request_id,
+            token_id=token,
+            text=delta,
+            finished=request.finished,
+            finish_reason=request.finish_reason,
+        )
+
+    def _stop_reason(self, request: Request, token: int) -> str | None:
+        params = request.params
+        if not params.ignore_eos and token in self.tokenizer.eos_token_ids:
+            return "stop"
+        if token in params.stop_token_ids:
+            return "stop"
+        for stop in params.stop:
+            at = request.text.find(stop)
+            if at >= 0:
+                request.text = request.text[:at]
+                return "stop_string"
+        if len(request.output_token_ids) >= params.max_tokens:
+            return "length"
+        if request.num_tokens >= self.scheduler.config.max_model_len:
+            return "length"
+        return None

@@ -1,0 +1,229 @@
+"""The offline Python API: ``LLM.from_recipe(...).generate(prompts, SamplingParams(...))``."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import attrs
+
+from llmrt.errors import RequestError
+from llmrt.lifecycle import component_logger, emit
+from llmrt.recipe import Overrides, Recipe, load_recipe
+from llmrt.sampling_params import SamplingParams
+from llmrt.serving.engine import Engine, EngineStats, TokenEvent
+from llmrt.serving.request import Request
+from llmrt.weights.tokenizer import Tokenizer
+
+Prompt = str | Sequence[int]
+Message = Mapping[str, Any]
+
+
+@attrs.frozen(kw_only=True)
+class RequestOutput:
+    """One finished prompt (vLLM-style fields)."""
+
+    index: int
+    prompt: str | None
+    prompt_token_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    text: str
+    finish_reason: str
+    logprobs: tuple[float, ...] | None = None
+    top_logprobs: tuple[dict[int, float], ...] | None = None
+    ttft_s: float | None = None
+    token_times: tuple[float, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "prompt_token_ids": list(self.prompt_token_ids),
+            "token_ids": list(self.token_ids),
+            "text": self.text,
+            "finish_reason": self.finish_reason,
+        }
+        if self.logprobs is not None:
+            out["logprobs"] = list(self.logprobs)
+        return out
+
+
+class LLM:
+    """A warmed runtime built from a recipe; a context manager whose ``close`` tears it down."""
+
+    def __init__(self, *, recipe: Recipe, container: Any) -> None:
+        self.recipe = recipe
+        self.container = container
+        self._closed = False
+        self._log = component_logger("llm", object_id=recipe.name)
+        try:
+            group = container.lane_group()
+            group.configure_kv_capacity()
+            group.allocate_kv_cache()
+            group.warmup_decode()
+            group.warmup_prefill()
+            self.tokenizer: Tokenizer = container.model.tokenizer()
+            self.engine = Engine(
+                executor=group,
+                tokenizer=self.tokenizer,
+                num_blocks=[lane.kv_cache.config.num_blocks or 0 for lane in group.lanes],
+                block_size=recipe.kv_cache.block_size,
+                prefix_caching=recipe.serving.prefix_caching,
+                max_num_batched_tokens=recipe.serving.max_num_batched_tokens,
+                max_model_len=min(
+                    recipe.serving.max_model_len, group.lanes[0].layout.max_sequence_length
+                ),
+                max_num_seqs=recipe.max_num_seqs,
+            )
+        except BaseException as exc:
+            self._teardown(primary=exc)
+            raise
+
+    @classmethod
+    def from_recipe(cls, name_or_path: str | Recipe, *, overrides: Overrides | None = None) -> LLM:
+        """Build, allocate and warm the runtime a recipe describes."""
+        from llmrt.containers import RuntimeContainer
+
+        recipe = (
+            name_or_path
+            if isinstance(name_or_path, Recipe)
+            else load_recipe(name_or_path, overrides=overrides)
+        )
+        return cls(recipe=recipe, container=RuntimeContainer(recipe=recipe))
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, exc_type: object, exc: BaseException | None, tb: object) -> None:
+        self.close(primary=exc)
+
+    def close(self, *, primary: BaseException | None = None) -> None:
+        """Tear everything down in reverse creation order; idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._teardown(primary=primary)
+
+    def _teardown(self, *, primary: BaseException | None) -> None:
+        self._closed = True
+        self.container.root_scope().close(primary=primary)
+        emit(self._log, "scope.exited", scope="llm")
+
+    # -- generation ----------------------------------------------------------------------
+
+    def encode(self, prompt: Prompt) -> tuple[int, ...]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise RequestError("prompt", "is empty")
+            return tuple(self.tokenizer.encode(prompt))
+        return tuple(int(t) for t in prompt)
+
+    def _submit(
+        self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None
+    ) -> list[Request]:
+        if self._closed:
+            raise RequestError("llm", "is closed")
+        if params is None:
+            per = [SamplingParams()] * len(prompts)
+        elif isinstance(params, SamplingParams):
+            per = [params] * len(prompts)
+        else:
+            per = list(params)
+            if len(per) != len(prompts):
+                raise RequestError(
+                    "sampling_params", f"has {len(per)} entries for {len(prompts)} prompts"
+                )
+        encoded = [self.encode(p) for p in prompts]
+        requests = []
+        try:
+            for i, (ids, p) in enumerate(zip(encoded, per, strict=True)):
+                requests.append(self.engine.add_request(prompt_token_ids=ids, params=p, index=i))
+        except BaseException:
+            self.engine.scheduler.abort_all()
+            raise
+        return requests
+
+    def stream(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> Iterator[TokenEvent]:
+        """Yield each generated token as soon as its step finishes."""
+        self._submit(_prompt_list(prompts), sampling_params)
+        try:
+            yield from self.engine.run()
+        except BaseException:
+            self.engine.scheduler.abort_all()
+            raise
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (strings or token-id lists); outputs in prompt order."""
+        raw = _prompt_list(prompts)
+        requests = self._submit(raw, sampling_params)
+        try:
+            for _ in self.engine.run():
+                pass
+        except BaseException:
+            self.engine.scheduler.abort_all()
+            raise
+        return [_output(r, _text(raw[r.index])) for r in requests]
+
+    def chat(
+        self,
+        messages: Sequence[Message] | Sequence[Sequence[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or several, then generate."""
+        conversations: list[Sequence[Message]]
+        if messages and isinstance(messages[0], Mapping):
+            conversations = [messages]  # type: ignore[list-item]
+        else:
+            conversations = list(messages)  # type: ignore[arg-type]
+        prompts = [
+            self.tokenizer.encode(
+                self.tokenizer.apply_chat_template(c, add_generation_prompt=True),
+                add_special_tokens=False,
+            )
+            for c in conversations
+        ]
+        return self.generate(prompts, sampling_params)
+
+    def stats(self) -> EngineStats:
+        return self.engine.stats()
+
+
+def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    """One prompt (a string or a token-id list) or many, as a list of prompts."""
+    if isinstance(prompts, str):
+        return [prompts]
+    items = list(prompts)
+    if items and all(isinstance(t, int) for t in items):
+        return [[int(t) for t in items]]  # type: ignore[arg-type]
+    return items  # type: ignore[return-value]
+
+
+def _text(prompt: Prompt) -> str | None:
+    return prompt if isinstance(prompt, str) else None
+
+
+def _output(request: Request, prompt: str | None) -> RequestOutput:
+    wants = request.params.logprobs is not None
+    ttft = None
+    if request.first_token_time is not None and request.token_times:
+        ttft = request.first_token_time
+    return RequestOutput(
+        index=request.index,
+        prompt=prompt,
+        prompt_token_ids=request.prompt_token_ids,
+        token_ids=tuple(request.output_token_ids),
+        text=request.text,
+        finish_reason=request.finish_reason or "abort",
+        logprobs=tuple(request.logprobs) if wants else None,
+        top_logprobs=tuple(request.top_logprobs) if wants and request.params.logprobs else None,
+        ttft_s=ttft,
+        token_times=tuple(request.token_times),
+    )
