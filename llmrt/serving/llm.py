@@ -8,7 +8,6 @@ from typing import Any
 import attrs
 
 from llmrt.errors import RequestError
-from llmrt.lifecycle import component_logger, emit
 from llmrt.recipe import Overrides, Recipe, load_recipe
 from llmrt.sampling_params import SamplingParams
 from llmrt.serving.engine import Engine, EngineStats, TokenEvent
@@ -53,7 +52,6 @@ class LLM:
         self.recipe = recipe
         self.container = container
         self._closed = False
-        self._log = component_logger("llm", object_id=recipe.name)
         try:
             group = container.lane_group()
             group.configure_kv_capacity()
@@ -107,7 +105,6 @@ class LLM:
     def _teardown(self, *, primary: BaseException | None) -> None:
         self._closed = True
         self.container.root_scope().close(primary=primary)
-        emit(self._log, "scope.exited", scope="llm")
 
     # -- generation ----------------------------------------------------------------------
 

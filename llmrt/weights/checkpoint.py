@@ -1,0 +1,248 @@
+"""`Checkpoint` and `load_checkpoint`: model weights, config and tokenizer in Hugging Face form.
+
+Every format (seeded random, a Hugging Face safetensors directory, a GGUF file) yields the same
+thing: a `config.json`-style dict with `model_type`, float32 CPU tensors under Hugging Face
+parameter names, and a `Tokenizer` when the source has one. When the caller (a model family)
+supplies `expected_tensors`, the checkpoint is checked against it before it is returned:
+a missing or mis-shaped tensor is a `CheckpointError` naming it, never a partial checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Collection, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import attrs
+import torch
+
+from llmrt.errors import CheckpointError, ConfigError, LLMRTError
+from llmrt.weights.cache import default_cache_dir
+from llmrt.weights.gguf import load_gguf
+from llmrt.weights.package_data import package_file
+from llmrt.weights.random import random_config, random_tensors
+from llmrt.weights.safetensors_dir import read_safetensors_dir
+from llmrt.weights.tokenizer import (
+    BYTE_BOS_TOKEN_ID,
+    BYTE_EOS_TOKEN_ID,
+    BYTE_VOCAB_SIZE,
+    Tokenizer,
+    byte_tokenizer,
+)
+
+CheckpointFormat = Literal["random", "safetensors", "gguf"]
+ExpectedTensors = Callable[[dict[str, Any]], Mapping[str, tuple[int, ...]]]
+OptionalTensors = Callable[[dict[str, Any]], Collection[str]]
+
+_log = logging.getLogger(__name__)
+
+
+def _has_model_type(instance: Any, attribute: attrs.Attribute[Any], value: dict[str, Any]) -> None:
+    if not isinstance(value.get("model_type"), str):
+        raise CheckpointError("config.model_type", f"missing field in checkpoint {instance.source}")
+
+
+def _float32_cpu(
+    instance: Any, attribute: attrs.Attribute[Any], value: dict[str, torch.Tensor]
+) -> None:
+    for name, tensor in value.items():
+        if tensor.dtype != torch.float32 or tensor.device.type != "cpu":
+            reason = f"must be float32 on CPU, got {tensor.dtype} on {tensor.device}"
+            raise CheckpointError(name, reason)
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class Checkpoint:
+    """A loaded checkpoint; owns its tensors (float32, CPU, Hugging Face names).
+
+    `hf_config` is in Hugging Face `config.json` form with `model_type` set; `source`
+    says where it came from (for logs and errors).
+    """
+
+    source: str
+    hf_config: dict[str, Any] = attrs.field(validator=_has_model_type)
+    tensors: dict[str, torch.Tensor] = attrs.field(validator=_float32_cpu)
+    tokenizer: Tokenizer | None
+
+
+def load_checkpoint(
+    *,
+    format: CheckpointFormat,
+    path: str | os.PathLike[str] | None = None,
+    package: str | None = None,
+    file: str | None = None,
+    model: Mapping[str, Any] | None = None,
+    seed: int = 0,
+    expected_tensors: ExpectedTensors | None = None,
+    optional_tensors: OptionalTensors | None = None,
+    model_types: Collection[str] | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+) -> Checkpoint:
+    """Load a checkpoint.
+
+    - `random`: `model` gives the config keys (`model_type` required); tensors are drawn
+      from `seed` for every name `expected_tensors(config)` lists (optional ones skipped);
+      the tokenizer is the byte tokenizer.
+    - `safetensors`: `path` is a local Hugging Face checkpoint directory.
+    - `gguf`: `path` is a GGUF file, or `package` + `file` name one inside an installed
+      package; the dequantized result is cached under `cache_dir` (default: `default_cache_dir()`).
+
+    `model_types` (accepted `model_type` values) and `expected_tensors` / `optional_tensors`
+    (from the model family) validate the result; tensors the family does not expect are dropped.
+    """
+    if format == "random":
+        _forbid(format, path=path, package=package, file=file)
+        return _random(
+            model=model,
+            seed=seed,
+            expected_tensors=expected_tensors,
+            optional_tensors=optional_tensors,
+            model_types=model_types,
+        )
+    if format == "safetensors":
+        _forbid(format, package=package, file=file, model=model)
+        if path is None:
+            raise ConfigError("checkpoint.path", None, "required for format 'safetensors'")
+        directory = Path(path).expanduser()
+        contents = read_safetensors_dir(directory)
+        source = f"safetensors:{directory}"
+        hf_config, tensors, tokenizer = contents.hf_config, contents.tensors, contents.tokenizer
+    elif format == "gguf":
+        _forbid(format, model=model)
+        gguf_path = _gguf_path(path=path, package=package, file=file)
+        cache_root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+        loaded = load_gguf(path=gguf_path, cache_dir=cache_root)
+        source = f"gguf:{gguf_path}"
+        hf_config, tensors, tokenizer = loaded.hf_config, loaded.tensors, loaded.tokenizer
+    else:
+        raise ConfigError(
+            "checkpoint.format", format, "must be one of 'random', 'safetensors', 'gguf'"
+        )
+    _check_model_type(hf_config, model_types)
+    if expected_tensors is not None:
+        expected = _expected(expected_tensors, optional_tensors, hf_config)
+        tensors = _conform(tensors, expected=expected, source=source)
+    return Checkpoint(source=source, hf_config=hf_config, tensors=tensors, tokenizer=tokenizer)
+
+
+def _random(
+    *,
+    model: Mapping[str, Any] | None,
+    seed: int,
+    expected_tensors: ExpectedTensors | None,
+    optional_tensors: OptionalTensors | None,
+    model_types: Collection[str] | None,
+) -> Checkpoint:
+    if model is None:
+        raise ConfigError("checkpoint.model", None, "required for format 'random'")
+    if expected_tensors is None:
+        raise ConfigError(
+            "checkpoint.expected_tensors", None, "required for format 'random' (tensor shapes)"
+        )
+    tokenizer = byte_tokenizer()
+    hf_config = random_config(
+        model=model,
+        vocab_size=BYTE_VOCAB_SIZE,
+        bos_token_id=BYTE_BOS_TOKEN_ID,
+        eos_token_id=BYTE_EOS_TOKEN_ID,
+    )
+    _check_model_type(hf_config, model_types)
+    expected = _expected(expected_tensors, optional_tensors, hf_config)
+    return Checkpoint(
+        source=f"random(model_type={hf_config['model_type']}, seed={seed})",
+        hf_config=hf_config,
+        tensors=random_tensors(shapes=expected.required, seed=seed),
+        tokenizer=tokenizer,
+    )
+
+
+@attrs.frozen(kw_only=True)
+class _Expected:
+    required: dict[str, tuple[int, ...]]
+    optional: dict[str, tuple[int, ...]]
+
+
+def _expected(
+    expected_tensors: ExpectedTensors,
+    optional_tensors: OptionalTensors | None,
+    hf_config: dict[str, Any],
+) -> _Expected:
+    """The family's expectations for `hf_config`; a config it cannot read is a CheckpointError."""
+    try:
+        shapes = {name: tuple(shape) for name, shape in expected_tensors(hf_config).items()}
+        optional = set(optional_tensors(hf_config)) if optional_tensors is not None else set()
+    except LLMRTError:
+        raise
+    except KeyError as exc:
+        field = exc.args[0] if exc.args else "?"
+        raise CheckpointError(f"config.{field}", "missing field the model family needs") from exc
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError("config", f"the model family cannot read it: {exc}") from exc
+    return _Expected(
+        required={n: s for n, s in shapes.items() if n not in optional},
+        optional={n: s for n, s in shapes.items() if n in optional},
+    )
+
+
+def _conform(
+    tensors: dict[str, torch.Tensor], *, expected: _Expected, source: str
+) -> dict[str, torch.Tensor]:
+    """Tensors named and shaped as `expected` (base-model prefixes restored, extras dropped)."""
+    wanted = {**expected.required, **expected.optional}
+    unprefixed = {name.split(".", 1)[1]: name for name in wanted if "." in name}
+    named: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        target = None if name in wanted else unprefixed.get(name)
+        named.setdefault(target if target is not None and target not in tensors else name, tensor)
+    missing = [name for name in expected.required if name not in named]
+    if missing:
+        listed = ", ".join(missing[1:4])
+        more = f" (and {len(missing) - 1} more: {listed}...)" if missing[1:] else ""
+        raise CheckpointError(missing[0], f"missing from {source}{more}")
+    result = {}
+    for name, shape in wanted.items():
+        if name not in named:
+            continue
+        got = tuple(named[name].shape)
+        if got != shape:
+            raise CheckpointError(name, f"shape {got} in {source}, expected {shape}")
+        result[name] = named[name]
+    dropped = sorted(set(named) - set(result))
+    if dropped:
+        _log.info("%s: ignoring %d unexpected tensors (%s...)", source, len(dropped), dropped[:3])
+    return result
+
+
+def _check_model_type(hf_config: Mapping[str, Any], model_types: Collection[str] | None) -> None:
+    model_type = hf_config.get("model_type")
+    if model_types is not None and model_type not in model_types:
+        raise CheckpointError(
+            "config.model_type",
+            f"unknown model_type {model_type!r}; expected one of {sorted(model_types)}",
+        )
+
+
+def _gguf_path(
+    *, path: str | os.PathLike[str] | None, package: str | None, file: str | None
+) -> Path:
+    if path is not None:
+        if package is not None or file is not None:
+            raise ConfigError(
+                "checkpoint.path", os.fspath(path), "give either path or package + file, not both"
+            )
+        return Path(path).expanduser()
+    if package is None or file is None:
+        raise ConfigError(
+            "checkpoint.package" if package is None else "checkpoint.file",
+            None,
+            "format 'gguf' needs path, or package and file",
+        )
+    return package_file(package=package, file=file)
+
+
+def _forbid(format: str, **given: object) -> None:
+    for key, value in given.items():
+        if value is not None:
+            raise ConfigError(f"checkpoint.{key}", value, f"not used by format {format!r}")
