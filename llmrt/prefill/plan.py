@@ -7,6 +7,11 @@ execution, chunk slices and absolute positions, and which chunk holds the final
 prompt token. The runtime consumes the plan and never re-derives these choices;
 there is no separate cached-prefill or chunked-prefill path.
 
+Rows are bucketed by padded new-token length (cached rows included), and the
+spec's rules decide per bucket: one padded wave, or one request per row. A bucket
+holding any cached row runs sequentially as a whole; cached rows are always
+chunked requests.
+
 Slots are lane-local: routing rows to lanes happens above, in the lane group.
 Tensors in a plan are CPU tensors owned by the plan; treat them as read-only
 (several values may share one storage).
@@ -16,7 +21,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, TypeGuard
 
 import attrs
 import torch
@@ -59,7 +64,7 @@ def _require(ok: bool, field: str, value: object, reason: str) -> None:
         raise ConfigError(field, value, reason)
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -217,6 +222,10 @@ class PrefillChunk:
 @attrs.frozen(kw_only=True, eq=False)
 class PrefillRequest:
     """One planned prefill execution: a single row, a padded batched wave, or chunks.
+
+    ``single``: one uncached prompt within the chunk size, one step. ``batched``: a
+    whole bucket of uncached prompts as one padded wave. ``chunked``: one cached
+    or longer-than-chunk prompt as one or more chunk steps.
 
     Logical activity lives in the tuples (one entry per active row, in batch-row
     order); tensors use the padded geometry. ``page_table`` is the full-request
@@ -499,7 +508,7 @@ def _block_error(
     owner = {b: r.source_row for r in earlier for b in r.block_ids}
     seen: set[object] = set()
     for b in ids:
-        if not _is_int(b) or not 0 <= b < policy.num_blocks:  # type: ignore[operator]
+        if not _is_int(b) or not 0 <= b < policy.num_blocks:
             reason = f"block id must be an integer in [0, {policy.num_blocks})"
             return RequestError("block_ids", reason, row=row, value=b)
         if b in seen:
