@@ -51,7 +51,15 @@ def open_device(*, recipe: Recipe, scope: LifetimeScope) -> Device:
         if spec.num_threads is not None:
             torch.set_num_threads(spec.num_threads)
         device = TorchDevice(spec.torch_device)
-    return scope.own("device", device, device.synchronize)
+    return scope.own("device", device, lambda: _close_device(device))
+
+
+def _close_device(device: Device) -> None:
+    """Drain the queue, then close what the runtime opened (a ttnn mesh it owns)."""
+    device.synchronize()
+    close = getattr(device, "close", None)
+    if callable(close):
+        close()
 
 
 def split_lanes(*, device: Device, lanes: int, scope: LifetimeScope) -> tuple[Device, ...]:

@@ -1,0 +1,1185 @@
+"""``FakeTtnn``: a recording stand-in for the ``ttnn`` module, for call-sequence tests.
+
+It mirrors the ttnn 0.81 call signatures ``TtnnDevice`` uses (``from_torch``, ``to_torch``,
+``copy_host_to_device_tensor``, ``deallocate``, ``Tensor.cpu``, events, traces, mesh mappers,
+submeshes), records every call, can fail the Nth call of a chosen name, and enforces the rules
+real Tenstorrent hardware imposes, raising ``TtnnRuleViolation`` where a chip would hang,
+corrupt memory or return garbage:
+
+- no host write (``from_torch``/``to_device``/``copy_host_to_device_tensor``), allocation,
+  read, event or synchronize inside a trace capture; host-write allocations while a trace is
+  live raise too (``allocation_while_trace_live="warn"`` only records them, as tt-metal warns);
+- a trace's tensors (what it read or created) are not deallocated before ``release_trace``;
+- the host value of a non-blocking ``Tensor.cpu`` is not read before an event recorded after
+  it is synchronized (or the device is synchronized);
+- nothing is deallocated twice and no deallocated tensor is used;
+- traces need ``trace_region_size > 0`` when the mesh is opened; captures do not nest.
+
+Device tensors hold a torch payload and implement ``__torch_function__`` and the arithmetic
+operators, so small torch programs run on them. Ops run inside a capture are recorded on the
+trace's tape; ``execute_trace`` replays the tape against the tensors' current payloads, so
+refreshed inputs change a replay's results and Python values are baked at capture, as on a
+chip. Multi-device tensors keep one logical payload plus their replicate/shard topology.
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any, Literal, NamedTuple
+
+import attrs
+import torch
+
+from llmrt.errors import ConfigError
+
+TILE_SIZE = 32
+
+
+class TtnnRuleViolation(RuntimeError):
+    """A call that real hardware does not allow; ``rule`` names the rule."""
+
+    def __init__(self, rule: str, detail: str) -> None:
+        self.rule = rule
+        self.detail = detail
+        super().__init__(f"ttnn rule violated: {rule}: {detail}")
+
+
+class InjectedTtnnFailure(RuntimeError):
+    """The failure a ``FakeTtnn`` was told to inject; the call did nothing."""
+
+    def __init__(self, *, name: str, call_number: int) -> None:
+        self.name = name
+        self.call_number = call_number
+        super().__init__(f"injected ttnn failure: {name} call #{call_number}")
+
+
+class TtnnCall(NamedTuple):
+    """One recorded API call; ``mesh_id`` is the mesh it acted on, if any."""
+
+    name: str
+    mesh_id: int | None
+    detail: str
+    injected: bool
+
+
+class DataType(enum.Enum):
+    """ttnn data types (the subset llmrt meets)."""
+
+    FLOAT32 = "FLOAT32"
+    BFLOAT16 = "BFLOAT16"
+    BFLOAT8_B = "BFLOAT8_B"
+    BFLOAT4_B = "BFLOAT4_B"
+    INT32 = "INT32"
+    UINT32 = "UINT32"
+    UINT16 = "UINT16"
+    UINT8 = "UINT8"
+    INT8 = "INT8"
+
+
+class Layout(enum.Enum):
+    """ttnn tensor layouts."""
+
+    ROW_MAJOR = "ROW_MAJOR"
+    TILE = "TILE"
+
+
+class StorageType(enum.Enum):
+    """Where a ttnn tensor lives."""
+
+    HOST = "HOST"
+    DEVICE = "DEVICE"
+
+
+_TO_TORCH: dict[DataType, torch.dtype] = {
+    DataType.FLOAT32: torch.float32,
+    DataType.BFLOAT16: torch.bfloat16,
+    DataType.BFLOAT8_B: torch.float32,
+    DataType.BFLOAT4_B: torch.float32,
+    DataType.INT32: torch.int32,
+    DataType.UINT32: torch.uint32,
+    DataType.UINT16: torch.uint16,
+    DataType.UINT8: torch.uint8,
+    DataType.INT8: torch.int8,
+}
+"""What ``to_torch`` returns per ttnn dtype (measured on ttnn 0.81.1)."""
+
+_INFERRED: dict[torch.dtype, DataType] = {
+    torch.float32: DataType.FLOAT32,
+    torch.float64: DataType.FLOAT32,
+    torch.bfloat16: DataType.BFLOAT16,
+    torch.float16: DataType.BFLOAT16,
+    torch.int64: DataType.UINT32,
+    torch.int32: DataType.INT32,
+    torch.int16: DataType.UINT16,
+    torch.uint8: DataType.UINT8,
+    torch.bool: DataType.UINT8,
+    torch.int8: DataType.INT8,
+}
+"""The ttnn dtype ``from_torch`` picks when none is given (measured on ttnn 0.81.1)."""
+
+_BLOCK_FLOATS = frozenset({DataType.BFLOAT8_B, DataType.BFLOAT4_B})
+_UNSIGNED_MASK = {DataType.UINT32: 0xFFFFFFFF, DataType.UINT16: 0xFFFF}
+
+
+class Shape(tuple[int, ...]):
+    """A ttnn shape: a tuple of ints that prints like ``Shape([2, 3])``."""
+
+    def __repr__(self) -> str:
+        return f"Shape({list(self)})"
+
+
+class MeshShape:
+    """Shape of a mesh device: ``MeshShape(1, 4)`` or ``MeshShape([1, 4])``."""
+
+    def __init__(self, *dims: int | Sequence[int]) -> None:
+        first = dims[0] if len(dims) == 1 else None
+        flat: tuple[Any, ...] = tuple(first) if isinstance(first, Sequence) else dims
+        if not flat or any(isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in flat):
+            raise TypeError(f"MeshShape: dimensions must be positive ints, got {flat!r}")
+        self._dims: tuple[int, ...] = flat
+
+    def dims(self) -> int:
+        return len(self._dims)
+
+    def mesh_size(self) -> int:
+        size = 1
+        for d in self._dims:
+            size *= d
+        return size
+
+    def __getitem__(self, index: int) -> int:
+        return self._dims[index]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._dims)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, MeshShape) and other._dims == self._dims
+
+    def __hash__(self) -> int:
+        return hash(self._dims)
+
+    def __repr__(self) -> str:
+        return f"MeshShape({list(self._dims)})"
+
+
+@attrs.frozen
+class MeshTraceId:
+    """Handle of a captured trace, as ``begin_trace_capture`` returns it."""
+
+    value: int
+
+
+@attrs.frozen(eq=False)
+class MeshEvent:
+    """A position in one mesh's command queue."""
+
+    mesh: MeshDevice
+    seq: int
+    cq_id: int
+
+
+@attrs.frozen
+class MemoryConfig:
+    """Placeholder for ttnn memory configs (accepted, not modelled)."""
+
+    name: str
+
+
+@attrs.frozen(eq=False)
+class TensorToMesh:
+    """A mesh mapper: replicate, or shard along ``dim``."""
+
+    mesh: MeshDevice
+    kind: Literal["replicate", "shard"]
+    dim: int = 0
+
+
+@attrs.frozen(eq=False)
+class MeshToTensor:
+    """A mesh composer concatenating device tensors along ``dim``."""
+
+    mesh: MeshDevice
+    dim: int
+
+
+@attrs.define(eq=False)
+class _Tape:
+    """A captured trace: the ops run inside the capture and the tensors they touched."""
+
+    trace_id: int
+    mesh: MeshDevice
+    ops: list[_TapeOp] = attrs.Factory(list)
+    inputs: dict[int, Tensor] = attrs.Factory(dict)
+    created: dict[int, Tensor] = attrs.Factory(dict)
+
+
+@attrs.frozen(eq=False)
+class _TapeOp:
+    func: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    outputs: Any
+
+
+class MeshDevice:
+    """A fake mesh (or submesh) with its own command queue, captures and traces."""
+
+    def __init__(
+        self,
+        *,
+        fake: FakeTtnn,
+        mesh_id: int,
+        shape: MeshShape,
+        trace_region_size: int,
+        parent: MeshDevice | None,
+    ) -> None:
+        self._fake = fake
+        self._id = mesh_id
+        self._shape = shape
+        self._trace_region_size = trace_region_size
+        self._parent = parent
+        self._submeshes: list[MeshDevice] = []
+        self._closed = False
+        self._seq = 0
+        self._pending: list[Tensor] = []
+        self._capture: _Tape | None = None
+        self._traces: dict[int, _Tape] = {}
+        self._trace_ids = 0
+
+    def __repr__(self) -> str:
+        return f"MeshDevice(id={self._id}, shape={list(self._shape)})"
+
+    def id(self) -> int:
+        return self._id
+
+    @property
+    def shape(self) -> MeshShape:
+        return self._shape
+
+    def get_num_devices(self) -> int:
+        return self._shape.mesh_size()
+
+    def get_submeshes(self) -> list[MeshDevice]:
+        return list(self._submeshes)
+
+    def create_submeshes(self, submesh_shape: MeshShape) -> list[MeshDevice]:
+        """Split this mesh into equal submeshes of ``submesh_shape``."""
+        self._fake._record("MeshDevice.create_submeshes", self, repr(submesh_shape))
+        self._fake._require_open(self)
+        dims, sub = list(self._shape), list(submesh_shape)
+        if len(sub) != len(dims) or any(d % s for d, s in zip(dims, sub, strict=True)):
+            raise RuntimeError(f"create_submeshes: {submesh_shape!r} does not tile {self._shape!r}")
+        count = self.get_num_devices() // submesh_shape.mesh_size()
+        made = [self._fake._new_mesh(submesh_shape, parent=self) for _ in range(count)]
+        self._submeshes.extend(made)
+        return made
+
+    def create_submesh(self, submesh_shape: MeshShape, offset: object | None = None) -> MeshDevice:
+        """One submesh of ``submesh_shape`` (``offset`` is accepted, not modelled)."""
+        self._fake._record("MeshDevice.create_submesh", self, repr(submesh_shape))
+        self._fake._require_open(self)
+        made = self._fake._new_mesh(submesh_shape, parent=self)
+        self._submeshes.append(made)
+        return made
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+
+class Tensor:
+    """A fake ttnn tensor: a torch payload plus dtype, layout, storage and mesh topology."""
+
+    def __init__(
+        self,
+        *,
+        fake: FakeTtnn,
+        payload: torch.Tensor,
+        dtype: DataType,
+        layout: Layout,
+        mesh: MeshDevice | None,
+        topology: TensorToMesh | None,
+        created_in: _Tape | None = None,
+    ) -> None:
+        self._fake = fake
+        self._payload = payload
+        self._dtype = dtype
+        self._layout = layout
+        self._mesh = mesh
+        self._topology = topology
+        self._allocated = True
+        self._pending_seq: int | None = None
+        self._created_in = created_in
+
+    def __repr__(self) -> str:
+        where = f"mesh {self._mesh.id()}" if self._mesh is not None else "host"
+        return (
+            f"ttnn.Tensor(shape={self.shape!r}, dtype={self._dtype.name}, "
+            f"layout={self._layout.name}, {where})"
+        )
+
+    # ttnn surface
+
+    @property
+    def shape(self) -> Shape:
+        dims = list(self._payload.shape)
+        topo = self._topology
+        if topo is not None and topo.kind == "shard" and dims:
+            dims[topo.dim] //= topo.mesh.get_num_devices()
+        return Shape(dims)
+
+    @property
+    def padded_shape(self) -> Shape:
+        """The stored shape: tile layout pads the last two dims (rank < 2 grows to 2) to 32."""
+        dims = list(self.shape)
+        if self._layout is Layout.TILE:
+            dims = [1] * (2 - len(dims)) + dims
+            for i in (-2, -1):
+                dims[i] = -(-dims[i] // TILE_SIZE) * TILE_SIZE
+        return Shape(dims)
+
+    @property
+    def dtype(self) -> DataType:
+        return self._dtype
+
+    @property
+    def layout(self) -> Layout:
+        return self._layout
+
+    def storage_type(self) -> StorageType:
+        return StorageType.HOST if self._mesh is None else StorageType.DEVICE
+
+    def is_allocated(self) -> bool:
+        return self._allocated
+
+    def device(self) -> MeshDevice | None:
+        return self._mesh
+
+    def cpu(self, blocking: bool = True, cq_id: int | None = None) -> Tensor:
+        """Device-to-host copy; a non-blocking copy is readable after a later event syncs."""
+        return self._fake._cpu(self, blocking=blocking, cq_id=cq_id)
+
+    def to_torch(self, mesh_composer: MeshToTensor | None = None) -> torch.Tensor:
+        """Host tensor to torch (``ttnn.to_torch`` also accepts device tensors)."""
+        self._fake._record("Tensor.to_torch", self._mesh, repr(self))
+        if self._mesh is not None:
+            raise RuntimeError("Tensor.to_torch: tensor is on device; use ttnn.to_torch")
+        return self._fake._host_value(self, mesh_composer=mesh_composer)
+
+    def deallocate(self, force: bool = True) -> None:
+        self._fake.deallocate(self, force=force)
+
+    def reshape(self, *shape: int | Sequence[int]) -> Tensor:
+        first = shape[0] if len(shape) == 1 else None
+        raw: Sequence[Any] = first if isinstance(first, Sequence) else shape
+        dims = tuple(int(d) for d in raw)
+        if self._mesh is None:
+            return Tensor(
+                fake=self._fake,
+                payload=self._payload.reshape(dims),
+                dtype=self._dtype,
+                layout=self._layout,
+                mesh=None,
+                topology=self._topology,
+            )
+        result: Tensor = self._fake._run_op(torch.reshape, (self, dims), {})
+        return result
+
+    def item(self) -> Any:
+        return self._fake._host_scalar(self, "item").item()
+
+    # torch interop
+
+    @classmethod
+    def __torch_function__(
+        cls,
+        func: Callable[..., Any],
+        types: Iterable[type],
+        args: Sequence[Any] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
+        fake = next(t._fake for t in _tensors((args, kwargs)))
+        return fake._run_op(func, tuple(args), dict(kwargs or {}))
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        attr = getattr(torch.Tensor, name, None)
+        if attr is None:
+            raise AttributeError(f"fake ttnn Tensor has no attribute {name!r}")
+        if callable(attr):
+            return functools.partial(self._fake._run_op_method, attr, self)
+        return self._fake._run_op(_getattr_op(name), (self,), {})
+
+    def __len__(self) -> int:
+        return len(self._payload)
+
+    def __bool__(self) -> bool:
+        return bool(self._fake._host_scalar(self, "bool"))
+
+    def __float__(self) -> float:
+        return float(self._fake._host_scalar(self, "float"))
+
+    def __int__(self) -> int:
+        return int(self._fake._host_scalar(self, "int"))
+
+
+def _operator(name: str) -> Callable[..., Any]:
+    func = getattr(torch.Tensor, name)
+
+    def method(self: Tensor, *args: Any) -> Any:
+        return self._fake._run_op(func, (self, *args), {})
+
+    method.__name__ = name
+    return method
+
+
+_OPERATORS = (
+    "__add__ __radd__ __iadd__ __sub__ __rsub__ __isub__ __mul__ __rmul__ __imul__ "
+    "__truediv__ __rtruediv__ __itruediv__ __floordiv__ __rfloordiv__ __mod__ __pow__ "
+    "__rpow__ __matmul__ __rmatmul__ __neg__ __abs__ __and__ __or__ __xor__ __invert__ "
+    "__lt__ __le__ __gt__ __ge__ __getitem__ __setitem__"
+)
+for _name in _OPERATORS.split():
+    setattr(Tensor, _name, _operator(_name))
+
+
+@functools.cache
+def _getattr_op(name: str) -> Callable[[torch.Tensor], Any]:
+    def get(tensor: torch.Tensor) -> Any:
+        return getattr(tensor, name)
+
+    get.__name__ = f"getattr_{name}"
+    return get
+
+
+_DataType = DataType
+_Layout = Layout
+_MemoryConfig = MemoryConfig
+_MeshDevice = MeshDevice
+_MeshEvent = MeshEvent
+_MeshShape = MeshShape
+_MeshTraceId = MeshTraceId
+_Shape = Shape
+_StorageType = StorageType
+_Tensor = Tensor
+
+
+class FakeTtnn:
+    """A fake ``ttnn`` module instance; pass it as ``TtnnDevice(..., ttnn_module=fake)``.
+
+    ``fail`` maps a call name (``"execute_trace"``, ``"Tensor.cpu"``, ...) to the 1-based call
+    number(s) that raise ``InjectedTtnnFailure`` instead of running (``inject`` adds more later).
+    ``system_mesh_shape`` is what ``open_mesh_device()`` opens by default and the largest mesh
+    it accepts. Call names are the ttnn names, ``Tensor.<method>`` and ``MeshDevice.<method>``.
+    """
+
+    TILE_SIZE = TILE_SIZE
+    DataType = DataType
+    Layout = Layout
+    StorageType = StorageType
+    Shape = Shape
+    MeshShape = MeshShape
+    MeshDevice = MeshDevice
+    MeshTraceId = MeshTraceId
+    MeshEvent = MeshEvent
+    MemoryConfig = MemoryConfig
+    Tensor = Tensor
+    CppTensorToMesh = TensorToMesh
+    CppMeshToTensor = MeshToTensor
+    float32 = DataType.FLOAT32
+    bfloat16 = DataType.BFLOAT16
+    bfloat8_b = DataType.BFLOAT8_B
+    bfloat4_b = DataType.BFLOAT4_B
+    int32 = DataType.INT32
+    uint32 = DataType.UINT32
+    uint16 = DataType.UINT16
+    uint8 = DataType.UINT8
+    int8 = DataType.INT8
+    ROW_MAJOR_LAYOUT = Layout.ROW_MAJOR
+    TILE_LAYOUT = Layout.TILE
+    DEVICE_STORAGE_TYPE = StorageType.DEVICE
+    DRAM_MEMORY_CONFIG = MemoryConfig("DRAM")
+    L1_MEMORY_CONFIG = MemoryConfig("L1")
+
+    def __init__(
+        self,
+        *,
+        system_mesh_shape: Sequence[int] = (1, 1),
+        fail: Mapping[str, int | Iterable[int]] | None = None,
+        allocation_while_trace_live: Literal["raise", "warn"] = "raise",
+    ) -> None:
+        if allocation_while_trace_live not in ("raise", "warn"):
+            raise ConfigError(
+                "allocation_while_trace_live", allocation_while_trace_live, "must be raise|warn"
+            )
+        self._system_shape = MeshShape(*system_mesh_shape)
+        self._failing = _resolve_fail(fail or {})
+        self._allocation_policy = allocation_while_trace_live
+        self._counts: dict[str, int] = {}
+        self._calls: list[TtnnCall] = []
+        self._violations: list[TtnnRuleViolation] = []
+        self._warnings: list[str] = []
+        self._meshes: list[_MeshDevice] = []
+        self._replaying = False
+        self.ops_run = 0
+
+    def __repr__(self) -> str:
+        return f"FakeTtnn(calls={len(self._calls)})"
+
+    # recording and injection
+
+    @property
+    def calls(self) -> tuple[TtnnCall, ...]:
+        """Every API call so far, in order, including injected failures."""
+        return tuple(self._calls)
+
+    def call_names(self, *, mesh: _MeshDevice | None = None) -> list[str]:
+        """Names of the calls so far, optionally only those on ``mesh``."""
+        return [c.name for c in self._calls if mesh is None or c.mesh_id == mesh.id()]
+
+    @property
+    def violations(self) -> tuple[TtnnRuleViolation, ...]:
+        """Every rule violation raised so far (also those a caller swallowed)."""
+        return tuple(self._violations)
+
+    @property
+    def warnings(self) -> tuple[str, ...]:
+        """Rule breaches recorded instead of raised (``allocation_while_trace_live="warn"``)."""
+        return tuple(self._warnings)
+
+    def inject(self, name: str, *upcoming: int) -> None:
+        """Fail upcoming calls of ``name``: ``1`` is the next one, ``2`` the one after."""
+        done = self._counts.get(name, 0)
+        numbers = {done + n for n in _resolve_fail({name: upcoming})[name]}
+        self._failing = {**self._failing, name: self._failing.get(name, frozenset()) | numbers}
+
+    def _record(self, name: str, mesh: _MeshDevice | None, detail: str = "") -> None:
+        number = self._counts.get(name, 0) + 1
+        self._counts[name] = number
+        injected = number in self._failing.get(name, frozenset())
+        self._calls.append(
+            TtnnCall(
+                name=name,
+                mesh_id=None if mesh is None else mesh.id(),
+                detail=detail,
+                injected=injected,
+            )
+        )
+        if injected:
+            raise InjectedTtnnFailure(name=name, call_number=number)
+
+    def _violate(self, rule: str, detail: str) -> TtnnRuleViolation:
+        error = TtnnRuleViolation(rule, detail)
+        self._violations.append(error)
+        return error
+
+    # meshes
+
+    def open_mesh_device(
+        self,
+        mesh_shape: _MeshShape | None = None,
+        l1_small_size: int = 0,
+        trace_region_size: int = 0,
+        num_command_queues: int = 1,
+        dispatch_core_config: object | None = None,
+        offset: object | None = None,
+        physical_device_ids: Sequence[int] = (),
+        worker_l1_size: int = 0,
+    ) -> _MeshDevice:
+        """Open a mesh of ``mesh_shape`` (default: the whole system mesh)."""
+        shape = self._system_shape if mesh_shape is None else mesh_shape
+        self._record("open_mesh_device", None, repr(shape))
+        if shape.mesh_size() > self._system_shape.mesh_size():
+            raise RuntimeError(
+                f"open_mesh_device: {shape!r} needs {shape.mesh_size()} devices, "
+                f"the system has {self._system_shape.mesh_size()}"
+            )
+        return self._new_mesh(shape, parent=None, trace_region_size=trace_region_size)
+
+    def close_mesh_device(self, mesh_device: _MeshDevice) -> None:
+        self._record("close_mesh_device", mesh_device)
+        self._require_open(mesh_device)
+        for mesh in [mesh_device, *mesh_device._submeshes]:
+            mesh._closed = True
+            mesh._traces.clear()
+
+    def _new_mesh(
+        self, shape: _MeshShape, *, parent: _MeshDevice | None, trace_region_size: int | None = None
+    ) -> _MeshDevice:
+        region = parent._trace_region_size if parent is not None else trace_region_size or 0
+        mesh = MeshDevice(
+            fake=self,
+            mesh_id=len(self._meshes),
+            shape=shape,
+            trace_region_size=region,
+            parent=parent,
+        )
+        self._meshes.append(mesh)
+        return mesh
+
+    def _require_open(self, mesh: _MeshDevice) -> None:
+        if mesh._closed:
+            raise self._violate("mesh closed", f"{mesh!r} was closed")
+
+    # mappers and composers
+
+    def replicate_tensor_to_mesh_mapper(self, mesh_device: _MeshDevice) -> TensorToMesh:
+        return TensorToMesh(mesh=mesh_device, kind="replicate")
+
+    def shard_tensor_to_mesh_mapper(self, mesh_device: _MeshDevice, dim: int) -> TensorToMesh:
+        return TensorToMesh(mesh=mesh_device, kind="shard", dim=dim)
+
+    def concat_mesh_to_tensor_composer(self, mesh_device: _MeshDevice, dim: int) -> MeshToTensor:
+        return MeshToTensor(mesh=mesh_device, dim=dim)
+
+    def ReplicateTensorToMesh(self, mesh_device: _MeshDevice) -> TensorToMesh:
+        """Deprecated ttnn spelling of ``replicate_tensor_to_mesh_mapper``."""
+        return self.replicate_tensor_to_mesh_mapper(mesh_device)
+
+    def ShardTensorToMesh(self, mesh_device: _MeshDevice, dim: int) -> TensorToMesh:
+        """Deprecated ttnn spelling of ``shard_tensor_to_mesh_mapper``."""
+        return self.shard_tensor_to_mesh_mapper(mesh_device, dim)
+
+    def ConcatMeshToTensor(self, mesh_device: _MeshDevice, dim: int) -> MeshToTensor:
+        """Deprecated ttnn spelling of ``concat_mesh_to_tensor_composer``."""
+        return self.concat_mesh_to_tensor_composer(mesh_device, dim)
+
+    # host <-> device
+
+    def from_torch(
+        self,
+        tensor: torch.Tensor | None,
+        dtype: _DataType | None = None,
+        *,
+        spec: object | None = None,
+        tile: object | None = None,
+        pad_value: float | None = None,
+        layout: _Layout | None = None,
+        device: _MeshDevice | None = None,
+        memory_config: _MemoryConfig | None = None,
+        mesh_mapper: TensorToMesh | None = None,
+        cq_id: int | None = None,
+        preserve_nan_values: bool = False,
+    ) -> _Tensor | None:
+        """A host tensor, or a device tensor when ``device`` is given (a host write)."""
+        self._record("from_torch", device, _describe_torch(tensor))
+        if tensor is None:
+            return None
+        if spec is not None or tile is not None:
+            raise NotImplementedError("FakeTtnn.from_torch: spec= and tile= are not modelled")
+        resolved = _INFERRED.get(tensor.dtype) if dtype is None else dtype
+        if resolved is None:
+            raise TypeError(f"from_torch: no ttnn dtype for {tensor.dtype}")
+        if layout is None:
+            layout = Layout.TILE if resolved in _BLOCK_FLOATS else Layout.ROW_MAJOR
+        if resolved in _BLOCK_FLOATS and layout is not Layout.TILE:
+            raise RuntimeError("from_torch: Layout must be Layout::TILE for bfloat8_b or bfloat4_b")
+        topology = mesh_mapper
+        if device is not None:
+            self._require_open(device)
+            self._check_host_write("from_torch", device, allocates=True)
+            if topology is not None and topology.mesh is not device:
+                raise self._violate(
+                    "mesh mapper mismatch", f"mapper built for {topology.mesh!r}, not {device!r}"
+                )
+            if topology is None:
+                topology = TensorToMesh(mesh=device, kind="replicate")
+        return Tensor(
+            fake=self,
+            payload=_store(tensor.detach().clone(), resolved),
+            dtype=resolved,
+            layout=layout,
+            mesh=device,
+            topology=topology,
+        )
+
+    def to_torch(
+        self,
+        tensor: _Tensor,
+        dtype: torch.dtype | None = None,
+        *,
+        torch_rank: int | None = None,
+        mesh_composer: MeshToTensor | None = None,
+        device: _MeshDevice | None = None,
+        cq_id: int | None = None,
+    ) -> torch.Tensor:
+        """Torch value of a host tensor; a device tensor is read back (blocking) first."""
+        self._record("to_torch", tensor._mesh, repr(tensor))
+        if tensor._mesh is not None:
+            tensor = self._cpu(tensor, blocking=True, cq_id=cq_id, record=False)
+        value = self._host_value(tensor, mesh_composer=mesh_composer)
+        if torch_rank is not None:
+            while value.dim() > torch_rank:
+                if value.shape[0] != 1:
+                    raise RuntimeError("ttnn: Unable to squeeze to desired rank!")
+                value = value.squeeze(0)
+        return value if dtype is None else value.to(dtype)
+
+    def to_device(
+        self,
+        tensor: _Tensor,
+        device: _MeshDevice,
+        memory_config: _MemoryConfig | None = None,
+        *,
+        queue_id: int | None = None,
+    ) -> _Tensor:
+        """A device copy of a host tensor (a host write and an allocation)."""
+        self._record("to_device", device, repr(tensor))
+        self._require_open(device)
+        if tensor._mesh is not None:
+            return tensor
+        self._check_host_write("to_device", device, allocates=True)
+        self._require_readable(tensor, "to_device")
+        return Tensor(
+            fake=self,
+            payload=tensor._payload.clone(),
+            dtype=tensor._dtype,
+            layout=tensor._layout,
+            mesh=device,
+            topology=tensor._topology or TensorToMesh(mesh=device, kind="replicate"),
+        )
+
+    def from_device(
+        self, tensor: _Tensor, blocking: bool = True, *, queue_id: int | None = None
+    ) -> _Tensor:
+        self._record("from_device", tensor._mesh, repr(tensor))
+        return self._cpu(tensor, blocking=blocking, cq_id=queue_id, record=False)
+
+    def allocate_tensor_on_device(
+        self,
+        shape: Sequence[int],
+        dtype: _DataType,
+        layout: _Layout,
+        mesh_device: _MeshDevice,
+        memory_config: _MemoryConfig | None = None,
+    ) -> _Tensor:
+        """An uninitialized device tensor (filled with a poison value here)."""
+        self._record("allocate_tensor_on_device", mesh_device, f"{list(shape)} {dtype.name}")
+        self._require_open(mesh_device)
+        self._check_host_write("allocate_tensor_on_device", mesh_device, allocates=True)
+        host = _TO_TORCH[dtype]
+        payload = _store(torch.full(tuple(shape), _poison(host), dtype=host), dtype)
+        return Tensor(
+            fake=self,
+            payload=payload,
+            dtype=dtype,
+            layout=layout,
+            mesh=mesh_device,
+            topology=TensorToMesh(mesh=mesh_device, kind="replicate"),
+        )
+
+    def copy_host_to_device_tensor(
+        self, host_tensor: _Tensor, device_tensor: _Tensor, cq_id: int | None = None
+    ) -> None:
+        """Overwrite ``device_tensor`` in place from ``host_tensor`` (a host write)."""
+        self._record("copy_host_to_device_tensor", device_tensor._mesh, repr(device_tensor))
+        mesh = device_tensor._mesh
+        if mesh is None or host_tensor._mesh is not None:
+            raise RuntimeError("copy_host_to_device_tensor: needs a host source and device target")
+        self._require_open(mesh)
+        self._check_host_write("copy_host_to_device_tensor", mesh, allocates=False)
+        self._require_allocated(device_tensor, "copy_host_to_device_tensor")
+        self._require_readable(host_tensor, "copy_host_to_device_tensor")
+        if (
+            host_tensor.shape != device_tensor.shape
+            or host_tensor._dtype is not device_tensor._dtype
+            or host_tensor._layout is not device_tensor._layout
+        ):
+            raise RuntimeError(
+                f"copy_host_to_device_tensor: {host_tensor!r} does not match {device_tensor!r}"
+            )
+        mapped = host_tensor._topology.mesh if host_tensor._topology is not None else None
+        if mesh.get_num_devices() > 1 and mapped is not mesh:
+            raise self._violate(
+                "host tensor not distributed for this mesh",
+                f"{host_tensor!r} was not mapped to {mesh!r} (from_torch(..., mesh_mapper=...))",
+            )
+        with torch.no_grad():
+            device_tensor._payload.copy_(host_tensor._payload)
+
+    def deallocate(self, tensor: _Tensor, force: bool = True) -> None:
+        """Free a device tensor; a second deallocation is a violation here."""
+        self._record("deallocate", tensor._mesh, repr(tensor))
+        mesh = tensor._mesh
+        if mesh is None:
+            return
+        if not tensor._allocated:
+            raise self._violate("deallocate twice", f"{tensor!r} was already deallocated")
+        capture = mesh._capture
+        if capture is not None and tensor._created_in is not capture:
+            raise self._violate(
+                "deallocate inside capture",
+                f"{tensor!r} was not created by the trace being captured",
+            )
+        for tape in mesh._traces.values():
+            if id(tensor) in tape.inputs or id(tensor) in tape.created:
+                raise self._violate(
+                    "release_trace before deallocating its tensors",
+                    f"{tensor!r} is used by live trace {tape.trace_id}",
+                )
+        tensor._allocated = False
+
+    # reads, events, synchronization
+
+    def _cpu(
+        self, tensor: _Tensor, *, blocking: bool, cq_id: int | None, record: bool = True
+    ) -> _Tensor:
+        mesh = tensor._mesh
+        if record:
+            self._record("Tensor.cpu", mesh, f"{tensor!r} blocking={blocking}")
+        if mesh is None:
+            return tensor
+        self._require_open(mesh)
+        self._require_allocated(tensor, "Tensor.cpu")
+        if mesh._capture is not None:
+            raise self._violate("no read inside capture", f"device-to-host read of {tensor!r}")
+        host = Tensor(
+            fake=self,
+            payload=tensor._payload.detach().clone(),
+            dtype=tensor._dtype,
+            layout=tensor._layout,
+            mesh=None,
+            topology=tensor._topology,
+        )
+        if not blocking:
+            host._pending_seq = mesh._next_seq()
+            mesh._pending.append(host)
+        return host
+
+    def record_event(
+        self,
+        mesh_device: _MeshDevice,
+        cq_id: int | None = None,
+        sub_device_ids: Sequence[object] = (),
+        device_range: object | None = None,
+    ) -> _MeshEvent:
+        self._record("record_event", mesh_device)
+        self._require_open(mesh_device)
+        if mesh_device._capture is not None:
+            raise self._violate("no event inside capture", f"record_event on {mesh_device!r}")
+        return MeshEvent(mesh=mesh_device, seq=mesh_device._next_seq(), cq_id=cq_id or 0)
+
+    def event_synchronize(self, mesh_event: _MeshEvent) -> None:
+        """Complete every non-blocking read queued before ``mesh_event``."""
+        mesh = mesh_event.mesh
+        self._record("event_synchronize", mesh)
+        self._require_open(mesh)
+        self._complete(mesh, before=mesh_event.seq)
+
+    def wait_for_event(self, cq_id: int | None, mesh_event: _MeshEvent) -> None:
+        self._record("wait_for_event", mesh_event.mesh)
+
+    def synchronize_device(
+        self, device: _MeshDevice, cq_id: int | None = None, sub_device_ids: Sequence[object] = ()
+    ) -> None:
+        self._record("synchronize_device", device)
+        self._require_open(device)
+        if device._capture is not None:
+            raise self._violate("no synchronize inside capture", f"on {device!r}")
+        self._complete(device, before=device._seq + 1)
+
+    def _complete(self, mesh: _MeshDevice, *, before: int) -> None:
+        for host in [h for h in mesh._pending if (h._pending_seq or 0) < before]:
+            host._pending_seq = None
+        mesh._pending = [h for h in mesh._pending if h._pending_seq is not None]
+
+    def is_tensor_storage_on_device(self, tensor: _Tensor) -> bool:
+        return tensor._mesh is not None
+
+    # traces
+
+    def begin_trace_capture(self, mesh_device: _MeshDevice, *, cq_id: int | None = None) -> Any:
+        self._record("begin_trace_capture", mesh_device)
+        self._require_open(mesh_device)
+        if mesh_device._capture is not None:
+            raise self._violate("no nested capture", f"{mesh_device!r} is already capturing")
+        if mesh_device._trace_region_size <= 0:
+            raise self._violate(
+                "trace region", f"{mesh_device!r} was opened with trace_region_size=0"
+            )
+        trace_id = mesh_device._trace_ids
+        mesh_device._trace_ids += 1
+        mesh_device._capture = _Tape(trace_id=trace_id, mesh=mesh_device)
+        return MeshTraceId(trace_id)
+
+    def end_trace_capture(
+        self, mesh_device: _MeshDevice, trace_id: _MeshTraceId, *, cq_id: int | None = None
+    ) -> None:
+        self._record("end_trace_capture", mesh_device, repr(trace_id))
+        tape = mesh_device._capture
+        if tape is None or tape.trace_id != trace_id.value:
+            raise self._violate("end_trace_capture", f"{trace_id!r} is not being captured")
+        mesh_device._capture = None
+        mesh_device._traces[tape.trace_id] = tape
+
+    def execute_trace(
+        self,
+        mesh_device: _MeshDevice,
+        trace_id: _MeshTraceId,
+        *,
+        cq_id: int | None = None,
+        blocking: bool = True,
+    ) -> None:
+        """Replay the trace's tape against the current payloads of its tensors."""
+        self._record("execute_trace", mesh_device, repr(trace_id))
+        self._require_open(mesh_device)
+        if mesh_device._capture is not None:
+            raise self._violate("no replay inside capture", f"{trace_id!r}")
+        tape = mesh_device._traces.get(trace_id.value)
+        if tape is None:
+            raise self._violate("execute_trace", f"{trace_id!r} is not a live trace")
+        for tensor in tape.inputs.values():
+            if not tensor._allocated:
+                raise self._violate("trace input deallocated", f"{tensor!r}")
+        self._replaying = True
+        try:
+            for op in tape.ops:
+                self._replay(op)
+        finally:
+            self._replaying = False
+
+    def release_trace(self, mesh_device: _MeshDevice, trace_id: _MeshTraceId) -> None:
+        self._record("release_trace", mesh_device, repr(trace_id))
+        if mesh_device._capture is not None:
+            raise self._violate("no release inside capture", f"{trace_id!r}")
+        if mesh_device._traces.pop(trace_id.value, None) is None:
+            raise self._violate("release_trace", f"{trace_id!r} is not a live trace")
+
+    # ops
+
+    def register_op(self, name: str, fn: Callable[..., Any]) -> None:
+        """Expose ``fn`` (computing on torch payloads) as ``fake.<name>``, traced like any op."""
+
+        def op(*args: Any, **kwargs: Any) -> Any:
+            return self._run_op(fn, args, kwargs)
+
+        op.__name__ = name
+        setattr(self, name, op)
+
+    def add(self, input_tensor_a: Any, input_tensor_b: Any, **_: Any) -> Any:
+        return self._run_op(torch.add, (input_tensor_a, input_tensor_b), {})
+
+    def subtract(self, input_tensor_a: Any, input_tensor_b: Any, **_: Any) -> Any:
+        return self._run_op(torch.sub, (input_tensor_a, input_tensor_b), {})
+
+    def multiply(self, input_tensor_a: Any, input_tensor_b: Any, **_: Any) -> Any:
+        return self._run_op(torch.mul, (input_tensor_a, input_tensor_b), {})
+
+    def matmul(self, input_tensor_a: Any, input_tensor_b: Any, **_: Any) -> Any:
+        return self._run_op(torch.matmul, (input_tensor_a, input_tensor_b), {})
+
+    def _run_op_method(
+        self, func: Callable[..., Any], tensor: _Tensor, *args: Any, **kw: Any
+    ) -> Any:
+        return self._run_op(func, (tensor, *args), kw)
+
+    def _run_op(
+        self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        name = getattr(func, "__name__", repr(func))
+        inputs = list(_tensors((args, kwargs)))
+        if not inputs:
+            return func(*args, **kwargs)
+        meshes = {id(t._mesh): t._mesh for t in inputs}
+        mesh = inputs[0]._mesh
+        if mesh is None or None in meshes.values():
+            raise self._violate("op on host tensor", f"{name} got a host tensor")
+        if len(meshes) > 1:
+            raise self._violate("op across meshes", f"{name} mixes {list(meshes.values())}")
+        self._require_open(mesh)
+        for tensor in inputs:
+            self._require_allocated(tensor, name)
+        capture = mesh._capture
+        payloads = {id(t._payload): t for t in inputs}
+        result = func(*_unwrap(args), **_unwrap(kwargs))
+        self.ops_run += 1
+        template = inputs[0]
+
+        def wrap(payload: torch.Tensor) -> _Tensor:
+            same = payloads.get(id(payload))
+            return same if same is not None else self._op_output(payload, template)
+
+        outputs = _wrap(result, wrap)
+        if capture is not None:
+            for tensor in inputs:
+                if tensor._created_in is not capture:
+                    capture.inputs[id(tensor)] = tensor
+            for tensor in _tensors(outputs):
+                if tensor._created_in is capture:
+                    capture.created[id(tensor)] = tensor
+            capture.ops.append(_TapeOp(func=func, args=args, kwargs=kwargs, outputs=outputs))
+        return outputs
+
+    def _op_output(self, payload: torch.Tensor, template: _Tensor) -> _Tensor:
+        mesh = template._mesh
+        return Tensor(
+            fake=self,
+            payload=payload,
+            dtype=_INFERRED.get(payload.dtype, DataType.FLOAT32),
+            layout=template._layout,
+            mesh=mesh,
+            topology=template._topology,
+            created_in=None if mesh is None else mesh._capture,
+        )
+
+    def _replay(self, op: _TapeOp) -> None:
+        result = op.func(*_unwrap(op.args), **_unwrap(op.kwargs))
+        self.ops_run += 1
+        new = list(_leaves(result))
+        old = list(_leaves(op.outputs))
+        name = getattr(op.func, "__name__", repr(op.func))
+        if len(new) != len(old):
+            raise self._violate("trace replay", f"{name} changed its output structure")
+        for fresh, kept in zip(new, old, strict=True):
+            if isinstance(kept, Tensor):
+                if not isinstance(fresh, torch.Tensor) or fresh.shape != kept._payload.shape:
+                    raise self._violate("trace replay", f"{name} changed an output shape")
+                kept._payload = fresh
+
+    # guards and host values
+
+    def _check_host_write(self, name: str, mesh: _MeshDevice, *, allocates: bool) -> None:
+        if mesh._capture is not None:
+            rule = "no allocation inside capture" if allocates else "no host write inside capture"
+            raise self._violate(rule, f"{name} on {mesh!r}")
+        if allocates and mesh._traces:
+            detail = (
+                f"{name} on {mesh!r} while trace(s) {sorted(mesh._traces)} are live; "
+                f"allocate persistent inputs before the first begin_trace_capture"
+            )
+            if self._allocation_policy == "raise":
+                raise self._violate("allocation while a trace is live", detail)
+            self._warnings.append(detail)
+
+    def _require_allocated(self, tensor: _Tensor, name: str) -> None:
+        if not tensor._allocated and not self._replaying:
+            raise self._violate("use after deallocate", f"{name} on {tensor!r}")
+
+    def _require_readable(self, tensor: _Tensor, name: str) -> None:
+        if tensor._pending_seq is not None:
+            raise self._violate(
+                "event synchronized before host read",
+                f"{name} read {tensor!r} from a non-blocking Tensor.cpu before an event recorded "
+                f"after it was synchronized",
+            )
+
+    def _host_value(self, tensor: _Tensor, *, mesh_composer: MeshToTensor | None) -> torch.Tensor:
+        self._require_readable(tensor, "to_torch")
+        value = _to_torch_value(tensor._payload, tensor._dtype)
+        topology = tensor._topology
+        devices = topology.mesh.get_num_devices() if topology is not None else 1
+        if devices == 1:
+            return value
+        if mesh_composer is None or topology is None:
+            raise RuntimeError(
+                f"to_torch: {tensor!r} spans {devices} devices; pass a mesh_composer"
+            )
+        if topology.kind == "replicate":
+            shards = [value] * devices
+        else:
+            shards = list(torch.chunk(value, devices, dim=topology.dim))
+        if value.dim() == 0:
+            return torch.stack(shards)
+        return torch.cat(shards, dim=mesh_composer.dim)
+
+    def _host_scalar(self, tensor: _Tensor, what: str) -> torch.Tensor:
+        mesh = tensor._mesh
+        if mesh is not None:
+            self._require_allocated(tensor, what)
+            if mesh._capture is not None:
+                raise self._violate("no read inside capture", f"{what}() of {tensor!r}")
+        else:
+            self._require_readable(tensor, what)
+        return tensor._payload
+
+
+def _resolve_fail(fail: Mapping[str, int | Iterable[int]]) -> dict[str, frozenset[int]]:
+    resolved: dict[str, frozenset[int]] = {}
+    for name, numbers in fail.items():
+        wanted = (numbers,) if isinstance(numbers, int) else tuple(numbers)
+        for n in wanted:
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ConfigError(f"fail.{name}", n, "call numbers are integers >= 1")
+        resolved[name] = frozenset(wanted)
+    return resolved
+
+
+def _store(tensor: torch.Tensor, dtype: DataType) -> torch.Tensor:
+    """The payload kept for ``dtype``: the value a chip would hold, in a torch-computable form."""
+    if dtype in _BLOCK_FLOATS:
+        return tensor.to(torch.bfloat16).to(torch.float32)
+    mask = _UNSIGNED_MASK.get(dtype)
+    if mask is not None:
+        return tensor.to(torch.int64) & mask
+    return tensor.to(_TO_TORCH[dtype])
+
+
+def _to_torch_value(payload: torch.Tensor, dtype: DataType) -> torch.Tensor:
+    mask = _UNSIGNED_MASK.get(dtype)
+    if mask is not None:
+        return (payload.to(torch.int64) & mask).to(_TO_TORCH[dtype])
+    return payload.detach().to(_TO_TORCH[dtype], copy=True)
+
+
+def _poison(dtype: torch.dtype) -> float | int:
+    if dtype.is_floating_point:
+        return float("nan")
+    return torch.iinfo(dtype).max
+
+
+def _tensors(tree: Any) -> Iterator[Tensor]:
+    for leaf in _leaves(tree):
+        if isinstance(leaf, Tensor):
+            yield leaf
+
+
+def _leaves(tree: Any) -> Iterator[Any]:
+    if isinstance(tree, (tuple, list)):
+        for item in tree:
+            yield from _leaves(item)
+    elif isinstance(tree, Mapping):
+        for item in tree.values():
+            yield from _leaves(item)
+    else:
+        yield tree
+
+
+def _unwrap(tree: Any) -> Any:
+    if isinstance(tree, Tensor):
+        return tree._payload
+    if isinstance(tree, dict):
+        return {k: _unwrap(v) for k, v in tree.items()}
+    if isinstance(tree, (tuple, list)):
+        return _rebuild(tree, [_unwrap(v) for v in tree])
+    return tree
+
+
+def _wrap(tree: Any, wrap_tensor: Callable[[torch.Tensor], Tensor]) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return wrap_tensor(tree)
+    if isinstance(tree, dict):
+        return {k: _wrap(v, wrap_tensor) for k, v in tree.items()}
+    if isinstance(tree, (tuple, list)):
+        return _rebuild(tree, [_wrap(v, wrap_tensor) for v in tree])
+    return tree
+
+
+def _rebuild(original: tuple[Any, ...] | list[Any], items: list[Any]) -> Any:
+    if isinstance(original, list):
+        return items
+    if type(original) is tuple:
+        return tuple(items)
+    try:
+        return type(original)(items)
+    except TypeError:
+        return type(original)(*items)
+
+
+def _describe_torch(tensor: torch.Tensor | None) -> str:
+    if tensor is None:
+        return "None"
+    return f"torch(shape={tuple(tensor.shape)}, dtype={str(tensor.dtype).removeprefix('torch.')})"
