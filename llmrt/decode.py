@@ -18,12 +18,12 @@ import torch
 
 from llmrt.config import PageTableLayout
 from llmrt.device.base import Device
-from llmrt.errors import ConfigError, IdentityError, RequestError
+from llmrt.errors import CleanupError, ConfigError, IdentityError, RequestError
 from llmrt.families.base import CausalLM
 from llmrt.lifecycle import component_logger, emit
 from llmrt.output_reader import OutputReader, PendingRead
 from llmrt.prefill.postprocess import sample_outputs
-from llmrt.prefill.sampling_helpers import counts_of
+from llmrt.prefill.sampling_helpers import counts_of, plain_argmax
 from llmrt.sampling import SamplingTensors, apply_penalties
 from llmrt.sampling_params import SamplingParams
 from llmrt.tensor_resources import (
@@ -229,7 +229,16 @@ class DecodeRuntime:
         norm_pos[:rows] = pos.to(torch.int32)
         offsets = torch.zeros(cap, dtype=torch.int64)
         if step_offsets is not None:
-            offsets[:rows] = torch.as_tensor(step_offsets, dtype=torch.int64).reshape(-1)[:rows]
+            given = torch.as_tensor(step_offsets, dtype=torch.int64).reshape(-1)
+            if given.numel() != rows:
+                raise RequestError(
+                    "step_offsets", f"has {given.numel()} entries for {rows} token rows"
+                )
+            negative = (given < 0).nonzero()
+            if negative.numel():
+                r = int(negative[0, 0])
+                raise RequestError("step_offsets", "must be >= 0", row=r, value=int(given[r]))
+            offsets[:rows] = given
         path, sampling = self._classify(sampling_params, rows)
         changed = self._last_page_table is None or not torch.equal(
             self._last_page_table, norm_table
@@ -311,7 +320,12 @@ class DecodeRuntime:
             return "logits", None
         if len(params) != rows:
             raise RequestError("sampling_params", f"has {len(params)} entries for {rows} rows")
-        if all(p is None or (p.greedy and p.logprobs is None) for p in params):
+        for i, p in enumerate(params):
+            if p is not None and not isinstance(p, SamplingParams):
+                raise RequestError(
+                    "sampling_params", "must be SamplingParams or None", row=i, value=type(p)
+                )
+        if all(plain_argmax(p) for p in params):
             return "argmax", None
         tensors = SamplingTensors.from_params(
             list(params),
@@ -531,17 +545,18 @@ class DecodeRuntime:
         self, host_value: Any, *, is_tokens: bool | None = None
     ) -> DecodeOutput:
         """Complete a read started by ``read_decode_output``, normalize it and release the lease."""
-        lease = self._lease_by_host.pop(id(host_value), None)
+        lease = self._lease_by_host.get(id(host_value))
         if lease is None:
             raise RequestError(
                 "host_value", "was not produced by read_decode_output on this runtime"
             )
-        if lease.pending is not None:
-            host_value = self.config.output_reader.complete(lease.pending)
         if is_tokens is not None and is_tokens != lease.is_tokens:
             raise RequestError(
                 "is_tokens", f"lease holds {'tokens' if lease.is_tokens else 'logits'}"
             )
+        del self._lease_by_host[id(host_value)]
+        if lease.pending is not None:
+            host_value = self.config.output_reader.complete(lease.pending)
         out = self._normalize(host_value, lease.active_rows)
         self._release_lease(lease)
         return out
@@ -574,8 +589,17 @@ class DecodeRuntime:
         self._lease_by_host.clear()
         return len(leases)
 
+    @property
+    def orphans(self) -> tuple[TensorResourceOrphan, ...]:
+        """Staged inputs whose deallocation failed (retried by ``cleanup_transients``)."""
+        return tuple(self._orphans)
+
     def cleanup_transients(self) -> None:
-        """Release staged inputs that failed to release earlier and forget step state."""
+        """Release staged inputs that failed to release earlier and forget step state.
+
+        Raises ``CleanupError`` listing the inputs that failed to release again (they stay
+        orphans, so a later call retries them).
+        """
         self._last_positions = None
         self._last_page_table = None
         self._last_artifact = None
@@ -583,3 +607,5 @@ class DecodeRuntime:
             self._orphans = retry_orphans(
                 self._orphans, device=self.config.device, ledger=self._ledger
             )
+        if self._orphans:
+            raise CleanupError([(f"decode:{o.path}", o.error) for o in self._orphans])

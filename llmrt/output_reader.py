@@ -109,13 +109,14 @@ class OutputReader:
         return self._pending[sequence]
 
     def complete(self, handle: PendingRead | Any) -> Any:
-        """Synchronize a pending read's event and return its now-valid host value."""
+        """Synchronize a pending read's event and return its now-valid host value.
+
+        If the wait fails the read stays pending (``drain`` or another ``complete`` retires it).
+        """
         pending = self._lookup(handle)
-        try:
-            for event in pending.events:
-                self.borrowed_device.event_synchronize(event)
-        finally:
-            self._forget(pending)
+        for event in pending.events:
+            self.borrowed_device.event_synchronize(event)
+        self._forget(pending)
         emit(self._log, "output.completed", sequence=pending.sequence)
         return pending.host_value
 
@@ -125,14 +126,15 @@ class OutputReader:
         self._by_host_id.pop(id(pending.host_value), None)
 
     def drain(self) -> int:
-        """Retire every pending read (synchronizing the device once); idempotent."""
+        """Retire every pending read (synchronizing the device once); idempotent.
+
+        If the synchronize fails, nothing is retired, so a later ``drain`` retries.
+        """
         if not self._pending:
             return 0
         count = len(self._pending)
-        try:
-            self.borrowed_device.synchronize()
-        finally:
-            for pending in list(self._pending.values()):
-                self._forget(pending)
-            emit(self._log, "output.drained", count=count)
+        self.borrowed_device.synchronize()
+        for pending in list(self._pending.values()):
+            self._forget(pending)
+        emit(self._log, "output.drained", count=count)
         return count

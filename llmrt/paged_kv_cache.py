@@ -244,12 +244,12 @@ class PagedKVCacheManager:
 
     def release(self) -> None:
         """Unbind and deallocate; idempotent, and a retry releases only what is left."""
+        if self._orphans:  # left by an earlier release or by a failed allocate()
+            self._orphans = retry_orphans(
+                self._orphans, device=self.borrowed_device, ledger=self._ledger
+            )
         if self.state is KVCacheState.RELEASED:
-            if self._orphans:
-                self._orphans = retry_orphans(
-                    self._orphans, device=self.borrowed_device, ledger=self._ledger
-                )
-                self._raise_orphans()
+            self._raise_orphans()
             return
         context = self._context
         was_bound = self.state is KVCacheState.BOUND

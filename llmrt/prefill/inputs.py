@@ -9,6 +9,7 @@ import torch
 
 from llmrt.device.base import Device
 from llmrt.prefill.plan import PrefillChunk
+from llmrt.tensor_resources import ReleaseLedger, TensorResourceOrphan, release_tensors
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -39,15 +40,20 @@ def _host_fields(chunk: PrefillChunk) -> tuple[torch.Tensor, ...]:
     )
 
 
-def stage(chunk: PrefillChunk, *, device: Device) -> PrefillInputs:
-    """Upload a chunk's host tensors; the caller owns the result and must release it."""
+def stage(
+    chunk: PrefillChunk, *, device: Device, orphans: list[TensorResourceOrphan]
+) -> PrefillInputs:
+    """Upload a chunk's host tensors; the caller owns the result and must release it.
+
+    If an upload fails, the tensors already uploaded are released (a failed release goes to
+    ``orphans`` for a later retry) and the upload error propagates.
+    """
     uploaded: list[torch.Tensor] = []
     try:
         for host in _host_fields(chunk):
             uploaded.append(device.upload(host))
     except BaseException:
-        for t in uploaded:
-            device.deallocate(t)
+        orphans.extend(release_tensors(uploaded, device=device, ledger=ReleaseLedger()))
         raise
     return PrefillInputs(
         tokens=uploaded[0],

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from llmrt.config import PageTableLayout
-from llmrt.errors import RequestError
+from llmrt.errors import CleanupError, RequestError
 from llmrt.prefill.config import PrefillRuntimeConfig
 from llmrt.prefill.inputs import PrefillInputs, refresh, stage
 from llmrt.prefill.plan import PrefillChunk, PrefillRow, plan_prefill
@@ -75,14 +75,17 @@ class PrefillRuntime:
         table = torch.as_tensor(page_table)
         if table.dim() != 2:
             raise RequestError("page_table", "must be [rows, width]", value=tuple(table.shape))
+        given_lens = (
+            None if prompt_lens is None else torch.as_tensor(prompt_lens).reshape(-1).tolist()
+        )
         if isinstance(tokens, torch.Tensor):
             if tokens.dim() != 2:
                 raise RequestError("tokens", "must be [rows, length]", value=tuple(tokens.shape))
-            lens = (
-                torch.as_tensor(prompt_lens).tolist()
-                if prompt_lens is not None
-                else [tokens.shape[1]] * tokens.shape[0]
-            )
+            lens = given_lens if given_lens is not None else [tokens.shape[1]] * tokens.shape[0]
+            if len(lens) != tokens.shape[0]:
+                raise RequestError(
+                    "prompt_lens", f"has {len(lens)} entries for {tokens.shape[0]} prompts"
+                )
             seqs = [
                 tokens[i, : int(n)] if 0 <= int(n) <= tokens.shape[1] else tokens[i]
                 for i, n in enumerate(lens)
@@ -94,10 +97,12 @@ class PrefillRuntime:
                     )
         else:
             seqs = [torch.as_tensor(list(t), dtype=torch.int64) for t in tokens]
-            if prompt_lens is not None:
-                for i, (seq, n) in enumerate(
-                    zip(seqs, torch.as_tensor(prompt_lens).tolist(), strict=True)
-                ):
+            if given_lens is not None:
+                if len(given_lens) != len(seqs):
+                    raise RequestError(
+                        "prompt_lens", f"has {len(given_lens)} entries for {len(seqs)} prompts"
+                    )
+                for i, (seq, n) in enumerate(zip(seqs, given_lens, strict=True)):
                     if int(n) != seq.numel():
                         raise RequestError(
                             "prompt_lens",
@@ -153,9 +158,20 @@ class PrefillRuntime:
             rows=rows, policy=self.config.policy, sampling_params_given=params is not None
         )
         path = output_path(params)
+        for row in rows:  # the planner checked they are unique non-negative integers
+            if row.source_row >= len(rows):
+                raise RequestError(
+                    "source_row",
+                    f"source rows must be 0..{len(rows) - 1} (one per row of this call)",
+                    row=row.source_row,
+                    value=row.source_row,
+                )
         offsets = [0] * len(rows) if step_offsets is None else [int(v) for v in step_offsets]
         if len(offsets) != len(rows):
             raise RequestError("step_offsets", f"has {len(offsets)} entries for {len(rows)} rows")
+        for r, offset in enumerate(offsets):
+            if offset < 0:
+                raise RequestError("step_offsets", "must be >= 0", row=r, value=offset)
         prepared = []
         for request in plan.requests:
             sampling = None
@@ -202,7 +218,7 @@ class PrefillRuntime:
         self, chunk: PrefillChunk, signature: PrefillSignature
     ) -> dict[str, torch.Tensor]:
         """Stage and run one chunk step alone (compilation); staged inputs are released."""
-        inputs = stage(chunk, device=self.config.device)
+        inputs = stage(chunk, device=self.config.device, orphans=self._orphans)
         try:
             return self.body(inputs, signature)
         finally:
@@ -291,12 +307,23 @@ class PrefillRuntime:
         length = prefill_len if prefill_len is not None else tokens
         return length > 0 and start_pos + length <= self.config.layout.max_sequence_length
 
+    @property
+    def orphans(self) -> tuple[TensorResourceOrphan, ...]:
+        """Invocation transients whose deallocation failed (retried by ``cleanup``)."""
+        return tuple(self._orphans)
+
     def cleanup(self) -> None:
-        """Release transients whose deallocation failed earlier; idempotent."""
+        """Release transients whose deallocation failed earlier; idempotent.
+
+        Raises ``CleanupError`` listing the transients that failed to release again (they
+        stay orphans, so a later call retries them).
+        """
         if self._orphans:
             self._orphans = retry_orphans(
                 self._orphans, device=self.config.device, ledger=ReleaseLedger()
             )
+        if self._orphans:
+            raise CleanupError([(f"prefill:{o.path}", o.error) for o in self._orphans])
 
 
 def _history_counts(

@@ -24,14 +24,30 @@ def normalize_params(
         return rows * num_rows
     if len(rows) != num_rows:
         raise RequestError("sampling_params", f"has {len(rows)} entries for {num_rows} rows")
+    for i, p in enumerate(rows):
+        if p is not None and not isinstance(p, SamplingParams):
+            raise RequestError(
+                "sampling_params", "must be SamplingParams or None", row=i, value=type(p)
+            )
     return rows
 
 
+def plain_argmax(params: SamplingParams | None) -> bool:
+    """Whether a row's token is the argmax of the raw logits (greedy, no logprobs or penalties).
+
+    Penalties change greedy tokens too (vLLM applies them before the argmax), so a greedy
+    row with penalties takes the sampling path.
+    """
+    return params is None or (
+        params.greedy and params.logprobs is None and not params.has_penalties
+    )
+
+
 def output_path(params: Sequence[SamplingParams | None] | None) -> str:
-    """``logits`` without params, ``argmax`` when every row is greedy without logprobs."""
+    """``logits`` without params, ``argmax`` when every row is a plain argmax, else ``sample``."""
     if params is None:
         return "logits"
-    if all(p is None or (p.greedy and p.logprobs is None) for p in params):
+    if all(plain_argmax(p) for p in params):
         return "argmax"
     return "sample"
 

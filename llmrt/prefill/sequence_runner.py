@@ -32,7 +32,7 @@ def run_sequence(
     ledger = ReleaseLedger()
     result: dict[str, torch.Tensor] | None = None
     for chunk, signature in prepared.steps:
-        inputs = stage(chunk, device=device)
+        inputs = stage(chunk, device=device, orphans=orphans)
         try:
             out = body(inputs, signature)
         finally:

@@ -1,0 +1,337 @@
+"""Importable helpers that assemble one tiny eager lane by hand, for unit/fault/parity tests.
+
+A lane is what the model executor would build: a tensor model, a device port, the paged-KV
+manager (allocated and bound), one ``OutputReader``, the prefill and decode runtimes, the
+program compiler and the ``EagerExecutor`` over them. ``Lane.cleanup`` tears it down in the
+spec's order. The KV cache is filled with seeded random values right after allocation so
+"unchanged" checks compare real bytes, not zeros.
+
+Import with ``from lane_fixtures import ...`` (pytest puts ``tests/`` on ``sys.path``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import attrs
+import pytest
+import torch
+
+from llmrt.config import PagedKVCacheConfig, PageTableLayout
+from llmrt.decode import DecodeRuntime, DecodeRuntimeConfig
+from llmrt.device.base import Device
+from llmrt.device.torch import TorchDevice
+from llmrt.errors import CleanupError
+from llmrt.execution import EagerExecutor
+from llmrt.families.base import CausalLM
+from llmrt.families.registry import get_family
+from llmrt.output_reader import OutputReader
+from llmrt.paged_kv_cache import PagedKVCacheContext, PagedKVCacheManager
+from llmrt.prefill.config import PrefillRuntimeConfig
+from llmrt.prefill.plan import PrefillRow
+from llmrt.prefill.result_collector import PrefillOutput
+from llmrt.prefill.runtime import PrefillRuntime, TokenHistory
+from llmrt.program_compiler import ProgramCompiler
+from llmrt.sampling_params import SamplingParams
+
+#: A tiny GQA Llama (HF ``config.json`` form): 2 layers, 4 query heads over 2 KV heads.
+TINY_LLAMA: Mapping[str, Any] = {
+    "model_type": "llama",
+    "vocab_size": 64,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 10000.0,
+}
+
+
+@pytest.fixture(autouse=True)
+def single_torch_thread() -> Iterator[None]:
+    """Run a test's tiny-model torch ops on one thread (restored afterwards).
+
+    Import it into a test module to make it autouse there. Tiny matmuls gain nothing from
+    intra-op threads, and on a shared 2-core machine they lose a lot to contention.
+    """
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def tiny_llama(*, seed: int = 0, std: float = 0.15, **overrides: Any) -> CausalLM:
+    """A float32 CPU Llama with seeded N(0, std) weights (large enough for peaked logits)."""
+    family = get_family("llama")
+    hf_config = {**TINY_LLAMA, **overrides}
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, shape in sorted(family.expected_tensors(hf_config).items()):
+        if name.endswith("norm.weight"):
+            tensors[name] = 1.0 + 0.1 * torch.randn(shape, generator=generator)
+        else:
+            tensors[name] = std * torch.randn(shape, generator=generator)
+    return family.build(hf_config=hf_config, tensors=tensors, dtype=torch.float32, device="cpu")
+
+
+@attrs.define(eq=False)
+class Lane:
+    """One hand-assembled eager lane; the test owns it and calls ``cleanup``."""
+
+    model: CausalLM
+    device: Device  # the port every component uses (a FaultyDevice in fault tests)
+    inner: TorchDevice  # the TorchDevice underneath, for stats
+    baseline_live: int  # inner live tensors before the KV cache was allocated
+    kv: PagedKVCacheManager
+    context: PagedKVCacheContext
+    layout: PageTableLayout
+    reader: OutputReader
+    prefill: PrefillRuntime
+    decode: DecodeRuntime
+    compiler: ProgramCompiler
+    executor: EagerExecutor
+    notes: dict[str, Any] = attrs.Factory(dict)  # scratch space for a test module's fixtures
+
+    @property
+    def block_size(self) -> int:
+        return self.layout.block_size
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.config.vocab_size)
+
+    def kv_tensors(self) -> list[torch.Tensor]:
+        """Every live K then every live V tensor."""
+        return [*self.context.keys, *self.context.values]
+
+    def snapshot(self) -> list[torch.Tensor]:
+        """Copies of every K then every V tensor."""
+        return [t.clone() for t in self.kv_tensors()]
+
+    def restore(self, snapshot: Sequence[torch.Tensor]) -> None:
+        """Overwrite the live KV with ``snapshot`` (to rerun from the same state)."""
+        with torch.no_grad():
+            for live, saved in zip(self.kv_tensors(), snapshot, strict=True):
+                live.copy_(saved)
+
+    def live_tensors(self) -> int:
+        return self.inner.stats().live_tensors
+
+    def prefill_runtime(
+        self,
+        *,
+        max_chunk: int | None = None,
+        batching_enabled: bool = True,
+        max_batch_size: int = 8,
+    ) -> PrefillRuntime:
+        """Another prefill runtime over this lane's model/device/reader with its own policy."""
+        layout = self.layout
+        if max_chunk is not None:
+            layout = PageTableLayout.resolve(
+                block_size=layout.block_size,
+                model_max_sequence_length=layout.model_max_sequence_length,
+                physical_num_blocks=layout.num_blocks,
+                max_prefill_chunk_size=max_chunk,
+            )
+        return PrefillRuntime(
+            PrefillRuntimeConfig.resolve(
+                model=self.model,
+                device=self.device,
+                output_reader=self.reader,
+                page_table_layout=layout,
+                lane_capacity=self.prefill.config.lane_capacity,
+                batching_enabled=batching_enabled,
+                max_batch_size=max_batch_size,
+                buckets="fine",
+                bucket_step=8,
+            )
+        )
+
+    def cleanup(self) -> None:
+        """The spec's teardown order (leases, reads, transients, programs, KV); keeps going
+        past failures and raises one ``CleanupError`` with all of them. Idempotent."""
+        steps: tuple[tuple[str, Callable[[], object]], ...] = (
+            ("external_decode_leases", self.decode.drain_external_outputs),
+            ("pending_output_reads", self.reader.drain),
+            ("prefill_transients", self.prefill.cleanup),
+            ("decode_transients", self.decode.cleanup_transients),
+            ("program_registry", self.compiler.cleanup),
+            ("paged_kv_cache", self.kv.release),
+        )
+        failures: list[tuple[str, BaseException]] = []
+        for name, step in steps:
+            try:
+                step()
+            except Exception as exc:
+                failures.append((name, exc))
+        if failures:
+            raise CleanupError(failures)
+
+
+def build_lane(
+    *,
+    model: CausalLM | None = None,
+    device: Device | None = None,
+    block_size: int = 4,
+    num_blocks: int = 64,
+    max_chunk: int = 32,
+    lane_capacity: int = 8,
+    batching_enabled: bool = True,
+    max_batch_size: int = 8,
+    kv_fill_seed: int | None = 1,
+) -> Lane:
+    """Assemble a lane over ``device`` (default a fresh ``TorchDevice("cpu")``)."""
+    model = tiny_llama() if model is None else model
+    port: Device = TorchDevice("cpu") if device is None else device
+    inner = port
+    while not isinstance(inner, TorchDevice):
+        inner = inner.inner  # type: ignore[attr-defined]
+    baseline = inner.stats().live_tensors
+    kv = PagedKVCacheManager(
+        model=model,
+        device=port,
+        config=PagedKVCacheConfig(
+            block_size=block_size, max_num_blocks=num_blocks, num_blocks=num_blocks
+        ),
+    )
+    kv.configure()
+    context = kv.allocate()
+    if kv_fill_seed is not None:
+        generator = torch.Generator().manual_seed(kv_fill_seed)
+        with torch.no_grad():
+            for t in (*context.keys, *context.values):
+                t.copy_(torch.randn(t.shape, generator=generator).to(t.dtype))
+    layout = PageTableLayout.resolve(
+        block_size=block_size,
+        model_max_sequence_length=model.config.max_position_embeddings,
+        physical_num_blocks=num_blocks,
+        max_prefill_chunk_size=max_chunk,
+    )
+    reader = OutputReader(device=port)
+    prefill = PrefillRuntime(
+        PrefillRuntimeConfig.resolve(
+            model=model,
+            device=port,
+            output_reader=reader,
+            page_table_layout=layout,
+            lane_capacity=lane_capacity,
+            batching_enabled=batching_enabled,
+            max_batch_size=max_batch_size,
+            buckets="fine",
+            bucket_step=8,
+        )
+    )
+    decode = DecodeRuntime(
+        DecodeRuntimeConfig.resolve(
+            model=model,
+            device=port,
+            output_reader=reader,
+            lane_capacity=lane_capacity,
+            page_table_layout=layout,
+            device_sampling_enabled=True,
+        )
+    )
+    compiler = ProgramCompiler(device=port, kv_cache=kv)
+    executor = EagerExecutor(prefill=prefill, decode=decode, program_compiler=compiler)
+    return Lane(
+        model=model,
+        device=port,
+        inner=inner,
+        baseline_live=baseline,
+        kv=kv,
+        context=context,
+        layout=layout,
+        reader=reader,
+        prefill=prefill,
+        decode=decode,
+        compiler=compiler,
+        executor=executor,
+    )
+
+
+def run_prefill(
+    runtime: PrefillRuntime,
+    rows: Sequence[PrefillRow],
+    *,
+    sampling_params: SamplingParams | Sequence[SamplingParams | None] | None = None,
+    history: TokenHistory | None = None,
+) -> PrefillOutput:
+    """The eager prefill call chain (prepare, invoke, finish, assemble) without a compiler."""
+    prepared = runtime.prepare(rows=rows, sampling_params=sampling_params)
+    raws = [
+        runtime.finish(request, runtime.invoke(request), history=history)
+        for request in prepared.requests
+    ]
+    return runtime.assemble(prepared, raws)
+
+
+def make_rows(
+    prompts: Sequence[Sequence[int]],
+    blocks: Sequence[Sequence[int]],
+    *,
+    cached: Sequence[int] | None = None,
+    slots: Sequence[int] | None = None,
+) -> list[PrefillRow]:
+    """One ``PrefillRow`` per prompt (source rows in order, slots ``0..n-1`` by default)."""
+    return [
+        PrefillRow(
+            source_row=i,
+            tokens=torch.tensor(list(prompt), dtype=torch.int64),
+            cached_tokens=0 if cached is None else int(cached[i]),
+            slot=i if slots is None else int(slots[i]),
+            block_ids=tuple(int(b) for b in blocks[i]),
+        )
+        for i, prompt in enumerate(prompts)
+    ]
+
+
+def page_table(blocks: Sequence[Sequence[int]], *, width: int) -> torch.Tensor:
+    """int32 ``[rows, width]``, ``-1`` after each row's blocks."""
+    table = torch.full((len(blocks), width), -1, dtype=torch.int32)
+    for r, row in enumerate(blocks):
+        if len(row):
+            table[r, : len(row)] = torch.tensor(list(row), dtype=torch.int32)
+    return table
+
+
+def prompt(length: int, *, seed: int, vocab_size: int = TINY_LLAMA["vocab_size"]) -> list[int]:
+    """A seeded random prompt."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size, (length,), generator=generator).tolist()
+
+
+def written_mask(
+    rows: Sequence[tuple[Sequence[int], int]], *, num_blocks: int, block_size: int
+) -> torch.Tensor:
+    """bool ``[num_blocks, block_size]``: slots of positions ``< length`` of each row's blocks."""
+    mask = torch.zeros((num_blocks, block_size), dtype=torch.bool)
+    for blocks, length in rows:
+        for pos in range(length):
+            mask[blocks[pos // block_size], pos % block_size] = True
+    return mask
+
+
+def assert_unchanged_outside(
+    before: Sequence[torch.Tensor], after: Sequence[torch.Tensor], mask: torch.Tensor
+) -> None:
+    """Every slot not in ``mask`` is bit-for-bit equal in every K/V tensor."""
+    for index, (old, new) in enumerate(zip(before, after, strict=True)):
+        changed = (old.view(torch.int32) != new.view(torch.int32)).any(dim=3).any(dim=1)
+        stray = changed & ~mask
+        assert not stray.any(), (
+            f"KV tensor {index}: slots outside the active rows changed: "
+            f"{sorted(map(tuple, stray.nonzero().tolist()))[:8]}"
+        )
+
+
+def row_kv(lane: Lane, blocks: Sequence[int], length: int) -> torch.Tensor:
+    """``[2 * layers, kv_heads, length, head_dim]``: a row's K/V for positions ``< length``."""
+    bs = lane.block_size
+    block = torch.tensor([blocks[p // bs] for p in range(length)])
+    offset = torch.tensor([p % bs for p in range(length)])
+    return torch.stack([t[block, :, offset].transpose(0, 1) for t in lane.kv_tensors()])
