@@ -29,6 +29,7 @@ from llmrt.sampling_params import SamplingParams
 from llmrt.tensor_resources import (
     ReleaseLedger,
     TensorResourceOrphan,
+    allocate_many,
     release_tensors,
     retry_orphans,
 )
@@ -422,10 +423,13 @@ class DecodeRuntime:
         template = prepared
 
         def allocate_inputs() -> DecodeInputs:
-            made = [
-                device.allocate(shape=tuple(h.shape), dtype=h.dtype)
-                for h in (template.tokens, template.positions, template.page_table)
-            ]
+            made = allocate_many(
+                device=device,
+                specs=[
+                    (h.shape, h.dtype)
+                    for h in (template.tokens, template.positions, template.page_table)
+                ],
+            )
             return DecodeInputs(tokens=made[0], positions=made[1], page_table=made[2])
 
         def prime(inputs: DecodeInputs) -> None:

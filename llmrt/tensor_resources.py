@@ -11,7 +11,7 @@ tensors can say which ones it owns). Anything else is skipped.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import attrs
@@ -146,3 +146,22 @@ def _walk(
     else:
         for field in attrs.fields(cast(Any, type(obj))):
             yield from _walk(getattr(obj, field.name), path=f"{path}.{field.name}", visited=visited)
+
+
+def allocate_many(
+    *, device: Device, specs: Sequence[tuple[Sequence[int], torch.dtype]]
+) -> list[torch.Tensor]:
+    """Allocate one zeroed tensor per ``(shape, dtype)``; all or nothing.
+
+    If an allocation fails, the tensors already made are released (failures to release
+    are attached to the raised error as notes) so a half-built set never leaks.
+    """
+    made: list[torch.Tensor] = []
+    try:
+        for shape, dtype in specs:
+            made.append(device.allocate(shape=tuple(shape), dtype=dtype))
+    except BaseException as exc:
+        for orphan in release_tensors(made, device=device, ledger=ReleaseLedger()):
+            exc.add_note(f"also failed to release {orphan.path}: {orphan.error}")
+        raise
+    return made

@@ -9,7 +9,12 @@ import torch
 
 from llmrt.device.base import Device
 from llmrt.prefill.plan import PrefillChunk
-from llmrt.tensor_resources import ReleaseLedger, TensorResourceOrphan, release_tensors
+from llmrt.tensor_resources import (
+    ReleaseLedger,
+    TensorResourceOrphan,
+    allocate_many,
+    release_tensors,
+)
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -66,8 +71,7 @@ def stage(
 
 def allocate_like(chunk: PrefillChunk, *, device: Device) -> PrefillInputs:
     """Persistent zeroed inputs with a chunk's geometry (for trace capture)."""
-    shapes = [(tuple(h.shape), h.dtype) for h in _host_fields(chunk)]
-    made = [device.allocate(shape=s, dtype=d) for s, d in shapes]
+    made = allocate_many(device=device, specs=[(h.shape, h.dtype) for h in _host_fields(chunk)])
     return PrefillInputs(
         tokens=made[0],
         start_pos=made[1],
