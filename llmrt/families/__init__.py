@@ -1,0 +1,1 @@
+"""Model families: HF checkpoints -> torch models over a paged KV cache (see docs/contracts.md)."""

@@ -1,0 +1,305 @@
+"""Attention over a paged KV cache, in plain torch ops.
+
+A layer's cache is ``[num_blocks, num_kv_heads, block_size, head_dim]``; a row's
+page table maps logical block ``pos // block_size`` to a physical block (``-1`` =
+none). A *plan* (built once per forward, shared by every layer) resolves where each
+token's K/V is written and which pages each row reads, so the per-layer work is a
+scatter, a gather and one ``scaled_dot_product_attention`` call with GQA
+(``enable_gqa=True``, K/V never repeated).
+
+Host syncs (``.tolist()``/``.item()``) are only used to pick fast paths and trim
+the page table; they are skipped while a CUDA graph is being captured or while
+``torch.compile`` traces the step, where every shape depends only on the input shapes.
+Plans are ``NamedTuple``s, not attrs classes: Dynamo traces their construction
+without a graph break (attrs' frozen ``__init__`` is opaque to it).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "DecodePlan",
+    "PagedReads",
+    "PrefillPlan",
+    "WritePlan",
+    "attend",
+    "gather_context",
+    "host_sync_allowed",
+    "plan_decode",
+    "plan_prefill",
+    "plan_writes",
+    "write_kv",
+]
+
+
+def host_sync_allowed(device: torch.device) -> bool:
+    """False while a CUDA graph is captured on ``device`` or Dynamo traces (no host reads)."""
+    if torch.compiler.is_compiling():
+        return False
+    return not (device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+
+
+class WritePlan(NamedTuple):
+    """Destination slot of each flattened token ``[T]`` and the token whose K/V lands there.
+
+    Tokens that must not write (padding, ``-1`` page entry, outside the page table)
+    are redirected onto the first real write with that write's value, so the
+    scatter has a static shape and every duplicate index stores identical bytes.
+    ``any_write`` is a 0-d bool tensor; ``any_write_host`` is its host value when a
+    sync was allowed, else None.
+    """
+
+    block: torch.Tensor
+    offset: torch.Tensor
+    source: torch.Tensor
+    any_write: torch.Tensor
+    any_write_host: bool | None
+
+
+def plan_writes(
+    *,
+    page_table: torch.Tensor,
+    positions: torch.Tensor,
+    valid: torch.Tensor,
+    block_size: int,
+    allow_sync: bool,
+) -> WritePlan:
+    """Resolve ``positions``/``valid`` ``[B, S]`` of each row through ``page_table`` ``[B, W]``."""
+    rows, width = page_table.shape
+    pos = positions.reshape(rows, -1).long()
+    column = torch.div(pos, block_size, rounding_mode="floor")
+    inside = valid.reshape(rows, -1) & (pos >= 0) & (column < width)
+    block = page_table.long().gather(1, column.clamp(0, max(width - 1, 0)))
+    keep = (inside & (block >= 0)).flatten()
+    block = block.clamp(min=0).flatten()
+    offset = torch.remainder(pos, block_size).flatten()
+    count = keep.numel()
+    if count == 0:
+        none = torch.zeros((), dtype=torch.bool, device=keep.device)
+        return WritePlan(
+            block=block, offset=offset, source=block, any_write=none, any_write_host=False
+        )
+    first = keep.to(torch.int32).argmax().reshape(1)  # a tensor index: no host read
+    any_write = keep.any()
+    index = torch.arange(count, device=keep.device)
+    source = torch.where(keep, index, first)
+    fallback_block = torch.where(any_write, block.index_select(0, first), 0)
+    fallback_offset = torch.where(any_write, offset.index_select(0, first), 0)
+    return WritePlan(
+        block=torch.where(keep, block, fallback_block),
+        offset=torch.where(keep, offset, fallback_offset),
+        source=source,
+        any_write=any_write,
+        any_write_host=bool(any_write.item()) if allow_sync else None,
+    )
+
+
+def write_kv(*, cache: torch.Tensor, new: torch.Tensor, plan: WritePlan) -> None:
+    """Scatter ``new`` ``[..., H, D]`` (one entry per planned token) into ``cache`` in place."""
+    if plan.any_write_host is False:
+        return
+    heads, dim = new.shape[-2:]
+    values = new.reshape(-1, heads, dim).index_select(0, plan.source).to(cache.dtype)
+    if plan.any_write_host is None:
+        current = cache[plan.block, :, plan.offset]
+        values = torch.where(plan.any_write, values, current)
+    cache[plan.block, :, plan.offset] = values
+
+
+def gather_context(*, cache: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
+    """Read the pages of each row: ``[B, nb]`` table -> ``[B, H, nb * block_size, D]``.
+
+    A ``-1`` entry reads block 0 (finite garbage the attention mask hides).
+    """
+    rows, blocks = page_table.shape
+    _, heads, block_size, dim = cache.shape
+    table = page_table.clamp(min=0).flatten()
+    pages = cache.index_select(0, table).view(rows, blocks, heads, block_size, dim)
+    return pages.transpose(1, 2).reshape(rows, heads, blocks * block_size, dim)
+
+
+class PagedReads(NamedTuple):
+    """The pages some rows read back (``table`` ``[R, nb]``) and their key mask ``[R, 1, S, L]``."""
+
+    table: torch.Tensor
+    mask: torch.Tensor
+
+
+class PrefillPlan(NamedTuple):
+    """Per-forward prefill routing shared by every layer.
+
+    ``cached is None``: every row starts at position 0 and attends causally to the
+    chunk itself (no page reads). ``split is None``: every row reads its context
+    back through the page table (``cached``). Otherwise ``split`` holds the row
+    indices of the fresh and of the cached group, and ``cached`` covers the
+    cached group only.
+    """
+
+    writes: WritePlan
+    positions: torch.Tensor
+    cached: PagedReads | None
+    split: tuple[torch.Tensor, torch.Tensor] | None
+
+    @property
+    def mode(self) -> Literal["fresh", "cached", "split"]:
+        """Which attention path the layers take (for tests and logs)."""
+        if self.cached is None:
+            return "fresh"
+        return "cached" if self.split is None else "split"
+
+
+class DecodePlan(NamedTuple):
+    """Per-forward decode routing: the (possibly trimmed) page table and key mask."""
+
+    writes: WritePlan
+    positions: torch.Tensor
+    reads: PagedReads
+
+
+def plan_prefill(
+    *,
+    start_pos: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_table: torch.Tensor,
+    block_size: int,
+    chunk_len: int,
+    allow_sync: bool | None = None,
+) -> PrefillPlan:
+    """Plan a prefill chunk of ``chunk_len`` padded tokens per row (see ``PrefillPlan``)."""
+    device = page_table.device
+    sync = host_sync_allowed(device) if allow_sync is None else allow_sync
+    rows, width = page_table.shape
+    steps = torch.arange(chunk_len, device=device)
+    start = start_pos.to(device=device, dtype=torch.long)
+    positions = start[:, None] + steps[None, :]
+    valid = steps[None, :] < seq_lens.to(device=device, dtype=torch.long)[:, None]
+    writes = plan_writes(
+        page_table=page_table,
+        positions=positions,
+        valid=valid,
+        block_size=block_size,
+        allow_sync=sync,
+    )
+    positions = positions.clamp(min=0)
+    if not sync:
+        reads = PagedReads(
+            table=page_table, mask=_causal_mask(positions=positions, length=width * block_size)
+        )
+        return PrefillPlan(writes=writes, positions=positions, cached=reads, split=None)
+    starts = start_pos.tolist()
+    ends = (start_pos.long() + seq_lens.long()).tolist()
+    cached = [row for row in range(rows) if starts[row] != 0]
+    if not cached:
+        return PrefillPlan(writes=writes, positions=positions, cached=None, split=None)
+    blocks = max(-(-max(ends[row], starts[row] + 1) // block_size) for row in cached)
+    blocks = max(1, min(width, blocks))
+    if len(cached) == rows:
+        reads = PagedReads(
+            table=page_table[:, :blocks],
+            mask=_causal_mask(positions=positions, length=blocks * block_size),
+        )
+        return PrefillPlan(writes=writes, positions=positions, cached=reads, split=None)
+    fresh = [row for row in range(rows) if starts[row] == 0]
+    fresh_rows = torch.tensor(fresh, dtype=torch.long, device=device)
+    cached_rows = torch.tensor(cached, dtype=torch.long, device=device)
+    reads = PagedReads(
+        table=page_table.index_select(0, cached_rows)[:, :blocks],
+        mask=_causal_mask(
+            positions=positions.index_select(0, cached_rows), length=blocks * block_size
+        ),
+    )
+    return PrefillPlan(
+        writes=writes, positions=positions, cached=reads, split=(fresh_rows, cached_rows)
+    )
+
+
+def plan_decode(
+    *,
+    positions: torch.Tensor,
+    page_table: torch.Tensor,
+    block_size: int,
+    allow_sync: bool | None = None,
+) -> DecodePlan:
+    """Plan one decode token per row at ``positions`` ``[B]``.
+
+    On CPU the page table is trimmed to the blocks in use; elsewhere its width is
+    kept so the step's shapes are static (CUDA-graph friendly).
+    """
+    device = page_table.device
+    sync = host_sync_allowed(device) if allow_sync is None else allow_sync
+    rows, width = page_table.shape
+    pos = positions.to(device=device, dtype=torch.long)
+    writes = plan_writes(
+        page_table=page_table,
+        positions=pos[:, None],
+        valid=torch.ones((rows, 1), dtype=torch.bool, device=device),
+        block_size=block_size,
+        allow_sync=sync,
+    )
+    pos = pos.clamp(min=0)
+    table = page_table
+    if sync and device.type == "cpu" and rows > 0:
+        blocks = max(1, min(width, int(pos.max().item()) // block_size + 1))
+        table = page_table[:, :blocks]
+    mask = _causal_mask(positions=pos[:, None], length=table.shape[1] * block_size)
+    return DecodePlan(writes=writes, positions=pos, reads=PagedReads(table=table, mask=mask))
+
+
+def attend(
+    *,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: PrefillPlan | DecodePlan,
+    scale: float,
+) -> torch.Tensor:
+    """Write this step's K/V into the pages, then attend.
+
+    ``q`` ``[B, S, Hq, D]``, ``k``/``v`` ``[B, S, Hkv, D]`` (S = 1 for decode);
+    returns ``[B, S, Hq * D]`` in ``q``'s dtype.
+    """
+    write_kv(cache=k_cache, new=k, plan=plan.writes)
+    write_kv(cache=v_cache, new=v, plan=plan.writes)
+    query = q.transpose(1, 2)
+    if isinstance(plan, DecodePlan):
+        out = _paged(query, k_cache, v_cache, plan.reads, scale)
+    elif plan.cached is None:
+        out = _causal(query, k.transpose(1, 2), v.transpose(1, 2), scale)
+    elif plan.split is None:
+        out = _paged(query, k_cache, v_cache, plan.cached, scale)
+    else:
+        fresh, cached = plan.split
+        out = torch.empty_like(query)
+        out[fresh] = _causal(
+            query.index_select(0, fresh),
+            k.index_select(0, fresh).transpose(1, 2),
+            v.index_select(0, fresh).transpose(1, 2),
+            scale,
+        )
+        out[cached] = _paged(query.index_select(0, cached), k_cache, v_cache, plan.cached, scale)
+    return out.transpose(1, 2).flatten(2)
+
+
+def _causal_mask(*, positions: torch.Tensor, length: int) -> torch.Tensor:
+    keys = torch.arange(length, device=positions.device)
+    return (keys[None, None, :] <= positions[:, :, None])[:, None]
+
+
+def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+
+
+def _paged(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, reads: PagedReads, scale: float
+) -> torch.Tensor:
+    k = gather_context(cache=k_cache, page_table=reads.table).to(q.dtype)
+    v = gather_context(cache=v_cache, page_table=reads.table).to(q.dtype)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=reads.mask, scale=scale, enable_gqa=True
+    )

@@ -1,0 +1,174 @@
+"""Paged-attention primitives against a naive per-token reference (loops over rows/tokens)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from llmrt.families.paged_attention import (
+    attend,
+    gather_context,
+    host_sync_allowed,
+    plan_decode,
+    plan_prefill,
+)
+
+BS = 4
+N = 24
+HQ, HKV, D = 4, 2, 8
+SCALE = D**-0.5
+
+
+def _cache(seed: int) -> torch.Tensor:
+    return torch.randn((N, HKV, BS, D), generator=torch.Generator().manual_seed(seed))
+
+
+def _naive_write(
+    cache: torch.Tensor, new: torch.Tensor, table: torch.Tensor, starts: list[int], lens: list[int]
+) -> torch.Tensor:
+    out = cache.clone()
+    for row, (start, length) in enumerate(zip(starts, lens, strict=True)):
+        for i in range(length):
+            pos = start + i
+            column = pos // BS
+            if column < table.shape[1] and table[row, column] >= 0:
+                out[table[row, column], :, pos % BS] = new[row, i]
+    return out
+
+
+def _naive_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    table: torch.Tensor,
+    pos: int,
+    row: int,
+) -> torch.Tensor:
+    """``q`` ``[HQ, D]`` attending to positions ``0..pos`` of ``row`` (GQA: head h -> h // 2)."""
+    keys = torch.stack([k_cache[table[row, p // BS], :, p % BS] for p in range(pos + 1)])
+    values = torch.stack([v_cache[table[row, p // BS], :, p % BS] for p in range(pos + 1)])
+    out = torch.empty(HQ, D)
+    for h in range(HQ):
+        kv_head = h // (HQ // HKV)
+        weights = torch.softmax(keys[:, kv_head] @ q[h] * SCALE, dim=0)
+        out[h] = weights @ values[:, kv_head]
+    return out
+
+
+def _table(rows: list[list[int]], width: int) -> torch.Tensor:
+    table = torch.full((len(rows), width), -1, dtype=torch.int32)
+    for r, blocks in enumerate(rows):
+        table[r, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+    return table
+
+
+PREFILL_CASES = {
+    # name: (starts, lens, chunk, expected mode with sync)
+    "fresh": ([0, 0, 0], [5, 0, 7], 8, "fresh"),
+    "cached": ([3, 8, 5], [4, 2, 0], 5, "cached"),
+    "split": ([0, 6, 0], [6, 3, 2], 6, "split"),
+}
+
+
+@pytest.mark.parametrize("allow_sync", [True, False], ids=["sync", "capture-safe"])
+@pytest.mark.parametrize("case", sorted(PREFILL_CASES))
+def test_prefill_matches_naive_reference(case: str, allow_sync: bool) -> None:
+    starts, lens, chunk, mode = PREFILL_CASES[case]
+    gen = torch.Generator().manual_seed(1)
+    rows = [[17, 2, 9, 21], [5, 11, 0, 14], [8, 3, 19, 6]]
+    table = _table(rows, width=5)
+    k_cache, v_cache = _cache(2), _cache(3)
+    q = torch.randn((3, chunk, HQ, D), generator=gen)
+    k = torch.randn((3, chunk, HKV, D), generator=gen)
+    v = torch.randn((3, chunk, HKV, D), generator=gen)
+    want_k = _naive_write(k_cache, k, table, starts, lens)
+    want_v = _naive_write(v_cache, v, table, starts, lens)
+    plan = plan_prefill(
+        start_pos=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        page_table=table,
+        block_size=BS,
+        chunk_len=chunk,
+        allow_sync=allow_sync,
+    )
+    assert plan.mode == (mode if allow_sync else "cached")
+    out = attend(q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, plan=plan, scale=SCALE)
+    assert out.shape == (3, chunk, HQ * D)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    assert torch.isfinite(out).all()
+    for row in range(3):
+        for i in range(lens[row]):
+            want = _naive_attention(q[row, i], want_k, want_v, table, starts[row] + i, row)
+            torch.testing.assert_close(out[row, i].view(HQ, D), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("allow_sync", [True, False], ids=["sync", "capture-safe"])
+def test_decode_matches_naive_reference_and_skips_inert_rows(allow_sync: bool) -> None:
+    gen = torch.Generator().manual_seed(4)
+    rows = [[17, 2, 9], [], [5, 11], [8, -1]]
+    table = _table(rows, width=6)
+    positions = [9, 3, 6, 5]  # row 1 is inert, row 3 hits a -1 entry (write skipped)
+    k_cache, v_cache = _cache(5), _cache(6)
+    q = torch.randn((4, 1, HQ, D), generator=gen)
+    k = torch.randn((4, 1, HKV, D), generator=gen)
+    v = torch.randn((4, 1, HKV, D), generator=gen)
+    want_k = _naive_write(k_cache, k, table, positions, [1, 1, 1, 1])
+    want_v = _naive_write(v_cache, v, table, positions, [1, 1, 1, 1])
+    plan = plan_decode(
+        positions=torch.tensor(positions, dtype=torch.int32),
+        page_table=table,
+        block_size=BS,
+        allow_sync=allow_sync,
+    )
+    blocks_in_use = math.ceil((max(positions) + 1) / BS)
+    assert plan.reads.table.shape[1] == (blocks_in_use if allow_sync else 6)
+    out = attend(q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, plan=plan, scale=SCALE)
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    assert torch.isfinite(out).all()
+    for row in (0, 2):
+        want = _naive_attention(q[row, 0], want_k, want_v, table, positions[row], row)
+        torch.testing.assert_close(out[row, 0].view(HQ, D), want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("allow_sync", [True, False], ids=["sync", "capture-safe"])
+def test_batch_without_any_write_leaves_cache_bit_identical(allow_sync: bool) -> None:
+    k_cache, v_cache = _cache(7), _cache(8)
+    k_cache[0, 0, 0, 0] = float("nan")  # a NaN payload must survive a no-op write too
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    table = _table([[], [3, 4]], width=2)
+    plan = plan_prefill(
+        start_pos=torch.tensor([0, 4], dtype=torch.int32),
+        seq_lens=torch.tensor([0, 0], dtype=torch.int32),
+        page_table=table,
+        block_size=BS,
+        chunk_len=3,
+        allow_sync=allow_sync,
+    )
+    assert plan.writes.any_write_host is (False if allow_sync else None)
+    shape = (2, 3)
+    attend(
+        q=torch.zeros((*shape, HQ, D)),
+        k=torch.ones((*shape, HKV, D)),
+        v=torch.ones((*shape, HKV, D)),
+        k_cache=k_cache,
+        v_cache=v_cache,
+        plan=plan,
+        scale=SCALE,
+    )
+    assert torch.equal(k_cache.view(torch.int32), before_k.view(torch.int32))
+    assert torch.equal(v_cache.view(torch.int32), before_v.view(torch.int32))
+
+
+def test_gather_context_reads_pages_in_table_order() -> None:
+    cache = _cache(9)
+    table = _table([[7, 1, 4]], width=3)
+    got = gather_context(cache=cache, page_table=table)
+    assert got.shape == (1, HKV, 3 * BS, D)
+    for p in range(3 * BS):
+        assert torch.equal(got[0, :, p], cache[[7, 1, 4][p // BS], :, p % BS])
+
+
+def test_host_sync_is_allowed_on_cpu() -> None:
+    assert host_sync_allowed(torch.device("cpu"))

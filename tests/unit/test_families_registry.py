@@ -1,0 +1,86 @@
+"""Family discovery through the ``llmrt.families`` entry-point group."""
+
+from __future__ import annotations
+
+from importlib.metadata import EntryPoint
+
+import attrs
+import pytest
+
+from llmrt.errors import FamilyError
+from llmrt.families import gpt2, llama, registry
+from llmrt.families.base import Family
+
+
+@attrs.frozen
+class _Impostor:
+    """A second family claiming ``llama`` checkpoints (for the ambiguity check)."""
+
+    name: str = "impostor"
+    model_types: tuple[str, ...] = ("llama",)
+    model_config = llama.FAMILY.model_config
+    expected_tensors = llama.FAMILY.expected_tensors
+    optional_tensors = llama.FAMILY.optional_tensors
+    build = llama.FAMILY.build
+
+
+IMPOSTOR = _Impostor()
+
+
+def _use(monkeypatch: pytest.MonkeyPatch, *points: tuple[str, str]) -> None:
+    eps = tuple(EntryPoint(name=n, value=v, group=registry.GROUP) for n, v in points)
+    monkeypatch.setattr(registry, "_entry_points", lambda: eps)
+
+
+def test_installed_families_are_discovered() -> None:
+    assert {"llama", "gpt2"} <= set(registry.family_names())
+    assert registry.get_family("llama") is llama.FAMILY
+    assert registry.get_family("gpt2") is gpt2.FAMILY
+    assert isinstance(llama.FAMILY, Family) and isinstance(gpt2.FAMILY, Family)
+
+
+def test_unknown_family_lists_the_known_ones() -> None:
+    with pytest.raises(FamilyError, match=r"unknown model family 'nope'.*gpt2.*llama"):
+        registry.get_family("nope")
+
+
+@pytest.mark.parametrize(
+    ("model_type", "family"),
+    [("llama", "llama"), ("mistral", "llama"), ("qwen2", "llama"), ("gpt2", "gpt2")],
+)
+def test_auto_resolves_model_types(model_type: str, family: str) -> None:
+    assert registry.family_for_model_type(model_type).name == family
+
+
+def test_unknown_model_type_names_it_and_the_known_ones() -> None:
+    with pytest.raises(FamilyError, match=r"'bert'.*gpt2, llama, mistral, qwen2"):
+        registry.family_for_model_type("bert")
+
+
+def test_broken_entry_point_is_a_family_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    _use(monkeypatch, ("broken", "llmrt_no_such_module:FAMILY"))
+    with pytest.raises(FamilyError, match=r"'broken'.*failed to load"):
+        registry.get_family("broken")
+
+
+def test_entry_point_must_be_a_family_named_like_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    _use(
+        monkeypatch,
+        ("types", "llmrt.families.llama:MODEL_TYPES"),
+        ("llama", "llmrt.families.gpt2:FAMILY"),
+    )
+    with pytest.raises(FamilyError, match="not a Family"):
+        registry.get_family("types")
+    with pytest.raises(FamilyError, match="names itself 'gpt2'"):
+        registry.get_family("llama")
+
+
+def test_model_type_claimed_twice_is_ambiguous(monkeypatch: pytest.MonkeyPatch) -> None:
+    _use(
+        monkeypatch, ("llama", "llmrt.families.llama:FAMILY"), ("impostor", f"{__name__}:IMPOSTOR")
+    )
+    with pytest.raises(
+        FamilyError, match="'llama' is claimed by several families: llama, impostor"
+    ):
+        registry.family_for_model_type("llama")
+    assert registry.family_for_model_type("qwen2") is llama.FAMILY
