@@ -7,6 +7,7 @@ from .runtime import (
     RuntimeContainer,
     build_lane_group,
     build_lanes,
+    close_runtime,
 )
 
 __all__ = [
@@ -16,4 +17,5 @@ __all__ = [
     "RuntimeContainer",
     "build_lane_group",
     "build_lanes",
+    "close_runtime",
 ]

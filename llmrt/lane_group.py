@@ -30,16 +30,21 @@ ParamsArg = SamplingParams | Sequence[SamplingParams | None] | None
 
 @attrs.frozen(kw_only=True, eq=False)
 class LaneGroupLease:
-    """One combined external contract over per-lane decode leases."""
+    """One combined external contract over per-lane decode leases.
+
+    ``rows`` is the global batch size of the decode call (lane rows scatter back to it).
+    """
 
     leases: tuple[DecodeOutputLease, ...]
+    rows: int
 
 
 @attrs.frozen(kw_only=True, eq=False)
 class LaneGroupHost:
-    """Per-lane host values of a combined asynchronous read."""
+    """Per-lane host values of a combined asynchronous read (``rows``: the global batch)."""
 
     values: tuple[tuple[int, object], ...]  # (lane index, that lane's host value)
+    rows: int
 
 
 class LaneGroupExecutor:
@@ -205,16 +210,24 @@ class LaneGroupExecutor:
             )
         if not read_from_device:
             return LaneGroupLease(
-                leases=tuple(o for _, o in outputs if isinstance(o, DecodeOutputLease))
+                leases=tuple(o for _, o in outputs if isinstance(o, DecodeOutputLease)),
+                rows=int(tok.numel()),
             )
-        return _concat([o for _, o in outputs if isinstance(o, DecodeOutput)])
+        return _scatter_lanes(
+            [(i, o) for i, o in outputs if isinstance(o, DecodeOutput)],
+            rows=int(tok.numel()),
+            cap=cap,
+        )
 
     def read_decode_output(
         self, lease: LaneGroupLease | DecodeOutputLease, *, async_read: bool
     ) -> tuple[Any, tuple[Any, ...]]:
         """Start every lane's read at once; one combined ``(host_value, events)`` contract."""
         if isinstance(lease, DecodeOutputLease):
-            lease = LaneGroupLease(leases=(lease,))
+            lane_index = self._owner(lease)
+            lease = LaneGroupLease(
+                leases=(lease,), rows=lane_index * self.lane_capacity + lease.active_rows
+            )
         values: list[tuple[int, object]] = []
         events: list[object] = []
         for lane_lease in lease.leases:
@@ -224,7 +237,7 @@ class LaneGroupExecutor:
             )
             values.append((index, host))
             events.extend(lane_events)
-        return LaneGroupHost(values=tuple(values)), tuple(events)
+        return LaneGroupHost(values=tuple(values), rows=lease.rows), tuple(events)
 
     def process_decode_output_host(
         self, host_value: Any, *, is_tokens: bool | None = None
@@ -233,11 +246,13 @@ class LaneGroupExecutor:
             raise RequestError(
                 "host_value", "was not produced by LaneGroupExecutor.read_decode_output"
             )
-        return _concat(
+        return _scatter_lanes(
             [
-                self.lanes[index].process_decode_output_host(value, is_tokens=is_tokens)
+                (index, self.lanes[index].process_decode_output_host(value, is_tokens=is_tokens))
                 for index, value in host_value.values
-            ]
+            ],
+            rows=host_value.rows,
+            cap=self.lane_capacity,
         )
 
     def _owner(self, lease: DecodeOutputLease) -> int:
@@ -278,40 +293,28 @@ def _per_row(params: ParamsArg, n: int) -> list[SamplingParams | None] | None:
 
 
 def _merge_prefill(pieces: list[tuple[list[int], PrefillOutput]], n: int) -> PrefillOutput:
-    def merged(name: str) -> torch.Tensor | None:
-        parts = [(members, getattr(out, name)) for members, out in pieces]
-        if all(v is None for _, v in parts):
+    """Each lane's rows back at their source rows (fields every lane left None stay None)."""
+
+    def merged(values: Sequence[torch.Tensor | None]) -> torch.Tensor | None:
+        if any(v is None for v in values):
             return None
-        first = next(v for _, v in parts if v is not None)
-        result = first.new_zeros((n, *first.shape[1:]))
-        for members, value in parts:
-            if value is not None:
-                result[torch.tensor(members)] = value
+        present = [v for v in values if v is not None]
+        result = present[0].new_zeros((n, *present[0].shape[1:]))
+        for (members, _), value in zip(pieces, present, strict=True):
+            result[torch.tensor(members)] = value
         return result
 
+    tops = [out.top_logprobs for _, out in pieces]
+    top_logprobs = None
+    if all(t is not None for t in tops):
+        values = merged([t[0] for t in tops if t is not None])
+        ids = merged([t[1] for t in tops if t is not None])
+        top_logprobs = None if values is None or ids is None else (values, ids)
     return PrefillOutput(
-        tokens=merged("tokens"),
-        logits=merged("logits"),
-        logprobs=merged("logprobs"),
-        top_logprobs=None,
-    )
-
-
-def _concat(outs: Sequence[DecodeOutput]) -> DecodeOutput:
-    def cat(name: str) -> torch.Tensor | None:
-        values = [getattr(o, name) for o in outs]
-        if not values or any(v is None for v in values):
-            return None
-        return torch.cat(values)
-
-    tops = None
-    if outs and all(o.top_logprobs is not None for o in outs):
-        tops = (
-            torch.cat([o.top_logprobs[0] for o in outs if o.top_logprobs is not None]),
-            torch.cat([o.top_logprobs[1] for o in outs if o.top_logprobs is not None]),
-        )
-    return DecodeOutput(
-        tokens=cat("tokens"), logits=cat("logits"), logprobs=cat("logprobs"), top_logprobs=tops
+        tokens=merged([out.tokens for _, out in pieces]),
+        logits=merged([out.logits for _, out in pieces]),
+        logprobs=merged([out.logprobs for _, out in pieces]),
+        top_logprobs=top_logprobs,
     )
 
 
@@ -319,39 +322,33 @@ def _scatter_lanes(
     outs: Sequence[tuple[int, DecodeOutput]], *, rows: int, cap: int
 ) -> DecodeOutput:
     """Place each lane's rows at its global slots; rows of skipped lanes are zero."""
-    if len(outs) == 1 and outs[0][0] == 0:
+    if len(outs) == 1 and outs[0][0] == 0 and _rows_of(outs[0][1]) == rows:
         return outs[0][1]
 
-    def place(name: str) -> torch.Tensor | None:
-        values = [(i, getattr(o, name)) for i, o in outs]
+    def place(values: Sequence[tuple[int, torch.Tensor | None]]) -> torch.Tensor | None:
         if not values or any(v is None for _, v in values):
             return None
-        first = values[0][1]
-        result = first.new_zeros((rows, *first.shape[1:]))
-        for lane_index, value in values:
+        present = [(i, v) for i, v in values if v is not None]
+        result = present[0][1].new_zeros((rows, *present[0][1].shape[1:]))
+        for lane_index, value in present:
             result[lane_index * cap : lane_index * cap + value.shape[0]] = value
         return result
 
     tops = None
     if outs and all(o.top_logprobs is not None for _, o in outs):
-        values = place_pair(outs, rows=rows, cap=cap)
-        tops = values
+        values = place([(i, o.top_logprobs[0]) for i, o in outs if o.top_logprobs is not None])
+        ids = place([(i, o.top_logprobs[1]) for i, o in outs if o.top_logprobs is not None])
+        tops = None if values is None or ids is None else (values, ids)
     return DecodeOutput(
-        tokens=place("tokens"),
-        logits=place("logits"),
-        logprobs=place("logprobs"),
+        tokens=place([(i, o.tokens) for i, o in outs]),
+        logits=place([(i, o.logits) for i, o in outs]),
+        logprobs=place([(i, o.logprobs) for i, o in outs]),
         top_logprobs=tops,
     )
 
 
-def place_pair(
-    outs: Sequence[tuple[int, DecodeOutput]], *, rows: int, cap: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    firsts = [(i, o.top_logprobs) for i, o in outs if o.top_logprobs is not None]
-    v0, i0 = firsts[0][1]
-    values = v0.new_zeros((rows, *v0.shape[1:]))
-    ids = i0.new_zeros((rows, *i0.shape[1:]))
-    for lane_index, (v, i) in firsts:
-        values[lane_index * cap : lane_index * cap + v.shape[0]] = v
-        ids[lane_index * cap : lane_index * cap + i.shape[0]] = i
-    return values, ids
+def _rows_of(out: DecodeOutput) -> int | None:
+    for value in (out.tokens, out.logits, out.logprobs):
+        if value is not None:
+            return int(value.shape[0])
+    return None

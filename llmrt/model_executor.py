@@ -229,7 +229,9 @@ class ModelExecutor:
 
     def cleanup(self, *, primary: BaseException | None = None) -> None:
         """Become terminal, then run the spec's eight cleanup steps; idempotent, keeps going."""
-        self._terminal = True
+        if not self._terminal:
+            self._terminal = True
+            emit(self._log, "executor.terminal")
         steps: dict[str, Callable[[], object]] = {
             "external_decode_leases": self.decode.drain_external_outputs,
             "pending_output_reads": self.output_reader.drain,

@@ -1,0 +1,181 @@
+"""LifetimeScope: exact reverse creation order across nested scopes, failures, idempotence."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from structlog.testing import capture_logs
+
+from llmrt.errors import CleanupError
+from llmrt.scope import LifetimeScope
+
+
+def recorder(log: list[str], name: str) -> Callable[[], None]:
+    def close() -> None:
+        log.append(name)
+
+    return close
+
+
+def failing(log: list[str], name: str, error: Exception) -> Callable[[], None]:
+    def close() -> None:
+        log.append(name)
+        raise error
+
+    return close
+
+
+def test_objects_close_in_reverse_creation_order() -> None:
+    log: list[str] = []
+    scope = LifetimeScope("root")
+    for name in ("a", "b", "c"):
+        assert scope.own(name, object(), recorder(log, name)) is not None
+
+    assert scope.names() == ["a", "b", "c"]
+    scope.close()
+
+    assert log == ["c", "b", "a"]
+    assert scope.closed
+    assert scope.names() == []
+
+
+def test_own_returns_the_object_and_a_missing_close_is_fine() -> None:
+    scope = LifetimeScope("root")
+    thing = object()
+    assert scope.own("thing", thing) is thing
+    scope.close()
+
+
+def test_nested_scopes_close_at_their_creation_slot() -> None:
+    log: list[str] = []
+    root = LifetimeScope("root")
+    root.own("device", 1, recorder(log, "device"))
+    lane = root.child("lane0", lane=0)
+    lane.own("kv", 2, recorder(log, "kv"))
+    inner = lane.child("inner")
+    inner.own("trace", 3, recorder(log, "trace"))
+    lane.own("executor", 4, recorder(log, "executor"))
+    root.own("group", 5, recorder(log, "group"))
+
+    assert root.creation_order() == [
+        "root/device",
+        "root/lane0/kv",
+        "root/lane0/inner/trace",
+        "root/lane0/executor",
+        "root/group",
+    ]
+    assert inner.lane == 0  # a child inherits its parent's lane
+    root.close()
+
+    assert log == ["group", "executor", "trace", "kv", "device"]
+    assert lane.closed and inner.closed
+
+
+def test_order_is_global_across_scopes_not_per_scope_blocks() -> None:
+    """An object created late in an outer scope closes before earlier inner-scope objects."""
+    log: list[str] = []
+    root = LifetimeScope("root")
+    model = root.child("model")
+    model.own("weights", 1, recorder(log, "weights"))
+    lane = root.child("lane0")
+    lane.own("kv", 2, recorder(log, "kv"))
+    model.own("tokenizer", 3, recorder(log, "tokenizer"))  # loaded lazily, after the lane
+
+    root.close()
+
+    assert log == ["tokenizer", "kv", "weights"]
+
+
+def test_failures_do_not_stop_teardown_and_are_all_reported() -> None:
+    log: list[str] = []
+    first, second = RuntimeError("first"), ValueError("second")
+    primary = KeyError("the request that failed")
+    root = LifetimeScope("root")
+    root.own("a", 1, recorder(log, "a"))
+    root.own("b", 2, failing(log, "b", first))
+    child = root.child("lane0")
+    child.own("c", 3, failing(log, "c", second))
+    child.own("d", 4, recorder(log, "d"))
+
+    with pytest.raises(CleanupError) as info:
+        root.close(primary=primary)
+
+    assert log == ["d", "c", "b", "a"]
+    err = info.value
+    assert err.primary is primary
+    assert err.failures == (("root/lane0/c", second), ("root/b", first))
+    text = str(err)
+    assert "2 cleanup step(s) failed while handling KeyError" in text
+    assert "root/lane0/c: ValueError: second" in text
+    assert "root/b: RuntimeError: first" in text
+
+
+def test_a_components_own_cleanup_error_is_flattened() -> None:
+    inner = CleanupError([("lane0/traces", RuntimeError("t")), ("lane0/kv", OSError("k"))])
+    root = LifetimeScope("root")
+    root.own("executor", 1, failing([], "executor", inner))
+
+    with pytest.raises(CleanupError) as info:
+        root.close()
+
+    assert [step for step, _ in info.value.failures] == ["lane0/traces", "lane0/kv"]
+    assert info.value.primary is None
+
+
+def test_close_is_idempotent_and_a_closed_scope_owns_nothing() -> None:
+    log: list[str] = []
+    root = LifetimeScope("root")
+    child = root.child("child")
+    child.own("x", 1, failing(log, "x", RuntimeError("once")))
+
+    with pytest.raises(CleanupError):
+        root.close()
+    root.close()  # no-op: nothing runs again, nothing raises
+    child.close()
+
+    assert log == ["x"]
+    with pytest.raises(RuntimeError, match="root/child is closed"):
+        child.own("late", 2)
+    with pytest.raises(RuntimeError, match="root is closed"):
+        root.child("late")
+
+
+def test_closing_a_child_first_leaves_the_rest_for_the_parent() -> None:
+    log: list[str] = []
+    root = LifetimeScope("root")
+    root.own("a", 1, recorder(log, "a"))
+    child = root.child("child")
+    child.own("b", 2, recorder(log, "b"))
+    root.own("c", 3, recorder(log, "c"))
+
+    child.close()
+    assert log == ["b"]
+    root.close()
+
+    assert log == ["b", "c", "a"]
+
+
+def test_lifecycle_events_name_every_step_and_scope() -> None:
+    with capture_logs() as events:
+        root = LifetimeScope("root")
+        root.own("a", 1)
+        lane = root.child("lane0", lane=0)
+        lane.own("kv", 2, failing([], "kv", RuntimeError("boom")))
+        with pytest.raises(CleanupError):
+            root.close()
+
+    seen = [(e["event"], e.get("scope") or e.get("step")) for e in events]
+    assert seen == [
+        ("scope.entered", "root"),
+        ("scope.entered", "root/lane0"),
+        ("cleanup.failed", "root/lane0/kv"),
+        ("scope.exited", "root/lane0"),
+        ("cleanup.step", "root/a"),
+        ("scope.exited", "root"),
+    ]
+    failed = next(e for e in events if e["event"] == "cleanup.failed")
+    assert failed["error"] == "RuntimeError: boom"
+    assert failed["lane"] == 0 and failed["log_level"] == "warning"
+    exits = {e["scope"]: e["failures"] for e in events if e["event"] == "scope.exited"}
+    assert exits == {"root/lane0": 1, "root": 1}
