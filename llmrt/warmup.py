@@ -22,7 +22,7 @@ from llmrt.decode import PreparedDecode
 from llmrt.errors import ConfigError, IdentityError
 from llmrt.execution import EagerExecutor, TracedExecutor
 from llmrt.lifecycle import component_logger, emit
-from llmrt.prefill.plan import PrefillRow
+from llmrt.prefill.plan import BATCHED_PREFILL_TOKEN_LIMIT, PrefillRow
 from llmrt.prefill.signatures import PreparedPrefill
 
 MANIFEST_SCHEMA = 1
@@ -89,14 +89,22 @@ class WarmupCoordinatorConfig:
             for b in warmup.prefill_batch_sizes if n == shortest else (1,):
                 coverage.append(PrefillCoverage(seq_len=n, batch_size=b, variant="regular"))
         if trace.enabled:
-            # Once traces are active the compile gate is closed, so every single-row geometry
-            # the planner can produce (each bucket length, with and without a cached prefix)
-            # must be compiled now, whether that operation replays a trace or runs eagerly.
+            # Once traces are active the compile gate is closed, so every geometry the planner
+            # can produce must be compiled now, whether that operation replays a trace or runs
+            # eagerly: each bucket length single-row, with and without a cached prefix, and
+            # every warmed wave size at each bucket length up to the planner's wave limit.
             limit = prefill.layout.max_sequence_length - prefill.layout.block_size
+            waves = policy.wave_batch_sizes
             for n in policy.buckets.lengths():
                 coverage.append(PrefillCoverage(seq_len=n, batch_size=1, variant="regular"))
                 if n <= limit:
                     coverage.append(PrefillCoverage(seq_len=n, batch_size=1, variant="chunked"))
+                if policy.max_wave_seq_len is None or n <= policy.max_wave_seq_len:
+                    coverage.extend(
+                        PrefillCoverage(seq_len=n, batch_size=b, variant="regular")
+                        for b in waves
+                        if b > 1 and b * n < BATCHED_PREFILL_TOKEN_LIMIT
+                    )
         coverage = sorted(set(coverage), key=lambda c: (c.variant, c.seq_len, c.batch_size))
         return cls(
             warmup=warmup,
@@ -120,7 +128,7 @@ class CoverageManifest:
     workspace_fingerprint: str
 
     def to_dict(self) -> dict[str, object]:
-        return attrs.asdict(self, retain_collection_types=False)
+        return attrs.asdict(self)
 
 
 def _fingerprint(material: object) -> str:
@@ -138,17 +146,22 @@ class CaptureBarrier:
 
     def report(self, coordinator: WarmupCoordinator) -> bool:
         """Record one lane's readiness; capture everything once all lanes agree."""
-        self._ready[coordinator.config.lane] = coordinator
+        lane_id = coordinator.config.lane
+        known = self._ready.get(lane_id)
+        if known is not None and known is not coordinator:
+            raise IdentityError(f"one warmup coordinator per lane ({lane_id})", known, coordinator)
+        self._ready[lane_id] = coordinator
         if self.captured or len(self._ready) < self.lanes:
             return self.captured
-        prints = {lane: c.readiness() for lane, c in sorted(self._ready.items())}
-        first = next(iter(prints.values()))
-        for lane, fp in prints.items():
-            if fp != first:
+        ready = sorted(self._ready.items())
+        first_lane, first = ready[0]
+        expected = first.readiness()
+        for lane, other in ready[1:]:
+            if other.readiness() != expected:
                 raise IdentityError(
-                    "every lane reports identical warmup readiness",
-                    self._ready[0],
-                    self._ready[lane],
+                    f"every lane reports identical warmup readiness (lane {first_lane} vs {lane})",
+                    first,
+                    other,
                 )
         for _, coordinator_ in sorted(self._ready.items()):
             coordinator_.capture_now()
@@ -278,7 +291,8 @@ class WarmupCoordinator:
             for trace_key, artifact in self.execution.trace_compiler.artifacts.items():
                 signatures.append(trace_key)
                 traced.extend(artifact.program_keys)
-                aliases.extend((p, trace_key) for p in artifact.program_keys[1:])
+                # The first registrant depends on warmup order; the manifest must not.
+                aliases.extend((p, trace_key) for p in sorted(artifact.program_keys)[1:])
         layout = self.config.layout
         return CoverageManifest(
             eager_programs=programs,

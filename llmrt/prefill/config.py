@@ -29,6 +29,8 @@ class PrefillRuntimeConfig:
     max_batch_size: int
     buckets: str
     bucket_step: int
+    wave_batch_sizes: tuple[int, ...] = PREFILL_BATCH_SIZES
+    max_wave_seq_len: int | None = None
     lane: int = 0
 
     @classmethod
@@ -45,8 +47,13 @@ class PrefillRuntimeConfig:
         buckets: str = "tile",
         bucket_step: int = FINE_DEFAULT_STEP,
         device_sampling_enabled: bool = True,
+        wave_batch_sizes: tuple[int, ...] = PREFILL_BATCH_SIZES,
+        max_wave_seq_len: int | None = None,
         lane: int = 0,
     ) -> PrefillRuntimeConfig:
+        """``wave_batch_sizes`` / ``max_wave_seq_len``: the padded waves warmup covers (the
+        configured warmup batch sizes at the shortest warmup length), so the planner never
+        forms a wave whose program was not compiled before the compile gate closed."""
         if output_reader.borrowed_device is not device:
             raise IdentityError(
                 "prefill output reader uses the lane device", output_reader.borrowed_device, device
@@ -63,6 +70,8 @@ class PrefillRuntimeConfig:
             max_batch_size=max_batch_size,
             buckets=buckets,
             bucket_step=bucket_step,
+            wave_batch_sizes=wave_batch_sizes,
+            max_wave_seq_len=max_wave_seq_len,
         )
         return cls(
             model=model,
@@ -77,6 +86,8 @@ class PrefillRuntimeConfig:
             max_batch_size=max_batch_size,
             buckets=buckets,
             bucket_step=bucket_step,
+            wave_batch_sizes=wave_batch_sizes,
+            max_wave_seq_len=max_wave_seq_len,
             lane=lane,
         )
 
@@ -90,6 +101,8 @@ class PrefillRuntimeConfig:
         max_batch_size: int,
         buckets: str,
         bucket_step: int,
+        wave_batch_sizes: tuple[int, ...],
+        max_wave_seq_len: int | None,
     ) -> PrefillPlanPolicy:
         return PrefillPlanPolicy.from_layout(
             layout,
@@ -100,6 +113,8 @@ class PrefillRuntimeConfig:
             model_extracts_batched_outputs=bool(model.supports_batched_prefill_outputs),
             buckets=buckets,
             bucket_step=bucket_step,
+            wave_batch_sizes=tuple(b for b in wave_batch_sizes if b <= max_batch_size) or (1,),
+            max_wave_seq_len=max_wave_seq_len,
         )
 
     def with_layout(self, layout: PageTableLayout) -> PrefillRuntimeConfig:
@@ -113,5 +128,7 @@ class PrefillRuntimeConfig:
             max_batch_size=self.max_batch_size,
             buckets=self.buckets,
             bucket_step=self.bucket_step,
+            wave_batch_sizes=self.wave_batch_sizes,
+            max_wave_seq_len=self.max_wave_seq_len,
         )
         return attrs.evolve(self, layout=layout, policy=policy)

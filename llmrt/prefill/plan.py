@@ -56,6 +56,7 @@ SequentialReason = Literal[
     "chunked",  # the padded sequence exceeds the regular chunk size
     "token_limit",  # padded_batch * padded_seq >= 128 * 1024
     "sampling",  # sampling params given; the model cannot extract batched outputs
+    "wave_seq_len",  # padded sequence above the longest length warmed for padded waves
 ]
 
 
@@ -89,6 +90,10 @@ class PrefillPlanPolicy:
     lane_capacity: int
     buckets: SeqLenBuckets
     model_extracts_batched_outputs: bool
+    wave_batch_sizes: tuple[int, ...] = PREFILL_BATCH_SIZES
+    """Physical sizes a padded wave may take (the warmed ones); a wave rounds up to the next."""
+    max_wave_seq_len: int | None = None
+    """Padded waves only at or below this padded length (the spec's Q128 rule); None: any."""
 
     def __attrs_post_init__(self) -> None:
         for name in (
@@ -128,6 +133,21 @@ class PrefillPlanPolicy:
             value = getattr(self, name)
             _require(isinstance(value, bool), f"prefill_plan.{name}", value, "must be a bool")
         _require(
+            len(self.wave_batch_sizes) > 0
+            and all(b in PREFILL_BATCH_SIZES for b in self.wave_batch_sizes)
+            and list(self.wave_batch_sizes) == sorted(set(self.wave_batch_sizes)),
+            "prefill_plan.wave_batch_sizes",
+            self.wave_batch_sizes,
+            f"must be increasing values from {PREFILL_BATCH_SIZES}",
+        )
+        if self.max_wave_seq_len is not None:
+            _require(
+                _is_int(self.max_wave_seq_len) and self.max_wave_seq_len > 0,
+                "prefill_plan.max_wave_seq_len",
+                self.max_wave_seq_len,
+                "must be a positive integer or None",
+            )
+        _require(
             isinstance(self.buckets, SeqLenBuckets),
             "prefill_plan.buckets",
             self.buckets,
@@ -152,6 +172,8 @@ class PrefillPlanPolicy:
         model_extracts_batched_outputs: bool,
         buckets: str | SeqLenBuckets = "tile",
         bucket_step: int = FINE_DEFAULT_STEP,
+        wave_batch_sizes: tuple[int, ...] = PREFILL_BATCH_SIZES,
+        max_wave_seq_len: int | None = None,
     ) -> PrefillPlanPolicy:
         """Policy over ``layout``'s geometry; ``buckets`` is a named default or a policy value."""
         if isinstance(buckets, str):
@@ -170,6 +192,8 @@ class PrefillPlanPolicy:
             lane_capacity=lane_capacity,
             buckets=buckets,
             model_extracts_batched_outputs=model_extracts_batched_outputs,
+            wave_batch_sizes=wave_batch_sizes,
+            max_wave_seq_len=max_wave_seq_len,
         )
 
     @property
@@ -321,7 +345,7 @@ def plan_prefill(
         if len(members) == 1:
             requests.extend(_sequential(members, seq=seq, policy=policy, reason=None))
             continue
-        batch = padded_batch_size(len(members))
+        batch = padded_batch_size(len(members), sizes=policy.wave_batch_sizes)
         reason = global_reason or _bucket_sequential_reason(
             members, batch=batch, seq=seq, policy=policy
         )
@@ -337,9 +361,9 @@ def plan_prefill(
     return PrefillPlan(requests=tuple(requests))
 
 
-def padded_batch_size(active: int) -> int | None:
-    """Smallest physical prefill batch in ``PREFILL_BATCH_SIZES`` holding ``active`` rows."""
-    for size in PREFILL_BATCH_SIZES:
+def padded_batch_size(active: int, *, sizes: Sequence[int] = PREFILL_BATCH_SIZES) -> int | None:
+    """Smallest physical prefill batch in ``sizes`` holding ``active`` rows."""
+    for size in sizes:
         if size >= active:
             return size
     return None
@@ -377,6 +401,8 @@ def _bucket_sequential_reason(
         return "chunked"
     if batch * seq >= BATCHED_PREFILL_TOKEN_LIMIT:
         return "token_limit"
+    if policy.max_wave_seq_len is not None and seq > policy.max_wave_seq_len:
+        return "wave_seq_len"
     return None
 
 

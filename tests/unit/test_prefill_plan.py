@@ -765,3 +765,31 @@ if __name__ == "__main__":
         for size in sizes:
             cost = bench_planner(size, gc_enabled=gc_on)
             print(f"gc={gc_on!s:5} rows={size:>7}: {cost * 1e6:7.1f} us/row")
+
+
+def test_waves_only_use_warmed_sizes_and_lengths() -> None:
+    """A wave rounds up to the next warmed size and never exceeds the warmed wave length."""
+    layout = PageTableLayout.resolve(
+        block_size=16, model_max_sequence_length=512, physical_num_blocks=64,
+        max_prefill_chunk_size=128,
+    )
+    policy = PrefillPlanPolicy.from_layout(
+        layout, batching_supported=True, batching_enabled=True, max_batch_size=8,
+        lane_capacity=8, model_extracts_batched_outputs=True, buckets="fine", bucket_step=32,
+        wave_batch_sizes=(1, 4), max_wave_seq_len=32,
+    )
+
+    def rows(lengths: list[int]) -> list[PrefillRow]:
+        out, block = [], 0
+        for i, n in enumerate(lengths):
+            blocks = tuple(range(block, block + -(-n // 16)))
+            block += len(blocks)
+            out.append(PrefillRow(source_row=i, tokens=torch.arange(n) % 50, slot=i,
+                                  block_ids=blocks))
+        return out
+
+    short = plan_prefill(rows=rows([20, 30]), policy=policy)
+    assert [(r.kind, r.padded_batch_size) for r in short.requests] == [("batched", 4)]
+    longer = plan_prefill(rows=rows([40, 50]), policy=policy)
+    assert [r.kind for r in longer.requests] == ["single", "single"]
+    assert {r.sequential_reason for r in longer.requests} == {"wave_seq_len"}
