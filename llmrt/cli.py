@@ -11,7 +11,13 @@ from typing import Any
 from llmrt.errors import LLMRTError
 
 DEFAULT_RECIPE = "smollm2-135m"
-USER_ERRORS: tuple[type[BaseException], ...] = (LLMRTError, FileNotFoundError)
+USER_ERRORS: tuple[type[BaseException], ...] = (
+    LLMRTError,
+    FileNotFoundError,
+    IsADirectoryError,
+    NotADirectoryError,
+    PermissionError,
+)
 
 
 def _add_recipe_args(p: argparse.ArgumentParser, *, default: str | None = DEFAULT_RECIPE) -> None:
@@ -57,20 +63,58 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
 
-    bench = sub.add_parser("bench", help="measure throughput and latency on a workload")
+    bench = sub.add_parser(
+        "bench",
+        help="measure throughput and latency on a workload",
+        description="Run a workload and print its results as ratios against a baseline "
+        "measured in the same run; the last line is the headline ratio.",
+    )
     _add_recipe_args(bench)
     bench.add_argument(
-        "--workload", choices=["mixed", "shared-prefix", "decode", "prefill"], default="mixed"
+        "--workload",
+        choices=["mixed", "shared-prefix", "decode", "prefill"],
+        default="mixed",
+        help="mixed: 32 prompts of 16-512 tokens, 64 new tokens each (default); "
+        "shared-prefix: 16 prompts sharing a 512-token prefix, prefix caching on vs off; "
+        "decode / prefill: llmrt vs transformers steps on the same weights (always)",
     )
     bench.add_argument(
         "--baseline",
         choices=["hf", "none"],
         default="none",
-        help="also run Hugging Face transformers on the same weights and workload",
+        help="mixed: also run Hugging Face transformers generate on the same weights",
     )
-    bench.add_argument("--num-prompts", type=int, default=None)
-    bench.add_argument("--json", action="store_true")
-    bench.add_argument("--plot", metavar="FILE.png", help="write a latency plot")
+    bench.add_argument(
+        "--num-prompts",
+        type=int,
+        default=None,
+        metavar="N",
+        help="scale the workload: prompts (mixed 32, shared-prefix 16) or timed repeats "
+        "(decode 32, prefill 8)",
+    )
+    bench.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="tokens generated per prompt (mixed 64, shared-prefix 32)",
+    )
+    bench.add_argument(
+        "--hf-batch-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="HF generate batch size (default: the recipe's decode.lane_capacity)",
+    )
+    bench.add_argument(
+        "--planner-rows",
+        default=None,
+        metavar="1000,10000,100000",
+        help="prefill: row counts for the planner cost per row",
+    )
+    bench.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts")
+    bench.add_argument("--json", action="store_true", help="print one JSON object")
+    bench.add_argument("--plot", metavar="FILE.png", help="write a latency plot (needs matplotlib)")
 
     recipes = sub.add_parser("recipes", help="list, show or validate recipes")
     rsub = recipes.add_subparsers(dest="recipes_command", required=True)
@@ -134,8 +178,7 @@ def _recipes(args: argparse.Namespace) -> int:
 
     if args.recipes_command == "list":
         for name in list_recipes():
-            recipe = load_recipe(name)
-            print(f"{name:24s} {recipe.description}")
+            print(f"{name:24s} {_description(name)}")
         return 0
     recipe = load_recipe(args.recipe, overrides=args.overrides)
     if args.recipes_command == "show":
@@ -143,6 +186,15 @@ def _recipes(args: argparse.Namespace) -> int:
     else:
         print(f"{args.recipe}: ok ({recipe.name}, family {recipe.family})")
     return 0
+
+
+def _description(name: str) -> str:
+    """A bundled recipe's description, read without validating it (``hf`` needs a path)."""
+    from llmrt.recipe import _parse_yaml, _read_source
+
+    source, text = _read_source(name)
+    description = _parse_yaml(text, source).get("description", "")
+    return description if isinstance(description, str) else ""
 
 
 def _sampling(args: argparse.Namespace) -> Any:
@@ -208,20 +260,20 @@ def _warmup(args: argparse.Namespace) -> int:
     from llmrt.serving.llm import LLM
 
     with LLM.from_recipe(args.recipe, overrides=args.overrides) as llm:
-        manifests = [lane.manifest().to_dict() for lane in llm.engine.executor.lanes]
+        manifests = [lane.manifest() for lane in llm.engine.executor.lanes]
         if args.json:
-            print(json.dumps({"recipe": llm.recipe.name, "lanes": manifests}, indent=2))
+            lanes = [m.to_dict() for m in manifests]
+            print(json.dumps({"recipe": llm.recipe.name, "lanes": lanes}, indent=2))
             return 0
         for lane, manifest in enumerate(manifests):
-            programs = manifest["eager_programs"]
             print(
-                f"lane {lane}: {len(programs)} programs, "  # type: ignore[arg-type]
-                f"{len(manifest['trace_signatures'])} traces "  # type: ignore[arg-type]
-                f"(schema {manifest['schema_fingerprint']}, "
-                f"workspace {manifest['workspace_fingerprint']})"
+                f"lane {lane}: {len(manifest.eager_programs)} programs, "
+                f"{len(manifest.trace_signatures)} traces "
+                f"(schema {manifest.schema_fingerprint}, "
+                f"workspace {manifest.workspace_fingerprint})"
             )
-            for description, key in programs:  # type: ignore[attr-defined]
-                traced = "traced" if key in manifest["traced_programs"] else "eager"  # type: ignore[operator]
+            for description, key in manifest.eager_programs:
+                traced = "traced" if key in manifest.traced_programs else "eager"
                 print(f"  {description:40s} {traced:6s} {key[:16]}")
     return 0
 

@@ -17,9 +17,10 @@ import attrs
 import torch
 
 from llmrt.decode import DecodeOutput
-from llmrt.errors import RequestError
+from llmrt.errors import CompileGateClosed, RequestError, TraceCoverageError, UnsupportedError
 from llmrt.lane_group import LaneGroupExecutor
 from llmrt.prefill.plan import PrefillRow
+from llmrt.prefill.result_collector import PrefillOutput
 from llmrt.sampling_params import SamplingParams
 from llmrt.serving.block_pool import BlockAllocator
 from llmrt.serving.request import Request, RequestStatus
@@ -97,18 +98,25 @@ class Engine:
         ids = tuple(int(t) for t in prompt_token_ids)
         if not ids:
             raise RequestError("prompt", "is empty", row=index)
+        if params.logprobs is not None and len(self.executor.lanes) > 1:
+            raise UnsupportedError(
+                f"logprobs: not supported with {len(self.executor.lanes)} data-parallel lanes "
+                "(log-probabilities are not aggregated across lanes); use lanes=1"
+            )
         vocab = self.executor.lanes[0].decode.config.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
             raise RequestError(
                 "prompt_token_ids", f"token id out of range [0, {vocab})", row=index, value=bad[0]
             )
+        number = next(self._ids)
         request = Request(
-            request_id=f"req-{next(self._ids)}",
+            request_id=f"req-{number}",
             index=index,
             prompt_token_ids=ids,
             params=params,
-            arrival=index,
+            arrival=number,
+            arrival_time=time.perf_counter(),
         )
         self.scheduler.add(request)
         self._streams[request.request_id] = self.tokenizer.stream()
@@ -117,6 +125,11 @@ class Engine:
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
+
+    def abort_all(self) -> None:
+        """Finish every queued and running request as aborted, returning slots and blocks."""
+        self.scheduler.abort_all()
+        self._streams.clear()
 
     def stats(self) -> EngineStats:
         hit = sum(a.prefix_cache_stats.hit_tokens for a in self.scheduler.allocators)
@@ -158,6 +171,30 @@ class Engine:
         ]
 
     def _prefill(self, work: Sequence[PrefillWork]) -> list[TokenEvent]:
+        """Prefill the step's chunks in as few runtime calls as the runtime accepts.
+
+        Rows of one call must hold disjoint blocks (a prefix hit shares blocks with the
+        request that computed them), so work is split into block-disjoint groups; a group
+        whose padded wave geometry was not warmed (traces active) is rejected in preflight,
+        before any KV write, and then runs one row per call (single rows are always warmed).
+        """
+        events: list[TokenEvent] = []
+        for group in _block_disjoint_groups(work):
+            for batch, out in self._prefill_calls(group):
+                events.extend(self._after_prefill(batch, out))
+        return events
+
+    def _prefill_calls(
+        self, work: Sequence[PrefillWork]
+    ) -> list[tuple[Sequence[PrefillWork], PrefillOutput]]:
+        try:
+            return [(work, self._prefill_forward(work))]
+        except (TraceCoverageError, CompileGateClosed):
+            if len(work) == 1:
+                raise
+        return [([w], self._prefill_forward([w])) for w in work]
+
+    def _prefill_forward(self, work: Sequence[PrefillWork]) -> PrefillOutput:
         rows = []
         for i, w in enumerate(work):
             tokens = torch.tensor(w.request.all_token_ids[: w.end], dtype=torch.int64)
@@ -171,18 +208,19 @@ class Engine:
                     block_ids=w.block_ids[:n_blocks],
                 )
             )
-            self._prefill_tokens += w.end - w.start
-            w.request.prefill_tokens_computed += w.end - w.start
-        params = [w.request.params for w in work]
-        out = self.executor.prefill_forward(
+        return self.executor.prefill_forward(
             rows=rows,
-            sampling_params=params,
+            sampling_params=[w.request.params for w in work],
             step_offsets=[len(w.request.output_token_ids) for w in work],
             history=self._history([w.request for w in work]),
         )
+
+    def _after_prefill(self, work: Sequence[PrefillWork], out: PrefillOutput) -> list[TokenEvent]:
         events = []
         for i, w in enumerate(work):
             request = w.request
+            self._prefill_tokens += w.end - w.start
+            request.prefill_tokens_computed += w.end - w.start
             request.num_computed_tokens = w.end
             allocator = self.scheduler.allocator_of(request)
             allocator.cache_blocks(
@@ -266,25 +304,38 @@ class Engine:
                     }
                 )
         stream = self._streams[request.request_id]
-        delta = stream.push(token)
-        request.text += delta
+        request.text += stream.push(token)
         reason = self._stop_reason(request, token)
         if reason is not None:
             if reason == "stop_string":
                 reason = "stop"
             else:
-                tail = stream.flush()
-                request.text += tail
-                delta += tail
+                request.text += stream.flush()
             self.scheduler.finish(request, reason)
+            del self._streams[request.request_id]
         return TokenEvent(
             index=request.index,
             request_id=request.request_id,
             token_id=token,
-            text=delta,
+            text=self._unstreamed_text(request),
             finished=request.finished,
             finish_reason=request.finish_reason,
         )
+
+    def _unstreamed_text(self, request: Request) -> str:
+        """Text not yet streamed, holding back a tail that may still become a stop string.
+
+        The deltas of one request concatenate to its final ``text``: a stop string split over
+        several tokens is never streamed before it is recognised and cut.
+        """
+        end = len(request.text)
+        if not request.finished and request.params.stop:
+            end -= max(len(stop) for stop in request.params.stop) - 1
+        if end <= request.streamed_chars:
+            return ""
+        delta = request.text[request.streamed_chars : end]
+        request.streamed_chars = end
+        return delta
 
     def _stop_reason(self, request: Request, token: int) -> str | None:
         params = request.params
@@ -302,3 +353,18 @@ class Engine:
         if request.num_tokens >= self.scheduler.config.max_model_len:
             return "length"
         return None
+
+
+def _block_disjoint_groups(work: Sequence[PrefillWork]) -> list[list[PrefillWork]]:
+    """Split work, in order, into groups whose rows share no KV block (first fit)."""
+    groups: list[tuple[list[PrefillWork], set[int]]] = []
+    for w in work:
+        blocks = set(w.block_ids)
+        for members, used in groups:
+            if used.isdisjoint(blocks):
+                members.append(w)
+                used |= blocks
+                break
+        else:
+            groups.append(([w], blocks))
+    return [members for members, _ in groups]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -59,15 +59,20 @@ class LLM:
             group.warmup_decode()
             group.warmup_prefill()
             self.tokenizer: Tokenizer = container.model.tokenizer()
+            num_blocks = [lane.kv_cache.config.num_blocks or 0 for lane in group.lanes]
+            block_size = recipe.kv_cache.block_size
             self.engine = Engine(
                 executor=group,
                 tokenizer=self.tokenizer,
-                num_blocks=[lane.kv_cache.config.num_blocks or 0 for lane in group.lanes],
-                block_size=recipe.kv_cache.block_size,
+                num_blocks=num_blocks,
+                block_size=block_size,
                 prefix_caching=recipe.serving.prefix_caching,
                 max_num_batched_tokens=recipe.serving.max_num_batched_tokens,
+                # A sequence must fit one lane's whole pool, or it could never be scheduled.
                 max_model_len=min(
-                    recipe.serving.max_model_len, group.lanes[0].layout.max_sequence_length
+                    recipe.serving.max_model_len,
+                    group.lanes[0].layout.max_sequence_length,
+                    min(num_blocks) * block_size,
                 ),
                 max_num_seqs=recipe.max_num_seqs,
             )
@@ -136,7 +141,7 @@ class LLM:
             for i, (ids, p) in enumerate(zip(encoded, per, strict=True)):
                 requests.append(self.engine.add_request(prompt_token_ids=ids, params=p, index=i))
         except BaseException:
-            self.engine.scheduler.abort_all()
+            self.engine.abort_all()
             raise
         return requests
 
@@ -144,13 +149,16 @@ class LLM:
         self,
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-    ) -> Iterator[TokenEvent]:
-        """Yield each generated token as soon as its step finishes."""
+    ) -> Generator[TokenEvent, None, None]:
+        """Yield each generated token as soon as its step finishes.
+
+        Closing the generator early (or dropping it) aborts every request it submitted.
+        """
         self._submit(_prompt_list(prompts), sampling_params)
         try:
             yield from self.engine.run()
         except BaseException:
-            self.engine.scheduler.abort_all()
+            self.engine.abort_all()
             raise
 
     def generate(
@@ -165,7 +173,7 @@ class LLM:
             for _ in self.engine.run():
                 pass
         except BaseException:
-            self.engine.scheduler.abort_all()
+            self.engine.abort_all()
             raise
         return [_output(r, _text(raw[r.index])) for r in requests]
 
@@ -210,8 +218,8 @@ def _text(prompt: Prompt) -> str | None:
 def _output(request: Request, prompt: str | None) -> RequestOutput:
     wants = request.params.logprobs is not None
     ttft = None
-    if request.first_token_time is not None and request.token_times:
-        ttft = request.first_token_time
+    if request.first_token_time is not None:
+        ttft = request.first_token_time - request.arrival_time
     return RequestOutput(
         index=request.index,
         prompt=prompt,

@@ -25,6 +25,9 @@ class Request:
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams
     arrival: int
+    """Submission order (monotonic over the engine's lifetime; preemption picks the newest)."""
+    arrival_time: float = 0.0
+    """``time.perf_counter()`` at submission (time to first token counts from here)."""
     output_token_ids: list[int] = attrs.Factory(list)
     logprobs: list[float] = attrs.Factory(list)
     top_logprobs: list[dict[int, float]] = attrs.Factory(list)
@@ -33,6 +36,8 @@ class Request:
     num_computed_tokens: int = 0
     finish_reason: str | None = None
     text: str = ""
+    streamed_chars: int = 0
+    """Characters of ``text`` already handed to a stream."""
     preemptions: int = 0
     first_token_time: float | None = None
     token_times: list[float] = attrs.Factory(list)

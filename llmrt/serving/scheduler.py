@@ -1,11 +1,12 @@
 """Continuous batching over fixed-capacity decode slots.
 
-Each ``step``: admit waiting requests into free slots (a slot's lane owns that
-request's KV blocks; prefix hits become cached-token offsets), prefill what
-fits the token budget (long prompts advance one block-aligned chunk per step),
-then decode every request that has its first token. When blocks run out, the
-newest running request is preempted (its blocks freed) and recomputed later
-from its prompt plus the tokens it already generated.
+Each ``step``: reserve a KV slot for the next token of every request that has
+its first token (when blocks run out, the newest running request is preempted,
+its blocks freed, and recomputed later from its prompt plus the tokens it
+already generated); unless that preempted anything, admit waiting requests into
+free slots (a slot's lane owns that request's KV blocks; prefix hits become
+cached-token offsets); then prefill what fits the token budget (long prompts
+advance one block-aligned chunk per step) and decode the reserved requests.
 """
 
 from __future__ import annotations
@@ -132,8 +133,11 @@ class Scheduler:
 
     def schedule(self) -> StepPlan:
         preempted: list[Request] = []
-        self._admit()
+        # Running requests first: admitting before reserving would hand new prompts the
+        # blocks that decode needs and then preempt them again in the same step.
         decode = self._reserve_decode(preempted)
+        if not preempted:
+            self._admit()
         prefill = self._prefill_work(budget=self.config.max_num_batched_tokens)
         return StepPlan(prefill=tuple(prefill), decode=tuple(decode), preempted=tuple(preempted))
 

@@ -1,0 +1,236 @@
+"""``llmrt audit``: real lifecycle logs audit clean; each broken rule is reported."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from llmrt.audit import check
+from llmrt.cli import main
+from llmrt.model_executor import CLEANUP_STEPS
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread() -> Iterator[None]:
+    """Tiny models run fastest on one thread; two spin against each other on a busy CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def write_log(path: Path, records: Sequence[Mapping[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+    return path
+
+
+def audit(capsys: pytest.CaptureFixture[str], path: Path) -> tuple[int, list[str]]:
+    code = main(["audit", str(path)])
+    return code, capsys.readouterr().out.splitlines()
+
+
+def scope(event: str, name: str) -> dict[str, Any]:
+    return {"event": f"scope.{event}", "component": "scope", "scope": name, "object_id": name}
+
+
+def kv(event: str, obj: str = "0xkv", lane: int = 0) -> dict[str, Any]:
+    return {"event": f"kv.{event}", "component": "paged_kv_cache", "object_id": obj, "lane": lane}
+
+
+def trace(event: str, key: str = "t1", obj: str = "0xtc") -> dict[str, Any]:
+    return {
+        "event": f"trace.{event}",
+        "component": "trace_compiler",
+        "object_id": obj,
+        "trace": key,
+    }
+
+
+def compiled(signature: str, obj: str = "0xpc") -> dict[str, Any]:
+    return {"event": "program.compiled", "object_id": obj, "lane": 0, "signature": signature}
+
+
+def gate(event: str, obj: str = "0xpc") -> dict[str, Any]:
+    return {"event": f"compile_gate.{event}", "object_id": obj, "lane": 0}
+
+
+def cleanup(steps: Sequence[str], obj: str = "0xme", lane: int = 0) -> list[dict[str, Any]]:
+    base = {"component": "model_executor", "object_id": obj, "lane": lane}
+    return [{"event": "executor.terminal", **base}] + [
+        {"event": "cleanup.step", "step": step, **base} for step in steps
+    ]
+
+
+def clean_run(obj: str = "0x1") -> list[dict[str, Any]]:
+    """A minimal well-formed lifecycle: scopes, KV, compile, gate, trace, cleanup."""
+    return [
+        scope("entered", "runtime"),
+        scope("entered", "runtime/lane0"),
+        kv("allocated", obj),
+        compiled("decode[b4 w32]", obj),
+        gate("closed", obj),
+        trace("captured", "t1", obj),
+        *cleanup(CLEANUP_STEPS[:4], obj),
+        trace("released", "t1", obj),
+        *cleanup(CLEANUP_STEPS[4:], obj)[1:],
+        kv("released", obj),
+        scope("exited", "runtime/lane0"),
+        scope("exited", "runtime"),
+    ]
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [[], ["--set", "lanes=2", "--set", "trace.mode=all"]],
+    ids=["default", "2-lanes-all-traced"],
+)
+def test_a_real_generate_log_audits_clean(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], overrides: list[str]
+) -> None:
+    log = tmp_path / "run.jsonl"
+    argv = [
+        "generate",
+        "tiny-llama",
+        "--prompt",
+        "hi",
+        "--prompt",
+        "there",
+        "--max-new-tokens",
+        "3",
+    ]
+    assert main([*argv, "--json", "--audit-log", str(log), *overrides]) == 0
+    capsys.readouterr()
+    events = [json.loads(line)["event"] for line in log.read_text().splitlines()]
+    lanes = 2 if overrides else 1
+    for name in ("kv.allocated", "kv.released", "trace.captured", "trace.released"):
+        assert events.count(name) >= lanes, name
+    assert events.count("compile_gate.closed") == lanes
+    assert events.count("cleanup.step") >= lanes * len(CLEANUP_STEPS)
+    assert events[0] == "scope.entered" and events[-1] == "scope.exited"
+    code, out = audit(capsys, log)
+    assert (code, out) == (0, [f"{log}: lifecycle contract holds"])
+    assert main(["audit", "--json", str(log)]) == 0
+    assert json.loads(capsys.readouterr().out) == {"file": str(log), "violations": []}
+
+
+def test_a_hand_made_clean_log_and_reused_object_ids_audit_clean(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Two runtimes in one log whose objects happen to get the same addresses.
+    log = write_log(tmp_path / "ok.jsonl", clean_run("0x1") + clean_run("0x1"))
+    assert audit(capsys, log)[0] == 0
+    reopened = [gate("closed"), gate("opened"), compiled("prefill[b1 s32]"), gate("closed")]
+    assert check(enumerate(reopened, start=1)) == []
+
+
+CASES: dict[str, tuple[list[dict[str, Any]], list[str]]] = {
+    "double-release": (
+        [kv("allocated"), kv("released"), kv("released")],
+        ["[kv-once] line 3: KV cache 0xkv released twice"],
+    ),
+    "release-without-allocation": (
+        [kv("released", "0xghost")],
+        ["[kv-once] line 1: KV cache 0xghost released but never allocated"],
+    ),
+    "double-trace-release": (
+        [trace("captured"), trace("released"), trace("released")],
+        ["[trace-once] line 3: trace t1 released twice"],
+    ),
+    "compile-after-gate-closed": (
+        [compiled("decode[b4 w32]"), gate("closed"), compiled("prefill[regular b2 s64 w32]")],
+        [
+            "[no-compile-after-activation] line 3: lane 0: program prefill[regular b2 s64 w32] "
+            "compiled after the compile gate closed (line 2)"
+        ],
+    ),
+    "cleanup-out-of-order": (
+        cleanup(["external_decode_leases", "paged_kv_cache", "traces"]),
+        [
+            "[lane-cleanup-order] line 2: lane 0 executor 0xme cleaned up as "
+            "['external_decode_leases', 'paged_kv_cache', 'traces'], "
+            f"expected the order {list(CLEANUP_STEPS)}"
+        ],
+    ),
+    "scopes-closed-out-of-order": (
+        [
+            scope("entered", "runtime"),
+            scope("entered", "runtime/device"),
+            scope("entered", "runtime/model"),
+            scope("exited", "runtime/device"),
+            scope("exited", "runtime"),
+            scope("exited", "runtime/model"),
+        ],
+        [
+            "[scope-reverse] line 4: scope runtime/device exited while runtime/model "
+            "(entered later) is open",
+            "[scope-reverse] line 5: scope runtime exited before runtime/model",
+        ],
+    ),
+    "never-released": (
+        [scope("entered", "runtime"), kv("allocated"), trace("captured", "t9")],
+        [
+            "[kv-once] line 2: KV cache 0xkv never released",
+            "[trace-once] line 3: trace t9 never released",
+            "[scope-reverse] scope runtime was entered but never exited",
+        ],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_each_broken_rule_exits_1_and_is_listed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], case: str
+) -> None:
+    records, expected = CASES[case]
+    log = write_log(tmp_path / f"{case}.jsonl", records)
+    code, out = audit(capsys, log)
+    assert code == 1
+    assert out == [*expected, f"{len(expected)} violation(s) in {log}"]
+
+
+def test_every_violation_of_a_log_is_listed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    records: list[dict[str, Any]] = []
+    for case in sorted(CASES):  # distinct object ids per case, so the rules do not interact
+        records += [
+            {**r, "object_id": f"{r['object_id']}-{case}"} if "scope" not in r else r
+            for r in CASES[case][0]
+        ]
+    log = write_log(tmp_path / "all.jsonl", records)
+    code, out = audit(capsys, log)
+    assert code == 1
+    assert out[-1] == f"{len(out) - 1} violation(s) in {log}"
+    rules = [line.split("]")[0] + "]" for line in out[:-1]]
+    assert sorted(set(rules)) == [
+        "[kv-once]",
+        "[lane-cleanup-order]",
+        "[no-compile-after-activation]",
+        "[scope-reverse]",
+        "[trace-once]",
+    ]
+    assert len(out) - 1 == sum(len(expected) for _, expected in CASES.values())
+    assert main(["audit", "--json", str(log)]) == 1
+    assert json.loads(capsys.readouterr().out)["violations"] == out[:-1]
+
+
+def test_a_malformed_log_is_a_one_line_user_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    log = tmp_path / "bad.jsonl"
+    log.write_text(json.dumps(kv("allocated")) + "\n{not json\n", encoding="utf-8")
+    assert main(["audit", str(log)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.splitlines() == [
+        f"llmrt: error: {log}:2: not a JSON line "
+        "(Expecting property name enclosed in double quotes)"
+    ]
+    log.write_text('{"no_event": 1}\n', encoding="utf-8")
+    assert main(["audit", str(log)]) == 2
+    assert "needs an 'event' field" in capsys.readouterr().err

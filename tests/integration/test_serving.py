@@ -1,0 +1,236 @@
+"""The offline ``LLM`` API end to end on tiny-llama: streaming, stop conditions, seeded
+sampling, log-probabilities, request errors and teardown."""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+
+import pytest
+import torch
+
+from llmrt.errors import RequestError, UnsupportedError
+from llmrt.paged_kv_cache import KVCacheState
+from llmrt.sampling_params import SamplingParams
+from llmrt.serving.llm import LLM
+from llmrt.trace_compiler import ArtifactState
+
+EOS = 257  # the byte tokenizer's </s>
+PROMPTS: list[str | list[int]] = [
+    "hello world",
+    "The quick brown fox jumps over the lazy dog",
+    [5, 6, 7],
+    "x" * 140,
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_torch_thread() -> Iterator[None]:
+    """Tiny models run fastest on one thread; two spin against each other on a busy CPU."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def llm() -> Iterator[LLM]:
+    with LLM.from_recipe("tiny-llama") as served:
+        yield served
+
+
+def assert_idle(llm: LLM) -> None:
+    """No request queued or running, no slot held, every block free, invariants intact."""
+    scheduler = llm.engine.scheduler
+    assert not scheduler.waiting and not scheduler.running
+    for allocator in scheduler.allocators:
+        allocator.check_invariants()
+        assert allocator.num_free_blocks == allocator.config.num_blocks
+    assert not llm.engine._streams
+
+
+def greedy(max_tokens: int, **kwargs: object) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, **kwargs)  # type: ignore[arg-type]
+
+
+def test_outputs_carry_prompt_tokens_generated_tokens_text_and_reason(llm: LLM) -> None:
+    outs = llm.generate(PROMPTS, greedy(8, ignore_eos=True))
+    assert [o.index for o in outs] == list(range(len(PROMPTS)))
+    assert outs[0].prompt == "hello world" and outs[2].prompt is None
+    assert outs[0].prompt_token_ids == (256, *b"hello world")  # <s> then one id per byte
+    assert outs[2].prompt_token_ids == (5, 6, 7)
+    for out in outs:
+        assert len(out.token_ids) == 8 and out.finish_reason == "length"
+        assert out.text == llm.tokenizer.decode(list(out.token_ids), skip_special_tokens=True)
+        assert out.ttft_s is not None and 0 <= out.ttft_s < 60
+        assert len(out.token_times) == 8 and list(out.token_times) == sorted(out.token_times)
+    one = llm.generate([5, 6, 7], greedy(8, ignore_eos=True))  # one token-id prompt
+    assert len(one) == 1 and one[0].token_ids == outs[2].token_ids
+    assert_idle(llm)
+
+
+def test_stream_yields_exactly_the_generated_tokens(llm: LLM) -> None:
+    params = greedy(10, ignore_eos=True)
+    expected = llm.generate(PROMPTS, params)
+    tokens: dict[int, list[int]] = defaultdict(list)
+    text: dict[int, str] = defaultdict(str)
+    finished: dict[int, list[bool]] = defaultdict(list)
+    reasons: dict[int, str | None] = {}
+    for event in llm.stream(PROMPTS, params):
+        tokens[event.index].append(event.token_id)
+        text[event.index] += event.text
+        finished[event.index].append(event.finished)
+        reasons[event.index] = event.finish_reason
+    for out in expected:
+        assert tuple(tokens[out.index]) == out.token_ids
+        assert text[out.index] == out.text
+        assert finished[out.index] == [False] * 9 + [True]
+        assert reasons[out.index] == out.finish_reason == "length"
+    assert_idle(llm)
+
+
+def test_abandoned_stream_aborts_and_returns_every_block(llm: LLM) -> None:
+    stream = llm.stream(PROMPTS, greedy(50, ignore_eos=True))
+    for _ in range(6):
+        next(stream)
+    assert llm.engine.scheduler.running
+    stream.close()
+    assert_idle(llm)
+
+
+def test_max_tokens_and_stop_token_ids(llm: LLM) -> None:
+    reference = llm.generate(PROMPTS[1], greedy(16, ignore_eos=True))[0].token_ids
+    # The first token that has not appeared before position 3 stops the request there.
+    cut = next(i for i in range(3, 16) if reference[i] not in reference[:i])
+    stopped = llm.generate(PROMPTS[1], greedy(16, stop_token_ids=[reference[cut]]))[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.token_ids == reference[: cut + 1]  # the stop token is part of the output
+    short = llm.generate(PROMPTS[1], greedy(3, ignore_eos=True))[0]
+    assert short.finish_reason == "length" and short.token_ids == reference[:3]
+    assert_idle(llm)
+
+
+def test_eos_stops_unless_ignored(llm: LLM) -> None:
+    rng = random.Random(0)
+    prompts = [[rng.randrange(256) for _ in range(rng.randrange(1, 30))] for _ in range(64)]
+    outs = llm.generate(prompts, greedy(24))
+    stopped = [o for o in outs if o.finish_reason == "stop"]
+    assert stopped, "no seeded prompt reached </s>; pick other prompts"
+    for out in outs:
+        assert (EOS in out.token_ids) == (out.finish_reason == "stop")
+    for out in stopped:
+        assert out.token_ids[-1] == EOS and len(out.token_ids) < 24
+        again = llm.generate([list(out.prompt_token_ids)], greedy(24, ignore_eos=True))[0]
+        assert again.finish_reason == "length" and len(again.token_ids) == 24
+        assert again.token_ids[: len(out.token_ids)] == out.token_ids
+    assert_idle(llm)
+
+
+def test_stop_string_cuts_text_and_is_never_streamed(llm: LLM) -> None:
+    prompt = PROMPTS[1]
+    reference = llm.generate(prompt, greedy(24, ignore_eos=True))[0]
+    # A two-character stop string (two byte tokens) from the middle of the reference text.
+    at = next(
+        i
+        for i in range(4, len(reference.text) - 1)
+        if reference.text[i : i + 2].isprintable()
+        and reference.text[i : i + 2] not in reference.text[: i + 1]
+    )
+    stop = reference.text[at : at + 2]
+    out = llm.generate(prompt, greedy(24, stop=[stop], ignore_eos=True))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == reference.text[:at]
+    assert out.token_ids == reference.token_ids[: len(out.token_ids)]
+    assert len(out.token_ids) < 24
+    streamed = "".join(e.text for e in llm.stream(prompt, greedy(24, stop=[stop], ignore_eos=True)))
+    assert streamed == out.text and stop not in streamed
+    assert_idle(llm)
+
+
+def test_seeded_sampling_is_reproducible_across_batch_compositions(llm: LLM) -> None:
+    seeded = SamplingParams(
+        temperature=1.0, top_p=0.9, top_k=50, seed=1234, max_tokens=12, ignore_eos=True
+    )
+    other = SamplingParams(temperature=0.7, seed=7, max_tokens=5, ignore_eos=True)
+    alone = llm.generate(PROMPTS[0], seeded)[0].token_ids
+    first = llm.generate([PROMPTS[0], *PROMPTS[1:]], [seeded, other, other, other])[0].token_ids
+    last = llm.generate([*PROMPTS[1:], PROMPTS[0]], [other, other, other, seeded])[-1].token_ids
+    assert alone == first == last
+    reseeded = SamplingParams(
+        temperature=1.0, top_p=0.9, top_k=50, seed=4321, max_tokens=12, ignore_eos=True
+    )
+    assert llm.generate(PROMPTS[0], reseeded)[0].token_ids != alone
+    greedy_tokens = llm.generate(PROMPTS[0], greedy(12, ignore_eos=True))[0].token_ids
+    assert greedy_tokens != alone  # temperature 1 over a near-uniform model is not greedy
+    assert_idle(llm)
+
+
+def test_logprobs_when_asked(llm: LLM) -> None:
+    out = llm.generate(PROMPTS[:2], greedy(6, logprobs=2, ignore_eos=True))
+    plain = llm.generate(PROMPTS[:2], greedy(6, ignore_eos=True))
+    for got, ref in zip(out, plain, strict=True):
+        assert got.token_ids == ref.token_ids and ref.logprobs is None
+        assert got.logprobs is not None and got.top_logprobs is not None
+        assert len(got.logprobs) == len(got.top_logprobs) == 6
+        for token, logprob, top in zip(got.token_ids, got.logprobs, got.top_logprobs, strict=True):
+            assert logprob <= 0 and len(top) == 2
+            assert top[token] == pytest.approx(logprob) == max(top.values())  # greedy: top-1
+    chosen_only = llm.generate(PROMPTS[0], greedy(3, logprobs=0))[0]
+    assert chosen_only.logprobs is not None and len(chosen_only.logprobs) == 3
+    assert chosen_only.top_logprobs is None
+    assert_idle(llm)
+
+
+def test_logprobs_are_rejected_clearly_with_two_lanes() -> None:
+    with LLM.from_recipe("tiny-llama", overrides={"lanes": 2, "trace.mode": "none"}) as llm:
+        with pytest.raises(UnsupportedError, match=r"logprobs: .* lanes"):
+            llm.generate(PROMPTS, greedy(4, logprobs=1))
+        assert_idle(llm)
+        outs = llm.generate(PROMPTS, greedy(4, ignore_eos=True))
+        assert all(len(o.token_ids) == 4 for o in outs)
+        assert_idle(llm)
+
+
+@pytest.mark.parametrize(
+    ("prompts", "params", "match"),
+    [
+        ([""], None, "prompt: is empty"),
+        ([[]], None, "prompt: is empty"),
+        (["x" * 600], None, "max_model_len=512"),
+        ([[1, 2, 999]], None, r"token id out of range \[0, 258\)"),
+        (["a", "b"], [SamplingParams()], "has 2 entries for 3 prompts"),
+    ],
+)
+def test_request_errors_leave_the_engine_idle(
+    llm: LLM, prompts: list[str | list[int]], params: Sequence[SamplingParams] | None, match: str
+) -> None:
+    with pytest.raises(RequestError, match=match):
+        llm.generate(["fine", *prompts], None if params is None else [SamplingParams(), *params])
+    assert_idle(llm)
+    assert len(llm.generate("still works", greedy(2))[0].token_ids) <= 2
+
+
+def test_close_releases_kv_traces_and_device_memory() -> None:
+    llm = LLM.from_recipe("tiny-llama", overrides={"lanes": 2, "trace.mode": "all"})
+    devices = llm.container.device.lane_devices()
+    lanes = llm.engine.executor.lanes
+    traces = [lane.trace_compiler() for lane in llm.container.lanes()]
+    llm.generate(PROMPTS, greedy(5))
+    assert all(d.stats().live_tensors > 0 and d.stats().live_traces > 0 for d in devices)
+    artifacts = [a for compiler in traces for a in compiler.artifacts.values()]
+    assert artifacts and all(a.state is ArtifactState.CAPTURED for a in artifacts)
+    assert any(a.replays for a in artifacts)
+    llm.close()
+    for device in devices:
+        stats = device.stats()
+        assert (stats.live_tensors, stats.live_traces, stats.pending_reads) == (0, 0, 0)
+        assert stats.allocations == stats.deallocations > 0
+    for lane in lanes:
+        assert lane.kv_cache.state is KVCacheState.RELEASED and not lane.kv_cache.orphans
+    for compiler in traces:
+        assert compiler.artifacts
+        assert all(a.state is ArtifactState.RELEASED for a in compiler.artifacts.values())
+    llm.close()  # idempotent
+    with pytest.raises(RequestError, match="closed"):
+        llm.generate("hi")
