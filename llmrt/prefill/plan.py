@@ -423,6 +423,7 @@ def _validated(rows: Sequence[PrefillRow], policy: PrefillPlanPolicy) -> list[_R
     sources: set[int] = set()
     slot_owner: dict[int, int] = {}
     used_blocks: set[int] = set()
+    written_blocks: set[int] = set()
     out: list[_Row] = []
     for position, row in enumerate(rows):
         if not isinstance(row, PrefillRow):
@@ -510,15 +511,22 @@ def _validated(rows: Sequence[PrefillRow], policy: PrefillPlanPolicy) -> list[_R
                 value=len(ids),
             )
         unique = set(ids)
+        # Rows may share cached prefix blocks (prefix-cache hits): those are only read. A
+        # block this row writes must belong to no other row, and a block it only reads
+        # must not be written by another row of the call.
+        read_only = set(ids[: cached // bs])
+        written = unique - read_only
         if (
             not set(map(type, ids)) <= {int}
             or len(unique) != len(ids)
             or min(ids) < 0
             or max(ids) >= policy.num_blocks
-            or not used_blocks.isdisjoint(unique)
+            or not written_blocks.isdisjoint(unique)
+            or not used_blocks.isdisjoint(written)
         ):
-            raise _block_error(ids, row=src, earlier=rows[:position], policy=policy)
+            raise _block_error(ids, row=src, cached=cached, earlier=rows[:position], policy=policy)
         used_blocks |= unique
+        written_blocks |= written
         out.append(
             _Row(
                 src, tokens.to(device="cpu", dtype=torch.int64), n, cached, slot, tuple(ids[:need])
@@ -528,10 +536,19 @@ def _validated(rows: Sequence[PrefillRow], policy: PrefillPlanPolicy) -> list[_R
 
 
 def _block_error(
-    ids: Sequence[object], *, row: int, earlier: Sequence[PrefillRow], policy: PrefillPlanPolicy
+    ids: Sequence[object],
+    *,
+    row: int,
+    cached: int,
+    earlier: Sequence[PrefillRow],
+    policy: PrefillPlanPolicy,
 ) -> RequestError:
     """The first bad block id of ``ids`` (slow path, only once a check has failed)."""
-    owner = {b: r.source_row for r in earlier for b in r.block_ids}
+    bs = policy.block_size
+    writer = {b: r.source_row for r in earlier for b in r.block_ids[r.cached_tokens // bs :]}
+    reader = {b: r.source_row for r in earlier for b in r.block_ids[: r.cached_tokens // bs]}
+    mine_read_only = set(ids[: cached // bs])
+    owner = {**{b: r for b, r in reader.items() if b not in mine_read_only}, **writer}
     seen: set[object] = set()
     for b in ids:
         if not _is_int(b) or not 0 <= b < policy.num_blocks:

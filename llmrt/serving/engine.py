@@ -17,7 +17,7 @@ import attrs
 import torch
 
 from llmrt.decode import DecodeOutput
-from llmrt.errors import CompileGateClosed, RequestError, TraceCoverageError, UnsupportedError
+from llmrt.errors import RequestError, UnsupportedError
 from llmrt.lane_group import LaneGroupExecutor
 from llmrt.prefill.plan import PrefillRow
 from llmrt.prefill.result_collector import PrefillOutput
@@ -171,28 +171,12 @@ class Engine:
         ]
 
     def _prefill(self, work: Sequence[PrefillWork]) -> list[TokenEvent]:
-        """Prefill the step's chunks in as few runtime calls as the runtime accepts.
+        """Prefill the step's chunks in one runtime call.
 
-        Rows of one call must hold disjoint blocks (a prefix hit shares blocks with the
-        request that computed them), so work is split into block-disjoint groups; a group
-        whose padded wave geometry was not warmed (traces active) is rejected in preflight,
-        before any KV write, and then runs one row per call (single rows are always warmed).
+        The planner batches compatible rows into warmed padded waves and lets rows share
+        their read-only prefix-cache blocks, so no regrouping is needed here.
         """
-        events: list[TokenEvent] = []
-        for group in _block_disjoint_groups(work):
-            for batch, out in self._prefill_calls(group):
-                events.extend(self._after_prefill(batch, out))
-        return events
-
-    def _prefill_calls(
-        self, work: Sequence[PrefillWork]
-    ) -> list[tuple[Sequence[PrefillWork], PrefillOutput]]:
-        try:
-            return [(work, self._prefill_forward(work))]
-        except (TraceCoverageError, CompileGateClosed):
-            if len(work) == 1:
-                raise
-        return [([w], self._prefill_forward([w])) for w in work]
+        return self._after_prefill(work, self._prefill_forward(work))
 
     def _prefill_forward(self, work: Sequence[PrefillWork]) -> PrefillOutput:
         rows = []
@@ -353,18 +337,3 @@ class Engine:
         if request.num_tokens >= self.scheduler.config.max_model_len:
             return "length"
         return None
-
-
-def _block_disjoint_groups(work: Sequence[PrefillWork]) -> list[list[PrefillWork]]:
-    """Split work, in order, into groups whose rows share no KV block (first fit)."""
-    groups: list[tuple[list[PrefillWork], set[int]]] = []
-    for w in work:
-        blocks = set(w.block_ids)
-        for members, used in groups:
-            if used.isdisjoint(blocks):
-                members.append(w)
-                used |= blocks
-                break
-        else:
-            groups.append(([w], blocks))
-    return [members for members, _ in groups]

@@ -793,3 +793,30 @@ def test_waves_only_use_warmed_sizes_and_lengths() -> None:
     longer = plan_prefill(rows=rows([40, 50]), policy=policy)
     assert [r.kind for r in longer.requests] == ["single", "single"]
     assert {r.sequential_reason for r in longer.requests} == {"wave_seq_len"}
+
+
+def test_rows_may_share_cached_prefix_blocks_but_not_written_ones() -> None:
+    """Prefix-cache hits share read-only blocks; a block some row writes stays exclusive."""
+    layout = PageTableLayout.resolve(
+        block_size=16, model_max_sequence_length=512, physical_num_blocks=64,
+        max_prefill_chunk_size=128,
+    )
+    policy = PrefillPlanPolicy.from_layout(
+        layout, batching_supported=True, batching_enabled=True, max_batch_size=8,
+        lane_capacity=8, model_extracts_batched_outputs=True, buckets="fine", bucket_step=32,
+    )
+    prefix = torch.arange(32)
+    a = PrefillRow(source_row=0, tokens=torch.cat([prefix, torch.tensor([1, 2])]),
+                   cached_tokens=32, slot=0, block_ids=(0, 1, 2))
+    b = PrefillRow(source_row=1, tokens=torch.cat([prefix, torch.tensor([3])]),
+                   cached_tokens=32, slot=1, block_ids=(0, 1, 3))
+    plan = plan_prefill(rows=[a, b], policy=policy)
+    assert sorted(r for req in plan.requests for r in req.source_rows) == [0, 1]
+    writes_shared = attrs.evolve(b, block_ids=(0, 1, 2))
+    with pytest.raises(RequestError) as info:
+        plan_prefill(rows=[a, writes_shared], policy=policy)
+    assert info.value.row == 1 and info.value.field == "block_ids"
+    reads_written = PrefillRow(source_row=1, tokens=torch.arange(40), cached_tokens=32, slot=1,
+                               block_ids=(2, 5, 6))
+    with pytest.raises(RequestError, match="also allocated to row 0"):
+        plan_prefill(rows=[a, reads_written], policy=policy)
