@@ -232,6 +232,13 @@ class TraceCompiler:
         refresh(artifact.inputs, artifact)
         self.borrowed_device.execute_trace(artifact.trace, blocking=False)
         artifact.replays += 1
+        emit(
+            self._log,
+            "trace.replayed",
+            trace=artifact.trace_key[:16],
+            signature=artifact.plan.description,
+            replays=artifact.replays,
+        )
         return artifact.trace.outputs
 
     # -- cleanup -------------------------------------------------------------------------

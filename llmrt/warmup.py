@@ -103,7 +103,8 @@ class WarmupCoordinatorConfig:
                     coverage.extend(
                         PrefillCoverage(seq_len=n, batch_size=b, variant="regular")
                         for b in waves
-                        if b > 1 and b * n < BATCHED_PREFILL_TOKEN_LIMIT
+                        if 1 < b <= min(policy.max_batch_size, policy.lane_capacity)
+                        and b * n < BATCHED_PREFILL_TOKEN_LIMIT
                     )
         coverage = sorted(set(coverage), key=lambda c: (c.variant, c.seq_len, c.batch_size))
         return cls(

@@ -18,12 +18,12 @@ import attrs
 import pytest
 import torch
 
-from llmrt.config import PagedKVCacheConfig, PageTableLayout
+from llmrt.config import PagedKVCacheConfig, PageTableLayout, TraceConfig, WarmupConfig
 from llmrt.decode import DecodeRuntime, DecodeRuntimeConfig
 from llmrt.device.base import Device
 from llmrt.device.torch import TorchDevice
 from llmrt.errors import CleanupError
-from llmrt.execution import EagerExecutor
+from llmrt.execution import EagerExecutor, TracedExecutor
 from llmrt.families.base import CausalLM
 from llmrt.families.registry import get_family
 from llmrt.output_reader import OutputReader
@@ -34,6 +34,8 @@ from llmrt.prefill.result_collector import PrefillOutput
 from llmrt.prefill.runtime import PrefillRuntime, TokenHistory
 from llmrt.program_compiler import ProgramCompiler
 from llmrt.sampling_params import SamplingParams
+from llmrt.trace_compiler import TraceCompiler
+from llmrt.warmup import CaptureBarrier, WarmupCoordinator, WarmupCoordinatorConfig
 
 #: A tiny GQA Llama (HF ``config.json`` form): 2 layers, 4 query heads over 2 KV heads.
 TINY_LLAMA: Mapping[str, Any] = {
@@ -96,6 +98,7 @@ class Lane:
     compiler: ProgramCompiler
     executor: EagerExecutor
     notes: dict[str, Any] = attrs.Factory(dict)  # scratch space for a test module's fixtures
+    tracing: Tracing | None = None  # set by ``add_tracing``
 
     @property
     def block_size(self) -> int:
@@ -160,6 +163,7 @@ class Lane:
             ("pending_output_reads", self.reader.drain),
             ("prefill_transients", self.prefill.cleanup),
             ("decode_transients", self.decode.cleanup_transients),
+            ("traces", self.tracing.traces.cleanup if self.tracing is not None else _noop),
             ("program_registry", self.compiler.cleanup),
             ("paged_kv_cache", self.kv.release),
         )
@@ -171,6 +175,58 @@ class Lane:
                 failures.append((name, exc))
         if failures:
             raise CleanupError(failures)
+
+
+@attrs.define(eq=False)
+class Tracing:
+    """A lane's trace layer: the trace compiler over the lane's program compiler, the traced
+    executor over the lane's eager executor, and the warmup coordinator driving it."""
+
+    traces: TraceCompiler
+    executor: TracedExecutor
+    warmup: WarmupCoordinator
+
+    def warm(self, *, decode_first: bool = False) -> None:
+        """Run both warmups (captures when traced and the barrier is complete)."""
+        if decode_first:
+            self.warmup.warmup_decode()
+            self.warmup.warmup_prefill()
+        else:
+            self.warmup.warmup_prefill()
+            self.warmup.warmup_decode()
+
+
+def add_tracing(
+    lane: Lane,
+    *,
+    mode: str = "all",
+    seq_lens: Sequence[int] = (8, 16),
+    batch_sizes: Sequence[int] = (1, 2),
+    barrier: CaptureBarrier | None = None,
+    lane_index: int = 0,
+) -> Tracing:
+    """Compose a ``TraceCompiler``, ``TracedExecutor`` and ``WarmupCoordinator`` over ``lane``
+    (nothing is compiled yet); ``lane.cleanup`` then releases the traces before the programs."""
+    trace = TraceConfig(mode=mode)
+    traces = TraceCompiler(program_compiler=lane.compiler, device=lane.device, lane=lane_index)
+    executor = TracedExecutor(
+        eager_executor=lane.executor, trace_compiler=traces, trace_config=trace
+    )
+    config = WarmupCoordinatorConfig.resolve(
+        warmup=WarmupConfig(
+            prefill_seq_lens=tuple(seq_lens), prefill_batch_sizes=tuple(batch_sizes)
+        ),
+        trace=trace,
+        execution=executor,
+        lane=lane_index,
+    )
+    warmup = WarmupCoordinator(config, execution=executor, barrier=barrier)
+    lane.tracing = Tracing(traces=traces, executor=executor, warmup=warmup)
+    return lane.tracing
+
+
+def _noop() -> None:
+    return None
 
 
 def build_lane(
