@@ -142,8 +142,8 @@ class EagerExecutor:
         self.program_compiler.check_runnable(prepared.signature)
         raw = self.decode.invoke(prepared)
         self.program_compiler.admit(prepared.signature, raw)
-        raw = self.decode.finish(prepared, raw, history=history)
-        return self.decode.consume(raw, prepared, read_from_device=read_from_device)
+        finished = self.decode.finish(prepared, raw, history=history)
+        return self.decode.consume(finished, prepared, read_from_device=read_from_device)
 
 
 class TracedExecutor:

@@ -248,6 +248,12 @@ class ModelExecutor:
             if name in self._cleaned:
                 continue
             try:
+                if name == "paged_kv_cache" and "traces" not in self._cleaned:
+                    # A trace that failed to release still reads and writes these tensors.
+                    raise KVCacheStateError(
+                        f"lane {self.lane}: KV release deferred while a trace is still live "
+                        "(its release failed); call cleanup() again to retry both"
+                    )
                 steps[name]()
             except Exception as exc:
                 failures.append((f"lane{self.lane}/{name}", exc))

@@ -16,14 +16,15 @@ from typing import Any
 import attrs
 import torch
 
-from llmrt.device.base import Device
+from llmrt.device.base import Device, is_device_tensor
 from llmrt.errors import DeviceError
 from llmrt.lifecycle import component_logger, emit
 
 
 def map_tensors(value: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
-    """Apply ``fn`` to every tensor nested in tuples, lists and dicts; keep everything else."""
-    if isinstance(value, torch.Tensor):
+    """Apply ``fn`` to every device tensor (of any backend) nested in tuples, lists and dicts;
+    keep everything else."""
+    if is_device_tensor(value):
         return fn(value)
     if isinstance(value, tuple):
         return tuple(map_tensors(v, fn) for v in value)

@@ -4,6 +4,7 @@ A failed deallocation does not stop the release; it becomes a ``TensorResourceOr
 owner keeps and retries later. A caller-owned ``ReleaseLedger`` remembers what was released,
 so no tensor is deallocated twice, however often it appears or however often cleanup runs.
 
+Device tensors are torch tensors or another backend's (``is_device_tensor``: a ttnn tensor).
 Traversal follows tuples, lists, sets, dicts, attrs instances and objects exposing
 ``owned_tensors()`` (which takes precedence over attrs fields, so an object holding borrowed
 tensors can say which ones it owns). Anything else is skipped.
@@ -18,7 +19,7 @@ import attrs
 import torch
 from structlog.typing import FilteringBoundLogger
 
-from llmrt.device.base import Device
+from llmrt.device.base import Device, is_device_tensor
 from llmrt.device.identity import IdentitySet
 from llmrt.lifecycle import component_logger, emit
 
@@ -120,8 +121,8 @@ def _walk(
     obj: object, *, path: str, visited: dict[int, object]
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Depth-first; ``visited`` holds the containers seen (strongly, so ids are not reused)."""
-    if isinstance(obj, torch.Tensor):
-        yield path, obj
+    if is_device_tensor(obj):
+        yield path, cast(torch.Tensor, obj)
         return
     if isinstance(obj, (str, bytes)) or obj is None:
         return

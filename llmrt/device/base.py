@@ -28,6 +28,30 @@ DeviceTensor = torch.Tensor
 """The backend's device tensor (``torch.Tensor`` for ``TorchDevice``)."""
 
 
+@runtime_checkable
+class BackendTensor(Protocol):
+    """A device tensor of a backend whose tensors are not torch tensors (a ``ttnn.Tensor``).
+
+    Torch functions and methods do not run on it: the runtime only hands it to the device
+    port (``read``, ``refresh``, ``deallocate``) and to the model.
+    """
+
+    @property
+    def shape(self) -> Any: ...
+
+    @property
+    def dtype(self) -> Any: ...
+
+    def storage_type(self) -> Any: ...
+
+    def is_allocated(self) -> bool: ...
+
+
+def is_device_tensor(value: object) -> bool:
+    """Whether ``value`` is a device tensor of any backend (what reads and releases visit)."""
+    return isinstance(value, (torch.Tensor, BackendTensor))
+
+
 class Event(Protocol):
     """A point in a device queue; reads queued before it are valid once it is synchronized."""
 

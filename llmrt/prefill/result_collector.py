@@ -8,6 +8,7 @@ import attrs
 import torch
 
 from llmrt.output_reader import OutputReader
+from llmrt.prefill.postprocess import Finished, HostFinish
 
 
 @attrs.frozen(kw_only=True)
@@ -30,13 +31,18 @@ class ResultCollector:
 
     def collect(
         self,
-        raw: dict[str, torch.Tensor],
+        raw: Finished,
         *,
         source_rows: tuple[int, ...],
         batch_rows: tuple[int, ...],
     ) -> None:
-        """Read ``raw`` now and file each active batch row under its source row."""
-        host: dict[str, Any] = self.borrowed_reader.read(raw)
+        """Read ``raw`` now (completing a ``HostFinish``) and file each active batch row under
+        its source row."""
+        host: dict[str, Any] = (
+            raw.result(self.borrowed_reader)
+            if isinstance(raw, HostFinish)
+            else self.borrowed_reader.read(raw)
+        )
         for name, value in host.items():
             per_row = self._rows.setdefault(name, {})
             for src, b in zip(source_rows, batch_rows, strict=True):

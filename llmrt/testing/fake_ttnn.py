@@ -16,10 +16,14 @@ corrupt memory or return garbage:
 - traces need ``trace_region_size > 0`` when the mesh is opened; captures do not nest.
 
 Device tensors hold a torch payload and implement ``__torch_function__`` and the arithmetic
-operators, so small torch programs run on them. Ops run inside a capture are recorded on the
-trace's tape; ``execute_trace`` replays the tape against the tensors' current payloads, so
-refreshed inputs change a replay's results and Python values are baked at capture, as on a
-chip. Multi-device tensors keep one logical payload plus their replicate/shard topology.
+operators, so small torch programs run on them; ``torch_ops="reject"`` turns torch functions and
+torch methods off, as on a real ``ttnn.Tensor``, so only ttnn ops (``add``, ``multiply``,
+``matmul``, ops added with ``register_op``) and operators run. Calls of those ttnn ops are
+recorded like API calls (replays are not: a replay records only ``execute_trace``). Ops run
+inside a capture are recorded on the trace's tape; ``execute_trace`` replays the tape against
+the tensors' current payloads, so refreshed inputs change a replay's results and Python values
+are baked at capture, as on a chip. Multi-device tensors keep one logical payload plus their
+replicate/shard topology.
 """
 
 from __future__ import annotations
@@ -402,13 +406,19 @@ class Tensor:
         kwargs: Mapping[str, Any] | None = None,
     ) -> Any:
         fake = next(t._fake for t in _tensors((args, kwargs)))
+        if fake._torch_ops == "reject":
+            name = getattr(func, "__name__", repr(func))
+            raise fake._violate(
+                "torch function on a ttnn tensor",
+                f"{name}: a ttnn.Tensor does not dispatch torch functions; use a ttnn op",
+            )
         return fake._run_op(func, tuple(args), dict(kwargs or {}))
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
             raise AttributeError(name)
         attr = getattr(torch.Tensor, name, None)
-        if attr is None:
+        if attr is None or self._fake._torch_ops == "reject":
             raise AttributeError(f"fake ttnn Tensor has no attribute {name!r}")
         if callable(attr):
             return functools.partial(self._fake._run_op_method, attr, self)
@@ -475,6 +485,8 @@ class FakeTtnn:
     number(s) that raise ``InjectedTtnnFailure`` instead of running (``inject`` adds more later).
     ``system_mesh_shape`` is what ``open_mesh_device()`` opens by default and the largest mesh
     it accepts. Call names are the ttnn names, ``Tensor.<method>`` and ``MeshDevice.<method>``.
+    ``torch_ops="reject"`` makes device tensors refuse torch functions and methods, as a real
+    ``ttnn.Tensor`` does (the default ``"allow"`` lets small torch programs run on them).
     """
 
     TILE_SIZE = TILE_SIZE
@@ -511,11 +523,15 @@ class FakeTtnn:
         system_mesh_shape: Sequence[int] = (1, 1),
         fail: Mapping[str, int | Iterable[int]] | None = None,
         allocation_while_trace_live: Literal["raise", "warn"] = "raise",
+        torch_ops: Literal["allow", "reject"] = "allow",
     ) -> None:
         if allocation_while_trace_live not in ("raise", "warn"):
             raise ConfigError(
                 "allocation_while_trace_live", allocation_while_trace_live, "must be raise|warn"
             )
+        if torch_ops not in ("allow", "reject"):
+            raise ConfigError("torch_ops", torch_ops, "must be allow|reject")
+        self._torch_ops = torch_ops
         self._system_shape = MeshShape(*system_mesh_shape)
         self._failing = _resolve_fail(fail or {})
         self._allocation_policy = allocation_while_trace_live
@@ -952,25 +968,36 @@ class FakeTtnn:
     # ops
 
     def register_op(self, name: str, fn: Callable[..., Any]) -> None:
-        """Expose ``fn`` (computing on torch payloads) as ``fake.<name>``, traced like any op."""
+        """Expose ``fn`` (computing on torch payloads) as ``fake.<name>``, traced like any op.
+
+        Calls are recorded under ``name`` (and can be failed like any call).
+        """
 
         def op(*args: Any, **kwargs: Any) -> Any:
-            return self._run_op(fn, args, kwargs)
+            return self._call_op(name, fn, args, kwargs)
 
         op.__name__ = name
         setattr(self, name, op)
 
     def add(self, input_tensor_a: Any, input_tensor_b: Any, **_: Any) -> Any:
-        return self._run_op(torch.add, (input_tensor_a, input_tensor_b), {})
+        return self._call_op("add", torch.add, (input_tensor_a, input_tensor_b), {})
 
     def subtract(self, input_tensor_a: Any, input_tensor_b: Any, **_: Any) -> Any:
-        return self._run_op(torch.sub, (input_tensor_a, input_tensor_b), {})
+        return self._call_op("subtract", torch.sub, (input_tensor_a, input_tensor_b), {})
 
     def multiply(self, input_tensor_a: Any, input_tensor_b: Any, **_: Any) -> Any:
-        return self._run_op(torch.mul, (input_tensor_a, input_tensor_b), {})
+        return self._call_op("multiply", torch.mul, (input_tensor_a, input_tensor_b), {})
 
     def matmul(self, input_tensor_a: Any, input_tensor_b: Any, **_: Any) -> Any:
-        return self._run_op(torch.matmul, (input_tensor_a, input_tensor_b), {})
+        return self._call_op("matmul", torch.matmul, (input_tensor_a, input_tensor_b), {})
+
+    def _call_op(
+        self, name: str, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Any:
+        """A ttnn op called by name: recorded on the mesh of its first tensor, then run."""
+        first = next(_tensors((args, kwargs)), None)
+        self._record(name, None if first is None else first._mesh)
+        return self._run_op(func, args, kwargs)
 
     def _run_op_method(
         self, func: Callable[..., Any], tensor: _Tensor, *args: Any, **kw: Any
