@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
+from llmrt.compiled_step import CompileOptions, StepCompiler
 from llmrt.config import PageTableLayout, TraceConfig
 from llmrt.decode import DecodeRuntime, DecodeRuntimeConfig
 from llmrt.device.base import Device
@@ -132,6 +133,12 @@ def build_model(
 # -- lane scope ------------------------------------------------------------------------------
 
 
+def build_step_compiler(*, recipe: Recipe, lane: int, scope: LifetimeScope) -> StepCompiler:
+    """The lane's step source: the model's forwards, or compiled ones (``device.compile``)."""
+    steps = StepCompiler(options=CompileOptions.from_device(recipe.device), lane=lane)
+    return scope.own("step_compiler", steps, steps.close)
+
+
 def resolve_num_blocks(*, recipe: Recipe, model: CausalLM) -> int:
     """Physical blocks for one lane when the recipe leaves ``kv_cache.num_blocks`` unset.
 
@@ -196,6 +203,7 @@ def build_prefill(
     layout: PageTableLayout,
     lane: int,
     scope: LifetimeScope,
+    steps: StepCompiler | None = None,
 ) -> PrefillRuntime:
     config = PrefillRuntimeConfig.resolve(
         model=model,
@@ -208,9 +216,11 @@ def build_prefill(
         buckets=recipe.prefill.seq_len_buckets,
         bucket_step=recipe.prefill.fine_step,
         device_sampling_enabled=recipe.decode.device_sampling,
+        wave_batch_sizes=tuple(sorted({1, *recipe.warmup.prefill_batch_sizes})),
+        max_wave_seq_len=min(recipe.warmup.prefill_seq_lens),
         lane=lane,
     )
-    runtime = PrefillRuntime(config)
+    runtime = PrefillRuntime(config, step_compiler=steps)
     return scope.own("prefill_runtime", runtime, runtime.cleanup)
 
 
@@ -223,6 +233,7 @@ def build_decode(
     layout: PageTableLayout,
     lane: int,
     scope: LifetimeScope,
+    steps: StepCompiler | None = None,
 ) -> DecodeRuntime:
     config = DecodeRuntimeConfig.resolve(
         model=model,
@@ -233,14 +244,19 @@ def build_decode(
         device_sampling_enabled=recipe.decode.device_sampling,
         lane=lane,
     )
-    runtime = DecodeRuntime(config)
+    runtime = DecodeRuntime(config, step_compiler=steps)
     return scope.own("decode_runtime", runtime, runtime.cleanup_transients)
 
 
 def build_program_compiler(
-    *, device: Device, kv: PagedKVCacheManager, lane: int, scope: LifetimeScope
+    *,
+    device: Device,
+    kv: PagedKVCacheManager,
+    lane: int,
+    scope: LifetimeScope,
+    steps: StepCompiler | None = None,
 ) -> ProgramCompiler:
-    compiler = ProgramCompiler(device=device, kv_cache=kv, lane=lane)
+    compiler = ProgramCompiler(device=device, kv_cache=kv, lane=lane, step_compiler=steps)
     return scope.own("program_compiler", compiler, compiler.cleanup)
 
 

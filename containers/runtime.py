@@ -2,12 +2,13 @@
 
 Scopes, outermost first: **device** (device/mesh and lane sub-devices), **model**
 (weights, tokenizer, family), one **lane** sub-container per data-parallel lane
-(KV manager, page-table layout, OutputReader, prefill/decode runtimes, program
+(step compiler, KV manager, page-table layout, OutputReader, prefill/decode runtimes, program
 compiler, eager executor, optional trace compiler and traced executor, warmup
 coordinator, model executor — in the spec's construction order) and
 **serving** (the lane group). Every provider records what it builds in its
-:class:`~llmrt.scope.LifetimeScope`, so ``RuntimeContainer.close`` tears down in
-exact reverse creation order across scopes.
+:class:`~llmrt.scope.LifetimeScope`, so :func:`close_runtime` (the root scope's
+``close``) tears down in exact reverse creation order across scopes. A declarative
+container instance is a ``DynamicContainer``, so teardown is a function, not a method.
 
 Integration tests override providers the dependency-injector way, e.g.
 ``container.device.device.override(providers.Object(FaultyDevice(...)))``.
@@ -15,8 +16,11 @@ Integration tests override providers the dependency-injector way, e.g.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from dependency_injector import containers, providers
 
+from llmrt.compiled_step import StepCompiler
 from llmrt.decode import DecodeRuntime
 from llmrt.device.base import Device
 from llmrt.execution import EagerExecutor, TracedExecutor
@@ -90,6 +94,9 @@ class LaneContainer(containers.DeclarativeContainer):
     model: providers.Singleton[CausalLM] = providers.Singleton(
         f.build_model, recipe=recipe, checkpoint=weights, family=family, device=device, scope=scope
     )
+    step_compiler: providers.Singleton[StepCompiler] = providers.Singleton(
+        f.build_step_compiler, recipe=recipe, lane=lane, scope=scope
+    )
     kv_cache_manager: providers.Singleton[PagedKVCacheManager] = providers.Singleton(
         f.build_kv_manager, recipe=recipe, model=model, device=device, lane=lane, scope=scope
     )
@@ -108,6 +115,7 @@ class LaneContainer(containers.DeclarativeContainer):
         layout=page_table_layout,
         lane=lane,
         scope=scope,
+        steps=step_compiler,
     )
     decode_runtime: providers.Singleton[DecodeRuntime] = providers.Singleton(
         f.build_decode,
@@ -118,9 +126,15 @@ class LaneContainer(containers.DeclarativeContainer):
         layout=page_table_layout,
         lane=lane,
         scope=scope,
+        steps=step_compiler,
     )
     program_compiler: providers.Singleton[ProgramCompiler] = providers.Singleton(
-        f.build_program_compiler, device=device, kv=kv_cache_manager, lane=lane, scope=scope
+        f.build_program_compiler,
+        device=device,
+        kv=kv_cache_manager,
+        lane=lane,
+        scope=scope,
+        steps=step_compiler,
     )
     eager_executor: providers.Singleton[EagerExecutor] = providers.Singleton(
         f.build_eager,
@@ -172,9 +186,13 @@ def build_lanes(
     weights: Checkpoint,
     family: Family,
     barrier: CaptureBarrier,
-    lane_container: type[LaneContainer] | providers.Provider[LaneContainer],
+    lane_container: Callable[..., LaneContainer],
 ) -> tuple[LaneContainer, ...]:
-    """One lane sub-container per data-parallel lane, each built and identity-checked now."""
+    """One lane sub-container per data-parallel lane, each built and identity-checked now.
+
+    ``lane_container`` is called with the lane's dependencies: the ``LaneContainer`` class,
+    a subclass, or a factory that overrides some of the lane's providers (tests).
+    """
     lanes = []
     for index, device in enumerate(lane_devices):
         lane = lane_container(
@@ -201,7 +219,7 @@ def build_lane_group(
 
 
 class RuntimeContainer(containers.DeclarativeContainer):
-    """The root: a recipe in, a warmed lane group out; ``close()`` tears it all down."""
+    """The root: a recipe in, a lane group out; :func:`close_runtime` tears it all down."""
 
     recipe = providers.Dependency(instance_of=Recipe)
     root_scope: providers.Singleton[LifetimeScope] = providers.Singleton(LifetimeScope, "runtime")
@@ -229,3 +247,12 @@ class RuntimeContainer(containers.DeclarativeContainer):
     lane_group: providers.Singleton[LaneGroupExecutor] = providers.Singleton(
         build_lane_group, lanes=lanes, barrier=barrier, scope=serving_scope
     )
+
+
+def close_runtime(container: RuntimeContainer, *, primary: BaseException | None = None) -> None:
+    """Tear down everything ``container`` built, in exact reverse creation order; idempotent.
+
+    Raises ``CleanupError`` listing every failed step, with ``primary`` (the error that
+    started the teardown, if any) preserved.
+    """
+    container.root_scope().close(primary=primary)

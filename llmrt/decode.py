@@ -10,19 +10,26 @@ raw output into a :class:`DecodeOutputLease` for an external scheduler.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, cast
 
 import attrs
 import torch
 
+from llmrt.compiled_step import DecodeStep, StepCompiler
 from llmrt.config import PageTableLayout
 from llmrt.device.base import Device
 from llmrt.errors import CleanupError, ConfigError, IdentityError, RequestError
 from llmrt.families.base import CausalLM
 from llmrt.lifecycle import component_logger, emit
 from llmrt.output_reader import OutputReader, PendingRead
-from llmrt.prefill.postprocess import sample_outputs
+from llmrt.prefill.postprocess import (
+    Finished,
+    HostFinish,
+    HostOutputs,
+    runs_on_host,
+    sample_outputs,
+)
 from llmrt.prefill.sampling_helpers import counts_of, plain_argmax
 from llmrt.sampling import SamplingTensors, apply_penalties
 from llmrt.sampling_params import SamplingParams
@@ -158,13 +165,25 @@ class DecodeOutputLease:
     is_tokens: bool
     pending: PendingRead | None = None
     released: bool = False
+    host_finish: Callable[[HostOutputs], HostOutputs] | None = None
 
 
 class DecodeRuntime:
-    """Runs decode steps for one lane; owns invocation transients and external leases."""
+    """Runs decode steps for one lane; owns invocation transients and external leases.
 
-    def __init__(self, config: DecodeRuntimeConfig) -> None:
+    ``step_compiler`` (borrowed; None runs the model's forward as is) supplies the
+    step the program body calls: the model's ``decode_forward`` or its compiled form.
+    """
+
+    def __init__(
+        self, config: DecodeRuntimeConfig, *, step_compiler: StepCompiler | None = None
+    ) -> None:
         self.config = config
+        self._step: DecodeStep = (
+            config.model.decode_forward
+            if step_compiler is None
+            else step_compiler.decode_step(config.model, block_size=config.layout.block_size)
+        )
         self._leases: dict[int, DecodeOutputLease] = {}
         self._lease_by_host: dict[int, DecodeOutputLease] = {}
         self._last_positions: torch.Tensor | None = None
@@ -249,6 +268,9 @@ class DecodeRuntime:
             and self._last_positions is not None
             and torch.equal(self._last_positions[:rows] + 1, norm_pos[:rows])
             and torch.equal(self._last_positions[rows:], norm_pos[rows:])
+            # A trace advances padding rows too: a row that was padding has no known position.
+            and self._last_page_table is not None
+            and bool((self._last_page_table[:rows] >= 0).any(dim=1).all())
         )
         return PreparedDecode(
             active_rows=rows,
@@ -352,7 +374,7 @@ class DecodeRuntime:
 
     def body(self, inputs: DecodeInputs) -> dict[str, torch.Tensor]:
         """The device program: one model decode step returning logits."""
-        logits = self.config.model.decode_forward(
+        logits = self._step(
             tokens=inputs.tokens, positions=inputs.positions, page_table=inputs.page_table
         )
         return {"logits": logits}
@@ -380,8 +402,18 @@ class DecodeRuntime:
         raw: dict[str, torch.Tensor],
         *,
         history: Sequence[tuple[Sequence[int], Sequence[int]]] | None = None,
-    ) -> dict[str, torch.Tensor]:
-        """Argmax or sampling after the program; penalties read each row's token history."""
+    ) -> Finished:
+        """Argmax or sampling after the program; penalties read each row's token history.
+
+        Outputs torch cannot compute on are read first and post-processed on the host.
+        """
+        if runs_on_host(raw):
+            return HostFinish.submit(
+                raw,
+                reader=self.config.output_reader,
+                apply=lambda host: cast(HostOutputs, self.finish(prepared, host, history=history)),
+                is_tokens=prepared.path != "logits",
+            )
         if prepared.path != "sample" or prepared.sampling is None:
             return sample_outputs(
                 raw,
@@ -437,7 +469,8 @@ class DecodeRuntime:
 
         def program(inputs: DecodeInputs) -> dict[str, torch.Tensor]:
             out = self.body(inputs)
-            inputs.positions.add_(1)  # device position feedback for the next step
+            if _feeds_back(inputs):
+                inputs.positions.add_(1)  # device position feedback for the next step
             return out
 
         return TraceCapturePlan(
@@ -463,7 +496,8 @@ class DecodeRuntime:
         Full on the artifact's first replay, a batch reset, a graph switch (the last
         replay on this lane was another trace) or when the device-incremented
         positions do not match this step; the page table when it changed; otherwise
-        only the per-step fields (tokens).
+        only the per-step fields (tokens, and positions where the trace has no device
+        position feedback).
         """
         if (
             artifact.replays == 0
@@ -485,6 +519,8 @@ class DecodeRuntime:
             self._refresh_all(inputs, prepared)
         else:
             device.refresh(inputs.tokens, prepared.tokens)
+            if not _feeds_back(inputs):
+                device.refresh(inputs.positions, prepared.positions)
             if decision == "page_table":
                 device.refresh(inputs.page_table, prepared.page_table)
         artifact.replay_state["last_refresh"] = decision
@@ -500,24 +536,42 @@ class DecodeRuntime:
 
     def consume(
         self,
-        raw: dict[str, torch.Tensor],
+        raw: Finished,
         prepared: PreparedDecode,
         *,
         read_from_device: bool = True,
         copy_outputs: bool = False,
     ) -> DecodeOutput | DecodeOutputLease:
-        """Blocking read + normalization, or a lease that keeps the raw output alive."""
+        """Blocking read + normalization, or a lease that keeps the raw output alive.
+
+        A ``HostFinish`` read was submitted when the program ran: it is completed here, or
+        the lease keeps it (no device copy) and post-processes the host value when done.
+        """
+        if isinstance(raw, HostFinish):
+            if read_from_device:
+                return self._normalize(raw.result(self.config.output_reader), prepared.active_rows)
+            return self._lease(
+                DecodeOutputLease(
+                    raw=dict(raw.raw),
+                    active_rows=prepared.active_rows,
+                    is_tokens=raw.is_tokens,
+                    pending=raw.pending,
+                    host_finish=raw.apply,
+                )
+            )
         if read_from_device:
             host = self.config.output_reader.read(raw)
             return self._normalize(host, prepared.active_rows)
         if copy_outputs:
             # Trace outputs are overwritten by the next replay; a lease must keep its own copy.
             raw = {k: v.clone() for k, v in raw.items()}
-        lease = DecodeOutputLease(
-            raw=raw, active_rows=prepared.active_rows, is_tokens="tokens" in raw
+        return self._lease(
+            DecodeOutputLease(raw=raw, active_rows=prepared.active_rows, is_tokens="tokens" in raw)
         )
+
+    def _lease(self, lease: DecodeOutputLease) -> DecodeOutputLease:
         self._leases[id(lease)] = lease
-        emit(self._log, "lease.created", rows=prepared.active_rows)
+        emit(self._log, "lease.created", rows=lease.active_rows)
         return lease
 
     def _normalize(self, host: Mapping[str, torch.Tensor], rows: int) -> DecodeOutput:
@@ -536,11 +590,16 @@ class DecodeRuntime:
     ) -> tuple[Any, tuple[Any, ...]]:
         """Start reading a lease: ``(host_value, events)``; host_value is valid after completion."""
         self._check_lease(lease)
+        reader = self.config.output_reader
         if not async_read:
-            host = self.config.output_reader.read(lease.raw)
+            if lease.pending is not None:  # submitted when the program ran (HostFinish)
+                host = reader.complete(lease.pending)
+                lease.pending = None
+            else:
+                host = reader.read(lease.raw)
             self._lease_by_host[id(host)] = lease
             return host, ()
-        pending = self.config.output_reader.submit(lease.raw)
+        pending = lease.pending if lease.pending is not None else reader.submit(lease.raw)
         lease.pending = pending
         self._lease_by_host[id(pending.host_value)] = lease
         return pending.host_value, pending.events
@@ -561,6 +620,8 @@ class DecodeRuntime:
         del self._lease_by_host[id(host_value)]
         if lease.pending is not None:
             host_value = self.config.output_reader.complete(lease.pending)
+        if lease.host_finish is not None:
+            host_value = lease.host_finish(host_value)
         out = self._normalize(host_value, lease.active_rows)
         self._release_lease(lease)
         return out
@@ -613,3 +674,11 @@ class DecodeRuntime:
             )
         if self._orphans:
             raise CleanupError([(f"decode:{o.path}", o.error) for o in self._orphans])
+
+
+def _feeds_back(inputs: DecodeInputs) -> bool:
+    """Whether a decode trace advances its positions on device (``add_`` on torch tensors).
+
+    Other backends' positions are refreshed from the host on every replay instead.
+    """
+    return isinstance(inputs.positions, torch.Tensor)

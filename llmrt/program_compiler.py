@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import attrs
 import torch
 
+from llmrt.compiled_step import StepCompiler
 from llmrt.device.base import Device
 from llmrt.errors import CompileGateClosed, KVCacheStateError
 from llmrt.lifecycle import component_logger, emit
@@ -50,6 +51,20 @@ class TensorContract:
 
 
 @attrs.frozen(kw_only=True)
+class ProgramDiagnostics:
+    """The registry at a glance; ``recompilations`` above zero is a bug (unstable program keys
+    or inputs: a compiled step rebuilt a graph for a geometry it had already compiled)."""
+
+    programs: int
+    gate_closed: bool
+    orphans: int
+    compile_mode: str
+    compiled_graphs: int
+    recompilations: int
+    recompiled: tuple[str, ...]
+
+
+@attrs.frozen(kw_only=True)
 class CompiledProgram:
     """A compiled signature: its key, its description and the shape of what it returns."""
 
@@ -71,11 +86,24 @@ def output_contract(value: Any) -> Any:
 
 
 class ProgramCompiler:
-    """Owns the eager program registry and any retryable compile-output orphans."""
+    """Owns the eager program registry and any retryable compile-output orphans.
 
-    def __init__(self, *, device: Device, kv_cache: BoundCacheCheck, lane: int = 0) -> None:
+    ``step_compiler`` (borrowed) is the lane's source of the runtimes' steps; with
+    ``device.compile: inductor`` the first run of a signature inside ``compile`` is its
+    ``torch.compile``, and ``diagnostics`` reports the step compiler's recompilations.
+    """
+
+    def __init__(
+        self,
+        *,
+        device: Device,
+        kv_cache: BoundCacheCheck,
+        lane: int = 0,
+        step_compiler: StepCompiler | None = None,
+    ) -> None:
         self.borrowed_device = device
         self.borrowed_kv_cache = kv_cache
+        self.borrowed_step_compiler = step_compiler
         self.lane = lane
         self._programs: dict[str, CompiledProgram] = {}
         self._gate_closed_reason: str | None = None
@@ -128,11 +156,13 @@ class ProgramCompiler:
             return existing
         self._require_open(key, signature)
         output = invoke()
-        self.borrowed_device.synchronize()
-        program = self._record(key, signature, output)
-        self._orphans.extend(
-            release_tensors(output, device=self.borrowed_device, ledger=self._ledger)
-        )
+        try:
+            self.borrowed_device.synchronize()
+            program = self._record(key, signature, output)
+        finally:  # a failed synchronize must not leak the compile output
+            self._orphans.extend(
+                release_tensors(output, device=self.borrowed_device, ledger=self._ledger)
+            )
         return program
 
     def admit(self, signature: ProgramSignature, output: Any) -> CompiledProgram:
@@ -171,6 +201,21 @@ class ProgramCompiler:
             signature=signature.describe(),
         )
         return program
+
+    def diagnostics(self) -> ProgramDiagnostics:
+        steps = self.borrowed_step_compiler
+        stats = steps.stats() if steps is not None else None
+        return ProgramDiagnostics(
+            programs=len(self._programs),
+            gate_closed=self.gate_closed,
+            orphans=len(self._orphans),
+            compile_mode=stats.mode if stats is not None else "eager",
+            compiled_graphs=stats.graphs if stats is not None else 0,
+            recompilations=stats.recompilations if stats is not None else 0,
+            recompiled=tuple(
+                g.description for g in (stats.geometries if stats else ()) if g.recompilations
+            ),
+        )
 
     # -- cleanup -------------------------------------------------------------------------
 

@@ -10,16 +10,23 @@ reader; it owns only invocation transients.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
+from llmrt.compiled_step import PrefillStep, StepCompiler
 from llmrt.config import PageTableLayout
 from llmrt.errors import CleanupError, RequestError
 from llmrt.prefill.config import PrefillRuntimeConfig
 from llmrt.prefill.inputs import PrefillInputs, refresh, stage
 from llmrt.prefill.plan import PrefillChunk, PrefillRow, plan_prefill
-from llmrt.prefill.postprocess import sample_outputs
+from llmrt.prefill.postprocess import (
+    Finished,
+    HostFinish,
+    HostOutputs,
+    runs_on_host,
+    sample_outputs,
+)
 from llmrt.prefill.result_collector import PrefillOutput, ResultCollector
 from llmrt.prefill.sampling_helpers import (
     counts_of,
@@ -49,10 +56,21 @@ TokenHistory = Sequence[tuple[Sequence[int], Sequence[int]]]
 
 
 class PrefillRuntime:
-    """Prefill for one lane."""
+    """Prefill for one lane.
 
-    def __init__(self, config: PrefillRuntimeConfig) -> None:
+    ``step_compiler`` (borrowed; None runs the model's forward as is) supplies the
+    step the program body calls: the model's ``prefill_forward`` or its compiled form.
+    """
+
+    def __init__(
+        self, config: PrefillRuntimeConfig, *, step_compiler: StepCompiler | None = None
+    ) -> None:
         self.config = config
+        self._step: PrefillStep = (
+            config.model.prefill_forward
+            if step_compiler is None
+            else step_compiler.prefill_step(config.model, block_size=config.layout.block_size)
+        )
         self._orphans: list[TensorResourceOrphan] = []
         self._generator = torch.Generator(device=config.device.torch_device).manual_seed(0)
 
@@ -205,7 +223,7 @@ class PrefillRuntime:
 
     def body(self, inputs: PrefillInputs, signature: PrefillSignature) -> dict[str, torch.Tensor]:
         """The device program of one step: model prefill returning last-token logits."""
-        logits = self.config.model.prefill_forward(
+        logits = self._step(
             tokens=inputs.tokens,
             start_pos=inputs.start_pos,
             seq_lens=inputs.seq_lens,
@@ -244,8 +262,18 @@ class PrefillRuntime:
         raw: dict[str, torch.Tensor],
         *,
         history: TokenHistory | None = None,
-    ) -> dict[str, torch.Tensor]:
-        """Sampling after the program (penalties use each row's prompt and output tokens)."""
+    ) -> Finished:
+        """Sampling after the program (penalties use each row's prompt and output tokens).
+
+        Outputs torch cannot compute on are read first and post-processed on the host.
+        """
+        if runs_on_host(raw):
+            return HostFinish.submit(
+                raw,
+                reader=self.config.output_reader,
+                apply=lambda host: cast(HostOutputs, self.finish(prepared, host, history=history)),
+                is_tokens=prepared.path != "logits",
+            )
         sampling = prepared.sampling
         if sampling is not None and sampling.any_penalties and history is not None:
             prompt, output = _history_counts(prepared, history, vocab_size=self.config.vocab_size)
@@ -263,9 +291,7 @@ class PrefillRuntime:
             generator=self._generator,
         )
 
-    def assemble(
-        self, prepared: PreparedPrefill, raws: Sequence[dict[str, torch.Tensor]]
-    ) -> PrefillOutput:
+    def assemble(self, prepared: PreparedPrefill, raws: Sequence[Finished]) -> PrefillOutput:
         """Read every request's outputs and restore the caller's source-row order."""
         collector = ResultCollector(
             output_reader=self.config.output_reader, num_rows=prepared.num_rows
@@ -299,7 +325,13 @@ class PrefillRuntime:
     def finish_trace(
         self, prepared: PreparedPrefillRequest, outputs: dict[str, torch.Tensor]
     ) -> dict[str, torch.Tensor]:
-        """After a request's final replayed step: detach its outputs from the trace buffers."""
+        """After a request's final replayed step: detach its outputs from the trace buffers.
+
+        Outputs torch cannot copy are left in place: ``finish`` submits their read at once,
+        ahead of the next replay.
+        """
+        if runs_on_host(outputs):
+            return outputs
         return {k: v.clone() for k, v in outputs.items()}
 
     def can_trace(self, *, tokens: int, prefill_len: int | None = None, start_pos: int = 0) -> bool:

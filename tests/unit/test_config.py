@@ -69,12 +69,16 @@ def test_kv_config_capacity_and_late_resolution() -> None:
     with pytest.raises(ConfigError, match="may not change the block size"):
         cfg.check_replacement(PagedKVCacheConfig(block_size=16, max_num_blocks=100))
     with pytest.raises(ConfigError, match="may not grow capacity"):
-        resolved.check_replacement(PagedKVCacheConfig(block_size=32, max_num_blocks=100, num_blocks=70))
+        resolved.check_replacement(
+            PagedKVCacheConfig(block_size=32, max_num_blocks=100, num_blocks=70)
+        )
 
 
 def test_layout_example() -> None:
     layout = PageTableLayout.resolve(
-        block_size=32, model_max_sequence_length=1000, physical_num_blocks=2048,
+        block_size=32,
+        model_max_sequence_length=1000,
+        physical_num_blocks=2048,
         max_prefill_chunk_size=256,
     )
     assert layout.width == 32  # ceil(1000 / 32)
@@ -90,7 +94,9 @@ def test_layout_example() -> None:
 def test_layout_rejects_unaligned_chunk() -> None:
     with pytest.raises(ConfigError, match=r"prefill\.max_chunk_size: must be a multiple"):
         PageTableLayout.resolve(
-            block_size=32, model_max_sequence_length=1000, physical_num_blocks=64,
+            block_size=32,
+            model_max_sequence_length=1000,
+            physical_num_blocks=64,
             max_prefill_chunk_size=100,
         )
 
@@ -104,9 +110,13 @@ block_sizes = st.sampled_from([1, 2, 4, 8, 16, 32, 64, 128])
     blocks=st.integers(1, 5_000),
     chunk_blocks=st.integers(1, 64),
 )
-def test_layout_widths_are_aligned(block_size: int, max_len: int, blocks: int, chunk_blocks: int) -> None:
+def test_layout_widths_are_aligned(
+    block_size: int, max_len: int, blocks: int, chunk_blocks: int
+) -> None:
     layout = PageTableLayout.resolve(
-        block_size=block_size, model_max_sequence_length=max_len, physical_num_blocks=blocks,
+        block_size=block_size,
+        model_max_sequence_length=max_len,
+        physical_num_blocks=blocks,
         max_prefill_chunk_size=chunk_blocks * block_size,
     )
     assert layout.width == min(math.ceil(max_len / block_size), blocks)
@@ -122,13 +132,17 @@ def test_layout_widths_are_aligned(block_size: int, max_len: int, blocks: int, c
     blocks=st.integers(1, 5_000),
     new_blocks=st.integers(1, 10_000),
 )
-def test_layout_replacement_only_shrinks(block_size: int, max_len: int, blocks: int, new_blocks: int) -> None:
+def test_layout_replacement_only_shrinks(
+    block_size: int, max_len: int, blocks: int, new_blocks: int
+) -> None:
     layout = PageTableLayout.resolve(
-        block_size=block_size, model_max_sequence_length=max_len, physical_num_blocks=blocks,
+        block_size=block_size,
+        model_max_sequence_length=max_len,
+        physical_num_blocks=blocks,
         max_prefill_chunk_size=block_size,
     )
     if new_blocks > blocks:
-        with pytest.raises(ConfigError, match="kv_cache.num_blocks"):
+        with pytest.raises(ConfigError, match=r"kv_cache\.num_blocks"):
             layout.with_physical_blocks(new_blocks)
         return
     smaller = layout.with_physical_blocks(new_blocks)
@@ -138,7 +152,9 @@ def test_layout_replacement_only_shrinks(block_size: int, max_len: int, blocks: 
     assert smaller.max_sequence_length <= layout.max_sequence_length
 
 
-@given(max_blocks=st.integers(1, 10_000), first=st.integers(1, 10_000), second=st.integers(1, 10_000))
+@given(
+    max_blocks=st.integers(1, 10_000), first=st.integers(1, 10_000), second=st.integers(1, 10_000)
+)
 def test_kv_capacity_never_grows(max_blocks: int, first: int, second: int) -> None:
     cfg = PagedKVCacheConfig(block_size=16, max_num_blocks=max_blocks)
     if first > max_blocks:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import pathlib
+
 import tomllib
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

@@ -1,0 +1,56 @@
+"""``llmrt bench``: run one workload and print its results against an in-run baseline.
+
+Workloads (``--workload``; implemented in ``llmrt.benchmarks``):
+
+- ``mixed`` (default): prompts of 16-512 tokens through ``LLM.generate``; with
+  ``--baseline hf`` the same prompts through transformers ``generate`` on the same
+  weights. JSON sections ``llmrt`` / ``hf`` (``wall_s``, ``output_tokens_per_s``,
+  ``total_tokens_per_s``, ``ttft_p50_s``, ``ttft_p99_s``, ``itl_p50_s``, ``itl_p99_s``;
+  ``hf`` adds ``greedy_rows_identical``), ratio ``llmrt_over_hf_tokens_per_s``.
+- ``shared-prefix``: prefix caching on vs off. Sections ``caching_on`` / ``caching_off``
+  (``prefill_tokens_computed``, ``mean_ttft_s``), ``check.outputs_identical``; ratios
+  ``prefill_tokens_off_over_on`` and ``mean_ttft_off_over_on`` (headline).
+- ``decode``: section ``step_s`` (``llmrt_b1``, ``hf_b1``, ``llmrt_b8``, ``hf_b8``),
+  ``host_overhead``, ``trace``; ratios ``llmrt_over_hf_step_b1`` / ``_b8`` / ``_worst``
+  (headline), ``traced_over_eager_step``, ``host_overhead_fraction``.
+- ``prefill``: sections ``long_prompt_s``, ``waves``, ``planner_us_per_row``; ratios
+  ``llmrt_over_hf_prefill_long`` (headline), ``sequential_over_batched_prefill``,
+  ``planner_cost_per_row_largest_over_smallest``.
+
+Every JSON object also holds ``workload``, ``recipe``, ``environment``, ``config``,
+``ratios``, ``targets`` (each ``{"target", "value", "met"}``), ``headline`` (the text of
+the last line) and ``headline_ratio``. Text output ends with the headline line.
+Progress bars go to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from llmrt.benchmarks.report import Report
+from llmrt.benchmarks.settings import BenchSettings
+
+
+def bench_report(settings: BenchSettings) -> Report:
+    """Run the workload ``settings`` names and return its report (nothing printed)."""
+    if settings.workload in ("mixed", "shared-prefix"):
+        from llmrt.benchmarks import serving
+
+        run = serving.mixed if settings.workload == "mixed" else serving.shared_prefix
+    elif settings.workload == "decode":
+        from llmrt.benchmarks.decode import decode as run
+    else:
+        from llmrt.benchmarks.prefill import prefill as run
+    return run(settings)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """``llmrt bench``: run, optionally plot, print the report (headline last); returns 0."""
+    settings = BenchSettings.from_args(args)
+    report = bench_report(settings)
+    if settings.plot:
+        from llmrt.benchmarks.plot import write_plot
+
+        write_plot(report, settings.plot)
+    report.emit(as_json=settings.as_json)
+    return 0

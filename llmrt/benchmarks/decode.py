@@ -1,0 +1,252 @@
+"""The ``decode`` workload: llmrt's decode step against transformers' on the same weights.
+
+The bare model step (``CausalLM.decode_forward`` over the lane's preallocated paged KV)
+vs transformers' step over a prefilled ``DynamicCache`` (cropped back after every step)
+at batch 1 and 8, context ~128 tokens; traced vs eager lane steps at the lane capacity;
+the host work of one lane step (prepare, stage, finish, consume; not the model forward)
+as a fraction of the step. Calls are timed interleaved, median of repeats. The
+host-overhead fraction sums directly timed parts (robust on a loaded machine);
+``fraction_by_difference`` (step minus model forward) is reported beside it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from typing import Any
+
+import torch
+
+from llmrt.benchmarks.hf import build_hf_model, hf_decode_call
+from llmrt.benchmarks.lanes import GREEDY, WARMUP, block_table, context_tokens, first_lane
+from llmrt.benchmarks.report import Report, Target
+from llmrt.benchmarks.settings import BenchSettings
+from llmrt.benchmarks.sizing import sized_recipe
+from llmrt.benchmarks.timing import Timed, device_sync, interleaved_medians, ratio, rounded
+from llmrt.model_executor import ModelExecutor
+from llmrt.recipe import load_recipe
+from llmrt.serving.llm import LLM
+
+DECODE_CONTEXT = 128
+DECODE_BATCHES = (1, 8)
+DECODE_SPAN = 32  # lane steps advance positions through this many tokens, then wrap
+DECODE_REPEATS = 32
+
+
+def decode(settings: BenchSettings) -> Report:
+    repeats = settings.count(DECODE_REPEATS)
+    base = load_recipe(settings.recipe, overrides=list(settings.overrides))
+    cap = base.decode.lane_capacity
+    rows = max(*DECODE_BATCHES, cap)
+    sized = sized_recipe(
+        settings.recipe,
+        user_overrides=settings.overrides,
+        tokens_per_request=DECODE_CONTEXT + DECODE_SPAN + 1,
+        requests=rows,
+    )
+    report = Report(workload="decode", recipe=sized.recipe.name)
+    # Targets: eager float32 within 10% of transformers; a compiled recipe at most 0.4x.
+    bound = 0.4 if sized.recipe.device.compile == "inductor" else 1.1
+    start = time.perf_counter()
+    with LLM.from_recipe(sized.recipe) as llm:
+        build_s = time.perf_counter() - start
+        lane = first_lane(llm)
+        model = lane.decode.config.model
+        device = lane.decode.config.device.torch_device
+        sync = device_sync(device)
+        layout = lane.layout
+        table = block_table(
+            rows=rows,
+            tokens=DECODE_CONTEXT + DECODE_SPAN + 1,
+            block_size=layout.block_size,
+            width=layout.width,
+        )
+        context = context_tokens(llm, rows=rows, length=DECODE_CONTEXT, seed=settings.seed)
+        model.prefill_forward(
+            tokens=context.to(device),
+            start_pos=torch.zeros(rows, dtype=torch.int32, device=device),
+            seq_lens=torch.full((rows,), DECODE_CONTEXT, dtype=torch.int32, device=device),
+            page_table=table.to(device),
+            last_token_index=torch.full((rows,), DECODE_CONTEXT - 1, device=device),
+        )
+        report.section(
+            "config",
+            {
+                "context_len": DECODE_CONTEXT,
+                "batches": list(DECODE_BATCHES),
+                "lane_capacity": cap,
+                "repeats": repeats,
+                "trace_mode": sized.recipe.trace.mode,
+                "compile": sized.recipe.device.compile,
+                "llm_build_s": round(build_s, 3),
+                "bench_overrides": list(sized.bench_overrides),
+            },
+        )
+        hf = build_hf_model(llm.container.model.weights(), device=device)
+        step_tokens = context[:, -1].to(device)
+        positions = torch.full((rows,), DECODE_CONTEXT, dtype=torch.int32, device=device)
+        dev_table = table.to(device)
+        calls: dict[str, Timed] = {}
+        for b in DECODE_BATCHES:
+            calls[f"llmrt_b{b}"] = _bare_decode(
+                model, tokens=step_tokens[:b], positions=positions[:b], table=dev_table[:b]
+            )
+            calls[f"hf_b{b}"] = hf_decode_call(hf, context=context[:b].to(device))
+        bare = interleaved_medians(
+            calls, warmup=WARMUP, repeats=repeats, sync=sync, desc="decode llmrt vs hf"
+        )
+        del calls, hf
+        report.section("step_s", rounded(bare))
+        ratios = {b: ratio(bare[f"llmrt_b{b}"], bare[f"hf_b{b}"]) for b in DECODE_BATCHES}
+        for b, value in ratios.items():
+            report.ratio(
+                f"llmrt_over_hf_step_b{b}",
+                value,
+                label=f"llmrt/hf decode step time (batch {b})",
+                target=Target(op="<=", bound=bound),
+            )
+        values = list(ratios.values())
+        worst = math.nan if any(math.isnan(v) for v in values) else max(values)
+        _lane_steps(report, lane, context=context, table=table, repeats=repeats, sync=sync)
+        report.ratio(
+            "llmrt_over_hf_step_worst",
+            worst,
+            label="llmrt/hf decode step time ratio (worse of batch "
+            + " and ".join(map(str, DECODE_BATCHES))
+            + ")",
+            target=Target(op="<=", bound=bound),
+            headline=True,
+        )
+    return report
+
+
+def _bare_decode(
+    model: Any, *, tokens: torch.Tensor, positions: torch.Tensor, table: torch.Tensor
+) -> Timed:
+    def run() -> None:
+        model.decode_forward(tokens=tokens, positions=positions, page_table=table)
+
+    return Timed(run=run)
+
+
+def _lane_steps(
+    report: Report,
+    lane: ModelExecutor,
+    *,
+    context: torch.Tensor,
+    table: torch.Tensor,
+    repeats: int,
+    sync: Any,
+) -> None:
+    """Traced vs eager lane steps at the lane capacity; host overhead at batch 8 (or less)."""
+    cap = lane.lane_capacity
+    runtime = lane.decode
+    tokens = context[:, -1]
+    steps = [torch.full((cap,), DECODE_CONTEXT + i, dtype=torch.int32) for i in range(DECODE_SPAN)]
+    rows = min(max(DECODE_BATCHES), cap)
+
+    def lane_step(n: int, trace: bool | None) -> Timed:
+        cycle = itertools.cycle(steps)
+
+        def run() -> None:
+            lane.decode_forward(
+                tokens=tokens[:n],
+                start_pos=next(cycle)[:n],
+                page_table=table[:n],
+                sampling_params=[GREEDY] * n,
+                enable_trace=trace,
+            )
+
+        return Timed(run=run)
+
+    prepared = [
+        runtime.prepare(
+            tokens=tokens[:rows],
+            start_pos=s[:rows],
+            page_table=table[:rows],
+            sampling_params=[GREEDY] * rows,
+        )
+        for s in steps
+    ]
+    device = runtime.config.device.torch_device
+    model = runtime.config.model
+    staged = [
+        (p.tokens.to(device), p.positions.to(device), p.page_table.to(device)) for p in prepared
+    ]
+    raw = {
+        "logits": model.decode_forward(
+            tokens=staged[0][0], positions=staged[0][1], page_table=staged[0][2]
+        )
+    }
+    finished = runtime.finish(prepared[0], raw)
+    forward_cycle = itertools.cycle(staged)
+
+    def forward() -> None:
+        t, p, pt = next(forward_cycle)
+        model.decode_forward(tokens=t, positions=p, page_table=pt)
+
+    def stage() -> None:
+        inputs = runtime.stage(prepared[0])
+        for tensor in inputs.owned_tensors():
+            runtime.config.device.deallocate(tensor)
+
+    calls: dict[str, Timed] = {
+        "lane_step": lane_step(rows, None),
+        "stage": Timed(run=stage),
+        "model_forward": Timed(run=forward),
+        "prepare": Timed(
+            run=lambda: runtime.prepare(
+                tokens=tokens[:rows],
+                start_pos=steps[0][:rows],
+                page_table=table[:rows],
+                sampling_params=[GREEDY] * rows,
+            )
+        ),
+        "finish": Timed(run=lambda: runtime.finish(prepared[0], raw)),
+        "consume": Timed(run=lambda: runtime.consume(finished, prepared[0])),
+    }
+    traced = lane.traced is not None and lane.traced.trace_config.decode_enabled
+    if traced:
+        calls["traced"] = lane_step(cap, True)
+        calls["eager"] = lane_step(cap, False)
+    times = interleaved_medians(
+        calls, warmup=WARMUP, repeats=repeats, sync=sync, desc="decode lane steps"
+    )
+    parts = times["prepare"] + times["stage"] + times["finish"] + times["consume"]
+    step = times["lane_step"]
+    report.section(
+        "host_overhead",
+        rounded(
+            {
+                "rows": rows,
+                "lane_step_s": step,
+                "model_forward_s": times["model_forward"],
+                "prepare_s": times["prepare"],
+                "stage_s": times["stage"],
+                "finish_s": times["finish"],
+                "consume_s": times["consume"],
+                "fraction_by_difference": ratio(step - times["model_forward"], step),
+            }
+        ),
+    )
+    report.ratio(
+        "host_overhead_fraction",
+        ratio(parts, step),
+        label=f"host overhead / lane decode step (batch {rows}; prepare+stage+finish+consume)",
+        target=Target(op="<=", bound=0.05),
+        suffix="",
+        digits=3,
+    )
+    if not traced:
+        report.note("traced/eager: skipped (trace.mode has no decode traces)")
+        return
+    report.section(
+        "trace", rounded({"traced_step_s": times["traced"], "eager_step_s": times["eager"]})
+    )
+    report.ratio(
+        "traced_over_eager_step",
+        ratio(times["traced"], times["eager"]),
+        label=f"traced/eager decode step time (batch {cap})",
+        target=Target(op="<=", bound=1.02),
+    )

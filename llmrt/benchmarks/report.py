@@ -1,0 +1,148 @@
+"""``Report``: one workload's results as text lines or one JSON object, headline last."""
+
+from __future__ import annotations
+
+import json
+import math
+import operator
+import platform
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any, TextIO
+
+import attrs
+import torch
+
+_COMPARE: Mapping[str, Callable[[float, float], bool]] = {
+    "<=": operator.le,
+    ">=": operator.ge,
+}
+
+
+@attrs.frozen(kw_only=True)
+class Target:
+    """A performance target: ``value <op> bound`` (``op`` is ``<=`` or ``>=``)."""
+
+    op: str
+    bound: float
+
+    def met(self, value: float) -> bool:
+        return math.isfinite(value) and _COMPARE[self.op](value, self.bound)
+
+    def describe(self) -> str:
+        return f"{self.op} {self.bound:g}"
+
+
+@attrs.define(kw_only=True)
+class Report:
+    """Results of one workload.
+
+    ``results`` nests plain JSON values; ``lines`` are the human-readable lines printed
+    before the ``headline`` (the workload's main ratio, always the last line);
+    ``series`` are latency samples (seconds) for the optional plot.
+    """
+
+    workload: str
+    recipe: str
+    results: dict[str, Any] = attrs.Factory(dict)
+    lines: list[str] = attrs.Factory(list)
+    headline: str = ""
+    headline_key: str | None = None
+    series: dict[str, list[float]] = attrs.Factory(dict)
+
+    def section(self, name: str, values: Mapping[str, Any]) -> None:
+        """Record ``values`` under ``results[name]`` and print them as ``name.key: value``."""
+        self.results.setdefault(name, {}).update(values)
+        for key, value in values.items():
+            self.lines.append(f"{name}.{key}: {_format(value)}")
+
+    def note(self, text: str) -> None:
+        self.lines.append(text)
+
+    def ratio(
+        self,
+        key: str,
+        value: float,
+        *,
+        label: str,
+        target: Target | None = None,
+        headline: bool = False,
+        suffix: str = "x",
+        digits: int = 2,
+    ) -> None:
+        """Record a ratio (``results["ratios"][key]``) and its target; maybe the headline."""
+        self.results.setdefault("ratios", {})[key] = _finite(value)
+        text = f"{label}: {value:.{digits}f}{suffix}"
+        if target is not None:
+            met = target.met(value)
+            self.results.setdefault("targets", {})[key] = {
+                "target": target.describe(),
+                "value": _finite(value),
+                "met": met,
+            }
+            text += f" (target {target.describe()}: {'met' if met else 'missed'})"
+        if headline:
+            self.headline = text
+            self.headline_key = key
+        else:
+            self.lines.append(text)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "workload": self.workload,
+            "recipe": self.recipe,
+            "environment": environment(),
+            **self.results,
+            "headline": self.headline,
+            "headline_ratio": self.results.get("ratios", {}).get(self.headline_key)
+            if self.headline_key is not None
+            else None,
+        }
+
+    def emit(self, *, as_json: bool, out: TextIO | None = None) -> None:
+        """Print one JSON object, or the lines and then the headline."""
+        stream = out if out is not None else sys.stdout
+        if as_json:
+            print(json.dumps(self.to_json(), sort_keys=False), file=stream, flush=True)
+            return
+        print(f"llmrt bench {self.workload} ({self.recipe})", file=stream)
+        env = environment()
+        print(
+            f"torch {env['torch']}, transformers {env['transformers']}, "
+            f"{env['threads']} threads, {env['machine']}",
+            file=stream,
+        )
+        for line in self.lines:
+            print(line, file=stream)
+        print(self.headline, file=stream, flush=True)
+
+
+def environment() -> dict[str, Any]:
+    """What the numbers depend on: library versions, threads, CPU."""
+    try:
+        import transformers
+
+        tf_version: str | None = transformers.__version__
+    except ImportError:
+        tf_version = None
+    return {
+        "torch": torch.__version__,
+        "transformers": tf_version,
+        "threads": torch.get_num_threads(),
+        "machine": f"{platform.machine()} {platform.processor() or platform.system()}".strip(),
+        "python": platform.python_version(),
+    }
+
+
+def _finite(value: float) -> float | None:
+    return float(value) if math.isfinite(value) else None
+
+
+def _format(value: Any) -> str:
+    if isinstance(value, bool) or value is None:
+        return str(value)
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_format(v) for v in value) + "]"
+    return str(value)

@@ -1,0 +1,243 @@
+"""``llmrt bench`` on tiny-llama: every workload end to end, its JSON keys, headline last,
+and the Hugging Face baseline computing the same greedy tokens as llmrt.
+
+Numbers are never asserted here (performance targets live in the bench's own output).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import re
+import sys
+from typing import Any
+
+import pytest
+
+from llmrt.bench import bench_report
+from llmrt.benchmarks.plot import write_plot
+from llmrt.benchmarks.prefill import planner_cost
+from llmrt.benchmarks.report import Report, Target
+from llmrt.benchmarks.settings import BenchSettings
+from llmrt.cli import main
+
+pytest.importorskip("transformers")
+
+RECIPE = "tiny-llama"
+RATIO_LINE = re.compile(r"^[^\n]+: (\d+\.\d+|nan|inf)x( \(target [<>]= [\d.]+: (met|missed)\))?$")
+
+SMALL: dict[str, dict[str, Any]] = {
+    # Five prompts: one full HF batch of the lane capacity (4) and a partial one.
+    "mixed": {"num_prompts": 5, "baseline": "hf"},
+    "shared-prefix": {"num_prompts": 3, "max_new_tokens": 4},
+    "decode": {"num_prompts": 2},
+    "prefill": {"num_prompts": 1, "planner_rows": (64, 256)},
+}
+STAT_KEYS = {
+    "wall_s",
+    "output_tokens_per_s",
+    "total_tokens_per_s",
+    "ttft_p50_s",
+    "ttft_p99_s",
+    "itl_p50_s",
+    "itl_p99_s",
+}
+SECTIONS: dict[str, dict[str, set[str]]] = {
+    "mixed": {
+        "config": {"num_prompts", "prompt_len_min", "prompt_len_max", "max_new_tokens"},
+        "llmrt": STAT_KEYS,
+        "hf": STAT_KEYS | {"greedy_rows_identical", "greedy_rows"},
+        "ratios": {"llmrt_over_hf_tokens_per_s"},
+        "targets": {"llmrt_over_hf_tokens_per_s"},
+    },
+    "shared-prefix": {
+        "config": {"num_prompts", "prefix_len", "suffix_len", "max_new_tokens"},
+        "caching_on": {"prefill_tokens_computed", "mean_ttft_s"},
+        "caching_off": {"prefill_tokens_computed", "mean_ttft_s"},
+        "check": {"outputs_identical"},
+        "ratios": {"prefill_tokens_off_over_on", "mean_ttft_off_over_on"},
+    },
+    "decode": {
+        "config": {"context_len", "lane_capacity", "repeats"},
+        "step_s": {"llmrt_b1", "hf_b1", "llmrt_b8", "hf_b8"},
+        "host_overhead": {"lane_step_s", "model_forward_s", "prepare_s", "stage_s", "consume_s"},
+        "trace": {"traced_step_s", "eager_step_s"},
+        "ratios": {
+            "llmrt_over_hf_step_b1",
+            "llmrt_over_hf_step_b8",
+            "llmrt_over_hf_step_worst",
+            "traced_over_eager_step",
+            "host_overhead_fraction",
+        },
+    },
+    "prefill": {
+        "config": {"long_prompt_len", "wave_rows", "wave_prompt_len"},
+        "long_prompt_s": {"llmrt", "hf"},
+        "waves": {"batched_s", "sequential_s", "batched_plan_requests", "first_tokens_identical"},
+        "planner_us_per_row": {"64", "256"},
+        "ratios": {
+            "llmrt_over_hf_prefill_long",
+            "sequential_over_batched_prefill",
+            "planner_cost_per_row_largest_over_smallest",
+        },
+    },
+}
+#: Rows of the default mixed workload (seed 0) of mixed lengths; row 6's greedy output holds EOS.
+EOS_ROWS = (6, 0, 1, 2, 3)
+HEADLINE_KEYS = {
+    "mixed": "llmrt_over_hf_tokens_per_s",
+    "shared-prefix": "mean_ttft_off_over_on",
+    "decode": "llmrt_over_hf_step_worst",
+    "prefill": "llmrt_over_hf_prefill_long",
+}
+
+
+@pytest.fixture(scope="module")
+def reports() -> dict[str, Report]:
+    """Each workload's report, run once for the module (filled on first use)."""
+    return {}
+
+
+def _report(reports: dict[str, Report], workload: str) -> Report:
+    if workload not in reports:
+        settings = BenchSettings(recipe=RECIPE, workload=workload, **SMALL[workload])
+        reports[workload] = bench_report(settings)
+    return reports[workload]
+
+
+@pytest.fixture(params=sorted(SMALL))
+def report(request: pytest.FixtureRequest, reports: dict[str, Report]) -> Report:
+    return _report(reports, request.param)
+
+
+def _emit(report: Report, *, as_json: bool) -> str:
+    out = io.StringIO()
+    report.emit(as_json=as_json, out=out)
+    return out.getvalue()
+
+
+def test_json_has_the_documented_keys(report: Report) -> None:
+    text = _emit(report, as_json=True)
+    assert text.count("\n") == 1, "one JSON object on one line"
+    data = json.loads(text)
+    assert data["workload"] == report.workload
+    assert data["recipe"] == RECIPE
+    assert {"torch", "transformers", "threads"} <= set(data["environment"])
+    for section, keys in SECTIONS[report.workload].items():
+        missing = keys - set(data[section])
+        assert not missing, f"{section} lacks {sorted(missing)}"
+    key = HEADLINE_KEYS[report.workload]
+    assert data["headline_ratio"] == data["ratios"][key]
+    assert RATIO_LINE.match(data["headline"]), data["headline"]
+    for target in data.get("targets", {}).values():
+        assert set(target) == {"target", "value", "met"}
+
+
+def test_text_output_ends_with_the_headline_ratio(report: Report) -> None:
+    lines = _emit(report, as_json=False).splitlines()
+    assert lines[-1] == report.headline
+    assert RATIO_LINE.match(lines[-1]), lines[-1]
+    assert sum(line == report.headline for line in lines) == 1
+
+
+def test_workload_sanity(report: Report) -> None:
+    """What each workload counted is what it was asked to run."""
+    r = report.results
+    if report.workload == "mixed":
+        n, new = r["config"]["num_prompts"], r["config"]["max_new_tokens"]
+        assert r["llmrt"]["output_tokens"] == r["hf"]["output_tokens"] == n * new
+        assert r["llmrt"]["prompt_tokens"] == r["config"]["prompt_tokens"]
+    elif report.workload == "shared-prefix":
+        n, prompt = r["config"]["num_prompts"], r["config"]["prefix_len"] + 32
+        assert r["caching_off"]["prefill_tokens_computed"] == n * prompt
+        assert 0 < r["caching_on"]["prefill_tokens_computed"] <= n * prompt
+        assert r["check"]["outputs_identical"] is True
+    elif report.workload == "decode":
+        assert all(v > 0 for v in r["step_s"].values())
+    else:
+        assert r["waves"]["batched_plan_requests"] == 1
+        assert r["waves"]["sequential_plan_requests"] == r["config"]["wave_rows"]
+        assert r["waves"]["first_tokens_identical"] is True
+
+
+def test_hf_baseline_generates_the_same_greedy_tokens(reports: dict[str, Report]) -> None:
+    """A baseline that computes something else than llmrt on the same weights is a defect."""
+    hf = _report(reports, "mixed").results["hf"]
+    assert hf["greedy_rows"] == SMALL["mixed"]["num_prompts"]
+    assert hf["greedy_rows_identical"] == hf["greedy_rows"]
+
+
+def test_hf_generate_matches_llm_generate_directly() -> None:
+    """Left-padded HF batches of mixed lengths equal llmrt's greedy tokens, token for token."""
+    from llmrt.benchmarks.hf import build_hf_model, hf_generate
+    from llmrt.benchmarks.prompts import random_prompts, spread_lengths, token_pool
+    from llmrt.benchmarks.serving import greedy
+    from llmrt.serving.llm import LLM
+
+    with LLM.from_recipe(RECIPE, overrides=["kv_cache.num_blocks=128"]) as llm:
+        pool = token_pool(llm.tokenizer, model_vocab_size=258)
+        workload = random_prompts(spread_lengths(32, low=16, high=448, seed=0), pool=pool, seed=0)
+        prompts = [workload[i] for i in EOS_ROWS]
+        ours = [o.token_ids for o in llm.generate(prompts, greedy(64))]
+        model = build_hf_model(llm.container.model.weights(), device=llm_device(llm))
+        eos = llm.tokenizer.eos_token_ids
+    # ignore_eos semantics: an EOS argmax is generated and decoding goes on.
+    assert any(t in eos for row in ours for t in row), "pick rows whose greedy output has EOS"
+    theirs = hf_generate(model, prompts, max_new_tokens=64, batch_size=4, pad_token_id=pool[0])
+    assert [len(t) for t in theirs.token_ids] == [64] * len(prompts)
+    assert list(theirs.token_ids) == ours
+
+
+def llm_device(llm: Any) -> Any:
+    return llm.engine.executor.lanes[0].decode.config.device.torch_device
+
+
+def test_cli_prints_one_json_object(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(
+        ["bench", RECIPE, "--workload", "shared-prefix", "--num-prompts", "2",
+         "--max-new-tokens", "2", "--json"]
+    )  # fmt: skip
+    assert code == 0
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1, out
+    data = json.loads(out[0])
+    assert data["workload"] == "shared-prefix"
+    assert data["headline"].startswith("mean TTFT off/on: ")
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--num-prompts", "0"), ("--planner-rows", "10,x")])
+def test_bad_options_are_one_line_user_errors(
+    flag: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["bench", RECIPE, flag, value]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and flag in err[0], err
+
+
+def test_report_formats_targets_and_keeps_the_headline_last() -> None:
+    report = Report(workload="w", recipe="r")
+    report.ratio("main", 1.5, label="main ratio", target=Target(op=">=", bound=2.0), headline=True)
+    report.section("s", {"a": 1, "b": 0.25})
+    report.ratio("side", 0.5, label="side ratio", target=Target(op="<=", bound=1.1))
+    lines = _emit(report, as_json=False).splitlines()
+    assert lines[-1] == "main ratio: 1.50x (target >= 2: missed)"
+    assert "side ratio: 0.50x (target <= 1.1: met)" in lines
+    data = json.loads(_emit(report, as_json=True))
+    assert data["targets"]["main"] == {"target": ">= 2", "value": 1.5, "met": False}
+    assert data["headline_ratio"] == 1.5
+
+
+def test_plot_without_matplotlib_is_a_note(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Any
+) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    report = Report(workload="w", recipe="r", series={"x": [0.1, 0.2]})
+    assert write_plot(report, str(tmp_path / "p.png")) is False
+    assert "matplotlib" in capsys.readouterr().err
+    assert not (tmp_path / "p.png").exists()
+
+
+def test_planner_cost_is_a_positive_time_per_row() -> None:
+    cost = planner_cost(50, seed=0, repeat=1)
+    assert math.isfinite(cost) and 0 < cost < 1.0
