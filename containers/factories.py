@@ -250,13 +250,19 @@ def build_decode(
 
 def build_program_compiler(
     *,
+    recipe: Recipe,
     device: Device,
     kv: PagedKVCacheManager,
     lane: int,
     scope: LifetimeScope,
     steps: StepCompiler | None = None,
 ) -> ProgramCompiler:
-    compiler = ProgramCompiler(device=device, kv_cache=kv, lane=lane, step_compiler=steps)
+    # Only a TT program or an inductor graph is built by a first run; plain torch eager
+    # steps are registered at warmup and record their output contract on first use.
+    materialize = recipe.device.backend != "torch" or recipe.device.compile != "eager"
+    compiler = ProgramCompiler(
+        device=device, kv_cache=kv, lane=lane, step_compiler=steps, materialize=materialize
+    )
     return scope.own("program_compiler", compiler, compiler.cleanup)
 
 

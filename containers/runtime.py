@@ -130,6 +130,7 @@ class LaneContainer(containers.DeclarativeContainer):
     )
     program_compiler: providers.Singleton[ProgramCompiler] = providers.Singleton(
         f.build_program_compiler,
+        recipe=recipe,
         device=device,
         kv=kv_cache_manager,
         lane=lane,

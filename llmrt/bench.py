@@ -10,11 +10,12 @@ Workloads (``--workload``; implemented in ``llmrt.benchmarks``):
 - ``shared-prefix``: prefix caching on vs off. Sections ``caching_on`` / ``caching_off``
   (``prefill_tokens_computed``, ``mean_ttft_s``), ``check.outputs_identical``; ratios
   ``prefill_tokens_off_over_on`` and ``mean_ttft_off_over_on`` (headline).
-- ``decode``: section ``step_s`` (``llmrt_b1``, ``hf_b1``, ``llmrt_b8``, ``hf_b8``),
-  ``host_overhead``, ``trace``; ratios ``llmrt_over_hf_step_b1`` / ``_b8`` / ``_worst``
-  (headline), ``traced_over_eager_step``, ``host_overhead_fraction``.
-- ``prefill``: sections ``long_prompt_s``, ``waves``, ``planner_us_per_row``; ratios
-  ``llmrt_over_hf_prefill_long`` (headline), ``sequential_over_batched_prefill``,
+- ``decode``: sections ``step_s`` (medians: ``llmrt_b1``, ``hf_b1``, ``llmrt_b8``,
+  ``hf_b8``), ``min_s`` (the same calls' minimums), ``host_overhead``, ``trace``; ratios
+  ``llmrt_over_hf_step_b1`` / ``_b8`` / ``_worst`` (headline), ``traced_over_eager_step``,
+  ``host_overhead_fraction``.
+- ``prefill``: sections ``long_prompt_s``, ``waves``, ``min_s``, ``planner_us_per_row``;
+  ratios ``llmrt_over_hf_prefill_long`` (headline), ``sequential_over_batched_prefill``,
   ``planner_cost_per_row_largest_over_smallest``.
 
 Every JSON object also holds ``workload``, ``recipe``, ``environment``, ``config``,

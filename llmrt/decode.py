@@ -372,6 +372,11 @@ class DecodeRuntime:
             raise
         return DecodeInputs(tokens=uploaded[0], positions=uploaded[1], page_table=uploaded[2])
 
+    @property
+    def step(self) -> DecodeStep:
+        """The forward the program body calls: the model's own, or its compiled form."""
+        return self._step
+
     def body(self, inputs: DecodeInputs) -> dict[str, torch.Tensor]:
         """The device program: one model decode step returning logits."""
         logits = self._step(

@@ -100,10 +100,15 @@ class ProgramCompiler:
         kv_cache: BoundCacheCheck,
         lane: int = 0,
         step_compiler: StepCompiler | None = None,
+        materialize: bool = True,
     ) -> None:
         self.borrowed_device = device
         self.borrowed_kv_cache = kv_cache
         self.borrowed_step_compiler = step_compiler
+        # Whether compiling a signature must run it: true where a first run builds something
+        # (a TT program, an inductor graph). Plain torch eager steps have nothing to build, so
+        # compile() only registers them and the first real run records the output contract.
+        self.materialize = materialize
         self.lane = lane
         self._programs: dict[str, CompiledProgram] = {}
         self._gate_closed_reason: str | None = None
@@ -155,6 +160,8 @@ class ProgramCompiler:
         if existing is not None:
             return existing
         self._require_open(key, signature)
+        if not self.materialize:
+            return self._record(key, signature, None)
         output = invoke()
         try:
             self.borrowed_device.synchronize()
@@ -174,6 +181,9 @@ class ProgramCompiler:
         key = self.key_for(signature)
         existing = self._programs.get(key)
         if existing is not None:
+            if existing.output_contract is None:  # registered unmaterialized: fill it in now
+                existing = attrs.evolve(existing, output_contract=output_contract(output))
+                self._programs[key] = existing
             return existing
         self._require_open(key, signature)
         return self._record(key, signature, output)

@@ -4,9 +4,9 @@ The bare model step (``CausalLM.decode_forward`` over the lane's preallocated pa
 vs transformers' step over a prefilled ``DynamicCache`` (cropped back after every step)
 at batch 1 and 8, context ~128 tokens; traced vs eager lane steps at the lane capacity;
 the host work of one lane step (prepare, stage, finish, consume; not the model forward)
-as a fraction of the step. Calls are timed interleaved, median of repeats. The
-host-overhead fraction sums directly timed parts (robust on a loaded machine);
-``fraction_by_difference`` (step minus model forward) is reported beside it.
+as a fraction of the step. Calls are timed interleaved; ratios use the median of repeats
+(minimums are in ``min_s``). The host-overhead fraction sums directly timed parts (robust
+on a loaded machine); ``fraction_by_difference`` (step minus model forward) sits beside it.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from llmrt.benchmarks.lanes import GREEDY, WARMUP, block_table, context_tokens, 
 from llmrt.benchmarks.report import Report, Target
 from llmrt.benchmarks.settings import BenchSettings
 from llmrt.benchmarks.sizing import sized_recipe
-from llmrt.benchmarks.timing import Timed, device_sync, interleaved_medians, ratio, rounded
+from llmrt.benchmarks.timing import Timed, device_sync, interleaved_times, ratio, rounded
 from llmrt.model_executor import ModelExecutor
 from llmrt.recipe import load_recipe
 from llmrt.serving.llm import LLM
@@ -93,11 +93,13 @@ def decode(settings: BenchSettings) -> Report:
                 model, tokens=step_tokens[:b], positions=positions[:b], table=dev_table[:b]
             )
             calls[f"hf_b{b}"] = hf_decode_call(hf, context=context[:b].to(device))
-        bare = interleaved_medians(
+        timings = interleaved_times(
             calls, warmup=WARMUP, repeats=repeats, sync=sync, desc="decode llmrt vs hf"
         )
         del calls, hf
+        bare = timings.median
         report.section("step_s", rounded(bare))
+        report.section("min_s", rounded(timings.minimum))
         ratios = {b: ratio(bare[f"llmrt_b{b}"], bare[f"hf_b{b}"]) for b in DECODE_BATCHES}
         for b, value in ratios.items():
             report.ratio(
@@ -210,9 +212,11 @@ def _lane_steps(
     if traced:
         calls["traced"] = lane_step(cap, True)
         calls["eager"] = lane_step(cap, False)
-    times = interleaved_medians(
+    timings = interleaved_times(
         calls, warmup=WARMUP, repeats=repeats, sync=sync, desc="decode lane steps"
     )
+    times = timings.median
+    report.section("min_s", rounded(timings.minimum))
     parts = times["prepare"] + times["stage"] + times["finish"] + times["consume"]
     step = times["lane_step"]
     report.section(

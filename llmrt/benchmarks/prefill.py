@@ -3,7 +3,7 @@
 One 512-token prompt through the bare model vs transformers' forward; a batched wave of
 8x100-token prompts vs the same rows planned one by one (``DISABLE_BATCHED_PREFILL``),
 through the lane group; ``plan_prefill`` cost per row at growing row counts. Pairs are
-timed interleaved, median of repeats.
+timed interleaved; ratios use the median of repeats (minimums are in ``min_s``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from llmrt.benchmarks.sizing import sized_recipe
 from llmrt.benchmarks.timing import (
     Timed,
     device_sync,
-    interleaved_medians,
+    interleaved_times,
     progress,
     ratio,
     rounded,
@@ -114,7 +114,7 @@ def prefill(settings: BenchSettings) -> Report:
                 last_token_index=torch.full((1,), PREFILL_LONG - 1, device=device),
             )
 
-        long_times = interleaved_medians(
+        long_timings = interleaved_times(
             {"llmrt": Timed(run=ours), "hf": hf_prefill_call(hf, tokens=long.to(device))},
             warmup=1,
             repeats=repeats,
@@ -122,7 +122,9 @@ def prefill(settings: BenchSettings) -> Report:
             desc="prefill 512 llmrt vs hf",
         )
         del hf
+        long_times = long_timings.median
         report.section("long_prompt_s", rounded(long_times))
+        report.section("min_s", rounded(long_timings.minimum))
         _waves(
             report, llm, wave=wave, length=wave_len, repeats=repeats, seed=settings.seed, sync=sync
         )
@@ -171,13 +173,15 @@ def _waves(
 
         return Timed(run=call)
 
-    times = interleaved_medians(
+    timings = interleaved_times(
         {"batched": run("batched", False), "sequential": run("sequential", True)},
         warmup=1,
         repeats=repeats,
         sync=sync,
         desc="prefill waves",
     )
+    times = timings.median
+    report.section("min_s", rounded(timings.minimum))
     report.section(
         "waves",
         rounded(

@@ -88,15 +88,16 @@ class Report:
             self.lines.append(text)
 
     def to_json(self) -> dict[str, Any]:
+        ratios = self.results.get("ratios", {})
         return {
             "workload": self.workload,
             "recipe": self.recipe,
             "environment": environment(),
+            "ratios": {},
+            "targets": {},
             **self.results,
             "headline": self.headline,
-            "headline_ratio": self.results.get("ratios", {}).get(self.headline_key)
-            if self.headline_key is not None
-            else None,
+            "headline_ratio": ratios.get(self.headline_key) if self.headline_key else None,
         }
 
     def emit(self, *, as_json: bool, out: TextIO | None = None) -> None:

@@ -1,4 +1,4 @@
-"""Timing helpers: interleaved medians over several calls, percentiles, progress bars."""
+"""Timing helpers: interleaved timings of several calls, percentiles, progress bars."""
 
 from __future__ import annotations
 
@@ -36,15 +36,24 @@ def device_sync(device: torch.device) -> Callable[[], None]:
     return lambda: None
 
 
-def interleaved_medians(
+@attrs.frozen(kw_only=True)
+class Timings:
+    """Seconds per call: the ``median`` (what ratios use) and the ``minimum`` (the least
+    disturbed sample, telling on a machine shared with other work)."""
+
+    median: dict[str, float]
+    minimum: dict[str, float]
+
+
+def interleaved_times(
     calls: Mapping[str, Timed],
     *,
     warmup: int,
     repeats: int,
     sync: Callable[[], None],
     desc: str,
-) -> dict[str, float]:
-    """Median seconds per call; the calls alternate each repeat so drifting load hits all."""
+) -> Timings:
+    """Time every call ``repeats`` times, alternating calls so drifting load hits all."""
     for _ in range(warmup):
         for call in calls.values():
             call.run()
@@ -60,7 +69,10 @@ def interleaved_medians(
             samples[name].append(time.perf_counter() - start)
             if call.after is not None:
                 call.after()
-    return {name: statistics.median(values) for name, values in samples.items()}
+    return Timings(
+        median={name: statistics.median(values) for name, values in samples.items()},
+        minimum={name: min(values) for name, values in samples.items()},
+    )
 
 
 def percentile(values: Sequence[float], q: float) -> float:

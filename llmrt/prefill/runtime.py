@@ -221,6 +221,11 @@ class PrefillRuntime:
 
     # -- execution -----------------------------------------------------------------------
 
+    @property
+    def step(self) -> PrefillStep:
+        """The forward the program body calls: the model's own, or its compiled form."""
+        return self._step
+
     def body(self, inputs: PrefillInputs, signature: PrefillSignature) -> dict[str, torch.Tensor]:
         """The device program of one step: model prefill returning last-token logits."""
         logits = self._step(

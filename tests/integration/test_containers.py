@@ -243,6 +243,7 @@ def reader_on_next_lanes_device(lane: LaneContainer) -> providers.Provider[Any]:
 def traces_over_a_second_compiler(lane: LaneContainer) -> providers.Provider[Any]:
     second = providers.Singleton(
         factories.build_program_compiler,
+        recipe=lane.recipe,
         device=lane.device,
         kv=lane.kv_cache_manager,
         lane=lane.lane,

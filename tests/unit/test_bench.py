@@ -61,6 +61,7 @@ SECTIONS: dict[str, dict[str, set[str]]] = {
     "decode": {
         "config": {"context_len", "lane_capacity", "repeats"},
         "step_s": {"llmrt_b1", "hf_b1", "llmrt_b8", "hf_b8"},
+        "min_s": {"llmrt_b1", "hf_b8", "lane_step", "model_forward", "traced", "eager"},
         "host_overhead": {"lane_step_s", "model_forward_s", "prepare_s", "stage_s", "consume_s"},
         "trace": {"traced_step_s", "eager_step_s"},
         "ratios": {
@@ -74,6 +75,7 @@ SECTIONS: dict[str, dict[str, set[str]]] = {
     "prefill": {
         "config": {"long_prompt_len", "wave_rows", "wave_prompt_len"},
         "long_prompt_s": {"llmrt", "hf"},
+        "min_s": {"llmrt", "hf", "batched", "sequential"},
         "waves": {"batched_s", "sequential_s", "batched_plan_requests", "first_tokens_identical"},
         "planner_us_per_row": {"64", "256"},
         "ratios": {
