@@ -194,6 +194,11 @@ class DecodeRuntime:
         self._generator = torch.Generator(device="cpu").manual_seed(0)
         self._log = component_logger("decode_runtime", lane=config.lane, object_id=f"{id(self):#x}")
 
+    @property
+    def model_step(self) -> DecodeStep:
+        """The step program bodies call (borrowed): the model's forward or its compiled form."""
+        return self._step
+
     def configure_page_table_layout(self, layout: PageTableLayout) -> None:
         self.config = self.config.with_layout(layout)
 

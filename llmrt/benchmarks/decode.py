@@ -1,6 +1,7 @@
 """The ``decode`` workload: llmrt's decode step against transformers' on the same weights.
 
-The bare model step (``CausalLM.decode_forward`` over the lane's preallocated paged KV)
+The bare model step (the lane's ``decode_forward``, compiled under ``device.compile:
+inductor``, over the lane's preallocated paged KV)
 vs transformers' step over a prefilled ``DynamicCache`` (cropped back after every step)
 at batch 1 and 8, context ~128 tokens; traced vs eager lane steps at the lane capacity;
 the host work of one lane step (prepare, stage, finish, consume; not the model forward)
@@ -24,6 +25,7 @@ from llmrt.benchmarks.report import Report, Target
 from llmrt.benchmarks.settings import BenchSettings
 from llmrt.benchmarks.sizing import sized_recipe
 from llmrt.benchmarks.timing import Timed, device_sync, interleaved_times, ratio, rounded
+from llmrt.compiled_step import DecodeStep
 from llmrt.model_executor import ModelExecutor
 from llmrt.recipe import load_recipe
 from llmrt.serving.llm import LLM
@@ -90,7 +92,10 @@ def decode(settings: BenchSettings) -> Report:
         calls: dict[str, Timed] = {}
         for b in DECODE_BATCHES:
             calls[f"llmrt_b{b}"] = _bare_decode(
-                model, tokens=step_tokens[:b], positions=positions[:b], table=dev_table[:b]
+                lane.decode.model_step,
+                tokens=step_tokens[:b],
+                positions=positions[:b],
+                table=dev_table[:b],
             )
             calls[f"hf_b{b}"] = hf_decode_call(hf, context=context[:b].to(device))
         timings = interleaved_times(
@@ -124,10 +129,12 @@ def decode(settings: BenchSettings) -> Report:
 
 
 def _bare_decode(
-    model: Any, *, tokens: torch.Tensor, positions: torch.Tensor, table: torch.Tensor
+    step: DecodeStep, *, tokens: torch.Tensor, positions: torch.Tensor, table: torch.Tensor
 ) -> Timed:
+    """The lane's model step (compiled under ``device.compile: inductor``), no runtime around it."""
+
     def run() -> None:
-        model.decode_forward(tokens=tokens, positions=positions, page_table=table)
+        step(tokens=tokens, positions=positions, page_table=table)
 
     return Timed(run=run)
 
@@ -172,21 +179,19 @@ def _lane_steps(
         for s in steps
     ]
     device = runtime.config.device.torch_device
-    model = runtime.config.model
+    model_step = runtime.model_step
     staged = [
         (p.tokens.to(device), p.positions.to(device), p.page_table.to(device)) for p in prepared
     ]
     raw = {
-        "logits": model.decode_forward(
-            tokens=staged[0][0], positions=staged[0][1], page_table=staged[0][2]
-        )
+        "logits": model_step(tokens=staged[0][0], positions=staged[0][1], page_table=staged[0][2])
     }
     finished = runtime.finish(prepared[0], raw)
     forward_cycle = itertools.cycle(staged)
 
     def forward() -> None:
         t, p, pt = next(forward_cycle)
-        model.decode_forward(tokens=t, positions=p, page_table=pt)
+        model_step(tokens=t, positions=p, page_table=pt)
 
     def stage() -> None:
         inputs = runtime.stage(prepared[0])

@@ -12,6 +12,7 @@ the middle in O(1).
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 
 import attrs
@@ -364,6 +365,14 @@ class PrefixHit:
 
 
 @attrs.frozen(kw_only=True)
+class PrefixLookup:
+    """A prompt's reusable prefix: ``cached_tokens`` hit now, ``in_flight_tokens`` more soon."""
+
+    cached_tokens: int
+    in_flight_tokens: int
+
+
+@attrs.frozen(kw_only=True)
 class PrefixCacheStats:
     """Prompt tokens looked up in the prefix cache and how many of them hit."""
 
@@ -388,6 +397,8 @@ class RequestBlocks:
     """Chain hashes of the full blocks known so far (may run ahead of ``num_cached_blocks``)."""
     num_cached_blocks: int = 0
     """Leading blocks already hit in or offered to the prefix cache."""
+    num_prompt_hashes: int = 0
+    """Leading ``block_hashes`` known at allocation; those not yet cached are in flight."""
 
 
 class BlockAllocator:
@@ -407,6 +418,9 @@ class BlockAllocator:
         )
         self.config = self._pool.config
         self._requests: dict[str, RequestBlocks] = {}
+        # Hashes of prompt blocks some request holds but has not computed yet, with how many
+        # requests hold each: a request arriving in the same step can wait for them.
+        self._in_flight: Counter[BlockHash] = Counter()
         self._queried_tokens = 0
         self._hit_tokens = 0
 
@@ -426,6 +440,36 @@ class BlockAllocator:
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._requests
+
+    def prefix_lookup(
+        self, token_ids: Sequence[int], *, extra_keys: ExtraKeys = ()
+    ) -> PrefixLookup:
+        """How much of a prompt's reusable prefix is cached now, and how much more is in flight.
+
+        Reusable means full blocks within the first ``len(token_ids) - 1`` tokens (the last
+        prompt token is always recomputed). In flight: blocks that follow the cached ones
+        and that a running request has allocated but not computed yet; they become hits once
+        that request's prefill reaches them. Changes nothing and counts no statistics.
+        """
+        if not token_ids or not self.config.enable_prefix_caching:
+            return PrefixLookup(cached_tokens=0, in_flight_tokens=0)
+        block_size = self.config.block_size
+        usable = (len(token_ids) - 1) // block_size
+        hashes = hash_prompt_blocks(
+            token_ids[: usable * block_size], block_size=block_size, extra_keys=extra_keys
+        )
+        cached = 0
+        while cached < len(hashes) and self._pool.get_cached_block(hashes[cached]) is not None:
+            cached += 1
+        pending = cached
+        while pending < len(hashes) and (
+            self._in_flight[hashes[pending]] > 0
+            or self._pool.get_cached_block(hashes[pending]) is not None
+        ):
+            pending += 1
+        return PrefixLookup(
+            cached_tokens=cached * block_size, in_flight_tokens=(pending - cached) * block_size
+        )
 
     def allocate_for_prompt(
         self, *, request_id: str, token_ids: Sequence[int], extra_keys: ExtraKeys = ()
@@ -476,7 +520,9 @@ class BlockAllocator:
             extra_keys=extra_keys,
             block_hashes=hashes,
             num_cached_blocks=len(hits),
+            num_prompt_hashes=len(hashes),
         )
+        self._in_flight.update(hashes[len(hits) :])
         num_cached_tokens = len(hits) * block_size
         if caching:
             self._queried_tokens += len(token_ids)
@@ -540,6 +586,7 @@ class BlockAllocator:
                 blocks=req.blocks[req.num_cached_blocks : num_full],
                 block_hashes=req.block_hashes[req.num_cached_blocks : num_full],
             )
+            self._land(req, upto=num_full)
             req.num_cached_blocks = num_full
 
     def free(self, request_id: str) -> bool:
@@ -551,6 +598,7 @@ class BlockAllocator:
         req = self._requests.pop(request_id, None)
         if req is None:
             return False
+        self._land(req, upto=req.num_prompt_hashes)
         self._pool.free_blocks(reversed(req.blocks))
         return True
 
@@ -575,6 +623,14 @@ class BlockAllocator:
                 )
             for block in req.blocks:
                 holders[block.block_id] = holders.get(block.block_id, 0) + 1
+        in_flight: Counter[BlockHash] = Counter()
+        for req in self._requests.values():
+            in_flight.update(req.block_hashes[req.num_cached_blocks : req.num_prompt_hashes])
+        if in_flight != self._in_flight:
+            raise KVCacheStateError(
+                f"in-flight prefix blocks: tracked {sum(self._in_flight.values())}, "
+                f"held uncomputed by requests {sum(in_flight.values())}"
+            )
         for block_id in range(self.config.num_blocks):
             ref_count = self._pool.block(block_id).ref_count
             if ref_count != holders.get(block_id, 0):
@@ -582,6 +638,17 @@ class BlockAllocator:
                     f"block {block_id}: ref_count {ref_count} but held by "
                     f"{holders.get(block_id, 0)} request(s)"
                 )
+
+    def _land(self, req: RequestBlocks, *, upto: int) -> None:
+        """Take the request's prompt blocks from ``num_cached_blocks`` to ``upto`` out of flight."""
+        for block_hash in req.block_hashes[
+            req.num_cached_blocks : min(upto, req.num_prompt_hashes)
+        ]:
+            left = self._in_flight[block_hash] - 1
+            if left > 0:
+                self._in_flight[block_hash] = left
+            else:
+                del self._in_flight[block_hash]
 
     def _request(self, request_id: str) -> RequestBlocks:
         try:

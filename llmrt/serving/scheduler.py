@@ -5,8 +5,10 @@ its first token (when blocks run out, the newest running request is preempted,
 its blocks freed, and recomputed later from its prompt plus the tokens it
 already generated); unless that preempted anything, admit waiting requests into
 free slots (a slot's lane owns that request's KV blocks; prefix hits become
-cached-token offsets); then prefill what fits the token budget (long prompts
-advance one block-aligned chunk per step) and decode the reserved requests.
+cached-token offsets; a request whose prefix another request is computing right now
+waits for those blocks instead of computing them again); then prefill what fits the
+token budget (long prompts advance one block-aligned chunk per step) and decode the
+reserved requests.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from collections.abc import Sequence
 import attrs
 
 from llmrt.errors import RequestError
-from llmrt.serving.block_pool import BlockAllocator
+from llmrt.serving.block_pool import BlockAllocator, PrefixLookup
 from llmrt.serving.request import Request, RequestStatus
 
 
@@ -149,6 +151,8 @@ class Scheduler:
             request = self.waiting[0]
             allocator = self.allocators[slot // self.config.lane_capacity]
             tokens = request.all_token_ids
+            if self._wait_for_prefix(allocator.prefix_lookup(tokens), num_tokens=len(tokens)):
+                return
             hit = allocator.allocate_for_prompt(request_id=request.request_id, token_ids=tokens)
             if hit is None:
                 return  # out of blocks: wait until running requests free some
@@ -157,6 +161,19 @@ class Scheduler:
             request.status = RequestStatus.PREFILLING
             request.num_computed_tokens = hit.num_cached_tokens
             self.running[slot] = request
+
+    @staticmethod
+    def _wait_for_prefix(lookup: PrefixLookup, *, num_tokens: int) -> bool:
+        """Hold a request back while a running request computes most of its prefix.
+
+        Requests that arrive together with a shared prefix would otherwise all miss the
+        cache and compute the prefix once each. Waiting costs at most the steps the
+        running request needs to reach those blocks (it is prefilled first-come first-served,
+        so it progresses every step), and pays off once the blocks in flight cover at least
+        half of what this request would compute now. FCFS: nothing behind it is admitted
+        ahead of it meanwhile.
+        """
+        return lookup.in_flight_tokens * 2 >= num_tokens - lookup.cached_tokens > 0
 
     def _reserve_decode(self, preempted: list[Request]) -> list[Request]:
         """Reserve a KV slot for each decoding request's next token, preempting if needed."""

@@ -27,7 +27,7 @@ from llmrt.prefill.result_collector import PrefillOutput
 from llmrt.sampling_params import SamplingParams
 from llmrt.serving.engine import Engine
 from llmrt.serving.llm import LLM
-from llmrt.serving.request import Request
+from llmrt.serving.request import Request, RequestStatus
 from llmrt.trace_compiler import ArtifactState
 from llmrt.weights.tokenizer import BYTE_EOS_TOKEN_ID, byte_tokenizer
 
@@ -268,6 +268,49 @@ def test_prefix_hits_admitted_together_share_one_prefill_call() -> None:
     for request in [first, *requests]:
         assert request.output_token_ids == reference(request.prompt_token_ids, params)[0]
     assert engine.stats().prefix_hit_tokens == 4 * 64
+    assert_pool_full(engine)
+
+
+def test_requests_arriving_together_wait_for_a_shared_prefix_in_flight() -> None:
+    """Submitted in one step, prompts sharing a long prefix do not each compute it: the
+    first computes it, the rest wait for its blocks and hit them; a prompt that would gain
+    little from waiting (in-flight share under half its prompt) is admitted at once."""
+    fake = FakeLaneGroup(lanes=1, num_blocks=64)
+    engine = make_engine(fake, num_blocks=64, prefix_caching=True)
+    rng = random.Random(4)
+    prefix = [rng.randrange(256) for _ in range(5 * BLOCK_SIZE)]
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    sharers = [
+        engine.add_request(
+            prompt_token_ids=prefix + [rng.randrange(256) for _ in range(5)], params=params, index=i
+        )
+        for i in range(3)
+    ]
+    engine.step()
+    assert [r.status for r in sharers] == [
+        RequestStatus.DECODING,
+        RequestStatus.WAITING,
+        RequestStatus.WAITING,
+    ]
+    while engine.has_work:
+        engine.step()
+    for request in sharers:
+        assert request.output_token_ids == reference(request.prompt_token_ids, params)[0]
+    assert [r.prefill_tokens_computed for r in sharers] == [5 * BLOCK_SIZE + 5, 5, 5]
+    assert engine.stats().prefix_hit_tokens == 2 * 5 * BLOCK_SIZE
+    assert_pool_full(engine)
+    # Sharing one block of a 5-block prompt: not worth a step's wait.
+    other = [rng.randrange(256) for _ in range(5 * BLOCK_SIZE)]
+    first = engine.add_request(prompt_token_ids=other, params=params, index=3)
+    second = engine.add_request(
+        prompt_token_ids=other[:BLOCK_SIZE] + [rng.randrange(256) for _ in range(4 * BLOCK_SIZE)],
+        params=params,
+        index=4,
+    )
+    engine.step()
+    assert first.status is second.status is RequestStatus.DECODING
+    while engine.has_work:
+        engine.step()
     assert_pool_full(engine)
 
 

@@ -14,6 +14,7 @@ from llmrt.serving.block_pool import (
     KVBlock,
     OutOfBlocksError,
     PrefixCacheStats,
+    PrefixLookup,
 )
 
 
@@ -238,6 +239,35 @@ def test_shared_prefix_hits_exact_counts() -> None:
         assert alloc.free(rid) is True
     assert alloc.num_free_blocks == 16
     alloc.check_invariants()
+
+
+def test_prefix_lookup_reports_blocks_in_flight_until_computed_or_freed() -> None:
+    alloc = _alloc(block_size=4)
+    doc = list(range(100, 114))  # 3 full blocks + 2 tokens
+    assert alloc.prefix_lookup(doc) == PrefixLookup(cached_tokens=0, in_flight_tokens=0)
+    assert alloc.allocate_for_prompt(request_id="a", token_ids=doc) is not None
+    # a holds its 3 full blocks uncomputed; a prompt sharing 2 of them would gain 8 tokens.
+    assert alloc.prefix_lookup([*doc[:9], 7]) == PrefixLookup(cached_tokens=0, in_flight_tokens=8)
+    assert alloc.prefix_lookup(doc) == PrefixLookup(cached_tokens=0, in_flight_tokens=12)
+    alloc.cache_blocks(request_id="a", token_ids=doc[:4])  # a's first chunk lands
+    assert alloc.prefix_lookup(doc) == PrefixLookup(cached_tokens=4, in_flight_tokens=8)
+    alloc.check_invariants()
+    # A second holder of the same blocks keeps them in flight after the first lets go.
+    assert alloc.allocate_for_prompt(request_id="b", token_ids=[*doc[:8], 1]) is not None
+    assert alloc.free("a") is True
+    assert alloc.prefix_lookup(doc) == PrefixLookup(cached_tokens=4, in_flight_tokens=4)
+    alloc.check_invariants()
+    alloc.cache_blocks(request_id="b", token_ids=[*doc[:8], 1])
+    assert alloc.prefix_lookup(doc) == PrefixLookup(cached_tokens=8, in_flight_tokens=0)
+    assert alloc.free("b") is True
+    alloc.check_invariants()
+    assert not alloc._in_flight
+    stats = alloc.prefix_cache_stats
+    alloc.prefix_lookup(doc)
+    assert alloc.prefix_cache_stats == stats  # lookups count nothing
+    off = _alloc(caching=False)
+    assert off.allocate_for_prompt(request_id="a", token_ids=doc) is not None
+    assert off.prefix_lookup(doc) == PrefixLookup(cached_tokens=0, in_flight_tokens=0)
 
 
 @pytest.mark.parametrize(
