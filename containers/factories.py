@@ -259,7 +259,10 @@ def build_program_compiler(
 ) -> ProgramCompiler:
     # Only a TT program or an inductor graph is built by a first run; plain torch eager
     # steps are registered at warmup and record their output contract on first use.
-    materialize = recipe.device.backend != "torch" or recipe.device.compile != "eager"
+    materialize: bool | frozenset[str] = True
+    if recipe.device.backend == "torch":
+        compiled = recipe.device.compile != "eager"
+        materialize = frozenset(recipe.device.inductor.operations) if compiled else False
     compiler = ProgramCompiler(
         device=device, kv_cache=kv, lane=lane, step_compiler=steps, materialize=materialize
     )

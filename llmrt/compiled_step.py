@@ -34,7 +34,7 @@ import torch
 from llmrt.errors import ConfigError, KVCacheStateError
 from llmrt.families.base import CausalLM
 from llmrt.lifecycle import component_logger, emit
-from llmrt.recipe_schema import CompileMode, DeviceSpec, InductorMode
+from llmrt.recipe_schema import CompiledOperation, CompileMode, DeviceSpec, InductorMode
 from llmrt.weights.cache import default_cache_dir
 
 #: Torch reads the inductor (FX graph, AOTAutograd, kernel) cache root from this variable.
@@ -68,6 +68,14 @@ def _flag(field: str) -> Validator:
     return check
 
 
+def _operations(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
+    allowed = get_args(CompiledOperation)
+    if not isinstance(value, tuple) or not value or any(op not in allowed for op in value):
+        raise ConfigError(
+            "device.inductor.operations", value, f"must be a non-empty tuple of {allowed}"
+        )
+
+
 def _directory(instance: Any, attribute: attrs.Attribute[Any], value: Any) -> None:
     if value is not None and not isinstance(value, Path):
         raise ConfigError("compile.cache_dir", value, "must be a pathlib.Path or None")
@@ -92,6 +100,7 @@ class CompileOptions:
         default=None, validator=_choice("device.inductor.mode", _INDUCTOR_MODES)
     )
     cache_dir: Path | None = attrs.field(default=None, validator=_directory)
+    operations: tuple[str, ...] = attrs.field(default=("decode", "prefill"), validator=_operations)
 
     @classmethod
     def from_device(cls, spec: DeviceSpec, *, cache_dir: Path | None = None) -> CompileOptions:
@@ -102,6 +111,7 @@ class CompileOptions:
             max_autotune=spec.inductor.max_autotune,
             inductor_mode=spec.inductor.mode,
             cache_dir=cache_dir,
+            operations=tuple(spec.inductor.operations),
         )
 
     def inductor_options(self) -> dict[str, Any]:
@@ -380,9 +390,13 @@ class StepCompiler:
         """Whether steps run under ``torch.compile``."""
         return self.config.mode == "inductor"
 
+    def compiles(self, operation: str) -> bool:
+        """Whether ``operation``'s step runs under ``torch.compile``."""
+        return self.compiled and operation in self.config.operations
+
     def decode_step(self, model: CausalLM, *, block_size: int) -> DecodeStep:
         """The decode forward to call; ``block_size`` is the bound KV cache's."""
-        if not self.compiled:
+        if not self.compiles("decode"):
             return model.decode_forward
         return CompiledDecode(
             self._add("decode", _decode_trampoline(model.decode_forward), block_size)
@@ -390,7 +404,7 @@ class StepCompiler:
 
     def prefill_step(self, model: CausalLM, *, block_size: int) -> PrefillStep:
         """The prefill forward to call; ``block_size`` is the bound KV cache's."""
-        if not self.compiled:
+        if not self.compiles("prefill"):
             return model.prefill_forward
         return CompiledPrefill(
             self._add("prefill", _prefill_trampoline(model.prefill_forward), block_size)

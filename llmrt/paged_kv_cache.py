@@ -142,8 +142,12 @@ class PagedKVCacheManager:
         values: list[torch.Tensor] = []
         try:
             for dtype in dtypes:
-                keys.append(self.borrowed_device.allocate(shape=shape, dtype=dtype))
-                values.append(self.borrowed_device.allocate(shape=shape, dtype=dtype))
+                for tensors in (keys, values):
+                    tensors.append(
+                        self.borrowed_device.allocate(
+                            shape=shape, dtype=dtype, dim_order=meta.kv_dim_order
+                        )
+                    )
             context = PagedKVCacheContext(
                 keys=tuple(keys),
                 values=tuple(values),

@@ -168,13 +168,17 @@ def _read_source(name_or_path: str) -> tuple[str, str]:
         try:
             return str(path), path.read_text(encoding="utf-8")
         except OSError as exc:
-            raise RecipeError("recipe", name_or_path,
-                              f"cannot read the file: {exc.strerror or exc}") from exc
+            raise RecipeError(
+                "recipe", name_or_path, f"cannot read the file: {exc.strerror or exc}"
+            ) from exc
     entry = files(RECIPES_PACKAGE) / f"{name_or_path}.yaml"
     if not _RECIPE_NAME.fullmatch(name_or_path) or not entry.is_file():
-        raise RecipeError("recipe", name_or_path,
-                          f"is not a bundled recipe (bundled: {', '.join(list_recipes())}); "
-                          "pass a path to load a file")
+        raise RecipeError(
+            "recipe",
+            name_or_path,
+            f"is not a bundled recipe (bundled: {', '.join(list_recipes())}); "
+            "pass a path to load a file",
+        )
     return f"{RECIPES_PACKAGE}/{name_or_path}.yaml", entry.read_text(encoding="utf-8")
 
 
@@ -198,8 +202,10 @@ class _RecipeYamlLoader(yaml.SafeLoader):
                 continue
             if key in seen:
                 raise yaml.constructor.ConstructorError(
-                    "while constructing a mapping", node.start_mark,
-                    f"found duplicate key {key!r}", key_node.start_mark,
+                    "while constructing a mapping",
+                    node.start_mark,
+                    f"found duplicate key {key!r}",
+                    key_node.start_mark,
                 )
             seen.add(key)
         return super().construct_mapping(node, deep=deep)
@@ -260,14 +266,20 @@ def _expand_string(text: str, field: str, env: Mapping[str, str]) -> str:
             raise RecipeError(field, text, "has an unterminated ${ (write $${ for a literal ${)")
         name, has_default, default = body.partition(":")
         if not _ENV_NAME.fullmatch(name):
-            raise RecipeError(field, text, f"${{{body}}} is not an environment reference "
-                                           "(use ${VAR} or ${VAR:default})")
+            raise RecipeError(
+                field,
+                text,
+                f"${{{body}}} is not an environment reference (use ${{VAR}} or ${{VAR:default}})",
+            )
         if name in env:
             return env[name]
         if has_default:
             return default
-        raise RecipeError(field, text, f"environment variable {name} is not set "
-                                       f"(write ${{{name}:default}} to give a default)")
+        raise RecipeError(
+            field,
+            text,
+            f"environment variable {name} is not set (write ${{{name}:default}} to give a default)",
+        )
 
     return _ENV_TOKEN.sub(substitute, text)
 
@@ -297,8 +309,11 @@ def _override_items(overrides: Overrides | None) -> list[tuple[str, Any, bool]]:
             items.append((key, value, False))
         return items
     if isinstance(overrides, (str, bytes)):
-        raise RecipeError("overrides", overrides,
-                          "expected a list of KEY=VALUE strings or a mapping, not one string")
+        raise RecipeError(
+            "overrides",
+            overrides,
+            "expected a list of KEY=VALUE strings or a mapping, not one string",
+        )
     items = []
     for item in overrides:
         if not isinstance(item, str) or "=" not in item:
@@ -442,9 +457,11 @@ def _schema_type_strict(parts: _FieldPath, value: Any) -> Any:
             if isinstance(section, type) and attrs.has(section):
                 known = ", ".join(_field_types(section))
                 raise RecipeError(field, value, f"unknown key (known: {known})")
-            raise RecipeError(field, value,
-                              f"unknown key: {_format_path(parts[:depth]) or 'recipe'} "
-                              "is a value, not a section")
+            raise RecipeError(
+                field,
+                value,
+                f"unknown key: {_format_path(parts[:depth]) or 'recipe'} is a value, not a section",
+            )
         tp = child
     return tp
 
@@ -579,10 +596,10 @@ def _converter() -> cattrs.Converter:
     converter.register_structure_hook(float, _structure_float)
     converter.register_structure_hook(bool, _structure_bool)
     converter.register_structure_hook(str, _structure_str)
-    converter.register_structure_hook_func(lambda tp: get_origin(tp) is Literal,
-                                           _structure_literal)
-    converter.register_structure_hook_func(lambda tp: get_origin(tp) is tuple,
-                                           _tuple_hook(converter))
+    converter.register_structure_hook_func(lambda tp: get_origin(tp) is Literal, _structure_literal)
+    converter.register_structure_hook_func(
+        lambda tp: get_origin(tp) is tuple, _tuple_hook(converter)
+    )
     converter.register_structure_hook_func(lambda tp: tp == ModelConfig, _structure_model)
     converter.register_structure_hook_factory(
         lambda tp: isinstance(tp, type) and attrs.has(tp),
@@ -637,12 +654,14 @@ def _recipe_error(exc: BaseException, raw: dict[str, Any]) -> RecipeError:
         key = sorted(map(str, leaf.extra_fields))[0]
         field_path: _FieldPath = [*path, key]
         known = ", ".join(_field_types(leaf.cl))
-        return RecipeError(_format_path(field_path), _lookup(raw, field_path),
-                           f"unknown key (known: {known})")
+        return RecipeError(
+            _format_path(field_path), _lookup(raw, field_path), f"unknown key (known: {known})"
+        )
     if isinstance(leaf, _Invalid):
         full: _FieldPath = [*path, *leaf.path]
         return RecipeError(_format_path(full) or "recipe", leaf.value, leaf.reason)
     if isinstance(leaf, KeyError):
         return RecipeError(_format_path(path), _MISSING, "is required")
-    return RecipeError(_format_path(path) or "recipe", _lookup(raw, path),
-                       f"{type(leaf).__name__}: {leaf}")
+    return RecipeError(
+        _format_path(path) or "recipe", _lookup(raw, path), f"{type(leaf).__name__}: {leaf}"
+    )

@@ -31,6 +31,7 @@ Backend = Literal["torch", "ttnn"]
 DeviceKind = Literal["cpu", "cuda"]
 CompileMode = Literal["eager", "inductor"]
 InductorMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+CompiledOperation = Literal["decode", "prefill"]
 SeqLenBucketKind = Literal["tile", "fine"]
 
 #: A value in ``Recipe.model``: what a Hugging Face ``config.json`` holds.
@@ -154,25 +155,49 @@ class CheckpointSpec:
         _one_of("checkpoint.dtype", self.dtype, CheckpointDType)
         if self.format == "random":
             for name in ("path", "package", "file"):
-                _check(getattr(self, name) is None, f"checkpoint.{name}", getattr(self, name),
-                       "is not used by checkpoint.format=random (dims go under model:)")
+                _check(
+                    getattr(self, name) is None,
+                    f"checkpoint.{name}",
+                    getattr(self, name),
+                    "is not used by checkpoint.format=random (dims go under model:)",
+                )
         elif self.format == "safetensors":
-            _check(bool(self.path), "checkpoint.path", self.path,
-                   "is required for checkpoint.format=safetensors (a Hugging Face checkpoint "
-                   "directory): pass --set checkpoint.path=DIR")
+            _check(
+                bool(self.path),
+                "checkpoint.path",
+                self.path,
+                "is required for checkpoint.format=safetensors (a Hugging Face checkpoint "
+                "directory): pass --set checkpoint.path=DIR",
+            )
             for name in ("package", "file"):
-                _check(getattr(self, name) is None, f"checkpoint.{name}", getattr(self, name),
-                       "is only used by checkpoint.format=gguf")
+                _check(
+                    getattr(self, name) is None,
+                    f"checkpoint.{name}",
+                    getattr(self, name),
+                    "is only used by checkpoint.format=gguf",
+                )
         elif self.path:
-            _check(self.package is None and self.file is None, "checkpoint.path", self.path,
-                   "give either checkpoint.path or checkpoint.package + checkpoint.file, not both")
+            _check(
+                self.package is None and self.file is None,
+                "checkpoint.path",
+                self.path,
+                "give either checkpoint.path or checkpoint.package + checkpoint.file, not both",
+            )
         else:
-            _check(bool(self.package), "checkpoint.package", self.package,
-                   "checkpoint.format=gguf needs checkpoint.path, or checkpoint.package "
-                   "+ checkpoint.file (a file inside an installed package)")
-            _check(bool(self.file), "checkpoint.file", self.file,
-                   f"names the GGUF file inside package {self.package!r} and is required "
-                   "without checkpoint.path")
+            _check(
+                bool(self.package),
+                "checkpoint.package",
+                self.package,
+                "checkpoint.format=gguf needs checkpoint.path, or checkpoint.package "
+                "+ checkpoint.file (a file inside an installed package)",
+            )
+            _check(
+                bool(self.file),
+                "checkpoint.file",
+                self.file,
+                f"names the GGUF file inside package {self.package!r} and is required "
+                "without checkpoint.path",
+            )
 
 
 @attrs.frozen(kw_only=True)
@@ -186,26 +211,54 @@ class TokenizerSpec:
         _one_of("tokenizer.source", self.source, TokenizerSource)
         _optional_str("tokenizer.path", self.path)
         if self.source == "path":
-            _check(bool(self.path), "tokenizer.path", self.path,
-                   "is required for tokenizer.source=path")
+            _check(
+                bool(self.path),
+                "tokenizer.path",
+                self.path,
+                "is required for tokenizer.source=path",
+            )
         else:
-            _check(self.path is None, "tokenizer.path", self.path,
-                   "is only used with tokenizer.source=path")
+            _check(
+                self.path is None,
+                "tokenizer.path",
+                self.path,
+                "is only used with tokenizer.source=path",
+            )
 
 
 @attrs.frozen(kw_only=True)
 class InductorSpec:
-    """``torch.compile`` options used when ``device.compile`` is ``inductor``."""
+    """``torch.compile`` options used when ``device.compile`` is ``inductor``.
+
+    ``operations`` are the steps compiled; the others run eagerly. Decode is where
+    compiling pays (small, memory-bound steps); a prefill step is dominated by its GEMMs
+    and costs a compile per warmed geometry.
+    """
 
     freezing: bool = False
     max_autotune: bool = False
     mode: InductorMode | None = None
+    operations: tuple[CompiledOperation, ...] = ("decode", "prefill")
 
     def __attrs_post_init__(self) -> None:
         _bool("device.inductor.freezing", self.freezing)
         _bool("device.inductor.max_autotune", self.max_autotune)
         if self.mode is not None:
             _one_of("device.inductor.mode", self.mode, InductorMode)
+        _check(
+            isinstance(self.operations, tuple) and len(self.operations) > 0,
+            "device.inductor.operations",
+            self.operations,
+            "must list at least one of decode, prefill (or set device.compile: eager)",
+        )
+        for i, op in enumerate(self.operations):
+            _one_of(f"device.inductor.operations[{i}]", op, CompiledOperation)
+        _check(
+            len(set(self.operations)) == len(self.operations),
+            "device.inductor.operations",
+            list(self.operations),
+            "lists an operation twice",
+        )
 
 
 @attrs.frozen(kw_only=True)
@@ -231,23 +284,47 @@ class DeviceSpec:
             _one_of("device.kind", self.kind, DeviceKind)
         _non_negative_int("device.index", self.index)
         _one_of("device.compile", self.compile, CompileMode)
-        _check(isinstance(self.inductor, InductorSpec), "device.inductor", self.inductor,
-               "must be an inductor section")
+        _check(
+            isinstance(self.inductor, InductorSpec),
+            "device.inductor",
+            self.inductor,
+            "must be an inductor section",
+        )
         if self.num_threads is not None:
             _positive_int("device.num_threads", self.num_threads)
         if self.backend == "torch":
-            _check(self.mesh_shape is None, "device.mesh_shape", self.mesh_shape,
-                   "is only used with device.backend=ttnn")
-            _check(self.kind == "cuda" or self.index == 0, "device.index", self.index,
-                   "must be 0 for a cpu device")
+            _check(
+                self.mesh_shape is None,
+                "device.mesh_shape",
+                self.mesh_shape,
+                "is only used with device.backend=ttnn",
+            )
+            _check(
+                self.kind == "cuda" or self.index == 0,
+                "device.index",
+                self.index,
+                "must be 0 for a cpu device",
+            )
         else:
-            _check(self.kind is None, "device.kind", self.kind,
-                   "is only used with device.backend=torch")
-            _check(self.compile == "eager", "device.compile", self.compile,
-                   "must be eager with device.backend=ttnn")
+            _check(
+                self.kind is None,
+                "device.kind",
+                self.kind,
+                "is only used with device.backend=torch",
+            )
+            _check(
+                self.compile == "eager",
+                "device.compile",
+                self.compile,
+                "must be eager with device.backend=ttnn",
+            )
             if self.mesh_shape is not None:
-                _check(isinstance(self.mesh_shape, tuple) and len(self.mesh_shape) == 2,
-                       "device.mesh_shape", self.mesh_shape, "must be [rows, cols]")
+                _check(
+                    isinstance(self.mesh_shape, tuple) and len(self.mesh_shape) == 2,
+                    "device.mesh_shape",
+                    self.mesh_shape,
+                    "must be [rows, cols]",
+                )
                 for i, n in enumerate(self.mesh_shape):
                     _positive_int(f"device.mesh_shape[{i}]", n)
 
@@ -275,17 +352,25 @@ class PrefillSpec:
     def __attrs_post_init__(self) -> None:
         _positive_int("prefill.max_chunk_size", self.max_chunk_size)
         _bool("prefill.batched", self.batched)
-        _check(self.max_batch_size in PREFILL_BATCH_SIZES and _is_int(self.max_batch_size),
-               "prefill.max_batch_size", self.max_batch_size,
-               f"must be one of {PREFILL_BATCH_SIZES}")
+        _check(
+            self.max_batch_size in PREFILL_BATCH_SIZES and _is_int(self.max_batch_size),
+            "prefill.max_batch_size",
+            self.max_batch_size,
+            f"must be one of {PREFILL_BATCH_SIZES}",
+        )
         _one_of("prefill.seq_len_buckets", self.seq_len_buckets, SeqLenBucketKind)
-        _check(_is_int(self.fine_step) and self.fine_step > 0 and self.fine_step % 8 == 0,
-               "prefill.fine_step", self.fine_step, "must be a positive multiple of 8")
+        _check(
+            _is_int(self.fine_step) and self.fine_step > 0 and self.fine_step % 8 == 0,
+            "prefill.fine_step",
+            self.fine_step,
+            "must be a positive multiple of 8",
+        )
 
     def buckets(self) -> SeqLenBuckets:
         """The padded-length policy these settings select (``llmrt.prefill.buckets``)."""
-        return SeqLenBuckets.named(self.seq_len_buckets, max_len=self.max_chunk_size,
-                                   step=self.fine_step)
+        return SeqLenBuckets.named(
+            self.seq_len_buckets, max_len=self.max_chunk_size, step=self.fine_step
+        )
 
 
 @attrs.frozen(kw_only=True)
@@ -368,27 +453,46 @@ class Recipe:
 
     def _check_sections(self) -> None:
         sections: dict[str, type] = {
-            "checkpoint": CheckpointSpec, "tokenizer": TokenizerSpec, "device": DeviceSpec,
-            "kv_cache": PagedKVCacheConfig, "prefill": PrefillSpec, "decode": DecodeSpec,
-            "trace": TraceConfig, "warmup": WarmupConfig, "serving": ServingSpec,
+            "checkpoint": CheckpointSpec,
+            "tokenizer": TokenizerSpec,
+            "device": DeviceSpec,
+            "kv_cache": PagedKVCacheConfig,
+            "prefill": PrefillSpec,
+            "decode": DecodeSpec,
+            "trace": TraceConfig,
+            "warmup": WarmupConfig,
+            "serving": ServingSpec,
         }
         for name, cls in sections.items():
             value = getattr(self, name)
             _check(isinstance(value, cls), name, value, f"must be a {cls.__name__}")
 
     def _check_identity(self) -> None:
-        _check(isinstance(self.name, str) and bool(self.name.strip()), "name", self.name,
-               "must be a non-empty string")
-        _check(isinstance(self.description, str), "description", self.description,
-               "must be a string")
-        _check(isinstance(self.family, str) and bool(self.family), "family", self.family,
-               "must be a family name")
+        _check(
+            isinstance(self.name, str) and bool(self.name.strip()),
+            "name",
+            self.name,
+            "must be a non-empty string",
+        )
+        _check(
+            isinstance(self.description, str), "description", self.description, "must be a string"
+        )
+        _check(
+            isinstance(self.family, str) and bool(self.family),
+            "family",
+            self.family,
+            "must be a family name",
+        )
         if self.family in (AUTO_FAMILY, *BUILTIN_FAMILIES):
             return
         known = registered_families()
-        _check(self.family in known, "family", self.family,
-               f"is not a registered model family (known: {', '.join(known)}; plugins "
-               f"register under the {FAMILY_ENTRY_POINT_GROUP!r} entry-point group)")
+        _check(
+            self.family in known,
+            "family",
+            self.family,
+            f"is not a registered model family (known: {', '.join(known)}; plugins "
+            f"register under the {FAMILY_ENTRY_POINT_GROUP!r} entry-point group)",
+        )
 
     def _check_model(self) -> None:
         _check(isinstance(self.model, dict), "model", self.model, "must be a mapping")
@@ -396,27 +500,46 @@ class Recipe:
             _check(isinstance(key, str), "model", key, "keys must be strings")
             check_model_value(f"model.{key}", value)
         if self.checkpoint.format != "random":
-            _check(not self.model, "model", self.model,
-                   f"is only used by checkpoint.format=random; a {self.checkpoint.format} "
-                   "checkpoint brings its own config")
+            _check(
+                not self.model,
+                "model",
+                self.model,
+                f"is only used by checkpoint.format=random; a {self.checkpoint.format} "
+                "checkpoint brings its own config",
+            )
             return
         model_type = self.model.get("model_type")
         if not isinstance(model_type, str) or not model_type:
-            raise RecipeError("model.model_type", model_type,
-                              "is required for checkpoint.format=random (e.g. llama or gpt2)")
+            raise RecipeError(
+                "model.model_type",
+                model_type,
+                "is required for checkpoint.format=random (e.g. llama or gpt2)",
+            )
         for key in RANDOM_MODEL_KEYS.get(model_type, ("vocab_size",)):
-            _check(key in self.model, f"model.{key}", None,
-                   f"is required for a random {model_type} checkpoint")
+            _check(
+                key in self.model,
+                f"model.{key}",
+                None,
+                f"is required for a random {model_type} checkpoint",
+            )
             self._model_int(key)
         if model_type in _HEAD_KEYS:
             width_key, heads_key = _HEAD_KEYS[model_type]
             width, heads = self._model_int(width_key), self._model_int(heads_key)
-            _check(width % heads == 0, f"model.{width_key}", width,
-                   f"must be a multiple of model.{heads_key}={heads}")
+            _check(
+                width % heads == 0,
+                f"model.{width_key}",
+                width,
+                f"must be a multiple of model.{heads_key}={heads}",
+            )
             if heads_key == "num_attention_heads" and "num_key_value_heads" in self.model:
                 kv_heads = self._model_int("num_key_value_heads")
-                _check(heads % kv_heads == 0, "model.num_key_value_heads", kv_heads,
-                       f"must divide model.num_attention_heads={heads}")
+                _check(
+                    heads % kv_heads == 0,
+                    "model.num_key_value_heads",
+                    kv_heads,
+                    f"must divide model.num_attention_heads={heads}",
+                )
 
     def _model_int(self, key: str) -> int:
         value = self.model.get(key)
@@ -427,50 +550,87 @@ class Recipe:
     def _check_tokenizer(self) -> None:
         source, fmt = self.tokenizer.source, self.checkpoint.format
         if source == "byte":
-            _check(fmt == "random", "tokenizer.source", source,
-                   f"byte is only for random checkpoints; a {fmt} checkpoint has its own "
-                   "tokenizer (use checkpoint)")
+            _check(
+                fmt == "random",
+                "tokenizer.source",
+                source,
+                f"byte is only for random checkpoints; a {fmt} checkpoint has its own "
+                "tokenizer (use checkpoint)",
+            )
             vocab = self._model_int("vocab_size")
-            _check(vocab >= BYTE_TOKENIZER_VOCAB_SIZE, "model.vocab_size",
-                   vocab, f"must be at least {BYTE_TOKENIZER_VOCAB_SIZE} for the byte tokenizer "
-                   "(256 bytes + bos + eos)")
+            _check(
+                vocab >= BYTE_TOKENIZER_VOCAB_SIZE,
+                "model.vocab_size",
+                vocab,
+                f"must be at least {BYTE_TOKENIZER_VOCAB_SIZE} for the byte tokenizer "
+                "(256 bytes + bos + eos)",
+            )
         elif source == "checkpoint":
-            _check(fmt != "random", "tokenizer.source", source,
-                   "a random checkpoint has no tokenizer; use byte or path")
+            _check(
+                fmt != "random",
+                "tokenizer.source",
+                source,
+                "a random checkpoint has no tokenizer; use byte or path",
+            )
 
     def _check_placement(self) -> None:
         _positive_int("lanes", self.lanes)
         mesh = self.device.mesh_shape
         if self.device.backend == "ttnn" and mesh is not None:
             chips = math.prod(mesh)
-            _check(chips % self.lanes == 0, "lanes", self.lanes,
-                   f"must divide the {chips} chips of device.mesh_shape={list(mesh)} "
-                   "into equal lane sub-meshes")
+            _check(
+                chips % self.lanes == 0,
+                "lanes",
+                self.lanes,
+                f"must divide the {chips} chips of device.mesh_shape={list(mesh)} "
+                "into equal lane sub-meshes",
+            )
 
     def _check_geometry(self) -> None:
         block = self.kv_cache.block_size
         chunk = self.prefill.max_chunk_size
-        _check(chunk % block == 0, "prefill.max_chunk_size", chunk,
-               f"must be a multiple of kv_cache.block_size={block}")
+        _check(
+            chunk % block == 0,
+            "prefill.max_chunk_size",
+            chunk,
+            f"must be a multiple of kv_cache.block_size={block}",
+        )
         capacity = self.kv_cache.max_capacity_tokens
-        _check(self.serving.max_model_len <= capacity, "serving.max_model_len",
-               self.serving.max_model_len,
-               f"must fit the KV cache: kv_cache.max_num_blocks * kv_cache.block_size = "
-               f"{self.kv_cache.max_num_blocks} * {block} = {capacity} tokens")
+        _check(
+            self.serving.max_model_len <= capacity,
+            "serving.max_model_len",
+            self.serving.max_model_len,
+            f"must fit the KV cache: kv_cache.max_num_blocks * kv_cache.block_size = "
+            f"{self.kv_cache.max_num_blocks} * {block} = {capacity} tokens",
+        )
         if self.serving.max_num_seqs is not None:
-            _check(self.serving.max_num_seqs <= self.decode_slots, "serving.max_num_seqs",
-                   self.serving.max_num_seqs,
-                   f"must not exceed the decode slots lanes * decode.lane_capacity = "
-                   f"{self.lanes} * {self.decode.lane_capacity} = {self.decode_slots}")
+            _check(
+                self.serving.max_num_seqs <= self.decode_slots,
+                "serving.max_num_seqs",
+                self.serving.max_num_seqs,
+                f"must not exceed the decode slots lanes * decode.lane_capacity = "
+                f"{self.lanes} * {self.decode.lane_capacity} = {self.decode_slots}",
+            )
         lengths = self.prefill.buckets().lengths()
         for i, n in enumerate(self.warmup.prefill_seq_lens):
-            _check(n <= chunk, f"warmup.prefill_seq_lens[{i}]", n,
-                   f"must not exceed prefill.max_chunk_size={chunk} (longer prefills run "
-                   "in chunks, so that length is never used)")
-            _check(n in lengths, f"warmup.prefill_seq_lens[{i}]", n,
-                   f"is not a padded length of prefill.seq_len_buckets="
-                   f"{self.prefill.seq_len_buckets} (it pads to {_brief(lengths)})")
+            _check(
+                n <= chunk,
+                f"warmup.prefill_seq_lens[{i}]",
+                n,
+                f"must not exceed prefill.max_chunk_size={chunk} (longer prefills run "
+                "in chunks, so that length is never used)",
+            )
+            _check(
+                n in lengths,
+                f"warmup.prefill_seq_lens[{i}]",
+                n,
+                f"is not a padded length of prefill.seq_len_buckets="
+                f"{self.prefill.seq_len_buckets} (it pads to {_brief(lengths)})",
+            )
         for i, b in enumerate(self.warmup.prefill_batch_sizes):
-            _check(b <= self.prefill.max_batch_size, f"warmup.prefill_batch_sizes[{i}]", b,
-                   f"must not exceed prefill.max_batch_size={self.prefill.max_batch_size}")
-
+            _check(
+                b <= self.prefill.max_batch_size,
+                f"warmup.prefill_batch_sizes[{i}]",
+                b,
+                f"must not exceed prefill.max_batch_size={self.prefill.max_batch_size}",
+            )

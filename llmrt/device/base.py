@@ -20,6 +20,8 @@ from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
 import attrs
 import torch
 
+from llmrt.errors import DeviceError
+
 T = TypeVar("T")
 T_co = TypeVar("T_co", covariant=True)
 
@@ -45,6 +47,19 @@ class BackendTensor(Protocol):
     def storage_type(self) -> Any: ...
 
     def is_allocated(self) -> bool: ...
+
+
+def checked_dim_order(shape: Sequence[int], dim_order: Sequence[int] | None) -> tuple[int, ...]:
+    """``dim_order`` as a tuple (None: row-major); raises unless it permutes ``shape``'s dims."""
+    if dim_order is None:
+        return tuple(range(len(shape)))
+    order = tuple(dim_order)
+    if sorted(order) != list(range(len(shape))):
+        raise DeviceError(
+            f"allocate: dim_order {order} is not a permutation of the {len(shape)} dimensions "
+            f"of shape {tuple(shape)}"
+        )
+    return order
 
 
 def is_device_tensor(value: object) -> bool:
@@ -118,8 +133,14 @@ class Device(Protocol):
         """Split into ``n`` lane sub-devices with distinct ids and their own traces and events."""
         ...
 
-    def allocate(self, *, shape: Sequence[int], dtype: torch.dtype) -> DeviceTensor:
-        """A zero-filled device tensor owned by the caller."""
+    def allocate(
+        self, *, shape: Sequence[int], dtype: torch.dtype, dim_order: Sequence[int] | None = None
+    ) -> DeviceTensor:
+        """A zero-filled device tensor of ``shape`` owned by the caller.
+
+        ``dim_order`` lists the dimensions from outermost to innermost in memory (None:
+        row-major); a backend with fixed layouts rejects any other order.
+        """
         ...
 
     def upload(self, host: torch.Tensor) -> DeviceTensor:

@@ -21,7 +21,14 @@ from typing import Any, Generic, TypeVar
 import attrs
 import torch
 
-from llmrt.device.base import Device, DeviceKind, DeviceStats, Event, Trace
+from llmrt.device.base import (
+    Device,
+    DeviceKind,
+    DeviceStats,
+    Event,
+    Trace,
+    checked_dim_order,
+)
 from llmrt.device.identity import IdentitySet
 from llmrt.errors import ConfigError, DeviceError, TraceStateError
 
@@ -172,9 +179,15 @@ class TorchDevice:
 
     # tensors
 
-    def allocate(self, *, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    def allocate(
+        self, *, shape: Sequence[int], dtype: torch.dtype, dim_order: Sequence[int] | None = None
+    ) -> torch.Tensor:
         self._require_idle("allocate")
-        return self._own(torch.zeros(tuple(shape), dtype=dtype, device=self.torch_device))
+        order = checked_dim_order(shape, dim_order)
+        storage = torch.zeros([shape[d] for d in order], dtype=dtype, device=self.torch_device)
+        # The logical view of the storage: dimension d sits at position order.index(d).
+        tensor = storage.permute([order.index(d) for d in range(len(order))])
+        return self._own(tensor)
 
     def upload(self, host: torch.Tensor) -> torch.Tensor:
         self._require_idle("upload")
@@ -244,16 +257,12 @@ class TorchDevice:
         if self._kind == "cuda":
             cuda_event = torch.cuda.Event()
             cuda_event.record(torch.cuda.current_stream(self.torch_device))
-        return TorchEvent(
-            device_id=self._id, seq=self._seq, origin=self, cuda_event=cuda_event
-        )
+        return TorchEvent(device_id=self._id, seq=self._seq, origin=self, cuda_event=cuda_event)
 
     def event_synchronize(self, event: Event) -> None:
         self._require_idle("event_synchronize")
         if not isinstance(event, TorchEvent) or event.origin is not self:
-            raise DeviceError(
-                f"event_synchronize: event {event!r} was not recorded on {self._id}"
-            )
+            raise DeviceError(f"event_synchronize: event {event!r} was not recorded on {self._id}")
         if event.cuda_event is not None:
             event.cuda_event.synchronize()
         self._complete_reads(before=event.seq)

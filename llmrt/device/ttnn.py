@@ -33,8 +33,21 @@ from typing import Any, Generic, Literal, TypeVar
 import attrs
 import torch
 
-from llmrt.device.base import Device, DeviceKind, DeviceStats, Event, Trace
-from llmrt.errors import CleanupError, ConfigError, DeviceError, TraceStateError
+from llmrt.device.base import (
+    Device,
+    DeviceKind,
+    DeviceStats,
+    Event,
+    Trace,
+    checked_dim_order,
+)
+from llmrt.errors import (
+    CleanupError,
+    ConfigError,
+    DeviceError,
+    TraceStateError,
+    UnsupportedError,
+)
 
 T = TypeVar("T")
 
@@ -390,8 +403,15 @@ class TtnnDevice:
 
     # tensors
 
-    def allocate(self, *, shape: Sequence[int], dtype: torch.dtype) -> Any:
+    def allocate(
+        self, *, shape: Sequence[int], dtype: torch.dtype, dim_order: Sequence[int] | None = None
+    ) -> Any:
         self._require_idle("allocate")
+        if checked_dim_order(shape, dim_order) != tuple(range(len(shape))):
+            raise UnsupportedError(
+                f"allocate: dim_order {tuple(dim_order or ())}: ttnn tensors are row-major "
+                "(their tile layout is ttnn's)"
+            )
         return self._put("allocate", torch.zeros(tuple(shape), dtype=dtype))
 
     def upload(self, host: torch.Tensor) -> Any:

@@ -60,12 +60,18 @@ class AttentionMetadata:
     num_kv_heads: int = attrs.field(validator=_positive)
     head_dim: int = attrs.field(validator=_positive)
     kv_dtypes: tuple[torch.dtype, ...]
+    kv_dim_order: tuple[int, int, int, int] | None = None
+    """Memory order of each K/V tensor's dimensions, outermost first (None: row-major).
+    ``(0, 2, 1, 3)`` stores a block's tokens outermost, so a row's pages read back as one
+    ``[tokens, heads, head_dim]`` run without a transposing copy; the shape stays ``kv_shape``."""
 
     def __attrs_post_init__(self) -> None:
         if len(self.kv_dtypes) != self.num_layers:
             raise ConfigError(
                 "kv_dtypes", self.kv_dtypes, f"needs one dtype per layer ({self.num_layers})"
             )
+        if self.kv_dim_order is not None and sorted(self.kv_dim_order) != [0, 1, 2, 3]:
+            raise ConfigError("kv_dim_order", self.kv_dim_order, "must be a permutation of 0..3")
 
     def kv_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
         """One layer's K (or V) shape: ``(num_blocks, num_kv_heads, block_size, head_dim)``."""

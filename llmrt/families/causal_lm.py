@@ -14,7 +14,13 @@ from torch import nn
 
 from llmrt.families.base import AttentionMetadata, KVCacheView, ModelConfig
 from llmrt.families.kvbinding import BoundKV, check_kv_cache, require_bound
-from llmrt.families.paged_attention import DecodePlan, PrefillPlan, plan_decode, plan_prefill
+from llmrt.families.paged_attention import (
+    TOKEN_MAJOR,
+    DecodePlan,
+    PrefillPlan,
+    plan_decode,
+    plan_prefill,
+)
 
 
 class Backbone(Protocol):
@@ -67,6 +73,7 @@ class PagedCausalLM(nn.Module):
             num_kv_heads=self.config.num_kv_heads,
             head_dim=self.config.head_dim,
             kv_dtypes=(self.config.dtype,) * self.config.num_layers,
+            kv_dim_order=TOKEN_MAJOR,
         )
 
     def iter_executor_named_modules(self) -> Iterator[tuple[str, nn.Module]]:

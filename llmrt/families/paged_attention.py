@@ -1,6 +1,7 @@
 """Attention over a paged KV cache, in plain torch ops.
 
-A layer's cache is ``[num_blocks, num_kv_heads, block_size, head_dim]``; a row's
+A layer's cache is ``[num_blocks, num_kv_heads, block_size, head_dim]`` (stored
+token-major where the model asks for it); a row's
 page table maps logical block ``pos // block_size`` to a physical block (``-1`` =
 none). A *plan* (built once per forward, shared by every layer) resolves where each
 token's K/V is written and which pages each row reads, so the per-layer work is a
@@ -22,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = [
+    "TOKEN_MAJOR",
     "DecodePlan",
     "PagedReads",
     "PrefillPlan",
@@ -34,6 +36,11 @@ __all__ = [
     "plan_writes",
     "write_kv",
 ]
+
+
+#: K/V storage order ``[num_blocks, block_size, heads, head_dim]`` behind the logical
+#: ``[num_blocks, heads, block_size, head_dim]`` shape (see ``AttentionMetadata.kv_dim_order``).
+TOKEN_MAJOR: tuple[int, int, int, int] = (0, 2, 1, 3)
 
 
 def host_sync_allowed(device: torch.device) -> bool:
@@ -113,11 +120,17 @@ def write_kv(*, cache: torch.Tensor, new: torch.Tensor, plan: WritePlan) -> None
 def gather_context(*, cache: torch.Tensor, page_table: torch.Tensor) -> torch.Tensor:
     """Read the pages of each row: ``[B, nb]`` table -> ``[B, H, nb * block_size, D]``.
 
-    A ``-1`` entry reads block 0 (finite garbage the attention mask hides).
+    A ``-1`` entry reads block 0 (finite garbage the attention mask hides). A token-major
+    cache (``TOKEN_MAJOR`` storage) is read with one gather and returned as a strided view;
+    a row-major one needs a second, transposing copy.
     """
     rows, blocks = page_table.shape
     _, heads, block_size, dim = cache.shape
     table = page_table.clamp(min=0).flatten()
+    tokens_outer = cache.transpose(1, 2)
+    if tokens_outer.is_contiguous():
+        pages = tokens_outer.index_select(0, table)
+        return pages.view(rows, blocks * block_size, heads, dim).transpose(1, 2)
     pages = cache.index_select(0, table).view(rows, blocks, heads, block_size, dim)
     return pages.transpose(1, 2).reshape(rows, heads, blocks * block_size, dim)
 

@@ -152,8 +152,14 @@ class FaultyDevice:
             self._lanes = lanes
         return lanes
 
-    def allocate(self, *, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        return self._call("allocate", None, lambda: self._inner.allocate(shape=shape, dtype=dtype))
+    def allocate(
+        self, *, shape: Sequence[int], dtype: torch.dtype, dim_order: Sequence[int] | None = None
+    ) -> torch.Tensor:
+        return self._call(
+            "allocate",
+            None,
+            lambda: self._inner.allocate(shape=shape, dtype=dtype, dim_order=dim_order),
+        )
 
     def upload(self, host: torch.Tensor) -> torch.Tensor:
         return self._call("upload", host, lambda: self._inner.upload(host))

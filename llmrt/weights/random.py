@@ -18,9 +18,7 @@ INIT_STD = 0.02
 NORM_SUFFIXES = ("norm.weight", "ln_1.weight", "ln_2.weight", "ln_f.weight")
 
 
-def random_tensors(
-    *, shapes: Mapping[str, tuple[int, ...]], seed: int
-) -> dict[str, torch.Tensor]:
+def random_tensors(*, shapes: Mapping[str, tuple[int, ...]], seed: int) -> dict[str, torch.Tensor]:
     """One float32 CPU tensor per name in `shapes`, seeded by `seed`."""
     generator = torch.Generator(device="cpu").manual_seed(seed)
     tensors = {}

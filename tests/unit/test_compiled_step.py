@@ -27,6 +27,7 @@ from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
 from llmrt.compiled_step import (
     INDUCTOR_CACHE_ENV,
+    CompiledDecode,
     CompileOptions,
     StepCompiler,
 )
@@ -131,6 +132,20 @@ def test_eager_steps_are_the_model_forwards() -> None:
     assert steps.prefill_step(model, block_size=16) == model.prefill_forward
     stats = steps.stats()
     assert (stats.mode, stats.graphs, stats.recompilations, stats.geometries) == ("eager", 0, 0, ())
+
+
+def test_only_the_listed_operations_are_compiled() -> None:
+    model = tiny_llama()
+    steps = StepCompiler(options=CompileOptions(mode="inductor", operations=("decode",)))
+    assert isinstance(steps.decode_step(model, block_size=16), CompiledDecode)
+    assert steps.prefill_step(model, block_size=16) == model.prefill_forward
+    assert (steps.compiles("decode"), steps.compiles("prefill")) == (True, False)
+    assert [s.operation for s in steps._steps] == ["decode"]
+    spec = DeviceSpec(compile="inductor", inductor=InductorSpec(operations=("prefill",)))
+    assert CompileOptions.from_device(spec).operations == ("prefill",)
+    with pytest.raises(ConfigError, match=r"device\.inductor\.operations"):
+        CompileOptions(mode="inductor", operations=("decode", "sample"))
+    steps.close()
 
 
 def test_compiled_step_rejects_a_bad_block_size() -> None:

@@ -233,6 +233,20 @@ def test_refresh_mismatch_names_both_tensors(device: TorchDevice) -> None:
         device.refresh(dst, torch.zeros(2, 3, dtype=torch.int32))
 
 
+def test_allocate_in_a_given_dim_order(device: TorchDevice) -> None:
+    t = device.allocate(shape=(2, 3, 4), dtype=torch.float32, dim_order=(1, 0, 2))
+    assert tuple(t.shape) == (2, 3, 4) and not t.is_contiguous()
+    assert t.permute(1, 0, 2).is_contiguous()  # dim 1 outermost in memory
+    assert device.read(t, blocking=True).abs().sum().item() == 0
+    t[1, 2, 3] = 5.0
+    assert device.read(t, blocking=True)[1, 2, 3].item() == 5.0
+    device.deallocate(t)
+    assert device.live_tensor_count == 0
+    with pytest.raises(DeviceError, match=r"dim_order \(0, 0, 1\) is not a permutation"):
+        device.allocate(shape=(2, 3, 4), dtype=torch.float32, dim_order=(0, 0, 1))
+    assert device.live_tensor_count == 0
+
+
 def test_deallocation_is_counted_and_never_repeated(device: TorchDevice) -> None:
     a = device.allocate(shape=(2,), dtype=torch.float32)
     b = device.upload(host(1))

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from llmrt.families.paged_attention import (
+    TOKEN_MAJOR,
     attend,
     gather_context,
     host_sync_allowed,
@@ -21,8 +22,15 @@ HQ, HKV, D = 4, 2, 8
 SCALE = D**-0.5
 
 
-def _cache(seed: int) -> torch.Tensor:
-    return torch.randn((N, HKV, BS, D), generator=torch.Generator().manual_seed(seed))
+def _cache(seed: int, *, token_major: bool = False) -> torch.Tensor:
+    """A random ``[N, HKV, BS, D]`` cache, stored row-major or token-major (``TOKEN_MAJOR``)."""
+    gen = torch.Generator().manual_seed(seed)
+    if token_major:
+        return torch.randn((N, BS, HKV, D), generator=gen).permute(TOKEN_MAJOR)
+    return torch.randn((N, HKV, BS, D), generator=gen)
+
+
+LAYOUTS = pytest.mark.parametrize("token_major", [False, True], ids=["row-major", "token-major"])
 
 
 def _naive_write(
@@ -72,14 +80,15 @@ PREFILL_CASES = {
 }
 
 
+@LAYOUTS
 @pytest.mark.parametrize("allow_sync", [True, False], ids=["sync", "capture-safe"])
 @pytest.mark.parametrize("case", sorted(PREFILL_CASES))
-def test_prefill_matches_naive_reference(case: str, allow_sync: bool) -> None:
+def test_prefill_matches_naive_reference(case: str, allow_sync: bool, token_major: bool) -> None:
     starts, lens, chunk, mode = PREFILL_CASES[case]
     gen = torch.Generator().manual_seed(1)
     rows = [[17, 2, 9, 21], [5, 11, 0, 14], [8, 3, 19, 6]]
     table = _table(rows, width=5)
-    k_cache, v_cache = _cache(2), _cache(3)
+    k_cache, v_cache = _cache(2, token_major=token_major), _cache(3, token_major=token_major)
     q = torch.randn((3, chunk, HQ, D), generator=gen)
     k = torch.randn((3, chunk, HKV, D), generator=gen)
     v = torch.randn((3, chunk, HKV, D), generator=gen)
@@ -104,13 +113,16 @@ def test_prefill_matches_naive_reference(case: str, allow_sync: bool) -> None:
             torch.testing.assert_close(out[row, i].view(HQ, D), want, atol=1e-5, rtol=1e-5)
 
 
+@LAYOUTS
 @pytest.mark.parametrize("allow_sync", [True, False], ids=["sync", "capture-safe"])
-def test_decode_matches_naive_reference_and_skips_inert_rows(allow_sync: bool) -> None:
+def test_decode_matches_naive_reference_and_skips_inert_rows(
+    allow_sync: bool, token_major: bool
+) -> None:
     gen = torch.Generator().manual_seed(4)
     rows = [[17, 2, 9], [], [5, 11], [8, -1]]
     table = _table(rows, width=6)
     positions = [9, 3, 6, 5]  # row 1 is inert, row 3 hits a -1 entry (write skipped)
-    k_cache, v_cache = _cache(5), _cache(6)
+    k_cache, v_cache = _cache(5, token_major=token_major), _cache(6, token_major=token_major)
     q = torch.randn((4, 1, HQ, D), generator=gen)
     k = torch.randn((4, 1, HKV, D), generator=gen)
     v = torch.randn((4, 1, HKV, D), generator=gen)
@@ -161,11 +173,14 @@ def test_batch_without_any_write_leaves_cache_bit_identical(allow_sync: bool) ->
     assert torch.equal(v_cache.view(torch.int32), before_v.view(torch.int32))
 
 
-def test_gather_context_reads_pages_in_table_order() -> None:
-    cache = _cache(9)
+@LAYOUTS
+def test_gather_context_reads_pages_in_table_order(token_major: bool) -> None:
+    cache = _cache(9, token_major=token_major)
     table = _table([[7, 1, 4]], width=3)
     got = gather_context(cache=cache, page_table=table)
     assert got.shape == (1, HKV, 3 * BS, D)
+    # Token-major pages come back as a view of one gather: tokens outer, heads inner.
+    assert got.transpose(1, 2).is_contiguous() is token_major
     for p in range(3 * BS):
         assert torch.equal(got[0, :, p], cache[[7, 1, 4][p // BS], :, p % BS])
 

@@ -171,9 +171,11 @@ def test_allocate_derives_shapes_from_attention_metadata(model: CausalLM, dtype:
     assert shape == (24, model.config.num_kv_heads, 4, model.config.head_dim)
     assert context.num_layers == meta.num_layers == model.config.num_layers
     assert len(context.values) == meta.num_layers
+    assert meta.kv_dim_order == (0, 2, 1, 3)  # the torch families read pages token-major
     for t in (*context.keys, *context.values):
         assert tuple(t.shape) == shape
         assert t.dtype == getattr(torch, dtype)
+        assert t.permute(meta.kv_dim_order).is_contiguous()
     assert (context.block_size, context.num_blocks, context.device_id) == (4, 24, device.id)
     assert len(set(context.tensor_ids())) == 2 * meta.num_layers
     assert device.stats().live_tensors == 2 * meta.num_layers

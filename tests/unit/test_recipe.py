@@ -165,12 +165,18 @@ def test_empty_file_reports_the_first_missing_field(tmp_path: Path) -> None:
     ("prefill: {max_chunk_size: 128, chunk: 64}\n", "prefill.chunk",
      "unknown key (known: max_chunk_size, batched, max_batch_size"),
     ("device: {inductor: {freeze: true}}\n", "device.inductor.freeze",
-     "unknown key (known: freezing, max_autotune, mode)"),
+     "unknown key (known: freezing, max_autotune, mode, operations)"),
     ("lanes: two\n", "lanes", "expected int"),
     ("lanes: 2.5\n", "lanes", "expected int"),
     ("decode: {device_sampling: 1}\n", "decode.device_sampling", "expected true or false"),
     ("warmup: {prefill_seq_lens: [32, x]}\n", "warmup.prefill_seq_lens[1]", "expected int"),
     ("warmup: {prefill_seq_lens: 32}\n", "warmup.prefill_seq_lens", "expected a list"),
+    ("device: {inductor: {operations: [decode, sample]}}\n", "device.inductor.operations[1]",
+     "must be one of"),
+    ("device: {inductor: {operations: []}}\n", "device.inductor.operations",
+     "must list at least one of decode, prefill"),
+    ("device: {inductor: {operations: [decode, decode]}}\n", "device.inductor.operations",
+     "lists an operation twice"),
     ("trace: all\n", "trace", "expected a mapping"),
     ("trace: {mode: sometimes}\n", "trace.mode", "must be one of"),
     ("kv_cache: {block_size: 24, max_num_blocks: 64}\n", "kv_cache.block_size", "power of two"),
@@ -354,7 +360,9 @@ def test_recipe_to_dict_is_plain_data() -> None:
         "kv_cache", "prefill", "decode", "trace", "warmup", "serving",
     ]
     assert data["warmup"]["prefill_batch_sizes"] == [1, 2, 4, 8]
-    assert data["device"]["inductor"] == {"freezing": False, "max_autotune": False, "mode": None}
+    assert data["device"]["inductor"] == {
+        "freezing": False, "max_autotune": False, "mode": None, "operations": ["decode", "prefill"]
+    }
 
 
 @pytest.mark.parametrize("name", [n for n in BUNDLED if n != "hf"])

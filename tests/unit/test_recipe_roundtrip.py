@@ -94,6 +94,7 @@ def placement(draw: st.DrawFn) -> tuple[DeviceSpec, int]:
     inductor = InductorSpec(
         freezing=draw(st.booleans()), max_autotune=draw(st.booleans()),
         mode=draw(st.sampled_from([None, "default", "reduce-overhead", "max-autotune"])),
+        operations=draw(st.sampled_from([("decode",), ("prefill",), ("decode", "prefill")])),
     )
     device = DeviceSpec(
         backend="torch", kind=kind, index=draw(st.integers(0, 7)) if kind == "cuda" else 0,

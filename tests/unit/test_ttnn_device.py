@@ -23,7 +23,13 @@ from llmrt.device.ttnn import (
     staging_plan,
     unstage,
 )
-from llmrt.errors import CleanupError, ConfigError, DeviceError, TraceStateError
+from llmrt.errors import (
+    CleanupError,
+    ConfigError,
+    DeviceError,
+    TraceStateError,
+    UnsupportedError,
+)
 from llmrt.testing.fake_ttnn import FakeTtnn, InjectedTtnnFailure, TtnnRuleViolation
 from llmrt.testing.faulty_device import FaultyDevice, InjectedFault
 
@@ -83,6 +89,14 @@ def test_allocate_is_zeroed_and_upload_copies(device: TtnnDevice) -> None:
     source.fill_(9)
     assert device.read(uploaded, blocking=True).tolist() == [1, 2, 3]
     assert device.stats().live_tensors == 2
+
+
+def test_allocate_accepts_only_row_major_order(device: TtnnDevice) -> None:
+    t = device.allocate(shape=(2, 3), dtype=torch.float32, dim_order=(0, 1))
+    assert device.read(t, blocking=True).shape == (2, 3)
+    with pytest.raises(UnsupportedError, match=r"dim_order \(1, 0\): ttnn tensors are row-major"):
+        device.allocate(shape=(2, 3), dtype=torch.float32, dim_order=(1, 0))
+    assert device.stats().live_tensors == 1
 
 
 def test_refresh_then_replay_gives_the_new_result(device: TtnnDevice) -> None:
