@@ -313,6 +313,28 @@ def _paged(
 ) -> torch.Tensor:
     k = gather_context(cache=k_cache, page_table=reads.table).to(q.dtype)
     v = gather_context(cache=v_cache, page_table=reads.table).to(q.dtype)
+    if q.shape[2] == 1 and q.device.type == "cpu" and q.dtype in _HALF_DTYPES:
+        return _single_query(q, k, v, reads.mask, scale)
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=reads.mask, scale=scale, enable_gqa=True
     )
+
+
+#: Dtypes whose CPU flash-attention kernel is slow for one query per row (decode).
+_HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _single_query(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Decode attention as two batched matmuls with a float32 softmax, GQA by grouping.
+
+    torch's CPU flash kernel tiles for long queries; with one query per row in bf16 it is
+    4-6x slower than this (and inductor fuses the mask and softmax in between).
+    """
+    rows, heads, _, dim = q.shape
+    kv_heads = k.shape[1]
+    grouped = q.view(rows, kv_heads, heads // kv_heads, dim)
+    scores = torch.matmul(grouped, k.transpose(-1, -2)).float() * scale
+    weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+    return torch.matmul(weights.to(v.dtype), v).view(rows, heads, 1, dim)

@@ -187,3 +187,28 @@ def test_gather_context_reads_pages_in_table_order(token_major: bool) -> None:
 
 def test_host_sync_is_allowed_on_cpu() -> None:
     assert host_sync_allowed(torch.device("cpu"))
+
+
+@LAYOUTS
+def test_bf16_decode_takes_the_single_query_path_and_matches_float32(token_major: bool) -> None:
+    gen = torch.Generator().manual_seed(11)
+    table = _table([[17, 2, 9], [5, 11]], width=4)
+    positions = [9, 6]
+    k_cache, v_cache = _cache(12, token_major=token_major), _cache(13, token_major=token_major)
+    q = torch.randn((2, 1, HQ, D), generator=gen)
+    k = torch.randn((2, 1, HKV, D), generator=gen)
+    v = torch.randn((2, 1, HKV, D), generator=gen)
+    plan = plan_decode(
+        positions=torch.tensor(positions, dtype=torch.int32), page_table=table, block_size=BS
+    )
+    half_k, half_v = k_cache.to(torch.bfloat16), v_cache.to(torch.bfloat16)
+    out = attend(
+        q=q.bfloat16(), k=k.bfloat16(), v=v.bfloat16(), k_cache=half_k, v_cache=half_v,
+        plan=plan, scale=SCALE,
+    )
+    want = attend(q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, plan=plan, scale=SCALE)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), want, atol=3e-2, rtol=3e-2)
+    for row in range(2):
+        ref = _naive_attention(q[row, 0], k_cache, v_cache, table, positions[row], row)
+        torch.testing.assert_close(out[row, 0].float().view(HQ, D), ref, atol=3e-2, rtol=3e-2)
