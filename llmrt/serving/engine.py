@@ -1,9 +1,9 @@
 """The serving engine: scheduler steps driven through the lane group.
 
-One ``step`` runs the scheduler's plan: a decode over the fixed-capacity slot
-batch for every request that has its first token, then one prefill call (the
-runtime's planner batches compatible rows into padded waves and chunks the
-rest) for the requests admitted or still prefilling. Finished requests give
+One ``step`` runs the scheduler's plan: one prefill call (the runtime's planner
+batches compatible rows into padded waves and chunks the rest) for the requests
+admitted or still prefilling, then a decode over the fixed-capacity slot batch
+for every request that already had its first token. Finished requests give
 back their slot and blocks immediately.
 """
 
@@ -149,11 +149,14 @@ class Engine:
         plan = self.scheduler.schedule()
         self._steps += 1
         self._preemptions += len(plan.preempted)
+        # Prefill first: the prompts admitted this step get their first token one decode
+        # step sooner, while running requests keep the same cadence (one prefill between
+        # two decodes either way). The two touch disjoint requests and blocks.
         events: list[TokenEvent] = []
-        if plan.decode:
-            events.extend(self._decode(plan.decode))
         if plan.prefill:
             events.extend(self._prefill(plan.prefill))
+        if plan.decode:
+            events.extend(self._decode(plan.decode))
         return events
 
     def run(self) -> Iterator[TokenEvent]:
