@@ -27,7 +27,7 @@ from llmrt.output_reader import OutputReader
 from llmrt.paged_kv_cache import PagedKVCacheManager
 from llmrt.prefill.config import PrefillRuntimeConfig
 from llmrt.prefill.runtime import PrefillRuntime
-from llmrt.program_compiler import ProgramCompiler
+from llmrt.program_compiler import PROGRAM_OPERATIONS, ProgramCompiler
 from llmrt.recipe import Recipe
 from llmrt.scope import LifetimeScope
 from llmrt.trace_compiler import TraceCompiler
@@ -259,10 +259,10 @@ def build_program_compiler(
 ) -> ProgramCompiler:
     # Only a TT program or an inductor graph is built by a first run; plain torch eager
     # steps are registered at warmup and record their output contract on first use.
-    materialize: bool | frozenset[str] = True
+    materialize = PROGRAM_OPERATIONS
     if recipe.device.backend == "torch":
         compiled = recipe.device.compile != "eager"
-        materialize = frozenset(recipe.device.inductor.operations) if compiled else False
+        materialize = frozenset(recipe.device.inductor.operations if compiled else ())
     compiler = ProgramCompiler(
         device=device, kv_cache=kv, lane=lane, step_compiler=steps, materialize=materialize
     )

@@ -74,6 +74,10 @@ class CompiledProgram:
     output_contract: Any
 
 
+#: Every program operation: what ``ProgramCompiler`` materializes by default.
+PROGRAM_OPERATIONS: frozenset[str] = frozenset(("decode", "prefill"))
+
+
 def signature_key(signature: ProgramSignature) -> str:
     """Canonical SHA-256 of a signature's material (operation included)."""
     material = {"operation": signature.operation, **dict(signature.material())}
@@ -100,15 +104,15 @@ class ProgramCompiler:
         kv_cache: BoundCacheCheck,
         lane: int = 0,
         step_compiler: StepCompiler | None = None,
-        materialize: bool | frozenset[str] = True,
+        materialize: frozenset[str] = PROGRAM_OPERATIONS,
     ) -> None:
         self.borrowed_device = device
         self.borrowed_kv_cache = kv_cache
         self.borrowed_step_compiler = step_compiler
-        # Whether compiling a signature must run it (True, False, or the set of operations that
-        # must): true where a first run builds something (a TT program, an inductor graph).
-        # Plain torch eager steps have nothing to build, so compile() only registers them and
-        # the first real run records the output contract.
+        # The operations whose signatures compile() must run once: those where a first run
+        # builds something (a TT program, an inductor graph). Plain torch eager steps have
+        # nothing to build, so compile() only registers them and the first real run records
+        # the output contract.
         self.materialize = materialize
         self.lane = lane
         self._programs: dict[str, CompiledProgram] = {}
@@ -154,12 +158,6 @@ class ProgramCompiler:
 
     # -- compilation ---------------------------------------------------------------------
 
-    def materializes(self, operation: str) -> bool:
-        """Whether compiling a signature of ``operation`` runs it once."""
-        if isinstance(self.materialize, bool):
-            return self.materialize
-        return operation in self.materialize
-
     def compile(self, signature: ProgramSignature, invoke: Callable[[], Any]) -> CompiledProgram:
         """Run ``invoke`` once to materialize the program, record its contract, drop its output."""
         key = self.key_for(signature)
@@ -167,7 +165,7 @@ class ProgramCompiler:
         if existing is not None:
             return existing
         self._require_open(key, signature)
-        if not self.materializes(signature.operation):
+        if signature.operation not in self.materialize:
             return self._record(key, signature, None)
         output = invoke()
         try:

@@ -458,9 +458,7 @@ class BlockAllocator:
         hashes = hash_prompt_blocks(
             token_ids[: usable * block_size], block_size=block_size, extra_keys=extra_keys
         )
-        cached = 0
-        while cached < len(hashes) and self._pool.get_cached_block(hashes[cached]) is not None:
-            cached += 1
+        cached = len(self._leading_hits(hashes))
         pending = cached
         while pending < len(hashes) and (
             self._in_flight[hashes[pending]] > 0
@@ -500,12 +498,7 @@ class BlockAllocator:
             if caching
             else []
         )
-        hits: list[KVBlock] = []
-        for block_hash in hashes[: (len(token_ids) - 1) // block_size]:
-            block = self._pool.get_cached_block(block_hash)
-            if block is None:
-                break
-            hits.append(block)
+        hits = self._leading_hits(hashes[: (len(token_ids) - 1) // block_size])
         # Touching a free hit takes it out of the free queue, so it no longer counts as free.
         free_after_touch = self._pool.num_free_blocks - sum(b.ref_count == 0 for b in hits)
         if num_needed - len(hits) > free_after_touch:
@@ -638,6 +631,16 @@ class BlockAllocator:
                     f"block {block_id}: ref_count {ref_count} but held by "
                     f"{holders.get(block_id, 0)} request(s)"
                 )
+
+    def _leading_hits(self, hashes: Sequence[BlockHash]) -> list[KVBlock]:
+        """The cached blocks of the longest prefix of ``hashes`` that is all cached."""
+        hits: list[KVBlock] = []
+        for block_hash in hashes:
+            block = self._pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
 
     def _land(self, req: RequestBlocks, *, upto: int) -> None:
         """Take the request's prompt blocks from ``num_cached_blocks`` to ``upto`` out of flight."""
