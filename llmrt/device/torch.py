@@ -29,6 +29,7 @@ from llmrt.device.base import (
     Trace,
     checked_dim_order,
 )
+from llmrt.device.book import DeviceBook, describe_tensor, poison, require_host
 from llmrt.device.identity import IdentitySet
 from llmrt.errors import ConfigError, DeviceError, TraceStateError
 
@@ -115,15 +116,9 @@ class TorchDevice:
         self._lanes: tuple[TorchDevice, ...] | None = None
         self._busy: str | None = None
         self._owned = IdentitySet()
-        self._traces: dict[int, _TraceRecord] = {}
-        self._released_trace_ids: set[int] = set()
-        self._next_trace_id = 0
+        self._book: DeviceBook[_TraceRecord] = DeviceBook(device_id)
         self._seq = 0
         self._pending: list[_PendingRead] = []
-        self._allocations = 0
-        self._deallocations = 0
-        self._captures = 0
-        self._replays = 0
         self._pool: Any = None
         self._side_stream: Any = None
         hardware.devices.append(self)
@@ -191,7 +186,7 @@ class TorchDevice:
 
     def upload(self, host: torch.Tensor) -> torch.Tensor:
         self._require_idle("upload")
-        _require_host("upload", host)
+        require_host("upload", host)
         tensor = torch.empty(host.shape, dtype=host.dtype, device=self.torch_device)
         tensor.copy_(host.detach())
         return self._own(tensor)
@@ -199,13 +194,13 @@ class TorchDevice:
     def refresh(self, dst: torch.Tensor, host: torch.Tensor) -> None:
         self._require_idle("refresh")
         self._require_device_tensor("refresh", dst)
-        _require_host("refresh", host)
+        require_host("refresh", host)
         if dst not in self._owned:
-            raise DeviceError(f"refresh: dst {_describe(dst)} {self._owner_of(dst)}")
+            raise DeviceError(f"refresh: dst {describe_tensor(dst)} {self._owner_of(dst)}")
         if dst.shape != host.shape or dst.dtype != host.dtype:
             raise DeviceError(
-                f"refresh: host tensor {_describe(host)} does not match "
-                f"device tensor {_describe(dst)}"
+                f"refresh: host tensor {describe_tensor(host)} does not match "
+                f"device tensor {describe_tensor(dst)}"
             )
         with torch.no_grad():
             dst.copy_(host)
@@ -214,9 +209,9 @@ class TorchDevice:
         self._require_device_tensor("deallocate", tensor)
         if tensor in self._owned:
             self._owned.discard(tensor)
-            self._deallocations += 1
+            self._book.deallocations += 1
         elif any(tensor in other._owned for other in self._hw.devices):
-            raise DeviceError(f"deallocate: {_describe(tensor)} {self._owner_of(tensor)}")
+            raise DeviceError(f"deallocate: {describe_tensor(tensor)} {self._owner_of(tensor)}")
         self._hw.deallocated.add(tensor)
 
     def _owner_of(self, tensor: torch.Tensor) -> str:
@@ -228,7 +223,7 @@ class TorchDevice:
 
     def _own(self, tensor: torch.Tensor) -> torch.Tensor:
         self._owned.add(tensor)
-        self._allocations += 1
+        self._book.allocations += 1
         return tensor
 
     # reads and events
@@ -245,7 +240,7 @@ class TorchDevice:
                 host.copy_(tensor.detach(), non_blocking=True)
             self._pending.append(_PendingRead(seq=self._seq, host=host, source=tensor))
             return host
-        host = torch.full(tensor.shape, _poison(tensor.dtype), dtype=tensor.dtype)
+        host = torch.full(tensor.shape, poison(tensor.dtype), dtype=tensor.dtype)
         snapshot = tensor.detach().clone()
         self._pending.append(_PendingRead(seq=self._seq, host=host, source=snapshot))
         return host
@@ -296,10 +291,10 @@ class TorchDevice:
                 graph, outputs = None, program()
         finally:
             self._busy = None
-        handle = TorchTrace(trace_id=self._next_trace_id, device_id=self._id, outputs=outputs)
-        self._next_trace_id += 1
-        self._traces[handle.trace_id] = _TraceRecord(program=program, handle=handle, graph=graph)
-        self._captures += 1
+        handle = TorchTrace(
+            trace_id=self._book.next_trace_id(), device_id=self._id, outputs=outputs
+        )
+        self._book.add_trace(_TraceRecord(program=program, handle=handle, graph=graph))
         return handle
 
     def execute_trace(self, trace: Trace[Any], *, blocking: bool = False) -> None:
@@ -323,7 +318,7 @@ class TorchDevice:
                 )
         finally:
             self._busy = None
-        self._replays += 1
+        self._book.replays += 1
 
     def release_trace(self, trace: Trace[Any]) -> None:
         record = self._trace_record("release_trace", trace)
@@ -331,23 +326,10 @@ class TorchDevice:
             return
         if record.graph is not None:
             record.graph.reset()
-        del self._traces[trace.trace_id]
-        self._released_trace_ids.add(trace.trace_id)
+        self._book.forget_trace(trace.trace_id)
 
     def _trace_record(self, op: str, trace: Trace[Any]) -> _TraceRecord | None:
-        """The live record of ``trace``, or None if it was released; raises if it is foreign."""
-        if self._busy is not None:
-            raise TraceStateError(f"{op}: not allowed during trace {self._busy} on {self._id}")
-        if trace.device_id != self._id:
-            raise TraceStateError(
-                f"{op}: trace {trace.trace_id} belongs to {trace.device_id}, not {self._id}"
-            )
-        if trace.trace_id in self._released_trace_ids:
-            return None
-        record = self._traces.get(trace.trace_id)
-        if record is None or record.handle is not trace:
-            raise TraceStateError(f"{op}: {trace!r} was not captured by {self._id}")
-        return record
+        return self._book.trace_record(op, trace, busy=self._busy)
 
     def _capture_cuda(self, program: Callable[[], T]) -> tuple[Any, T]:
         device = self.torch_device
@@ -384,25 +366,17 @@ class TorchDevice:
     # accounting and guards
 
     def stats(self) -> DeviceStats:
-        return DeviceStats(
-            live_tensors=self._allocations - self._deallocations,
-            live_traces=len(self._traces),
-            pending_reads=len(self._pending),
-            allocations=self._allocations,
-            deallocations=self._deallocations,
-            captures=self._captures,
-            replays=self._replays,
-        )
+        return self._book.stats(pending_reads=len(self._pending))
 
     @property
     def live_tensor_count(self) -> int:
         """Tensors from ``allocate``/``upload`` not yet deallocated."""
-        return self._allocations - self._deallocations
+        return self._book.live_tensors
 
     @property
     def live_trace_count(self) -> int:
         """Captured traces not yet released."""
-        return len(self._traces)
+        return len(self._book.traces)
 
     def _require_idle(self, op: str) -> None:
         if self._busy is not None:
@@ -412,9 +386,9 @@ class TorchDevice:
         if not isinstance(tensor, torch.Tensor):
             raise DeviceError(f"{op}: expected a device tensor, got {type(tensor).__name__}")
         if tensor.device != self.torch_device:
-            raise DeviceError(f"{op}: {_describe(tensor)} is not on {self._id}")
+            raise DeviceError(f"{op}: {describe_tensor(tensor)} is not on {self._id}")
         if tensor in self._hw.deallocated:
-            raise DeviceError(f"{op}: {_describe(tensor)} was already deallocated")
+            raise DeviceError(f"{op}: {describe_tensor(tensor)} was already deallocated")
 
 
 def _parse_spec(spec: str) -> torch.device:
@@ -438,32 +412,12 @@ def _parse_spec(spec: str) -> torch.device:
     return torch.device("cuda", index)
 
 
-def _require_host(op: str, host: torch.Tensor) -> None:
-    if not isinstance(host, torch.Tensor) or host.device.type != "cpu":
-        shown = _describe(host) if isinstance(host, torch.Tensor) else type(host).__name__
-        raise DeviceError(f"{op}: expected a host (cpu) tensor, got {shown}")
-
-
-def _describe(tensor: torch.Tensor) -> str:
-    dtype = str(tensor.dtype).removeprefix("torch.")
-    return f"tensor(shape={tuple(tensor.shape)}, dtype={dtype}, device={tensor.device})"
-
-
-def _poison(dtype: torch.dtype) -> float | int | bool:
-    """A value no correct read returns by accident."""
-    if dtype.is_floating_point or dtype.is_complex:
-        return float("nan")
-    if dtype == torch.bool:
-        return True
-    return torch.iinfo(dtype).max
-
-
 def _copy_outputs(*, dst: Any, src: Any, where: str) -> None:
     """Copy a replay's results into the captured outputs in place; non-tensor values stay baked."""
     if isinstance(dst, torch.Tensor):
         if not isinstance(src, torch.Tensor) or src.shape != dst.shape or src.dtype != dst.dtype:
-            shown = _describe(src) if isinstance(src, torch.Tensor) else type(src).__name__
-            raise DeviceError(f"{where}: replay produced {shown}, capture {_describe(dst)}")
+            shown = describe_tensor(src) if isinstance(src, torch.Tensor) else type(src).__name__
+            raise DeviceError(f"{where}: replay produced {shown}, capture {describe_tensor(dst)}")
         if src is not dst:
             with torch.no_grad():
                 dst.copy_(src)

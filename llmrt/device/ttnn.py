@@ -41,6 +41,7 @@ from llmrt.device.base import (
     Trace,
     checked_dim_order,
 )
+from llmrt.device.book import DeviceBook, describe_tensor, poison, require_host
 from llmrt.errors import (
     CleanupError,
     ConfigError,
@@ -182,7 +183,7 @@ def stage(host: torch.Tensor, plan: StagingPlan) -> torch.Tensor:
         low, high = int(host.min()), int(host.max())
         if low < _INT32_RANGE[0] or high > _INT32_RANGE[1]:
             raise DeviceError(
-                f"int64 tensor {_describe_host(host)} holds {low}..{high}, outside int32; "
+                f"int64 tensor {describe_tensor(host)} holds {low}..{high}, outside int32; "
                 f"ttnn stages integers as int32"
             )
     return host.detach().to(plan.staged_dtype).contiguous()
@@ -317,15 +318,9 @@ class TtnnDevice:
         self._lanes: tuple[TtnnDevice, ...] | None = None
         self._busy: str | None = None
         self._owned: dict[int, _Owned] = {}
-        self._traces: dict[int, _TraceRecord] = {}
-        self._released_trace_ids: set[int] = set()
-        self._next_trace_id = 0
+        self._book: DeviceBook[_TraceRecord] = DeviceBook(device_id)
         self._seq = 0
         self._pending: list[_PendingRead] = []
-        self._allocations = 0
-        self._deallocations = 0
-        self._captures = 0
-        self._replays = 0
         self._mapper: Any = None
         self._composer: Any = None
         hardware.devices.append(self)
@@ -416,7 +411,7 @@ class TtnnDevice:
 
     def upload(self, host: torch.Tensor) -> Any:
         self._require_idle("upload")
-        _require_host("upload", host)
+        require_host("upload", host)
         return self._put("upload", host)
 
     def _put(self, op: str, host: torch.Tensor) -> Any:
@@ -435,19 +430,19 @@ class TtnnDevice:
             ),
         )
         self._owned[id(tensor)] = _Owned(tensor=tensor, plan=plan, shape=tuple(host.shape))
-        self._allocations += 1
+        self._book.allocations += 1
         return tensor
 
     def refresh(self, dst: Any, host: torch.Tensor) -> None:
         self._require_idle("refresh")
         self._require_device_tensor("refresh", dst)
-        _require_host("refresh", host)
+        require_host("refresh", host)
         owned = self._owned_record(dst)
         if owned is None:
             raise DeviceError(f"refresh: dst {self._describe(dst)} {self._owner_of(dst)}")
         if tuple(host.shape) != owned.shape or host.dtype != owned.plan.host_dtype:
             raise DeviceError(
-                f"refresh: host tensor {_describe_host(host)} does not match "
+                f"refresh: host tensor {describe_tensor(host)} does not match "
                 f"device tensor {self._describe(dst)}"
             )
         staged = self._stage("refresh", host, owned.plan)
@@ -480,7 +475,7 @@ class TtnnDevice:
         self._call("deallocate", "deallocate", lambda: self._tt.deallocate(tensor))
         if owned is not None:
             del self._owned[id(tensor)]
-            self._deallocations += 1
+            self._book.deallocations += 1
 
     # reads and events
 
@@ -496,7 +491,7 @@ class TtnnDevice:
         if blocking:
             return self._host_value(source, plan=plan, shape=shape)
         self._seq += 1
-        host = torch.full(shape, _poison(plan.host_dtype), dtype=plan.host_dtype)
+        host = torch.full(shape, poison(plan.host_dtype), dtype=plan.host_dtype)
         self._pending.append(
             _PendingRead(seq=self._seq, host=host, source=source, plan=plan, shape=shape)
         )
@@ -590,10 +585,8 @@ class TtnnDevice:
                 raise error from exc
         finally:
             self._busy = None
-        handle = TtnnTrace(trace_id=self._next_trace_id, device_id=self._id, outputs=outputs)
-        self._next_trace_id += 1
-        self._traces[handle.trace_id] = _TraceRecord(handle=handle, tt_trace_id=tt_trace_id)
-        self._captures += 1
+        handle = TtnnTrace(trace_id=self._book.next_trace_id(), device_id=self._id, outputs=outputs)
+        self._book.add_trace(_TraceRecord(handle=handle, tt_trace_id=tt_trace_id))
         return handle
 
     def _abort_capture(self, tt_trace_id: Any, *, primary: BaseException) -> None:
@@ -626,7 +619,7 @@ class TtnnDevice:
                 self._mesh, record.tt_trace_id, cq_id=self._options.cq_id, blocking=blocking
             ),
         )
-        self._replays += 1
+        self._book.replays += 1
 
     def release_trace(self, trace: Trace[Any]) -> None:
         record = self._trace_record("release_trace", trace)
@@ -637,46 +630,25 @@ class TtnnDevice:
             "release_trace",
             lambda: self._tt.release_trace(self._mesh, record.tt_trace_id),
         )
-        del self._traces[trace.trace_id]
-        self._released_trace_ids.add(trace.trace_id)
+        self._book.forget_trace(trace.trace_id)
 
     def _trace_record(self, op: str, trace: Trace[Any]) -> _TraceRecord | None:
-        """The live record of ``trace``, or None if it was released; raises if it is foreign."""
-        if self._busy is not None:
-            raise TraceStateError(f"{op}: not allowed during trace {self._busy} on {self._id}")
-        if trace.device_id != self._id:
-            raise TraceStateError(
-                f"{op}: trace {trace.trace_id} belongs to {trace.device_id}, not {self._id}"
-            )
-        if trace.trace_id in self._released_trace_ids:
-            return None
-        record = self._traces.get(trace.trace_id)
-        if record is None or record.handle is not trace:
-            raise TraceStateError(f"{op}: {trace!r} was not captured by {self._id}")
-        return record
+        return self._book.trace_record(op, trace, busy=self._busy)
 
     # accounting, lifetime and guards
 
     def stats(self) -> DeviceStats:
-        return DeviceStats(
-            live_tensors=self._allocations - self._deallocations,
-            live_traces=len(self._traces),
-            pending_reads=len(self._pending),
-            allocations=self._allocations,
-            deallocations=self._deallocations,
-            captures=self._captures,
-            replays=self._replays,
-        )
+        return self._book.stats(pending_reads=len(self._pending))
 
     @property
     def live_tensor_count(self) -> int:
         """Tensors from ``allocate``/``upload`` not yet deallocated."""
-        return self._allocations - self._deallocations
+        return self._book.live_tensors
 
     @property
     def live_trace_count(self) -> int:
         """Captured traces not yet released."""
-        return len(self._traces)
+        return len(self._book.traces)
 
     def close(self) -> None:
         """Release live traces (lanes first) and close the mesh if this device opened it.
@@ -691,7 +663,7 @@ class TtnnDevice:
                 lane.close()
             except CleanupError as exc:
                 failures.extend(exc.failures)
-        for record in list(self._traces.values()):
+        for record in list(self._book.traces.values()):
             try:
                 self.release_trace(record.handle)
             except Exception as exc:
@@ -915,17 +887,6 @@ def _submesh_shape(dims: tuple[int, ...], n: int) -> tuple[int, int]:
     )
 
 
-def _require_host(op: str, host: torch.Tensor) -> None:
-    if not isinstance(host, torch.Tensor) or host.device.type != "cpu":
-        shown = _describe_host(host) if isinstance(host, torch.Tensor) else type(host).__name__
-        raise DeviceError(f"{op}: expected a host (cpu) tensor, got {shown}")
-
-
-def _describe_host(tensor: torch.Tensor) -> str:
-    dtype = str(tensor.dtype).removeprefix("torch.")
-    return f"tensor(shape={tuple(tensor.shape)}, dtype={dtype}, device={tensor.device})"
-
-
 def _enum_name(value: Any) -> str:
     name = getattr(value, "name", None)
     return name if isinstance(name, str) else str(value).rsplit(".", 1)[-1]
@@ -934,15 +895,6 @@ def _enum_name(value: Any) -> str:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
-
-
-def _poison(dtype: torch.dtype) -> float | int | bool:
-    """A value no correct read returns by accident."""
-    if dtype.is_floating_point:
-        return float("nan")
-    if dtype == torch.bool:
-        return True
-    return torch.iinfo(dtype).max
 
 
 def _supported() -> str:
