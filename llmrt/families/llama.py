@@ -18,12 +18,12 @@ from torch import nn
 from llmrt.errors import CheckpointError
 from llmrt.families.base import ModelConfig
 from llmrt.families.causal_lm import PagedCausalLM
+from llmrt.families.hf_family import HFFamily
 from llmrt.families.hfconfig import HFConfig
 from llmrt.families.kvbinding import BoundKV
 from llmrt.families.layers import RMSNorm, frozen_embedding, frozen_linear
 from llmrt.families.paged_attention import DecodePlan, PrefillPlan, attend
 from llmrt.families.rope import RopeSpec, apply_rope, inverse_frequencies, read_rope, rope_tables
-from llmrt.families.tensors import check_tensors
 
 MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2")
 IGNORED_SUFFIXES: tuple[str, ...] = (".rotary_emb.inv_freq",)
@@ -345,42 +345,13 @@ def build_model(
     return PagedCausalLM(config=spec.model, backbone=backbone)
 
 
-@attrs.frozen(kw_only=True)
-class LlamaFamily:
-    """Builds ``PagedCausalLM`` models from HF-named Llama / Mistral / Qwen2 checkpoints."""
-
-    name: str = "llama"
-    model_types: tuple[str, ...] = MODEL_TYPES
-
-    def model_config(self, hf_config: Mapping[str, Any], *, dtype: torch.dtype) -> ModelConfig:
-        """The runtime-facing config of the model ``build`` would return."""
-        return read_spec(hf_config, dtype=dtype).model
-
-    def expected_tensors(self, hf_config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
-        """HF tensor names -> shapes this config needs (some may be ``optional_tensors``)."""
-        return expected_tensors(read_spec(hf_config, dtype=torch.float32))
-
-    def optional_tensors(self, hf_config: Mapping[str, Any]) -> frozenset[str]:
-        """Names in ``expected_tensors`` that may be absent."""
-        return optional_tensors(read_spec(hf_config, dtype=torch.float32))
-
-    def build(
-        self,
-        *,
-        hf_config: Mapping[str, Any],
-        tensors: Mapping[str, torch.Tensor],
-        dtype: torch.dtype,
-        device: torch.device | str,
-    ) -> PagedCausalLM:
-        """Validate config and every tensor, then build; raises ``CheckpointError`` first."""
-        spec = read_spec(hf_config, dtype=dtype)
-        used = check_tensors(
-            tensors=tensors,
-            expected=expected_tensors(spec),
-            optional=optional_tensors(spec),
-            ignored_suffixes=IGNORED_SUFFIXES,
-        )
-        return build_model(spec=spec, tensors=used, device=torch.device(device))
-
-
-FAMILY = LlamaFamily()
+#: The family the registry serves under ``llama``.
+FAMILY = HFFamily(
+    name="llama",
+    model_types=MODEL_TYPES,
+    read_spec=read_spec,
+    spec_tensors=expected_tensors,
+    spec_optional_tensors=optional_tensors,
+    build_model=build_model,
+    ignored_suffixes=IGNORED_SUFFIXES,
+)
