@@ -16,6 +16,7 @@ from typing import Any, cast
 import attrs
 import torch
 
+from llmrt.checks import first_outside
 from llmrt.compiled_step import DecodeStep, StepCompiler
 from llmrt.config import PageTableLayout
 from llmrt.device.base import Device
@@ -297,24 +298,24 @@ class DecodeRuntime:
     def _validate_rows(self, tok: torch.Tensor, pos: torch.Tensor, table: torch.Tensor) -> None:
         cfg = self.config
         bs = cfg.layout.block_size
-        bad_tok = ((tok < 0) | (tok >= cfg.vocab_size)).nonzero()
-        if bad_tok.numel():
-            r = int(bad_tok[0, 0])
+        bad_tok = first_outside(tok, low=0, high=cfg.vocab_size)
+        if bad_tok is not None:
+            (r,) = bad_tok
             raise RequestError(
                 "tokens", f"token id out of range [0, {cfg.vocab_size})", row=r, value=int(tok[r])
             )
-        bad_pos = ((pos < 0) | (pos >= cfg.layout.max_sequence_length)).nonzero()
-        if bad_pos.numel():
-            r = int(bad_pos[0, 0])
+        bad_pos = first_outside(pos, low=0, high=cfg.layout.max_sequence_length)
+        if bad_pos is not None:
+            (r,) = bad_pos
             raise RequestError(
                 "start_pos",
                 f"position out of range [0, {cfg.layout.max_sequence_length})",
                 row=r,
                 value=int(pos[r]),
             )
-        bad_blk = ((table < -1) | (table >= cfg.layout.num_blocks)).nonzero()
-        if bad_blk.numel():
-            r, c = int(bad_blk[0, 0]), int(bad_blk[0, 1])
+        bad_blk = first_outside(table, low=-1, high=cfg.layout.num_blocks)
+        if bad_blk is not None:
+            r, c = bad_blk
             raise RequestError(
                 "page_table",
                 f"block id at column {c} out of range [0, {cfg.layout.num_blocks}) (or -1 to skip)",

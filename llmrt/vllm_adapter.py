@@ -57,6 +57,7 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import torch
 
+from llmrt.checks import first_outside
 from llmrt.config import KV_DTYPES
 from llmrt.device.base import Device
 from llmrt.errors import ConfigError, IdentityError, RequestError
@@ -430,13 +431,14 @@ class VLLMAdapter:
                     "prompt_lens", f"exceeds max_model_len={cfg.max_model_len}", row=i, value=n
                 )
             prompt = tok[i, :n]
-            bad = ((prompt < 0) | (prompt >= cfg.vocab_size)).nonzero()
-            if bad.numel():
+            bad = first_outside(prompt, low=0, high=cfg.vocab_size)
+            if bad is not None:
+                (at,) = bad
                 raise RequestError(
                     "tokens",
-                    f"token id at position {int(bad[0, 0])} out of range [0, {cfg.vocab_size})",
+                    f"token id at position {at} out of range [0, {cfg.vocab_size})",
                     row=i,
-                    value=int(prompt[int(bad[0, 0])]),
+                    value=int(prompt[at]),
                 )
             if not 0 <= c < n or c % bs:
                 raise RequestError(
@@ -464,9 +466,9 @@ class VLLMAdapter:
                 )
             blocks = table[i, :need]
             physical = self.group.lanes[slot // cfg.lane_capacity].layout.num_blocks
-            invalid = ((blocks < 0) | (blocks >= physical)).nonzero()
-            if invalid.numel():
-                col = int(invalid[0, 0])
+            invalid = first_outside(blocks, low=0, high=physical)
+            if invalid is not None:
+                (col,) = invalid
                 raise RequestError(
                     "page_table",
                     f"block id at column {col} must be in [0, {physical})",
