@@ -7,6 +7,16 @@ from typing import Any
 
 import pytest
 import torch
+from family_checks import (  # noqa: F401 (shared parity tests, run here over CASES)
+    perturb,
+    test_cached_prefix_continuation_next_to_fresh_row,
+    test_capture_safe_path_without_host_syncs,
+    test_chunked_prefill,
+    test_padding_writes_nothing_outside_owned_slots,
+    test_ragged_batch_with_padding_row_and_ragged_decode_positions,
+    test_shared_prefix_blocks,
+    test_single_prompt,
+)
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from llmrt.families.gpt2 import FAMILY
@@ -25,13 +35,7 @@ COMMON: dict[str, Any] = {
 
 
 def _randomise(model: torch.nn.Module, *, seed: int) -> torch.nn.Module:
-    """Perturb LayerNorms and biases (HF initialises them to ones/zeros)."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("bias") or ".ln_" in name:
-                param.add_(torch.randn(param.shape, generator=generator) * 0.1)
-    return model.eval()
+    return perturb(model, seed=seed, is_norm=lambda name: ".ln_" in name)
 
 
 CASES: dict[str, Callable[[], torch.nn.Module]] = {
@@ -47,38 +51,6 @@ def harness(request: pytest.FixtureRequest, make_harness: Any) -> Any:
     torch.manual_seed(0)
     hf_model = _randomise(CASES[request.param](), seed=1)
     return make_harness(family=FAMILY, hf_model=hf_model)
-
-
-def test_single_prompt(harness: Any) -> None:
-    harness.check_single_prompt()
-
-
-def test_ragged_batch_with_padding_row_and_ragged_decode_positions(harness: Any) -> None:
-    harness.check_ragged_batch()
-
-
-def test_chunked_prefill(harness: Any) -> None:
-    harness.check_chunked_prefill()
-
-
-def test_cached_prefix_continuation_next_to_fresh_row(
-    harness: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    harness.check_cached_prefix(monkeypatch)
-
-
-def test_shared_prefix_blocks(harness: Any) -> None:
-    harness.check_shared_prefix_blocks()
-
-
-def test_padding_writes_nothing_outside_owned_slots(harness: Any) -> None:
-    harness.check_padding_writes_nothing()
-
-
-def test_capture_safe_path_without_host_syncs(
-    harness: Any, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    harness.check_capture_safe(monkeypatch)
 
 
 def test_bare_gpt2model_tensor_names_are_accepted(harness: Any) -> None:

@@ -1,0 +1,57 @@
+"""Parity checks every family module runs against transformers.
+
+A family's test module defines a ``harness`` fixture (one per HF case) and imports the
+``test_*`` functions below, so pytest runs each of them in that module over its cases.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+
+def perturb(
+    model: torch.nn.Module, *, seed: int, is_norm: Callable[[str], bool]
+) -> torch.nn.Module:
+    """Perturb norms and biases: HF initialises them to ones/zeros, which hides mistakes."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias") or is_norm(name):
+                param.add_(torch.randn(param.shape, generator=generator) * 0.1)
+    return model.eval()
+
+
+def test_single_prompt(harness: Any) -> None:
+    harness.check_single_prompt()
+
+
+def test_ragged_batch_with_padding_row_and_ragged_decode_positions(harness: Any) -> None:
+    harness.check_ragged_batch()
+
+
+def test_chunked_prefill(harness: Any) -> None:
+    harness.check_chunked_prefill()
+
+
+def test_cached_prefix_continuation_next_to_fresh_row(
+    harness: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    harness.check_cached_prefix(monkeypatch)
+
+
+def test_shared_prefix_blocks(harness: Any) -> None:
+    harness.check_shared_prefix_blocks()
+
+
+def test_padding_writes_nothing_outside_owned_slots(harness: Any) -> None:
+    harness.check_padding_writes_nothing()
+
+
+def test_capture_safe_path_without_host_syncs(
+    harness: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    harness.check_capture_safe(monkeypatch)
