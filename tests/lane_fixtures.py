@@ -12,7 +12,7 @@ Import with ``from lane_fixtures import ...`` (pytest puts ``tests/`` on ``sys.p
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import attrs
 import pytest
@@ -229,6 +229,55 @@ def _noop() -> None:
     return None
 
 
+class Runtimes(NamedTuple):
+    reader: OutputReader
+    prefill: PrefillRuntime
+    decode: DecodeRuntime
+    compiler: ProgramCompiler
+    eager: EagerExecutor
+
+
+def build_runtimes(
+    *,
+    model: CausalLM,
+    device: Device,
+    kv: PagedKVCacheManager,
+    layout: PageTableLayout,
+    lane_capacity: int,
+    max_batch_size: int,
+    batching_enabled: bool = True,
+) -> Runtimes:
+    """A lane's reader, prefill/decode runtimes, program compiler and eager executor over a
+    bound KV cache (fine buckets of 8, device sampling on)."""
+    reader = OutputReader(device=device)
+    prefill = PrefillRuntime(
+        PrefillRuntimeConfig.resolve(
+            model=model,
+            device=device,
+            output_reader=reader,
+            page_table_layout=layout,
+            lane_capacity=lane_capacity,
+            batching_enabled=batching_enabled,
+            max_batch_size=max_batch_size,
+            buckets="fine",
+            bucket_step=8,
+        )
+    )
+    decode = DecodeRuntime(
+        DecodeRuntimeConfig.resolve(
+            model=model,
+            device=device,
+            output_reader=reader,
+            lane_capacity=lane_capacity,
+            page_table_layout=layout,
+            device_sampling_enabled=True,
+        )
+    )
+    compiler = ProgramCompiler(device=device, kv_cache=kv)
+    eager = EagerExecutor(prefill=prefill, decode=decode, program_compiler=compiler)
+    return Runtimes(reader, prefill, decode, compiler, eager)
+
+
 def build_lane(
     *,
     model: CausalLM | None = None,
@@ -268,32 +317,15 @@ def build_lane(
         physical_num_blocks=num_blocks,
         max_prefill_chunk_size=max_chunk,
     )
-    reader = OutputReader(device=port)
-    prefill = PrefillRuntime(
-        PrefillRuntimeConfig.resolve(
-            model=model,
-            device=port,
-            output_reader=reader,
-            page_table_layout=layout,
-            lane_capacity=lane_capacity,
-            batching_enabled=batching_enabled,
-            max_batch_size=max_batch_size,
-            buckets="fine",
-            bucket_step=8,
-        )
+    reader, prefill, decode, compiler, executor = build_runtimes(
+        model=model,
+        device=port,
+        kv=kv,
+        layout=layout,
+        lane_capacity=lane_capacity,
+        max_batch_size=max_batch_size,
+        batching_enabled=batching_enabled,
     )
-    decode = DecodeRuntime(
-        DecodeRuntimeConfig.resolve(
-            model=model,
-            device=port,
-            output_reader=reader,
-            lane_capacity=lane_capacity,
-            page_table_layout=layout,
-            device_sampling_enabled=True,
-        )
-    )
-    compiler = ProgramCompiler(device=port, kv_cache=kv)
-    executor = EagerExecutor(prefill=prefill, decode=decode, program_compiler=compiler)
     return Lane(
         model=model,
         device=port,

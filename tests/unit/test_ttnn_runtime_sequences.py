@@ -17,16 +17,16 @@ from typing import Any
 import attrs
 import pytest
 import torch
+from lane_fixtures import build_runtimes
 
 from llmrt.config import PagedKVCacheConfig, PageTableLayout, TraceConfig, WarmupConfig
-from llmrt.decode import DecodeOutput, DecodeOutputLease, DecodeRuntime, DecodeRuntimeConfig
+from llmrt.decode import DecodeOutput, DecodeOutputLease, DecodeRuntime
 from llmrt.device.ttnn import TtnnDevice
 from llmrt.errors import CleanupError, DeviceError
 from llmrt.execution import EagerExecutor, TracedExecutor
 from llmrt.model_executor import CLEANUP_STEPS, ModelExecutor
 from llmrt.output_reader import OutputReader
 from llmrt.paged_kv_cache import PagedKVCacheManager
-from llmrt.prefill.config import PrefillRuntimeConfig
 from llmrt.prefill.plan import PrefillRow
 from llmrt.prefill.runtime import PrefillRuntime
 from llmrt.program_compiler import ProgramCompiler
@@ -110,31 +110,9 @@ def build_lane(*, trace_mode: str = "none", fake: FakeTtnn | None = None) -> TtL
         physical_num_blocks=NUM_BLOCKS,
         max_prefill_chunk_size=16,
     )
-    reader = OutputReader(device=device)
-    prefill = PrefillRuntime(
-        PrefillRuntimeConfig.resolve(
-            model=model,
-            device=device,
-            output_reader=reader,
-            page_table_layout=layout,
-            lane_capacity=CAPACITY,
-            max_batch_size=2,
-            buckets="fine",
-            bucket_step=8,
-        )
+    reader, prefill, decode, compiler, eager = build_runtimes(
+        model=model, device=device, kv=kv, layout=layout, lane_capacity=CAPACITY, max_batch_size=2
     )
-    decode = DecodeRuntime(
-        DecodeRuntimeConfig.resolve(
-            model=model,
-            device=device,
-            output_reader=reader,
-            lane_capacity=CAPACITY,
-            page_table_layout=layout,
-            device_sampling_enabled=True,
-        )
-    )
-    compiler = ProgramCompiler(device=device, kv_cache=kv)
-    eager = EagerExecutor(prefill=prefill, decode=decode, program_compiler=compiler)
     lane = TtLane(
         fake=fake,
         device=device,
