@@ -22,6 +22,7 @@ from llmrt.config import (
     WarmupConfig,
 )
 from llmrt.errors import RecipeError
+from llmrt.families.layers import LinearKernelChoice
 from llmrt.prefill.buckets import FINE_DEFAULT_STEP, SeqLenBuckets
 
 CheckpointFormat = Literal["random", "safetensors", "gguf"]
@@ -267,7 +268,8 @@ class DeviceSpec:
 
     ``kind``/``index`` pick a torch device (``kind`` None means cpu); ``mesh_shape`` is
     the ttnn mesh (rows, cols) the lanes split. ``num_threads`` sets torch's intra-op
-    threads (None keeps torch's default).
+    threads (None keeps torch's default). ``linear`` picks the matmul kernel of the
+    model's linear layers (``auto``: oneDNN for float32 on CPU, aten otherwise).
     """
 
     backend: Backend = "torch"
@@ -277,9 +279,11 @@ class DeviceSpec:
     compile: CompileMode = "eager"
     inductor: InductorSpec = attrs.Factory(InductorSpec)
     num_threads: int | None = None
+    linear: LinearKernelChoice = "auto"
 
     def __attrs_post_init__(self) -> None:
         _one_of("device.backend", self.backend, Backend)
+        _one_of("device.linear", self.linear, LinearKernelChoice)
         if self.kind is not None:
             _one_of("device.kind", self.kind, DeviceKind)
         _non_negative_int("device.index", self.index)
@@ -305,6 +309,12 @@ class DeviceSpec:
                 self.index,
                 "must be 0 for a cpu device",
             )
+            _check(
+                self.kind != "cuda" or self.linear != "onednn",
+                "device.linear",
+                self.linear,
+                "onednn is a cpu kernel (use auto or aten with device.kind=cuda)",
+            )
         else:
             _check(
                 self.kind is None,
@@ -317,6 +327,12 @@ class DeviceSpec:
                 "device.compile",
                 self.compile,
                 "must be eager with device.backend=ttnn",
+            )
+            _check(
+                self.linear == "auto",
+                "device.linear",
+                self.linear,
+                "is only used with device.backend=torch",
             )
             if self.mesh_shape is not None:
                 _check(

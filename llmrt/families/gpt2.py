@@ -1,7 +1,7 @@
 """The GPT-2 family on paged KV: learned positions, LayerNorm, MHA, GELU MLP, biases.
 
 HF GPT-2 stores its projections as ``Conv1D`` weights ``[in, out]``; they are
-transposed to ``[out, in]`` once at load so every matmul is a plain ``F.linear``.
+transposed to ``[out, in]`` once at load so every matmul is a plain linear.
 """
 
 from __future__ import annotations
@@ -20,7 +20,12 @@ from llmrt.families.causal_lm import PagedCausalLM
 from llmrt.families.hf_family import HFFamily
 from llmrt.families.hfconfig import HFConfig
 from llmrt.families.kvbinding import BoundKV
-from llmrt.families.layers import frozen_embedding, frozen_layer_norm, frozen_linear
+from llmrt.families.layers import (
+    FrozenLinear,
+    frozen_embedding,
+    frozen_layer_norm,
+    frozen_linear,
+)
 from llmrt.families.paged_attention import DecodePlan, PrefillPlan, attend
 
 MODEL_TYPES: tuple[str, ...] = ("gpt2",)
@@ -156,11 +161,11 @@ class GPT2Block(nn.Module):
         self,
         *,
         ln_1: nn.LayerNorm,
-        c_attn: nn.Linear,
-        attn_proj: nn.Linear,
+        c_attn: FrozenLinear,
+        attn_proj: FrozenLinear,
         ln_2: nn.LayerNorm,
-        c_fc: nn.Linear,
-        mlp_proj: nn.Linear,
+        c_fc: FrozenLinear,
+        mlp_proj: FrozenLinear,
         num_heads: int,
         head_dim: int,
         attn_scale: float,
@@ -208,7 +213,7 @@ class GPT2Backbone(nn.Module):
         wpe: nn.Embedding,
         h: list[GPT2Block],
         ln_f: nn.LayerNorm,
-        lm_head: nn.Linear,
+        lm_head: FrozenLinear,
     ) -> None:
         super().__init__()
         self.spec = spec
@@ -267,7 +272,7 @@ def build_model(
     def take(name: str) -> torch.Tensor:
         return tensors[name].to(device=device, dtype=dtype).contiguous()
 
-    def conv1d(prefix: str) -> nn.Linear:
+    def conv1d(prefix: str) -> FrozenLinear:
         weight = tensors[prefix + ".weight"].to(device=device, dtype=dtype).t().contiguous()
         return frozen_linear(weight=weight, bias=take(prefix + ".bias"))
 

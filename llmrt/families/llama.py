@@ -21,7 +21,7 @@ from llmrt.families.causal_lm import PagedCausalLM
 from llmrt.families.hf_family import HFFamily
 from llmrt.families.hfconfig import HFConfig
 from llmrt.families.kvbinding import BoundKV
-from llmrt.families.layers import RMSNorm, frozen_embedding, frozen_linear
+from llmrt.families.layers import FrozenLinear, RMSNorm, frozen_embedding, frozen_linear
 from llmrt.families.paged_attention import DecodePlan, PrefillPlan, attend
 from llmrt.families.rope import RopeSpec, apply_rope, inverse_frequencies, read_rope, rope_tables
 
@@ -183,11 +183,11 @@ class LlamaBlock(nn.Module):
         self,
         *,
         input_layernorm: RMSNorm,
-        qkv_proj: nn.Linear,
-        o_proj: nn.Linear,
+        qkv_proj: FrozenLinear,
+        o_proj: FrozenLinear,
         post_attention_layernorm: RMSNorm,
-        gate_up_proj: nn.Linear,
-        down_proj: nn.Linear,
+        gate_up_proj: FrozenLinear,
+        down_proj: FrozenLinear,
         num_heads: int,
         num_kv_heads: int,
         head_dim: int,
@@ -236,7 +236,7 @@ class LlamaBackbone(nn.Module):
         embed_tokens: nn.Embedding,
         layers: list[LlamaBlock],
         norm: RMSNorm,
-        lm_head: nn.Linear,
+        lm_head: FrozenLinear,
     ) -> None:
         super().__init__()
         self.spec = spec

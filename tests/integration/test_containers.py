@@ -15,6 +15,7 @@ from llmrt.containers import LaneContainer, factories
 from llmrt.device.base import Device
 from llmrt.errors import IdentityError
 from llmrt.execution import EagerExecutor
+from llmrt.families.layers import FrozenLinear, onednn_linear_available
 from llmrt.lifecycle import object_id
 from llmrt.prefill.plan import PrefillRow
 from llmrt.program_compiler import ProgramCompiler
@@ -46,6 +47,17 @@ def test_every_bundled_recipe_has_a_build_test() -> None:
 
 
 # -- tiny recipes ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("choice", ["auto", "aten"])
+def test_recipe_device_linear_picks_the_kernel_of_every_linear_layer(
+    build: Callable[..., Runtime], choice: str
+) -> None:
+    runtime = build("tiny-llama", [f"device.linear={choice}"])
+    model = runtime.group.lanes[0].decode.config.model
+    kernels = {m.kernel for m in model.modules() if isinstance(m, FrozenLinear)}
+    onednn = choice == "auto" and onednn_linear_available()
+    assert kernels == {"onednn" if onednn else "aten"}
 
 
 @pytest.mark.parametrize("recipe", ["tiny-llama", "tiny-gpt2"])

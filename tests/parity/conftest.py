@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from llmrt.families.base import CausalLM, Family
+from llmrt.families.layers import resolve_linear_kernel, use_linear_kernel
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 160
@@ -394,7 +395,11 @@ HarnessFactory = Callable[..., Harness]
 
 @pytest.fixture(scope="module")
 def make_harness() -> HarnessFactory:
-    """Build an llmrt model from an HF model's ``state_dict`` + ``config.to_dict()``."""
+    """Build an llmrt model from an HF model's ``state_dict`` + ``config.to_dict()``.
+
+    The linear layers use the kernel a recipe's ``device.linear: auto`` picks (oneDNN on
+    CPU where torch has it), so parity covers the serving path.
+    """
 
     def make(*, family: Family, hf_model: Any, seed: int = 0) -> Harness:
         hf_model.eval()
@@ -404,6 +409,9 @@ def make_harness() -> HarnessFactory:
             dtype=torch.float32,
             device="cpu",
         )
+        kernel = resolve_linear_kernel("auto", device=torch.device("cpu"), dtype=torch.float32)
+        for _, module in model.iter_executor_named_modules():
+            use_linear_kernel(module, kernel=kernel)
         return Harness(
             hf_model=hf_model, model=model, vocab_size=model.config.vocab_size, seed=seed
         )

@@ -1,0 +1,82 @@
+"""FrozenLinear kernels: oneDNN agrees with aten, the kernel choice, and compiled calls."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from llmrt.errors import ConfigError
+from llmrt.families.layers import (
+    FrozenLinear,
+    onednn_linear_available,
+    resolve_linear_kernel,
+    use_linear_kernel,
+)
+
+needs_onednn = pytest.mark.skipif(not onednn_linear_available(), reason="torch without oneDNN")
+
+CPU = torch.device("cpu")
+
+
+def _layer(*, bias: bool, dtype: torch.dtype = torch.float32, seed: int = 0) -> FrozenLinear:
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(48, 40, generator=g).to(dtype)
+    b = torch.randn(48, generator=g).to(dtype) if bias else None
+    return FrozenLinear(weight=weight, bias=b)
+
+
+@needs_onednn
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize(
+    "shape", [(5, 40), (2, 3, 40), (0, 40)], ids=["2d", "3d", "empty"]
+)
+def test_onednn_matches_aten(bias: bool, shape: tuple[int, ...]) -> None:
+    layer = _layer(bias=bias)
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(1))
+    expected = layer(x)
+    layer.kernel = "onednn"
+    got = layer(x)
+    assert got.shape == expected.shape == (*shape[:-1], 48)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+
+
+@needs_onednn
+def test_onednn_accepts_a_non_contiguous_input() -> None:
+    layer = _layer(bias=True)
+    x = torch.randn(3, 40, 7).transpose(1, 2)
+    assert not x.is_contiguous()
+    expected = layer(x)
+    layer.kernel = "onednn"
+    torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-4)
+
+
+@needs_onednn
+def test_onednn_runs_under_torch_compile_as_an_opaque_op() -> None:
+    layer = _layer(bias=True)
+    layer.kernel = "onednn"
+    x = torch.randn(4, 40)
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x), layer(x))
+
+
+def test_auto_picks_onednn_for_float32_on_cpu_only() -> None:
+    fp32 = resolve_linear_kernel("auto", device=CPU, dtype=torch.float32)
+    assert fp32 == ("onednn" if onednn_linear_available() else "aten")
+    assert resolve_linear_kernel("auto", device=CPU, dtype=torch.bfloat16) == "aten"
+    cuda = torch.device("cuda", 0)
+    assert resolve_linear_kernel("auto", device=cuda, dtype=torch.float32) == "aten"
+    assert resolve_linear_kernel("aten", device=CPU, dtype=torch.float32) == "aten"
+
+
+def test_onednn_off_cpu_or_an_unknown_kernel_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match=r"device\.linear.*needs a cpu device"):
+        resolve_linear_kernel("onednn", device=torch.device("cuda", 0), dtype=torch.float32)
+    with pytest.raises(ConfigError, match=r"device\.linear.*must be one of"):
+        resolve_linear_kernel("blas", device=CPU, dtype=torch.float32)  # type: ignore[arg-type]
+
+
+def test_use_linear_kernel_sets_every_linear_under_a_module() -> None:
+    tree = torch.nn.Sequential(_layer(bias=False), torch.nn.ReLU(), _layer(bias=True, seed=1))
+    assert use_linear_kernel(tree, kernel="onednn") == 2
+    assert [m.kernel for m in tree if isinstance(m, FrozenLinear)] == ["onednn", "onednn"]
+    assert "kernel=onednn" in repr(tree[0])
