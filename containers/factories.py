@@ -225,6 +225,7 @@ def build_prefill(
         device_sampling_enabled=recipe.decode.device_sampling,
         wave_batch_sizes=tuple(sorted({1, *recipe.warmup.prefill_batch_sizes})),
         max_wave_seq_len=min(recipe.warmup.prefill_seq_lens),
+        wave_rules=recipe.wave_rules,
         lane=lane,
     )
     runtime = PrefillRuntime(config, step_compiler=steps)

@@ -24,6 +24,7 @@ from llmrt.config import (
 from llmrt.errors import RecipeError
 from llmrt.families.layers import LinearKernelChoice
 from llmrt.prefill.buckets import FINE_DEFAULT_STEP, SeqLenBuckets
+from llmrt.prefill.plan import WaveRules
 
 CheckpointFormat = Literal["random", "safetensors", "gguf"]
 CheckpointDType = Literal["float32", "bfloat16"]
@@ -356,7 +357,11 @@ class PrefillSpec:
 
     ``seq_len_buckets`` is ``tile`` (powers of two from 128: fewer programs) or ``fine``
     (multiples of ``fine_step``: less padding, more programs); both cap at
-    ``max_chunk_size``, since longer prefills are chunked.
+    ``max_chunk_size``, since longer prefills are chunked. ``wave_rules`` is ``spec`` (a
+    bucket with a prefix-cached prompt, or more prompts than the largest wave, runs row
+    by row) or ``packed`` (cached prompts join waves; a large bucket becomes several
+    waves); None picks packed for the torch backend and spec for ttnn, whose batched
+    prefill takes one start offset for the whole wave.
     """
 
     max_chunk_size: int = 512
@@ -364,10 +369,13 @@ class PrefillSpec:
     max_batch_size: int = 8
     seq_len_buckets: SeqLenBucketKind = "tile"
     fine_step: int = FINE_DEFAULT_STEP
+    wave_rules: WaveRules | None = None
 
     def __attrs_post_init__(self) -> None:
         _positive_int("prefill.max_chunk_size", self.max_chunk_size)
         _bool("prefill.batched", self.batched)
+        if self.wave_rules is not None:
+            _one_of("prefill.wave_rules", self.wave_rules, WaveRules)
         _check(
             self.max_batch_size in PREFILL_BATCH_SIZES and _is_int(self.max_batch_size),
             "prefill.max_batch_size",
@@ -461,6 +469,13 @@ class Recipe:
     def decode_slots(self) -> int:
         """Decode slots over all lanes."""
         return self.lanes * self.decode.lane_capacity
+
+    @property
+    def wave_rules(self) -> WaveRules:
+        """The prefill wave rules in force (``prefill.wave_rules``, None resolved)."""
+        if self.prefill.wave_rules is None:
+            return "packed" if self.device.backend == "torch" else "spec"
+        return self.prefill.wave_rules
 
     @property
     def max_num_seqs(self) -> int:
@@ -591,6 +606,12 @@ class Recipe:
 
     def _check_placement(self) -> None:
         _positive_int("lanes", self.lanes)
+        _check(
+            self.device.backend == "torch" or self.prefill.wave_rules != "packed",
+            "prefill.wave_rules",
+            self.prefill.wave_rules,
+            "packed needs device.backend=torch (a ttnn wave has one start offset)",
+        )
         mesh = self.device.mesh_shape
         if self.device.backend == "ttnn" and mesh is not None:
             chips = math.prod(mesh)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 
 import attrs
 import torch
@@ -22,7 +23,7 @@ from llmrt.decode import PreparedDecode
 from llmrt.errors import ConfigError, IdentityError
 from llmrt.execution import EagerExecutor, TracedExecutor
 from llmrt.lifecycle import component_logger, emit
-from llmrt.prefill.plan import BATCHED_PREFILL_TOKEN_LIMIT, PrefillRow
+from llmrt.prefill.plan import BATCHED_PREFILL_TOKEN_LIMIT, PrefillPlanPolicy, PrefillRow
 from llmrt.prefill.signatures import PreparedPrefill
 
 MANIFEST_SCHEMA = 1
@@ -92,7 +93,8 @@ class WarmupCoordinatorConfig:
             # Once traces are active the compile gate is closed, so every geometry the planner
             # can produce must be compiled now, whether that operation replays a trace or runs
             # eagerly: each bucket length single-row, with and without a cached prefix, and
-            # every warmed wave size at each bucket length up to the planner's wave limit.
+            # every warmed wave size at each bucket length up to the planner's wave limit
+            # (also with cached rows where they join waves).
             limit = prefill.layout.max_sequence_length - prefill.layout.block_size
             waves = policy.wave_batch_sizes
             for n in policy.buckets.lengths():
@@ -100,17 +102,21 @@ class WarmupCoordinatorConfig:
                 if n <= limit:
                     coverage.append(PrefillCoverage(seq_len=n, batch_size=1, variant="chunked"))
                 if policy.max_wave_seq_len is None or n <= policy.max_wave_seq_len:
+                    variants = ["regular"]
+                    if policy.wave_rules == "packed" and n <= limit:
+                        variants.append("chunked")
                     coverage.extend(
-                        PrefillCoverage(seq_len=n, batch_size=b, variant="regular")
+                        PrefillCoverage(seq_len=n, batch_size=b, variant=variant)
                         for b in waves
                         if 1 < b <= min(policy.max_batch_size, policy.lane_capacity)
                         and b * n < BATCHED_PREFILL_TOKEN_LIMIT
+                        for variant in variants
                     )
         coverage = sorted(set(coverage), key=lambda c: (c.variant, c.seq_len, c.batch_size))
         return cls(
             warmup=warmup,
             trace=trace,
-            prefill_coverage=tuple(coverage),
+            prefill_coverage=_that_fit(coverage, layout=prefill.layout, policy=policy),
             layout=prefill.layout,
             lane_capacity=prefill.lane_capacity,
             lane=lane,
@@ -189,9 +195,18 @@ class WarmupCoordinator:
         self._log = component_logger("warmup", lane=config.lane, object_id=f"{id(self):#x}")
 
     def configure_page_table_layout(self, layout: PageTableLayout) -> None:
-        """Adopt the late physical layout (shrink only) before any warmup ran."""
+        """Adopt the late physical layout (shrink only) before any warmup ran.
+
+        Geometries whose smallest instance no longer fits the KV pool are dropped: the
+        planner can never form them.
+        """
         self.config.layout.check_replacement(layout)
-        self.config = attrs.evolve(self.config, layout=layout)
+        coverage = _that_fit(
+            self.config.prefill_coverage,
+            layout=layout,
+            policy=self._eager.prefill.config.policy,
+        )
+        self.config = attrs.evolve(self.config, layout=layout, prefill_coverage=coverage)
 
     @property
     def ready(self) -> bool:
@@ -244,18 +259,26 @@ class WarmupCoordinator:
     # -- representative inputs -----------------------------------------------------------
 
     def _representative_prefill(self, cov: PrefillCoverage) -> PreparedPrefill:
+        """The smallest call planned as ``cov``: rows of the shortest length padding to it.
+
+        Cached rows share one read-only prefix block, as prefix-cache hits do.
+        """
         runtime = self._eager.prefill
         bs = self.config.layout.block_size
+        new = _shortest_new_tokens(cov, policy=runtime.config.policy)
         cached = bs if cov.variant == "chunked" else 0
-        length = cached + cov.seq_len
-        per_row = -(-length // bs)
+        prefix = cached // bs
+        per_row = -(-new // bs)
         rows = [
             PrefillRow(
                 source_row=i,
-                tokens=torch.zeros(length, dtype=torch.int64),
+                tokens=torch.zeros(cached + new, dtype=torch.int64),
                 cached_tokens=cached,
                 slot=i,
-                block_ids=tuple(range(i * per_row, (i + 1) * per_row)),
+                block_ids=(
+                    *range(prefix),
+                    *range(prefix + i * per_row, prefix + (i + 1) * per_row),
+                ),
             )
             for i in range(cov.batch_size)
         ]
@@ -313,6 +336,25 @@ class WarmupCoordinator:
                 }
             ),
         )
+
+
+def _shortest_new_tokens(cov: PrefillCoverage, *, policy: PrefillPlanPolicy) -> int:
+    """The fewest new tokens per row that still pad to ``cov.seq_len``."""
+    shorter = [n for n in policy.buckets.lengths() if n < cov.seq_len]
+    return shorter[-1] + 1 if shorter else 1
+
+
+def _that_fit(
+    coverage: Sequence[PrefillCoverage], *, layout: PageTableLayout, policy: PrefillPlanPolicy
+) -> tuple[PrefillCoverage, ...]:
+    """The geometries whose smallest instance fits ``layout``'s KV pool (others never form)."""
+    bs = layout.block_size
+
+    def blocks(cov: PrefillCoverage) -> int:
+        prefix = 1 if cov.variant == "chunked" else 0
+        return prefix + cov.batch_size * -(-_shortest_new_tokens(cov, policy=policy) // bs)
+
+    return tuple(c for c in coverage if blocks(c) <= layout.num_blocks)
 
 
 def _without_kv_writes(prepared: PreparedPrefill) -> PreparedPrefill:

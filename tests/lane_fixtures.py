@@ -29,7 +29,7 @@ from llmrt.families.registry import get_family
 from llmrt.output_reader import OutputReader
 from llmrt.paged_kv_cache import PagedKVCacheContext, PagedKVCacheManager
 from llmrt.prefill.config import PrefillRuntimeConfig
-from llmrt.prefill.plan import PrefillRow
+from llmrt.prefill.plan import PrefillRow, WaveRules
 from llmrt.prefill.result_collector import PrefillOutput
 from llmrt.prefill.runtime import PrefillRuntime, TokenHistory
 from llmrt.program_compiler import ProgramCompiler
@@ -246,6 +246,7 @@ def build_runtimes(
     lane_capacity: int,
     max_batch_size: int,
     batching_enabled: bool = True,
+    wave_rules: WaveRules = "spec",
 ) -> Runtimes:
     """A lane's reader, prefill/decode runtimes, program compiler and eager executor over a
     bound KV cache (fine buckets of 8, device sampling on)."""
@@ -261,6 +262,7 @@ def build_runtimes(
             max_batch_size=max_batch_size,
             buckets="fine",
             bucket_step=8,
+            wave_rules=wave_rules,
         )
     )
     decode = DecodeRuntime(
@@ -289,6 +291,7 @@ def build_lane(
     batching_enabled: bool = True,
     max_batch_size: int = 8,
     kv_fill_seed: int | None = 1,
+    wave_rules: WaveRules = "spec",
 ) -> Lane:
     """Assemble a lane over ``device`` (default a fresh ``TorchDevice("cpu")``)."""
     model = tiny_llama() if model is None else model
@@ -325,6 +328,7 @@ def build_lane(
         lane_capacity=lane_capacity,
         max_batch_size=max_batch_size,
         batching_enabled=batching_enabled,
+        wave_rules=wave_rules,
     )
     return Lane(
         model=model,

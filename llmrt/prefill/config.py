@@ -10,7 +10,7 @@ from llmrt.errors import ConfigError, IdentityError
 from llmrt.families.base import CausalLM
 from llmrt.output_reader import OutputReader
 from llmrt.prefill.buckets import FINE_DEFAULT_STEP
-from llmrt.prefill.plan import PrefillPlanPolicy
+from llmrt.prefill.plan import PrefillPlanPolicy, WaveRules
 
 
 @attrs.frozen(kw_only=True)
@@ -31,6 +31,7 @@ class PrefillRuntimeConfig:
     bucket_step: int
     wave_batch_sizes: tuple[int, ...] = PREFILL_BATCH_SIZES
     max_wave_seq_len: int | None = None
+    wave_rules: WaveRules = "spec"
     lane: int = 0
 
     @classmethod
@@ -49,11 +50,13 @@ class PrefillRuntimeConfig:
         device_sampling_enabled: bool = True,
         wave_batch_sizes: tuple[int, ...] = PREFILL_BATCH_SIZES,
         max_wave_seq_len: int | None = None,
+        wave_rules: WaveRules = "spec",
         lane: int = 0,
     ) -> PrefillRuntimeConfig:
         """``wave_batch_sizes`` / ``max_wave_seq_len``: the padded waves warmup covers (the
         configured warmup batch sizes at the shortest warmup length), so the planner never
-        forms a wave whose program was not compiled before the compile gate closed."""
+        forms a wave whose program was not compiled before the compile gate closed.
+        ``wave_rules``: the spec's or ``packed`` (cached rows in waves, large buckets split)."""
         if output_reader.borrowed_device is not device:
             raise IdentityError(
                 "prefill output reader uses the lane device", output_reader.borrowed_device, device
@@ -72,6 +75,7 @@ class PrefillRuntimeConfig:
             bucket_step=bucket_step,
             wave_batch_sizes=wave_batch_sizes,
             max_wave_seq_len=max_wave_seq_len,
+            wave_rules=wave_rules,
         )
         return cls(
             model=model,
@@ -88,6 +92,7 @@ class PrefillRuntimeConfig:
             bucket_step=bucket_step,
             wave_batch_sizes=wave_batch_sizes,
             max_wave_seq_len=max_wave_seq_len,
+            wave_rules=wave_rules,
             lane=lane,
         )
 
@@ -103,6 +108,7 @@ class PrefillRuntimeConfig:
         bucket_step: int,
         wave_batch_sizes: tuple[int, ...],
         max_wave_seq_len: int | None,
+        wave_rules: WaveRules,
     ) -> PrefillPlanPolicy:
         return PrefillPlanPolicy.from_layout(
             layout,
@@ -115,6 +121,7 @@ class PrefillRuntimeConfig:
             bucket_step=bucket_step,
             wave_batch_sizes=tuple(b for b in wave_batch_sizes if b <= max_batch_size) or (1,),
             max_wave_seq_len=max_wave_seq_len,
+            wave_rules=wave_rules,
         )
 
     def with_layout(self, layout: PageTableLayout) -> PrefillRuntimeConfig:
@@ -130,5 +137,6 @@ class PrefillRuntimeConfig:
             bucket_step=self.bucket_step,
             wave_batch_sizes=self.wave_batch_sizes,
             max_wave_seq_len=self.max_wave_seq_len,
+            wave_rules=self.wave_rules,
         )
         return attrs.evolve(self, layout=layout, policy=policy)

@@ -8,9 +8,13 @@ prompt token. The runtime consumes the plan and never re-derives these choices;
 there is no separate cached-prefill or chunked-prefill path.
 
 Rows are bucketed by padded new-token length (cached rows included), and the
-spec's rules decide per bucket: one padded wave, or one request per row. A bucket
-holding any cached row runs sequentially as a whole; cached rows are always
-chunked requests.
+spec's rules decide per bucket: one padded wave, or one request per row. Under the
+spec's ``wave_rules`` a bucket holding any cached row, or more rows than the largest
+allowed wave, runs sequentially as a whole, and cached rows are chunked requests.
+``packed`` rules (torch backends, whose prefill takes a start offset per row) let
+cached rows whose new tokens fit one chunk join waves like any other row, and split a
+large bucket into several full waves: prompts sharing a cached prefix, or many short
+prompts arriving together, are then prefilled a wave at a time instead of row by row.
 
 Slots are lane-local: routing rows to lanes happens above, in the lane group.
 Tensors in a plan are CPU tensors owned by the plan; treat them as read-only
@@ -44,6 +48,10 @@ SKIP_BLOCK = -1
 CHUNKED_TABLE_FILLER = 0
 
 RequestKind = Literal["single", "batched", "chunked"]
+
+#: ``spec``: the Common runtime's wave rules. ``packed``: cached rows join waves and a
+#: bucket larger than the largest wave is split into full waves (see the module doc).
+WaveRules = Literal["spec", "packed"]
 
 #: Why a row was planned as its own request although its bucket held several rows.
 SequentialReason = Literal[
@@ -94,6 +102,8 @@ class PrefillPlanPolicy:
     """Physical sizes a padded wave may take (the warmed ones); a wave rounds up to the next."""
     max_wave_seq_len: int | None = None
     """Padded waves only at or below this padded length (the spec's Q128 rule); None: any."""
+    wave_rules: WaveRules = "spec"
+    """``packed``: cached rows join waves and large buckets split into several waves."""
 
     def __attrs_post_init__(self) -> None:
         for name in (
@@ -129,9 +139,19 @@ class PrefillPlanPolicy:
             self.max_batch_size,
             f"must be one of {PREFILL_BATCH_SIZES}",
         )
-        for name in ("batching_supported", "batching_enabled", "model_extracts_batched_outputs"):
+        for name in (
+            "batching_supported",
+            "batching_enabled",
+            "model_extracts_batched_outputs",
+        ):
             value = getattr(self, name)
             _require(isinstance(value, bool), f"prefill_plan.{name}", value, "must be a bool")
+        _require(
+            self.wave_rules in ("spec", "packed"),
+            "prefill_plan.wave_rules",
+            self.wave_rules,
+            "must be spec or packed",
+        )
         _require(
             len(self.wave_batch_sizes) > 0
             and all(b in PREFILL_BATCH_SIZES for b in self.wave_batch_sizes)
@@ -174,6 +194,7 @@ class PrefillPlanPolicy:
         bucket_step: int = FINE_DEFAULT_STEP,
         wave_batch_sizes: tuple[int, ...] = PREFILL_BATCH_SIZES,
         max_wave_seq_len: int | None = None,
+        wave_rules: WaveRules = "spec",
     ) -> PrefillPlanPolicy:
         """Policy over ``layout``'s geometry; ``buckets`` is a named default or a policy value."""
         if isinstance(buckets, str):
@@ -194,6 +215,7 @@ class PrefillPlanPolicy:
             model_extracts_batched_outputs=model_extracts_batched_outputs,
             wave_batch_sizes=wave_batch_sizes,
             max_wave_seq_len=max_wave_seq_len,
+            wave_rules=wave_rules,
         )
 
     @property
@@ -223,9 +245,10 @@ class PrefillChunk:
     """One model step of a prefill request, in padded device geometry.
 
     ``token_start``/``token_end`` are absolute prompt positions of the step (for a
-    batched wave: 0 and the longest row's length; per-row lengths are in
-    ``seq_lens``). ``page_table`` is the table the model uses for this step: the
-    regular table, or a chunk's fill-only table (``-1`` after the chunk end).
+    batched wave: the smallest cached offset, 0 without cached rows, and the longest
+    row's length; per-row offsets and lengths are in ``start_positions``/``seq_lens``).
+    ``page_table`` is the table the model uses for this step: the regular table, or a
+    chunk's fill-only table (``-1`` after the chunk end).
     Padding rows have zero tokens, ``seq_lens`` 0, ``last_token_index`` 0 and
     an all ``-1`` page table.
     """
@@ -248,8 +271,9 @@ class PrefillRequest:
     """One planned prefill execution: a single row, a padded batched wave, or chunks.
 
     ``single``: one uncached prompt within the chunk size, one step. ``batched``: a
-    whole bucket of uncached prompts as one padded wave. ``chunked``: one cached
-    or longer-than-chunk prompt as one or more chunk steps.
+    bucket of prompts (or, under ``packed`` wave rules, part of one, cached rows
+    included) as one padded wave. ``chunked``: one cached or longer-than-chunk prompt
+    as one or more chunk steps.
 
     Logical activity lives in the tuples (one entry per active row, in batch-row
     order); tensors use the padded geometry. ``page_table`` is the full-request
@@ -340,8 +364,18 @@ def plan_prefill(
         buckets.setdefault(_bucket_len(row, policy), []).append(row)
 
     requests: list[PrefillRequest] = []
-    for seq in sorted(buckets):
-        members = sorted(buckets[seq], key=lambda r: r.source_row)
+    groups = [
+        group
+        for seq in sorted(buckets)
+        for group in _wave_groups(
+            sorted(buckets[seq], key=lambda r: r.source_row),
+            seq=seq,
+            policy=policy,
+            split=global_reason is None,
+        )
+    ]
+    for members in groups:
+        seq = _bucket_len(members[0], policy)
         if len(members) == 1:
             requests.extend(_sequential(members, seq=seq, policy=policy, reason=None))
             continue
@@ -359,6 +393,29 @@ def plan_prefill(
         else:
             requests.extend(_sequential(members, seq=seq, policy=policy, reason=reason))
     return PrefillPlan(requests=tuple(requests))
+
+
+def _wave_groups(
+    members: list[_Row], *, seq: int, policy: PrefillPlanPolicy, split: bool
+) -> list[list[_Row]]:
+    """A bucket as planned together: whole, or (``packed`` rules) in full waves.
+
+    Packed rules split a bucket with more rows than the largest allowed wave into waves of
+    that size (the last one may be smaller); with no wave of two rows or more allowed, the
+    bucket stays whole and falls back row by row for the spec's reason.
+    """
+    if not split or policy.wave_rules == "spec":
+        return [members]
+    ceiling = min(policy.max_batch_size, policy.lane_capacity)
+    sizes = [
+        b
+        for b in policy.wave_batch_sizes
+        if 1 < b <= ceiling and b * seq < BATCHED_PREFILL_TOKEN_LIMIT
+    ]
+    if not sizes or len(members) <= sizes[-1]:
+        return [members]
+    size = sizes[-1]
+    return [members[i : i + size] for i in range(0, len(members), size)]
 
 
 def padded_batch_size(active: int, *, sizes: Sequence[int] = PREFILL_BATCH_SIZES) -> int | None:
@@ -395,7 +452,7 @@ def _bucket_sequential_reason(
         return "max_batch_size"
     if batch > policy.lane_capacity:
         return "lane_capacity"
-    if any(r.cached for r in members):
+    if policy.wave_rules == "spec" and any(r.cached for r in members):
         return "cached"
     if seq > policy.max_chunk_size:
         return "chunked"
@@ -583,15 +640,21 @@ class _Stack(NamedTuple):
 def _regular_stack(
     members: Sequence[_Row], *, rows: int, seq: int, policy: PrefillPlanPolicy
 ) -> _Stack:
-    """Uncached prompts in rows ``0..len(members)-1`` of ``rows``; the rest stay inert."""
+    """New tokens of each prompt in rows ``0..len(members)-1`` of ``rows``; the rest stay inert.
+
+    A cached row holds the tokens after its cached prefix and starts at that offset; its
+    page table maps the whole prompt (the prefix blocks are only read).
+    """
     n = len(members)
     width = policy.page_table_width
-    lens = torch.tensor([m.prompt_len for m in members], dtype=torch.int64)
+    cached = torch.tensor([m.cached for m in members], dtype=torch.int64)
+    lens = torch.tensor([m.prompt_len for m in members], dtype=torch.int64) - cached
     nblocks = torch.tensor([len(m.blocks) for m in members], dtype=torch.int64)
 
     tokens = torch.zeros((rows, seq), dtype=torch.int64)
     token_mask = torch.arange(seq) < lens[:, None]
-    tokens[:n].masked_scatter_(token_mask, torch.cat([m.tokens for m in members]))
+    new = [m.tokens[m.cached :] if m.cached else m.tokens for m in members]
+    tokens[:n].masked_scatter_(token_mask, torch.cat(new))
 
     table = torch.full((rows, width), SKIP_BLOCK, dtype=torch.int32)
     flat_blocks = [b for m in members for b in m.blocks]
@@ -602,7 +665,9 @@ def _regular_stack(
     seq_lens[:n] = lens
     last = torch.zeros(rows, dtype=torch.int64)
     last[:n] = lens - 1
-    return _Stack(tokens, torch.zeros(rows, dtype=torch.int32), seq_lens, last, table)
+    starts = torch.zeros(rows, dtype=torch.int32)
+    starts[:n] = cached
+    return _Stack(tokens, starts, seq_lens, last, table)
 
 
 def _regular_request(
@@ -615,11 +680,13 @@ def _regular_request(
     reason: SequentialReason | None,
 ) -> PrefillRequest:
     lens = tuple(m.prompt_len for m in members)
+    cached = tuple(m.cached for m in members)
+    new = tuple(n - c for n, c in zip(lens, cached, strict=True))
     chunk = PrefillChunk(
         index=0,
-        token_start=0,
+        token_start=min(cached),
         token_end=max(lens),
-        start_pos=0,
+        start_pos=min(cached),
         padded_len=seq,
         is_last=True,
         tokens=stack.tokens,
@@ -634,15 +701,15 @@ def _regular_request(
         slots=tuple(m.slot for m in members),
         active_batch_size=len(members),
         padded_batch_size=int(stack.tokens.shape[0]),
-        seq_lens=lens,
+        seq_lens=new,
         prompt_lens=lens,
-        cached_tokens=(0,) * len(members),
+        cached_tokens=cached,
         padded_seq_len=seq,
         page_table_width=policy.page_table_width,
         page_table=stack.page_table,
         chunks=(chunk,),
         last_token_rows=tuple(range(len(members))),
-        last_token_indices=tuple(n - 1 for n in lens),
+        last_token_indices=tuple(n - 1 for n in new),
         sequential_reason=reason,
     )
 

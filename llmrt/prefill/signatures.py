@@ -78,8 +78,10 @@ class PreparedPrefill:
 
 
 def chunk_signature(request: PrefillRequest, chunk: PrefillChunk, *, path: str) -> PrefillSignature:
-    # A chunk reads cached KV when it starts after position 0 (a prefix hit or a later chunk).
-    variant = "chunked" if request.kind == "chunked" else "regular"
+    # A step reads cached KV when some row starts after position 0 (a prefix hit, also in a
+    # wave, or a later chunk).
+    reads_cache = request.kind == "chunked" or any(request.cached_tokens)
+    variant = "chunked" if reads_cache else "regular"
     return PrefillSignature(
         variant=variant,
         padded_batch=request.padded_batch_size,

@@ -42,6 +42,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "chunk-128": {"prefill.max_chunk_size": 128, "warmup.prefill_seq_lens": [32, 64, 128]},
     "two-lanes": {"lanes": 2},
     "batched-prefill-off": {"prefill.batched": False},
+    "spec-wave-rules": {"prefill.wave_rules": "spec"},
     "scheduler-chunks-48-tokens": {"serving.max_num_batched_tokens": 48},
     "two-lanes-trace-all-chunk-32-unbatched-no-cache": {
         "lanes": 2,
@@ -141,6 +142,30 @@ def test_configuration_matches_transformers(reference: Mapping[str, Any], varian
     else:
         assert stats.prefix_hit_tokens == 0
         assert stats.prefill_tokens_computed == 2 * total_prompt
+
+
+def test_prefix_hits_prefill_in_waves_and_match_transformers(
+    reference: Mapping[str, Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under the default (packed) wave rules, re-submitted prompts that hit the prefix cache
+    are prefilled together in padded waves, each row from its own cached offset."""
+    with LLM.from_recipe(reference["recipe"]) as llm:
+        _tokens(llm, PROMPTS)
+        prefill = llm.engine.executor.lanes[0].prefill
+        planned: list[Any] = []
+        prepare = prefill.prepare
+
+        def spy(**kwargs: Any) -> Any:
+            prepared = prepare(**kwargs)
+            planned.extend(p.request for p in prepared.requests)
+            return prepared
+
+        monkeypatch.setattr(prefill, "prepare", spy)
+        second = _tokens(llm, reference["encoded"])
+    assert second == reference["expected"]
+    waves = [r for r in planned if r.kind == "batched" and any(r.cached_tokens)]
+    assert waves, [(r.kind, r.cached_tokens) for r in planned]
+    assert any(len(set(r.cached_tokens)) > 1 for r in waves)  # rows at different offsets
 
 
 def test_logprobs_match_transformers_log_softmax() -> None:

@@ -126,7 +126,7 @@ def check_request(
         assert padded <= min(policy.max_batch_size, policy.lane_capacity)
         assert padded * req.padded_seq_len < BATCHED_PREFILL_TOKEN_LIMIT
         assert req.padded_seq_len <= policy.max_chunk_size
-        assert all(r.cached_tokens == 0 for r in rows)
+        assert policy.wave_rules == "packed" or all(r.cached_tokens == 0 for r in rows)
     else:
         assert active == padded == 1
         long_or_cached = rows[0].cached_tokens > 0 or req.seq_lens[0] > policy.max_chunk_size
@@ -151,12 +151,15 @@ def check_request(
 
     # Chunks are contiguous, aligned to chunk-size steps from the cached offset, and cover
     # [cached_tokens, prompt_len) exactly; only the last one holds the final token.
-    expected_start = req.cached_tokens[0] if req.kind == "chunked" else 0
+    expected_start = req.cached_tokens[0] if req.kind == "chunked" else min(req.cached_tokens)
     for i, chunk in enumerate(req.chunks):
         assert chunk.index == i
         assert chunk.token_start == chunk.start_pos == expected_start
         assert chunk.is_last == (i == len(req.chunks) - 1)
-        assert 0 < chunk.token_end - chunk.token_start <= policy.max_chunk_size
+        if req.kind == "batched":  # an envelope of rows that each start at their offset
+            assert 0 < max(req.seq_lens) <= policy.max_chunk_size
+        else:
+            assert 0 < chunk.token_end - chunk.token_start <= policy.max_chunk_size
         if req.kind == "chunked":
             assert (chunk.token_start - req.cached_tokens[0]) % policy.max_chunk_size == 0
             assert chunk.padded_len == policy.buckets.pad(chunk.token_end - chunk.token_start)
@@ -181,11 +184,12 @@ def check_chunk_tensors(
     assert chunk.page_table.shape == (padded, width) and chunk.page_table.dtype == torch.int32
     for b, row in enumerate(rows):
         end = min(chunk.token_end, len(row.tokens))
-        n = end - chunk.token_start
-        assert chunk.tokens[b, :n].tolist() == row.tokens[chunk.token_start : end].tolist()
+        start = row.cached_tokens if req.kind == "batched" else chunk.token_start
+        n = end - start
+        assert chunk.tokens[b, :n].tolist() == row.tokens[start:end].tolist()
         assert not chunk.tokens[b, n:].any()
         assert chunk.seq_lens[b] == n
-        assert chunk.start_positions[b] == chunk.token_start
+        assert chunk.start_positions[b] == start
         assert chunk.last_token_index[b] == n - 1
         if req.kind == "chunked":
             mapped = list(row.block_ids[: math.ceil(end / bs)])
@@ -207,7 +211,12 @@ def expected_layout(
     sampling_params_given: bool,
     env: Mapping[str, str],
 ) -> list[tuple[str, tuple[int, ...]]]:
-    """The spec's wave rule stated directly: which rows form waves, which run alone."""
+    """The wave rules stated directly: which rows form waves, which run alone.
+
+    Spec rules: a whole bucket is one wave or runs row by row. Packed rules: cached rows
+    count like any other, and a bucket larger than the largest allowed wave is cut into
+    waves of that size first.
+    """
 
     def bucket(row: PrefillRow) -> int:
         new = len(row.tokens) - row.cached_tokens
@@ -221,19 +230,35 @@ def expected_layout(
         or env.get("DISABLE_BATCHED_PREFILL", "").lower() in ("1", "true", "yes")
         or (sampling_params_given and not policy.model_extracts_batched_outputs)
     )
-    out: list[tuple[str, tuple[int, ...]]] = []
+    packed = policy.wave_rules == "packed"
+    groups: list[tuple[int, list[PrefillRow]]] = []
     for seq, group in itertools.groupby(
         sorted(rows, key=lambda r: (bucket(r), r.source_row)), key=bucket
     ):
         members = list(group)
-        wave = next((b for b in PREFILL_BATCH_SIZES if b >= len(members)), 10**9)
+        largest = max(
+            (
+                b
+                for b in policy.wave_batch_sizes
+                if 1 < b <= min(policy.max_batch_size, policy.lane_capacity)
+                and b * seq < 128 * 1024
+            ),
+            default=0,
+        )
+        if packed and not off and largest and len(members) > largest:
+            groups.extend((seq, members[i : i + largest]) for i in range(0, len(members), largest))
+        else:
+            groups.append((seq, members))
+    out: list[tuple[str, tuple[int, ...]]] = []
+    for seq, members in groups:
+        wave = next((b for b in policy.wave_batch_sizes if b >= len(members)), 10**9)
         if (
             len(members) > 1
             and not off
             and wave <= policy.max_batch_size
             and wave <= policy.lane_capacity
             and seq <= policy.max_chunk_size
-            and all(r.cached_tokens == 0 for r in members)
+            and (packed or all(r.cached_tokens == 0 for r in members))
             and wave * seq < 128 * 1024
         ):
             out.append(("batched", tuple(r.source_row for r in members)))
@@ -279,6 +304,7 @@ def scenarios(draw: st.DrawFn) -> tuple[PrefillPlanPolicy, list[PrefillRow], boo
         model_extracts_batched_outputs=draw(st.booleans()),
         bucket_kind=draw(st.sampled_from(["tile", "fine"])),
         bucket_step=draw(st.sampled_from([8, 16, 32])),
+        wave_rules=draw(st.sampled_from(["spec", "packed"])),
     )
     rows = []
     offset = 0
@@ -441,6 +467,68 @@ def test_cached_row_makes_its_bucket_sequential() -> None:
     assert kinds(plan) == [("single", (0,), 1), ("single", (1,), 1), ("chunked", (2,), 1)]
     assert {r.sequential_reason for r in plan.requests} == {"cached"}
     check_plan(plan, rows, policy)
+
+
+def test_packed_rules_put_cached_rows_in_a_wave_at_their_own_offsets() -> None:
+    policy = make_policy(wave_rules="packed")
+    rows = make_rows([20, 21, 30], policy=policy, cached=[0, 0, 8])  # new lens 20, 21, 22
+    plan = plan_prefill(rows=rows, policy=policy, env=NO_ENV)
+    (req,) = plan.requests
+    assert (req.kind, req.source_rows, req.padded_batch_size) == ("batched", (0, 1, 2), 4)
+    assert req.cached_tokens == (0, 0, 8) and req.seq_lens == (20, 21, 22)
+    assert req.last_token_indices == (19, 20, 21)
+    (chunk,) = req.chunks
+    assert chunk.start_positions.tolist() == [0, 0, 8, 0]
+    assert chunk.tokens[2, :22].tolist() == rows[2].tokens[8:].tolist()
+    # The cached row's table maps its whole prompt: the prefix block is read, not written.
+    assert chunk.page_table[2, :4].tolist() == list(rows[2].block_ids[:4])
+    check_plan(plan, rows, policy)
+
+
+def test_packed_rules_share_read_only_prefix_blocks_inside_one_wave() -> None:
+    policy = make_policy(wave_rules="packed")
+    prefix = (100, 101)
+    rows = [
+        PrefillRow(
+            source_row=i,
+            tokens=torch.arange(1, 25, dtype=torch.int64) + 1000 * i,
+            cached_tokens=16,
+            slot=i,
+            block_ids=(*prefix, 200 + i),
+        )
+        for i in range(3)
+    ]
+    plan = plan_prefill(rows=rows, policy=policy, env=NO_ENV)
+    (req,) = plan.requests
+    assert req.kind == "batched" and req.chunks[0].start_positions[:3].tolist() == [16] * 3
+    assert req.chunks[0].token_start == 16 and req.chunks[0].token_end == 24
+    check_plan(plan, rows, policy)
+
+
+def test_packed_rules_split_a_large_bucket_into_full_waves() -> None:
+    policy = make_policy(wave_rules="packed", max_batch_size=8)
+    rows = make_rows([25 + (i % 7) for i in range(19)], policy=policy)  # all pad to 32
+    plan = plan_prefill(rows=rows, policy=policy, env=NO_ENV)
+    assert kinds(plan) == [
+        ("batched", tuple(range(0, 8)), 8),
+        ("batched", tuple(range(8, 16)), 8),
+        ("batched", (16, 17, 18), 4),
+    ]
+    check_plan(plan, rows, policy)
+    spec = plan_prefill(rows=rows, policy=make_policy(max_batch_size=8), env=NO_ENV)
+    assert {r.sequential_reason for r in spec.requests} == {"max_batch_size"}
+
+
+def test_packed_rules_keep_the_spec_fallbacks_where_no_wave_is_allowed() -> None:
+    policy = make_policy(wave_rules="packed", max_batch_size=1)
+    rows = make_rows([10, 11, 12], policy=policy)
+    plan = plan_prefill(rows=rows, policy=policy, env=NO_ENV)
+    assert kinds(plan) == [("single", (i,), 1) for i in range(3)]
+    assert {r.sequential_reason for r in plan.requests} == {"max_batch_size"}
+    disabled = make_policy(wave_rules="packed", batching_enabled=False)
+    cached = make_rows([20, 30], policy=disabled, cached=[0, 8])
+    plan = plan_prefill(rows=cached, policy=disabled, env=NO_ENV)
+    assert kinds(plan) == [("single", (0,), 1), ("chunked", (1,), 1)]
 
 
 def test_long_rows_are_chunked_not_batched() -> None:
@@ -664,6 +752,7 @@ def test_validation_precedes_construction() -> None:
             "prefill_plan.max_chunk_size",
         ),
         ({"max_batch_size": 6}, "prefill_plan.max_batch_size"),
+        ({"wave_rules": "loose"}, "prefill_plan.wave_rules"),
         ({"lane_capacity": 0}, "prefill_plan.lane_capacity"),
         ({"batching_enabled": 1}, "prefill_plan.batching_enabled"),
         ({"buckets": SeqLenBuckets.tile(max_len=64)}, "prefill_plan.buckets.max_len"),

@@ -324,7 +324,8 @@ def test_overrides_apply_in_order_and_are_validated() -> None:
 
 @pytest.mark.parametrize(("overrides", "field", "reason"), [
     (["prefill.chunk=64"], "prefill.chunk",
-     "unknown key (known: max_chunk_size, batched, max_batch_size, seq_len_buckets, fine_step)"),
+     "unknown key (known: max_chunk_size, batched, max_batch_size, seq_len_buckets, fine_step, "
+     "wave_rules)"),
     ({"bogus": 1}, "bogus", "unknown key (known: name, description"),
     (["trace.mode.deep=1"], "trace.mode.deep", "trace.mode is a value, not a section"),
     ({"kv_cache": {"blocks": 3}}, "kv_cache.blocks", "unknown key"),

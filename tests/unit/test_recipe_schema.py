@@ -80,6 +80,9 @@ RULES: list[tuple[dict[str, Any], str, str]] = [
     ({"device.inductor.mode": "turbo"}, "device.inductor.mode", "must be one of"),
     ({"device.num_threads": 0}, "device.num_threads", "positive integer"),
     ({"device.linear": "blas"}, "device.linear", "must be one of"),
+    ({"prefill.wave_rules": "loose"}, "prefill.wave_rules", "must be one of"),
+    ({"device.backend": "ttnn", "prefill.wave_rules": "packed"}, "prefill.wave_rules",
+     "needs device.backend=torch"),
     ({"device.kind": "cuda", "device.linear": "onednn"}, "device.linear", "cpu kernel"),
     ({"device.backend": "ttnn", "device.linear": "aten"}, "device.linear", "only used with"),
     ({"device.mesh_shape": [1, 2]}, "device.mesh_shape", "only used with device.backend=ttnn"),
@@ -218,3 +221,9 @@ def test_family_from_an_entry_point_plugin(monkeypatch: pytest.MonkeyPatch) -> N
 
 def test_builtin_families_are_registered_entry_points() -> None:
     assert {"auto", "llama", "gpt2"} <= set(recipe_schema.registered_families())
+
+
+def test_wave_rules_default_to_packed_on_torch_and_spec_on_ttnn() -> None:
+    assert build().wave_rules == "packed"
+    assert build(**{"device.backend": "ttnn"}).wave_rules == "spec"
+    assert build(**{"prefill.wave_rules": "spec"}).wave_rules == "spec"

@@ -45,15 +45,22 @@ def make(model: CausalLM) -> Iterator[Callable[..., Lane]]:
     made: list[Lane] = []
 
     def build(
-        mode: str = "all", *, device: Any = None, lane_capacity: int = 8, **tracing: Any
+        mode: str = "all",
+        *,
+        device: Any = None,
+        lane_capacity: int = 8,
+        num_blocks: int = 64,
+        wave_rules: str = "spec",
+        **tracing: Any,
     ) -> Lane:
         lane = build_lane(
             model=model if not made else tiny_llama(),
             device=device,
             block_size=BS,
-            num_blocks=64,
+            num_blocks=num_blocks,
             max_chunk=CHUNK,
             lane_capacity=lane_capacity,
+            wave_rules=wave_rules,  # type: ignore[arg-type]
         )
         add_tracing(lane, mode=mode, **tracing)
         made.append(lane)
@@ -98,7 +105,7 @@ def test_the_manifest_records_aliases_independently_of_registration_order(
     make: Callable[..., Lane],
 ) -> None:
     """Two programs sharing one trace: whichever registered first, the manifest is the same."""
-    manifests = []
+    manifests: list[Any] = []
     for lane in (make("all"), make("all")):
         _t(lane).warmup.warmup_prefill()
         plans = [_alias_plan(lane, tag) for tag in ("a", "b")]
@@ -288,6 +295,36 @@ def test_traced_coverage_stays_within_the_lane_capacity(make: Callable[..., Lane
     assert max(c.batch_size for c in coverage) == 4
     _t(lane).warm()
     assert _t(lane).warmup.captured
+
+
+def test_packed_wave_rules_cover_cached_waves_that_fit_the_kv_pool(
+    make: Callable[..., Lane],
+) -> None:
+    """Cached rows join waves under packed rules, so warmup compiles those waves too; a
+    geometry whose smallest instance cannot fit the KV pool never forms and is skipped."""
+    spec = make("all", seq_lens=(16,), batch_sizes=(1, 2, 4, 8), num_blocks=20)
+    packed = make(
+        "all", seq_lens=(16,), batch_sizes=(1, 2, 4, 8), num_blocks=20, wave_rules="packed"
+    )
+
+    def waves(lane: Lane, variant: str) -> set[tuple[int, int]]:
+        coverage = _t(lane).warmup.config.prefill_coverage
+        return {
+            (c.seq_len, c.batch_size)
+            for c in coverage
+            if c.variant == variant and c.batch_size > 1
+        }
+
+    assert waves(spec, "chunked") == set()
+    # 16 new tokens of 4-token blocks: at least 9 tokens, 3 blocks a row; 8 rows need 24.
+    assert waves(packed, "regular") == waves(spec, "regular") == {
+        (8, 2), (8, 4), (8, 8), (16, 2), (16, 4)
+    }
+    assert waves(packed, "chunked") == {(8, 2), (8, 4), (8, 8), (16, 2), (16, 4)}
+    _t(packed).warm()
+    assert _t(packed).warmup.captured
+    programs = {p.description for p in packed.compiler.programs.values()}
+    assert "prefill[chunked b4 s16 w20]" in programs
 
 
 # -- lifecycle events ------------------------------------------------------------------
