@@ -23,7 +23,14 @@ from llmrt.families.hfconfig import HFConfig
 from llmrt.families.kvbinding import BoundKV
 from llmrt.families.layers import FrozenLinear, RMSNorm, frozen_embedding, frozen_linear
 from llmrt.families.paged_attention import DecodePlan, PrefillPlan, attend
-from llmrt.families.rope import RopeSpec, apply_rope, inverse_frequencies, read_rope, rope_tables
+from llmrt.families.rope import (
+    RopeSpec,
+    apply_rope,
+    inverse_frequencies,
+    read_rope,
+    rope_cache,
+    rope_lookup,
+)
 
 MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2")
 IGNORED_SUFFIXES: tuple[str, ...] = (".rotary_emb.inv_freq",)
@@ -245,8 +252,17 @@ class LlamaBackbone(nn.Module):
         self.norm = norm
         self.lm_head = lm_head
         self.inv_freq: torch.Tensor
+        self.rope_cos: torch.Tensor
+        self.rope_sin: torch.Tensor
         inv_freq = inverse_frequencies(spec.rope).to(embed_tokens.weight.device)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        cos, sin = rope_cache(
+            inv_freq=inv_freq,
+            max_positions=spec.model.max_position_embeddings,
+            dtype=embed_tokens.weight.dtype,
+        )
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
 
     def device(self) -> torch.device:
         """The device the weights live on."""
@@ -271,7 +287,9 @@ class LlamaBackbone(nn.Module):
         """``[B, S]`` tokens at absolute ``positions`` -> ``[B, S, hidden]``."""
         ids = tokens.to(self.device()).clamp(0, self.spec.model.vocab_size - 1)
         hidden = self.embed_tokens(ids)
-        cos, sin = rope_tables(inv_freq=self.inv_freq, positions=positions, dtype=hidden.dtype)
+        cos, sin = rope_lookup(
+            cos_cache=self.rope_cos, sin_cache=self.rope_sin, positions=positions
+        )
         for i, layer in enumerate(self.layers):
             hidden = layer(
                 hidden, cos=cos, sin=sin, plan=plan, k_cache=kv.keys[i], v_cache=kv.values[i]

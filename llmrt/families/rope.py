@@ -111,17 +111,34 @@ def inverse_frequencies(spec: RopeSpec) -> torch.Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def rope_tables(
-    *, inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype
+def rope_cache(
+    *, inv_freq: torch.Tensor, max_positions: int, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin ``[*positions.shape, 1, head_dim]`` (a head axis to broadcast over)."""
-    freqs = positions[..., None].float() * inv_freq
-    angles = torch.cat((freqs, freqs), dim=-1)[..., None, :]
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    """cos/sin ``[max_positions, head_dim // 2]`` of every position, computed once.
+
+    Looking angles up instead of computing them per step keeps ``cos``/``sin`` out of
+    compiled kernels: inductor otherwise inlines them into every consumer, recomputing the
+    query's rotation for each key it is scored against. vLLM keeps the same cache.
+    """
+    positions = torch.arange(max_positions, device=inv_freq.device)
+    freqs = positions[:, None].float() * inv_freq
+    return freqs.cos().to(dtype), freqs.sin().to(dtype)
+
+
+def rope_lookup(
+    *, cos_cache: torch.Tensor, sin_cache: torch.Tensor, positions: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin ``[*positions.shape, 1, head_dim]`` from ``rope_cache`` tables.
+
+    Positions past the cache (only padding tokens reach them) read its last row.
+    """
+    index = positions.long().clamp(0, cos_cache.shape[0] - 1)
+    cos, sin = cos_cache[index], sin_cache[index]
+    return torch.cat((cos, cos), dim=-1)[..., None, :], torch.cat((sin, sin), dim=-1)[..., None, :]
 
 
 def apply_rope(x: torch.Tensor, *, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[..., heads, head_dim]`` by the tables from ``rope_tables``."""
+    """Rotate ``x`` ``[..., heads, head_dim]`` by the tables from ``rope_lookup``."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin

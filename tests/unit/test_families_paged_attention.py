@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
 
+from llmrt.families import paged_attention
 from llmrt.families.paged_attention import (
     TOKEN_MAJOR,
     attend,
@@ -212,3 +214,39 @@ def test_bf16_decode_takes_the_single_query_path_and_matches_float32(token_major
     for row in range(2):
         ref = _naive_attention(q[row, 0], k_cache, v_cache, table, positions[row], row)
         torch.testing.assert_close(out[row, 0].float().view(HQ, D), ref, atol=3e-2, rtol=3e-2)
+
+
+@LAYOUTS
+def test_compiled_bf16_decode_uses_the_reduction_form_and_matches(token_major: bool) -> None:
+    """Under torch.compile the single-query path is written as reductions (see
+    ``_single_query``); it must compute what the eager matmul form does."""
+    gen = torch.Generator().manual_seed(12)
+    table = _table([[17, 2, 9], [5, 11]], width=4)
+    positions = torch.tensor([9, 6], dtype=torch.int32)
+    caches = [
+        _cache(seed, token_major=token_major).to(torch.bfloat16) for seed in (14, 15, 14, 15)
+    ]
+    q, k, v = (torch.randn((2, 1, h, D), generator=gen).bfloat16() for h in (HQ, HKV, HKV))
+    plan = plan_decode(positions=positions, page_table=table, block_size=BS)
+    calls: list[str] = []
+    reduced = paged_attention._single_query_reduced
+
+    def spy(*args: Any) -> torch.Tensor:
+        calls.append("reduced")
+        return reduced(*args)
+
+    def step(k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        compiled_plan = plan_decode(
+            positions=positions, page_table=table, block_size=BS, allow_sync=False
+        )
+        return attend(
+            q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, plan=compiled_plan, scale=SCALE
+        )
+
+    eager = attend(q=q, k=k, v=v, k_cache=caches[0], v_cache=caches[1], plan=plan, scale=SCALE)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(paged_attention, "_single_query_reduced", spy)
+        compiled = torch.compile(step, backend="aot_eager", fullgraph=True)(caches[2], caches[3])
+    assert calls == ["reduced"]
+    torch.testing.assert_close(compiled.float(), eager.float(), atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(caches[2], caches[0])  # the same K/V written both ways
