@@ -250,6 +250,7 @@ def build_decode(
         lane_capacity=recipe.decode.lane_capacity,
         page_table_layout=layout,
         device_sampling_enabled=recipe.decode.device_sampling,
+        batch_sizes=recipe.decode_batch_sizes,
         lane=lane,
     )
     runtime = DecodeRuntime(config, step_compiler=steps)

@@ -1,6 +1,8 @@
 """Decode preparation, signatures, eager invocation, trace refresh, output leases, cleanup.
 
-One decode step runs a fixed-capacity lane batch: ``prepare`` validates and
+One decode step runs a lane batch padded to the smallest configured decode batch size
+holding its rows (one program and one trace per size, so a lone request does not pay
+for the full slot count): ``prepare`` validates and
 normalizes host inputs (page table to the layout's width, int32), classifies the
 output path (``logits`` / ``argmax`` / ``sample``) and the device position
 feedback, and records reset and page-table-change state; ``invoke`` stages the
@@ -57,6 +59,9 @@ class DecodeRuntimeConfig:
     layout: PageTableLayout
     device_sampling: bool
     vocab_size: int
+    batch_sizes: tuple[int, ...] = ()
+    """Physical decode batches, increasing, ending at ``lane_capacity`` (a step pads its
+    rows to the smallest that holds them)."""
     lane: int = 0
 
     @classmethod
@@ -69,14 +74,28 @@ class DecodeRuntimeConfig:
         lane_capacity: int,
         page_table_layout: PageTableLayout,
         device_sampling_enabled: bool,
+        batch_sizes: Sequence[int] | None = None,
         lane: int = 0,
     ) -> DecodeRuntimeConfig:
+        """``batch_sizes``: the physical decode batches (None: the lane capacity only)."""
         if (
             isinstance(lane_capacity, bool)
             or not isinstance(lane_capacity, int)
             or lane_capacity < 1
         ):
             raise ConfigError("decode.lane_capacity", lane_capacity, "must be a positive integer")
+        sizes = (lane_capacity,) if batch_sizes is None else tuple(batch_sizes)
+        if (
+            not sizes
+            or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in sizes)
+            or list(sizes) != sorted(set(sizes))
+            or sizes[-1] != lane_capacity
+        ):
+            raise ConfigError(
+                "decode.batch_sizes",
+                list(sizes),
+                f"must be increasing positive integers ending at the lane capacity {lane_capacity}",
+            )
         if output_reader.borrowed_device is not device:
             raise IdentityError(
                 "decode output reader uses the lane device", output_reader.borrowed_device, device
@@ -89,8 +108,13 @@ class DecodeRuntimeConfig:
             layout=page_table_layout,
             device_sampling=device_sampling_enabled,
             vocab_size=model.config.vocab_size,
+            batch_sizes=sizes,
             lane=lane,
         )
+
+    def padded_batch(self, rows: int) -> int:
+        """The physical batch a step of ``rows`` rows runs at."""
+        return next(b for b in self.batch_sizes if b >= rows)
 
     def with_layout(self, layout: PageTableLayout) -> DecodeRuntimeConfig:
         self.layout.check_replacement(layout)
@@ -120,7 +144,7 @@ class DecodeSignature:
 
 @attrs.frozen(kw_only=True, eq=False)
 class PreparedDecode:
-    """Normalized host inputs of one decode step, padded to the lane capacity."""
+    """Normalized host inputs of one decode step, padded to its physical batch size."""
 
     active_rows: int
     tokens: torch.Tensor
@@ -246,7 +270,7 @@ class DecodeRuntime:
         ):
             raise RequestError("tokens", "tokens, start_pos and page_table must be integer tensors")
         self._validate_rows(tok, pos, table)
-        cap, width = cfg.lane_capacity, cfg.layout.width
+        cap, width = cfg.padded_batch(rows), cfg.layout.width
         norm_table = torch.full((cap, width), -1, dtype=torch.int32)
         norm_table[:rows, : table.shape[1]] = table.to(torch.int32)
         norm_tokens = torch.zeros(cap, dtype=torch.int64)
@@ -265,7 +289,7 @@ class DecodeRuntime:
                 r = int(negative[0, 0])
                 raise RequestError("step_offsets", "must be >= 0", row=r, value=int(given[r]))
             offsets[:rows] = given
-        path, sampling = self._classify(sampling_params, rows)
+        path, sampling = self._classify(sampling_params, rows, batch=cap)
         changed = self._last_page_table is None or not torch.equal(
             self._last_page_table, norm_table
         )
@@ -343,7 +367,7 @@ class DecodeRuntime:
             )
 
     def _classify(
-        self, params: Sequence[SamplingParams | None] | None, rows: int
+        self, params: Sequence[SamplingParams | None] | None, rows: int, *, batch: int
     ) -> tuple[str, SamplingTensors | None]:
         if params is None:
             return "logits", None
@@ -358,7 +382,7 @@ class DecodeRuntime:
             return "argmax", None
         tensors = SamplingTensors.from_params(
             list(params),
-            batch_size=self.config.lane_capacity,
+            batch_size=batch,
             vocab_size=self.config.vocab_size,
             device=self.config.device.torch_device,
         )
@@ -436,7 +460,8 @@ class DecodeRuntime:
         sampling = prepared.sampling
         logits = raw["logits"]
         if sampling.any_penalties and history is not None:
-            rows = [*history, *([((), ())] * (self.config.lane_capacity - len(history)))]
+            batch = prepared.signature.batch_size
+            rows = [*history, *([((), ())] * (batch - len(history)))]
             prompt = counts_of([r[0] for r in rows], vocab_size=self.config.vocab_size)
             output = counts_of([r[1] for r in rows], vocab_size=self.config.vocab_size)
             logits = apply_penalties(

@@ -399,14 +399,33 @@ class PrefillSpec:
 
 @attrs.frozen(kw_only=True)
 class DecodeSpec:
-    """Decode policy: fixed slots per lane and whether sampling runs on the device."""
+    """Decode policy: fixed slots per lane, physical step batches, on-device sampling.
+
+    ``batch_sizes`` are the decode batches warmed (one program and trace each); a step pads
+    its rows to the smallest that holds them. None: powers of two up to ``lane_capacity``
+    on the torch backend, ``lane_capacity`` alone on ttnn.
+    """
 
     lane_capacity: int = 32
     device_sampling: bool = True
+    batch_sizes: tuple[int, ...] | None = None
 
     def __attrs_post_init__(self) -> None:
         _positive_int("decode.lane_capacity", self.lane_capacity)
         _bool("decode.device_sampling", self.device_sampling)
+        if self.batch_sizes is not None:
+            sizes = self.batch_sizes
+            _check(
+                isinstance(sizes, tuple)
+                and len(sizes) > 0
+                and all(_is_int(b) and b > 0 for b in sizes)
+                and list(sizes) == sorted(set(sizes))
+                and sizes[-1] == self.lane_capacity,
+                "decode.batch_sizes",
+                list(sizes) if isinstance(sizes, tuple) else sizes,
+                f"must be increasing positive integers ending at decode.lane_capacity="
+                f"{self.lane_capacity}",
+            )
 
 
 @attrs.frozen(kw_only=True)
@@ -469,6 +488,16 @@ class Recipe:
     def decode_slots(self) -> int:
         """Decode slots over all lanes."""
         return self.lanes * self.decode.lane_capacity
+
+    @property
+    def decode_batch_sizes(self) -> tuple[int, ...]:
+        """The physical decode batches in force (``decode.batch_sizes``, None resolved)."""
+        if self.decode.batch_sizes is not None:
+            return self.decode.batch_sizes
+        cap = self.decode.lane_capacity
+        if self.device.backend != "torch":
+            return (cap,)
+        return (*(1 << i for i in range(cap.bit_length()) if 1 << i < cap), cap)
 
     @property
     def wave_rules(self) -> WaveRules:

@@ -238,9 +238,11 @@ class WarmupCoordinator:
 
     def warmup_decode(self) -> None:
         if not self._decode_done:
-            self.execution.compile_decode(self._representative_decode())
+            sizes = self._eager.decode.config.batch_sizes
+            for batch in sorted(sizes, reverse=True):
+                self.execution.compile_decode(self._representative_decode(batch))
             self._decode_done = True
-            emit(self._log, "warmup.completed", operation="decode")
+            emit(self._log, "warmup.completed", operation="decode", geometries=len(sizes))
         self._maybe_capture()
 
     def _maybe_capture(self) -> None:
@@ -285,13 +287,12 @@ class WarmupCoordinator:
         prepared = runtime.prepare(rows=rows)
         return _without_kv_writes(prepared)
 
-    def _representative_decode(self) -> PreparedDecode:
+    def _representative_decode(self, batch: int) -> PreparedDecode:
         runtime = self._eager.decode
-        cap = self.config.lane_capacity
-        table = torch.zeros((cap, 1), dtype=torch.int32)
+        table = torch.zeros((batch, 1), dtype=torch.int32)
         prepared = runtime.prepare(
-            tokens=torch.zeros(cap, dtype=torch.int64),
-            start_pos=torch.zeros(cap, dtype=torch.int32),
+            tokens=torch.zeros(batch, dtype=torch.int64),
+            start_pos=torch.zeros(batch, dtype=torch.int32),
             page_table=table,
             reset_batch=True,
         )

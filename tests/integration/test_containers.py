@@ -11,6 +11,7 @@ import pytest
 import torch
 from dependency_injector import providers
 from llmrt.containers import LaneContainer, factories
+from structlog.testing import capture_logs
 
 from llmrt.device.base import Device
 from llmrt.errors import IdentityError
@@ -58,6 +59,22 @@ def test_recipe_device_linear_picks_the_kernel_of_every_linear_layer(
     kernels = {m.kernel for m in model.modules() if isinstance(m, FrozenLinear)}
     onednn = choice == "auto" and onednn_linear_available()
     assert kernels == {"onednn" if onednn else "aten"}
+
+
+def test_each_decode_batch_size_is_warmed_and_captured_largest_first(
+    build: Callable[..., Runtime],
+) -> None:
+    runtime = build("tiny-llama")  # lane capacity 4: decode batches 1, 2 and 4
+    with capture_logs() as logs:
+        runtime.ready()
+    (lane,) = runtime.group.lanes
+    assert lane.decode.config.batch_sizes == (1, 2, 4)
+    traced = [d for d, _ in lane.warmup.manifest().eager_programs if d.startswith("decode")]
+    assert sorted(traced) == ["decode[b1 w32]", "decode[b2 w32]", "decode[b4 w32]"]
+    captured = [e["signature"] for e in logs if e["event"] == "trace.captured"]
+    decode = [c for c in captured if c.startswith("decode")]
+    assert decode == ["decode[b4 w32]", "decode[b2 w32]", "decode[b1 w32]"]
+    assert captured[: len(decode)] == decode  # decode before prefill
 
 
 @pytest.mark.parametrize("recipe", ["tiny-llama", "tiny-gpt2"])
@@ -180,7 +197,8 @@ def test_smollm2_variants_differ_from_the_default_only_where_named() -> None:
     assert dp2["lanes"] == 2 and _same_except(base, dp2, {"lanes"})
     assert fast["device"]["compile"] == "inductor" and fast["kv_cache"]["dtype"] == "bfloat16"
     assert fast["checkpoint"]["dtype"] == "bfloat16"
-    assert _same_except(base, fast, {"device", "kv_cache", "checkpoint"})
+    assert fast["decode"]["batch_sizes"] == [1, 16]  # each decode batch is one compile
+    assert _same_except(base, fast, {"device", "kv_cache", "checkpoint", "decode"})
 
 
 @smollm2

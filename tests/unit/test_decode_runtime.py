@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import attrs
 import pytest
 import torch
 from lane_fixtures import (  # noqa: F401 (single_torch_thread: autouse)
@@ -17,8 +18,8 @@ from lane_fixtures import (  # noqa: F401 (single_torch_thread: autouse)
     single_torch_thread,
 )
 
-from llmrt.decode import DecodeOutput, DecodeOutputLease
-from llmrt.errors import RequestError
+from llmrt.decode import DecodeOutput, DecodeOutputLease, DecodeRuntimeConfig
+from llmrt.errors import ConfigError, RequestError
 from llmrt.sampling_params import SamplingParams
 
 CAPACITY = 4
@@ -513,3 +514,47 @@ def test_a_non_params_sampling_row_is_rejected(fresh: Lane) -> None:
         match="must be SamplingParams or None",
         sampling_params=["greedy", None, None],
     )
+
+
+# -- physical batch sizes ----------------------------------------------------------------
+
+
+def test_a_step_runs_at_the_smallest_batch_size_holding_its_rows(fresh: Lane) -> None:
+    saved = fresh.snapshot()
+    tokens, positions = _start(fresh, rows=(0, 1))
+    table = _table(rows=(0, 1))
+    full = _blocking(fresh, tokens=tokens, start_pos=positions, page_table=table)
+    fresh.restore(saved)
+    config = fresh.decode.config
+    fresh.decode.config = attrs.evolve(config, batch_sizes=(1, 2, CAPACITY))
+    try:
+        prepared = fresh.decode.prepare(tokens=tokens, start_pos=positions, page_table=table)
+        assert prepared.signature.batch_size == 2 and prepared.tokens.shape == (2,)
+        assert prepared.page_table.shape == (2, fresh.layout.width)
+        small = _blocking(fresh, tokens=tokens, start_pos=positions, page_table=table)
+        one = fresh.decode.prepare(
+            tokens=tokens[:1], start_pos=positions[:1], page_table=table[:1]
+        )
+        assert one.signature.batch_size == 1
+    finally:
+        fresh.decode.config = config
+    assert full.logits is not None and small.logits is not None
+    assert full.logits.shape == small.logits.shape == (2, fresh.vocab_size)
+    torch.testing.assert_close(small.logits, full.logits, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("sizes", [(), (2, 1, CAPACITY), (1, 3), (0, CAPACITY), (1, 2 * CAPACITY)])
+def test_decode_batch_sizes_must_increase_to_the_lane_capacity(
+    fresh: Lane, sizes: tuple[int, ...]
+) -> None:
+    config = fresh.decode.config
+    with pytest.raises(ConfigError, match=r"decode\.batch_sizes.*ending at the lane capacity"):
+        DecodeRuntimeConfig.resolve(
+            model=config.model,
+            device=config.device,
+            output_reader=config.output_reader,
+            lane_capacity=CAPACITY,
+            page_table_layout=config.layout,
+            device_sampling_enabled=True,
+            batch_sizes=sizes,
+        )

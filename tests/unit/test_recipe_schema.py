@@ -81,6 +81,10 @@ RULES: list[tuple[dict[str, Any], str, str]] = [
     ({"device.num_threads": 0}, "device.num_threads", "positive integer"),
     ({"device.linear": "blas"}, "device.linear", "must be one of"),
     ({"prefill.wave_rules": "loose"}, "prefill.wave_rules", "must be one of"),
+    ({"decode.lane_capacity": 8, "decode.batch_sizes": [1, 4]}, "decode.batch_sizes",
+     "ending at decode.lane_capacity=8"),
+    ({"decode.lane_capacity": 8, "decode.batch_sizes": [4, 2, 8]}, "decode.batch_sizes",
+     "increasing"),
     ({"device.backend": "ttnn", "prefill.wave_rules": "packed"}, "prefill.wave_rules",
      "needs device.backend=torch"),
     ({"device.kind": "cuda", "device.linear": "onednn"}, "device.linear", "cpu kernel"),
@@ -227,3 +231,12 @@ def test_wave_rules_default_to_packed_on_torch_and_spec_on_ttnn() -> None:
     assert build().wave_rules == "packed"
     assert build(**{"device.backend": "ttnn"}).wave_rules == "spec"
     assert build(**{"prefill.wave_rules": "spec"}).wave_rules == "spec"
+
+
+def test_decode_batch_sizes_default_to_powers_of_two_on_torch_and_the_capacity_on_ttnn() -> None:
+    assert build(**{"decode.lane_capacity": 12}).decode_batch_sizes == (1, 2, 4, 8, 12)
+    assert build(**{"decode.lane_capacity": 1}).decode_batch_sizes == (1,)
+    ttnn = build(**{"device.backend": "ttnn", "decode.lane_capacity": 8})
+    assert ttnn.decode_batch_sizes == (8,)
+    given = build(**{"decode.lane_capacity": 8, "decode.batch_sizes": [2, 8]})
+    assert given.decode_batch_sizes == (2, 8)
