@@ -401,9 +401,10 @@ class PrefillSpec:
 class DecodeSpec:
     """Decode policy: fixed slots per lane, physical step batches, on-device sampling.
 
-    ``batch_sizes`` are the decode batches warmed (one program and trace each); a step pads
-    its rows to the smallest that holds them. None: powers of two up to ``lane_capacity``
-    on the torch backend, ``lane_capacity`` alone on ttnn.
+    ``batch_sizes`` are the decode batches warmed (one program and trace each), the lane
+    capacity always among them; a step pads its rows to the smallest that holds them.
+    None: powers of two up to ``lane_capacity`` on the torch backend, ``lane_capacity``
+    alone on ttnn.
     """
 
     lane_capacity: int = 32
@@ -417,14 +418,12 @@ class DecodeSpec:
             sizes = self.batch_sizes
             _check(
                 isinstance(sizes, tuple)
-                and len(sizes) > 0
-                and all(_is_int(b) and b > 0 for b in sizes)
-                and list(sizes) == sorted(set(sizes))
-                and sizes[-1] == self.lane_capacity,
+                and all(_is_int(b) and 0 < b <= self.lane_capacity for b in sizes)
+                and list(sizes) == sorted(set(sizes)),
                 "decode.batch_sizes",
                 list(sizes) if isinstance(sizes, tuple) else sizes,
-                f"must be increasing positive integers ending at decode.lane_capacity="
-                f"{self.lane_capacity}",
+                f"must be increasing positive integers up to decode.lane_capacity="
+                f"{self.lane_capacity} (which is always warmed)",
             )
 
 
@@ -492,9 +491,9 @@ class Recipe:
     @property
     def decode_batch_sizes(self) -> tuple[int, ...]:
         """The physical decode batches in force (``decode.batch_sizes``, None resolved)."""
-        if self.decode.batch_sizes is not None:
-            return self.decode.batch_sizes
         cap = self.decode.lane_capacity
+        if self.decode.batch_sizes is not None:
+            return (*(b for b in self.decode.batch_sizes if b < cap), cap)
         if self.device.backend != "torch":
             return (cap,)
         return (*(1 << i for i in range(cap.bit_length()) if 1 << i < cap), cap)

@@ -81,8 +81,8 @@ RULES: list[tuple[dict[str, Any], str, str]] = [
     ({"device.num_threads": 0}, "device.num_threads", "positive integer"),
     ({"device.linear": "blas"}, "device.linear", "must be one of"),
     ({"prefill.wave_rules": "loose"}, "prefill.wave_rules", "must be one of"),
-    ({"decode.lane_capacity": 8, "decode.batch_sizes": [1, 4]}, "decode.batch_sizes",
-     "ending at decode.lane_capacity=8"),
+    ({"decode.lane_capacity": 8, "decode.batch_sizes": [1, 16]}, "decode.batch_sizes",
+     "up to decode.lane_capacity=8"),
     ({"decode.lane_capacity": 8, "decode.batch_sizes": [4, 2, 8]}, "decode.batch_sizes",
      "increasing"),
     ({"device.backend": "ttnn", "prefill.wave_rules": "packed"}, "prefill.wave_rules",
@@ -240,3 +240,8 @@ def test_decode_batch_sizes_default_to_powers_of_two_on_torch_and_the_capacity_o
     assert ttnn.decode_batch_sizes == (8,)
     given = build(**{"decode.lane_capacity": 8, "decode.batch_sizes": [2, 8]})
     assert given.decode_batch_sizes == (2, 8)
+    assert build(**{"decode.batch_sizes": [1], "decode.lane_capacity": 4}).decode_batch_sizes == (
+        1,
+        4,
+    )
+    assert build(**{"decode.batch_sizes": [], "decode.lane_capacity": 4}).decode_batch_sizes == (4,)
