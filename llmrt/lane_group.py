@@ -172,7 +172,8 @@ class LaneGroupExecutor:
         history: TokenHistory | None = None,
         enable_trace: bool | None = None,
     ) -> DecodeOutput | LaneGroupLease:
-        """Contiguous lane batches of the global slot batch; lanes with no rows are skipped."""
+        """Contiguous lane batches of the global slot batch, each cut after its last live row
+        (a row whose page table maps a block); lanes with no live row are skipped."""
         tok = torch.as_tensor(tokens).reshape(-1)
         pos = torch.as_tensor(start_pos).reshape(-1)
         table = torch.as_tensor(page_table)
@@ -188,8 +189,13 @@ class LaneGroupExecutor:
         outputs: list[tuple[int, DecodeOutput | DecodeOutputLease]] = []
         for lane_index, (lane, t) in enumerate(zip(self.lanes, self._split(tok), strict=True)):
             lo, hi = lane_index * cap, lane_index * cap + t.numel()
-            if t.numel() == 0 or bool((table[lo:hi] < 0).all()):
+            live = (table[lo:hi] >= 0).any(dim=1).nonzero()
+            if live.numel() == 0:
                 continue  # no live row on this lane: nothing to run there
+            # Trailing padding rows are cut so the lane runs its smallest decode batch
+            # holding the live ones; their outputs come back as zeros.
+            hi = lo + int(live[-1, 0]) + 1
+            t = t[: hi - lo]
             outputs.append(
                 (
                     lane_index,

@@ -98,12 +98,15 @@ class WarmupCoordinatorConfig:
             limit = prefill.layout.max_sequence_length - prefill.layout.block_size
             waves = policy.wave_batch_sizes
             for n in policy.buckets.lengths():
+                # A cached row holds at least one prefix block and the fewest new tokens
+                # that still pad to ``n``.
+                cached_fits = _shortest_new_tokens(n, policy=policy) <= limit
                 coverage.append(PrefillCoverage(seq_len=n, batch_size=1, variant="regular"))
-                if n <= limit:
+                if cached_fits:
                     coverage.append(PrefillCoverage(seq_len=n, batch_size=1, variant="chunked"))
                 if policy.max_wave_seq_len is None or n <= policy.max_wave_seq_len:
                     variants = ["regular"]
-                    if policy.wave_rules == "packed" and n <= limit:
+                    if policy.wave_rules == "packed" and cached_fits:
                         variants.append("chunked")
                     coverage.extend(
                         PrefillCoverage(seq_len=n, batch_size=b, variant=variant)
@@ -261,13 +264,15 @@ class WarmupCoordinator:
     # -- representative inputs -----------------------------------------------------------
 
     def _representative_prefill(self, cov: PrefillCoverage) -> PreparedPrefill:
-        """The smallest call planned as ``cov``: rows of the shortest length padding to it.
+        """The smallest call planned as ``cov``: the fewest rows padding to its batch, each
+        of the shortest length padding to its sequence length.
 
         Cached rows share one read-only prefix block, as prefix-cache hits do.
         """
         runtime = self._eager.prefill
+        policy = runtime.config.policy
         bs = self.config.layout.block_size
-        new = _shortest_new_tokens(cov, policy=runtime.config.policy)
+        new = _shortest_new_tokens(cov.seq_len, policy=policy)
         cached = bs if cov.variant == "chunked" else 0
         prefix = cached // bs
         per_row = -(-new // bs)
@@ -282,7 +287,7 @@ class WarmupCoordinator:
                     *range(prefix + i * per_row, prefix + (i + 1) * per_row),
                 ),
             )
-            for i in range(cov.batch_size)
+            for i in range(_fewest_rows(cov.batch_size, policy=policy))
         ]
         prepared = runtime.prepare(rows=rows)
         return _without_kv_writes(prepared)
@@ -339,10 +344,18 @@ class WarmupCoordinator:
         )
 
 
-def _shortest_new_tokens(cov: PrefillCoverage, *, policy: PrefillPlanPolicy) -> int:
-    """The fewest new tokens per row that still pad to ``cov.seq_len``."""
-    shorter = [n for n in policy.buckets.lengths() if n < cov.seq_len]
+def _shortest_new_tokens(seq_len: int, *, policy: PrefillPlanPolicy) -> int:
+    """The fewest new tokens per row that still pad to ``seq_len``."""
+    shorter = [n for n in policy.buckets.lengths() if n < seq_len]
     return shorter[-1] + 1 if shorter else 1
+
+
+def _fewest_rows(batch: int, *, policy: PrefillPlanPolicy) -> int:
+    """The fewest rows the planner pads to a wave of ``batch`` (a wave has at least two)."""
+    if batch == 1:
+        return 1
+    smaller = [b for b in policy.wave_batch_sizes if b < batch]
+    return max(2, smaller[-1] + 1 if smaller else 2)
 
 
 def _that_fit(
@@ -353,7 +366,8 @@ def _that_fit(
 
     def blocks(cov: PrefillCoverage) -> int:
         prefix = 1 if cov.variant == "chunked" else 0
-        return prefix + cov.batch_size * -(-_shortest_new_tokens(cov, policy=policy) // bs)
+        rows = _fewest_rows(cov.batch_size, policy=policy)
+        return prefix + rows * -(-_shortest_new_tokens(cov.seq_len, policy=policy) // bs)
 
     return tuple(c for c in coverage if blocks(c) <= layout.num_blocks)
 

@@ -246,7 +246,8 @@ class PrefillChunk:
 
     ``token_start``/``token_end`` are absolute prompt positions of the step (for a
     batched wave: the smallest cached offset, 0 without cached rows, and the longest
-    row's length; per-row offsets and lengths are in ``start_positions``/``seq_lens``).
+    row's length, an envelope that may span more than ``padded_len`` when rows start at
+    different offsets; per-row offsets and lengths are in ``start_positions``/``seq_lens``).
     ``page_table`` is the table the model uses for this step: the regular table, or a
     chunk's fill-only table (``-1`` after the chunk end).
     Padding rows have zero tokens, ``seq_lens`` 0, ``last_token_index`` 0 and
@@ -353,9 +354,10 @@ def plan_prefill(
 
     Every row is validated before anything is built (``RequestError`` naming the
     source row and field). Rows are bucketed by padded new-token length; an
-    eligible bucket becomes one wave padded to the next size in
-    ``PREFILL_BATCH_SIZES``; any other bucket becomes one request per row.
-    Requests come in increasing bucket length, rows in increasing source row.
+    eligible bucket becomes one wave (under ``packed`` rules, a bucket larger than the
+    largest wave becomes several) padded to the next size in ``wave_batch_sizes``; any
+    other bucket becomes one request per row. Requests come in increasing bucket
+    length, rows in increasing source row.
     """
     valid = _validated(rows, policy)
     global_reason = _global_sequential_reason(policy, sampling_params_given, env)

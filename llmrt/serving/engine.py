@@ -2,8 +2,9 @@
 
 One ``step`` runs the scheduler's plan: one prefill call (the runtime's planner
 batches compatible rows into padded waves and chunks the rest) for the requests
-admitted or still prefilling, then a decode over the fixed-capacity slot batch
-for every request that already had its first token. Finished requests give
+admitted or still prefilling, then a decode over the slot batch (up to the highest
+occupied slot; each lane pads it to its smallest decode batch that fits) for every
+request that already had its first token. Finished requests give
 back their slot and blocks immediately.
 """
 

@@ -102,6 +102,29 @@ def test_decode_on_the_second_lane_only_lands_at_its_global_slots(
     assert split.tokens == single.tokens
 
 
+def test_each_lane_decodes_at_the_smallest_batch_holding_its_live_rows(
+    one_lane: Runtime, two_lanes: Runtime, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One request at the first slot of each lane: the group passes a full slot batch for
+    lane 0, but both lanes run batch-1 steps (trailing padding rows are cut)."""
+    batches: list[tuple[int, int]] = []
+    for index, lane in enumerate(two_lanes.group.lanes):
+        prepare = lane.decode.prepare
+
+        def spy(*, _prepare: Any = prepare, _i: int = index, **kw: Any) -> Any:
+            prepared = _prepare(**kw)
+            batches.append((_i, prepared.signature.batch_size))
+            return prepared
+
+        monkeypatch.setattr(lane.decode, "prepare", spy)
+    prompts = PROMPTS[:2]
+    cap = two_lanes.group.lane_capacity
+    single = one_lane.generate(prompts, slots=[0, 1], steps=3)
+    split = two_lanes.generate(prompts, slots=[0, cap], steps=3)
+    assert split.tokens == single.tokens
+    assert batches and set(batches) == {(0, 1), (1, 1)}
+
+
 def test_async_decode_read_is_one_contract_over_both_lanes(two_lanes: Runtime) -> None:
     group = two_lanes.group
     rows = _rows(two_lanes, INTERLEAVED, steps=1)

@@ -23,9 +23,10 @@ from structlog.testing import capture_logs
 
 from llmrt.config import TraceConfig, WarmupConfig
 from llmrt.device.torch import TorchDevice
-from llmrt.errors import ConfigError, IdentityError
+from llmrt.errors import ConfigError, IdentityError, RequestError
 from llmrt.families.base import CausalLM
 from llmrt.lifecycle import configure_logging
+from llmrt.prefill.plan import PrefillRow
 from llmrt.trace_compiler import ArtifactState, TraceCapturePlan
 from llmrt.warmup import CaptureBarrier, WarmupCoordinatorConfig
 
@@ -302,9 +303,9 @@ def test_packed_wave_rules_cover_cached_waves_that_fit_the_kv_pool(
 ) -> None:
     """Cached rows join waves under packed rules, so warmup compiles those waves too; a
     geometry whose smallest instance cannot fit the KV pool never forms and is skipped."""
-    spec = make("all", seq_lens=(16,), batch_sizes=(1, 2, 4, 8), num_blocks=20)
+    spec = make("all", seq_lens=(16,), batch_sizes=(1, 2, 4, 8), num_blocks=14)
     packed = make(
-        "all", seq_lens=(16,), batch_sizes=(1, 2, 4, 8), num_blocks=20, wave_rules="packed"
+        "all", seq_lens=(16,), batch_sizes=(1, 2, 4, 8), num_blocks=14, wave_rules="packed"
     )
 
     def waves(lane: Lane, variant: str) -> set[tuple[int, int]]:
@@ -316,7 +317,8 @@ def test_packed_wave_rules_cover_cached_waves_that_fit_the_kv_pool(
         }
 
     assert waves(spec, "chunked") == set()
-    # 16 new tokens of 4-token blocks: at least 9 tokens, 3 blocks a row; 8 rows need 24.
+    # A b8 wave has at least 5 rows; padded to 16 tokens, a row has at least 9 new tokens,
+    # 3 blocks of 4: 15 blocks, more than the 14 in the pool.
     assert waves(packed, "regular") == waves(spec, "regular") == {
         (8, 2), (8, 4), (8, 8), (16, 2), (16, 4)
     }
@@ -324,7 +326,37 @@ def test_packed_wave_rules_cover_cached_waves_that_fit_the_kv_pool(
     _t(packed).warm()
     assert _t(packed).warmup.captured
     programs = {p.description for p in packed.compiler.programs.values()}
-    assert "prefill[chunked b4 s16 w20]" in programs
+    assert "prefill[chunked b4 s16 w14]" in programs
+
+    # What coverage dropped cannot be planned into the pool: 5 rows of 9 new tokens need 15.
+    rows = [
+        PrefillRow(
+            source_row=i,
+            tokens=torch.ones(9, dtype=torch.int64),
+            slot=i,
+            block_ids=tuple(range(3 * i, 3 * i + 3)),
+        )
+        for i in range(5)
+    ]
+    with pytest.raises(RequestError, match="block_ids"):
+        packed.prefill.prepare(rows=rows)
+    assert len(packed.prefill.prepare(rows=rows[:4]).requests) == 1  # b4: 12 blocks, fits
+
+
+def test_coverage_keeps_a_wave_its_fewest_rows_can_form(make: Callable[..., Lane]) -> None:
+    """5 one-block rows pad to a b8 wave: it must be warmed even if 8 rows would not fit."""
+    lane = make("all", seq_lens=(8,), batch_sizes=(1, 2, 4, 8), num_blocks=6)
+    cover = {(c.variant, c.seq_len, c.batch_size) for c in _t(lane).warmup.config.prefill_coverage}
+    assert ("regular", 8, 8) in cover
+    _t(lane).warm()
+    rows = [
+        PrefillRow(source_row=i, tokens=torch.ones(3, dtype=torch.int64), slot=i, block_ids=(i,))
+        for i in range(5)
+    ]
+    prepared = _t(lane).executor.prepare_prefill(rows=rows)
+    (request,) = prepared.requests
+    assert request.request.padded_batch_size == 8
+    _t(lane).executor.preflight_prefill(prepared)  # compiled and traced: no coverage error
 
 
 # -- lifecycle events ------------------------------------------------------------------
