@@ -49,6 +49,10 @@ class Backbone(Protocol):
         """The device the weights live on."""
         ...
 
+    def reserve_positions(self, count: int) -> None:
+        """Prepare per-position tables for positions below ``count`` (the bound KV's span)."""
+        ...
+
 
 class PagedCausalLM(nn.Module):
     """A causal LM over a borrowed paged KV cache; satisfies ``llmrt.families.base.CausalLM``.
@@ -90,9 +94,11 @@ class PagedCausalLM(nn.Module):
         if cache is None:
             self._kv = None
             return
-        self._kv = check_kv_cache(
+        bound = check_kv_cache(
             cache=cache, metadata=self.attention_metadata(), device=self.backbone.device()
         )
+        self.backbone.reserve_positions(bound.keys[0].shape[0] * bound.block_size)
+        self._kv = bound
 
     def prefill_forward(
         self,

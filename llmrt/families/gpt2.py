@@ -227,6 +227,9 @@ class GPT2Backbone(nn.Module):
         """The device the weights live on."""
         return self.wte.weight.device
 
+    def reserve_positions(self, count: int) -> None:
+        """Nothing to size: positions are a learned embedding of fixed length."""
+
     def executor_modules(self) -> Iterator[tuple[str, nn.Module]]:
         """Embeddings, each layer, final norm, LM head (execution order)."""
         yield "wte", self.wte

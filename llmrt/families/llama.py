@@ -34,6 +34,8 @@ from llmrt.families.rope import (
 
 MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2")
 IGNORED_SUFFIXES: tuple[str, ...] = (".rotary_emb.inv_freq",)
+#: RoPE cache rows before a KV cache is bound (binding resizes it to the cache's span).
+ROPE_CACHE_START = 4096
 
 
 @attrs.frozen(kw_only=True)
@@ -256,10 +258,19 @@ class LlamaBackbone(nn.Module):
         self.rope_sin: torch.Tensor
         inv_freq = inverse_frequencies(spec.rope).to(embed_tokens.weight.device)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.reserve_positions(ROPE_CACHE_START)
+
+    def reserve_positions(self, count: int) -> None:
+        """Size the RoPE cache for positions below ``count`` (at most the model's maximum).
+
+        Sized from the bound KV cache, not ``max_position_embeddings`` alone: a long-context
+        checkpoint would otherwise hold tables for positions no KV cache can reach.
+        """
+        rows = max(1, min(count, self.spec.model.max_position_embeddings))
+        if hasattr(self, "rope_cos") and self.rope_cos.shape[0] == rows:
+            return
         cos, sin = rope_cache(
-            inv_freq=inv_freq,
-            max_positions=spec.model.max_position_embeddings,
-            dtype=embed_tokens.weight.dtype,
+            inv_freq=self.inv_freq, max_positions=rows, dtype=self.embed_tokens.weight.dtype
         )
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)

@@ -1,6 +1,9 @@
-"""FrozenLinear kernels: oneDNN agrees with aten, the kernel choice, and compiled calls."""
+"""Shared layers: FrozenLinear kernels (oneDNN against aten, the choice, compiled calls) and
+the RoPE cache."""
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import torch
@@ -12,6 +15,7 @@ from llmrt.families.layers import (
     resolve_linear_kernel,
     use_linear_kernel,
 )
+from llmrt.families.rope import rope_lookup
 
 needs_onednn = pytest.mark.skipif(not onednn_linear_available(), reason="torch without oneDNN")
 
@@ -80,3 +84,34 @@ def test_use_linear_kernel_sets_every_linear_under_a_module() -> None:
     assert use_linear_kernel(tree, kernel="onednn") == 2
     assert [m.kernel for m in tree if isinstance(m, FrozenLinear)] == ["onednn", "onednn"]
     assert "kernel=onednn" in repr(tree[0])
+
+
+def test_the_rope_cache_spans_the_bound_kv_cache_not_the_model_maximum() -> None:
+    """A long-context checkpoint holds RoPE tables only for positions its KV cache can reach,
+    and looking them up gives what computing the angles directly does."""
+    from types import SimpleNamespace
+
+    from lane_fixtures import tiny_llama
+
+    model = tiny_llama(max_position_embeddings=1_000_000)
+    backbone: Any = model.backbone  # type: ignore[attr-defined]
+    meta = model.attention_metadata()
+    shape = meta.kv_shape(num_blocks=6, block_size=4)
+    layers = range(meta.num_layers)
+    model.set_kv_cache(
+        SimpleNamespace(
+            keys=[torch.zeros(shape) for _ in layers],
+            values=[torch.zeros(shape) for _ in layers],
+            block_size=4,
+        )
+    )
+    assert backbone.rope_cos.shape == backbone.rope_sin.shape == (24, meta.head_dim // 2)
+    positions = torch.tensor([[0, 7, 23, 40]])  # 40: a padding token past the cache
+    cos, sin = rope_lookup(
+        cos_cache=backbone.rope_cos, sin_cache=backbone.rope_sin, positions=positions
+    )
+    angles = positions[..., :3, None].float() * backbone.inv_freq
+    direct = torch.cat((angles, angles), dim=-1)[..., None, :]
+    torch.testing.assert_close(cos[:, :3], direct.cos())
+    torch.testing.assert_close(sin[:, :3], direct.sin())
+    torch.testing.assert_close(cos[:, 3], cos[:, 2])  # clamped to the last row
