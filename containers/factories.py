@@ -21,7 +21,7 @@ from llmrt.device.torch import TorchDevice
 from llmrt.errors import ConfigError, DeviceError, IdentityError
 from llmrt.execution import EagerExecutor, TracedExecutor
 from llmrt.families.base import CausalLM, Family
-from llmrt.families.layers import resolve_linear_kernel, use_linear_kernel
+from llmrt.families.layers import select_linear_kernel
 from llmrt.families.registry import family_for_model_type, get_family
 from llmrt.model_executor import ModelExecutor
 from llmrt.output_reader import OutputReader
@@ -129,11 +129,12 @@ def build_model(
         device=device.torch_device,
     )
     if recipe.device.backend == "torch":
-        kernel = resolve_linear_kernel(
-            recipe.device.linear, device=torch.device(device.torch_device), dtype=dtype
+        select_linear_kernel(
+            model,
+            choice=recipe.device.linear,
+            device=torch.device(device.torch_device),
+            dtype=dtype,
         )
-        for _, module in model.iter_executor_named_modules():
-            use_linear_kernel(module, kernel=kernel)
     return scope.own("model", model)
 
 

@@ -33,7 +33,7 @@ from llmrt.prefill.postprocess import (
     runs_on_host,
     sample_outputs,
 )
-from llmrt.prefill.sampling_helpers import counts_of, plain_argmax
+from llmrt.prefill.sampling_helpers import history_counts, plain_argmax
 from llmrt.sampling import SamplingTensors, apply_penalties
 from llmrt.sampling_params import SamplingParams
 from llmrt.tensor_resources import (
@@ -460,10 +460,9 @@ class DecodeRuntime:
         sampling = prepared.sampling
         logits = raw["logits"]
         if sampling.any_penalties and history is not None:
-            batch = prepared.signature.batch_size
-            rows = [*history, *([((), ())] * (batch - len(history)))]
-            prompt = counts_of([r[0] for r in rows], vocab_size=self.config.vocab_size)
-            output = counts_of([r[1] for r in rows], vocab_size=self.config.vocab_size)
+            prompt, output = history_counts(
+                history, batch=prepared.signature.batch_size, vocab_size=self.config.vocab_size
+            )
             logits = apply_penalties(
                 logits,
                 tensors=sampling,

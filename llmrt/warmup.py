@@ -23,7 +23,7 @@ from llmrt.decode import PreparedDecode
 from llmrt.errors import ConfigError, IdentityError
 from llmrt.execution import EagerExecutor, TracedExecutor
 from llmrt.lifecycle import component_logger, emit
-from llmrt.prefill.plan import BATCHED_PREFILL_TOKEN_LIMIT, PrefillPlanPolicy, PrefillRow
+from llmrt.prefill.plan import PrefillPlanPolicy, PrefillRow
 from llmrt.prefill.signatures import PreparedPrefill
 
 MANIFEST_SCHEMA = 1
@@ -96,7 +96,6 @@ class WarmupCoordinatorConfig:
             # every warmed wave size at each bucket length up to the planner's wave limit
             # (also with cached rows where they join waves).
             limit = prefill.layout.max_sequence_length - prefill.layout.block_size
-            waves = policy.wave_batch_sizes
             for n in policy.buckets.lengths():
                 # A cached row holds at least one prefix block and the fewest new tokens
                 # that still pad to ``n``.
@@ -110,9 +109,7 @@ class WarmupCoordinatorConfig:
                         variants.append("chunked")
                     coverage.extend(
                         PrefillCoverage(seq_len=n, batch_size=b, variant=variant)
-                        for b in waves
-                        if 1 < b <= min(policy.max_batch_size, policy.lane_capacity)
-                        and b * n < BATCHED_PREFILL_TOKEN_LIMIT
+                        for b in policy.wave_sizes_at(n)
                         for variant in variants
                     )
         coverage = sorted(set(coverage), key=lambda c: (c.variant, c.seq_len, c.batch_size))
@@ -355,7 +352,7 @@ def _fewest_rows(batch: int, *, policy: PrefillPlanPolicy) -> int:
     if batch == 1:
         return 1
     smaller = [b for b in policy.wave_batch_sizes if b < batch]
-    return max(2, smaller[-1] + 1 if smaller else 2)
+    return smaller[-1] + 1 if smaller else 2
 
 
 def _that_fit(

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmrt.errors import ConfigError
+from llmrt.families.base import CausalLM
 
 #: How a ``FrozenLinear`` multiplies: ``aten`` is ``F.linear``; ``onednn`` calls oneDNN's
 #: matmul directly on the plain weight. On CPU, aten sends float32 to MKL's sgemm, which
@@ -119,6 +120,16 @@ def resolve_linear_kernel(
     if choice == "auto" and usable and dtype == torch.float32:
         return "onednn"
     return "aten"
+
+
+def select_linear_kernel(
+    model: CausalLM, *, choice: LinearKernelChoice, device: torch.device, dtype: torch.dtype
+) -> LinearKernel:
+    """Resolve ``choice`` for the model's weights and point all its linear layers at it."""
+    kernel = resolve_linear_kernel(choice, device=device, dtype=dtype)
+    for _, module in model.iter_executor_named_modules():
+        use_linear_kernel(module, kernel=kernel)
+    return kernel
 
 
 def use_linear_kernel(module: nn.Module, *, kernel: LinearKernel) -> int:

@@ -139,11 +139,7 @@ class PrefillPlanPolicy:
             self.max_batch_size,
             f"must be one of {PREFILL_BATCH_SIZES}",
         )
-        for name in (
-            "batching_supported",
-            "batching_enabled",
-            "model_extracts_batched_outputs",
-        ):
+        for name in ("batching_supported", "batching_enabled", "model_extracts_batched_outputs"):
             value = getattr(self, name)
             _require(isinstance(value, bool), f"prefill_plan.{name}", value, "must be a bool")
         _require(
@@ -216,6 +212,15 @@ class PrefillPlanPolicy:
             wave_batch_sizes=wave_batch_sizes,
             max_wave_seq_len=max_wave_seq_len,
             wave_rules=wave_rules,
+        )
+
+    def wave_sizes_at(self, seq: int) -> tuple[int, ...]:
+        """Wave sizes of two rows or more a bucket padded to ``seq`` may form (increasing)."""
+        ceiling = min(self.max_batch_size, self.lane_capacity)
+        return tuple(
+            b
+            for b in self.wave_batch_sizes
+            if 1 < b <= ceiling and b * seq < BATCHED_PREFILL_TOKEN_LIMIT
         )
 
     @property
@@ -367,7 +372,7 @@ def plan_prefill(
 
     requests: list[PrefillRequest] = []
     groups = [
-        group
+        (seq, group)
         for seq in sorted(buckets)
         for group in _wave_groups(
             sorted(buckets[seq], key=lambda r: r.source_row),
@@ -376,8 +381,7 @@ def plan_prefill(
             split=global_reason is None,
         )
     ]
-    for members in groups:
-        seq = _bucket_len(members[0], policy)
+    for seq, members in groups:
         if len(members) == 1:
             requests.extend(_sequential(members, seq=seq, policy=policy, reason=None))
             continue
@@ -408,12 +412,7 @@ def _wave_groups(
     """
     if not split or policy.wave_rules == "spec":
         return [members]
-    ceiling = min(policy.max_batch_size, policy.lane_capacity)
-    sizes = [
-        b
-        for b in policy.wave_batch_sizes
-        if 1 < b <= ceiling and b * seq < BATCHED_PREFILL_TOKEN_LIMIT
-    ]
+    sizes = policy.wave_sizes_at(seq)
     if not sizes or len(members) <= sizes[-1]:
         return [members]
     size = sizes[-1]

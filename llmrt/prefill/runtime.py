@@ -29,7 +29,7 @@ from llmrt.prefill.postprocess import (
 )
 from llmrt.prefill.result_collector import PrefillOutput, ResultCollector
 from llmrt.prefill.sampling_helpers import (
-    counts_of,
+    history_counts,
     normalize_params,
     output_path,
     request_tensors,
@@ -281,7 +281,11 @@ class PrefillRuntime:
             )
         sampling = prepared.sampling
         if sampling is not None and sampling.any_penalties and history is not None:
-            prompt, output = _history_counts(prepared, history, vocab_size=self.config.vocab_size)
+            prompt, output = history_counts(
+                [history[src] for src in prepared.request.source_rows],
+                batch=prepared.request.padded_batch_size,
+                vocab_size=self.config.vocab_size,
+            )
             raw = {
                 **raw,
                 "logits": apply_penalties(
@@ -361,14 +365,3 @@ class PrefillRuntime:
             )
         if self._orphans:
             raise CleanupError([(f"prefill:{o.path}", o.error) for o in self._orphans])
-
-
-def _history_counts(
-    prepared: PreparedPrefillRequest, history: TokenHistory, *, vocab_size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    batch = prepared.request.padded_batch_size
-    prompts: list[Sequence[int]] = [[] for _ in range(batch)]
-    outputs: list[Sequence[int]] = [[] for _ in range(batch)]
-    for b, src in enumerate(prepared.request.source_rows):
-        prompts[b], outputs[b] = history[src]
-    return counts_of(prompts, vocab_size=vocab_size), counts_of(outputs, vocab_size=vocab_size)

@@ -69,6 +69,18 @@ def request_tensors(
     )
 
 
+def history_counts(
+    histories: Sequence[tuple[Sequence[int], Sequence[int]]], *, batch: int, vocab_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Prompt and output token counts ``[batch, vocab]`` of each row's ``(prompt, output)``
+    history; rows past ``histories`` (padding) count nothing."""
+    rows = [*histories, *([((), ())] * (batch - len(histories)))]
+    return (
+        counts_of([prompt for prompt, _ in rows], vocab_size=vocab_size),
+        counts_of([output for _, output in rows], vocab_size=vocab_size),
+    )
+
+
 def counts_of(rows: Sequence[Sequence[int]], *, vocab_size: int) -> torch.Tensor:
     """Per-row token occurrence counts ``[len(rows), vocab]`` (for penalties)."""
     width = max(1, max((len(r) for r in rows), default=0))

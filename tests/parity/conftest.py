@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from llmrt.families.base import CausalLM, Family
-from llmrt.families.layers import resolve_linear_kernel, use_linear_kernel
+from llmrt.families.layers import select_linear_kernel
 
 BLOCK_SIZE = 4
 NUM_BLOCKS = 160
@@ -409,9 +409,9 @@ def make_harness() -> HarnessFactory:
             dtype=torch.float32,
             device="cpu",
         )
-        kernel = resolve_linear_kernel("auto", device=torch.device("cpu"), dtype=torch.float32)
-        for _, module in model.iter_executor_named_modules():
-            use_linear_kernel(module, kernel=kernel)
+        select_linear_kernel(
+            model, choice="auto", device=torch.device("cpu"), dtype=torch.float32
+        )
         return Harness(
             hf_model=hf_model, model=model, vocab_size=model.config.vocab_size, seed=seed
         )
