@@ -8,6 +8,7 @@ from .runtime import (
     build_lane_group,
     build_lanes,
     close_runtime,
+    start_runtime,
 )
 
 __all__ = [
@@ -18,4 +19,5 @@ __all__ = [
     "build_lane_group",
     "build_lanes",
     "close_runtime",
+    "start_runtime",
 ]

@@ -33,6 +33,7 @@ from llmrt.prefill.runtime import PrefillRuntime
 from llmrt.program_compiler import ProgramCompiler
 from llmrt.recipe import Recipe
 from llmrt.scope import LifetimeScope
+from llmrt.startup import StartupSequence
 from llmrt.trace_compiler import TraceCompiler
 from llmrt.warmup import CaptureBarrier, WarmupCoordinator
 from llmrt.weights.checkpoint import Checkpoint
@@ -248,6 +249,22 @@ class RuntimeContainer(containers.DeclarativeContainer):
     lane_group: providers.Singleton[LaneGroupExecutor] = providers.Singleton(
         build_lane_group, lanes=lanes, barrier=barrier, scope=serving_scope
     )
+    #: The one startup sequence (configure, allocate, warm decode, warm prefill, activate).
+    startup: providers.Singleton[StartupSequence] = providers.Singleton(
+        StartupSequence, group=lane_group
+    )
+
+
+def start_runtime(
+    container: RuntimeContainer, *, num_blocks: int | None = None
+) -> LaneGroupExecutor:
+    """Build (if needed) and start ``container``'s runtime; returns the serving-ready lane group.
+
+    The one startup sequence every front end uses: ``container.startup().run(num_blocks=...)``
+    (see :class:`llmrt.startup.StartupSequence` for the phases and their order). The caller
+    still owns the container: on failure, close it with ``close_runtime(container, primary=exc)``.
+    """
+    return container.startup().run(num_blocks=num_blocks)
 
 
 def close_runtime(container: RuntimeContainer, *, primary: BaseException | None = None) -> None:

@@ -93,6 +93,11 @@ class LaneGroupExecutor:
         for lane in self.lanes:
             lane.warmup_decode()
 
+    def activate(self) -> None:
+        """Commit trace capture on every lane through the shared barrier (all lanes or none)."""
+        for lane in self.lanes:
+            lane.activate()
+
     # -- prefill -------------------------------------------------------------------------
 
     def prefill_forward(

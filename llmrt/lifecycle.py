@@ -5,6 +5,13 @@ Every runtime transition is one event from ``LifecycleEvent``, emitted through `
 fixed by the catalogue: per-step events (replays, reads, leases) are ``debug`` so a hot path
 logs nothing at the default levels; failures are ``warning``.
 
+Library use configures nothing: ``import llmrt`` leaves structlog and :mod:`logging` as they
+were. Until structlog is configured (by ``configure_logging``, which the CLI calls from
+``--log-level``/``--audit-log``, or by the application), events go to the standard-library
+logger ``llmrt.lifecycle`` at their levels, so an application that never configures logging
+sees only warnings (Python's last-resort handler writes them to stderr) and nothing on
+stdout; ``logging.getLogger("llmrt").setLevel(...)`` plus a handler shows more.
+
 ``configure_logging`` keeps its state in structlog's configuration only (the audit file lives
 in the final processor), and it edits the processor list in place, so loggers bound earlier
 and ``structlog.testing.capture_logs`` both see the current processors. The level filter is
@@ -193,12 +200,24 @@ def object_id(obj: object) -> str:
     return f"{type(obj).__name__}@{id(obj):#x}"
 
 
+#: Where events go while structlog is unconfigured (library use): the standard logging tree.
+STDLIB_LOGGER = logging.getLogger("llmrt.lifecycle")
+
+
 def emit(logger: FilteringBoundLogger, event: str, **fields: Any) -> None:
     """Log catalogued ``event`` at its level; unknown names raise, filtered ones cost a check."""
     name = event.value if isinstance(event, LifecycleEvent) else event
     level = EVENT_LEVELS.get(name)
     if level is None:
         raise ConfigError("event", event, "is not a lifecycle event (see LifecycleEvent)")
+    if not structlog.is_configured():
+        if STDLIB_LOGGER.isEnabledFor(level):
+            record = {**structlog.get_context(logger), **fields}
+            text = " ".join(f"{k}={v}" for k, v in record.items() if v is not None)
+            STDLIB_LOGGER.log(
+                level, "%s %s", name, text, extra={"lifecycle": {"event": name, **record}}
+            )
+        return
     if logger.is_enabled_for(level):
         logger.log(level, name, **fields)
 

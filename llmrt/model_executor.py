@@ -147,6 +147,11 @@ class ModelExecutor:
         self._check_handle(None)
         self.warmup.warmup_decode()
 
+    def activate(self) -> None:
+        """Commit this lane's trace capture (through the barrier) once both warmups ran."""
+        self._check_handle(None)
+        self.warmup.activate()
+
     def manifest(self) -> CoverageManifest:
         return self.warmup.manifest()
 

@@ -65,6 +65,7 @@ from llmrt.lane_group import LaneGroupExecutor, LaneGroupHost, LaneGroupLease
 from llmrt.paged_kv_cache import PagedKVCacheContext
 from llmrt.prefill.plan import PrefillRow
 from llmrt.sampling_params import SamplingParams
+from llmrt.startup import StartupSequence
 from llmrt.weights.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
@@ -217,11 +218,18 @@ class VLLMAdapter:
         config: VLLMAdapterConfig,
         tokenizer: Tokenizer | None = None,
         owned_container: RuntimeContainer | None = None,
+        startup: StartupSequence | None = None,
     ) -> None:
         self.group = group
         self.config = config
         self.tokenizer = tokenizer
         self._container = owned_container
+        # vLLM drives the runtime's one startup sequence phase by phase, in its own call order.
+        self.startup = startup if startup is not None else StartupSequence(group=group)
+        if self.startup.group is not group:
+            raise IdentityError(
+                "the startup sequence starts the adapter's lane group", self.startup.group, group
+            )
 
     # -- construction --------------------------------------------------------------------
 
@@ -282,10 +290,17 @@ class VLLMAdapter:
                     "hf_config.vocab_size", vocab, f"the recipe's model has {config.vocab_size}"
                 )
             tokenizer = container.model.tokenizer()
+            startup = container.startup()
         except BaseException as exc:
             close_runtime(container, primary=exc)
             raise
-        return cls(group=group, config=config, tokenizer=tokenizer, owned_container=container)
+        return cls(
+            group=group,
+            config=config,
+            tokenizer=tokenizer,
+            owned_container=container,
+            startup=startup,
+        )
 
     def close(self, *, primary: BaseException | None = None) -> None:
         """Tear down the container this adapter built (nothing when it borrows); idempotent."""
@@ -313,8 +328,8 @@ class VLLMAdapter:
             lane.kv_cache.validate_vllm_cache_spec(
                 block_size=self.config.block_size, dtype=self.config.kv_dtype, num_blocks=num_blocks
             )
-        self.group.configure_kv_capacity(num_blocks)
-        return [lane.allocate_kv_cache() for lane in self.group.lanes]
+        self.startup.configure_kv_capacity(num_blocks)
+        return self.startup.allocate_kv_cache()
 
     def _check_kv(self, kv_cache: KVCacheArg) -> None:
         lanes = self.group.lanes
@@ -342,7 +357,8 @@ class VLLMAdapter:
         self._check_warmup(
             extra, "warmup_model_prefill", kv_cache, enable_trace, can_sample_on_device
         )
-        self.group.warmup_prefill()
+        self.startup.warmup_prefill()
+        self._activate_when_warm()
 
     def warmup_model_decode(
         self,
@@ -371,7 +387,13 @@ class VLLMAdapter:
                 f"the allocated cache has {physical} blocks per lane",
                 value=num_blocks,
             )
-        self.group.warmup_decode()
+        self.startup.warmup_decode()
+        self._activate_when_warm()
+
+    def _activate_when_warm(self) -> None:
+        """vLLM warms prefill and decode in either order; the second one activates."""
+        if self.startup.warmed:
+            self.startup.activate()
 
     def _check_warmup(
         self,

@@ -20,7 +20,7 @@ import torch
 
 from llmrt.config import PageTableLayout, TraceConfig, WarmupConfig
 from llmrt.decode import PreparedDecode
-from llmrt.errors import ConfigError, IdentityError
+from llmrt.errors import ConfigError, IdentityError, TraceStateError
 from llmrt.execution import EagerExecutor, TracedExecutor
 from llmrt.lifecycle import component_logger, emit
 from llmrt.prefill.plan import PrefillPlanPolicy, PrefillRow
@@ -248,6 +248,24 @@ class WarmupCoordinator:
     def _maybe_capture(self) -> None:
         if self.ready and self.config.trace.enabled and not self._captured:
             emit(self._log, "lane.ready", lane=self.config.lane, readiness=self.readiness())
+            self.barrier.report(self)
+
+    def activate(self) -> None:
+        """Serving-ready: both warmups ran and, when tracing, the barrier committed capture.
+
+        Reporting again after a failed capture retries it (the barrier captures all lanes once
+        every lane has reported).
+        """
+        if not self.ready:
+            missing = [
+                op
+                for op, done in (("decode", self._decode_done), ("prefill", self._prefill_done))
+                if not done
+            ]
+            raise TraceStateError(
+                f"lane {self.config.lane}: activate needs {' and '.join(missing)} warmup first"
+            )
+        if self.config.trace.enabled and not self._captured:
             self.barrier.report(self)
 
     def capture_now(self) -> None:

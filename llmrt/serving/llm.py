@@ -53,11 +53,9 @@ class LLM:
         self.container = container
         self._closed = False
         try:
-            group = container.lane_group()
-            group.configure_kv_capacity()
-            group.allocate_kv_cache()
-            group.warmup_decode()
-            group.warmup_prefill()
+            from llmrt.containers import start_runtime
+
+            group = start_runtime(container)
             self.tokenizer: Tokenizer = container.model.tokenizer()
             num_blocks = [lane.kv_cache.config.num_blocks or 0 for lane in group.lanes]
             block_size = recipe.kv_cache.block_size

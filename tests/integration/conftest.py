@@ -21,7 +21,7 @@ from pathlib import Path
 import attrs
 import pytest
 import torch
-from llmrt.containers import RuntimeContainer, close_runtime
+from llmrt.containers import RuntimeContainer, close_runtime, start_runtime
 
 from llmrt.decode import DecodeOutput
 from llmrt.lane_group import LaneGroupExecutor
@@ -67,12 +67,8 @@ class Runtime:
         return self.group.lanes[0].layout.block_size
 
     def ready(self, *, num_blocks: int | None = None) -> Runtime:
-        """Resolve capacity, allocate every lane's KV, and warm up (decode first)."""
-        group = self.group
-        group.configure_kv_capacity(num_blocks)
-        group.allocate_kv_cache()
-        group.warmup_decode()
-        group.warmup_prefill()
+        """The product's startup sequence: capacity, KV, decode then prefill warmup, activate."""
+        start_runtime(self.container, num_blocks=num_blocks)
         return self
 
     def blocks_for(
