@@ -6,10 +6,10 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from llmrt.containers import RuntimeContainer, close_runtime
 from structlog.testing import capture_logs
 
-from llmrt.containers import RuntimeContainer, close_runtime
-from llmrt.errors import KVCacheStateError
+from llmrt.errors import ConfigError, KVCacheStateError
 from llmrt.recipe import load_recipe
 from llmrt.startup import StartupPhase, StartupSequence
 
@@ -84,7 +84,7 @@ def test_llm_and_the_vllm_adapter_start_through_the_container_sequence() -> None
 def test_a_failed_start_leaves_the_container_closable() -> None:
     container = RuntimeContainer(recipe=load_recipe("tiny-llama"))
     startup = container.startup()
-    with pytest.raises(Exception, match="physical capacity may only shrink|num_blocks"):
+    with pytest.raises(ConfigError, match="may only shrink capacity"):
         startup.run(num_blocks=10_000)
     assert startup.phase is StartupPhase.BUILT
     close_runtime(container)
