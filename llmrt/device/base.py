@@ -138,6 +138,9 @@ class Device(Protocol):
     ) -> DeviceTensor:
         """A zero-filled device tensor of ``shape`` owned by the caller.
 
+        A backend may commit the memory as it is written (``TorchDevice`` on CPU maps fresh
+        zero pages), so a KV pool sized for its ceiling costs what its used blocks hold.
+
         ``dim_order`` lists the dimensions from outermost to innermost in memory (None:
         row-major); a backend with fixed layouts rejects any other order.
         """

@@ -15,6 +15,7 @@ reads copy into pinned host memory.
 from __future__ import annotations
 
 import contextlib
+import mmap
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
@@ -179,7 +180,11 @@ class TorchDevice:
     ) -> torch.Tensor:
         self._require_idle("allocate")
         order = checked_dim_order(shape, dim_order)
-        storage = torch.zeros([shape[d] for d in order], dtype=dtype, device=self.torch_device)
+        stored = [shape[d] for d in order]
+        if self._kind == "cpu":
+            storage = zeroed_host_tensor(stored, dtype=dtype)
+        else:
+            storage = torch.zeros(stored, dtype=dtype, device=self.torch_device)
         # The logical view of the storage: dimension d sits at position order.index(d).
         tensor = storage.permute([order.index(d) for d in range(len(order))])
         return self._own(tensor)
@@ -389,6 +394,31 @@ class TorchDevice:
             raise DeviceError(f"{op}: {describe_tensor(tensor)} is not on {self._id}")
         if tensor in self._hw.deallocated:
             raise DeviceError(f"{op}: {describe_tensor(tensor)} was already deallocated")
+
+
+#: Host tensors at least this large come from their own anonymous mapping (see below).
+LAZY_ZERO_BYTES = 1 << 20
+
+
+def zeroed_host_tensor(shape: Sequence[int], *, dtype: torch.dtype) -> torch.Tensor:
+    """A zero-filled CPU tensor whose memory is committed page by page as it is written.
+
+    ``torch.zeros`` writes every byte up front, so a KV pool sized for its ceiling costs its
+    full size in time and resident memory before the first token. A private anonymous
+    mapping is zero-filled by the kernel on first touch instead: a pool grows in RSS with
+    the blocks actually written (and read), and costs nothing to create. Small tensors keep
+    ``torch.zeros`` (a mapping per tensor would waste pages). The mapping lives as long as
+    the tensor (``torch.frombuffer`` holds a reference) and is unmapped when it is freed.
+    """
+    numel = 1
+    for size in shape:
+        numel *= int(size)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    nbytes = numel * itemsize
+    if nbytes < LAZY_ZERO_BYTES:
+        return torch.zeros(list(shape), dtype=dtype)
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(pages, dtype=dtype, count=numel).view(list(shape))
 
 
 def _parse_spec(spec: str) -> torch.device:

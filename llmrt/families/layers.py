@@ -152,7 +152,8 @@ def frozen_layer_norm(*, weight: torch.Tensor, bias: torch.Tensor, eps: float) -
 
 def frozen_embedding(*, weight: torch.Tensor) -> nn.Embedding:
     """An ``nn.Embedding`` wrapping ``weight`` ``[num, dim]`` without copying it."""
-    embedding = nn.Embedding(weight.shape[0], weight.shape[1], device="meta")
+    # ``_weight`` skips the random init (on "meta" it imports torch._dynamo: seconds).
+    embedding = nn.Embedding(weight.shape[0], weight.shape[1], _weight=weight, _freeze=True)
     embedding.weight = _parameter(weight)
     return embedding
 

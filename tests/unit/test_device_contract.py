@@ -335,3 +335,17 @@ def test_cuda_trace_is_a_graph_that_replays_without_python() -> None:
     assert pending.tolist() == [10, 12]
     device.release_trace(trace)
     assert device.stats().live_traces == 0
+
+
+def test_large_cpu_allocation_is_zeroed_lazily_in_its_dim_order() -> None:
+    """Big host tensors come from fresh zero pages: zero, writable, in the asked order."""
+    device = TorchDevice("cpu")
+    shape = (64, 4, 32, 64)  # 2 MiB of float32
+    t = device.allocate(shape=shape, dtype=torch.float32, dim_order=(0, 2, 1, 3))
+    assert tuple(t.shape) == shape and t.dtype == torch.float32
+    assert t.permute(0, 2, 1, 3).is_contiguous()
+    assert int(torch.count_nonzero(t)) == 0
+    t[3, 1].fill_(2.0)
+    assert float(device.read(t, blocking=True).sum()) == 2.0 * 32 * 64
+    device.deallocate(t)
+    assert device.stats().live_tensors == 0

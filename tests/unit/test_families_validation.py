@@ -148,15 +148,18 @@ def test_wrong_shape_is_named(name: str) -> None:
     ("bad", "reason"),
     [
         (torch.full((1,), float("nan")), "non-finite"),
+        (torch.full((1,), float("inf")), "non-finite"),
+        (torch.full((1,), -float("inf")), "non-finite"),
         (torch.zeros((1,), dtype=torch.int64), "floating-point"),
     ],
 )
-def test_bad_values_are_named(name: str, bad: torch.Tensor, reason: str) -> None:
+@pytest.mark.parametrize("where", [0, -1])
+def test_bad_values_are_named(name: str, bad: torch.Tensor, reason: str, where: int) -> None:
     family, config = FAMILIES[name]
     tensors = _tensors(family, config)
     victim = sorted(tensors)[0]
     tensors[victim] = tensors[victim].to(bad.dtype)
-    tensors[victim].view(-1)[:1] = bad
+    tensors[victim].view(-1)[where] = bad[0]
     with pytest.raises(CheckpointError, match=reason) as info:
         _build(family, config, tensors=tensors)
     assert info.value.item == victim

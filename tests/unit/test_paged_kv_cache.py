@@ -3,6 +3,7 @@ handle validation, vLLM cache-spec checks and (retryable) release."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import attrs
@@ -379,3 +380,38 @@ def test_failed_unbind_still_releases_every_tensor(model: CausalLM) -> None:
     assert device.stats().live_tensors == 0
     kv.release()
     model.set_kv_cache(None)
+
+
+# -- memory commit ---------------------------------------------------------------------
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm", encoding="ascii") as fh:
+        return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs Linux /proc RSS")
+def test_kv_pool_memory_is_committed_as_blocks_are_written(model: CausalLM) -> None:
+    """A pool sized for its ceiling costs no resident memory until blocks are written, reads
+    zeros everywhere, and grows by about what was written (one block per layer here)."""
+    meta = model.attention_metadata()
+    block_size = 4
+    layer_block = meta.num_kv_heads * block_size * meta.head_dim * 4  # one K (or V) block
+    pool = 256 << 20
+    num_blocks = pool // (2 * meta.num_layers * layer_block)
+    kv = _manager(model, num_blocks=num_blocks, max_num_blocks=num_blocks)
+    kv.configure()
+    before = _resident_bytes()
+    context = kv.allocate()
+    allocated = _resident_bytes()
+    assert allocated - before < pool // 16
+    for t in (*context.keys, *context.values):
+        assert int(torch.count_nonzero(t)) == 0
+    assert _resident_bytes() - before < pool // 16  # reading untouched pages commits none
+    for t in (*context.keys, *context.values):
+        t[num_blocks // 2].fill_(1.0)
+    written = 2 * meta.num_layers * layer_block
+    grown = _resident_bytes() - allocated
+    assert grown < 2 * meta.num_layers * 2 * 4096 + written + (4 << 20)
+    assert all(float(t[num_blocks // 2].sum()) == layer_block // 4 for t in context.keys)
+    kv.release()
