@@ -59,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="a prompt as comma-separated token ids (repeat for several)",
     )
     src.add_argument("--chat", help="one user message, formatted with the model's chat template")
+    gen.description = (
+        "Generate text for prompts. The run is sized to its prompts: decode slots per lane "
+        "(decode.lane_capacity) shrink to the prompt count, so warmup covers only the batches "
+        "the run can form; --set decode.lane_capacity=N keeps N."
+    )
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-k", type=int, default=0)
@@ -233,10 +238,17 @@ def _prompt_ids(values: Sequence[str]) -> list[list[int]]:
 
 
 def _generate(args: argparse.Namespace) -> int:
+    from llmrt.recipe import load_recipe
+    from llmrt.request_sizing import request_overrides
     from llmrt.serving.llm import LLM
 
     params = _sampling(args)
-    with LLM.from_recipe(args.recipe, overrides=args.overrides) as llm:
+    requests = 1 if args.chat is not None else len(args.prompt_ids or args.prompt)
+    base = load_recipe(args.recipe, overrides=args.overrides)
+    given = {o.split("=", 1)[0].strip() for o in args.overrides}
+    sized = request_overrides(base, requests=requests, given=given)
+    recipe = load_recipe(args.recipe, overrides=[*sized, *args.overrides]) if sized else base
+    with LLM.from_recipe(recipe) as llm:
         if args.chat is not None:
             prompts: list[Any] = [
                 llm.tokenizer.encode(

@@ -260,3 +260,25 @@ def test_generate_chat_on_the_default_recipe_answers_paris(
     assert code == 0, err
     (record,) = json_lines(out)
     assert str(record["text"]).startswith("The capital of France is Paris")
+
+
+def test_generate_warms_only_the_decode_batches_its_prompts_can_form(
+    tmp_path: os.PathLike[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """One prompt: one decode trace (not one per power of two up to the capacity), and the
+    same tokens as the full-capacity runtime."""
+    log = os.path.join(tmp_path, "run.jsonl")
+    code, out, err = run(
+        capsys, "generate", "tiny-llama", "--prompt", "hello", "--max-new-tokens", "4",
+        "--json", "--audit-log", log,
+    )  # fmt: skip
+    assert code == 0, err
+    with open(log, encoding="utf-8") as fh:
+        events = [json.loads(line) for line in fh]
+    captured = [e for e in events if e["event"] == "trace.captured"]
+    assert [e["signature"] for e in captured] == [captured[0]["signature"]]
+    assert "batch=1" in captured[0]["signature"] or "b1" in captured[0]["signature"]
+    with LLM.from_recipe("tiny-llama") as llm:
+        assert llm.recipe.decode.lane_capacity > 1
+        expected = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=4))
+    assert json_lines(out) == [o.to_json() for o in expected]
