@@ -17,6 +17,17 @@ Workloads (``--workload``; implemented in ``llmrt.benchmarks``):
 - ``prefill``: sections ``long_prompt_s``, ``waves``, ``min_s``, ``planner_us_per_row``;
   ratios ``llmrt_over_hf_prefill_long`` (headline), ``sequential_over_batched_prefill``,
   ``planner_cost_per_row_largest_over_smallest``.
+- ``oneshot``: a fresh ``llmrt generate`` process (one prompt, 16 new tokens) against
+  ``python -c "import torch"``, interleaved after one untimed warm run of each. Sections
+  ``wall_s`` (medians ``import_torch``, ``llmrt_generate`` and their ``_min``),
+  ``peak_rss_gb`` (each process's own peak); ratios ``generate_peak_rss_gb`` and
+  ``generate_over_import_torch_wall`` (headline).
+- ``llamacpp``: llmrt against llama.cpp on the recipe's GGUF (``llama-bench``,
+  ``llama-server`` with 16 slots, or ``llama_cpp``; see ``llmrt.benchmarks.llamacpp``).
+  Sections ``llmrt`` / ``llamacpp`` (``itl_s``, ``pp_tokens_per_s``,
+  ``mixed_output_tokens_per_s``); ratios ``itl_llmrt_over_llamacpp``,
+  ``pp_llmrt_over_llamacpp``, ``mixed_llmrt_over_llamacpp_server`` (headline). Without
+  llama.cpp the headline says so and what to provide.
 
 Every JSON object also holds ``workload``, ``recipe``, ``environment``, ``config``,
 ``ratios``, ``targets`` (each ``{"target", "value", "met"}``), ``headline`` (the text of
@@ -38,6 +49,10 @@ def bench_report(settings: BenchSettings) -> Report:
         from llmrt.benchmarks import serving
 
         run = serving.mixed if settings.workload == "mixed" else serving.shared_prefix
+    elif settings.workload == "llamacpp":
+        from llmrt.benchmarks.vs_llamacpp import vs_llamacpp as run
+    elif settings.workload == "oneshot":
+        from llmrt.benchmarks.oneshot import oneshot as run
     elif settings.workload == "decode":
         from llmrt.benchmarks.decode import decode as run
     else:

@@ -80,11 +80,14 @@ def build_parser() -> argparse.ArgumentParser:
     _add_recipe_args(bench)
     bench.add_argument(
         "--workload",
-        choices=["mixed", "shared-prefix", "decode", "prefill"],
+        choices=["mixed", "shared-prefix", "decode", "prefill", "oneshot", "llamacpp"],
         default="mixed",
         help="mixed: 32 prompts of 16-512 tokens, 64 new tokens each (default); "
         "shared-prefix: 16 prompts sharing a 512-token prefix, prefix caching on vs off; "
-        "decode / prefill: llmrt vs transformers steps on the same weights (always)",
+        "decode / prefill: llmrt vs transformers steps on the same weights (always); "
+        "oneshot: a fresh `llmrt generate` process (16 tokens) vs `python -c 'import torch'`, "
+        "wall ratio and peak RSS; llamacpp: single-stream latency, prompt speed and mixed "
+        "throughput against llama.cpp on the recipe's GGUF",
     )
     bench.add_argument(
         "--baseline",
@@ -98,14 +101,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="N",
         help="scale the workload: prompts (mixed 32, shared-prefix 16) or timed repeats "
-        "(decode 32, prefill 8)",
+        "(decode 32, prefill 8, oneshot 3)",
     )
     bench.add_argument(
         "--max-new-tokens",
         type=int,
         default=None,
         metavar="N",
-        help="tokens generated per prompt (mixed 64, shared-prefix 32)",
+        help="tokens generated per prompt (mixed 64, shared-prefix 32, oneshot 16)",
     )
     bench.add_argument(
         "--hf-batch-size",
@@ -119,6 +122,22 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="1000,10000,100000",
         help="prefill: row counts for the planner cost per row",
+    )
+    bench.add_argument(
+        "--llamacpp-dir",
+        metavar="DIR",
+        help="llamacpp: a llama.cpp build's bin directory holding llama-bench and llama-server "
+        "(default: $LLMRT_LLAMACPP_DIR)",
+    )
+    bench.add_argument(
+        "--llamacpp-bench",
+        metavar="PATH",
+        help="llamacpp: the llama-bench binary (default: $LLMRT_LLAMACPP_BENCH)",
+    )
+    bench.add_argument(
+        "--llamacpp-server",
+        metavar="PATH",
+        help="llamacpp: the llama-server binary (default: $LLMRT_LLAMACPP_SERVER)",
     )
     bench.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts")
     bench.add_argument("--json", action="store_true", help="print one JSON object")

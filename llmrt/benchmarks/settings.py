@@ -9,8 +9,15 @@ import attrs
 
 from llmrt.errors import ConfigError
 
-Workload = Literal["mixed", "shared-prefix", "decode", "prefill"]
-WORKLOADS: tuple[str, ...] = ("mixed", "shared-prefix", "decode", "prefill")
+Workload = Literal["mixed", "shared-prefix", "decode", "prefill", "oneshot", "llamacpp"]
+WORKLOADS: tuple[str, ...] = (
+    "mixed",
+    "shared-prefix",
+    "decode",
+    "prefill",
+    "oneshot",
+    "llamacpp",
+)
 DEFAULT_PLANNER_ROWS: tuple[int, ...] = (1_000, 10_000, 100_000)
 
 
@@ -39,6 +46,9 @@ class BenchSettings:
     seed: int = 0
     as_json: bool = False
     plot: str | None = None
+    llamacpp_dir: str | None = None
+    llamacpp_bench: str | None = None
+    llamacpp_server: str | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.workload not in WORKLOADS:
@@ -68,6 +78,9 @@ class BenchSettings:
             seed=getattr(args, "seed", 0),
             as_json=bool(args.json),
             plot=args.plot,
+            llamacpp_dir=getattr(args, "llamacpp_dir", None),
+            llamacpp_bench=getattr(args, "llamacpp_bench", None),
+            llamacpp_server=getattr(args, "llamacpp_server", None),
         )
 
     def count(self, default: int) -> int:

@@ -1,0 +1,99 @@
+"""The ``oneshot`` workload: a fresh ``llmrt generate`` process against ``import torch``.
+
+What a user pays to get ``max_new_tokens`` tokens for one prompt from a cold process with
+warm caches (the weight cache and the OS page cache are warmed by one untimed run of each
+command first): wall time as a ratio to ``python -c "import torch"`` timed in the same run
+(interleaved, medians of ``repeats``), and the generate process's own peak RSS. Every
+command runs with this interpreter, so both use the same environment.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+
+from llmrt.benchmarks.processes import ProcessRun, run_process
+from llmrt.benchmarks.report import Report, Target
+from llmrt.benchmarks.settings import BenchSettings
+from llmrt.benchmarks.timing import progress, ratio, rounded
+from llmrt.errors import ConfigError
+
+ONESHOT_REPEATS = 3
+ONESHOT_NEW_TOKENS = 16
+ONESHOT_PROMPT = "The capital of France is"
+ONESHOT_TIMEOUT_S = 600.0
+WALL_TARGET = 2.0  # generate wall / import torch wall
+RSS_TARGET_GB = 1.2
+
+
+def oneshot_commands(settings: BenchSettings) -> dict[str, list[str]]:
+    """The commands timed: the ``import torch`` baseline and the one-shot generate."""
+    generate = [
+        sys.executable,
+        "-m",
+        "llmrt.cli",
+        "generate",
+        settings.recipe,
+        "--prompt",
+        ONESHOT_PROMPT,
+        "--max-new-tokens",
+        str(settings.new_tokens(ONESHOT_NEW_TOKENS)),
+    ]
+    for override in settings.overrides:
+        generate += ["--set", override]
+    return {"import_torch": [sys.executable, "-c", "import torch"], "llmrt_generate": generate}
+
+
+def _checked(name: str, run: ProcessRun) -> ProcessRun:
+    if not run.ok:
+        why = "timed out" if run.timed_out else f"exited {run.returncode}"
+        raise ConfigError(
+            f"oneshot {name}",
+            " ".join(run.argv),
+            f"{why}: {run.stderr_tail.strip()[-500:] or 'no stderr'}",
+        )
+    return run
+
+
+def oneshot(settings: BenchSettings) -> Report:
+    repeats = settings.count(ONESHOT_REPEATS)
+    commands = oneshot_commands(settings)
+    report = Report(workload="oneshot", recipe=settings.recipe)
+    report.section(
+        "config",
+        {
+            "repeats": repeats,
+            "max_new_tokens": settings.new_tokens(ONESHOT_NEW_TOKENS),
+            "prompt": ONESHOT_PROMPT,
+            "generate_argv": commands["llmrt_generate"][1:],
+        },
+    )
+    for name, argv in commands.items():  # warm the weight cache and the page cache
+        _checked(name, run_process(argv, timeout_s=ONESHOT_TIMEOUT_S))
+    runs: dict[str, list[ProcessRun]] = {name: [] for name in commands}
+    for _ in progress(range(repeats), desc="oneshot"):
+        for name, argv in commands.items():
+            runs[name].append(_checked(name, run_process(argv, timeout_s=ONESHOT_TIMEOUT_S)))
+    wall = {name: statistics.median(r.wall_s for r in rs) for name, rs in runs.items()}
+    peak = {name: max(r.peak_rss_bytes for r in rs) / 1e9 for name, rs in runs.items()}
+    report.section(
+        "wall_s",
+        rounded({**wall, **{f"{n}_min": min(r.wall_s for r in rs) for n, rs in runs.items()}}),
+    )
+    report.section("peak_rss_gb", rounded(peak))
+    report.series = {f"{name} wall": [r.wall_s for r in rs] for name, rs in runs.items()}
+    report.ratio(
+        "generate_peak_rss_gb",
+        peak["llmrt_generate"],
+        label="llmrt generate peak RSS",
+        target=Target(op="<=", bound=RSS_TARGET_GB),
+        suffix=" GB",
+    )
+    report.ratio(
+        "generate_over_import_torch_wall",
+        ratio(wall["llmrt_generate"], wall["import_torch"]),
+        label="llmrt generate / import torch wall",
+        target=Target(op="<=", bound=WALL_TARGET),
+        headline=True,
+    )
+    return report

@@ -1,0 +1,72 @@
+"""Bench workloads that measure child processes: ``run_process`` and ``oneshot`` wiring.
+
+Cheap stand-in commands keep these fast; the real ``llmrt generate`` command line is
+checked for its shape (the CLI tests run it)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from llmrt.bench import bench_report
+from llmrt.benchmarks import oneshot as oneshot_module
+from llmrt.benchmarks.processes import run_process
+from llmrt.benchmarks.settings import BenchSettings
+from llmrt.errors import ConfigError
+
+PY = sys.executable
+
+
+def test_peak_rss_is_the_childs_own() -> None:
+    big = run_process([PY, "-c", "b = bytearray(300 << 20); b[::4096] = b'x' * len(b[::4096])"],
+                      timeout_s=60)  # fmt: skip
+    small = run_process([PY, "-c", "pass"], timeout_s=60)
+    assert big.ok and small.ok
+    assert big.peak_rss_bytes > (300 << 20)
+    assert small.peak_rss_bytes < big.peak_rss_bytes - (200 << 20)  # not the max of all children
+    assert small.wall_s > 0
+
+
+def test_a_failing_or_hanging_child_is_reported() -> None:
+    failed = run_process([PY, "-c", "import sys; sys.stderr.write('boom'); sys.exit(3)"],
+                         timeout_s=60)  # fmt: skip
+    assert (failed.ok, failed.returncode, failed.stderr_tail) == (False, 3, "boom")
+    hung = run_process([PY, "-c", "import time; time.sleep(30)"], timeout_s=0.5)
+    assert hung.timed_out and not hung.ok and hung.wall_s < 20
+
+
+def test_oneshot_commands_run_llmrt_generate_with_the_recipe_and_overrides() -> None:
+    settings = BenchSettings(recipe="tiny-llama", workload="oneshot", overrides=("lanes=1",))
+    commands = oneshot_module.oneshot_commands(settings)
+    assert commands["import_torch"] == [PY, "-c", "import torch"]
+    argv = commands["llmrt_generate"]
+    assert argv[:5] == [PY, "-m", "llmrt.cli", "generate", "tiny-llama"]
+    assert argv[argv.index("--max-new-tokens") + 1] == "16"
+    assert argv[-2:] == ["--set", "lanes=1"]
+
+
+def test_oneshot_reports_ratio_and_peak_rss(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = {
+        "import_torch": [PY, "-c", "pass"],
+        "llmrt_generate": [PY, "-c", "b = bytearray(64 << 20); b[::4096] = b'x' * len(b[::4096])"],
+    }
+    monkeypatch.setattr(oneshot_module, "oneshot_commands", lambda settings: fake)
+    report = bench_report(BenchSettings(recipe="tiny-llama", workload="oneshot", num_prompts=1))
+    data = report.to_json()
+    assert set(data["wall_s"]) == {
+        "import_torch", "llmrt_generate", "import_torch_min", "llmrt_generate_min"
+    }  # fmt: skip
+    assert data["peak_rss_gb"]["llmrt_generate"] > 64 / 1024
+    assert data["headline_ratio"] == pytest.approx(
+        data["wall_s"]["llmrt_generate"] / data["wall_s"]["import_torch"], rel=1e-3
+    )
+    assert set(data["targets"]) == {"generate_peak_rss_gb", "generate_over_import_torch_wall"}
+    assert report.headline.startswith("llmrt generate / import torch wall: ")
+
+
+def test_oneshot_names_a_failing_command(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = {"import_torch": [PY, "-c", "pass"], "llmrt_generate": [PY, "-c", "raise SystemExit(2)"]}
+    monkeypatch.setattr(oneshot_module, "oneshot_commands", lambda settings: fake)
+    with pytest.raises(ConfigError, match="oneshot llmrt_generate: exited 2"):
+        bench_report(BenchSettings(recipe="tiny-llama", workload="oneshot", num_prompts=1))
