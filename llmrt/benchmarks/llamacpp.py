@@ -10,7 +10,9 @@ Three ways to reach it, each optional (nothing here builds or installs llama.cpp
   HTTP clients on 127.0.0.1; single-stream latency and prompt speed from its per-request
   timings when ``llama-bench`` is absent. The server is always killed afterwards;
 - the ``llama_cpp`` Python module (``llama-cpp-python``), in process, for single-stream
-  latency and prompt speed when neither binary is given.
+  latency and prompt speed when neither binary is given;
+- ``llama-cli`` (``$LLMRT_LLAMACPP_CLI``, or in the directory): the one-shot baseline of
+  ``--workload oneshot`` (one prompt, single turn).
 """
 
 from __future__ import annotations
@@ -36,10 +38,12 @@ from typing import Any
 import attrs
 
 from llmrt.errors import ConfigError, UnsupportedError
+from llmrt.recipe import Recipe
 
 DIR_ENV = "LLMRT_LLAMACPP_DIR"
 BENCH_ENV = "LLMRT_LLAMACPP_BENCH"
 SERVER_ENV = "LLMRT_LLAMACPP_SERVER"
+CLI_ENV = "LLMRT_LLAMACPP_CLI"
 SERVER_START_TIMEOUT_S = 120.0
 REQUEST_TIMEOUT_S = 600.0
 BENCH_TIMEOUT_S = 900.0
@@ -51,6 +55,7 @@ class LlamaCpp:
 
     bench: Path | None = None
     server: Path | None = None
+    cli: Path | None = None
     python: bool = False
 
     @property
@@ -61,6 +66,7 @@ class LlamaCpp:
         found = [
             f"llama-bench {self.bench}" if self.bench else None,
             f"llama-server {self.server}" if self.server else None,
+            f"llama-cli {self.cli}" if self.cli else None,
             "llama_cpp (llama-cpp-python)" if self.python else None,
         ]
         return ", ".join(f for f in found if f) or "not available"
@@ -91,6 +97,7 @@ class LlamaCpp:
         return cls(
             bench=find(bench, BENCH_ENV, "llama-bench"),
             server=find(server, SERVER_ENV, "llama-server"),
+            cli=find(None, CLI_ENV, "llama-cli"),
             python=_python_module_available(),
         )
 
@@ -106,6 +113,18 @@ def _python_module_available() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("llama_cpp") is not None
+
+
+def recipe_gguf(recipe: Recipe) -> Path | None:
+    """The GGUF file a recipe serves, or None when its checkpoint is not a GGUF."""
+    spec = recipe.checkpoint
+    if spec.format != "gguf":
+        return None
+    if spec.path:
+        return Path(spec.path)
+    from llmrt.weights.package_data import package_file
+
+    return package_file(package=spec.package or "", file=spec.file or "")
 
 
 # -- llama-bench --------------------------------------------------------------------------

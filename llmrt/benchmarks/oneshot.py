@@ -3,8 +3,10 @@
 What a user pays to get ``max_new_tokens`` tokens for one prompt from a cold process with
 warm caches (the weight cache and the OS page cache are warmed by one untimed run of each
 command first): wall time as a ratio to ``python -c "import torch"`` timed in the same run
-(interleaved, medians of ``repeats``), and the generate process's own peak RSS. Every
-command runs with this interpreter, so both use the same environment.
+(interleaved, medians of ``repeats``), and the generate process's own peak RSS. Python
+commands run with this interpreter, so they share one environment. When found, the same
+one-shot through ``llama-cli`` on the recipe's GGUF, and (``--baseline hf``) through
+transformers loading that GGUF, run interleaved with them as reference points.
 """
 
 from __future__ import annotations
@@ -12,11 +14,15 @@ from __future__ import annotations
 import statistics
 import sys
 
+import torch
+
+from llmrt.benchmarks.llamacpp import LlamaCpp, recipe_gguf
 from llmrt.benchmarks.processes import ProcessRun, run_process
 from llmrt.benchmarks.report import Report, Target
 from llmrt.benchmarks.settings import BenchSettings
 from llmrt.benchmarks.timing import progress, ratio, rounded
 from llmrt.errors import ConfigError
+from llmrt.recipe import load_recipe
 
 ONESHOT_REPEATS = 3
 ONESHOT_NEW_TOKENS = 16
@@ -41,7 +47,34 @@ def oneshot_commands(settings: BenchSettings) -> dict[str, list[str]]:
     ]
     for override in settings.overrides:
         generate += ["--set", override]
-    return {"import_torch": [sys.executable, "-c", "import torch"], "llmrt_generate": generate}
+    commands = {"import_torch": [sys.executable, "-c", "import torch"], "llmrt_generate": generate}
+    found = LlamaCpp.locate(
+        directory=settings.llamacpp_dir,
+        bench=settings.llamacpp_bench,
+        server=settings.llamacpp_server,
+    )
+    model = recipe_gguf(load_recipe(settings.recipe, overrides=list(settings.overrides)))
+    if found.cli is not None and model is not None:
+        commands["llamacpp_cli"] = [
+            str(found.cli),
+            "-m", str(model),
+            "-p", ONESHOT_PROMPT,
+            "-n", str(settings.new_tokens(ONESHOT_NEW_TOKENS)),
+            "-t", str(torch.get_num_threads()),
+            "--temp", "0",
+            "-st",
+            "--no-display-prompt",
+        ]  # fmt: skip
+    if settings.baseline == "hf" and model is not None:
+        commands["hf_generate"] = [
+            sys.executable,
+            "-m",
+            "llmrt.benchmarks.hf_oneshot",
+            str(model),
+            ONESHOT_PROMPT,
+            str(settings.new_tokens(ONESHOT_NEW_TOKENS)),
+        ]
+    return commands
 
 
 def _checked(name: str, run: ProcessRun) -> ProcessRun:
@@ -89,6 +122,18 @@ def oneshot(settings: BenchSettings) -> Report:
         target=Target(op="<=", bound=RSS_TARGET_GB),
         suffix=" GB",
     )
+    for other, label in (("llamacpp_cli", "llama-cli"), ("hf_generate", "transformers")):
+        if other in wall:
+            report.ratio(
+                f"generate_over_{other}_wall",
+                ratio(wall["llmrt_generate"], wall[other]),
+                label=f"llmrt generate / {label} one-shot wall",
+            )
+    if "llamacpp_cli" not in wall:
+        report.note(
+            "llama.cpp one-shot: not run (needs llama-cli via --llamacpp-dir or "
+            "$LLMRT_LLAMACPP_CLI, and a GGUF recipe)"
+        )
     report.ratio(
         "generate_over_import_torch_wall",
         ratio(wall["llmrt_generate"], wall["import_torch"]),

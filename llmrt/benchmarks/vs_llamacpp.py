@@ -31,6 +31,7 @@ from llmrt.benchmarks.llamacpp import (
     LlamaCpp,
     llama_server,
     python_single_stream,
+    recipe_gguf,
     run_llama_bench,
     server_single_stream,
     server_throughput,
@@ -56,18 +57,6 @@ ITL_NEW_TOKENS = 64
 PP_LEN = 512
 REPEATS = 3
 SERVER_SLOTS = 16
-
-
-def recipe_gguf(recipe: Recipe) -> Path | None:
-    """The GGUF file a recipe serves, or None when its checkpoint is not a GGUF."""
-    spec = recipe.checkpoint
-    if spec.format != "gguf":
-        return None
-    if spec.path:
-        return Path(spec.path)
-    from llmrt.weights.package_data import package_file
-
-    return package_file(package=spec.package or "", file=spec.file or "")
 
 
 def _llmrt_side(settings: BenchSettings, recipe: Recipe, *, n: int, new: int) -> dict[str, Any]:

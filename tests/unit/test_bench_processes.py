@@ -6,7 +6,9 @@ checked for its shape (the CLI tests run it)."""
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
+import attrs
 import pytest
 
 from llmrt.bench import bench_report
@@ -16,6 +18,7 @@ from llmrt.benchmarks.settings import BenchSettings
 from llmrt.errors import ConfigError
 
 PY = sys.executable
+FAKE_CLI = Path(__file__).resolve().parent.parent / "fakes" / "llama-bench"  # any executable
 
 
 def test_peak_rss_is_the_childs_own() -> None:
@@ -70,3 +73,20 @@ def test_oneshot_names_a_failing_command(monkeypatch: pytest.MonkeyPatch) -> Non
     monkeypatch.setattr(oneshot_module, "oneshot_commands", lambda settings: fake)
     with pytest.raises(ConfigError, match="oneshot llmrt_generate: exited 2"):
         bench_report(BenchSettings(recipe="tiny-llama", workload="oneshot", num_prompts=1))
+
+
+def test_oneshot_adds_llama_cli_and_transformers_baselines_when_available(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    model = tmp_path / "m.gguf"
+    monkeypatch.setattr(oneshot_module, "recipe_gguf", lambda recipe: model)
+    monkeypatch.setenv("LLMRT_LLAMACPP_CLI", str(FAKE_CLI))
+    settings = BenchSettings(recipe="tiny-llama", workload="oneshot", baseline="hf")
+    commands = oneshot_module.oneshot_commands(settings)
+    cli = commands["llamacpp_cli"]
+    assert cli[0] == str(FAKE_CLI) and cli[cli.index("-m") + 1] == str(model)
+    assert cli[cli.index("-n") + 1] == "16" and "-st" in cli
+    assert commands["hf_generate"][1:4] == ["-m", "llmrt.benchmarks.hf_oneshot", str(model)]
+    monkeypatch.delenv("LLMRT_LLAMACPP_CLI")
+    plain = oneshot_module.oneshot_commands(attrs.evolve(settings, baseline="none"))
+    assert set(plain) == {"import_torch", "llmrt_generate"}
