@@ -1,5 +1,6 @@
 """Dependency-injection containers (installed as ``llmrt.containers``)."""
 
+from .ownership import Borrowed, Owned
 from .runtime import (
     DeviceContainer,
     LaneContainer,
@@ -12,9 +13,11 @@ from .runtime import (
 )
 
 __all__ = [
+    "Borrowed",
     "DeviceContainer",
     "LaneContainer",
     "ModelContainer",
+    "Owned",
     "RuntimeContainer",
     "build_lane_group",
     "build_lanes",

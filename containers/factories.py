@@ -1,15 +1,17 @@
-"""Provider functions the containers wire: each builds one component and records it in its scope.
+"""Provider functions the containers wire: each builds one component, and nothing else.
 
-Every function takes the scope that owns what it builds and registers the
-object's teardown there at creation time, so the scopes know the exact creation
-order (and hence the exact reverse teardown order), however dependency-injector
-resolved the graph.
+Factories know nothing about scopes: ownership is declared in the containers
+(``containers/ownership.py``), so an object injected by an override is owned (or declared
+borrowed) exactly like the one a factory builds. Keyword-only signatures keep each factory
+easy to extend (``build_model`` may gain the lane's port device or mesh handle).
 """
 
 from __future__ import annotations
 
+import json
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 
@@ -18,11 +20,12 @@ from llmrt.config import PageTableLayout, TraceConfig
 from llmrt.decode import DecodeRuntime, DecodeRuntimeConfig
 from llmrt.device.base import Device
 from llmrt.device.torch import TorchDevice
-from llmrt.errors import ConfigError, DeviceError, IdentityError
+from llmrt.errors import CheckpointError, ConfigError, DeviceError, IdentityError
 from llmrt.execution import EagerExecutor, TracedExecutor
 from llmrt.families.base import CausalLM, Family
 from llmrt.families.layers import select_linear_kernel
 from llmrt.families.registry import family_for_model_type, get_family
+from llmrt.lifecycle import component_logger, emit
 from llmrt.model_executor import ModelExecutor
 from llmrt.output_reader import OutputReader
 from llmrt.paged_kv_cache import PagedKVCacheManager
@@ -30,7 +33,6 @@ from llmrt.prefill.config import PrefillRuntimeConfig
 from llmrt.prefill.runtime import PrefillRuntime
 from llmrt.program_compiler import PROGRAM_OPERATIONS, ProgramCompiler
 from llmrt.recipe import Recipe
-from llmrt.scope import LifetimeScope
 from llmrt.trace_compiler import TraceCompiler
 from llmrt.warmup import CaptureBarrier, WarmupCoordinator, WarmupCoordinatorConfig
 from llmrt.weights.checkpoint import Checkpoint, load_checkpoint
@@ -42,8 +44,8 @@ KV_MEMORY_FRACTION = 0.25
 # -- device scope ----------------------------------------------------------------------------
 
 
-def open_device(*, recipe: Recipe, scope: LifetimeScope) -> Device:
-    """Open the recipe's device (or mesh); the scope synchronizes it at teardown."""
+def open_device(*, recipe: Recipe) -> Device:
+    """Open the recipe's device (or mesh); the device scope closes it (``close_device``)."""
     spec = recipe.device
     if spec.backend == "ttnn":
         from llmrt.device.ttnn import open_ttnn_device
@@ -53,39 +55,65 @@ def open_device(*, recipe: Recipe, scope: LifetimeScope) -> Device:
         if spec.num_threads is not None:
             torch.set_num_threads(spec.num_threads)
         device = TorchDevice(spec.torch_device)
-    return scope.own("device", device, lambda: _close_device(device))
+    emit(component_logger("device", object_id=device.id), "device.opened", device=device.id)
+    return device
 
 
-def _close_device(device: Device) -> None:
-    """Drain the queue, then close what the runtime opened (a ttnn mesh it owns)."""
-    device.synchronize()
-    close = getattr(device, "close", None)
-    if callable(close):
-        close()
+def close_device(device: Device) -> Callable[[], None]:
+    """The owned device's teardown: drain the queue, then close it (a ttnn mesh it opened)."""
+
+    def close() -> None:
+        device.synchronize()
+        closer = getattr(device, "close", None)
+        if callable(closer):
+            closer()
+        emit(component_logger("device", object_id=device.id), "device.closed", device=device.id)
+
+    return close
 
 
-def split_lanes(*, device: Device, lanes: int, scope: LifetimeScope) -> tuple[Device, ...]:
+def split_lanes(*, device: Device, lanes: int) -> tuple[Device, ...]:
     """Lane sub-devices: each lane owns its traces, events and allocations."""
-    return scope.own("lane_devices", device.lanes(lanes))
+    split = tuple(device.lanes(lanes))
+    for lane, sub in enumerate(split):
+        log = component_logger("device", lane=lane, object_id=sub.id)
+        emit(log, "device.opened", device=sub.id, parent=device.id)
+    return split
 
 
 # -- model scope -----------------------------------------------------------------------------
 
 
-def resolve_family(*, recipe: Recipe, checkpoint: Checkpoint) -> Family:
+def resolve_family(*, recipe: Recipe, model_type: Callable[[], str]) -> Family:
+    """The recipe's family; ``auto`` asks ``model_type()`` (the checkpoint's, read cheaply)."""
     if recipe.family == "auto":
-        return family_for_model_type(str(checkpoint.hf_config.get("model_type")))
+        return family_for_model_type(model_type())
     return get_family(recipe.family)
 
 
-def load_weights(*, recipe: Recipe, scope: LifetimeScope) -> Checkpoint:
-    """Load (and for GGUF, dequantize once and cache) the recipe's checkpoint."""
+def checkpoint_model_type(*, recipe: Recipe) -> str:
+    """The checkpoint's ``model_type`` without loading its tensors (for ``family: auto``)."""
     spec = recipe.checkpoint
-    family = None
-    if recipe.family != "auto":
-        family = get_family(recipe.family)
-    elif spec.format == "random":
-        family = family_for_model_type(str(recipe.model.get("model_type")))
+    if spec.format == "random":
+        return str(recipe.model.get("model_type"))
+    if spec.format == "safetensors":
+        config = Path(spec.path or "").expanduser() / "config.json"
+        try:
+            return str(json.loads(config.read_text(encoding="utf-8"))["model_type"])
+        except (OSError, ValueError, KeyError) as exc:
+            raise CheckpointError(str(config), f"no readable model_type ({exc})") from exc
+    # A GGUF's model_type comes from its header's architecture: read through the loader,
+    # whose dequantization cache makes the ``weights`` load that follows a cache hit.
+    return str(
+        load_checkpoint(
+            format=spec.format, path=spec.path, package=spec.package, file=spec.file
+        ).hf_config.get("model_type")
+    )
+
+
+def load_weights(*, recipe: Recipe, family: Family) -> Checkpoint:
+    """Load (and for GGUF, dequantize once and cache) the recipe's checkpoint for ``family``."""
+    spec = recipe.checkpoint
     checkpoint = load_checkpoint(
         format=spec.format,
         path=spec.path,
@@ -93,14 +121,14 @@ def load_weights(*, recipe: Recipe, scope: LifetimeScope) -> Checkpoint:
         file=spec.file,
         model=dict(recipe.model) if spec.format == "random" else None,
         seed=spec.seed,
-        expected_tensors=family.expected_tensors if family is not None else None,
-        optional_tensors=family.optional_tensors if family is not None else None,
-        model_types=family.model_types if family is not None else None,
+        expected_tensors=family.expected_tensors,
+        optional_tensors=family.optional_tensors,
+        model_types=family.model_types,
     )
-    return scope.own("weights", checkpoint)
+    return checkpoint
 
 
-def load_tokenizer(*, recipe: Recipe, checkpoint: Checkpoint, scope: LifetimeScope) -> Tokenizer:
+def load_tokenizer(*, recipe: Recipe, checkpoint: Checkpoint) -> Tokenizer:
     source = recipe.tokenizer.source
     if source == "byte":
         tokenizer = byte_tokenizer()
@@ -114,11 +142,11 @@ def load_tokenizer(*, recipe: Recipe, checkpoint: Checkpoint, scope: LifetimeSco
                 "tokenizer.source", source, f"checkpoint {checkpoint.source} carries no tokenizer"
             )
         tokenizer = checkpoint.tokenizer
-    return scope.own("tokenizer", tokenizer)
+    return tokenizer
 
 
 def build_model(
-    *, recipe: Recipe, checkpoint: Checkpoint, family: Family, device: Device, scope: LifetimeScope
+    *, recipe: Recipe, checkpoint: Checkpoint, family: Family, device: Device
 ) -> CausalLM:
     """One lane's tensor model; lanes on one host share the checkpoint's tensors."""
     dtype = torch.bfloat16 if recipe.checkpoint.dtype == "bfloat16" else torch.float32
@@ -135,16 +163,15 @@ def build_model(
             device=torch.device(device.torch_device),
             dtype=dtype,
         )
-    return scope.own("model", model)
+    return model
 
 
 # -- lane scope ------------------------------------------------------------------------------
 
 
-def build_step_compiler(*, recipe: Recipe, lane: int, scope: LifetimeScope) -> StepCompiler:
+def build_step_compiler(*, recipe: Recipe, lane: int) -> StepCompiler:
     """The lane's step source: the model's forwards, or compiled ones (``device.compile``)."""
-    steps = StepCompiler(options=CompileOptions.from_device(recipe.device), lane=lane)
-    return scope.own("step_compiler", steps, steps.close)
+    return StepCompiler(options=CompileOptions.from_device(recipe.device), lane=lane)
 
 
 def resolve_num_blocks(*, recipe: Recipe, model: CausalLM) -> int:
@@ -175,16 +202,13 @@ def resolve_num_blocks(*, recipe: Recipe, model: CausalLM) -> int:
 
 
 def build_kv_manager(
-    *, recipe: Recipe, model: CausalLM, device: Device, lane: int, scope: LifetimeScope
+    *, recipe: Recipe, model: CausalLM, device: Device, lane: int
 ) -> PagedKVCacheManager:
     config = recipe.kv_cache.with_num_blocks(resolve_num_blocks(recipe=recipe, model=model))
-    manager = PagedKVCacheManager(model=model, device=device, config=config, lane=lane)
-    return scope.own("kv_cache_manager", manager, manager.release)
+    return PagedKVCacheManager(model=model, device=device, config=config, lane=lane)
 
 
-def build_layout(
-    *, recipe: Recipe, model: CausalLM, kv: PagedKVCacheManager, scope: LifetimeScope
-) -> PageTableLayout:
+def build_layout(*, recipe: Recipe, model: CausalLM, kv: PagedKVCacheManager) -> PageTableLayout:
     blocks = kv.config.num_blocks or kv.config.max_num_blocks
     layout = PageTableLayout.resolve(
         block_size=kv.config.block_size,
@@ -194,12 +218,11 @@ def build_layout(
         physical_num_blocks=blocks,
         max_prefill_chunk_size=recipe.prefill.max_chunk_size,
     )
-    return scope.own("page_table_layout", layout)
+    return layout
 
 
-def build_output_reader(*, device: Device, lane: int, scope: LifetimeScope) -> OutputReader:
-    reader = OutputReader(device=device, lane=lane)
-    return scope.own("output_reader", reader, reader.drain)
+def build_output_reader(*, device: Device, lane: int) -> OutputReader:
+    return OutputReader(device=device, lane=lane)
 
 
 def build_prefill(
@@ -210,7 +233,6 @@ def build_prefill(
     reader: OutputReader,
     layout: PageTableLayout,
     lane: int,
-    scope: LifetimeScope,
     steps: StepCompiler | None = None,
 ) -> PrefillRuntime:
     config = PrefillRuntimeConfig.resolve(
@@ -229,8 +251,7 @@ def build_prefill(
         wave_rules=recipe.wave_rules,
         lane=lane,
     )
-    runtime = PrefillRuntime(config, step_compiler=steps)
-    return scope.own("prefill_runtime", runtime, runtime.cleanup)
+    return PrefillRuntime(config, step_compiler=steps)
 
 
 def build_decode(
@@ -241,7 +262,6 @@ def build_decode(
     reader: OutputReader,
     layout: PageTableLayout,
     lane: int,
-    scope: LifetimeScope,
     steps: StepCompiler | None = None,
 ) -> DecodeRuntime:
     config = DecodeRuntimeConfig.resolve(
@@ -254,8 +274,7 @@ def build_decode(
         batch_sizes=recipe.decode_batch_sizes,
         lane=lane,
     )
-    runtime = DecodeRuntime(config, step_compiler=steps)
-    return scope.own("decode_runtime", runtime, runtime.cleanup_transients)
+    return DecodeRuntime(config, step_compiler=steps)
 
 
 def build_program_compiler(
@@ -264,7 +283,6 @@ def build_program_compiler(
     device: Device,
     kv: PagedKVCacheManager,
     lane: int,
-    scope: LifetimeScope,
     steps: StepCompiler | None = None,
 ) -> ProgramCompiler:
     # Only a TT program or an inductor graph is built by a first run; plain torch eager
@@ -273,10 +291,9 @@ def build_program_compiler(
     if recipe.device.backend == "torch":
         compiled = recipe.device.compile != "eager"
         materialize = frozenset(recipe.device.inductor.operations if compiled else ())
-    compiler = ProgramCompiler(
+    return ProgramCompiler(
         device=device, kv_cache=kv, lane=lane, step_compiler=steps, materialize=materialize
     )
-    return scope.own("program_compiler", compiler, compiler.cleanup)
 
 
 def build_eager(
@@ -284,33 +301,28 @@ def build_eager(
     prefill: PrefillRuntime,
     decode: DecodeRuntime,
     compiler: ProgramCompiler,
-    scope: LifetimeScope,
 ) -> EagerExecutor:
-    return scope.own(
-        "eager_executor", EagerExecutor(prefill=prefill, decode=decode, program_compiler=compiler)
-    )
+    return EagerExecutor(prefill=prefill, decode=decode, program_compiler=compiler)
 
 
 def build_trace_compiler(
-    *, recipe: Recipe, compiler: ProgramCompiler, device: Device, lane: int, scope: LifetimeScope
+    *, recipe: Recipe, compiler: ProgramCompiler, device: Device, lane: int
 ) -> TraceCompiler | None:
     if not recipe.trace.enabled:
         return None
-    traces = TraceCompiler(program_compiler=compiler, device=device, lane=lane)
-    return scope.own("trace_compiler", traces, traces.cleanup)
+    return TraceCompiler(program_compiler=compiler, device=device, lane=lane)
 
 
 def build_traced(
-    *, recipe: Recipe, eager: EagerExecutor, traces: TraceCompiler | None, scope: LifetimeScope
+    *, recipe: Recipe, eager: EagerExecutor, traces: TraceCompiler | None
 ) -> TracedExecutor | None:
     if traces is None:
         return None
-    traced = TracedExecutor(
+    return TracedExecutor(
         eager_executor=eager,
         trace_compiler=traces,
         trace_config=TraceConfig(mode=recipe.trace.mode),
     )
-    return scope.own("traced_executor", traced)
 
 
 def build_warmup(
@@ -320,15 +332,12 @@ def build_warmup(
     traced: TracedExecutor | None,
     barrier: CaptureBarrier,
     lane: int,
-    scope: LifetimeScope,
 ) -> WarmupCoordinator:
     execution = traced if traced is not None else eager
     config = WarmupCoordinatorConfig.resolve(
         warmup=recipe.warmup, trace=recipe.trace, execution=execution, lane=lane
     )
-    return scope.own(
-        "warmup_coordinator", WarmupCoordinator(config, execution=execution, barrier=barrier)
-    )
+    return WarmupCoordinator(config, execution=execution, barrier=barrier)
 
 
 def build_model_executor(
@@ -339,12 +348,10 @@ def build_model_executor(
     traced: TracedExecutor | None,
     warmup: WarmupCoordinator,
     lane: int,
-    scope: LifetimeScope,
 ) -> ModelExecutor:
-    executor = ModelExecutor(
+    return ModelExecutor(
         kv_cache=kv, output_reader=reader, eager=eager, traced=traced, warmup=warmup, lane=lane
     )
-    return scope.own("model_executor", executor, executor.cleanup)
 
 
 def check_lane_identity(

@@ -1,45 +1,56 @@
 """The dependency-injection containers that wire llmrt from a recipe.
 
 Scopes, outermost first: **device** (device/mesh and lane sub-devices), **model**
-(weights, tokenizer, family), one **lane** sub-container per data-parallel lane
+(family, weights, tokenizer), one **lane** sub-container per data-parallel lane
 (step compiler, KV manager, page-table layout, OutputReader, prefill/decode runtimes, program
 compiler, eager executor, optional trace compiler and traced executor, warmup
 coordinator, model executor — in the spec's construction order) and
-**serving** (the lane group). Every provider records what it builds in its
-:class:`~llmrt.scope.LifetimeScope`, so :func:`close_runtime` (the root scope's
-``close``) tears down in exact reverse creation order across scopes. A declarative
-container instance is a ``DynamicContainer``, so teardown is a function, not a method.
+**serving** (the lane group and the startup sequence).
 
-Integration tests override providers the dependency-injector way, e.g.
-``container.device.device.override(providers.Object(FaultyDevice(...)))``.
+Ownership is declared here, not in the factories: every provider whose object has a
+lifetime is an :class:`~containers.ownership.Owned` provider, so whatever it yields — built by
+its factory or injected by an override — is recorded in its scope's
+:class:`~llmrt.scope.LifetimeScope` as it is created, and :func:`close_runtime` (the root
+scope's ``close``) tears everything down in exact reverse creation order across scopes. The
+lane components the model executor cleans up in the spec's eight steps are governed by it:
+their own scope entries become no-ops once the executor exists.
+
+Overriding, the dependency-injector way, before the runtime is built:
+
+- a root-level provider: ``container.device.device.override(providers.Object(FaultyDevice(...)))``
+  (owned: synchronized and closed at teardown), or ``...override(Borrowed(device))`` for a
+  device the caller owns (left alone, visibly);
+- the family: ``container.model.family.override(providers.Object(family))`` (weights are
+  loaded and validated for it; nothing else looks the family up);
+- one lane's provider: ``container.lane_containers()[i].kv_cache_manager.override(...)``
+  (``lane_containers()`` declares every lane sub-container without building anything);
+- every lane at once: ``container.lane_container.override(providers.Object(factory))`` where
+  ``factory(**dependencies)`` returns a ``LaneContainer`` (it may override its providers).
+
+Overriding an owned provider after it was built raises ``ContainerStateError``. A declarative
+container instance is a ``DynamicContainer``, so teardown is a function, not a method.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 
 from dependency_injector import containers, providers
 
-from llmrt.compiled_step import StepCompiler
-from llmrt.decode import DecodeRuntime
 from llmrt.device.base import Device
-from llmrt.execution import EagerExecutor, TracedExecutor
-from llmrt.families.base import CausalLM, Family
+from llmrt.errors import ContainerStateError
+from llmrt.families.base import Family
 from llmrt.lane_group import LaneGroupExecutor
-from llmrt.model_executor import ModelExecutor
-from llmrt.output_reader import OutputReader
-from llmrt.paged_kv_cache import PagedKVCacheManager
-from llmrt.prefill.runtime import PrefillRuntime
-from llmrt.program_compiler import ProgramCompiler
 from llmrt.recipe import Recipe
 from llmrt.scope import LifetimeScope
 from llmrt.startup import StartupSequence
 from llmrt.trace_compiler import TraceCompiler
-from llmrt.warmup import CaptureBarrier, WarmupCoordinator
+from llmrt.warmup import CaptureBarrier
 from llmrt.weights.checkpoint import Checkpoint
-from llmrt.weights.tokenizer import Tokenizer
 
 from . import factories as f
+from .ownership import Borrowed, Owned, govern
 
 
 def _child(parent: LifetimeScope, name: str, lane: int | None = None) -> LifetimeScope:
@@ -52,29 +63,42 @@ class DeviceContainer(containers.DeclarativeContainer):
     recipe = providers.Dependency(instance_of=Recipe)
     parent_scope = providers.Dependency(instance_of=LifetimeScope)
     scope: providers.Singleton[LifetimeScope] = providers.Singleton(_child, parent_scope, "device")
-    device: providers.Singleton[Device] = providers.Singleton(
-        f.open_device, recipe=recipe, scope=scope
+    device: Owned = Owned(f.open_device, recipe=recipe).owned_by(
+        scope, "device", close=f.close_device
     )
-    lane_devices: providers.Singleton[tuple[Device, ...]] = providers.Singleton(
-        f.split_lanes, device=device, lanes=recipe.provided.lanes, scope=scope
+    lane_devices: Owned = Owned(f.split_lanes, device=device, lanes=recipe.provided.lanes).owned_by(
+        scope, "lane_devices"
     )
 
 
 class ModelContainer(containers.DeclarativeContainer):
-    """Model scope: weights, tokenizer and family, borrowed by every lane."""
+    """Model scope: the family, the weights loaded for it, and the tokenizer; lanes borrow them."""
 
     recipe = providers.Dependency(instance_of=Recipe)
     parent_scope = providers.Dependency(instance_of=LifetimeScope)
     scope: providers.Singleton[LifetimeScope] = providers.Singleton(_child, parent_scope, "model")
-    weights: providers.Singleton[Checkpoint] = providers.Singleton(
-        f.load_weights, recipe=recipe, scope=scope
-    )
+    checkpoint_model_type = providers.Callable(f.checkpoint_model_type, recipe=recipe)
+    #: The only source of the family: weight loading and every lane's model use this one.
     family: providers.Singleton[Family] = providers.Singleton(
-        f.resolve_family, recipe=recipe, checkpoint=weights
+        f.resolve_family, recipe=recipe, model_type=checkpoint_model_type.provider
     )
-    tokenizer: providers.Singleton[Tokenizer] = providers.Singleton(
-        f.load_tokenizer, recipe=recipe, checkpoint=weights, scope=scope
+    weights: Owned = Owned(f.load_weights, recipe=recipe, family=family).owned_by(scope, "weights")
+    tokenizer: Owned = Owned(f.load_tokenizer, recipe=recipe, checkpoint=weights).owned_by(
+        scope, "tokenizer"
     )
+
+
+def _lane_scope(parent: LifetimeScope, lane: int) -> LifetimeScope:
+    return parent.child(f"lane{lane}", lane=lane)
+
+
+def _closer(method: str) -> Callable[[object], Callable[[], object]]:
+    """``close(obj)`` that calls ``obj.<method>()`` at teardown."""
+    return operator.attrgetter(method)
+
+
+def _close_traces(traces: TraceCompiler | None) -> Callable[[], object] | None:
+    return traces.cleanup if traces is not None else None
 
 
 class LaneContainer(containers.DeclarativeContainer):
@@ -89,25 +113,23 @@ class LaneContainer(containers.DeclarativeContainer):
     family: providers.Dependency[Family] = providers.Dependency()
     barrier = providers.Dependency(instance_of=CaptureBarrier)
 
-    scope: providers.Singleton[LifetimeScope] = providers.Singleton(
-        lambda parent, lane: parent.child(f"lane{lane}", lane=lane), parent_scope, lane
+    scope: providers.Singleton[LifetimeScope] = providers.Singleton(_lane_scope, parent_scope, lane)
+    model: Owned = Owned(
+        f.build_model, recipe=recipe, checkpoint=weights, family=family, device=device
+    ).owned_by(scope, "model")
+    step_compiler: Owned = Owned(f.build_step_compiler, recipe=recipe, lane=lane).owned_by(
+        scope, "step_compiler", close=_closer("close")
     )
-    model: providers.Singleton[CausalLM] = providers.Singleton(
-        f.build_model, recipe=recipe, checkpoint=weights, family=family, device=device, scope=scope
+    kv_cache_manager: Owned = Owned(
+        f.build_kv_manager, recipe=recipe, model=model, device=device, lane=lane
+    ).owned_by(scope, "kv_cache_manager", close=_closer("release"))
+    page_table_layout: Owned = Owned(
+        f.build_layout, recipe=recipe, model=model, kv=kv_cache_manager
+    ).owned_by(scope, "page_table_layout")
+    output_reader: Owned = Owned(f.build_output_reader, device=device, lane=lane).owned_by(
+        scope, "output_reader", close=_closer("drain")
     )
-    step_compiler: providers.Singleton[StepCompiler] = providers.Singleton(
-        f.build_step_compiler, recipe=recipe, lane=lane, scope=scope
-    )
-    kv_cache_manager: providers.Singleton[PagedKVCacheManager] = providers.Singleton(
-        f.build_kv_manager, recipe=recipe, model=model, device=device, lane=lane, scope=scope
-    )
-    page_table_layout = providers.Singleton(
-        f.build_layout, recipe=recipe, model=model, kv=kv_cache_manager, scope=scope
-    )
-    output_reader: providers.Singleton[OutputReader] = providers.Singleton(
-        f.build_output_reader, device=device, lane=lane, scope=scope
-    )
-    prefill_runtime: providers.Singleton[PrefillRuntime] = providers.Singleton(
+    prefill_runtime: Owned = Owned(
         f.build_prefill,
         recipe=recipe,
         model=model,
@@ -115,10 +137,9 @@ class LaneContainer(containers.DeclarativeContainer):
         reader=output_reader,
         layout=page_table_layout,
         lane=lane,
-        scope=scope,
         steps=step_compiler,
-    )
-    decode_runtime: providers.Singleton[DecodeRuntime] = providers.Singleton(
+    ).owned_by(scope, "prefill_runtime", close=_closer("cleanup"))
+    decode_runtime: Owned = Owned(
         f.build_decode,
         recipe=recipe,
         model=model,
@@ -126,46 +147,34 @@ class LaneContainer(containers.DeclarativeContainer):
         reader=output_reader,
         layout=page_table_layout,
         lane=lane,
-        scope=scope,
         steps=step_compiler,
-    )
-    program_compiler: providers.Singleton[ProgramCompiler] = providers.Singleton(
+    ).owned_by(scope, "decode_runtime", close=_closer("cleanup_transients"))
+    program_compiler: Owned = Owned(
         f.build_program_compiler,
         recipe=recipe,
         device=device,
         kv=kv_cache_manager,
         lane=lane,
-        scope=scope,
         steps=step_compiler,
-    )
-    eager_executor: providers.Singleton[EagerExecutor] = providers.Singleton(
-        f.build_eager,
-        prefill=prefill_runtime,
-        decode=decode_runtime,
-        compiler=program_compiler,
-        scope=scope,
-    )
-    trace_compiler: providers.Singleton[TraceCompiler | None] = providers.Singleton(
-        f.build_trace_compiler,
-        recipe=recipe,
-        compiler=program_compiler,
-        device=device,
-        lane=lane,
-        scope=scope,
-    )
-    traced_executor: providers.Singleton[TracedExecutor | None] = providers.Singleton(
-        f.build_traced, recipe=recipe, eager=eager_executor, traces=trace_compiler, scope=scope
-    )
-    warmup_coordinator: providers.Singleton[WarmupCoordinator] = providers.Singleton(
+    ).owned_by(scope, "program_compiler", close=_closer("cleanup"))
+    eager_executor: Owned = Owned(
+        f.build_eager, prefill=prefill_runtime, decode=decode_runtime, compiler=program_compiler
+    ).owned_by(scope, "eager_executor")
+    trace_compiler: Owned = Owned(
+        f.build_trace_compiler, recipe=recipe, compiler=program_compiler, device=device, lane=lane
+    ).owned_by(scope, "trace_compiler", close=_close_traces)
+    traced_executor: Owned = Owned(
+        f.build_traced, recipe=recipe, eager=eager_executor, traces=trace_compiler
+    ).owned_by(scope, "traced_executor")
+    warmup_coordinator: Owned = Owned(
         f.build_warmup,
         recipe=recipe,
         eager=eager_executor,
         traced=traced_executor,
         barrier=barrier,
         lane=lane,
-        scope=scope,
-    )
-    model_executor: providers.Singleton[ModelExecutor] = providers.Singleton(
+    ).owned_by(scope, "warmup_coordinator")
+    model_executor: Owned = Owned(
         f.build_model_executor,
         kv=kv_cache_manager,
         reader=output_reader,
@@ -173,51 +182,86 @@ class LaneContainer(containers.DeclarativeContainer):
         traced=traced_executor,
         warmup=warmup_coordinator,
         lane=lane,
-        scope=scope,
+    ).owned_by(scope, "model_executor", close=_closer("cleanup"))
+    # The executor is the lane's cleanup root: once it exists, these run as its steps only.
+    govern(
+        model_executor,
+        kv_cache_manager,
+        output_reader,
+        prefill_runtime,
+        decode_runtime,
+        program_compiler,
+        trace_compiler,
     )
     identity_check = providers.Callable(
         f.check_lane_identity, devices=lane_devices, executor=model_executor, device=device
     )
 
 
-def build_lanes(
+#: The lane providers that must stay :class:`Owned` in any lane container (subclass or factory).
+LANE_LIFETIMES: tuple[str, ...] = tuple(
+    name for name, p in LaneContainer.cls_providers.items() if isinstance(p, Owned)
+)
+
+
+def declare_lanes(
     *,
     recipe: Recipe,
-    scope: LifetimeScope,
-    lane_devices: tuple[Device, ...],
-    weights: Checkpoint,
-    family: Family,
-    barrier: CaptureBarrier,
     lane_container: Callable[..., LaneContainer],
+    scope: providers.Provider[LifetimeScope],
+    lane_devices: providers.Provider[tuple[Device, ...]],
+    weights: providers.Provider[Checkpoint],
+    family: providers.Provider[Family],
+    barrier: providers.Provider[CaptureBarrier],
 ) -> tuple[LaneContainer, ...]:
-    """One lane sub-container per data-parallel lane, each built and identity-checked now.
+    """One lane sub-container per lane, wired to the root's providers; nothing is built yet.
 
-    ``lane_container`` is called with the lane's dependencies: the ``LaneContainer`` class,
-    a subclass, or a factory that overrides some of the lane's providers (tests).
+    ``lane_container`` is called with the lane's dependencies: ``LaneContainer``, or a factory
+    that overrides some of the lane's providers. A lane provider that is not ``Owned`` (a
+    subclass that redefined one as a plain Singleton) would escape teardown: refused.
     """
     lanes = []
-    for index, device in enumerate(lane_devices):
+    for index in range(recipe.lanes):
         lane = lane_container(
             recipe=recipe,
             parent_scope=scope,
             lane=index,
-            device=device,
+            device=providers.Callable(operator.itemgetter(index), lane_devices),
             lane_devices=lane_devices,
             weights=weights,
             family=family,
             barrier=barrier,
         )
-        lane.model_executor()
-        lane.identity_check()
+        for name in LANE_LIFETIMES:
+            if not isinstance(getattr(lane, name, None), Owned):
+                raise ContainerStateError(
+                    f"lane {index}: provider {name} is not an Owned provider, so its object "
+                    f"would escape teardown; override it instead "
+                    f"(container.lane_containers()[{index}].{name}.override(...))"
+                )
         lanes.append(lane)
     return tuple(lanes)
 
 
+def build_lanes(
+    *, lanes: tuple[LaneContainer, ...], lane_devices: tuple[Device, ...], weights: Checkpoint
+) -> tuple[LaneContainer, ...]:
+    """Build every declared lane (in lane order) and check its identity constraints.
+
+    ``lane_devices`` and ``weights`` are taken first so the device scope opens before the
+    model scope and both before any lane, whatever each lane's providers resolve first.
+    """
+    del lane_devices, weights  # resolved for their creation order; lanes borrow them
+    for lane in lanes:
+        lane.model_executor()
+        lane.identity_check()
+    return lanes
+
+
 def build_lane_group(
-    *, lanes: tuple[LaneContainer, ...], barrier: CaptureBarrier, scope: LifetimeScope
+    *, lanes: tuple[LaneContainer, ...], barrier: CaptureBarrier
 ) -> LaneGroupExecutor:
-    group = LaneGroupExecutor(lanes=[lane.model_executor() for lane in lanes], barrier=barrier)
-    return scope.own("lane_group", group)
+    return LaneGroupExecutor(lanes=[lane.model_executor() for lane in lanes], barrier=barrier)
 
 
 class RuntimeContainer(containers.DeclarativeContainer):
@@ -233,21 +277,28 @@ class RuntimeContainer(containers.DeclarativeContainer):
         CaptureBarrier, lanes=recipe.provided.lanes
     )
     lane_container = providers.Object(LaneContainer)
+    #: Every lane sub-container, declared (overridable) but not built.
+    lane_containers: providers.Singleton[tuple[LaneContainer, ...]] = providers.Singleton(
+        declare_lanes,
+        recipe=recipe,
+        lane_container=lane_container,
+        scope=root_scope.provider,
+        lane_devices=device.lane_devices.provider,
+        weights=model.weights.provider,
+        family=model.family.provider,
+        barrier=barrier.provider,
+    )
     lanes: providers.Singleton[tuple[LaneContainer, ...]] = providers.Singleton(
         build_lanes,
-        recipe=recipe,
-        scope=root_scope,
         lane_devices=device.lane_devices,
         weights=model.weights,
-        family=model.family,
-        barrier=barrier,
-        lane_container=lane_container,
+        lanes=lane_containers,
     )
     serving_scope: providers.Singleton[LifetimeScope] = providers.Singleton(
         _child, root_scope, "serving"
     )
-    lane_group: providers.Singleton[LaneGroupExecutor] = providers.Singleton(
-        build_lane_group, lanes=lanes, barrier=barrier, scope=serving_scope
+    lane_group: Owned = Owned(build_lane_group, lanes=lanes, barrier=barrier).owned_by(
+        serving_scope, "lane_group"
     )
     #: The one startup sequence (configure, allocate, warm decode, warm prefill, activate).
     startup: providers.Singleton[StartupSequence] = providers.Singleton(
@@ -268,9 +319,25 @@ def start_runtime(
 
 
 def close_runtime(container: RuntimeContainer, *, primary: BaseException | None = None) -> None:
-    """Tear down everything ``container`` built, in exact reverse creation order; idempotent.
+    """Tear down everything ``container`` built, in exact reverse creation order.
 
     Raises ``CleanupError`` listing every failed step, with ``primary`` (the error that
-    started the teardown, if any) preserved.
+    started the teardown, if any) preserved. Idempotent: a step that succeeded never runs
+    again; calling it again retries exactly the steps that failed (their orphans).
     """
     container.root_scope().close(primary=primary)
+
+
+__all__ = [
+    "Borrowed",
+    "DeviceContainer",
+    "LaneContainer",
+    "ModelContainer",
+    "Owned",
+    "RuntimeContainer",
+    "build_lane_group",
+    "build_lanes",
+    "close_runtime",
+    "declare_lanes",
+    "start_runtime",
+]

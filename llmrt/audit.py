@@ -1,9 +1,23 @@
 """Check a JSON-lines lifecycle log against the runtime's lifecycle contract.
 
-Rules: every KV allocation and trace capture is released exactly once; nothing
-is compiled on a lane after its compile gate closed; each lane's cleanup steps
-follow the spec's order; scopes exit in reverse order of entry; each lane
-allocates its KV on one device.
+``llmrt audit LOG`` exits 1 and lists every violation of these rules (0 when none):
+
+- ``cleanup-failed``: a ``cleanup.failed`` step that no later retry of the same step (same
+  component, lane, object and step) completed;
+- ``orphan``: a ``resource.orphaned`` resource never ``resource.recovered``;
+- ``lane-cleanup-missing``: a lane executor that became terminal without completing each of
+  the spec's eight cleanup steps;
+- ``lane-cleanup-order``: a lane executor that attempted its cleanup steps out of the spec's
+  order (first attempts; a retry of a failed step may come later), or completed a step twice;
+- ``no-compile-after-activation``: ``program.compiled`` or ``program.recompiled`` on a lane
+  whose compile gate is closed (``compile_gate.opened``, a capture rollback, reopens it);
+- ``kv-once`` / ``trace-once``: a KV cache or trace released twice, released without being
+  allocated/captured, or never released;
+- ``one-mesh-per-lane``: KV allocated on a device other than the lane's own
+  (``device.opened`` names each lane's device; ``kv.allocated`` must name its device);
+- ``scope-reverse``: a scope closed before a scope opened inside it (or never closed);
+- ``owned-reverse``: an owned object (``scope.owned``) closed out of reverse creation order
+  within its scope tree.
 """
 
 from __future__ import annotations
@@ -17,6 +31,8 @@ import attrs
 
 from llmrt.errors import RequestError
 from llmrt.model_executor import CLEANUP_STEPS
+
+Record = Mapping[str, Any]
 
 
 @attrs.frozen(kw_only=True)
@@ -48,165 +64,275 @@ def read_events(path: str) -> list[tuple[int, dict[str, Any]]]:
     return events
 
 
-def check(events: Iterable[tuple[int, Mapping[str, Any]]]) -> list[Violation]:
-    """Every violation of the lifecycle contract, in log order (end-of-log leaks last).
+@attrs.define(kw_only=True, eq=False)
+class _CleanupRun:
+    """One lane executor's cleanup: every step attempt and every completion, in log order."""
+
+    lane: Any
+    obj: str
+    line: int
+    attempts: list[str] = attrs.Factory(list)
+    completed: dict[str, list[int]] = attrs.Factory(lambda: defaultdict(list))
+
+
+class _Auditor:
+    """Folds a log into open resources and violations (one instance per ``check``)."""
+
+    def __init__(self) -> None:
+        self.found: list[Violation] = []
+        self.kv_open: dict[str, int] = {}
+        self.kv_done: set[str] = set()
+        self.traces_open: dict[tuple[str, str], int] = {}
+        self.traces_done: set[tuple[str, str]] = set()
+        self.gate_closed: dict[Any, int] = {}
+        self.runs: dict[tuple[Any, str], _CleanupRun] = {}
+        self.all_runs: list[_CleanupRun] = []
+        self.failed: dict[tuple[Any, ...], tuple[int, str]] = {}
+        self.orphans: dict[tuple[Any, ...], int] = {}
+        self.scopes: list[str] = []
+        self.lane_device: dict[Any, str] = {}
+        self.closed_index: dict[str, tuple[int, int]] = {}  # root -> (last index, line)
+        self.closed_objects: set[tuple[str, int]] = set()
+
+    def add(self, rule: str, line: int | None, message: str) -> None:
+        self.found.append(Violation(rule=rule, line=line, message=message))
+
+    # -- per event -----------------------------------------------------------------------
+
+    def event(self, number: int, e: Record) -> None:
+        name = e.get("event")
+        handler = getattr(self, "_on_" + str(name).replace(".", "_"), None)
+        if handler is not None:
+            handler(number, e)
+
+    def _on_kv_allocated(self, number: int, e: Record) -> None:
+        obj, lane = str(e.get("object_id")), e.get("lane")
+        if obj in self.kv_open:
+            self.add(
+                "kv-once",
+                number,
+                f"KV cache {obj} allocated again before its release "
+                f"(allocated on line {self.kv_open[obj]})",
+            )
+        self.kv_open[obj] = number
+        self.kv_done.discard(obj)
+        device = e.get("device")
+        if device is None:
+            self.add("one-mesh-per-lane", number, f"kv.allocated of {obj} names no device")
+            return
+        expected = self.lane_device.get(lane)
+        if expected is not None and str(device) != expected:
+            self.add(
+                "one-mesh-per-lane",
+                number,
+                f"lane {lane} allocated KV on {device}, not its own device {expected}",
+            )
+
+    def _on_kv_released(self, number: int, e: Record) -> None:
+        obj = str(e.get("object_id"))
+        if self.kv_open.pop(obj, None) is not None:
+            self.kv_done.add(obj)
+        else:
+            again = "released twice" if obj in self.kv_done else "released but never allocated"
+            self.add("kv-once", number, f"KV cache {obj} {again}")
+
+    def _on_device_opened(self, number: int, e: Record) -> None:
+        if e.get("lane") is not None and e.get("device") is not None:
+            self.lane_device[e.get("lane")] = str(e["device"])
+
+    def _on_trace_captured(self, number: int, e: Record) -> None:
+        key = (str(e.get("object_id")), str(e.get("trace")))
+        if key in self.traces_open:
+            self.add(
+                "trace-once",
+                number,
+                f"trace {key[1]} captured again before its release "
+                f"(captured on line {self.traces_open[key]})",
+            )
+        self.traces_open[key] = number
+        self.traces_done.discard(key)
+
+    def _on_trace_released(self, number: int, e: Record) -> None:
+        key = (str(e.get("object_id")), str(e.get("trace")))
+        if self.traces_open.pop(key, None) is not None:
+            self.traces_done.add(key)
+        else:
+            again = "released twice" if key in self.traces_done else "released but never captured"
+            self.add("trace-once", number, f"trace {key[1]} {again}")
+
+    def _on_compile_gate_closed(self, number: int, e: Record) -> None:
+        self.gate_closed.setdefault(e.get("lane"), number)
+
+    def _on_compile_gate_opened(self, number: int, e: Record) -> None:
+        self.gate_closed.pop(e.get("lane"), None)
+
+    def _on_program_compiled(self, number: int, e: Record, verb: str = "compiled") -> None:
+        lane = e.get("lane")
+        if lane in self.gate_closed:
+            self.add(
+                "no-compile-after-activation",
+                number,
+                f"lane {lane}: program {e.get('signature')} {verb} after the compile gate "
+                f"closed (line {self.gate_closed[lane]})",
+            )
+
+    def _on_program_recompiled(self, number: int, e: Record) -> None:
+        self._on_program_compiled(number, e, verb="recompiled")
+
+    def _on_executor_terminal(self, number: int, e: Record) -> None:
+        key = (e.get("lane"), str(e.get("object_id")))
+        run = _CleanupRun(lane=key[0], obj=key[1], line=number)
+        self.runs[key] = run
+        self.all_runs.append(run)
+
+    def _run_for(self, number: int, e: Record) -> _CleanupRun:
+        key = (e.get("lane"), str(e.get("object_id")))
+        run = self.runs.get(key)
+        if run is None:  # a log that starts mid-cleanup
+            run = _CleanupRun(lane=key[0], obj=key[1], line=number)
+            self.runs[key] = run
+            self.all_runs.append(run)
+        return run
+
+    def _failure_key(self, e: Record) -> tuple[Any, ...]:
+        return (e.get("component"), e.get("lane"), e.get("object_id"), e.get("step"))
+
+    def _on_cleanup_step(self, number: int, e: Record) -> None:
+        self.failed.pop(self._failure_key(e), None)
+        if e.get("component") == "model_executor":
+            run = self._run_for(number, e)
+            step = str(e.get("step"))
+            if step not in run.attempts:
+                run.attempts.append(step)
+            run.completed[step].append(number)
+        elif e.get("component") == "scope":
+            self._owned_closed(number, e)
+
+    def _on_cleanup_failed(self, number: int, e: Record) -> None:
+        self.failed.setdefault(self._failure_key(e), (number, str(e.get("error"))))
+        if e.get("component") == "model_executor":
+            run = self._run_for(number, e)
+            step = str(e.get("step"))
+            if step not in run.attempts:
+                run.attempts.append(step)
+        elif e.get("component") == "scope":
+            self._owned_closed(number, e)
+
+    def _owned_closed(self, number: int, e: Record) -> None:
+        """Owned objects of one scope tree close in strictly decreasing creation index."""
+        root, index = e.get("root"), e.get("index")
+        if root is None or not isinstance(index, int):
+            return
+        if (str(root), index) in self.closed_objects:
+            return  # a retry of a step that failed: its first attempt was in order
+        self.closed_objects.add((str(root), index))
+        last = self.closed_index.get(str(root))
+        if last is not None and index > last[0]:
+            self.add(
+                "owned-reverse",
+                number,
+                f"{e.get('step')} (created #{index}) closed after #{last[0]} (line {last[1]}): "
+                "not in reverse creation order",
+            )
+        self.closed_index[str(root)] = (index, number)
+
+    def _orphan_key(self, e: Record) -> tuple[Any, ...]:
+        return (e.get("component"), e.get("lane"), e.get("object_id"), e.get("path"))
+
+    def _on_resource_orphaned(self, number: int, e: Record) -> None:
+        self.orphans.setdefault(self._orphan_key(e), number)
+
+    def _on_resource_recovered(self, number: int, e: Record) -> None:
+        self.orphans.pop(self._orphan_key(e), None)
+
+    def _on_scope_entered(self, number: int, e: Record) -> None:
+        self.scopes.append(str(e.get("scope")))
+
+    def _on_scope_exited(self, number: int, e: Record) -> None:
+        scope = str(e.get("scope"))
+        open_children = [s for s in self.scopes if s.startswith(scope + "/")]
+        if open_children:
+            self.add("scope-reverse", number, f"scope {scope} exited before {open_children[-1]}")
+        if scope in self.scopes:
+            if self.scopes[-1] != scope and not open_children:
+                self.add(
+                    "scope-reverse",
+                    number,
+                    f"scope {scope} exited while {self.scopes[-1]} (entered later) is open",
+                )
+            self.scopes.remove(scope)
+        else:
+            self.add("scope-reverse", number, f"scope {scope} exited but was never entered")
+        if "/" not in scope:
+            # A runtime's gates, lane devices and close order end with its root scope.
+            self.gate_closed.clear()
+            self.lane_device.clear()
+            if e.get("root") is not None:
+                self.closed_index.pop(str(e.get("root")), None)
+
+    # -- end of log ----------------------------------------------------------------------
+
+    def finish(self) -> list[Violation]:
+        for run in self.all_runs:
+            self._check_run(run)
+        for (component, lane, obj, step), (line, error) in self.failed.items():
+            self.add(
+                "cleanup-failed",
+                line,
+                f"{component} lane {lane} {obj}: cleanup step {step} failed and was never "
+                f"retried successfully ({error})",
+            )
+        for (component, lane, obj, path), line in self.orphans.items():
+            self.add(
+                "orphan",
+                line,
+                f"{component} lane {lane} {obj}: {path} orphaned and never recovered",
+            )
+        for obj, line in self.kv_open.items():
+            self.add("kv-once", line, f"KV cache {obj} never released")
+        for key, line in self.traces_open.items():
+            self.add("trace-once", line, f"trace {key[1]} never released")
+        for scope in self.scopes:
+            self.add("scope-reverse", None, f"scope {scope} was entered but never exited")
+        return self.found
+
+    def _check_run(self, run: _CleanupRun) -> None:
+        order = [CLEANUP_STEPS.index(s) for s in run.attempts if s in CLEANUP_STEPS]
+        if order != sorted(order):
+            self.add(
+                "lane-cleanup-order",
+                run.line,
+                f"lane {run.lane} executor {run.obj} cleaned up as {run.attempts}, "
+                f"expected the order {list(CLEANUP_STEPS)}",
+            )
+        twice = [s for s, lines in run.completed.items() if len(lines) > 1]
+        if twice:
+            self.add(
+                "lane-cleanup-order",
+                run.completed[twice[0]][1],
+                f"lane {run.lane} executor {run.obj} completed {twice} more than once",
+            )
+        missing = [s for s in CLEANUP_STEPS if s not in run.completed]
+        if missing:
+            self.add(
+                "lane-cleanup-missing",
+                run.line,
+                f"lane {run.lane} executor {run.obj} never completed cleanup step(s) {missing}",
+            )
+
+
+def check(events: Iterable[tuple[int, Record]]) -> list[Violation]:
+    """Every violation of the lifecycle contract, in log order (end-of-log findings last).
 
     Object ids are memory addresses, which a later object may reuse once the first is gone,
     so an allocation after a release starts a new lifetime rather than counting as a second
-    allocation, a lane's cleanup sequence starts afresh at ``executor.terminal``, and a
-    runtime's closed compile gates are forgotten when its root scope exits.
+    allocation, and a runtime's closed compile gates and lane devices are forgotten when its
+    root scope exits.
     """
-    found: list[Violation] = []
-    kv_open: dict[str, int] = {}  # object id -> line of the unreleased allocation
-    kv_done: set[str] = set()
-    traces_open: dict[tuple[str, str], int] = {}
-    traces_done: set[tuple[str, str]] = set()
-    gate_closed: dict[str, int] = {}
-    cleanup_seen: dict[tuple[Any, str], list[tuple[str, int]]] = {}
-    cleanup_runs: list[tuple[Any, str, list[tuple[str, int]]]] = []
-    scopes: list[str] = []
-    lane_devices: dict[Any, set[str]] = defaultdict(set)
+    auditor = _Auditor()
     for number, e in events:
-        name = e.get("event")
-        obj = str(e.get("object_id"))
-        lane = e.get("lane")
-        if name == "kv.allocated":
-            if obj in kv_open:
-                found.append(
-                    Violation(
-                        rule="kv-once",
-                        line=number,
-                        message=f"KV cache {obj} allocated again before its release "
-                        f"(allocated on line {kv_open[obj]})",
-                    )
-                )
-            kv_open[obj] = number
-            kv_done.discard(obj)
-            if "device" in e:
-                lane_devices[lane].add(str(e["device"]))
-        elif name == "kv.released":
-            if kv_open.pop(obj, None) is not None:
-                kv_done.add(obj)
-            else:
-                again = "released twice" if obj in kv_done else "released but never allocated"
-                found.append(
-                    Violation(rule="kv-once", line=number, message=f"KV cache {obj} {again}")
-                )
-        elif name == "trace.captured":
-            key = (obj, str(e.get("trace")))
-            if key in traces_open:
-                found.append(
-                    Violation(
-                        rule="trace-once",
-                        line=number,
-                        message=f"trace {key[1]} captured again before its release "
-                        f"(captured on line {traces_open[key]})",
-                    )
-                )
-            traces_open[key] = number
-            traces_done.discard(key)
-        elif name == "trace.released":
-            key = (obj, str(e.get("trace")))
-            if traces_open.pop(key, None) is not None:
-                traces_done.add(key)
-            else:
-                again = "released twice" if key in traces_done else "released but never captured"
-                found.append(
-                    Violation(rule="trace-once", line=number, message=f"trace {key[1]} {again}")
-                )
-        elif name == "compile_gate.closed":
-            gate_closed.setdefault(obj, number)
-        elif name == "compile_gate.opened":
-            gate_closed.pop(obj, None)
-        elif name == "program.compiled" and obj in gate_closed:
-            found.append(
-                Violation(
-                    rule="no-compile-after-activation",
-                    line=number,
-                    message=f"lane {lane}: program {e.get('signature')} compiled after the "
-                    f"compile gate closed (line {gate_closed[obj]})",
-                )
-            )
-        elif name == "executor.terminal":
-            run: list[tuple[str, int]] = []
-            cleanup_seen[(lane, obj)] = run
-            cleanup_runs.append((lane, obj, run))
-        elif name == "cleanup.step" and e.get("component") == "model_executor":
-            if (lane, obj) not in cleanup_seen:
-                run = []
-                cleanup_seen[(lane, obj)] = run
-                cleanup_runs.append((lane, obj, run))
-            cleanup_seen[(lane, obj)].append((str(e.get("step")), number))
-        elif name == "scope.entered":
-            scopes.append(str(e.get("scope")))
-        elif name == "scope.exited":
-            scope = str(e.get("scope"))
-            open_children = [s for s in scopes if s.startswith(scope + "/")]
-            if open_children:
-                found.append(
-                    Violation(
-                        rule="scope-reverse",
-                        line=number,
-                        message=f"scope {scope} exited before {open_children[-1]}",
-                    )
-                )
-            if scope in scopes:
-                if scopes[-1] != scope and not open_children:
-                    found.append(
-                        Violation(
-                            rule="scope-reverse",
-                            line=number,
-                            message=f"scope {scope} exited while {scopes[-1]} "
-                            "(entered later) is open",
-                        )
-                    )
-                scopes.remove(scope)
-            else:
-                found.append(
-                    Violation(
-                        rule="scope-reverse",
-                        line=number,
-                        message=f"scope {scope} exited but was never entered",
-                    )
-                )
-            if "/" not in scope:
-                gate_closed.clear()
-    for lane, obj, steps in cleanup_runs:
-        names = [step for step, _ in steps]
-        order = [CLEANUP_STEPS.index(s) for s in names if s in CLEANUP_STEPS]
-        if order != sorted(order):
-            found.append(
-                Violation(
-                    rule="lane-cleanup-order",
-                    line=steps[0][1] if steps else None,
-                    message=f"lane {lane} executor {obj} cleaned up as {names}, "
-                    f"expected the order {list(CLEANUP_STEPS)}",
-                )
-            )
-    for obj, line in kv_open.items():
-        found.append(Violation(rule="kv-once", line=line, message=f"KV cache {obj} never released"))
-    for key, line in traces_open.items():
-        found.append(
-            Violation(rule="trace-once", line=line, message=f"trace {key[1]} never released")
-        )
-    for scope in scopes:
-        found.append(
-            Violation(
-                rule="scope-reverse",
-                line=None,
-                message=f"scope {scope} was entered but never exited",
-            )
-        )
-    for lane, devices in lane_devices.items():
-        if len(devices) > 1:
-            found.append(
-                Violation(
-                    rule="one-mesh-per-lane",
-                    line=None,
-                    message=f"lane {lane} allocated KV on {sorted(devices)}",
-                )
-            )
-    return found
+        auditor.event(number, e)
+    return auditor.finish()
 
 
 def audit_file(path: str, *, as_json: bool = False) -> int:

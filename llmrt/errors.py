@@ -64,6 +64,10 @@ class FamilyError(LLMRTError, LookupError):
     """An unknown or unusable model family."""
 
 
+class ContainerStateError(LLMRTError, RuntimeError):
+    """A container was used out of order (e.g. a provider overridden after it was built)."""
+
+
 class KVCacheStateError(LLMRTError, RuntimeError):
     """An illegal paged-KV manager transition or a foreign/stale KV handle."""
 

@@ -39,7 +39,7 @@ class LifecycleEvent(str, enum.Enum):
 
     SCOPE_ENTERED = "scope.entered"
     SCOPE_EXITED = "scope.exited"
-    SCOPE_FAILED = "scope.failed"
+    SCOPE_OWNED = "scope.owned"
     DEVICE_OPENED = "device.opened"
     DEVICE_CLOSED = "device.closed"
     LANE_READY = "lane.ready"
@@ -57,16 +57,17 @@ class LifecycleEvent(str, enum.Enum):
     TRACE_REGISTERED = "trace.registered"
     TRACE_CAPTURED = "trace.captured"
     TRACE_CAPTURE_FAILED = "trace.capture_failed"
+    TRACE_CAPTURE_ROLLED_BACK = "trace.capture_rolled_back"
     TRACE_ACTIVATED = "trace.activated"
     TRACE_REPLAYED = "trace.replayed"
     TRACE_RELEASED = "trace.released"
     TRACE_COVERAGE_MISSED = "trace.coverage_missed"
     COMPILE_GATE_CLOSED = "compile_gate.closed"
     COMPILE_GATE_OPENED = "compile_gate.opened"
-    SAMPLING_MATERIALIZED = "sampling.materialized"
     WARMUP_STARTED = "warmup.started"
     WARMUP_COMPLETED = "warmup.completed"
     OUTPUT_READ = "output.read"
+    OUTPUT_READ_FAILED = "output.read_failed"
     OUTPUT_SUBMITTED = "output.submitted"
     OUTPUT_COMPLETED = "output.completed"
     OUTPUT_DRAINED = "output.drained"
@@ -93,7 +94,8 @@ _DEBUG_EVENTS = frozenset(
 )
 _WARNING_EVENTS = frozenset(
     {
-        LifecycleEvent.SCOPE_FAILED,
+        LifecycleEvent.TRACE_CAPTURE_ROLLED_BACK,
+        LifecycleEvent.OUTPUT_READ_FAILED,
         LifecycleEvent.PROGRAM_REJECTED,
         LifecycleEvent.TRACE_CAPTURE_FAILED,
         LifecycleEvent.TRACE_COVERAGE_MISSED,

@@ -82,6 +82,7 @@ class ModelExecutor:
         self.lane = lane
         self._terminal = False
         self._cleaned: set[str] = set()
+        self._kv_orphaned = False
         self._log = component_logger("model_executor", lane=lane, object_id=f"{id(self):#x}")
 
     # -- properties ----------------------------------------------------------------------
@@ -133,8 +134,23 @@ class ModelExecutor:
             self.prefill.configure_page_table_layout(layout)
             self.decode.configure_page_table_layout(layout)
             self.warmup.configure_page_table_layout(layout)
+        emit(
+            self._log,
+            "kv.layout_resolved",
+            num_blocks=self.layout.num_blocks,
+            block_size=self.layout.block_size,
+            width=self.layout.width,
+        )
 
     def allocate_kv_cache(self) -> PagedKVCacheContext:
+        """Seal the runtime configuration (capacity and layouts are final), then allocate."""
+        emit(
+            self._log,
+            "config.sealed",
+            num_blocks=self.layout.num_blocks,
+            lane_capacity=self.lane_capacity,
+            trace=self.traced is not None,
+        )
         return self.kv_cache.allocate()
 
     # -- warmup --------------------------------------------------------------------------
@@ -233,10 +249,19 @@ class ModelExecutor:
     # -- cleanup -------------------------------------------------------------------------
 
     def cleanup(self, *, primary: BaseException | None = None) -> None:
-        """Become terminal, then run the spec's eight cleanup steps; idempotent, keeps going."""
+        """Become terminal, then run the spec's eight cleanup steps; idempotent, keeps going.
+
+        Each step runs once: a step that succeeded is never repeated, a failed one is retried
+        by the next call. KV whose release is deferred (a trace failed to release and may
+        still read it) is reported as an orphan and released by the retry that frees the trace.
+        """
         if not self._terminal:
             self._terminal = True
             emit(self._log, "executor.terminal")
+        remaining = [name for name in CLEANUP_STEPS if name not in self._cleaned]
+        if not remaining:
+            return
+        emit(self._log, "cleanup.started", steps=remaining)
         steps: dict[str, Callable[[], object]] = {
             "external_decode_leases": self.decode.drain_external_outputs,
             "pending_output_reads": self.output_reader.drain,
@@ -249,16 +274,10 @@ class ModelExecutor:
             "paged_kv_cache": self.kv_cache.release,
         }
         failures: list[tuple[str, BaseException]] = []
-        for name in CLEANUP_STEPS:
-            if name in self._cleaned:
-                continue
+        for name in remaining:
             try:
                 if name == "paged_kv_cache" and "traces" not in self._cleaned:
-                    # A trace that failed to release still reads and writes these tensors.
-                    raise KVCacheStateError(
-                        f"lane {self.lane}: KV release deferred while a trace is still live "
-                        "(its release failed); call cleanup() again to retry both"
-                    )
+                    self._defer_kv()
                 steps[name]()
             except Exception as exc:
                 failures.append((f"lane{self.lane}/{name}", exc))
@@ -266,8 +285,32 @@ class ModelExecutor:
             else:
                 self._cleaned.add(name)
                 emit(self._log, "cleanup.step", step=name)
+                if name == "paged_kv_cache" and self._kv_orphaned:
+                    self._kv_orphaned = False
+                    emit(self._log, "resource.recovered", path=self._kv_path, kind="kv_cache")
         if failures:
             raise CleanupError(failures, primary=primary)
+        emit(self._log, "cleanup.completed", steps=len(CLEANUP_STEPS))
+
+    @property
+    def _kv_path(self) -> str:
+        return f"lane{self.lane}/paged_kv_cache"
+
+    def _defer_kv(self) -> None:
+        """A trace that failed to release still reads and writes the KV: keep it, as an orphan."""
+        if not self._kv_orphaned:
+            self._kv_orphaned = True
+            emit(
+                self._log,
+                "resource.orphaned",
+                path=self._kv_path,
+                kind="kv_cache",
+                error="release deferred: a trace that failed to release still uses it",
+            )
+        raise KVCacheStateError(
+            f"lane {self.lane}: KV release deferred while a trace is still live "
+            "(its release failed); call cleanup() again to retry both"
+        )
 
 
 def _noop() -> None:

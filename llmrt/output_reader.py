@@ -5,6 +5,10 @@ completion events. An asynchronous read is submitted (non-blocking copies plus a
 recorded event), handed to an external scheduler as ``(host_value, events)``,
 and completed later, which synchronizes the event before the host value is
 trusted. ``drain()`` retires whatever the scheduler never completed.
+
+There is no silent fallback: a failed non-blocking read or event record is an error
+(``DeviceError`` from the device's), logged as ``output.read_failed``, after the device is
+synchronized so no copy still in flight lands in a destination nobody owns.
 """
 
 from __future__ import annotations
@@ -63,24 +67,21 @@ class OutputReader:
 
     def read(self, value: Any) -> Any:
         """Blocking read of a nested output value to host tensors."""
-        return map_tensors(value, lambda t: self.borrowed_device.read(t, blocking=True))
+        host = map_tensors(value, lambda t: self.borrowed_device.read(t, blocking=True))
+        emit(self._log, "output.read")
+        return host
 
     def submit(self, value: Any) -> PendingRead:
         """Start non-blocking copies of ``value`` and record one completion event."""
         device = self.borrowed_device
         try:
             host = map_tensors(value, lambda t: device.read(t, blocking=False))
-        except Exception:
-            # A partial copy leaves some destinations unfilled: synchronize and read fully.
-            device.synchronize()
-            host = self.read(value)
-            events: tuple[Any, ...] = ()
-        else:
-            try:
-                events = (device.record_event(),)
-            except Exception:
-                device.synchronize()
-                events = ()
+        except Exception as exc:
+            raise self._failed("non-blocking read", exc) from exc
+        try:
+            events: tuple[Any, ...] = (device.record_event(),)
+        except Exception as exc:
+            raise self._failed("record_event", exc) from exc
         pending = PendingRead(
             sequence=next(self._sequence), host_value=host, events=events, owner_id=id(self)
         )
@@ -88,6 +89,24 @@ class OutputReader:
         self._by_host_id[id(host)] = pending.sequence
         emit(self._log, "output.submitted", sequence=pending.sequence, events=len(events))
         return pending
+
+    def _failed(self, operation: str, exc: Exception) -> DeviceError:
+        """Log the failure and wait out copies already started; the caller raises the result."""
+        error = DeviceError(
+            f"lane {self.lane}: asynchronous output read failed at {operation}: "
+            f"{type(exc).__name__}: {exc}"
+        )
+        try:
+            self.borrowed_device.synchronize()
+        except Exception as sync_error:
+            error.add_note(f"synchronizing after the failure also failed: {sync_error}")
+        emit(
+            self._log,
+            "output.read_failed",
+            operation=operation,
+            error=f"{type(exc).__name__}: {exc}",
+        )
+        return error
 
     def _lookup(self, handle: PendingRead | Any) -> PendingRead:
         if isinstance(handle, PendingRead):

@@ -165,7 +165,14 @@ class PagedKVCacheManager:
         self._context = context
         self._context_ids = context.tensor_ids()
         self._move(KVCacheState.BOUND)
-        emit(self._log, "kv.allocated", layers=len(keys), shape=list(shape), dtype=str(dtypes[0]))
+        emit(
+            self._log,
+            "kv.allocated",
+            layers=len(keys),
+            shape=list(shape),
+            dtype=str(dtypes[0]),
+            device=self.borrowed_device.id,
+        )
         emit(self._log, "kv.bound", model=type(self.borrowed_model).__name__)
         return context
 
@@ -265,6 +272,8 @@ class PagedKVCacheManager:
                 self.borrowed_model.set_kv_cache(None)
             except Exception as exc:  # keep going: the tensors must still be released
                 errors.append(exc)
+            else:
+                emit(self._log, "kv.unbound", model=type(self.borrowed_model).__name__)
         if context is not None:
             self._orphans.extend(
                 release_tensors(

@@ -145,6 +145,12 @@ class ProgramCompiler:
             self._gate_closed_reason = reason
             emit(self._log, "compile_gate.closed", reason=reason, programs=len(self._programs))
 
+    def open_gate(self, *, reason: str) -> None:
+        """Reopen the gate: a trace capture that failed restores the state it found."""
+        if self._gate_closed_reason is not None:
+            self._gate_closed_reason = None
+            emit(self._log, "compile_gate.opened", reason=reason, programs=len(self._programs))
+
     def _require_open(self, key: str, signature: ProgramSignature) -> None:
         if self._terminal:
             raise KVCacheStateError("the program compiler was cleaned up")
@@ -154,6 +160,13 @@ class ProgramCompiler:
                 "the paged KV cache is not allocated and bound"
             )
         if self._gate_closed_reason is not None:
+            emit(
+                self._log,
+                "program.rejected",
+                key=key[:16],
+                signature=signature.describe(),
+                reason=self._gate_closed_reason,
+            )
             raise CompileGateClosed(key, signature.describe())
 
     # -- compilation ---------------------------------------------------------------------
@@ -241,6 +254,8 @@ class ProgramCompiler:
     def cleanup(self) -> None:
         """Terminalize the registry; retry any compile-output orphans. Idempotent."""
         self._terminal = True
+        if self._programs:
+            emit(self._log, "programs.released", programs=len(self._programs))
         self._programs.clear()
         if self._orphans:
             self._orphans = retry_orphans(

@@ -10,6 +10,12 @@ before the lanes created earlier. Reverse creation order is always a safe
 teardown order, since an object's dependencies exist before it does. Closing
 continues past a failed step and raises every failure together, with the
 primary error preserved.
+
+Only the containers register objects (``containers/ownership.py``): each ``own`` logs
+``scope.owned`` with the object's name, scope, creation index and root, so ``llmrt audit``
+can check the reverse order per object. A step that fails stays with its scope as an
+orphan: the next ``close()`` retries exactly the failed steps (in reverse creation order),
+never one that succeeded.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ class _Entry:
     name: str
     close: Callable[[], object]
     scope: LifetimeScope | None = None
+    borrowed: bool = False
 
 
 class LifetimeScope:
@@ -45,29 +52,62 @@ class LifetimeScope:
         self.name = name
         self.parent = parent
         self.lane = lane
+        self.root: LifetimeScope = parent.root if parent is not None else self
         self._sequence: Iterator[int] = (
             parent._sequence if parent is not None else itertools.count()
         )
         self._entries: list[_Entry] = []
+        self._failed: list[_Entry] = []
+        self._children: list[LifetimeScope] = []
         self._closed = False
         self._failures = 0
         self._log = component_logger("scope", lane=lane, object_id=name)
-        emit(self._log, "scope.entered", scope=self.path)
+        emit(self._log, "scope.entered", scope=self.path, root=self.root_id)
 
     @property
     def path(self) -> str:
         return self.name if self.parent is None else f"{self.parent.path}/{self.name}"
 
     @property
+    def root_id(self) -> str:
+        """Identity of this scope tree in the log (one creation sequence per root)."""
+        return f"{id(self.root):#x}"
+
+    @property
     def closed(self) -> bool:
         return self._closed
 
-    def own(self, name: str, obj: T, close: Callable[[], object] | None = None) -> T:
-        """Record ``obj`` as created now; ``close`` runs at teardown (None: nothing to release)."""
+    def own(
+        self,
+        name: str,
+        obj: T,
+        close: Callable[[], object] | None = None,
+        *,
+        borrowed: bool = False,
+    ) -> T:
+        """Record ``obj`` as created now; ``close`` runs at teardown (None: nothing to release).
+
+        A ``borrowed`` object belongs to the caller: it keeps its place in the order and
+        teardown visibly leaves it alone.
+        """
         if self._closed:
             raise RuntimeError(f"scope {self.path} is closed; cannot own {name}")
-        self._entries.append(
-            _Entry(sequence=next(self._sequence), name=name, close=close or _nothing)
+        entry = _Entry(
+            sequence=next(self._sequence),
+            name=name,
+            close=_nothing if borrowed or close is None else close,
+            borrowed=borrowed,
+        )
+        self._entries.append(entry)
+        emit(
+            self._log,
+            "scope.owned",
+            scope=self.path,
+            object=name,
+            index=entry.sequence,
+            root=self.root_id,
+            type=type(obj).__name__,
+            borrowed=borrowed,
         )
         return obj
 
@@ -78,6 +118,7 @@ class LifetimeScope:
         sequence = next(self._sequence)
         scope = LifetimeScope(name, parent=self, lane=self.lane if lane is None else lane)
         self._entries.append(_Entry(sequence=sequence, name=name, close=_nothing, scope=scope))
+        self._children.append(scope)
         return scope
 
     def names(self) -> list[str]:
@@ -88,16 +129,33 @@ class LifetimeScope:
         """Paths of every open owned object in this subtree, in creation order."""
         return [f"{scope.path}/{entry.name}" for scope, entry in self._open_entries()]
 
+    def orphans(self) -> list[str]:
+        """Paths of the steps in this subtree whose close failed (the next ``close`` retries)."""
+        found = []
+        for scope in self._subtree():
+            found += [(e.sequence, f"{scope.path}/{e.name}") for e in scope._failed]
+        return [path for _, path in sorted(found, reverse=True)]
+
     def close(self, *, primary: BaseException | None = None) -> None:
         """Tear down in reverse creation order; raise ``CleanupError`` listing every failure.
 
-        Idempotent: a closed scope (or one whose parent closed it) does nothing.
+        Idempotent: a step that succeeded never runs again; a step that failed is retried
+        by the next ``close()`` (and reported again if it fails again).
         """
         failures = self._close_all()
         if failures:
             raise CleanupError(failures, primary=primary)
 
     # -- internals -----------------------------------------------------------------------
+
+    def _subtree(self) -> list[LifetimeScope]:
+        scopes: list[LifetimeScope] = []
+        pending: list[LifetimeScope] = [self]
+        while pending:
+            scope = pending.pop()
+            scopes.append(scope)
+            pending.extend(scope._children)
+        return scopes
 
     def _open_entries(self) -> list[tuple[LifetimeScope, _Entry]]:
         """Every open (scope, entry) pair of this subtree, sorted by creation sequence."""
@@ -117,7 +175,7 @@ class LifetimeScope:
 
     def _close_all(self) -> list[tuple[str, BaseException]]:
         if self._closed:
-            return []
+            return self._retry_failed()
         markers: list[tuple[LifetimeScope, _Entry]] = []
         pending: list[LifetimeScope] = [self]
         while pending:
@@ -136,22 +194,43 @@ class LifetimeScope:
                 # Every object of the child was created after it opened: all are closed now.
                 entry.scope._exit()
                 continue
-            step = f"{owner.path}/{entry.name}"
-            try:
-                entry.close()
-            except CleanupError as exc:
-                # A component's own multi-step cleanup: report each of its failures.
-                failures.extend(exc.failures)
-                owner._note_failures(len(exc.failures))
-                emit(owner._log, "cleanup.failed", step=step, error=str(exc).splitlines()[0])
-            except Exception as exc:
-                failures.append((step, exc))
-                owner._note_failures(1)
-                emit(owner._log, "cleanup.failed", step=step, error=f"{type(exc).__name__}: {exc}")
-            else:
-                emit(owner._log, "cleanup.step", step=step)
+            failures += owner._run(entry)
         self._exit()
         return failures
+
+    def _retry_failed(self) -> list[tuple[str, BaseException]]:
+        """The failed steps of this subtree, retried in reverse creation order."""
+        pending = [(e.sequence, scope, e) for scope in self._subtree() for e in scope._failed]
+        failures: list[tuple[str, BaseException]] = []
+        for _, owner, entry in sorted(pending, key=lambda t: t[0], reverse=True):
+            owner._failed.remove(entry)
+            failures += owner._run(entry)
+        return failures
+
+    def _run(self, entry: _Entry) -> list[tuple[str, BaseException]]:
+        step = f"{self.path}/{entry.name}"
+        where = {"step": step, "index": entry.sequence, "root": self.root_id}
+        try:
+            note = entry.close()
+        except CleanupError as exc:
+            # A component's own multi-step cleanup: report each of its failures.
+            self._failed.append(entry)
+            self._note_failures(len(exc.failures))
+            emit(self._log, "cleanup.failed", **where, error=str(exc).splitlines()[0])
+            return list(exc.failures)
+        except Exception as exc:
+            self._failed.append(entry)
+            self._note_failures(1)
+            emit(self._log, "cleanup.failed", **where, error=f"{type(exc).__name__}: {exc}")
+            return [(step, exc)]
+        if entry.borrowed:
+            action = "borrowed: left alone"
+        elif isinstance(note, str):
+            action = note
+        else:
+            action = "closed"
+        emit(self._log, "cleanup.step", **where, action=action)
+        return []
 
     def _note_failures(self, count: int) -> None:
         scope: LifetimeScope | None = self
@@ -163,7 +242,7 @@ class LifetimeScope:
         if self._closed:
             return
         self._closed = True
-        emit(self._log, "scope.exited", scope=self.path, failures=self._failures)
+        emit(self._log, "scope.exited", scope=self.path, failures=self._failures, root=self.root_id)
 
 
 def _nothing() -> None:

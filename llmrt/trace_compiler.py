@@ -8,6 +8,12 @@ Lifecycle: register capture plans -> ``capture_all`` (closes the compile gate,
 allocates every persistent input before the first capture, captures decode
 before prefill and larger batches first) -> replay -> ``cleanup`` (release
 traces, then their inputs).
+
+Capture is all or nothing: if any allocation or capture of a pass fails, every trace that
+pass captured is released, then every input it allocated, the compile gate is restored to
+its state before the pass, and the artifacts return to ``registered`` so a retry captures
+everything again. ``uncapture`` rolls a committed pass back the same way (a lane group whose
+later lane failed to capture).
 """
 
 from __future__ import annotations
@@ -103,6 +109,7 @@ class TraceCompiler:
         self._active = False
         self._ledger = ReleaseLedger()
         self._orphans: list[TensorResourceOrphan] = []
+        self._gate_was_closed = False  # the compile gate's state before the last capture pass
         self._log = component_logger("trace_compiler", lane=lane, object_id=f"{id(self):#x}")
 
     @property
@@ -172,16 +179,97 @@ class TraceCompiler:
         )
 
     def capture_all(self) -> None:
-        """Close the compile gate, allocate all inputs, capture every registered trace."""
+        """Close the compile gate, allocate all inputs, capture every registered trace.
+
+        All or nothing: a failure rolls the pass back (see the module docstring) and re-raises.
+        """
+        self._finish_rollback()
+        self._gate_was_closed = self.program_compiler.gate_closed
         self.program_compiler.close_gate(reason="trace capture")
         pending = [a for a in self.capture_order() if a.state is ArtifactState.REGISTERED]
-        for artifact in pending:
-            artifact.inputs = artifact.plan.allocate_inputs()
-            artifact.state = ArtifactState.INPUTS_READY
-        for artifact in pending:
-            self._capture_one(artifact)
+        try:
+            for artifact in pending:
+                artifact.inputs = artifact.plan.allocate_inputs()
+                artifact.state = ArtifactState.INPUTS_READY
+            for artifact in pending:
+                self._capture_one(artifact)
+        except BaseException as exc:
+            self._roll_back(pending, cause=exc)
+            raise
         self._active = True
         emit(self._log, "trace.activated", traces=len(self._artifacts))
+
+    def uncapture(self) -> None:
+        """Roll a committed capture back: release its traces, then its inputs, reopen the gate
+        if capture closed it; the artifacts are registered again (a later capture redoes them)."""
+        captured = [a for a in self.capture_order() if a.state is not ArtifactState.REGISTERED]
+        self._roll_back(captured, cause=None)
+
+    def _roll_back(self, artifacts: list[TraceArtifact], *, cause: BaseException | None) -> None:
+        """Traces first, then inputs; restore the gate; a release that fails stays an orphan."""
+        stuck: list[str] = []
+        traces = 0
+        for artifact in artifacts:
+            if artifact.trace is None:
+                continue
+            try:
+                self.borrowed_device.release_trace(artifact.trace)
+            except Exception as exc:
+                artifact.state = ArtifactState.FAILED
+                stuck.append(artifact.plan.description)
+                emit(
+                    self._log,
+                    "resource.orphaned",
+                    path=f"trace {artifact.trace_key[:16]}",
+                    error=f"{type(exc).__name__}: {exc}",
+                )
+                if cause is not None:
+                    cause.add_note(f"rollback could not release trace {artifact.plan.description}")
+                continue
+            artifact.trace = None
+            traces += 1
+            emit(self._log, "trace.released", trace=artifact.trace_key[:16], rollback=True)
+        inputs = 0
+        for artifact in artifacts:
+            if artifact.trace is not None:
+                continue  # its trace still reads these inputs: released with it, later
+            if artifact.inputs is not None:
+                self._orphans.extend(
+                    release_tensors(
+                        artifact.inputs, device=self.borrowed_device, ledger=self._ledger
+                    )
+                )
+                artifact.inputs = None
+                inputs += 1
+            artifact.state = ArtifactState.REGISTERED
+        self._active = False
+        if not self._gate_was_closed:
+            self.program_compiler.open_gate(reason="trace capture rolled back")
+        emit(
+            self._log,
+            "trace.capture_rolled_back",
+            traces_released=traces,
+            inputs_released=inputs,
+            traces_stuck=stuck,
+            orphans=len(self._orphans),
+            error=f"{type(cause).__name__}: {cause}" if cause is not None else None,
+        )
+
+    def _finish_rollback(self) -> None:
+        """Before a retry: free what an earlier rollback could not; refuse to capture over it."""
+        stuck = [a for a in self._artifacts.values() if a.state is ArtifactState.FAILED]
+        if stuck:
+            self._roll_back(stuck, cause=None)
+        if self._orphans:
+            self._orphans = retry_orphans(
+                self._orphans, device=self.borrowed_device, ledger=self._ledger
+            )
+        still = [a.plan.description for a in stuck if a.state is ArtifactState.FAILED]
+        if still:
+            raise TraceStateError(
+                f"lane {self.lane}: cannot capture while trace(s) {still} from a failed capture "
+                "are still live (release_trace failed again); cleanup() releases them"
+            )
 
     def _capture_one(self, artifact: TraceArtifact) -> None:
         plan = artifact.plan
@@ -190,12 +278,7 @@ class TraceCompiler:
             inputs = artifact.inputs
             artifact.trace = self.borrowed_device.capture_trace(lambda: plan.program(inputs))
         except BaseException as exc:
-            artifact.state = ArtifactState.FAILED
-            artifact.trace = None
-            self._orphans.extend(
-                release_tensors(artifact.inputs, device=self.borrowed_device, ledger=self._ledger)
-            )
-            artifact.inputs = None
+            artifact.trace = None  # the rollback releases its inputs with everyone else's
             emit(
                 self._log,
                 "trace.capture_failed",
@@ -220,6 +303,13 @@ class TraceCompiler:
         trace_key = self._by_program.get(program_key)
         artifact = self._artifacts.get(trace_key) if trace_key is not None else None
         if artifact is None or artifact.state is not ArtifactState.CAPTURED:
+            emit(
+                self._log,
+                "trace.coverage_missed",
+                operation=operation,
+                signature=description,
+                registered=artifact is not None,
+            )
             raise TraceCoverageError(operation, [description])
         return artifact
 

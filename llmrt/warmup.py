@@ -144,7 +144,12 @@ def _fingerprint(material: object) -> str:
 
 
 class CaptureBarrier:
-    """Defers capture until every lane is ready, then captures all lanes together."""
+    """Defers capture until every lane is ready, then captures all lanes together.
+
+    The commit is all or none: if lane k fails to capture, the lanes before it are rolled
+    back (their traces released, then their inputs; their gates restored) and the error is
+    raised; reporting again retries the whole commit.
+    """
 
     def __init__(self, *, lanes: int) -> None:
         self.lanes = lanes
@@ -170,8 +175,21 @@ class CaptureBarrier:
                     first,
                     other,
                 )
-        for _, coordinator_ in sorted(self._ready.items()):
-            coordinator_.capture_now()
+        committed: list[WarmupCoordinator] = []
+        try:
+            for _, coordinator_ in ready:
+                coordinator_.capture_now()
+                committed.append(coordinator_)
+        except BaseException as exc:
+            for done in reversed(committed):
+                try:
+                    done.rollback_capture()
+                except Exception as rollback_error:  # keep rolling back the others
+                    exc.add_note(
+                        f"lane {done.config.lane}: rolling back its capture also failed: "
+                        f"{type(rollback_error).__name__}: {rollback_error}"
+                    )
+            raise
         self.captured = True
         return True
 
@@ -225,6 +243,12 @@ class WarmupCoordinator:
 
     def warmup_prefill(self) -> None:
         if not self._prefill_done:
+            emit(
+                self._log,
+                "warmup.started",
+                operation="prefill",
+                geometries=len(self.config.prefill_coverage),
+            )
             for cov in self.config.prefill_coverage:
                 self.execution.compile_prefill(self._representative_prefill(cov))
             self._prefill_done = True
@@ -239,6 +263,7 @@ class WarmupCoordinator:
     def warmup_decode(self) -> None:
         if not self._decode_done:
             sizes = self._eager.decode.config.batch_sizes
+            emit(self._log, "warmup.started", operation="decode", geometries=len(sizes))
             for batch in sorted(sizes, reverse=True):
                 self.execution.compile_decode(self._representative_decode(batch))
             self._decode_done = True
@@ -269,12 +294,18 @@ class WarmupCoordinator:
             self.barrier.report(self)
 
     def capture_now(self) -> None:
-        """Capture this lane's registered traces (called by the barrier)."""
+        """Capture this lane's registered traces (called by the barrier); all or nothing."""
         if self._captured or not isinstance(self.execution, TracedExecutor):
             self._captured = True
             return
         self.execution.capture_all()
         self._captured = True
+
+    def rollback_capture(self) -> None:
+        """Undo this lane's committed capture (another lane of the barrier failed)."""
+        if isinstance(self.execution, TracedExecutor):
+            self.execution.trace_compiler.uncapture()
+        self._captured = False
 
     # -- representative inputs -----------------------------------------------------------
 

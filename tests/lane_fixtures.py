@@ -2,16 +2,17 @@
 
 A lane is what the model executor would build: a tensor model, a device port, the paged-KV
 manager (allocated and bound), one ``OutputReader``, the prefill and decode runtimes, the
-program compiler and the ``EagerExecutor`` over them. ``Lane.cleanup`` tears it down in the
-spec's order. The KV cache is filled with seeded random values right after allocation so
-"unchanged" checks compare real bytes, not zeros.
+program compiler and the ``EagerExecutor`` over them. ``Lane.cleanup`` tears it down
+through the product's own cleanup root (a ``ModelExecutor`` over the lane's parts). The KV
+cache is filled with seeded random values right after allocation so "unchanged" checks
+compare real bytes, not zeros.
 
 Import with ``from lane_fixtures import ...`` (pytest puts ``tests/`` on ``sys.path``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import attrs
@@ -22,10 +23,10 @@ from llmrt.config import PagedKVCacheConfig, PageTableLayout, TraceConfig, Warmu
 from llmrt.decode import DecodeRuntime, DecodeRuntimeConfig
 from llmrt.device.base import Device
 from llmrt.device.torch import TorchDevice
-from llmrt.errors import CleanupError
 from llmrt.execution import EagerExecutor, TracedExecutor
 from llmrt.families.base import CausalLM
 from llmrt.families.registry import get_family
+from llmrt.model_executor import ModelExecutor
 from llmrt.output_reader import OutputReader
 from llmrt.paged_kv_cache import PagedKVCacheContext, PagedKVCacheManager
 from llmrt.prefill.config import PrefillRuntimeConfig
@@ -99,6 +100,7 @@ class Lane:
     executor: EagerExecutor
     notes: dict[str, Any] = attrs.Factory(dict)  # scratch space for a test module's fixtures
     tracing: Tracing | None = None  # set by ``add_tracing``
+    root: ModelExecutor | None = None  # the cleanup root, made at the first ``cleanup``
 
     @property
     def block_size(self) -> int:
@@ -156,25 +158,30 @@ class Lane:
         )
 
     def cleanup(self) -> None:
-        """The spec's teardown order (leases, reads, transients, programs, KV); keeps going
-        past failures and raises one ``CleanupError`` with all of them. Idempotent."""
-        steps: tuple[tuple[str, Callable[[], object]], ...] = (
-            ("external_decode_leases", self.decode.drain_external_outputs),
-            ("pending_output_reads", self.reader.drain),
-            ("prefill_transients", self.prefill.cleanup),
-            ("decode_transients", self.decode.cleanup_transients),
-            ("traces", self.tracing.traces.cleanup if self.tracing is not None else _noop),
-            ("program_registry", self.compiler.cleanup),
-            ("paged_kv_cache", self.kv.release),
-        )
-        failures: list[tuple[str, BaseException]] = []
-        for name, step in steps:
-            try:
-                step()
-            except Exception as exc:
-                failures.append((name, exc))
-        if failures:
-            raise CleanupError(failures)
+        """The product's teardown: ``ModelExecutor.cleanup`` over this lane's parts (the spec's
+        eight steps, each once; failures kept and raised as one ``CleanupError``; a retry
+        runs only the failed steps)."""
+        if self.root is None:
+            if self.tracing is not None:
+                traced, warmup = self.tracing.executor, self.tracing.warmup
+            else:
+                traced = None
+                warmup = WarmupCoordinator(
+                    WarmupCoordinatorConfig.resolve(
+                        warmup=WarmupConfig(prefill_seq_lens=(8,), prefill_batch_sizes=(1,)),
+                        trace=TraceConfig(mode="none"),
+                        execution=self.executor,
+                    ),
+                    execution=self.executor,
+                )
+            self.root = ModelExecutor(
+                kv_cache=self.kv,
+                output_reader=self.reader,
+                eager=self.executor,
+                traced=traced,
+                warmup=warmup,
+            )
+        self.root.cleanup()
 
 
 @attrs.define(eq=False)
@@ -223,10 +230,6 @@ def add_tracing(
     warmup = WarmupCoordinator(config, execution=executor, barrier=barrier)
     lane.tracing = Tracing(traces=traces, executor=executor, warmup=warmup)
     return lane.tracing
-
-
-def _noop() -> None:
-    return None
 
 
 class Runtimes(NamedTuple):

@@ -123,22 +123,56 @@ def test_a_components_own_cleanup_error_is_flattened() -> None:
     assert info.value.primary is None
 
 
-def test_close_is_idempotent_and_a_closed_scope_owns_nothing() -> None:
+def test_a_failed_step_is_an_orphan_that_the_next_close_retries_alone() -> None:
     log: list[str] = []
+    attempts = iter([RuntimeError("once"), None])
+
+    def flaky() -> None:
+        log.append("x")
+        error = next(attempts)
+        if error is not None:
+            raise error
+
     root = LifetimeScope("root")
+    root.own("a", 1, recorder(log, "a"))
     child = root.child("child")
-    child.own("x", 1, failing(log, "x", RuntimeError("once")))
+    child.own("x", 1, flaky)
+    child.own("y", 2, recorder(log, "y"))
 
     with pytest.raises(CleanupError):
         root.close()
-    root.close()  # no-op: nothing runs again, nothing raises
+    assert log == ["y", "x", "a"]
+    assert root.closed and root.orphans() == ["root/child/x"]
+    with capture_logs() as events:
+        root.close()  # retries exactly the failed step
+    assert log == ["y", "x", "a", "x"]
+    assert root.orphans() == []
+    assert [(e["event"], e["step"]) for e in events] == [("cleanup.step", "root/child/x")]
+    root.close()  # nothing left: nothing runs, nothing raises
     child.close()
-
-    assert log == ["x"]
+    assert log == ["y", "x", "a", "x"]
     with pytest.raises(RuntimeError, match="root/child is closed"):
         child.own("late", 2)
     with pytest.raises(RuntimeError, match="root is closed"):
         root.child("late")
+
+
+def test_owned_objects_are_logged_with_scope_index_and_root() -> None:
+    with capture_logs() as events:
+        root = LifetimeScope("root")
+        root.own("device", object())
+        lane = root.child("lane0", lane=0)
+        lane.own("kv", [], borrowed=True)
+        root.close()
+    owned = [
+        (e["scope"], e["object"], e["index"], e["borrowed"])
+        for e in events
+        if e["event"] == "scope.owned"
+    ]
+    assert owned == [("root", "device", 0, False), ("root/lane0", "kv", 2, True)]
+    assert {e["root"] for e in events if "root" in e} == {f"{id(root):#x}"}
+    steps = {e["step"]: e["action"] for e in events if e["event"] == "cleanup.step"}
+    assert steps == {"root/lane0/kv": "borrowed: left alone", "root/device": "closed"}
 
 
 def test_closing_a_child_first_leaves_the_rest_for_the_parent() -> None:
@@ -168,7 +202,9 @@ def test_lifecycle_events_name_every_step_and_scope() -> None:
     seen = [(e["event"], e.get("scope") or e.get("step")) for e in events]
     assert seen == [
         ("scope.entered", "root"),
+        ("scope.owned", "root"),
         ("scope.entered", "root/lane0"),
+        ("scope.owned", "root/lane0"),
         ("cleanup.failed", "root/lane0/kv"),
         ("scope.exited", "root/lane0"),
         ("cleanup.step", "root/a"),

@@ -1,0 +1,145 @@
+"""Ownership declared in the container: whatever a lifetime provider yields, its scope owns.
+
+Factories build objects and know nothing about scopes. Each provider whose object has a
+lifetime is an :class:`Owned` provider declared with ``.owned_by(scope, name, close=...)``:
+when it first yields an object (built by its factory, or injected by an override the
+dependency-injector way), it records that object in its :class:`~llmrt.scope.LifetimeScope`
+with the teardown ``close(obj)`` returns. So an override is torn down exactly like the
+default it replaces, at its own place in the reverse creation order.
+
+An override whose object the caller owns is declared with :class:`Borrowed`
+(``provider.override(Borrowed(device))``): the scope records it as borrowed
+(``scope.owned`` with ``borrowed: true``) and teardown leaves it alone, visibly
+(``cleanup.step`` with ``action: "borrowed: left alone"``).
+
+Components the lane's model executor cleans up in the spec's eight steps are declared
+``governed_by(model_executor)``: once the executor exists, their own scope entries are no-ops
+(``action: "cleaned by model_executor"``), so the eight steps run once, in the spec's order,
+with the executor's guards (KV whose release it deferred is never freed behind its back).
+
+Overriding an :class:`Owned` provider after it yielded its object raises
+``ContainerStateError`` instead of silently doing nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar, cast
+
+import attrs
+from dependency_injector import providers
+
+from llmrt.errors import ContainerStateError
+from llmrt.scope import LifetimeScope
+
+T = TypeVar("T")
+
+#: ``close(obj)`` -> what to run at teardown (None: nothing to release).
+CloseFor = Callable[[Any], Callable[[], object] | None]
+
+
+class Borrowed(providers.Object[Any]):
+    """An override whose object the caller owns: recorded as borrowed, never torn down."""
+
+
+@attrs.frozen(kw_only=True)
+class _Lifetime:
+    scope: providers.Provider[LifetimeScope]
+    name: str
+    close: CloseFor | None
+    governor: Owned | None = None
+
+    def copied(self, memo: dict[int, Any]) -> _Lifetime:
+        governor = self.governor
+        return attrs.evolve(
+            self,
+            scope=providers.deepcopy(self.scope, memo),
+            governor=providers.deepcopy(governor, memo) if governor is not None else None,
+        )
+
+
+class Owned(providers.Singleton[Any]):
+    """A Singleton whose object, built or injected, is owned by (or borrowed into) a scope."""
+
+    def __init__(self, provides: Any = None, *args: Any, **kwargs: Any) -> None:
+        super().__init__(provides, *args, **kwargs)
+        self._lifetime: _Lifetime | None = None
+        self._yielded: list[Any] = []
+
+    def owned_by(
+        self, scope: providers.Provider[LifetimeScope], name: str, *, close: CloseFor | None = None
+    ) -> Owned:
+        """Declare the scope that owns this provider's object and how it is torn down."""
+        self._lifetime = _Lifetime(scope=scope, name=name, close=close)
+        return self
+
+    def governed_by(self, executor: Owned) -> None:
+        """Once ``executor`` exists, this object's teardown is one of its cleanup steps."""
+        if self._lifetime is None:
+            raise ContainerStateError("declare owned_by(...) before governed_by(...)")
+        self._lifetime = attrs.evolve(self._lifetime, governor=executor)
+
+    @property
+    def lifetime_name(self) -> str | None:
+        return self._lifetime.name if self._lifetime is not None else None
+
+    @property
+    def built(self) -> bool:
+        """Whether this provider has yielded its object (overriding is then an error)."""
+        return bool(self._yielded)
+
+    def __deepcopy__(self, memo: dict[Any, Any] | None) -> Owned:
+        memo = {} if memo is None else memo
+        found = memo.get(id(self))
+        if found is not None:
+            return cast(Owned, found)
+        copied = cast(Owned, super().__deepcopy__(memo))
+        copied._lifetime = self._lifetime.copied(memo) if self._lifetime is not None else None
+        copied._yielded = []
+        return copied
+
+    def override(self, provider: Any) -> Any:
+        if self._yielded:
+            name = self._lifetime.name if self._lifetime is not None else repr(self)
+            raise ContainerStateError(
+                f"{name} was already built ({type(self._yielded[0]).__name__}); override "
+                "providers before the runtime is built (before lane_group() / startup())"
+            )
+        return super().override(provider)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        obj = super().__call__(*args, **kwargs)
+        if self._lifetime is not None and not any(o is obj for o in self._yielded):
+            self._yielded.append(obj)
+            self._register(obj)
+        return obj
+
+    def _register(self, obj: Any) -> None:
+        lifetime = self._lifetime
+        assert lifetime is not None
+        scope = lifetime.scope()
+        if isinstance(self.last_overriding, Borrowed):
+            scope.own(lifetime.name, obj, None, borrowed=True)
+            return
+        close = lifetime.close(obj) if lifetime.close is not None else None
+        governor = lifetime.governor
+        if governor is not None and close is not None:
+            close = _governed(governor, close)
+        scope.own(lifetime.name, obj, close)
+
+
+def _governed(governor: Owned, close: Callable[[], object]) -> Callable[[], object]:
+    """Close directly only while no executor governs the object; else a visible no-op."""
+
+    def run() -> object:
+        if governor.built:
+            return f"cleaned by {governor.lifetime_name}"
+        return close()
+
+    return run
+
+
+def govern(executor: Owned, *governed: Owned) -> None:
+    """Declare (in a container body) the components ``executor``'s cleanup steps tear down."""
+    for provider in governed:
+        provider.governed_by(executor)
