@@ -108,16 +108,18 @@ class Owned(providers.Singleton[Any]):
         return super().override(provider)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        lifetime = self._lifetime
+        # Open the owning scope before building, so its entry precedes what it will own.
+        scope = lifetime.scope() if lifetime is not None else None
         obj = super().__call__(*args, **kwargs)
-        if self._lifetime is not None and not any(o is obj for o in self._yielded):
+        if scope is not None and not any(o is obj for o in self._yielded):
             self._yielded.append(obj)
-            self._register(obj)
+            self._register(scope, obj)
         return obj
 
-    def _register(self, obj: Any) -> None:
+    def _register(self, scope: LifetimeScope, obj: Any) -> None:
         lifetime = self._lifetime
         assert lifetime is not None
-        scope = lifetime.scope()
         if isinstance(self.last_overriding, Borrowed):
             scope.own(lifetime.name, obj, None, borrowed=True)
             return

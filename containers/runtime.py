@@ -258,6 +258,11 @@ def build_lanes(
     return lanes
 
 
+def _serving_scope(root: LifetimeScope, lanes: tuple[LaneContainer, ...]) -> LifetimeScope:
+    del lanes  # built first: the serving scope opens after (and closes before) every lane
+    return root.child("serving")
+
+
 def build_lane_group(
     *, lanes: tuple[LaneContainer, ...], barrier: CaptureBarrier
 ) -> LaneGroupExecutor:
@@ -294,8 +299,9 @@ class RuntimeContainer(containers.DeclarativeContainer):
         weights=model.weights,
         lanes=lane_containers,
     )
+    #: Opens after the lanes it serves (so it closes before them).
     serving_scope: providers.Singleton[LifetimeScope] = providers.Singleton(
-        _child, root_scope, "serving"
+        _serving_scope, root_scope, lanes
     )
     lane_group: Owned = Owned(build_lane_group, lanes=lanes, barrier=barrier).owned_by(
         serving_scope, "lane_group"

@@ -247,9 +247,7 @@ class VLLMAdapter:
         **extra: Any,
     ) -> VLLMAdapter:
         """Build the recipe's container and wrap its lane group (the adapter owns it)."""
-        from dependency_injector import providers
-
-        from llmrt.containers import RuntimeContainer, close_runtime
+        from llmrt.containers import Borrowed, RuntimeContainer, close_runtime
         from llmrt.recipe import load_recipe
 
         _reject(extra, "initialize_vllm_model", IGNORED_KWARGS)
@@ -274,7 +272,8 @@ class VLLMAdapter:
             )
         container = RuntimeContainer(recipe=loaded)
         if mesh_device is not None:
-            container.device.device.override(providers.Object(mesh_device))
+            # vLLM opened the mesh and closes it: the runtime borrows it (teardown leaves it).
+            container.device.device.override(Borrowed(mesh_device))
         try:
             group = container.lane_group()
             config = VLLMAdapterConfig.resolve(

@@ -12,7 +12,6 @@ import torch
 
 from llmrt.audit import check
 from llmrt.cli import main
-from llmrt.model_executor import CLEANUP_STEPS
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -38,8 +37,48 @@ def scope(event: str, name: str) -> dict[str, Any]:
     return {"event": f"scope.{event}", "component": "scope", "scope": name, "object_id": name}
 
 
-def kv(event: str, obj: str = "0xkv", lane: int = 0) -> dict[str, Any]:
-    return {"event": f"kv.{event}", "component": "paged_kv_cache", "object_id": obj, "lane": lane}
+#: The spec's lane cleanup order (Lifecycle section 7), independent of the product's constant.
+SPEC_LANE_CLEANUP = [
+    "external_decode_leases",
+    "pending_output_reads",
+    "prefill_transients",
+    "decode_transients",
+    "traces",
+    "program_registry",
+    "device_sampling_buffers",
+    "paged_kv_cache",
+]
+
+
+def kv(event: str, obj: str = "0xkv", lane: int = 0, device: str = "cpu:0/lane0") -> dict[str, Any]:
+    record = {"event": f"kv.{event}", "component": "paged_kv_cache", "object_id": obj, "lane": lane}
+    return {**record, "device": device} if event == "allocated" else record
+
+
+def lane_device(lane: int, device: str) -> dict[str, Any]:
+    return {"event": "device.opened", "component": "device", "lane": lane, "device": device}
+
+
+def owned(name: str, index: int, root: str = "0xr") -> dict[str, Any]:
+    return {
+        "event": "scope.owned",
+        "component": "scope",
+        "scope": "runtime",
+        "object": name,
+        "index": index,
+        "root": root,
+    }
+
+
+def closed(name: str, index: int, root: str = "0xr", failed: bool = False) -> dict[str, Any]:
+    return {
+        "event": "cleanup.failed" if failed else "cleanup.step",
+        "component": "scope",
+        "object_id": "runtime",
+        "step": f"runtime/{name}",
+        "index": index,
+        "root": root,
+    }
 
 
 def trace(event: str, key: str = "t1", obj: str = "0xtc") -> dict[str, Any]:
@@ -51,18 +90,21 @@ def trace(event: str, key: str = "t1", obj: str = "0xtc") -> dict[str, Any]:
     }
 
 
-def compiled(signature: str, obj: str = "0xpc") -> dict[str, Any]:
-    return {"event": "program.compiled", "object_id": obj, "lane": 0, "signature": signature}
+def compiled(signature: str, obj: str = "0xpc", event: str = "compiled") -> dict[str, Any]:
+    return {"event": f"program.{event}", "object_id": obj, "lane": 0, "signature": signature}
 
 
 def gate(event: str, obj: str = "0xpc") -> dict[str, Any]:
     return {"event": f"compile_gate.{event}", "object_id": obj, "lane": 0}
 
 
-def cleanup(steps: Sequence[str], obj: str = "0xme", lane: int = 0) -> list[dict[str, Any]]:
+def cleanup(
+    steps: Sequence[str], obj: str = "0xme", lane: int = 0, failed: Sequence[str] = ()
+) -> list[dict[str, Any]]:
     base = {"component": "model_executor", "object_id": obj, "lane": lane}
     return [{"event": "executor.terminal", **base}] + [
-        {"event": "cleanup.step", "step": step, **base} for step in steps
+        {"event": "cleanup.failed" if step in failed else "cleanup.step", "step": step, **base}
+        for step in steps
     ]
 
 
@@ -75,9 +117,9 @@ def clean_run(obj: str = "0x1") -> list[dict[str, Any]]:
         compiled("decode[b4 w32]", obj),
         gate("closed", obj),
         trace("captured", "t1", obj),
-        *cleanup(CLEANUP_STEPS[:4], obj),
+        *cleanup(SPEC_LANE_CLEANUP[:4], obj),
         trace("released", "t1", obj),
-        *cleanup(CLEANUP_STEPS[4:], obj)[1:],
+        *cleanup(SPEC_LANE_CLEANUP[4:], obj)[1:],
         kv("released", obj),
         scope("exited", "runtime/lane0"),
         scope("exited", "runtime"),
@@ -110,7 +152,7 @@ def test_a_real_generate_log_audits_clean(
     for name in ("kv.allocated", "kv.released", "trace.captured", "trace.released"):
         assert events.count(name) >= lanes, name
     assert events.count("compile_gate.closed") == lanes
-    assert events.count("cleanup.step") >= lanes * len(CLEANUP_STEPS)
+    assert events.count("cleanup.step") >= lanes * len(SPEC_LANE_CLEANUP)
     assert events[0] == "scope.entered" and events[-1] == "scope.exited"
     code, out = audit(capsys, log)
     assert (code, out) == (0, [f"{log}: lifecycle contract holds"])
@@ -149,11 +191,96 @@ CASES: dict[str, tuple[list[dict[str, Any]], list[str]]] = {
         ],
     ),
     "cleanup-out-of-order": (
-        cleanup(["external_decode_leases", "paged_kv_cache", "traces"]),
+        cleanup([*SPEC_LANE_CLEANUP[:4], "paged_kv_cache", "traces", *SPEC_LANE_CLEANUP[5:7]]),
         [
-            "[lane-cleanup-order] line 2: lane 0 executor 0xme cleaned up as "
-            "['external_decode_leases', 'paged_kv_cache', 'traces'], "
-            f"expected the order {list(CLEANUP_STEPS)}"
+            "[lane-cleanup-order] line 1: lane 0 executor 0xme cleaned up as "
+            f"{[*SPEC_LANE_CLEANUP[:4], 'paged_kv_cache', 'traces', *SPEC_LANE_CLEANUP[5:7]]}, "
+            f"expected the order {SPEC_LANE_CLEANUP}"
+        ],
+    ),
+    "cleanup-step-missing": (
+        cleanup([s for s in SPEC_LANE_CLEANUP if s != "decode_transients"]),
+        [
+            "[lane-cleanup-missing] line 1: lane 0 executor 0xme never completed cleanup "
+            "step(s) ['decode_transients']"
+        ],
+    ),
+    "cleanup-step-twice": (
+        cleanup([*SPEC_LANE_CLEANUP, "paged_kv_cache"]),
+        [
+            "[lane-cleanup-order] line 10: lane 0 executor 0xme completed "
+            "['paged_kv_cache'] more than once"
+        ],
+    ),
+    "cleanup-failed-never-retried": (
+        [*cleanup(SPEC_LANE_CLEANUP, failed=["traces"])],
+        [
+            "[lane-cleanup-missing] line 1: lane 0 executor 0xme never completed cleanup "
+            "step(s) ['traces']",
+            "[cleanup-failed] line 6: model_executor lane 0 0xme: cleanup step traces failed "
+            "and was never retried successfully (None)",
+        ],
+    ),
+    "orphan-left": (
+        [
+            {
+                "event": "resource.orphaned",
+                "component": "trace_compiler",
+                "lane": 0,
+                "object_id": "0xtc",
+                "path": "trace t1",
+            },
+            {
+                "event": "resource.orphaned",
+                "component": "trace_compiler",
+                "lane": 0,
+                "object_id": "0xtc",
+                "path": "trace t2",
+            },
+            {
+                "event": "resource.recovered",
+                "component": "trace_compiler",
+                "lane": 0,
+                "object_id": "0xtc",
+                "path": "trace t2",
+            },
+        ],
+        ["[orphan] line 1: trace_compiler lane 0 0xtc: trace t1 orphaned and never recovered"],
+    ),
+    "recompile-after-gate-closed": (
+        [gate("closed"), compiled("decode[b4 w32]", event="recompiled")],
+        [
+            "[no-compile-after-activation] line 2: lane 0: program decode[b4 w32] recompiled "
+            "after the compile gate closed (line 1)"
+        ],
+    ),
+    "kv-on-another-lanes-device": (
+        [
+            lane_device(0, "cpu:0/lane0"),
+            lane_device(1, "cpu:0/lane1"),
+            kv("allocated", "0xk0", lane=0, device="cpu:0/lane1"),
+            kv("released", "0xk0", lane=0),
+            {**kv("allocated", "0xk1", lane=1), "device": None},
+            kv("released", "0xk1", lane=1),
+        ],
+        [
+            "[one-mesh-per-lane] line 3: lane 0 allocated KV on cpu:0/lane1, not its own "
+            "device cpu:0/lane0",
+            "[one-mesh-per-lane] line 5: kv.allocated of 0xk1 names no device",
+        ],
+    ),
+    "owned-closed-out-of-order": (
+        [
+            owned("device", 0),
+            owned("model", 1),
+            owned("executor", 2),
+            closed("executor", 2),
+            closed("device", 0),
+            closed("model", 1),
+        ],
+        [
+            "[owned-reverse] line 6: runtime/model (created #1) closed after #0 (line 5): "
+            "not in reverse creation order"
         ],
     ),
     "scopes-closed-out-of-order": (
@@ -197,20 +324,31 @@ def test_every_violation_of_a_log_is_listed(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     records: list[dict[str, Any]] = []
-    for case in sorted(CASES):  # distinct object ids per case, so the rules do not interact
-        records += [
-            {**r, "object_id": f"{r['object_id']}-{case}"} if "scope" not in r else r
-            for r in CASES[case][0]
-        ]
+    for number, case in enumerate(sorted(CASES)):
+        # Distinct objects, lanes and scope trees per case, so the rules do not interact.
+        for r in CASES[case][0]:
+            moved = dict(r)
+            if "scope" not in r and "object_id" in r:
+                moved["object_id"] = f"{r['object_id']}-{case}"
+            if "lane" in r:
+                moved["lane"] = 100 * (number + 1) + r["lane"]
+            if "root" in r:
+                moved["root"] = f"{r['root']}-{case}"
+            records.append(moved)
     log = write_log(tmp_path / "all.jsonl", records)
     code, out = audit(capsys, log)
     assert code == 1
     assert out[-1] == f"{len(out) - 1} violation(s) in {log}"
     rules = [line.split("]")[0] + "]" for line in out[:-1]]
     assert sorted(set(rules)) == [
+        "[cleanup-failed]",
         "[kv-once]",
+        "[lane-cleanup-missing]",
         "[lane-cleanup-order]",
         "[no-compile-after-activation]",
+        "[one-mesh-per-lane]",
+        "[orphan]",
+        "[owned-reverse]",
         "[scope-reverse]",
         "[trace-once]",
     ]

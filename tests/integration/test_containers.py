@@ -266,7 +266,6 @@ def reader_on_next_lanes_device(lane: LaneContainer) -> providers.Provider[Any]:
         factories.build_output_reader,
         device=providers.Callable(_other_lane_device, lane.lane_devices, lane.lane),
         lane=lane.lane,
-        scope=lane.scope,
     )
 
 
@@ -277,7 +276,6 @@ def traces_over_a_second_compiler(lane: LaneContainer) -> providers.Provider[Any
         device=lane.device,
         kv=lane.kv_cache_manager,
         lane=lane.lane,
-        scope=lane.scope,
     )
     return providers.Singleton(
         factories.build_trace_compiler,
@@ -285,7 +283,6 @@ def traces_over_a_second_compiler(lane: LaneContainer) -> providers.Provider[Any
         compiler=second,
         device=lane.device,
         lane=lane.lane,
-        scope=lane.scope,
     )
 
 
@@ -295,14 +292,12 @@ def traced_over_a_second_eager(lane: LaneContainer) -> providers.Provider[Any]:
         prefill=lane.prefill_runtime,
         decode=lane.decode_runtime,
         compiler=lane.program_compiler,
-        scope=lane.scope,
     )
     return providers.Singleton(
         factories.build_traced,
         recipe=lane.recipe,
         eager=second,
         traces=lane.trace_compiler,
-        scope=lane.scope,
     )
 
 
