@@ -23,7 +23,7 @@ from lane_fixtures import (  # noqa: F401 (single_torch_thread: autouse)
 from structlog.testing import capture_logs
 
 from llmrt.device.torch import TorchDevice
-from llmrt.errors import CleanupError
+from llmrt.errors import CleanupError, TraceStateError
 from llmrt.families.base import CausalLM
 from llmrt.tensor_resources import iter_tensors
 from llmrt.testing import FaultyDevice, InjectedFault
@@ -46,6 +46,13 @@ class Setup:
     order: list[TraceArtifact]  # capture order
     inputs: dict[str, list[torch.Tensor]]  # trace key -> its persistent inputs, once allocated
     start: int  # index into device.calls where capture began
+    retired: list[Any] = attrs.Factory(list)  # inputs of earlier passes, kept so ids stay unique
+
+    def restart(self) -> None:
+        """Check only a new capture pass from here on (older inputs kept alive, not reused)."""
+        self.retired.append(dict(self.inputs))
+        self.inputs.clear()
+        self.start = len(self.device.calls)
 
     @property
     def traces(self) -> Any:
@@ -122,62 +129,159 @@ def _raise_in_program(setup: Setup, index: int) -> None:
     artifact.plan = attrs.evolve(artifact.plan, program=boom)
 
 
-# -- capture failure -------------------------------------------------------------------
+# -- capture failure: all or nothing ---------------------------------------------------
 
-# (fault plan, index of the failing artifact in capture order, expected error)
-CAPTURE_FAILURES = {
-    "capture_trace#1": ({"capture_trace": 1}, 0, InjectedFault),
-    "capture_trace#3": ({"capture_trace": 3}, 2, InjectedFault),
-    "capture_trace#5": ({"capture_trace": 5}, 4, InjectedFault),
-    "prime_refresh": ({"refresh": DECODE_INPUTS + 2}, 1, InjectedFault),
-    "program_raises": ({}, 3, RuntimeError),
-}
+#: Artifacts of the setup lane in capture order (1 decode + 10 prefill geometries).
+ARTIFACTS = 11
 
 
-@pytest.mark.parametrize("case", list(CAPTURE_FAILURES))
-def test_a_failed_capture_rolls_back_and_releases_its_inputs_once(
-    model: CausalLM, case: str
+def _assert_rolled_back(setup: Setup, logs: list[dict[str, Any]]) -> None:
+    """No live trace, every input of the pass freed once (traces first), gate reopened."""
+    stats = setup.lane.inner.stats()
+    assert stats.live_traces == 0, "a trace captured before the failure is still live"
+    assert all(a.state is ArtifactState.REGISTERED for a in setup.order)
+    assert all(a.trace is None and a.inputs is None for a in setup.order)
+    assert not setup.traces.active
+    assert not setup.lane.compiler.gate_closed, "the gate is back to its state before capture"
+    setup.released_once(list(setup.inputs))
+    calls = setup.device.calls[setup.start :]
+    input_ids = {id(t) for ts in setup.inputs.values() for t in ts}
+    releases = [i for i, c in enumerate(calls) if c.op == "release_trace"]
+    frees = [i for i, c in enumerate(calls) if c.op == "deallocate" and c.subject_id in input_ids]
+    if releases:
+        assert max(releases) < min(frees), "traces are released before any input"
+    names = [e["event"] for e in logs]
+    assert names.count("trace.released") == names.count("trace.captured")
+    assert "compile_gate.opened" in names and "trace.capture_rolled_back" in names
+    assert "trace.activated" not in names
+
+
+def _assert_full_capture(setup: Setup) -> None:
+    """Every registered trace captured, replayable, the manifest complete."""
+    assert setup.traces.active and setup.lane.compiler.gate_closed
+    assert all(a.state is ArtifactState.CAPTURED for a in setup.order)
+    for artifact in setup.order:
+        for key in artifact.program_keys:
+            assert setup.traces.has_trace(key)
+    assert setup.lane.inner.stats().live_traces == ARTIFACTS
+    assert setup.lane.tracing is not None
+    setup.lane.tracing.executor.decode_forward(
+        tokens=[3], start_pos=[5], page_table=page_table([[0, 1]], width=setup.lane.layout.width)
+    )
+
+
+@pytest.mark.parametrize("k", range(1, ARTIFACTS + 1))
+def test_the_kth_capture_failing_rolls_back_everything_and_a_retry_captures_all(
+    model: CausalLM, k: int
 ) -> None:
-    fail, index, error = CAPTURE_FAILURES[case]
+    setup = _setup(model, {"capture_trace": k})
+    assert len(setup.order) == ARTIFACTS
+    manifest = setup.lane.tracing.warmup.manifest() if setup.lane.tracing else None
+    with capture_logs() as logs, pytest.raises(InjectedFault):
+        setup.traces.capture_all()
+    (failed,) = [e for e in logs if e["event"] == "trace.capture_failed"]
+    assert failed["signature"] == setup.order[k - 1].plan.description
+    _assert_rolled_back(setup, logs)
+    assert len(setup.device.calls_of("release_trace")) == k - 1, "each captured trace once"
+
+    setup.restart()
+    setup.traces.capture_all()  # the fault is spent: the retry captures everything
+    _assert_full_capture(setup)
+    assert setup.lane.tracing is not None and setup.lane.tracing.warmup.manifest() == manifest
+    setup.cleanup()
+
+
+@pytest.mark.parametrize(
+    ("fail", "error"),
+    [({"refresh": DECODE_INPUTS + 2}, InjectedFault), ({}, RuntimeError)],
+    ids=["prime_refresh", "program_raises"],
+)
+def test_a_failure_priming_or_running_a_capture_rolls_back_too(
+    model: CausalLM, fail: Mapping[str, int], error: type[BaseException]
+) -> None:
     setup = _setup(model, fail)
-    if case == "program_raises":
-        _raise_in_program(setup, index)
+    if not fail:
+        _raise_in_program(setup, 3)
     with capture_logs() as logs, pytest.raises(error):
         setup.traces.capture_all()
-    calls = [c.op for c in setup.device.calls[setup.start :]]
-    assert "allocate" not in calls[calls.index("capture_trace") :], "inputs first, then captures"
-    assert calls.count("allocate") == DECODE_INPUTS + (len(setup.order) - 1) * PREFILL_INPUTS
-    failed = setup.order[index]
-    assert failed.state is ArtifactState.FAILED
-    assert failed.inputs is None and failed.trace is None
-    assert not setup.traces.active and not setup.traces.has_trace(failed.plan.program_key)
-    setup.released_once([failed.trace_key])
-    before, after = setup.order[:index], setup.order[index + 1 :]
-    assert all(a.state is ArtifactState.CAPTURED for a in before)
-    assert all(a.state is ArtifactState.INPUTS_READY for a in after)
-    setup.untouched([a.trace_key for a in (*before, *after)])
-    (event,) = [e for e in logs if e["event"] == "trace.capture_failed"]
-    assert event["signature"] == failed.plan.description and event["log_level"] == "warning"
+    _assert_rolled_back(setup, logs)
     setup.cleanup()
-    assert len(setup.device.calls_of("release_trace")) == index, "each captured trace once"
 
 
-def test_a_failed_rollback_release_is_retried_by_cleanup(model: CausalLM) -> None:
+def test_a_failed_input_allocation_captures_nothing_and_frees_the_inputs_made(
+    model: CausalLM,
+) -> None:
     probe = _setup(model, {})
-    deallocs_before_capture = len(probe.device.calls_of("deallocate"))
+    allocations = len(probe.device.calls_of("allocate"))
     probe.cleanup()
-    failing = deallocs_before_capture + 1  # the first input the rollback releases
-    setup = _setup(model, {"capture_trace": 1, "deallocate": failing})
+    # Fail the third input of the first prefill artifact (after decode's three).
+    setup = _setup(model, {"allocate": allocations + DECODE_INPUTS + 3})
+    with capture_logs() as logs, pytest.raises(InjectedFault):
+        setup.traces.capture_all()
+    assert setup.device.calls_of("capture_trace") == ()
+    _assert_rolled_back(setup, logs)
+    setup.restart()
+    setup.traces.capture_all()
+    _assert_full_capture(setup)
+    setup.cleanup()
+
+
+def test_a_trace_the_rollback_cannot_release_blocks_the_retry_until_released(
+    model: CausalLM,
+) -> None:
+    setup = _setup(model, {"capture_trace": 3, "release_trace": [1, 3]})
     with pytest.raises(InjectedFault):
         setup.traces.capture_all()
-    failed = setup.order[0]
-    assert failed.state is ArtifactState.FAILED and failed.inputs is None
-    first, *rest = setup.inputs[failed.trace_key]
-    assert setup.calls("deallocate", first) == [True]
-    for tensor in rest:
-        assert setup.calls("deallocate", tensor) == [False]
+    stuck = setup.order[0]
+    assert stuck.state is ArtifactState.FAILED and stuck.trace is not None
+    setup.untouched([stuck.trace_key])  # never free an input under a live trace
+    assert not setup.lane.compiler.gate_closed
+    with pytest.raises(TraceStateError, match="still live"):
+        setup.traces.capture_all()  # release_trace fails again: capture nothing over it
+    assert setup.lane.inner.stats().live_traces == 1
+    setup.restart()
+    setup.traces.capture_all()  # the third release succeeds, then everything is captured
+    _assert_full_capture(setup)
     setup.cleanup()
-    assert setup.calls("deallocate", first) == [True, False]
+
+
+def test_the_barrier_commits_all_lanes_or_none(model: CausalLM) -> None:
+    barrier = CaptureBarrier(lanes=2)
+    devices = [
+        FaultyDevice(TorchDevice("cpu"), fail={}),
+        FaultyDevice(TorchDevice("cpu"), fail={"capture_trace": 1}),
+    ]
+    lanes = []
+    for index, device in enumerate(devices):
+        lane = build_lane(model=model, device=device, block_size=4, num_blocks=64, max_chunk=16)
+        add_tracing(
+            lane,
+            mode="decode_only",
+            seq_lens=(8,),
+            batch_sizes=(1,),
+            barrier=barrier,
+            lane_index=index,
+        )
+        lanes.append(lane)
+    assert lanes[0].tracing is not None and lanes[1].tracing is not None
+    lanes[0].tracing.warm()
+    with pytest.raises(InjectedFault):
+        lanes[1].tracing.warm()  # the last lane's readiness commits the barrier: lane 1 fails
+    for lane in lanes:
+        assert lane.tracing is not None
+        assert not lane.tracing.warmup.captured and not lane.tracing.traces.active
+        assert lane.inner.stats().live_traces == 0, "lane 0's committed capture was rolled back"
+        assert not lane.compiler.gate_closed
+    assert not barrier.captured
+    for lane in lanes:
+        assert lane.tracing is not None
+        lane.tracing.warmup.activate()  # the retry commits both lanes
+    for lane in lanes:
+        assert lane.tracing is not None
+        assert lane.tracing.warmup.captured and lane.tracing.traces.active
+        assert lane.inner.stats().live_traces == len(lane.tracing.traces.artifacts)
+    for lane in lanes:
+        lane.cleanup()
 
 
 # -- cleanup ---------------------------------------------------------------------------
@@ -239,19 +343,4 @@ def test_a_failing_release_trace_is_retried_without_double_frees(model: CausalLM
     assert setup.lane.inner.stats().live_traces == 0
     setup.released_once([a.trace_key for a in setup.order])
     setup.traces.cleanup()  # idempotent: nothing is released twice
-    setup.cleanup()
-
-
-def test_a_failed_input_allocation_captures_nothing(model: CausalLM) -> None:
-    probe = _setup(model, {})
-    allocations = len(probe.device.calls_of("allocate"))
-    probe.cleanup()
-    # Fail the third input of the first prefill artifact (after decode's three).
-    setup = _setup(model, {"allocate": allocations + DECODE_INPUTS + 3})
-    with pytest.raises(InjectedFault):
-        setup.traces.capture_all()
-    assert setup.device.calls_of("capture_trace") == ()
-    assert setup.order[0].state is ArtifactState.INPUTS_READY
-    assert all(a.state is ArtifactState.REGISTERED for a in setup.order[1:])
-    assert not setup.traces.active
     setup.cleanup()
