@@ -280,7 +280,8 @@ class PagedKVCacheManager:
                     (context.keys, context.values), device=self.borrowed_device, ledger=self._ledger
                 )
             )
-        emit(self._log, "kv.released", orphans=len(self._orphans))
+        if context is not None:  # a cache that was never allocated has nothing to release
+            emit(self._log, "kv.released", orphans=len(self._orphans))
         if errors:
             raise errors[0]
         self._raise_orphans()
