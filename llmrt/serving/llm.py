@@ -99,8 +99,12 @@ class LLM:
         self.close(primary=exc)
 
     def close(self, *, primary: BaseException | None = None) -> None:
-        """Tear everything down in reverse creation order; idempotent."""
-        if self._closed:
+        """Tear everything down in reverse creation order; idempotent.
+
+        After a teardown that raised ``CleanupError``, calling ``close`` again retries exactly
+        the steps that failed (their orphans); once everything is released it does nothing.
+        """
+        if self._closed and not self.container.root_scope().orphans():
             return
         self._closed = True
         self._teardown(primary=primary)
