@@ -124,6 +124,7 @@ def load_weights(*, recipe: Recipe, family: Family) -> Checkpoint:
         expected_tensors=family.expected_tensors,
         optional_tensors=family.optional_tensors,
         model_types=family.model_types,
+        tensor_init=getattr(family, "tensor_init", None),
     )
     return checkpoint
 

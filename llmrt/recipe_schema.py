@@ -10,7 +10,6 @@ are the runtime's own ``TraceConfig``, ``WarmupConfig`` and ``PagedKVCacheConfig
 from __future__ import annotations
 
 import math
-from importlib.metadata import entry_points
 from typing import Any, Literal, TypeAlias, get_args
 
 import attrs
@@ -21,7 +20,8 @@ from llmrt.config import (
     TraceConfig,
     WarmupConfig,
 )
-from llmrt.errors import RecipeError
+from llmrt.errors import CheckpointError, ConfigError, FamilyError, RecipeError
+from llmrt.families import registry as family_registry
 from llmrt.families.layers import LinearKernelChoice
 from llmrt.prefill.buckets import FINE_DEFAULT_STEP, SeqLenBuckets
 from llmrt.prefill.plan import WaveRules
@@ -40,39 +40,13 @@ SeqLenBucketKind = Literal["tile", "fine"]
 ModelValue: TypeAlias = int | float | str | bool | list[Any] | dict[str, Any] | None
 ModelConfig: TypeAlias = dict[str, ModelValue]
 
-#: Families that ship with llmrt; others register under ``FAMILY_ENTRY_POINT_GROUP``.
-BUILTIN_FAMILIES: tuple[str, ...] = ("llama", "gpt2")
+#: Entry-point group families register under (``llmrt.families.registry`` reads it).
 FAMILY_ENTRY_POINT_GROUP = "llmrt.families"
 #: ``family: auto`` picks the family from the checkpoint's ``model_type``.
 AUTO_FAMILY = "auto"
 
 #: Size of the byte tokenizer's vocabulary: 256 bytes, then bos (256) and eos (257).
 BYTE_TOKENIZER_VOCAB_SIZE = 258
-
-_LLAMA_KEYS = (
-    "vocab_size",
-    "hidden_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "intermediate_size",
-    "max_position_embeddings",
-)
-_GPT2_KEYS = ("vocab_size", "n_embd", "n_layer", "n_head", "n_positions")
-#: ``model`` keys a ``random`` checkpoint needs, by ``model.model_type``. Other model
-#: types need ``vocab_size`` here; their family checks the rest when it builds.
-RANDOM_MODEL_KEYS: dict[str, tuple[str, ...]] = {
-    "llama": _LLAMA_KEYS,
-    "mistral": _LLAMA_KEYS,
-    "qwen2": _LLAMA_KEYS,
-    "gpt2": _GPT2_KEYS,
-}
-#: (embedding width, query heads) per model type, checked for divisibility.
-_HEAD_KEYS: dict[str, tuple[str, str]] = {
-    "llama": ("hidden_size", "num_attention_heads"),
-    "mistral": ("hidden_size", "num_attention_heads"),
-    "qwen2": ("hidden_size", "num_attention_heads"),
-    "gpt2": ("n_embd", "n_head"),
-}
 
 
 def _check(ok: bool, field: str, value: Any, reason: str) -> None:
@@ -111,9 +85,14 @@ def _brief(values: tuple[int, ...]) -> str:
 
 
 def registered_families() -> tuple[str, ...]:
-    """Family names a recipe may use: ``auto``, the built-ins and entry-point plugins."""
-    plugins = {ep.name for ep in entry_points(group=FAMILY_ENTRY_POINT_GROUP)}
-    return (AUTO_FAMILY, *sorted(set(BUILTIN_FAMILIES) | plugins))
+    """Family names a recipe may use: ``auto`` and every installed or registered family."""
+    return (AUTO_FAMILY, *family_registry.family_names())
+
+
+def _model_value(model: dict[str, Any], item: str) -> Any:
+    """The value at a dotted/indexed ``item`` path inside ``model`` (None if absent)."""
+    head = item.split(".", 1)[0].split("[", 1)[0]
+    return model.get(head)
 
 
 def check_model_value(field: str, value: Any) -> None:
@@ -542,7 +521,7 @@ class Recipe:
             self.family,
             "must be a family name",
         )
-        if self.family in (AUTO_FAMILY, *BUILTIN_FAMILIES):
+        if self.family == AUTO_FAMILY:
             return
         known = registered_families()
         _check(
@@ -574,7 +553,8 @@ class Recipe:
                 model_type,
                 "is required for checkpoint.format=random (e.g. llama or gpt2)",
             )
-        for key in RANDOM_MODEL_KEYS.get(model_type, ("vocab_size",)):
+        family = self._model_family(model_type)
+        for key in family_registry.required_keys(family):
             _check(
                 key in self.model,
                 f"model.{key}",
@@ -582,23 +562,37 @@ class Recipe:
                 f"is required for a random {model_type} checkpoint",
             )
             self._model_int(key)
-        if model_type in _HEAD_KEYS:
-            width_key, heads_key = _HEAD_KEYS[model_type]
-            width, heads = self._model_int(width_key), self._model_int(heads_key)
-            _check(
-                width % heads == 0,
-                f"model.{width_key}",
-                width,
-                f"must be a multiple of model.{heads_key}={heads}",
-            )
-            if heads_key == "num_attention_heads" and "num_key_value_heads" in self.model:
-                kv_heads = self._model_int("num_key_value_heads")
-                _check(
-                    heads % kv_heads == 0,
-                    "model.num_key_value_heads",
-                    kv_heads,
-                    f"must divide model.num_attention_heads={heads}",
-                )
+        config = {"vocab_size": BYTE_TOKENIZER_VOCAB_SIZE, **self.model}
+        try:
+            family.expected_tensors(config)
+        except CheckpointError as exc:
+            item = exc.item.removeprefix("config.")
+            raise RecipeError(f"model.{item}", _model_value(self.model, item), exc.reason) from exc
+        except ConfigError as exc:
+            raise RecipeError(
+                "model", model_type, f"maps onto invalid parts: {exc.field}: {exc.reason}"
+            ) from exc
+        except (KeyError, TypeError, ValueError) as exc:
+            raise RecipeError(
+                "model", model_type, f"family {family.name} cannot read it: {exc}"
+            ) from exc
+
+    def _model_family(self, model_type: str) -> Any:
+        """The family that will build this random model, checked against ``family``."""
+        try:
+            if self.family == AUTO_FAMILY:
+                return family_registry.family_for_model_type(model_type)
+            family = family_registry.get_family(self.family)
+        except FamilyError as exc:
+            raise RecipeError("model.model_type", model_type, str(exc)) from exc
+        _check(
+            model_type in family.model_types,
+            "model.model_type",
+            model_type,
+            f"is not handled by family {self.family} (it handles "
+            f"{', '.join(family.model_types)}); use family: auto or the family that does",
+        )
+        return family
 
     def _model_int(self, key: str) -> int:
         value = self.model.get(key)

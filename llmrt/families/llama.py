@@ -1,386 +1,163 @@
-"""The Llama family: Llama 1-3, SmolLM2, Mistral (full attention) and Qwen2 on paged KV.
+"""The Llama family: Llama 1-3 / SmolLM2, Mistral, Mixtral, Qwen2, Qwen3, Qwen3-MoE and
+Granite, as a mapping of their ``config.json`` onto decoder parts.
 
-RMSNorm, RoPE (default / linear / Llama-3 scaling), grouped-query attention, SwiGLU,
-tied or untied embeddings and optional q/k/v (and o/MLP) biases. q/k/v and
-gate/up are fused into one matmul each at load.
+They share Llama's tensor names (``model.layers.N.self_attn.q_proj`` ...) and layout
+(pre-norm RMSNorm, SwiGLU, RoPE); they differ in biases, q/k norms, sliding windows,
+experts and multipliers, which this module reads and the parts compute.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from typing import Any
-
-import attrs
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from llmrt.errors import CheckpointError
-from llmrt.families.base import ModelConfig
-from llmrt.families.causal_lm import PagedCausalLM
-from llmrt.families.hf_family import HFFamily
+from llmrt.families import hfparts
+from llmrt.families.decoder import TensorNames
+from llmrt.families.decoder_family import DecoderFamily
 from llmrt.families.hfconfig import HFConfig
-from llmrt.families.kvbinding import BoundKV
-from llmrt.families.layers import FrozenLinear, RMSNorm, frozen_embedding, frozen_linear
-from llmrt.families.paged_attention import DecodePlan, PrefillPlan, attend
-from llmrt.families.rope import (
-    RopeSpec,
-    apply_rope,
-    inverse_frequencies,
-    read_rope,
-    rope_cache,
-    rope_lookup,
+from llmrt.families.parts import (
+    AttentionSpec,
+    DecoderSpec,
+    LayerSpec,
+    MLPSpec,
+    MoESpec,
+    NormSpec,
 )
 
-MODEL_TYPES: tuple[str, ...] = ("llama", "mistral", "qwen2")
+MODEL_TYPES: tuple[str, ...] = (
+    "llama",
+    "mistral",
+    "mixtral",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "granite",
+)
 IGNORED_SUFFIXES: tuple[str, ...] = (".rotary_emb.inv_freq",)
-#: RoPE cache rows before a KV cache is bound (binding resizes it to the cache's span).
-ROPE_CACHE_START = 4096
+REQUIRED_KEYS: tuple[str, ...] = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+    "max_position_embeddings",
+)
+#: Model types whose sliding window covers every layer (``sliding_window``, null: none).
+_WINDOW_ALL = ("mistral", "mixtral")
+_QWEN = ("qwen2", "qwen3", "qwen3_moe")
 
 
-@attrs.frozen(kw_only=True)
-class LlamaSpec:
-    """Architecture of a Llama-style checkpoint, read and validated from its HF config."""
-
-    model: ModelConfig
-    model_type: str
-    intermediate_size: int
-    rms_norm_eps: float
-    rope: RopeSpec
-    tie_word_embeddings: bool
-    qkv_bias: bool
-    o_bias: bool
-    mlp_bias: bool
-
-
-def read_spec(hf_config: Mapping[str, Any], *, dtype: torch.dtype) -> LlamaSpec:
-    """Validate ``hf_config``; a bad or unsupported field raises ``CheckpointError`` naming it."""
-    cfg = HFConfig(raw=hf_config)
-    model_type = cfg.check_model_type(MODEL_TYPES) or "llama"
+def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
+    """Map a Llama-family ``config.json`` onto parts (``CheckpointError`` naming a field)."""
+    model_type = str(cfg.raw.get("model_type") or "llama")
+    hfparts.reject_common(cfg)
     hidden = cfg.positive_int("hidden_size")
-    heads = cfg.positive_int("num_attention_heads")
-    kv_heads = cfg.positive_int("num_key_value_heads", heads)
-    if heads % kv_heads:
-        raise CheckpointError(
-            "config.num_key_value_heads",
-            f"must divide num_attention_heads={heads}, got {kv_heads}",
-        )
-    if cfg.has("head_dim"):
-        head_dim = cfg.positive_int("head_dim")
-    elif hidden % heads:
-        raise CheckpointError(
-            "config.num_attention_heads",
-            f"must divide hidden_size={hidden} when head_dim is absent, got {heads}",
-        )
+    heads = hfparts.head_geometry(cfg, hidden=hidden)
+    model = hfparts.model_config(cfg, family="llama", dtype=dtype, hidden=hidden, heads=heads)
+    num_heads, kv_heads, head_dim = heads
+    n = model.num_layers
+    act = hfparts.activation(cfg, "hidden_act", "silu")
+    hfparts.reject_value(cfg, "pretraining_tp", allowed=1, reason="only pretraining_tp=1")
+    if model_type in _WINDOW_ALL:
+        window = hfparts.window_size(cfg, default=4096 if model_type == "mistral" else None)
+        kinds = ["full_attention" if window is None else "sliding_attention"] * n
+    elif model_type in _QWEN:
+        window = hfparts.window_size(cfg)
+        kinds = hfparts.qwen_layer_kinds(cfg, num_layers=n)
     else:
-        head_dim = hidden // heads
-    if head_dim % 2:
-        raise CheckpointError("config.head_dim", f"must be even for RoPE, got {head_dim}")
-    num_layers = cfg.positive_int("num_hidden_layers")
-    max_positions = cfg.positive_int("max_position_embeddings")
-    _reject_unsupported(
-        cfg, model_type=model_type, num_layers=num_layers, max_positions=max_positions
-    )
+        window = None
+        kinds = hfparts.layer_kinds(cfg, num_layers=n, default=["full_attention"] * n)
+        cfg.reject_if(
+            "layer_types",
+            present="sliding_attention" in kinds,
+            reason=f"{model_type} has no sliding-window layers (transformers ignores them)",
+        )
+    if "sliding_attention" in kinds and window is None:
+        raise CheckpointError("config.sliding_window", "required by sliding_attention layers")
     attention_bias = cfg.flag("attention_bias", False)
-    model = ModelConfig(
-        family="llama",
-        vocab_size=cfg.positive_int("vocab_size"),
-        hidden_size=hidden,
-        num_layers=num_layers,
-        num_heads=heads,
+    scale = head_dim**-0.5
+    embedding_scale = residual_multiplier = logit_scale = 1.0
+    if model_type == "granite":
+        scale = cfg.positive_float("attention_multiplier", 1.0)
+        embedding_scale = cfg.positive_float("embedding_multiplier", 1.0)
+        residual_multiplier = cfg.positive_float("residual_multiplier", 1.0)
+        logit_scale = 1.0 / cfg.positive_float("logits_scaling", 1.0)
+    eps = cfg.positive_float("rms_norm_eps", 1e-6)
+    norm = NormSpec(kind="rms", eps=eps)
+    attention = AttentionSpec(
+        num_heads=num_heads,
         num_kv_heads=kv_heads,
         head_dim=head_dim,
-        max_position_embeddings=max_positions,
-        dtype=dtype,
-        bos_token_id=cfg.token_id("bos_token_id"),
-        eos_token_ids=cfg.token_ids("eos_token_id"),
-    )
-    return LlamaSpec(
-        model=model,
-        model_type=model_type,
-        intermediate_size=cfg.positive_int("intermediate_size"),
-        rms_norm_eps=cfg.positive_float("rms_norm_eps", 1e-6),
-        rope=read_rope(cfg, head_dim=head_dim),
-        tie_word_embeddings=cfg.flag("tie_word_embeddings", False),
+        scale=scale,
         qkv_bias=model_type == "qwen2" or attention_bias,
         o_bias=model_type != "qwen2" and attention_bias,
-        mlp_bias=cfg.flag("mlp_bias", False),
+        qk_norm="head" if model_type in ("qwen3", "qwen3_moe") else None,
+        qk_norm_spec=norm,
     )
-
-
-def _reject_unsupported(
-    cfg: HFConfig, *, model_type: str, num_layers: int, max_positions: int
-) -> None:
-    act = cfg.text("hidden_act", "silu")
-    cfg.reject_if(
-        "hidden_act",
-        present=act not in ("silu", "swish"),
-        reason="only silu/swish (SwiGLU) is supported",
-    )
-    cfg.reject_if(
-        "quantization_config",
-        present=cfg.has("quantization_config"),
-        reason="quantized checkpoints are unsupported",
-    )
-    layer_types = cfg.raw.get("layer_types")
-    cfg.reject_if(
-        "layer_types",
-        present=layer_types is not None and any(kind != "full_attention" for kind in layer_types),
-        reason="only full_attention layers are supported (sliding window is unsupported)",
-    )
-    window = cfg.raw.get("sliding_window")
-    windowed = window is not None and (not isinstance(window, int) or window < max_positions)
-    if model_type == "mistral":
-        cfg.reject_if(
-            "sliding_window",
-            present=windowed,
-            reason=f"sliding-window attention is unsupported (only null or >= "
-            f"max_position_embeddings={max_positions} is accepted)",
+    moe, moe_layers = _moe(cfg, model_type=model_type, num_layers=n, activation=act)
+    mlp = None
+    if not all(moe_layers):
+        mlp = MLPSpec(
+            kind="gated",
+            activation=act,
+            intermediate_size=cfg.positive_int("intermediate_size"),
+            bias=cfg.flag("mlp_bias", False) if model_type in ("llama", "granite") else False,
         )
-    if model_type == "qwen2" and cfg.flag("use_sliding_window", False):
-        first_windowed = cfg.raw.get("max_window_layers", 0)
-        cfg.reject_if(
-            "use_sliding_window",
-            present=windowed and isinstance(first_windowed, int) and first_windowed < num_layers,
-            reason="sliding-window attention is unsupported",
-        )
-
-
-def expected_tensors(spec: LlamaSpec) -> dict[str, tuple[int, ...]]:
-    """HF tensor names -> shapes for ``spec`` (optional ones: ``optional_tensors``)."""
-    m = spec.model
-    hidden, inter, q_out, kv_out = (
-        m.hidden_size,
-        spec.intermediate_size,
-        m.num_heads * m.head_dim,
-        m.num_kv_heads * m.head_dim,
+    layers = tuple(
+        LayerSpec(window=window if kind == "sliding_attention" else None, moe=is_moe)
+        for kind, is_moe in zip(kinds, moe_layers, strict=True)
     )
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (m.vocab_size, hidden)}
-    for i in range(m.num_layers):
-        p = f"model.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (hidden,)
-        for proj, out in (("q_proj", q_out), ("k_proj", kv_out), ("v_proj", kv_out)):
-            shapes[f"{p}self_attn.{proj}.weight"] = (out, hidden)
-            if spec.qkv_bias:
-                shapes[f"{p}self_attn.{proj}.bias"] = (out,)
-        shapes[p + "self_attn.o_proj.weight"] = (hidden, q_out)
-        if spec.o_bias:
-            shapes[p + "self_attn.o_proj.bias"] = (hidden,)
-        shapes[p + "post_attention_layernorm.weight"] = (hidden,)
-        for proj, shape in (
-            ("gate_proj", (inter, hidden)),
-            ("up_proj", (inter, hidden)),
-            ("down_proj", (hidden, inter)),
-        ):
-            shapes[f"{p}mlp.{proj}.weight"] = shape
-            if spec.mlp_bias:
-                shapes[f"{p}mlp.{proj}.bias"] = (shape[0],)
-    shapes["model.norm.weight"] = (hidden,)
-    shapes["lm_head.weight"] = (m.vocab_size, hidden)
-    return shapes
-
-
-def optional_tensors(spec: LlamaSpec) -> frozenset[str]:
-    """Names in ``expected_tensors`` a checkpoint may omit (the tied ``lm_head.weight``)."""
-    return frozenset({"lm_head.weight"}) if spec.tie_word_embeddings else frozenset()
-
-
-class LlamaBlock(nn.Module):
-    """One decoder layer: pre-norm GQA attention over paged KV, then pre-norm SwiGLU MLP."""
-
-    def __init__(
-        self,
-        *,
-        input_layernorm: RMSNorm,
-        qkv_proj: FrozenLinear,
-        o_proj: FrozenLinear,
-        post_attention_layernorm: RMSNorm,
-        gate_up_proj: FrozenLinear,
-        down_proj: FrozenLinear,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-    ) -> None:
-        super().__init__()
-        self.input_layernorm = input_layernorm
-        self.qkv_proj = qkv_proj
-        self.o_proj = o_proj
-        self.post_attention_layernorm = post_attention_layernorm
-        self.gate_up_proj = gate_up_proj
-        self.down_proj = down_proj
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.scale = head_dim**-0.5
-        self.split_sizes = (num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim)
-
-    def forward(
-        self,
-        x: torch.Tensor,
-        *,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        plan: PrefillPlan | DecodePlan,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-    ) -> torch.Tensor:
-        """``x`` ``[B, S, hidden]`` -> ``[B, S, hidden]``; writes this step's K/V into the pages."""
-        q, k, v = self.qkv_proj(self.input_layernorm(x)).split(self.split_sizes, dim=-1)
-        q = apply_rope(q.unflatten(-1, (self.num_heads, self.head_dim)), cos=cos, sin=sin)
-        k = apply_rope(k.unflatten(-1, (self.num_kv_heads, self.head_dim)), cos=cos, sin=sin)
-        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
-        attn = attend(q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, plan=plan, scale=self.scale)
-        x = x + self.o_proj(attn)
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
-
-
-class LlamaBackbone(nn.Module):
-    """Token embedding, decoder layers, final RMSNorm and LM head of a Llama-family model."""
-
-    def __init__(
-        self,
-        *,
-        spec: LlamaSpec,
-        embed_tokens: nn.Embedding,
-        layers: list[LlamaBlock],
-        norm: RMSNorm,
-        lm_head: FrozenLinear,
-    ) -> None:
-        super().__init__()
-        self.spec = spec
-        self.embed_tokens = embed_tokens
-        self.layers = nn.ModuleList(layers)
-        self.norm = norm
-        self.lm_head = lm_head
-        self.inv_freq: torch.Tensor
-        self.rope_cos: torch.Tensor
-        self.rope_sin: torch.Tensor
-        inv_freq = inverse_frequencies(spec.rope).to(embed_tokens.weight.device)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-        self.reserve_positions(ROPE_CACHE_START)
-
-    def reserve_positions(self, count: int) -> None:
-        """Size the RoPE cache for positions below ``count`` (at most the model's maximum).
-
-        Sized from the bound KV cache, not ``max_position_embeddings`` alone: a long-context
-        checkpoint would otherwise hold tables for positions no KV cache can reach.
-        """
-        rows = max(1, min(count, self.spec.model.max_position_embeddings))
-        if hasattr(self, "rope_cos") and self.rope_cos.shape[0] == rows:
-            return
-        cos, sin = rope_cache(
-            inv_freq=self.inv_freq, max_positions=rows, dtype=self.embed_tokens.weight.dtype
-        )
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
-
-    def device(self) -> torch.device:
-        """The device the weights live on."""
-        return self.embed_tokens.weight.device
-
-    def executor_modules(self) -> Iterator[tuple[str, nn.Module]]:
-        """Embedding, each layer, final norm, LM head (execution order)."""
-        yield "embed_tokens", self.embed_tokens
-        for i, layer in enumerate(self.layers):
-            yield f"layers.{i}", layer
-        yield "norm", self.norm
-        yield "lm_head", self.lm_head
-
-    def hidden_states(
-        self,
-        *,
-        tokens: torch.Tensor,
-        positions: torch.Tensor,
-        plan: PrefillPlan | DecodePlan,
-        kv: BoundKV,
-    ) -> torch.Tensor:
-        """``[B, S]`` tokens at absolute ``positions`` -> ``[B, S, hidden]``."""
-        ids = tokens.to(self.device()).clamp(0, self.spec.model.vocab_size - 1)
-        hidden = self.embed_tokens(ids)
-        cos, sin = rope_lookup(
-            cos_cache=self.rope_cos, sin_cache=self.rope_sin, positions=positions
-        )
-        for i, layer in enumerate(self.layers):
-            hidden = layer(
-                hidden, cos=cos, sin=sin, plan=plan, k_cache=kv.keys[i], v_cache=kv.values[i]
-            )
-        return hidden
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm + LM head, as float32."""
-        logits: torch.Tensor = self.lm_head(self.norm(hidden))
-        return logits.float()
-
-
-def build_model(
-    *, spec: LlamaSpec, tensors: Mapping[str, torch.Tensor], device: torch.device
-) -> PagedCausalLM:
-    """Assemble the model from validated HF tensors, fusing q/k/v and gate/up."""
-    dtype = spec.model.dtype
-
-    def take(*names: str) -> torch.Tensor:
-        parts = [tensors[name].to(device=device, dtype=dtype) for name in names]
-        return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim=0)
-
-    def maybe(flag: bool, *names: str) -> torch.Tensor | None:
-        return take(*names) if flag else None
-
-    m = spec.model
-    eps = spec.rms_norm_eps
-    layers = []
-    for i in range(m.num_layers):
-        p = f"model.layers.{i}."
-        qkv = [f"{p}self_attn.{x}_proj" for x in ("q", "k", "v")]
-        gate_up = [f"{p}mlp.gate_proj", f"{p}mlp.up_proj"]
-        layers.append(
-            LlamaBlock(
-                input_layernorm=RMSNorm(weight=take(p + "input_layernorm.weight"), eps=eps),
-                qkv_proj=frozen_linear(
-                    weight=take(*(n + ".weight" for n in qkv)),
-                    bias=maybe(spec.qkv_bias, *(n + ".bias" for n in qkv)),
-                ),
-                o_proj=frozen_linear(
-                    weight=take(p + "self_attn.o_proj.weight"),
-                    bias=maybe(spec.o_bias, p + "self_attn.o_proj.bias"),
-                ),
-                post_attention_layernorm=RMSNorm(
-                    weight=take(p + "post_attention_layernorm.weight"), eps=eps
-                ),
-                gate_up_proj=frozen_linear(
-                    weight=take(*(n + ".weight" for n in gate_up)),
-                    bias=maybe(spec.mlp_bias, *(n + ".bias" for n in gate_up)),
-                ),
-                down_proj=frozen_linear(
-                    weight=take(p + "mlp.down_proj.weight"),
-                    bias=maybe(spec.mlp_bias, p + "mlp.down_proj.bias"),
-                ),
-                num_heads=m.num_heads,
-                num_kv_heads=m.num_kv_heads,
-                head_dim=m.head_dim,
-            )
-        )
-    embed = frozen_embedding(weight=take("model.embed_tokens.weight"))
-    lm_head = frozen_linear(
-        weight=embed.weight if spec.tie_word_embeddings else take("lm_head.weight")
-    )
-    backbone = LlamaBackbone(
-        spec=spec,
-        embed_tokens=embed,
+    spec = DecoderSpec(
+        model=model,
+        attention=attention,
+        mlp=mlp,
+        moe=moe,
+        norm=norm,
         layers=layers,
-        norm=RMSNorm(weight=take("model.norm.weight"), eps=eps),
-        lm_head=lm_head,
+        ropes=(hfparts.rope(cfg, head_dim=head_dim, max_positions=model.max_position_embeddings),),
+        embedding_scale=embedding_scale,
+        residual_multiplier=residual_multiplier,
+        logit_scale=logit_scale,
+        tie_word_embeddings=cfg.flag("tie_word_embeddings", False),
     )
-    return PagedCausalLM(config=spec.model, backbone=backbone)
+    return spec, TensorNames()
+
+
+def _moe(
+    cfg: HFConfig, *, model_type: str, num_layers: int, activation: str
+) -> tuple[MoESpec | None, list[bool]]:
+    if model_type == "mixtral":
+        spec = MoESpec(
+            num_experts=cfg.positive_int("num_local_experts"),
+            top_k=cfg.positive_int("num_experts_per_tok"),
+            intermediate_size=cfg.positive_int("intermediate_size"),
+            activation=activation,  # type: ignore[arg-type]
+            routing="softmax_topk_normalized",
+        )
+        return spec, [True] * num_layers
+    if model_type != "qwen3_moe":
+        return None, [False] * num_layers
+    experts_key = "num_experts" if cfg.has("num_experts") else "num_local_experts"
+    spec = MoESpec(
+        num_experts=cfg.positive_int(experts_key),
+        top_k=cfg.positive_int("num_experts_per_tok"),
+        intermediate_size=cfg.positive_int("moe_intermediate_size"),
+        activation=activation,  # type: ignore[arg-type]
+        routing="softmax_topk_normalized" if cfg.flag("norm_topk_prob", False) else "softmax_topk",
+    )
+    step = cfg.positive_int("decoder_sparse_step", 1)
+    dense = cfg.raw.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or not all(isinstance(i, int) for i in dense):
+        raise CheckpointError("config.mlp_only_layers", f"must list layer indices, got {dense!r}")
+    return spec, [i not in dense and (i + 1) % step == 0 for i in range(num_layers)]
 
 
 #: The family the registry serves under ``llama``.
-FAMILY = HFFamily(
+FAMILY = DecoderFamily(
     name="llama",
     model_types=MODEL_TYPES,
-    read_spec=read_spec,
-    spec_tensors=expected_tensors,
-    spec_optional_tensors=optional_tensors,
-    build_model=build_model,
+    read=read,
+    required_keys=REQUIRED_KEYS,
     ignored_suffixes=IGNORED_SUFFIXES,
+    gguf_architecture="llama",
 )

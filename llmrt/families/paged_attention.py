@@ -271,16 +271,22 @@ def attend(
     v_cache: torch.Tensor,
     plan: PrefillPlan | DecodePlan,
     scale: float,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Write this step's K/V into the pages, then attend.
 
     ``q`` ``[B, S, Hq, D]``, ``k``/``v`` ``[B, S, Hkv, D]`` (S = 1 for decode);
-    returns ``[B, S, Hq * D]`` in ``q``'s dtype.
+    returns ``[B, S, Hq * D]`` in ``q``'s dtype. ``window`` limits each query to the
+    ``window`` most recent positions (itself included), as transformers' sliding-window
+    mask does; ``softcap`` bounds the scores by ``softcap * tanh(score / softcap)``.
     """
     write_kv(cache=k_cache, new=k, plan=plan.writes)
     write_kv(cache=v_cache, new=v, plan=plan.writes)
     query = q.transpose(1, 2)
-    if isinstance(plan, DecodePlan):
+    if window is not None or softcap is not None:
+        out = _attend_masked(query, k, v, k_cache, v_cache, plan, scale, window, softcap)
+    elif isinstance(plan, DecodePlan):
         out = _paged(query, k_cache, v_cache, plan.reads, scale)
     elif plan.cached is None:
         out = _causal(query, k.transpose(1, 2), v.transpose(1, 2), scale)
@@ -297,6 +303,92 @@ def attend(
         )
         out[cached] = _paged(query.index_select(0, cached), k_cache, v_cache, plan.cached, scale)
     return out.transpose(1, 2).flatten(2)
+
+
+def _attend_masked(
+    query: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: PrefillPlan | DecodePlan,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """The same routing as ``attend`` with explicit masks (sliding window, soft-capping)."""
+
+    def paged(q: torch.Tensor, reads: PagedReads, positions: torch.Tensor) -> torch.Tensor:
+        keys = gather_context(cache=k_cache, page_table=reads.table).to(q.dtype)
+        values = gather_context(cache=v_cache, page_table=reads.table).to(q.dtype)
+        mask = _windowed(reads.mask, positions=positions, window=window)
+        return _scored(q, keys, values, mask, scale, softcap)
+
+    def fresh(q: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        keys, values = k.transpose(1, 2), v.transpose(1, 2)
+        positions = plan.positions
+        if rows is not None:
+            keys, values = keys.index_select(0, rows), values.index_select(0, rows)
+            positions = positions.index_select(0, rows)
+        causal = positions[:, None, :, None] >= positions[:, None, None, :]
+        mask = _windowed(causal, positions=positions, window=window, keys=positions)
+        return _scored(q, keys, values, mask, scale, softcap)
+
+    if isinstance(plan, DecodePlan):
+        return paged(query, plan.reads, plan.positions[:, None])
+    if plan.cached is None:
+        return fresh(query, None)
+    if plan.split is None:
+        return paged(query, plan.cached, plan.positions)
+    fresh_rows, cached_rows = plan.split
+    out = torch.empty_like(query)
+    out[fresh_rows] = fresh(query.index_select(0, fresh_rows), fresh_rows)
+    out[cached_rows] = paged(
+        query.index_select(0, cached_rows),
+        plan.cached,
+        plan.positions.index_select(0, cached_rows),
+    )
+    return out
+
+
+def _windowed(
+    mask: torch.Tensor,
+    *,
+    positions: torch.Tensor,
+    window: int | None,
+    keys: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``mask`` ``[R, 1, S, L]`` also hiding keys ``window`` or more positions back.
+
+    Key ``j`` sits at position ``keys[r, j]`` (default: ``j``, the paged layout).
+    """
+    if window is None:
+        return mask
+    if keys is None:
+        key_pos = torch.arange(mask.shape[-1], device=mask.device)[None, None, None, :]
+    else:
+        key_pos = keys[:, None, None, :]
+    return mask & (key_pos > positions[:, None, :, None] - window)
+
+
+def _scored(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    scale: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Attention with an explicit boolean mask; scores soft-capped when ``softcap`` is set."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    weights = torch.softmax(scores.float().masked_fill(~mask, float("-inf")), dim=-1)
+    return torch.matmul(weights.to(v.dtype), v)
 
 
 def _causal_mask(*, positions: torch.Tensor, length: int) -> torch.Tensor:

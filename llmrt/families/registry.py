@@ -1,18 +1,27 @@
-"""Model families discovered through the ``llmrt.families`` entry-point group.
+"""The one place family knowledge is looked up: installed entry points plus families
+registered in-process.
 
 ``get_family("llama")`` picks a family by name; ``family_for_model_type("qwen2")``
-resolves ``family: auto`` from a checkpoint's ``config.json`` ``model_type``.
+resolves ``family: auto`` from a checkpoint's ``config.json`` ``model_type``;
+``register(family)`` adds one in-process (a test, a notebook) and, used as a context
+manager, removes it again on exit. What the registry knows about each family (model
+types, the config keys a random checkpoint needs, tensor names and shapes, random-weight
+initialisation, GGUF architecture, backends) is read from the family object itself.
 """
 
 from __future__ import annotations
 
 import functools
 from importlib.metadata import EntryPoint, entry_points
+from types import TracebackType
+from typing import Any
 
 from llmrt.errors import FamilyError
 from llmrt.families.base import Family
 
 GROUP = "llmrt.families"
+
+_REGISTERED: dict[str, Family] = {}
 
 
 @functools.cache
@@ -26,36 +35,86 @@ def _entry_points() -> tuple[EntryPoint, ...]:
     return tuple(found)
 
 
+class Registration:
+    """A family registered in-process; ``with`` it (or call ``remove``) to unregister."""
+
+    def __init__(self, family: Family) -> None:
+        self.family = family
+
+    def remove(self) -> None:
+        """Unregister the family (idempotent)."""
+        if _REGISTERED.get(self.family.name) is self.family:
+            del _REGISTERED[self.family.name]
+
+    def __enter__(self) -> Family:
+        return self.family
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.remove()
+
+
+def register(family: Any) -> Registration:
+    """Register ``family`` under its own name, beside the installed entry points.
+
+    A name already installed or registered is a ``FamilyError`` (families are never
+    silently shadowed). ``with register(f): ...`` unregisters it on exit.
+    """
+    checked = _check(family, source="register()", name=getattr(family, "name", None))
+    if checked.name in _REGISTERED or checked.name in (ep.name for ep in _entry_points()):
+        raise FamilyError(f"family {checked.name!r} is already registered")
+    _REGISTERED[checked.name] = checked
+    return Registration(checked)
+
+
 def family_names() -> tuple[str, ...]:
-    """Names of every installed family, sorted."""
-    return tuple(ep.name for ep in _entry_points())
+    """Names of every installed or registered family, sorted."""
+    return tuple(sorted({ep.name for ep in _entry_points()} | set(_REGISTERED)))
+
+
+def families() -> tuple[Family, ...]:
+    """Every family, by name."""
+    return tuple(get_family(name) for name in family_names())
 
 
 def get_family(name: str) -> Family:
     """The family registered as ``name``; ``FamilyError`` listing the known ones otherwise."""
+    if name in _REGISTERED:
+        return _REGISTERED[name]
     for ep in _entry_points():
         if ep.name == name:
             return _load(ep)
     raise FamilyError(f"unknown model family {name!r}; known families: {', '.join(family_names())}")
 
 
+def model_types() -> tuple[str, ...]:
+    """Every model type some family claims, sorted."""
+    return tuple(sorted({t for family in families() for t in family.model_types}))
+
+
 def family_for_model_type(model_type: str) -> Family:
     """The one family whose ``model_types`` include ``model_type`` (for ``family: auto``)."""
-    matches = [
-        family
-        for family in (_load(ep) for ep in _entry_points())
-        if model_type in family.model_types
-    ]
+    everything = families()
+    matches = [family for family in everything if model_type in family.model_types]
     if len(matches) == 1:
         return matches[0]
     if matches:
         claimants = ", ".join(family.name for family in matches)
         raise FamilyError(f"model_type {model_type!r} is claimed by several families: {claimants}")
-    known = sorted({t for ep in _entry_points() for t in _load(ep).model_types})
     raise FamilyError(
         f"no installed family handles model_type {model_type!r}; "
-        f"known model types: {', '.join(known)} (families: {', '.join(family_names())})"
+        f"known model types: {', '.join(model_types())} (families: {', '.join(family_names())})"
     )
+
+
+def required_keys(family: Family) -> tuple[str, ...]:
+    """``config.json`` keys a random checkpoint of ``family`` must give (beyond model_type)."""
+    keys = getattr(family, "required_keys", ("vocab_size",))
+    return tuple(keys)
 
 
 def _load(ep: EntryPoint) -> Family:
@@ -63,14 +122,16 @@ def _load(ep: EntryPoint) -> Family:
         family = ep.load()
     except Exception as exc:
         raise FamilyError(f"family {ep.name!r} ({ep.value}) failed to load: {exc}") from exc
+    return _check(family, source=ep.value, name=ep.name)
+
+
+def _check(family: Any, *, source: str, name: Any) -> Family:
     if not isinstance(family, Family):
         raise FamilyError(
-            f"family {ep.name!r} ({ep.value}) is a {type(family).__name__}, "
+            f"family {name!r} ({source}) is a {type(family).__name__}, "
             "not a Family (needs name, model_types, model_config, expected_tensors, "
             "optional_tensors, build)"
         )
-    if family.name != ep.name:
-        raise FamilyError(
-            f"family entry point {ep.name!r} ({ep.value}) names itself {family.name!r}"
-        )
+    if family.name != name:
+        raise FamilyError(f"family entry point {name!r} ({source}) names itself {family.name!r}")
     return family

@@ -1,8 +1,16 @@
-"""Rotary position embeddings (HF "rotate half" layout): default, linear and Llama-3 scaling."""
+"""Rotary position embeddings (HF "rotate half" layout), full or partial, with every
+``rope_type`` transformers defines for these architectures: default, linear, dynamic
+(NTK), llama3, yarn and longrope.
+
+Angles come from per-position cos/sin tables (``rope_cache``); scalings that multiply
+the tables (yarn's and longrope's attention factor) are folded into them, and longrope's
+long factors serve the positions at or past ``original_max_position_embeddings``.
+"""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any, Literal
 
 import attrs
@@ -11,12 +19,17 @@ import torch
 from llmrt.errors import CheckpointError
 from llmrt.families.hfconfig import HFConfig, positive_number
 
-RopeKind = Literal["default", "linear", "llama3"]
+RopeKind = Literal["default", "linear", "dynamic", "llama3", "yarn", "longrope"]
+ROPE_KINDS: tuple[str, ...] = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 
 
 @attrs.frozen(kw_only=True)
 class RopeSpec:
-    """RoPE parameters; the Llama-3 fields are only used when ``kind == "llama3"``."""
+    """RoPE parameters; fields beyond ``theta`` matter only for the kinds that read them.
+
+    ``head_dim`` is the rotated width (``int(head_dim * partial_rotary_factor)``): the
+    first ``head_dim`` channels of each head rotate, the rest pass through.
+    """
 
     head_dim: int
     theta: float
@@ -25,79 +38,194 @@ class RopeSpec:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position_embeddings: int = 8192
+    attention_factor: float = 1.0
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    truncate: bool = True
+    short_factor: tuple[float, ...] = ()
+    long_factor: tuple[float, ...] = ()
 
 
-def read_rope(config: HFConfig, *, head_dim: int) -> RopeSpec:
-    """RoPE parameters from ``rope_parameters`` (HF 5) or ``rope_theta``/``rope_scaling``."""
-    raw = config.raw
+def rope_parameters(config: HFConfig) -> tuple[str, dict[str, Any]]:
+    """The merged ``rope_scaling``/``rope_parameters`` mapping and the key it came from."""
     params: dict[str, Any] = {}
     source = "rope_scaling"
     for key in ("rope_scaling", "rope_parameters"):
-        value = raw.get(key)
+        value = config.raw.get(key)
         if value is None:
             continue
         if not isinstance(value, dict):
             raise CheckpointError(f"config.{key}", f"must be a mapping, got {value!r}")
         params.update(value)
         source = key
+    return source, params
+
+
+def read_rope(config: HFConfig, *, head_dim: int, max_positions: int | None = None) -> RopeSpec:
+    """RoPE parameters from ``rope_parameters`` (HF 5) or ``rope_theta``/``rope_scaling``."""
+    source, params = rope_parameters(config)
+    return read_rope_params(
+        params,
+        item=f"config.{source}",
+        config=config,
+        head_dim=head_dim,
+        max_positions=max_positions,
+    )
+
+
+def read_rope_params(
+    params: Mapping[str, Any],
+    *,
+    item: str,
+    config: HFConfig,
+    head_dim: int,
+    max_positions: int | None,
+    default_theta: float = 10000.0,
+) -> RopeSpec:
+    """One RoPE variant from a ``rope_parameters``-style mapping (``item`` names it in errors).
+
+    Top-level ``rope_theta``/``partial_rotary_factor`` are the fallbacks older configs use.
+    """
+    raw = config.raw
     theta = positive_number(
-        f"config.{source}.rope_theta" if "rope_theta" in params else "config.rope_theta",
-        params.get("rope_theta", raw.get("rope_theta", 10000.0)),
+        f"{item}.rope_theta" if "rope_theta" in params else "config.rope_theta",
+        params.get("rope_theta", raw.get("rope_theta", default_theta)),
     )
     kind = params.get("rope_type", params.get("type", "default"))
     partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
-    if partial != 1.0:
+    partial_item = (
+        f"{item}.partial_rotary_factor"
+        if "partial_rotary_factor" in params
+        else "config.partial_rotary_factor"
+    )
+    if positive_number(partial_item, partial) > 1.0:
+        raise CheckpointError(partial_item, f"must be in (0, 1], got {partial!r}")
+    dim = int(head_dim * float(partial))
+    if dim < 2 or dim % 2:
         raise CheckpointError(
-            "config.partial_rotary_factor",
-            f"partial rotary embeddings are unsupported, got {partial!r}",
+            partial_item, f"rotates {dim} of {head_dim} channels; needs an even count >= 2"
         )
 
-    def number(name: str) -> float:
-        if name not in params:
-            raise CheckpointError(f"config.{source}.{name}", f"required for rope_type {kind!r}")
-        return positive_number(f"config.{source}.{name}", params[name])
+    def number(name: str, default: float | None = None) -> float:
+        if params.get(name) is None:
+            if default is not None:
+                return default
+            raise CheckpointError(f"{item}.{name}", f"required for rope_type {kind!r}")
+        return positive_number(f"{item}.{name}", params[name])
+
+    def original(default: int | None = None) -> int:
+        value = params.get("original_max_position_embeddings")
+        if value is None:
+            value = raw.get("original_max_position_embeddings", default)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise CheckpointError(
+                f"{item}.original_max_position_embeddings",
+                f"must be a positive integer, got {value!r}",
+            )
+        return value
+
+    def make(**fields: Any) -> RopeSpec:
+        return RopeSpec(head_dim=dim, theta=theta, **fields)
 
     if kind == "default":
-        return RopeSpec(head_dim=head_dim, theta=theta)
+        return make()
     if kind == "linear":
-        return RopeSpec(head_dim=head_dim, theta=theta, kind="linear", factor=number("factor"))
+        return make(kind="linear", factor=number("factor"))
+    if kind == "dynamic":
+        # Dynamic NTK rescales only positions past max_position_embeddings, which the
+        # runtime never serves (the KV cache spans at most that many): default angles.
+        number("factor")
+        return make(kind="dynamic")
     if kind == "llama3":
         low, high = number("low_freq_factor"), number("high_freq_factor")
         if high <= low:
             raise CheckpointError(
-                f"config.{source}.high_freq_factor",
+                f"{item}.high_freq_factor",
                 f"must be greater than low_freq_factor={low}, got {high}",
             )
-        original = params.get("original_max_position_embeddings")
-        if isinstance(original, bool) or not isinstance(original, int) or original <= 0:
-            raise CheckpointError(
-                f"config.{source}.original_max_position_embeddings",
-                f"must be a positive integer, got {original!r}",
-            )
-        return RopeSpec(
-            head_dim=head_dim,
-            theta=theta,
+        return make(
             kind="llama3",
             factor=number("factor"),
             low_freq_factor=low,
             high_freq_factor=high,
-            original_max_position_embeddings=original,
+            original_max_position_embeddings=original(),
+        )
+    if kind == "yarn":
+        old = original()
+        factor = number("factor", (max_positions or old) / old)
+        attention = params.get("attention_factor")
+        if attention is None:
+            mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
+            if mscale and mscale_all:
+                attention = _yarn_mscale(factor, float(mscale)) / _yarn_mscale(
+                    factor, float(mscale_all)
+                )
+            else:
+                attention = _yarn_mscale(factor, 1.0)
+        truncate = params.get("truncate", True)
+        if not isinstance(truncate, bool):
+            raise CheckpointError(f"{item}.truncate", f"must be true or false, got {truncate!r}")
+        return make(
+            kind="yarn",
+            factor=factor,
+            original_max_position_embeddings=old,
+            attention_factor=positive_number(f"{item}.attention_factor", attention),
+            beta_fast=float(params.get("beta_fast") or 32),
+            beta_slow=float(params.get("beta_slow") or 1),
+            truncate=truncate,
+        )
+    if kind == "longrope":
+        old = original(max_positions)
+        factor = number("factor", (max_positions or old) / old)
+        attention = params.get("attention_factor")
+        if attention is None:
+            attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old))
+        factors = {}
+        for name in ("short_factor", "long_factor"):
+            value = params.get(name)
+            if not isinstance(value, list | tuple) or len(value) != dim // 2:
+                raise CheckpointError(
+                    f"{item}.{name}", f"must list {dim // 2} numbers, got {value!r}"
+                )
+            factors[name] = tuple(positive_number(f"{item}.{name}", v) for v in value)
+        return make(
+            kind="longrope",
+            factor=factor,
+            original_max_position_embeddings=old,
+            attention_factor=positive_number(f"{item}.attention_factor", attention),
+            short_factor=factors["short_factor"],
+            long_factor=factors["long_factor"],
         )
     raise CheckpointError(
-        f"config.{source}.rope_type",
-        f"unsupported RoPE scaling {kind!r} (supported: default, linear, llama3)",
+        f"{item}.rope_type",
+        f"unsupported RoPE scaling {kind!r} (supported: {', '.join(ROPE_KINDS)})",
     )
 
 
-def inverse_frequencies(spec: RopeSpec) -> torch.Tensor:
-    """float32 ``[head_dim // 2]`` inverse frequencies, computed exactly as transformers does."""
+def _yarn_mscale(scale: float, mscale: float) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _exponents(dim: int) -> torch.Tensor:
+    return torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim
+
+
+def inverse_frequencies(spec: RopeSpec, *, long: bool = False) -> torch.Tensor:
+    """float32 ``[head_dim // 2]`` inverse frequencies, computed exactly as transformers does.
+
+    ``long`` selects longrope's long factors (positions past the original context).
+    """
     dim = spec.head_dim
-    exponent = torch.arange(0, dim, 2, dtype=torch.int64).to(torch.float) / dim
-    inv_freq = 1.0 / (spec.theta**exponent)
+    inv_freq = 1.0 / (spec.theta ** _exponents(dim))
+    if spec.kind in ("default", "dynamic"):
+        return inv_freq
     if spec.kind == "linear":
         return inv_freq / spec.factor
-    if spec.kind == "default":
-        return inv_freq
+    if spec.kind == "longrope":
+        factors = torch.tensor(spec.long_factor if long else spec.short_factor)
+        return 1.0 / (factors * spec.theta ** _exponents(dim))
+    if spec.kind == "yarn":
+        return _yarn_inverse_frequencies(spec)
     old_context = spec.original_max_position_embeddings
     low_wavelen = old_context / spec.low_freq_factor
     high_wavelen = old_context / spec.high_freq_factor
@@ -109,6 +237,27 @@ def inverse_frequencies(spec: RopeSpec) -> torch.Tensor:
     smoothed = (1 - smooth) * scaled / spec.factor + smooth * scaled
     medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
     return torch.where(medium, smoothed, scaled)
+
+
+def _yarn_inverse_frequencies(spec: RopeSpec) -> torch.Tensor:
+    dim, base = spec.head_dim, spec.theta
+    old = spec.original_max_position_embeddings
+
+    def correction(rotations: float) -> float:
+        return (dim * math.log(old / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction(spec.beta_fast), correction(spec.beta_slow)
+    if spec.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (spec.factor * pos_freqs)
+    keep = 1 - ramp
+    return interpolation * (1 - keep) + extrapolation * keep
 
 
 def rope_cache(
@@ -125,6 +274,23 @@ def rope_cache(
     return freqs.cos().to(dtype), freqs.sin().to(dtype)
 
 
+def rope_tables(
+    spec: RopeSpec, *, max_positions: int, dtype: torch.dtype, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables for ``spec`` (attention factor folded in, longrope's two ranges)."""
+    inv_freq = inverse_frequencies(spec).to(device)
+    positions = torch.arange(max_positions, device=device)
+    freqs = positions[:, None].float() * inv_freq
+    if spec.kind == "longrope":
+        long = positions[:, None].float() * inverse_frequencies(spec, long=True).to(device)
+        past = (positions >= spec.original_max_position_embeddings)[:, None]
+        freqs = torch.where(past, long, freqs)
+    cos, sin = freqs.cos(), freqs.sin()
+    if spec.attention_factor != 1.0:
+        cos, sin = cos * spec.attention_factor, sin * spec.attention_factor
+    return cos.to(dtype), sin.to(dtype)
+
+
 def rope_lookup(
     *, cos_cache: torch.Tensor, sin_cache: torch.Tensor, positions: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,7 +304,14 @@ def rope_lookup(
 
 
 def apply_rope(x: torch.Tensor, *, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``x`` ``[..., heads, head_dim]`` by the tables from ``rope_lookup``."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    """Rotate ``x`` ``[..., heads, head_dim]`` by the tables from ``rope_lookup``.
+
+    Tables narrower than ``head_dim`` (partial rotary) rotate the leading channels only.
+    """
+    width = cos.shape[-1]
+    if width < x.shape[-1]:
+        rotated = apply_rope(x[..., :width], cos=cos, sin=sin)
+        return torch.cat((rotated, x[..., width:]), dim=-1)
+    half = width // 2
+    turned = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + turned * sin

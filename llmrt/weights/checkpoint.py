@@ -35,6 +35,7 @@ from llmrt.weights.tokenizer import (
 CheckpointFormat = Literal["random", "safetensors", "gguf"]
 ExpectedTensors = Callable[[dict[str, Any]], Mapping[str, tuple[int, ...]]]
 OptionalTensors = Callable[[dict[str, Any]], Collection[str]]
+TensorInits = Callable[[dict[str, Any]], Mapping[str, Any]]
 
 _log = logging.getLogger(__name__)
 
@@ -79,6 +80,7 @@ def load_checkpoint(
     optional_tensors: OptionalTensors | None = None,
     model_types: Collection[str] | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
+    tensor_init: TensorInits | None = None,
 ) -> Checkpoint:
     """Load a checkpoint.
 
@@ -91,6 +93,7 @@ def load_checkpoint(
 
     `model_types` (accepted `model_type` values) and `expected_tensors` / `optional_tensors`
     (from the model family) validate the result; tensors the family does not expect are dropped.
+    `tensor_init` (from the family) says how a random checkpoint fills each tensor.
     """
     if format == "random":
         _forbid(format, path=path, package=package, file=file)
@@ -100,6 +103,7 @@ def load_checkpoint(
             expected_tensors=expected_tensors,
             optional_tensors=optional_tensors,
             model_types=model_types,
+            tensor_init=tensor_init,
         )
     if format == "safetensors":
         _forbid(format, package=package, file=file, model=model)
@@ -134,6 +138,7 @@ def _random(
     expected_tensors: ExpectedTensors | None,
     optional_tensors: OptionalTensors | None,
     model_types: Collection[str] | None,
+    tensor_init: TensorInits | None = None,
 ) -> Checkpoint:
     if model is None:
         raise ConfigError("checkpoint.model", None, "required for format 'random'")
@@ -153,7 +158,11 @@ def _random(
     return Checkpoint(
         source=f"random(model_type={hf_config['model_type']}, seed={seed})",
         hf_config=hf_config,
-        tensors=random_tensors(shapes=expected.required, seed=seed),
+        tensors=random_tensors(
+            shapes=expected.required,
+            seed=seed,
+            init=dict(tensor_init(hf_config)) if tensor_init is not None else None,
+        ),
         tokenizer=tokenizer,
     )
 

@@ -64,5 +64,5 @@ def test_bare_gpt2model_tensor_names_are_accepted(harness: Any) -> None:
     model = FAMILY.build(
         hf_config=hf_model.config.to_dict(), tensors=bare, dtype=torch.float32, device="cpu"
     )
-    reference = harness.model.backbone.h[0].c_attn.weight
-    assert torch.equal(model.backbone.h[0].c_attn.weight, reference)
+    reference = harness.model.backbone.layers[0].attention.qkv.weight
+    assert torch.equal(model.backbone.layers[0].attention.qkv.weight, reference)

@@ -182,7 +182,7 @@ def test_legacy_buffers_are_ignored_and_tied_head_is_optional() -> None:
     tensors = _tensors(gpt2.FAMILY, GPT2)
     tensors["transformer.h.0.attn.bias"] = torch.ones((1, 1, 64, 64))
     model = _build(gpt2.FAMILY, GPT2, tensors=tensors)
-    assert model.backbone.lm_head.weight is model.backbone.wte.weight
+    assert model.backbone.lm_head.weight is model.backbone.embed_tokens.weight
     assert "lm_head.weight" in gpt2.FAMILY.optional_tensors(GPT2)
     tied = {**LLAMA, "tie_word_embeddings": True}
     assert llama.FAMILY.optional_tensors(tied) == {"lm_head.weight"}
@@ -210,7 +210,7 @@ BAD_CONFIGS: list[tuple[str, dict[str, Any], str]] = [
         {**LLAMA, "num_attention_heads": 5, "num_key_value_heads": 5},
         "config.num_attention_heads",
     ),
-    ("llama", {**LLAMA, "hidden_act": "gelu"}, "config.hidden_act"),
+    ("llama", {**LLAMA, "hidden_act": "mish"}, "config.hidden_act"),
     ("llama", {**LLAMA, "rms_norm_eps": -1.0}, "config.rms_norm_eps"),
     ("llama", {**LLAMA, "tie_word_embeddings": "yes"}, "config.tie_word_embeddings"),
     ("llama", {**LLAMA, "model_type": "gpt2"}, "config.model_type"),
@@ -218,8 +218,13 @@ BAD_CONFIGS: list[tuple[str, dict[str, Any], str]] = [
     ("llama", {**LLAMA, "partial_rotary_factor": 0.5}, "config.partial_rotary_factor"),
     (
         "llama",
-        {**LLAMA, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}},
+        {**LLAMA, "rope_scaling": {"rope_type": "su", "factor": 2.0}},
         "config.rope_scaling.rope_type",
+    ),
+    (
+        "llama",
+        {**LLAMA, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}},
+        "config.rope_scaling.original_max_position_embeddings",
     ),
     (
         "llama",
@@ -233,7 +238,7 @@ BAD_CONFIGS: list[tuple[str, dict[str, Any], str]] = [
     ),
     (
         "llama",
-        {**LLAMA, "model_type": "mistral", "sliding_window": 64},
+        {**LLAMA, "model_type": "mistral", "sliding_window": 0},
         "config.sliding_window",
     ),
     (
@@ -243,9 +248,9 @@ BAD_CONFIGS: list[tuple[str, dict[str, Any], str]] = [
             "model_type": "qwen2",
             "use_sliding_window": True,
             "sliding_window": 32,
-            "max_window_layers": 0,
+            "max_window_layers": -1,
         },
-        "config.use_sliding_window",
+        "config.max_window_layers",
     ),
     (
         "llama",
@@ -274,12 +279,15 @@ def test_bad_config_field_is_named(name: str, config: dict[str, Any], field: str
         family.build(hf_config=config, tensors={}, dtype=torch.float32, device="cpu")
 
 
-def test_mistral_sliding_window_message_is_explicit() -> None:
-    config = {**LLAMA, "model_type": "mistral", "sliding_window": 64}
-    with pytest.raises(CheckpointError, match="sliding-window attention is unsupported"):
-        llama.FAMILY.model_config(config, dtype=torch.float32)
-    for window in (None, 128, 4096):
-        llama.FAMILY.model_config({**config, "sliding_window": window}, dtype=torch.float32)
+def test_sliding_windows_follow_the_model_type() -> None:
+    mistral = llama.FAMILY.spec({**LLAMA, "model_type": "mistral", "sliding_window": 64},
+                                dtype=torch.float32)
+    assert [layer.window for layer in mistral.layers] == [64, 64]
+    qwen2 = {**LLAMA, "model_type": "qwen2", "use_sliding_window": True, "sliding_window": 32}
+    spec = llama.FAMILY.spec({**qwen2, "max_window_layers": 1}, dtype=torch.float32)
+    assert [layer.window for layer in spec.layers] == [None, 32]
+    spec = llama.FAMILY.spec({**qwen2, "use_sliding_window": False}, dtype=torch.float32)
+    assert [layer.window for layer in spec.layers] == [None, None]
 
 
 def test_qwen2_has_qkv_bias_but_no_o_bias() -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from importlib.metadata import EntryPoint
 from typing import Any
 
 import attrs
@@ -129,7 +128,7 @@ RULES: list[tuple[dict[str, Any], str, str]] = [
     ({"model.model_type": None}, "model.model_type", "required for checkpoint.format=random"),
     ({"model.hidden_size": None}, "model.hidden_size", "positive integer"),
     ({"model.num_hidden_layers": "2"}, "model.num_hidden_layers", "positive integer"),
-    ({"model.hidden_size": 66}, "model.hidden_size", "multiple of model.num_attention_heads=4"),
+    ({"model.hidden_size": 66}, "model.num_attention_heads", "must divide hidden_size=66"),
     ({"model.num_key_value_heads": 3}, "model.num_key_value_heads", "divide"),
     ({"model.rope_scaling": {"factor": {1, 2}}}, "model.rope_scaling.factor", "must be a number"),
     ({"model": None, "checkpoint.format": "safetensors", "tokenizer.source": "checkpoint"},
@@ -189,12 +188,43 @@ def test_cuda_device_takes_an_index() -> None:
     assert recipe.device.torch_device == "cuda:1"
 
 
-def test_unknown_model_type_needs_only_vocab_size() -> None:
+def test_family_and_model_type_must_agree_before_anything_loads() -> None:
     data = tiny()
-    data["model"] = {"model_type": "mamba", "vocab_size": 300}
-    assert recipe_from_dict(data).model["model_type"] == "mamba"
-    data["model"] = {"model_type": "mamba"}
-    with pytest.raises(RecipeError, match=r"^model\.vocab_size: is required"):
+    data["model"]["model_type"] = "gemma2"
+    with pytest.raises(RecipeError, match=r"^model\.model_type: is not handled by family llama"):
+        recipe_from_dict(data)
+    data["family"] = "auto"
+    assert recipe_from_dict(data).model["model_type"] == "gemma2"
+    data["model"]["model_type"] = "mamba"
+    with pytest.raises(RecipeError, match=r"^model\.model_type: no installed family handles"):
+        recipe_from_dict(data)
+
+
+@pytest.mark.parametrize(
+    ("override", "field", "reason"),
+    [
+        (
+            {"model.rope_scaling": {"rope_type": "su"}},
+            "model.rope_scaling.rope_type",
+            "unsupported RoPE",
+        ),
+        ({"model.hidden_act": "mish"}, "model.hidden_act", "unsupported activation"),
+        ({"model.partial_rotary_factor": 0.5}, "model.partial_rotary_factor", "rotary"),
+        ({"model.quantization_config": {"bits": 4}}, "model.quantization_config", "quantized"),
+    ],
+)
+def test_unsupported_model_options_are_named_at_validation(
+    override: dict[str, Any], field: str, reason: str
+) -> None:
+    with pytest.raises(RecipeError, match=reason) as info:
+        build(**override)
+    assert info.value.field == field
+
+
+def test_a_family_needs_its_required_config_keys() -> None:
+    data = tiny()
+    del data["model"]["intermediate_size"]
+    with pytest.raises(RecipeError, match=r"^model\.intermediate_size: is required"):
         recipe_from_dict(data)
 
 
@@ -210,17 +240,19 @@ def test_direct_construction_is_validated_too() -> None:
         attrs.evolve(ok, kv_cache=PagedKVCacheConfig(block_size=12, max_num_blocks=4))
 
 
-def test_family_from_an_entry_point_plugin(monkeypatch: pytest.MonkeyPatch) -> None:
-    plugin = EntryPoint(name="mamba", value="some_pkg.family:FAMILY", group="llmrt.families")
+def test_family_registered_in_process_is_usable_by_recipes() -> None:
+    from llmrt.families import llama, registry
 
-    def fake_entry_points(*, group: str) -> list[EntryPoint]:
-        return [plugin] if group == "llmrt.families" else []
-
-    monkeypatch.setattr(recipe_schema, "entry_points", fake_entry_points)
-    assert build(family="mamba").family == "mamba"
-    assert "mamba" in recipe_schema.registered_families()
-    with pytest.raises(RecipeError, match=r"known: auto, gpt2, llama, mamba"):
-        build(family="rwkv")
+    plugin = attrs.evolve(llama.FAMILY, name="mamba", model_types=("mamba",))
+    with registry.register(plugin):
+        assert "mamba" in recipe_schema.registered_families()
+        data = tiny()
+        data["family"] = "mamba"
+        data["model"]["model_type"] = "mamba"
+        assert recipe_from_dict(data).family == "mamba"
+        with pytest.raises(RecipeError, match=r"known: auto, gemma, gpt2, .*mamba"):
+            build(family="rwkv")
+    assert "mamba" not in recipe_schema.registered_families()
 
 
 def test_builtin_families_are_registered_entry_points() -> None:

@@ -1,0 +1,655 @@
+"""The one decoder every family builds: parts from ``llmrt.families.parts``, weights by
+``TensorNames``, attention over the paged KV cache (``paged_attention.attend``).
+
+Every matmul goes through the linear factory (``layers.frozen_linear``), so whatever
+weight format or kernel it serves applies to every part. q/k/v and gate/up are fused
+into one matmul each at load.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from typing import Literal
+
+import attrs
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from llmrt.families.causal_lm import PagedCausalLM
+from llmrt.families.kvbinding import BoundKV
+from llmrt.families.layers import FrozenLinear, frozen_embedding, frozen_linear
+from llmrt.families.paged_attention import DecodePlan, PrefillPlan, attend, host_sync_allowed
+from llmrt.families.parts import (
+    Activation,
+    AttentionSpec,
+    DecoderSpec,
+    MLPSpec,
+    MoESpec,
+    NormSpec,
+)
+from llmrt.families.rope import apply_rope, inverse_frequencies, rope_lookup, rope_tables
+
+#: RoPE cache rows before a KV cache is bound (binding resizes it to the cache's span).
+ROPE_CACHE_START = 4096
+
+TensorInit = Literal["normal", "ones", "zeros"]
+
+
+@attrs.frozen(kw_only=True)
+class TensorNames:
+    """Where a family's checkpoint keeps each part's weights (Hugging Face names).
+
+    ``layer`` prefixes the per-layer names (``{i}``: layer index); norm and linear names
+    are prefixes that take ``.weight``/``.bias``. ``qkv``/``gate_up`` name fused
+    projections (None: separate ones); ``qkv_interleaved`` means the fused rows are
+    ``[q, k, v]`` per head (GPT-NeoX); ``transposed`` means ``[in, out]`` (Conv1D)
+    weights. ``q_norm``/``k_norm`` contain ``{h}`` when every head has its own norm.
+    """
+
+    embed: str = "model.embed_tokens.weight"
+    positions: str = "model.embed_positions.weight"
+    final_norm: str = "model.norm"
+    lm_head: str = "lm_head.weight"
+    layer: str = "model.layers.{i}."
+    attn_norm: str = "input_layernorm"
+    post_attn_norm: str = "post_attention_layernorm"
+    mlp_norm: str = "post_attention_layernorm"
+    post_mlp_norm: str = "post_feedforward_layernorm"
+    q: str = "self_attn.q_proj"
+    k: str = "self_attn.k_proj"
+    v: str = "self_attn.v_proj"
+    o: str = "self_attn.o_proj"
+    qkv: str | None = None
+    qkv_interleaved: bool = False
+    q_norm: str = "self_attn.q_norm"
+    k_norm: str = "self_attn.k_norm"
+    gate: str = "mlp.gate_proj"
+    up: str = "mlp.up_proj"
+    down: str = "mlp.down_proj"
+    gate_up: str | None = None
+    transposed: bool = False
+    router: str = "mlp.gate"
+    experts_gate_up: str = "mlp.experts.gate_up_proj"
+    experts_down: str = "mlp.experts.down_proj"
+    shared_gate: str = "mlp.shared_expert.gate_proj"
+    shared_up: str = "mlp.shared_expert.up_proj"
+    shared_down: str = "mlp.shared_expert.down_proj"
+    shared_expert_gate: str = "mlp.shared_expert_gate"
+
+
+@attrs.frozen
+class TensorPlan:
+    """Every tensor a spec needs: shape and how a random checkpoint initialises it."""
+
+    shapes: dict[str, tuple[int, ...]]
+    init: dict[str, TensorInit]
+    optional: frozenset[str]
+
+
+def tensor_plan(spec: DecoderSpec, names: TensorNames) -> TensorPlan:
+    """The checkpoint tensors ``spec`` reads under ``names``, with shapes and init."""
+    m, a = spec.model, spec.attention
+    hidden = m.hidden_size
+    shapes: dict[str, tuple[int, ...]] = {}
+    init: dict[str, TensorInit] = {}
+
+    def add(name: str, shape: tuple[int, ...], how: TensorInit = "normal") -> None:
+        shapes[name] = shape
+        init[name] = how
+
+    def linear(prefix: str, out: int, inp: int, bias: bool) -> None:
+        add(prefix + ".weight", (inp, out) if names.transposed else (out, inp))
+        if bias:
+            add(prefix + ".bias", (out,), "zeros")
+
+    def norm(prefix: str, width: int, part: NormSpec) -> None:
+        add(prefix + ".weight", (width,), "zeros" if part.kind == "rms_one_plus" else "ones")
+        if part.bias:
+            add(prefix + ".bias", (width,), "zeros")
+
+    add(names.embed, (m.vocab_size, hidden))
+    if spec.positions == "learned":
+        add(names.positions, (m.max_position_embeddings, hidden))
+    q_out, kv_out = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+    for i, layer in enumerate(spec.layers):
+        p = names.layer.format(i=i)
+        for slot in ("attn_norm", "post_attn_norm", "mlp_norm", "post_mlp_norm"):
+            if getattr(spec, slot):
+                norm(p + getattr(names, slot), hidden, spec.norm)
+        if names.qkv is not None:
+            linear(p + names.qkv, q_out + 2 * kv_out, hidden, a.qkv_bias)
+        else:
+            linear(p + names.q, q_out, hidden, a.qkv_bias)
+            linear(p + names.k, kv_out, hidden, a.qkv_bias)
+            linear(p + names.v, kv_out, hidden, a.qkv_bias)
+        linear(p + names.o, hidden, q_out, a.o_bias)
+        if a.qk_norm is not None:
+            for template, heads in ((names.q_norm, a.num_heads), (names.k_norm, a.num_kv_heads)):
+                if a.qk_norm == "proj":
+                    norm(p + template, heads * a.head_dim, a.qk_norm_spec)
+                elif a.qk_norm_per_head_weights:
+                    for h in range(heads):
+                        norm(p + template.format(h=h), a.head_dim, a.qk_norm_spec)
+                else:
+                    norm(p + template, a.head_dim, a.qk_norm_spec)
+        if layer.moe:
+            moe = spec.moe
+            assert moe is not None
+            e, inter = moe.num_experts, moe.intermediate_size
+            add(p + names.router + ".weight", (e, hidden))
+            add(p + names.experts_gate_up, (e, 2 * inter, hidden))
+            add(p + names.experts_down, (e, hidden, inter))
+            if moe.shared_intermediate_size is not None:
+                shared = moe.shared_intermediate_size
+                linear(p + names.shared_gate, shared, hidden, False)
+                linear(p + names.shared_up, shared, hidden, False)
+                linear(p + names.shared_down, hidden, shared, False)
+                if moe.shared_gate:
+                    add(p + names.shared_expert_gate + ".weight", (1, hidden))
+        else:
+            mlp = spec.mlp
+            assert mlp is not None
+            inter = mlp.intermediate_size
+            if mlp.kind == "gated" and names.gate_up is not None:
+                linear(p + names.gate_up, 2 * inter, hidden, mlp.bias)
+            elif mlp.kind == "gated":
+                linear(p + names.gate, inter, hidden, mlp.bias)
+                linear(p + names.up, inter, hidden, mlp.bias)
+            else:
+                linear(p + names.up, inter, hidden, mlp.bias)
+            linear(p + names.down, hidden, inter, mlp.bias)
+    if spec.final_norm:
+        norm(names.final_norm, hidden, spec.norm)
+    add(names.lm_head, (m.vocab_size, hidden))
+    optional = frozenset({names.lm_head}) if spec.tie_word_embeddings else frozenset()
+    return TensorPlan(shapes=shapes, init=init, optional=optional)
+
+
+# -- parts as modules ---------------------------------------------------------------------
+
+
+class Norm(nn.Module):
+    """RMSNorm / ``(1 + w)`` RMSNorm / LayerNorm over the last dim, in float32 like HF.
+
+    ``weight`` may carry leading dims (one weight row per head) that broadcast over ``x``.
+    """
+
+    def __init__(self, *, spec: NormSpec, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.kind = spec.kind
+        self.eps = spec.eps
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        width = (x.shape[-1],)
+        if self.kind == "layer":
+            if self.weight.dim() == 1:
+                return F.layer_norm(x, width, self.weight, self.bias, self.eps)
+            out = F.layer_norm(x, width, None, None, self.eps) * self.weight
+            return out if self.bias is None else out + self.bias
+        normed = F.rms_norm(x.float(), width, eps=self.eps)
+        if self.kind == "rms_one_plus":
+            return (normed * (1.0 + self.weight.float())).to(x.dtype)
+        return self.weight * normed.to(x.dtype)
+
+
+def activate(x: torch.Tensor, kind: Activation) -> torch.Tensor:
+    """The activation part ``kind`` applied to ``x``."""
+    if kind == "silu":
+        return F.silu(x)
+    if kind == "gelu":
+        return F.gelu(x)
+    if kind == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    return F.relu(x)
+
+
+class MLP(nn.Module):
+    """Gated (``gate_up`` fused) or plain MLP."""
+
+    def __init__(
+        self, *, activation: Activation, gated: bool, up: FrozenLinear, down: FrozenLinear
+    ) -> None:
+        super().__init__()
+        self.activation = activation
+        self.gated = gated
+        self.up = up
+        self.down = down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gated:
+            gate, up = self.up(x).chunk(2, dim=-1)
+            return self.down(activate(gate, self.activation) * up)
+        return self.down(activate(self.up(x), self.activation))
+
+
+class MoE(nn.Module):
+    """Top-k routed gated experts (+ optional shared expert), one linear pair per expert.
+
+    Eagerly only the tokens routed to an expert run through it; where host reads are not
+    allowed (compiled or captured steps) every expert runs on every token and unrouted
+    tokens get weight zero, which keeps shapes static and the result the same.
+    """
+
+    def __init__(
+        self,
+        *,
+        spec: MoESpec,
+        router: FrozenLinear,
+        experts: list[MLP],
+        shared: MLP | None,
+        shared_gate: FrozenLinear | None,
+    ) -> None:
+        super().__init__()
+        self.top_k = spec.top_k
+        self.normalize = spec.routing == "softmax_topk_normalized"
+        self.router = router
+        self.experts = nn.ModuleList(experts)
+        self.shared = shared
+        self.shared_gate = shared_gate
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        probs = torch.softmax(self.router(flat).float(), dim=-1)
+        weights, chosen = torch.topk(probs, self.top_k, dim=-1)
+        if self.normalize:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        weights = weights.to(x.dtype)
+        out = torch.zeros_like(flat)
+        sparse = host_sync_allowed(flat.device)
+        for e, expert in enumerate(self.experts):
+            hit = chosen == e
+            if sparse:
+                tokens, slot = torch.where(hit)
+                if tokens.numel() == 0:
+                    continue
+                contribution = expert(flat.index_select(0, tokens)) * weights[tokens, slot, None]
+                out.index_add_(0, tokens, contribution)
+            else:
+                weight = (weights * hit).sum(dim=-1, keepdim=True)
+                out = out + expert(flat) * weight
+        if self.shared is not None:
+            shared = self.shared(flat)
+            if self.shared_gate is not None:
+                shared = torch.sigmoid(self.shared_gate(flat)) * shared
+            out = out + shared
+        return out.view_as(x)
+
+
+class Attention(nn.Module):
+    """Fused-qkv grouped-query attention with the ``AttentionSpec`` options."""
+
+    def __init__(
+        self,
+        *,
+        spec: AttentionSpec,
+        qkv: FrozenLinear,
+        o: FrozenLinear,
+        q_norm: Norm | None,
+        k_norm: Norm | None,
+        window: int | None,
+    ) -> None:
+        super().__init__()
+        self.qkv = qkv
+        self.o = o
+        self.q_norm = q_norm
+        self.k_norm = k_norm
+        self.norm_over_proj = spec.qk_norm == "proj"
+        self.num_heads = spec.num_heads
+        self.num_kv_heads = spec.num_kv_heads
+        self.head_dim = spec.head_dim
+        self.scale = spec.scale
+        self.softcap = spec.softcap
+        self.window = window
+        kv = spec.num_kv_heads * spec.head_dim
+        self.split_sizes = (spec.num_heads * spec.head_dim, kv, kv)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        rope: tuple[torch.Tensor, torch.Tensor] | None,
+        plan: PrefillPlan | DecodePlan,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        q, k, v = self.qkv(x).split(self.split_sizes, dim=-1)
+        if self.norm_over_proj and self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.unflatten(-1, (self.num_heads, self.head_dim))
+        k = k.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        v = v.unflatten(-1, (self.num_kv_heads, self.head_dim))
+        if not self.norm_over_proj and self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q = apply_rope(q, cos=rope[0], sin=rope[1])
+            k = apply_rope(k, cos=rope[0], sin=rope[1])
+        out = attend(
+            q=q,
+            k=k,
+            v=v,
+            k_cache=k_cache,
+            v_cache=v_cache,
+            plan=plan,
+            scale=self.scale,
+            window=self.window,
+            softcap=self.softcap,
+        )
+        return self.o(out)
+
+
+class DecoderLayer(nn.Module):
+    """One layer: attention and MLP (or MoE) in the spec's residual layout."""
+
+    def __init__(
+        self,
+        *,
+        parallel: bool,
+        attention: Attention,
+        mlp: nn.Module,
+        norms: Mapping[str, Norm | None],
+        rope: int | None,
+        residual_multiplier: float,
+    ) -> None:
+        super().__init__()
+        self.parallel = parallel
+        self.attention = attention
+        self.mlp = mlp
+        self.attn_norm = norms.get("attn_norm")
+        self.post_attn_norm = norms.get("post_attn_norm")
+        self.mlp_norm = norms.get("mlp_norm")
+        self.post_mlp_norm = norms.get("post_mlp_norm")
+        self.rope = rope
+        self.residual_multiplier = residual_multiplier
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        ropes: list[tuple[torch.Tensor, torch.Tensor]],
+        plan: PrefillPlan | DecodePlan,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+    ) -> torch.Tensor:
+        """``x`` ``[B, S, hidden]`` -> ``[B, S, hidden]``; writes this step's K/V into the pages."""
+        rope = None if self.rope is None else ropes[self.rope]
+        normed = x if self.attn_norm is None else self.attn_norm(x)
+        attn = self.attention(normed, rope=rope, plan=plan, k_cache=k_cache, v_cache=v_cache)
+        if self.parallel:
+            mlp_in = normed if self.mlp_norm is None else self.mlp_norm(x)
+            return x + self._scaled(attn) + self._scaled(self.mlp(mlp_in))
+        if self.post_attn_norm is not None:
+            attn = self.post_attn_norm(attn)
+        x = x + self._scaled(attn)
+        out = self.mlp(x if self.mlp_norm is None else self.mlp_norm(x))
+        if self.post_mlp_norm is not None:
+            out = self.post_mlp_norm(out)
+        return x + self._scaled(out)
+
+    def _scaled(self, x: torch.Tensor) -> torch.Tensor:
+        return x if self.residual_multiplier == 1.0 else x * self.residual_multiplier
+
+
+class DecoderBackbone(nn.Module):
+    """Embeddings, decoder layers, final norm and LM head of any ``DecoderSpec``."""
+
+    def __init__(
+        self,
+        *,
+        spec: DecoderSpec,
+        embed_tokens: nn.Embedding,
+        embed_positions: nn.Embedding | None,
+        layers: list[DecoderLayer],
+        norm: Norm | None,
+        lm_head: FrozenLinear,
+    ) -> None:
+        super().__init__()
+        self.spec = spec
+        self.embed_tokens = embed_tokens
+        self.embed_positions = embed_positions
+        self.layers = nn.ModuleList(layers)
+        self.norm = norm
+        self.lm_head = lm_head
+        self.inv_freq: torch.Tensor
+        if spec.ropes:
+            inv_freq = inverse_frequencies(spec.ropes[0]).to(embed_tokens.weight.device)
+            self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self._rope_rows = 0
+        self.reserve_positions(ROPE_CACHE_START)
+
+    def _rope_names(self, index: int) -> tuple[str, str]:
+        return (
+            ("rope_cos", "rope_sin") if index == 0 else (f"rope_cos_{index}", f"rope_sin_{index}")
+        )
+
+    def reserve_positions(self, count: int) -> None:
+        """Size the RoPE caches for positions below ``count`` (at most the model's maximum).
+
+        Sized from the bound KV cache, not ``max_position_embeddings`` alone: a long-context
+        checkpoint would otherwise hold tables for positions no KV cache can reach.
+        """
+        rows = max(1, min(count, self.spec.model.max_position_embeddings))
+        if rows == self._rope_rows:
+            return
+        weight = self.embed_tokens.weight
+        for index, rope in enumerate(self.spec.ropes):
+            cos, sin = rope_tables(
+                rope, max_positions=rows, dtype=weight.dtype, device=weight.device
+            )
+            cos_name, sin_name = self._rope_names(index)
+            self.register_buffer(cos_name, cos, persistent=False)
+            self.register_buffer(sin_name, sin, persistent=False)
+        self._rope_rows = rows
+
+    def device(self) -> torch.device:
+        """The device the weights live on."""
+        return self.embed_tokens.weight.device
+
+    def executor_modules(self) -> Iterator[tuple[str, nn.Module]]:
+        """Embeddings, each layer, final norm, LM head (execution order)."""
+        yield "embed_tokens", self.embed_tokens
+        if self.embed_positions is not None:
+            yield "embed_positions", self.embed_positions
+        for i, layer in enumerate(self.layers):
+            yield f"layers.{i}", layer
+        if self.norm is not None:
+            yield "norm", self.norm
+        yield "lm_head", self.lm_head
+
+    def hidden_states(
+        self,
+        *,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        plan: PrefillPlan | DecodePlan,
+        kv: BoundKV,
+    ) -> torch.Tensor:
+        """``[B, S]`` tokens at absolute ``positions`` -> ``[B, S, hidden]``.
+
+        Positions past a learned table (padding only; the runtime rejects real ones) clamp.
+        """
+        m = self.spec.model
+        device = self.device()
+        hidden = self.embed_tokens(tokens.to(device).clamp(0, m.vocab_size - 1))
+        if self.spec.embedding_scale != 1.0:
+            hidden = hidden * torch.tensor(self.spec.embedding_scale, dtype=hidden.dtype)
+        if self.embed_positions is not None:
+            where = positions.to(device).clamp(0, m.max_position_embeddings - 1)
+            hidden = hidden + self.embed_positions(where)
+        ropes = []
+        for index in range(len(self.spec.ropes)):
+            cos_name, sin_name = self._rope_names(index)
+            ropes.append(
+                rope_lookup(
+                    cos_cache=getattr(self, cos_name),
+                    sin_cache=getattr(self, sin_name),
+                    positions=positions,
+                )
+            )
+        for i, layer in enumerate(self.layers):
+            hidden = layer(hidden, ropes=ropes, plan=plan, k_cache=kv.keys[i], v_cache=kv.values[i])
+        return hidden
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm + LM head (scaled, soft-capped), as float32."""
+        if self.norm is not None:
+            hidden = self.norm(hidden)
+        logits: torch.Tensor = self.lm_head(hidden)
+        if self.spec.logit_scale != 1.0:
+            logits = logits * self.spec.logit_scale
+        if self.spec.final_softcap is not None:
+            cap = self.spec.final_softcap
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
+
+
+def build_decoder(
+    *,
+    spec: DecoderSpec,
+    names: TensorNames,
+    tensors: Mapping[str, torch.Tensor],
+    device: torch.device,
+) -> PagedCausalLM:
+    """Assemble the model from validated checkpoint tensors named by ``names``."""
+    dtype = spec.model.dtype
+    a = spec.attention
+
+    def take(*tensor_names: str, transpose: bool = False) -> torch.Tensor:
+        parts = [tensors[n].to(device=device, dtype=dtype) for n in tensor_names]
+        if transpose:
+            parts = [t.t() for t in parts]
+        return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim=0)
+
+    def linear(*prefixes: str, bias: bool) -> FrozenLinear:
+        return frozen_linear(
+            weight=take(*(p + ".weight" for p in prefixes), transpose=names.transposed),
+            bias=take(*(p + ".bias" for p in prefixes)) if bias else None,
+        )
+
+    def norm(prefix: str, part: NormSpec) -> Norm:
+        return Norm(
+            spec=part,
+            weight=take(prefix + ".weight"),
+            bias=take(prefix + ".bias") if part.bias else None,
+        )
+
+    def qk_norm(prefix: str, template: str, heads: int) -> Norm | None:
+        if a.qk_norm is None:
+            return None
+        if a.qk_norm_per_head_weights:
+            rows = [norm(prefix + template.format(h=h), a.qk_norm_spec) for h in range(heads)]
+            return Norm(
+                spec=a.qk_norm_spec,
+                weight=torch.stack([r.weight.data for r in rows]),
+                bias=torch.stack([r.bias.data for r in rows if r.bias is not None])
+                if a.qk_norm_spec.bias
+                else None,
+            )
+        return norm(prefix + template, a.qk_norm_spec)
+
+    def fused_qkv(prefix: str) -> FrozenLinear:
+        if names.qkv is None:
+            return linear(prefix + names.q, prefix + names.k, prefix + names.v, bias=a.qkv_bias)
+        fused = linear(prefix + names.qkv, bias=a.qkv_bias)
+        if not names.qkv_interleaved:
+            return fused
+
+        def regroup(t: torch.Tensor) -> torch.Tensor:
+            per_head = t.reshape(a.num_heads, 3, a.head_dim, *t.shape[1:])
+            return per_head.transpose(0, 1).reshape(t.shape).contiguous()
+
+        bias = None if fused.bias is None else regroup(fused.bias.data)
+        return frozen_linear(weight=regroup(fused.weight.data), bias=bias)
+
+    def dense(prefix: str, mlp: MLPSpec) -> MLP:
+        if mlp.kind == "gated":
+            if names.gate_up is not None:
+                up = linear(prefix + names.gate_up, bias=mlp.bias)
+            else:
+                up = linear(prefix + names.gate, prefix + names.up, bias=mlp.bias)
+        else:
+            up = linear(prefix + names.up, bias=mlp.bias)
+        down = linear(prefix + names.down, bias=mlp.bias)
+        return MLP(activation=mlp.activation, gated=mlp.kind == "gated", up=up, down=down)
+
+    def mixture(prefix: str, moe: MoESpec) -> MoE:
+        gate_up = tensors[prefix + names.experts_gate_up].to(device=device, dtype=dtype)
+        down = tensors[prefix + names.experts_down].to(device=device, dtype=dtype)
+        experts = [
+            MLP(
+                activation=moe.activation,
+                gated=True,
+                up=frozen_linear(weight=gate_up[e].contiguous()),
+                down=frozen_linear(weight=down[e].contiguous()),
+            )
+            for e in range(moe.num_experts)
+        ]
+        shared = shared_gate = None
+        if moe.shared_intermediate_size is not None:
+            shared = MLP(
+                activation=moe.activation,
+                gated=True,
+                up=linear(prefix + names.shared_gate, prefix + names.shared_up, bias=False),
+                down=linear(prefix + names.shared_down, bias=False),
+            )
+            if moe.shared_gate:
+                shared_gate = linear(prefix + names.shared_expert_gate, bias=False)
+        return MoE(
+            spec=moe,
+            router=linear(prefix + names.router, bias=False),
+            experts=experts,
+            shared=shared,
+            shared_gate=shared_gate,
+        )
+
+    layers = []
+    for i, layer in enumerate(spec.layers):
+        p = names.layer.format(i=i)
+        norms = {
+            slot: norm(p + getattr(names, slot), spec.norm) if getattr(spec, slot) else None
+            for slot in ("attn_norm", "post_attn_norm", "mlp_norm", "post_mlp_norm")
+        }
+        attention = Attention(
+            spec=a,
+            qkv=fused_qkv(p),
+            o=linear(p + names.o, bias=a.o_bias),
+            q_norm=qk_norm(p, names.q_norm, a.num_heads),
+            k_norm=qk_norm(p, names.k_norm, a.num_kv_heads),
+            window=layer.window,
+        )
+        if layer.moe:
+            assert spec.moe is not None
+            mlp: nn.Module = mixture(p, spec.moe)
+        else:
+            assert spec.mlp is not None
+            mlp = dense(p, spec.mlp)
+        layers.append(
+            DecoderLayer(
+                parallel=spec.residual == "parallel",
+                attention=attention,
+                mlp=mlp,
+                norms=norms,
+                rope=layer.rope if spec.positions == "rope" else None,
+                residual_multiplier=spec.residual_multiplier,
+            )
+        )
+    embed = frozen_embedding(weight=tensors[names.embed].to(device=device, dtype=dtype))
+    positions = None
+    if spec.positions == "learned":
+        positions = frozen_embedding(
+            weight=tensors[names.positions].to(device=device, dtype=dtype).contiguous()
+        )
+    lm_head = frozen_linear(
+        weight=embed.weight if spec.tie_word_embeddings else take(names.lm_head)
+    )
+    backbone = DecoderBackbone(
+        spec=spec,
+        embed_tokens=embed,
+        embed_positions=positions,
+        layers=layers,
+        norm=norm(names.final_norm, spec.norm) if spec.final_norm else None,
+        lm_head=lm_head,
+    )
+    return PagedCausalLM(config=spec.model, backbone=backbone)

@@ -1,0 +1,104 @@
+"""``DecoderFamily``: a family as a config mapping onto the parts catalogue.
+
+A family module supplies one function, ``read(cfg, dtype) -> (DecoderSpec, TensorNames)``,
+that maps a Hugging Face ``config.json`` onto parts and checkpoint names (rejecting, by
+field, every option it does not implement), plus what the registry records about it:
+model types, the config keys a random checkpoint needs, its GGUF architecture and the
+backends it runs on. Shapes, random initialisation, validation and the model itself all
+follow from the spec.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+import attrs
+import torch
+
+from llmrt.families.base import ModelConfig
+from llmrt.families.causal_lm import PagedCausalLM
+from llmrt.families.decoder import TensorInit, TensorNames, TensorPlan, build_decoder, tensor_plan
+from llmrt.families.hfconfig import HFConfig
+from llmrt.families.parts import DecoderSpec
+from llmrt.families.tensors import check_tensors
+
+Tensors = Mapping[str, torch.Tensor]
+SpecReader = Callable[[HFConfig, torch.dtype], tuple[DecoderSpec, TensorNames]]
+
+
+class Renamer(Protocol):
+    def __call__(
+        self, tensors: Tensors, *, expected: Mapping[str, tuple[int, ...]]
+    ) -> dict[str, torch.Tensor]: ...
+
+
+@attrs.frozen(kw_only=True)
+class DecoderFamily:
+    """A ``Family`` whose models are the shared decoder built from ``read``'s parts.
+
+    ``required_keys`` are the ``config.json`` keys a random checkpoint of each model type
+    must give (``recipes validate`` checks them before anything loads);
+    ``gguf_architecture`` is the GGUF ``general.architecture`` it reads (None: none);
+    ``backends`` the device backends that can run it.
+    """
+
+    name: str
+    model_types: tuple[str, ...]
+    read: SpecReader
+    required_keys: tuple[str, ...]
+    ignored_suffixes: tuple[str, ...] = ()
+    rename: Renamer | None = None
+    gguf_architecture: str | None = None
+    backends: tuple[str, ...] = ("torch",)
+
+    def spec(self, hf_config: Mapping[str, Any], *, dtype: torch.dtype) -> DecoderSpec:
+        """The parts ``hf_config`` maps onto (``CheckpointError`` naming a bad field)."""
+        return self._read(hf_config, dtype)[0]
+
+    def model_config(self, hf_config: Mapping[str, Any], *, dtype: torch.dtype) -> ModelConfig:
+        """The runtime-facing config of the model ``build`` would return."""
+        return self.spec(hf_config, dtype=dtype).model
+
+    def tensor_plan(self, hf_config: Mapping[str, Any]) -> TensorPlan:
+        """Names, shapes and random initialisation of every tensor the config needs."""
+        spec, names = self._read(hf_config, torch.float32)
+        return tensor_plan(spec, names)
+
+    def expected_tensors(self, hf_config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+        """HF tensor names -> shapes this config needs (some may be ``optional_tensors``)."""
+        return self.tensor_plan(hf_config).shapes
+
+    def optional_tensors(self, hf_config: Mapping[str, Any]) -> frozenset[str]:
+        """Names in ``expected_tensors`` that may be absent (a tied LM head)."""
+        return self.tensor_plan(hf_config).optional
+
+    def tensor_init(self, hf_config: Mapping[str, Any]) -> dict[str, TensorInit]:
+        """How a random checkpoint fills each tensor (norm weights ones or zeros, biases zeros)."""
+        return self.tensor_plan(hf_config).init
+
+    def build(
+        self,
+        *,
+        hf_config: Mapping[str, Any],
+        tensors: Tensors,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> PagedCausalLM:
+        """Validate config and every tensor, then build; raises ``CheckpointError`` first."""
+        spec, names = self._read(hf_config, dtype)
+        plan = tensor_plan(spec, names)
+        used = check_tensors(
+            tensors=tensors if self.rename is None else self.rename(tensors, expected=plan.shapes),
+            expected=plan.shapes,
+            optional=plan.optional,
+            ignored_suffixes=self.ignored_suffixes,
+        )
+        return build_decoder(spec=spec, names=names, tensors=used, device=torch.device(device))
+
+    def _read(
+        self, hf_config: Mapping[str, Any], dtype: torch.dtype
+    ) -> tuple[DecoderSpec, TensorNames]:
+        cfg = HFConfig(raw=hf_config)
+        cfg.check_model_type(self.model_types)
+        return self.read(cfg, dtype)

@@ -1,0 +1,166 @@
+"""Every architecture ``family: auto`` loads, against transformers, on tiny random
+checkpoints with perturbed norms and biases.
+
+One test per architecture runs the fast combination: a ragged batch with an inert
+padding row, chunked prefill, a prefix-cached continuation next to a fresh row, and 32
+greedy decode steps (logits within 1e-4, greedy tokens equal). The configs switch on
+the options each architecture is known for (sliding windows, soft-capping, q/k norms,
+partial rotary, RoPE scalings, multipliers, experts), so each part is checked where
+transformers computes it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import transformers
+from family_checks import perturb
+
+from llmrt.families.registry import family_for_model_type
+
+COMMON: dict[str, Any] = {
+    "vocab_size": 128,
+    "hidden_size": 64,
+    "intermediate_size": 96,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "pad_token_id": 0,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "initializer_range": 0.1,
+}
+YARN = {
+    "rope_type": "yarn",
+    "factor": 4.0,
+    "original_max_position_embeddings": 64,
+    "rope_theta": 10000.0,
+}
+
+#: (model_type, config overrides) per case; every architecture has at least one.
+CASES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama-yarn-biases": (
+        "llama",
+        {"attention_bias": True, "mlp_bias": True, "rope_parameters": YARN},
+    ),
+    "mistral-window": ("mistral", {"sliding_window": 5, "head_dim": 24}),
+    "qwen2-alternating-window": (
+        "qwen2",
+        {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1},
+    ),
+    "qwen3-qk-norm-dynamic-rope": (
+        "qwen3",
+        {
+            "head_dim": 16,
+            "attention_bias": True,
+            "rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4},
+        },
+    ),
+    "gemma-geglu-tied": ("gemma", {"head_dim": 16}),
+    "gemma2-softcap-window": (
+        "gemma2",
+        {
+            "head_dim": 16,
+            "sliding_window": 5,
+            "query_pre_attn_scalar": 12,
+            "attn_logit_softcapping": 2.0,
+            "final_logit_softcapping": 3.0,
+        },
+    ),
+    "gemma3-local-global-rope": (
+        "gemma3_text",
+        {
+            "head_dim": 16,
+            "sliding_window": 5,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "final_logit_softcapping": 3.0,
+            "rope_parameters": {
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e5},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1e3},
+            },
+        },
+    ),
+    "phi3-longrope-partial-window": (
+        "phi3",
+        {
+            "sliding_window": 7,
+            "rope_parameters": {
+                "rope_type": "longrope",
+                "rope_theta": 1e4,
+                "partial_rotary_factor": 0.5,
+                "short_factor": [1.0, 1.25, 1.5, 2.0],
+                "long_factor": [2.0, 3.0, 4.0, 5.0],
+                "original_max_position_embeddings": 128,
+                "factor": 2.0,
+            },
+        },
+    ),
+    "olmo2-post-norm-qk-norm": ("olmo2", {"attention_bias": True}),
+    "gpt-neox-parallel-partial": ("gpt_neox", {"num_key_value_heads": 4}),
+    "gpt-neox-sequential": (
+        "gpt_neox",
+        {"num_key_value_heads": 4, "use_parallel_residual": False, "hidden_act": "gelu_new"},
+    ),
+    "stablelm-qk-layernorm-parallel": (
+        "stablelm",
+        {"qk_layernorm": True, "use_qkv_bias": True, "use_parallel_residual": True},
+    ),
+    "stablelm-sequential": ("stablelm", {}),
+    "granite-multipliers": (
+        "granite",
+        {
+            "embedding_multiplier": 2.0,
+            "residual_multiplier": 0.5,
+            "attention_multiplier": 0.3,
+            "logits_scaling": 4.0,
+        },
+    ),
+    "starcoder2-window-biases": ("starcoder2", {"sliding_window": 6}),
+    "gpt2": ("gpt2", {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 128}),
+    "mixtral-top2-window": (
+        "mixtral",
+        {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 6},
+    ),
+    "qwen3-moe-softmax-topk-dense-layer": (
+        "qwen3_moe",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 48,
+            "norm_topk_prob": False,
+            "mlp_only_layers": [1],
+        },
+    ),
+}
+
+
+def hf_model(case: str) -> Any:
+    """The case's transformers model (eager attention), norms and biases perturbed."""
+    model_type, overrides = CASES[case]
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(model_type, **{**COMMON, **overrides})
+    config._attn_implementation = "eager"
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    return perturb(model, seed=1, is_norm=lambda name: "norm" in name or ".ln_" in name)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_family_auto_matches_transformers(case: str, make_harness: Any) -> None:
+    model = hf_model(case)
+    family = family_for_model_type(model.config.model_type)
+    harness = make_harness(family=family, hf_model=model)
+    prompts = [harness.prompt(n, seed=30 + n) for n in (14, 9, 12)]
+    runs = harness.greedy(prompts, cuts=[[5, 8], [], [6]], align="end", pad_row=True)
+    harness.assert_parity(prompts, runs)
+
+
+def test_every_listed_architecture_has_a_case() -> None:
+    covered = {model_type for model_type, _ in CASES.values()}
+    assert covered == {
+        "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3",
+        "olmo2", "gpt_neox", "stablelm", "granite", "starcoder2", "gpt2", "mixtral",
+        "qwen3_moe",
+    }  # fmt: skip
