@@ -1,4 +1,4 @@
-"""The ``llmrt`` command: generate, bench, recipes, warmup, audit."""
+"""The ``llmrt`` command: generate, bench, recipes, warmup, audit, check."""
 
 from __future__ import annotations
 
@@ -158,6 +158,24 @@ def build_parser() -> argparse.ArgumentParser:
     audit = sub.add_parser("audit", help="check a JSON-lines lifecycle log against the contract")
     audit.add_argument("file")
     audit.add_argument("--json", action="store_true")
+
+    check = sub.add_parser(
+        "check",
+        help="prove a family against transformers (needs transformers installed)",
+        description="Build a small random instance of a recipe's architecture (or load a "
+        "Hugging Face directory) in transformers and llmrt, run batched, chunked and "
+        "prefix-cached prefills and greedy decode steps, print the largest logit difference "
+        "per phase; exit 0 only within tolerance with equal greedy tokens.",
+    )
+    check.add_argument("target", metavar="RECIPE|DIR", help="recipe name or path, or HF dir")
+    check.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE"
+    )
+    check.add_argument("--steps", type=int, default=32, help="greedy decode steps (default 32)")
+    check.add_argument("--tolerance", type=float, default=1e-4)
+    check.add_argument(
+        "--full-size", action="store_true", help="keep the recipe's geometry (default: shrink)"
+    )
     return parser
 
 
@@ -192,6 +210,18 @@ def _dispatch(args: argparse.Namespace) -> int:
         from llmrt.audit import audit_file
 
         return audit_file(args.file, as_json=args.json)
+    if args.command == "check":
+        from llmrt.check import check_target
+
+        report = check_target(
+            args.target,
+            overrides=args.overrides,
+            steps=args.steps,
+            tolerance=args.tolerance,
+            full_size=args.full_size,
+        )
+        print(report.table())
+        return 0 if report.ok else 1
     from llmrt.lifecycle import configure_logging
 
     configure_logging(level=args.log_level, audit_path=args.audit_log)

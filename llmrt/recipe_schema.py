@@ -460,6 +460,7 @@ class Recipe:
         self._check_model()
         self._check_tokenizer()
         self._check_placement()
+        self._derive_warmup()
         self._check_geometry()
 
     @property
@@ -644,6 +645,39 @@ class Recipe:
                 f"must divide the {chips} chips of device.mesh_shape={list(mesh)} "
                 "into equal lane sub-meshes",
             )
+
+    def _derive_warmup(self) -> None:
+        """Fit the warmup geometry to the prefill settings it depends on.
+
+        A warmup length is the padded length its prompts run at: a length past
+        ``prefill.max_chunk_size`` runs in chunks, so it becomes the largest padded length
+        a chunk reaches; any other becomes the padded length it rounds up to. Batch sizes
+        past ``prefill.max_batch_size`` can never form and are dropped (the maximum is
+        warmed instead when none is left). Overriding ``prefill.max_chunk_size`` therefore
+        keeps a recipe valid instead of failing on ``warmup.prefill_seq_lens``.
+        """
+        chunk = self.prefill.max_chunk_size
+        if chunk % self.kv_cache.block_size:
+            return  # _check_geometry names the field
+        lengths = self.prefill.buckets().lengths()
+        usable = [n for n in lengths if n <= chunk]
+        if not usable:
+            return  # _check_geometry reports the chunk
+        derived = sorted(
+            {min((n for n in usable if n >= want), default=usable[-1])
+             for want in self.warmup.prefill_seq_lens}
+        )  # fmt: skip
+        batches = [b for b in self.warmup.prefill_batch_sizes if b <= self.prefill.max_batch_size]
+        if not batches:
+            batches = [self.prefill.max_batch_size]
+        if (tuple(derived), tuple(batches)) != (
+            tuple(self.warmup.prefill_seq_lens),
+            tuple(self.warmup.prefill_batch_sizes),
+        ):
+            warmup = attrs.evolve(
+                self.warmup, prefill_seq_lens=tuple(derived), prefill_batch_sizes=tuple(batches)
+            )
+            object.__setattr__(self, "warmup", warmup)
 
     def _check_geometry(self) -> None:
         block = self.kv_cache.block_size

@@ -6,23 +6,11 @@ A family's test module defines a ``harness`` fixture (one per HF case) and impor
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import pytest
-import torch
 
-
-def perturb(
-    model: torch.nn.Module, *, seed: int, is_norm: Callable[[str], bool]
-) -> torch.nn.Module:
-    """Perturb norms and biases: HF initialises them to ones/zeros, which hides mistakes."""
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("bias") or is_norm(name):
-                param.add_(torch.randn(param.shape, generator=generator) * 0.1)
-    return model.eval()
+from llmrt.testing.parity import perturb  # noqa: F401 (re-exported for the family tests)
 
 
 def test_single_prompt(harness: Any) -> None:

@@ -42,10 +42,11 @@ JSON = st.recursive(SCALAR, lambda inner: st.one_of(
 
 @st.composite
 def random_model(draw: st.DrawFn) -> dict[str, Any]:
-    extra = draw(st.dictionaries(KEY, JSON, max_size=4))
+    # Extra keys stay out of the families' config vocabulary (they read and validate it).
+    extra = draw(st.dictionaries(KEY.map(lambda k: "x_" + k), JSON, max_size=4))
     heads = draw(st.sampled_from([1, 2, 4, 8]))
     kv_heads = draw(st.sampled_from([h for h in (1, 2, 4, 8) if heads % h == 0]))
-    width = heads * draw(st.integers(1, 16))
+    width = heads * 2 * draw(st.integers(1, 8))  # RoPE rotates channel pairs
     if draw(st.booleans()):
         dims = {"model_type": "gpt2", "n_embd": width, "n_layer": draw(st.integers(1, 4)),
                 "n_head": heads, "n_positions": draw(st.integers(1, 4096))}
@@ -104,6 +105,10 @@ def placement(draw: st.DrawFn) -> tuple[DeviceSpec, int]:
     return device, draw(st.integers(1, 8))
 
 
+def _family_of(model: dict[str, Any]) -> str:
+    return "gpt2" if model.get("model_type") == "gpt2" else "llama"
+
+
 @st.composite
 def recipes(draw: st.DrawFn) -> Recipe:
     checkpoint, model, tokenizer = draw(weights())
@@ -137,7 +142,7 @@ def recipes(draw: st.DrawFn) -> Recipe:
     )
     return Recipe(
         name=draw(NAME), description=draw(TEXT),
-        family=draw(st.sampled_from(["auto", "llama", "gpt2"])),
+        family=draw(st.sampled_from(["auto", _family_of(model)])),
         checkpoint=checkpoint, model=model, tokenizer=tokenizer, device=device, lanes=lanes,
         kv_cache=kv_cache, prefill=prefill, decode=decode,
         trace=TraceConfig(mode=draw(st.sampled_from(["none", "decode_only", "all"]))),

@@ -112,14 +112,6 @@ RULES: list[tuple[dict[str, Any], str, str]] = [
     ({"serving.max_model_len": 1025}, "serving.max_model_len",
      "kv_cache.max_num_blocks * kv_cache.block_size = 64 * 16 = 1024"),
     ({"serving.max_num_seqs": 5}, "serving.max_num_seqs", "lanes * decode.lane_capacity"),
-    ({"warmup.prefill_seq_lens": [32, 256]}, "warmup.prefill_seq_lens[1]",
-     "prefill.max_chunk_size=128"),
-    ({"warmup.prefill_seq_lens": [32, 48]}, "warmup.prefill_seq_lens[1]",
-     "not a padded length of prefill.seq_len_buckets=fine (it pads to 32, 64, 96, 128)"),
-    ({"prefill.seq_len_buckets": "tile"}, "warmup.prefill_seq_lens[0]",
-     "not a padded length of prefill.seq_len_buckets=tile (it pads to 128)"),
-    ({"warmup.prefill_batch_sizes": [1, 8]}, "warmup.prefill_batch_sizes[1]",
-     "prefill.max_batch_size=4"),
     ({"device.backend": "ttnn", "device.mesh_shape": [1, 3], "lanes": 2}, "lanes",
      "must divide the 3 chips"),
     ({"tokenizer.source": "checkpoint"}, "tokenizer.source", "random checkpoint has no tokenizer"),
@@ -277,3 +269,31 @@ def test_decode_batch_sizes_default_to_powers_of_two_on_torch_and_the_capacity_o
         4,
     )
     assert build(**{"decode.batch_sizes": [], "decode.lane_capacity": 4}).decode_batch_sizes == (4,)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "lengths", "batches"),
+    [
+        ({"prefill.max_chunk_size": 32}, (32,), (1, 2)),  # 64 runs in 32-token chunks
+        ({"warmup.prefill_seq_lens": [32, 256]}, (32, 128), (1, 2)),
+        ({"warmup.prefill_seq_lens": [32, 48]}, (32, 64), (1, 2)),  # 48 pads to 64
+        ({"prefill.seq_len_buckets": "tile"}, (128,), (1, 2)),
+        ({"warmup.prefill_batch_sizes": [1, 8]}, (32, 64), (1,)),
+        ({"warmup.prefill_batch_sizes": [8], "prefill.max_batch_size": 2}, (32, 64), (2,)),
+    ],
+)
+def test_warmup_follows_the_prefill_fields_it_depends_on(
+    overrides: dict[str, Any], lengths: tuple[int, ...], batches: tuple[int, ...]
+) -> None:
+    """Overriding a prefill field never fails on the warmup fields derived from it."""
+    recipe = build(**overrides)
+    assert recipe.warmup.prefill_seq_lens == lengths
+    assert recipe.warmup.prefill_batch_sizes == batches
+
+
+def test_bundled_recipe_takes_a_smaller_chunk_override() -> None:
+    from llmrt.recipe import load_recipe
+
+    recipe = load_recipe("smollm2-135m", overrides=["prefill.max_chunk_size=32"])
+    assert recipe.prefill.max_chunk_size == 32
+    assert max(recipe.warmup.prefill_seq_lens) <= 32
