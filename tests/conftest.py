@@ -8,6 +8,9 @@ import pytest
 
 from llmrt.lifecycle import reset_logging
 
+#: ``pytester`` runs inline test files (the plugin's own tests use it).
+pytest_plugins = ("pytester",)
+
 
 @pytest.fixture(autouse=True)
 def _isolated_logging() -> Iterator[None]:

@@ -142,7 +142,8 @@ def test_warmup_prints_the_coverage_manifest(capsys: pytest.CaptureFixture[str])
         (["recipes", "show", "no-such-recipe"], "no-such-recipe"),
         (["recipes", "validate", "tiny-llama", "--set", "prefill.max_chunk_size=100"],
          "prefill.max_chunk_size"),
-        (["warmup", "tiny-llama", "--set", "warmup.prefill_seq_lens=[4096]"], "4096"),
+        (["warmup", "tiny-llama", "--set", "warmup.prefill_seq_lens=[0]"],
+         "warmup.prefill_seq_lens[0]"),
         (["audit", "/no/such/audit.jsonl"], "/no/such/audit.jsonl"),
         (["audit", "/"], "Is a directory"),
     ],
@@ -169,6 +170,7 @@ SUBCOMMANDS = [
     ["recipes", "validate"],
     ["warmup"],
     ["audit"],
+    ["check"],
 ]
 
 

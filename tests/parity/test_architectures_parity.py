@@ -148,10 +148,10 @@ def hf_model(case: str) -> Any:
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_family_auto_matches_transformers(case: str, make_harness: Any) -> None:
+def test_family_auto_matches_transformers(case: str, parity_harness: Any) -> None:
     model = hf_model(case)
     family = family_for_model_type(model.config.model_type)
-    harness = make_harness(family=family, hf_model=model)
+    harness = parity_harness(family=family, hf_model=model)
     prompts = [harness.prompt(n, seed=30 + n) for n in (14, 9, 12)]
     runs = harness.greedy(prompts, cuts=[[5, 8], [], [6]], align="end", pad_row=True)
     harness.assert_parity(prompts, runs)

@@ -47,10 +47,10 @@ CASES: dict[str, Callable[[], torch.nn.Module]] = {
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
-def harness(request: pytest.FixtureRequest, make_harness: Any) -> Any:
+def harness(request: pytest.FixtureRequest, parity_harness: Any) -> Any:
     torch.manual_seed(0)
     hf_model = _randomise(CASES[request.param](), seed=1)
-    return make_harness(family=FAMILY, hf_model=hf_model)
+    return parity_harness(family=FAMILY, hf_model=hf_model)
 
 
 def test_bare_gpt2model_tensor_names_are_accepted(harness: Any) -> None:

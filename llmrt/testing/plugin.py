@@ -1,0 +1,130 @@
+"""llmrt's pytest plugin (``pytest11`` entry point ``llmrt``): fixtures for container-driven
+tests of a family, a recipe or the runtime itself.
+
+- ``llmrt_runtime(recipe, overrides=..., providers=...)``: a ``RuntimeContainer`` built from
+  a recipe, with dependency-injector providers replaced by dotted path
+  (``{"device.device": my_device}``); closed at teardown, its cleanup errors failing the test.
+- ``faulty_device(fail=..., inner=None)``: a ``FaultyDevice`` over a CPU ``TorchDevice``
+  (or ``inner``) that fails the Nth call of the named operations.
+- ``lifecycle_log``: the structured lifecycle log written to a JSON-lines file for the
+  test; at teardown ``llmrt.audit.check`` runs over it and the test fails on a violation.
+- ``parity_harness(family=..., hf_model=...)``: the transformers parity harness
+  (``llmrt.testing.parity.Harness``) over a family's model built from ``hf_model``'s weights.
+
+The fixtures only assemble the project's own pieces; import nothing heavy at load time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+if TYPE_CHECKING:
+    from llmrt.device.base import Device
+    from llmrt.families.base import Family
+    from llmrt.testing.faulty_device import FaultyDevice
+    from llmrt.testing.parity import Harness
+
+
+@pytest.fixture
+def llmrt_runtime(request: pytest.FixtureRequest) -> Iterator[Callable[..., Any]]:
+    """Factory: ``llmrt_runtime(recipe, overrides=(), providers={})`` -> ``RuntimeContainer``.
+
+    With ``lifecycle_log`` in the same test, the log starts first and is audited after
+    every container here is closed, so the audit sees whole lifetimes.
+    """
+    from dependency_injector import providers as di
+
+    from llmrt.containers import RuntimeContainer, close_runtime
+    from llmrt.recipe import load_recipe
+
+    if "lifecycle_log" in request.fixturenames:
+        request.getfixturevalue("lifecycle_log")
+    built: list[Any] = []
+
+    def make(
+        recipe: str,
+        *,
+        overrides: Sequence[str] = (),
+        providers: Mapping[str, Any] | None = None,
+    ) -> Any:
+        container = RuntimeContainer(recipe=load_recipe(recipe, overrides=list(overrides)))
+        built.append(container)
+        for path, value in (providers or {}).items():
+            target: Any = container
+            for part in path.split("."):
+                target = getattr(target, part)
+            target.override(value if isinstance(value, di.Provider) else di.Object(value))
+        return container
+
+    yield make
+    errors = []
+    for container in reversed(built):
+        try:
+            close_runtime(container)
+        except Exception as exc:  # every container is closed; the first failure is raised
+            errors.append(exc)
+    if errors:
+        raise errors[0]
+
+
+@pytest.fixture(scope="session")
+def faulty_device() -> Callable[..., FaultyDevice]:
+    """Factory: ``faulty_device(fail={"deallocate": 2}, inner=None)`` -> ``FaultyDevice``."""
+    from llmrt.device.torch import TorchDevice
+    from llmrt.testing.faulty_device import FaultyDevice
+
+    def make(
+        *, fail: Mapping[str, int | Sequence[int]] | None = None, inner: Device | None = None
+    ) -> FaultyDevice:
+        return FaultyDevice(inner if inner is not None else TorchDevice("cpu"), fail=fail or {})
+
+    return make
+
+
+@pytest.fixture
+def lifecycle_log(tmp_path: Path) -> Iterator[Path]:
+    """The lifecycle log of this test (JSON lines), audited at teardown."""
+    from llmrt.audit import check, read_events
+    from llmrt.lifecycle import configure_logging, reset_logging
+
+    path = tmp_path / "lifecycle.jsonl"
+    configure_logging(level="error", audit_path=path, console=False, audit_level="debug")
+    yield path
+    reset_logging()
+    violations = check(read_events(str(path)))
+    if violations:
+        shown = "\n".join(str(v) for v in violations[:10])
+        pytest.fail(f"lifecycle contract broken ({len(violations)} violation(s)):\n{shown}")
+
+
+@pytest.fixture(scope="session")
+def parity_harness() -> Callable[..., Harness]:
+    """Factory: ``parity_harness(family=..., hf_model=..., seed=0)`` -> parity ``Harness``.
+
+    The model uses the linear kernel ``device.linear: auto`` picks, as serving does.
+    """
+    import torch
+
+    from llmrt.families.layers import select_linear_kernel
+    from llmrt.testing.parity import Harness
+
+    def make(*, family: Family, hf_model: Any, seed: int = 0) -> Harness:
+        hf_model.eval()
+        model = family.build(
+            hf_config=hf_model.config.to_dict(),
+            tensors=hf_model.state_dict(),
+            dtype=torch.float32,
+            device="cpu",
+        )
+        select_linear_kernel(
+            model, choice="auto", device=torch.device("cpu"), dtype=torch.float32
+        )
+        return Harness(
+            hf_model=hf_model, model=model, vocab_size=model.config.vocab_size, seed=seed
+        )
+
+    return make

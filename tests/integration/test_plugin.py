@@ -1,0 +1,54 @@
+"""The pytest plugin's fixtures (``llmrt.testing.plugin``, entry point ``pytest11: llmrt``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+from llmrt.containers import start_runtime
+
+from llmrt.testing.faulty_device import FaultyDevice, InjectedFault
+
+
+def test_runtime_with_an_overridden_device_and_an_audited_log(
+    llmrt_runtime: Any, faulty_device: Any, lifecycle_log: Path
+) -> None:
+    device = faulty_device()
+    container = llmrt_runtime(
+        "tiny-llama",
+        overrides=["kv_cache.num_blocks=32", "warmup.prefill_seq_lens=[32]"],
+        providers={"device.device": device},
+    )
+    start_runtime(container)
+    assert container.device.device() is device
+    assert any(call.op == "allocate" for call in device.calls)
+    events = [json.loads(line)["event"] for line in lifecycle_log.read_text().splitlines()]
+    assert "kv.allocated" in events and "warmup.completed" in events
+    # closing (and auditing the whole log, kv.released included) happens at teardown
+
+
+def test_faulty_device_fails_the_chosen_call(faulty_device: Any) -> None:
+    import torch
+
+    device: FaultyDevice = faulty_device(fail={"allocate": 2})
+    device.allocate(shape=(2,), dtype=torch.float32)
+    with pytest.raises(InjectedFault):
+        device.allocate(shape=(2,), dtype=torch.float32)
+
+
+def test_lifecycle_log_fails_a_test_that_breaks_the_contract(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(
+        """
+        from llmrt.lifecycle import component_logger, emit
+
+        def test_releases_what_it_never_allocated(lifecycle_log):
+            emit(component_logger("kv_cache", object_id="KV@0x1"), "kv.released")
+        """
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, errors=1)
+    result.stdout.fnmatch_lines(
+        ["*lifecycle contract broken (1 violation(s))*", "*[[]kv-once[]]*never allocated*"]
+    )
