@@ -1,56 +1,62 @@
-"""vLLM call normalization and legacy physical KV-shape validation.
+"""The model class Tenstorrent's vLLM plugin (``vllm_tt_plugin``) drives, over a lane group.
 
-:class:`VLLMAdapter` is the plugin-facing facade a vLLM model runner drives. It sits
-over a :class:`~llmrt.lane_group.LaneGroupExecutor` (one lane is the degenerate
-group) and turns vLLM-shaped arguments into the runtime's own calls:
+The plugin loads a registered ``TT<Architecture>`` class and calls it in a fixed order with
+fixed argument forms (its ``loader.py``, ``worker.py``, ``model_runner.py``,
+``async_decode.py`` and ``model_input.py``); :class:`VLLMAdapter` accepts exactly those:
 
-``initialize_vllm_model(recipe=..., ...)``
-    Builds a :class:`~llmrt.containers.RuntimeContainer` from a recipe; vLLM's
-    ``tt_data_parallel`` becomes the ``lanes`` override, ``max_batch_size`` and
-    ``max_seq_len`` are checked against the recipe, a ``mesh_device`` (an llmrt
-    ``Device``) overrides the container's device provider. The adapter owns that
-    container (``close()`` tears it down).
+``get_max_tokens_all_users(model_name=, num_devices=, tt_data_parallel=, max_model_len=,
+max_num_seqs=)`` (class method)
+    The KV token budget the plugin sizes its block pool from. The plugin then adds one
+    block per sequence and divides by the block size, so the budget returned here makes
+    that pool exactly the recipe's per-lane KV capacity.
+``initialize_vllm_model(hf_config, mesh_device, max_batch_size, max_seq_len=,
+tt_data_parallel=, optimizations=)`` (class method, first three positional)
+    Picks the recipe from ``hf_config`` (:mod:`llmrt.vllm_recipe`), sets ``lanes`` to
+    ``tt_data_parallel`` and ``decode.lane_capacity`` to ``max_batch_size //
+    tt_data_parallel`` (the plugin pads each lane's decode batch to that many rows), wraps
+    a raw ttnn mesh in a borrowed :class:`~llmrt.device.ttnn.TtnnDevice` when the recipe
+    runs on ttnn, and builds the recipe's container (the adapter owns it).
 ``allocate_kv_cache(kv_cache_shape, dtype, num_layers)``
-    The legacy spec: ``kv_cache_shape = (num_blocks, kv_heads_per_device, block_size,
-    head_dim)`` per lane. Layer count, KV heads, block size, head dim and dtype must
-    match the model (``ConfigError`` naming the mismatch); ``num_blocks`` becomes the
-    physical capacity (shrink only), then every lane allocates. Returns one borrowed
-    :class:`~llmrt.paged_kv_cache.PagedKVCacheContext` per lane (the lanes own the tensors).
-``prefill_forward(tokens, page_table, kv_cache, enable_trace, prompt_lens, start_pos,
-sampling_params, empty_slots)``
-    ``tokens`` ``[B, S]`` right-padded full prompts (cached prefix included), ``prompt_lens``
-    ``[B]`` (None: ``S``), ``page_table`` ``[B, W]`` lane-local block ids of each row's lane,
-    ``start_pos`` ``[B]`` cached prefix tokens per row (None: 0), ``empty_slots`` ``[B]``
-    global decode slots (None: ``0..B-1``; lane = slot // lane capacity). Returns tokens
-    ``[B]`` (int64), or last-token logits ``[B, vocab]`` when ``sampling_params`` is None,
-    in row order.
-``decode_forward(tokens, page_table, kv_cache, start_pos, sampling_params, reset_batch,
-enable_trace, read_from_device)``
-    Row ``i`` is global slot ``i``; ``tokens`` ``[B]`` or ``[B, 1]``; a negative
-    ``start_pos`` marks an inactive slot (its page-table row becomes ``-1``: no KV write).
-    Page-table columns past the lane layout's width must be ``-1`` and are dropped.
-    Returns tokens ``[B]`` / logits ``[B, vocab]``, or with ``read_from_device=False`` an
-    opaque lease for ``read_decode_output``.
-``read_decode_output(out, async_read)`` / ``process_decode_output_host(value, is_tokens)``
-    ``async_read=False`` returns the host value, ``True`` returns ``(host_value, events)``;
-    ``process_decode_output_host`` completes the read and returns tokens or logits.
-``warmup_model_prefill(...)`` / ``warmup_model_decode(...)``
-    Drive every lane's ``WarmupCoordinator`` (either order, idempotent). Traces are
-    captured as soon as both have compiled, so the traced warmup calls vLLM makes after
-    the eager ones are no-ops.
+    ``kv_cache_shape = (num_blocks, kv_heads_per_device, block_size, head_dim)`` per lane.
+    ``dtype`` is vLLM's model dtype, a sizing surrogate: the recipe's KV dtype is what is
+    allocated (as tt-metal's generators do). Returns one KV handle per lane.
+``warmup_model_prefill(kv_cache, enable_trace, can_sample_on_device[,
+non_greedy_decoding_on_device])`` / ``warmup_model_decode(kv_cache, enable_trace,
+max_batch_size, num_blocks, can_sample_on_device[, non_greedy_decoding_on_device])``
+    ``num_blocks`` is vLLM's page-table width per request, ``min(cdiv(max_model_len,
+    block_size), physical blocks)``. The ``non_greedy_decoding_on_device`` flag is the
+    plugin's ``dev`` branch (llmrt samples every row on device either way).
+``prefill_forward(tokens, page_table, kv_cache, enable_trace, prompt_lens, start_pos
+[, sampling_params, empty_slots, page_tables_per_layer])``
+    Logits ``[B, 1, vocab]`` (the plugin's host sampler reads ``out[rows, -1, :]``), or
+    tokens ``[B]`` when the plugin samples on device (``sampling_params`` given; with
+    log-probabilities requested, ``(tokens, logprobs)``).
+``decode_forward(tokens, start_pos, page_table, kv_cache, enable_trace, read_from_device
+[, sampling_params, prompt_tokens, output_tokens, reset_batch, slot_remap,
+page_tables_per_layer, rope_deltas_all_users])``
+    Row ``i`` is global decode slot ``i``; a negative ``start_pos`` is a padding row.
+    Page tables arrive zero-padded to the plugin's width: only the columns a row's
+    position reaches are read. ``slot_remap`` (row ``i`` takes the per-slot state of slot
+    ``remap[i]``) moves the per-slot sampling step counters. With
+    ``read_from_device=False`` the result is an opaque :class:`VLLMDecodeOutput`.
+``read_decode_output(tt_out, async_read=)`` / ``process_decode_output_host(tt_out,
+is_tokens=)``
+    ``read_decode_output(..., async_read=True)`` returns ``(tt_out, events)`` whose events
+    are what ``ttnn.event_synchronize`` accepts (the mesh's own events; none on a torch
+    device, whose reads complete in ``process_decode_output_host``).
+    ``process_decode_output_host`` takes the raw ``decode_forward`` output (the plugin's
+    synchronous path), a read's output (the async path) or host tensors (returned as given).
 
-Every method takes its parameters by keyword (``allocate_kv_cache`` also positionally,
-as vLLM calls it). ``kv_cache`` may be one handle (one lane) or a list with one handle
-per lane. ``prompt_tokens`` / ``output_tokens`` (per-row token lists, or 2-D tensors
-whose out-of-vocabulary entries are padding) feed repetition penalties. Any other
-keyword argument raises ``RequestError`` naming it, unless it is in
-``VLLMAdapterConfig.ignored_kwargs`` — by default the documented whitelist
-:data:`IGNORED_KWARGS` of vLLM hints that carry no information for this runtime.
+``model_capabilities``, ``cache_path`` and ``cleanup`` complete what the plugin reads.
+Direct callers may also pass llmrt ``SamplingParams`` and ``recipe=`` / ``overrides=``.
 """
 
 from __future__ import annotations
 
+import json
+import warnings
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
@@ -58,41 +64,30 @@ import attrs
 import torch
 
 from llmrt.checks import first_outside
-from llmrt.config import KV_DTYPES
 from llmrt.device.base import Device
 from llmrt.errors import ConfigError, IdentityError, RequestError
 from llmrt.lane_group import LaneGroupExecutor, LaneGroupHost, LaneGroupLease
 from llmrt.paged_kv_cache import PagedKVCacheContext
 from llmrt.prefill.plan import PrefillRow
-from llmrt.sampling_params import SamplingParams
 from llmrt.startup import StartupSequence
+from llmrt.vllm_recipe import select_recipe
+from llmrt.vllm_sampling import SamplingArg, per_row_params
 from llmrt.weights.tokenizer import Tokenizer
 
 if TYPE_CHECKING:
     from llmrt.containers import RuntimeContainer
-    from llmrt.recipe import Overrides
-
-IGNORED_KWARGS: Mapping[str, str] = MappingProxyType(
-    {
-        "greedy_only": "warmup hint; warmup compiles the greedy and the sampled paths anyway",
-        "optimizations": "precision preset of initialize_vllm_model; the recipe sets precision",
-    }
-)
-"""Keyword arguments accepted and ignored by default, with the reason each carries nothing."""
+    from llmrt.decode import DecodeOutput
+    from llmrt.prefill.result_collector import PrefillOutput
+    from llmrt.recipe import Overrides, Recipe
 
 KVCacheArg = PagedKVCacheContext | Sequence[PagedKVCacheContext] | None
-SamplingArg = SamplingParams | Sequence[SamplingParams | None] | None
 TokenListsArg = torch.Tensor | Sequence[Sequence[int]] | None
+IntsArg = torch.Tensor | Sequence[int] | Any
+TableArg = torch.Tensor | Sequence[Sequence[int]]
+HostOutput = torch.Tensor | tuple[torch.Tensor, torch.Tensor]
 
-
-def _dtype_of(field: str, value: object) -> torch.dtype:
-    if isinstance(value, torch.dtype):
-        return value
-    name = str(value).removeprefix("torch.")
-    dtype = KV_DTYPES.get(name)
-    if dtype is None:
-        raise ConfigError(field, value, f"must be a torch dtype or one of {sorted(KV_DTYPES)}")
-    return dtype
+#: vLLM's ``optimizations`` presets (the plugin accepts only these); the recipe fixes precision.
+OPTIMIZATION_PRESETS = ("performance", "accuracy")
 
 
 def _is_int(value: object) -> bool:
@@ -114,7 +109,6 @@ class VLLMAdapterConfig:
     max_model_len: int
     vocab_size: int
     page_table_width: int
-    ignored_kwargs: frozenset[str]
 
     @property
     def max_batch_size(self) -> int:
@@ -127,11 +121,7 @@ class VLLMAdapterConfig:
 
     @classmethod
     def resolve(
-        cls,
-        *,
-        group: LaneGroupExecutor,
-        max_model_len: int | None = None,
-        ignored_kwargs: Mapping[str, str] | frozenset[str] = IGNORED_KWARGS,
+        cls, *, group: LaneGroupExecutor, max_model_len: int | None = None
     ) -> VLLMAdapterConfig:
         """Read the KV geometry, capacity and limits every lane must share."""
         first = group.lanes[0]
@@ -166,13 +156,16 @@ class VLLMAdapterConfig:
             max_model_len=max_model_len,
             vocab_size=first.decode.config.vocab_size,
             page_table_width=first.layout.width,
-            ignored_kwargs=frozenset(ignored_kwargs),
         )
 
     def validate_kv_spec(
         self, *, kv_cache_shape: Sequence[int], dtype: object, num_layers: int
     ) -> int:
-        """Check a legacy KV spec against the model; returns its ``num_blocks``."""
+        """Check a legacy KV spec against the model; returns its ``num_blocks``.
+
+        ``dtype`` must be a floating torch dtype: vLLM sends the model's dtype as a
+        surrogate for sizing, while the recipe's ``kv_cache.dtype`` is what is stored.
+        """
         shape = tuple(kv_cache_shape)
         if len(shape) != 4 or not all(_is_int(d) for d in shape):
             raise ConfigError(
@@ -192,24 +185,43 @@ class VLLMAdapterConfig:
                     shape[index],
                     f"the model's {name} is {expected[index]} (expected shape {expected})",
                 )
-        got = _dtype_of("dtype", dtype)
-        if got != self.kv_dtype:
-            raise ConfigError("dtype", dtype, f"the model's KV cache dtype is {self.kv_dtype}")
+        named = (
+            getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else dtype
+        )
+        if not isinstance(named, torch.dtype) or not named.is_floating_point:
+            raise ConfigError("dtype", dtype, "must be a floating torch dtype (vLLM's model dtype)")
         num_blocks = shape[0]
         if not 0 < num_blocks <= self.max_num_blocks:
             raise ConfigError(
                 "kv_cache_shape[0] (num_blocks)",
                 num_blocks,
-                f"must be in [1, {self.max_num_blocks}] (physical capacity may only shrink)",
+                f"must be in [1, {self.max_num_blocks}], the recipe's per-lane KV capacity "
+                "(raise kv_cache.max_num_blocks, e.g. through LLMRT_VLLM_OVERRIDES)",
             )
         return num_blocks
 
 
-class VLLMAdapter:
-    """vLLM's model interface over a lane group; borrows the group (owns a container it built)."""
+@attrs.define(kw_only=True, eq=False)
+class VLLMDecodeOutput:
+    """A decode step not yet read back (``decode_forward(read_from_device=False)``)."""
 
-    #: What the vLLM plugin may rely on (prefix caching: cached prefixes via ``start_pos``).
-    model_capabilities: Mapping[str, bool] = MappingProxyType({"supports_prefix_caching": True})
+    lease: LaneGroupLease
+    is_tokens: bool
+    logprobs: bool
+    host: LaneGroupHost | None = None
+
+
+class VLLMAdapter:
+    """vLLM's TT model interface over a lane group (owns the container it built, if any)."""
+
+    #: What the plugin reads before loading the model (``platform.py``).
+    model_capabilities: Mapping[str, bool] = MappingProxyType(
+        {
+            "supports_prefix_caching": True,  # cached prefixes arrive as start_pos
+            "supports_async_decode": True,  # read_from_device=False + read_decode_output
+            "supports_sample_on_device": True,  # TTSamplingParams in, tokens out
+        }
+    )
 
     def __init__(
         self,
@@ -218,62 +230,104 @@ class VLLMAdapter:
         config: VLLMAdapterConfig,
         tokenizer: Tokenizer | None = None,
         owned_container: RuntimeContainer | None = None,
+        recipe: Recipe | None = None,
+        optimizations: str | None = None,
         startup: StartupSequence | None = None,
     ) -> None:
         self.group = group
         self.config = config
         self.tokenizer = tokenizer
+        self.recipe = recipe
+        self.optimizations = optimizations
         self._container = owned_container
+        self._closed = False
         # vLLM drives the runtime's one startup sequence phase by phase, in its own call order.
         self.startup = startup if startup is not None else StartupSequence(group=group)
         if self.startup.group is not group:
             raise IdentityError(
                 "the startup sequence starts the adapter's lane group", self.startup.group, group
             )
+        #: Per decode slot: how many tokens the request there has produced (seeded sampling
+        #: draws output ``n`` from ``(seed, n)``, as ``LLM.generate`` does).
+        self._steps = [0] * config.max_batch_size
 
     # -- construction --------------------------------------------------------------------
 
     @classmethod
+    def get_max_tokens_all_users(
+        cls,
+        model_name: str = "",
+        num_devices: int = 1,
+        tt_data_parallel: int = 1,
+        max_model_len: int | None = None,
+        max_num_seqs: int | None = None,
+        **_: Any,
+    ) -> int:
+        """KV tokens per lane that make vLLM's pool exactly the recipe's KV capacity.
+
+        The plugin computes ``ceil((this + block_size * max_num_seqs) / block_size)``
+        blocks per lane (``max_num_seqs`` per lane), so this is the capacity less one
+        block per sequence (at least one block).
+        """
+        choice = select_recipe(hf_config=_local_hf_config(model_name), model_name=model_name)
+        recipe = choice.load()
+        kv = recipe.kv_cache
+        blocks = kv.num_blocks if kv.num_blocks is not None else kv.max_num_blocks
+        per_lane = max_num_seqs if max_num_seqs else recipe.decode.lane_capacity
+        return max(blocks - int(per_lane), 1) * kv.block_size
+
+    @classmethod
     def initialize_vllm_model(
         cls,
-        *,
-        recipe: str,
-        overrides: Overrides | None = None,
-        hf_config: object | None = None,
-        mesh_device: object | None = None,
+        hf_config: object,
+        mesh_device: object = None,
         max_batch_size: int | None = None,
         max_seq_len: int | None = None,
-        tt_data_parallel: int | None = None,
-        **extra: Any,
+        tt_data_parallel: int = 1,
+        optimizations: str | None = None,
+        *,
+        recipe: str | None = None,
+        overrides: Overrides | None = None,
     ) -> VLLMAdapter:
-        """Build the recipe's container and wrap its lane group (the adapter owns it)."""
+        """Build the recipe's container for vLLM's sizes and wrap its lane group."""
         from llmrt.containers import Borrowed, RuntimeContainer, close_runtime
-        from llmrt.recipe import load_recipe
 
-        _reject(extra, "initialize_vllm_model", IGNORED_KWARGS)
-        merged = _with_lanes(overrides, tt_data_parallel)
-        loaded = load_recipe(recipe, overrides=merged)
-        if max_batch_size is not None and max_batch_size > loaded.decode_slots:
+        if optimizations is not None and optimizations not in OPTIMIZATION_PRESETS:
             raise ConfigError(
-                "max_batch_size",
-                max_batch_size,
-                f"exceeds the recipe's decode slots lanes * decode.lane_capacity = "
-                f"{loaded.lanes} * {loaded.decode.lane_capacity}",
+                "optimizations", optimizations, f"must be None or one of {OPTIMIZATION_PRESETS}"
             )
-        if max_seq_len is not None and max_seq_len > loaded.serving.max_model_len:
+        lanes = 1 if tt_data_parallel is None else tt_data_parallel
+        if not _is_int(lanes) or lanes < 1:
+            raise ConfigError("tt_data_parallel", tt_data_parallel, "must be a positive integer")
+        lane_capacity = None
+        if max_batch_size is not None:
+            if not _is_int(max_batch_size) or max_batch_size < lanes:
+                raise ConfigError(
+                    "max_batch_size", max_batch_size, f"must be an integer >= {lanes} (lanes)"
+                )
+            if max_batch_size % lanes:
+                raise ConfigError(
+                    "max_batch_size",
+                    max_batch_size,
+                    f"must split evenly over tt_data_parallel={lanes} lanes",
+                )
+            lane_capacity = max_batch_size // lanes
+        choice = select_recipe(hf_config=hf_config, recipe=recipe, overrides=overrides)
+        loaded = choice.load_for(lanes=lanes, lane_capacity=lane_capacity)
+        if max_seq_len is not None and (
+            not _is_int(max_seq_len) or not 0 < max_seq_len <= loaded.serving.max_model_len
+        ):
             raise ConfigError(
                 "max_seq_len",
                 max_seq_len,
-                f"exceeds the recipe's serving.max_model_len={loaded.serving.max_model_len}",
+                f"exceeds the recipe's serving.max_model_len={loaded.serving.max_model_len} "
+                "(pass vLLM --max-model-len at most that)",
             )
-        if mesh_device is not None and not isinstance(mesh_device, Device):
-            raise ConfigError(
-                "mesh_device", mesh_device, "must be an llmrt Device (or None: the recipe's)"
-            )
+        device = _device_for(mesh_device, loaded)
         container = RuntimeContainer(recipe=loaded)
-        if mesh_device is not None:
+        if device is not None:
             # vLLM opened the mesh and closes it: the runtime borrows it (teardown leaves it).
-            container.device.device.override(Borrowed(mesh_device))
+            container.device.device.override(Borrowed(device))
         try:
             group = container.lane_group()
             config = VLLMAdapterConfig.resolve(
@@ -283,8 +337,8 @@ class VLLMAdapter:
                     group.lanes[0].layout.max_sequence_length,
                 ),
             )
-            vocab = _vocab_of(hf_config)
-            if vocab is not None and vocab != config.vocab_size:
+            vocab = _field(hf_config, "vocab_size")
+            if _is_int(vocab) and vocab != config.vocab_size:
                 raise ConfigError(
                     "hf_config.vocab_size", vocab, f"the recipe's model has {config.vocab_size}"
                 )
@@ -298,15 +352,41 @@ class VLLMAdapter:
             config=config,
             tokenizer=tokenizer,
             owned_container=container,
+            recipe=loaded,
+            optimizations=optimizations,
             startup=startup,
         )
 
+    @property
+    def cache_path(self) -> Path:
+        """Where llmrt keeps converted checkpoints and compiled programs (``LLMRT_CACHE_DIR``)."""
+        from llmrt.weights.cache import default_cache_dir
+
+        return default_cache_dir()
+
     def close(self, *, primary: BaseException | None = None) -> None:
         """Tear down the container this adapter built (nothing when it borrows); idempotent."""
+        if self._closed:
+            return
+        self._closed = True
         if self._container is not None:
             from llmrt.containers import close_runtime
 
             close_runtime(self._container, primary=primary)
+
+    def cleanup(self) -> None:
+        """The name tt-metal's generators use for :meth:`close`."""
+        self.close()
+
+    def __del__(self) -> None:
+        # The plugin never calls cleanup: its worker drops the model runner, then closes the
+        # mesh. Release the runtime first; an error here cannot propagate, so warn.
+        if getattr(self, "_closed", True):
+            return
+        try:
+            self.close()
+        except Exception as exc:  # pragma: no cover - depends on interpreter teardown
+            warnings.warn(f"VLLMAdapter teardown failed: {exc}", RuntimeWarning, stacklevel=1)
 
     def __enter__(self) -> VLLMAdapter:
         return self
@@ -319,7 +399,7 @@ class VLLMAdapter:
     def allocate_kv_cache(
         self, kv_cache_shape: Sequence[int], dtype: object, num_layers: int
     ) -> list[PagedKVCacheContext]:
-        """Validate the legacy spec, fix the physical capacity, allocate every lane's KV."""
+        """Validate vLLM's KV spec, fix the physical capacity, allocate every lane's KV."""
         num_blocks = self.config.validate_kv_spec(
             kv_cache_shape=kv_cache_shape, dtype=dtype, num_layers=num_layers
         )
@@ -346,44 +426,45 @@ class VLLMAdapter:
 
     def warmup_model_prefill(
         self,
-        *,
         kv_cache: KVCacheArg = None,
         enable_trace: bool = False,
-        can_sample_on_device: bool | None = None,
-        **extra: Any,
+        can_sample_on_device: bool = False,
+        non_greedy_decoding_on_device: bool = False,
     ) -> None:
-        """Compile every lane's prefill coverage (capture follows once decode is warm too)."""
-        self._check_warmup(
-            extra, "warmup_model_prefill", kv_cache, enable_trace, can_sample_on_device
-        )
+        """Compile every lane's prefill coverage (capture follows once decode is warm too).
+
+        Both sampling flags are hints: llmrt compiles the logits and the sampled paths.
+        """
+        self._check_warmup(kv_cache, enable_trace)
         self.startup.warmup_prefill()
         self._activate_when_warm()
 
     def warmup_model_decode(
         self,
-        *,
         kv_cache: KVCacheArg = None,
         enable_trace: bool = False,
         max_batch_size: int | None = None,
         num_blocks: int | None = None,
-        can_sample_on_device: bool | None = None,
-        **extra: Any,
+        can_sample_on_device: bool = False,
+        non_greedy_decoding_on_device: bool = False,
     ) -> None:
-        """Compile every lane's decode program (capture follows once prefill is warm too)."""
-        self._check_warmup(
-            extra, "warmup_model_decode", kv_cache, enable_trace, can_sample_on_device
-        )
-        if max_batch_size is not None and not 0 < max_batch_size <= self.config.max_batch_size:
+        """Compile every lane's decode program (capture follows once prefill is warm too).
+
+        ``num_blocks`` is vLLM's blocks per request (its page-table width).
+        """
+        self._check_warmup(kv_cache, enable_trace)
+        cfg = self.config
+        if max_batch_size is not None and not 0 < max_batch_size <= cfg.max_batch_size:
             raise RequestError(
                 "max_batch_size",
-                f"must be in [1, {self.config.max_batch_size}] (the decode slots)",
+                f"must be in [1, {cfg.max_batch_size}] (the decode slots)",
                 value=max_batch_size,
             )
-        physical = self.group.lanes[0].layout.num_blocks
-        if num_blocks is not None and num_blocks != physical:
+        if num_blocks is not None and not 0 < num_blocks <= cfg.page_table_width:
             raise RequestError(
                 "num_blocks",
-                f"the allocated cache has {physical} blocks per lane",
+                f"blocks per request must be in [1, {cfg.page_table_width}] (the lane "
+                "layout's page-table width)",
                 value=num_blocks,
             )
         self.startup.warmup_decode()
@@ -394,21 +475,13 @@ class VLLMAdapter:
         if self.startup.warmed:
             self.startup.activate()
 
-    def _check_warmup(
-        self,
-        extra: Mapping[str, Any],
-        method: str,
-        kv_cache: KVCacheArg,
-        enable_trace: bool,
-        can_sample_on_device: bool | None,
-    ) -> None:
-        _reject(extra, method, self.config.ignored_kwargs)
+    def _check_warmup(self, kv_cache: KVCacheArg, enable_trace: bool) -> None:
         self._check_kv(kv_cache)
         if enable_trace and any(lane.traced is None for lane in self.group.lanes):
-            raise RequestError("enable_trace", "the recipe's trace.mode is none", value=True)
-        if can_sample_on_device and not self.group.lanes[0].decode.config.device_sampling:
             raise RequestError(
-                "can_sample_on_device", "the recipe sets decode.device_sampling=false", value=True
+                "enable_trace",
+                "the recipe's trace.mode is none (set the plugin's trace_mode to none)",
+                value=True,
             )
 
     # -- prefill -------------------------------------------------------------------------
@@ -416,13 +489,16 @@ class VLLMAdapter:
     def prefill_rows(
         self,
         *,
-        tokens: torch.Tensor | Sequence[Sequence[int]],
-        page_table: torch.Tensor | Sequence[Sequence[int]],
-        prompt_lens: torch.Tensor | Sequence[int] | None = None,
-        start_pos: torch.Tensor | Sequence[int] | None = None,
-        empty_slots: torch.Tensor | Sequence[int] | None = None,
+        tokens: TableArg,
+        page_table: TableArg,
+        prompt_lens: IntsArg | None = None,
+        start_pos: IntsArg | None = None,
+        empty_slots: IntsArg | None = None,
     ) -> list[PrefillRow]:
-        """vLLM prefill arguments as planner rows with GLOBAL slots (the group routes them)."""
+        """vLLM prefill arguments as planner rows with GLOBAL slots (the group routes them).
+
+        ``page_table`` columns past the blocks a prompt needs are padding (vLLM zero-fills).
+        """
         cfg = self.config
         tok, given_lens = _padded("tokens", tokens)
         rows, width = int(tok.shape[0]), int(tok.shape[1])
@@ -509,22 +585,21 @@ class VLLMAdapter:
 
     def prefill_forward(
         self,
-        *,
-        tokens: torch.Tensor | Sequence[Sequence[int]],
-        page_table: torch.Tensor | Sequence[Sequence[int]],
+        tokens: TableArg,
+        page_table: TableArg,
         kv_cache: KVCacheArg = None,
         enable_trace: bool | None = None,
-        prompt_lens: torch.Tensor | Sequence[int] | None = None,
-        start_pos: torch.Tensor | Sequence[int] | None = None,
+        prompt_lens: IntsArg | None = None,
+        start_pos: IntsArg | None = None,
         sampling_params: SamplingArg = None,
-        empty_slots: torch.Tensor | Sequence[int] | None = None,
+        empty_slots: IntsArg | None = None,
+        page_tables_per_layer: Sequence[TableArg] | None = None,
         prompt_tokens: TokenListsArg = None,
         output_tokens: TokenListsArg = None,
-        **extra: Any,
-    ) -> torch.Tensor:
-        """Prefill vLLM's padded batch; tokens ``[B]`` or logits ``[B, vocab]`` in row order."""
-        _reject(extra, "prefill_forward", self.config.ignored_kwargs)
+    ) -> HostOutput:
+        """Prefill vLLM's padded batch: logits ``[B, 1, vocab]``, or tokens ``[B]`` if sampling."""
         self._check_kv(kv_cache)
+        _check_per_layer(page_tables_per_layer, page_table, self.config.num_layers)
         rows = self.prefill_rows(
             tokens=tokens,
             page_table=page_table,
@@ -532,37 +607,37 @@ class VLLMAdapter:
             start_pos=start_pos,
             empty_slots=empty_slots,
         )
-        params = _sampling(sampling_params, len(rows))
+        params = per_row_params(sampling_params, len(rows), vocab_size=self.config.vocab_size)
+        history = self._history(prompt_tokens, output_tokens, len(rows))
+        if history is None and any(p is not None and p.has_penalties for p in params or ()):
+            # The plugin sends no history with a prefill: penalties see the prompt.
+            history = [(row.tokens.tolist(), []) for row in rows]
         out = self.group.prefill_forward(
-            rows=rows,
-            sampling_params=params,
-            history=self._history(prompt_tokens, output_tokens, len(rows)),
-            enable_trace=enable_trace,
+            rows=rows, sampling_params=params, history=history, enable_trace=enable_trace
         )
-        value = out.logits if params is None else out.tokens
-        if value is None:
-            raise RuntimeError("prefill produced no " + ("logits" if params is None else "tokens"))
-        return value
+        for row in rows:
+            self._steps[row.slot] = 1  # output 0 came from this prefill
+        return _host_output(out, params, what="prefill")
 
     # -- decode --------------------------------------------------------------------------
 
     def decode_forward(
         self,
-        *,
-        tokens: torch.Tensor | Sequence[int],
-        start_pos: torch.Tensor | Sequence[int],
-        page_table: torch.Tensor | Sequence[Sequence[int]],
+        tokens: IntsArg,
+        start_pos: IntsArg,
+        page_table: TableArg,
         kv_cache: KVCacheArg = None,
-        sampling_params: SamplingArg = None,
-        reset_batch: bool = False,
         enable_trace: bool | None = None,
         read_from_device: bool = True,
+        sampling_params: SamplingArg = None,
         prompt_tokens: TokenListsArg = None,
         output_tokens: TokenListsArg = None,
-        **extra: Any,
-    ) -> torch.Tensor | LaneGroupLease:
-        """One decode step over global slots ``0..B-1``; a lease when not reading back."""
-        _reject(extra, "decode_forward", self.config.ignored_kwargs)
+        reset_batch: bool = False,
+        slot_remap: IntsArg | None = None,
+        page_tables_per_layer: Sequence[TableArg] | None = None,
+        rope_deltas_all_users: Sequence[float] | IntsArg | None = None,
+    ) -> HostOutput | VLLMDecodeOutput:
+        """One decode step over global slots ``0..B-1``; a handle when not reading back."""
         self._check_kv(kv_cache)
         cfg = self.config
         tok = _int_tensor("tokens", tokens)
@@ -576,67 +651,125 @@ class VLLMAdapter:
                 "tokens", f"batch exceeds the {cfg.max_batch_size} decode slots", value=rows
             )
         pos = torch.tensor(_int_list("start_pos", start_pos, rows), dtype=torch.int64)
-        table = _int_tensor("page_table", page_table)
-        if table.dim() != 2 or table.shape[0] != rows:
-            raise RequestError("page_table", f"must be [{rows}, width]", value=tuple(table.shape))
-        width = cfg.page_table_width
-        if table.shape[1] > width:
-            beyond = (table[:, width:] >= 0).nonzero()
-            if beyond.numel():
-                r = int(beyond[0, 0])
-                raise RequestError(
-                    "page_table",
-                    f"maps a block past column {width - 1}, the lane layout's last column",
-                    row=r,
-                    value=int(table[r, width + int(beyond[0, 1])]),
-                )
-            table = table[:, :width]
+        _check_per_layer(page_tables_per_layer, page_table, cfg.num_layers)
+        _check_rope_deltas(rope_deltas_all_users)
+        table = self._decode_table(page_table, pos, rows)
         inactive = pos < 0
         tok = torch.where(inactive, torch.zeros_like(tok), tok)
         pos = torch.where(inactive, torch.zeros_like(pos), pos)
-        table = torch.where(inactive.unsqueeze(1), torch.full_like(table, -1), table)
-        params = _sampling(sampling_params, rows)
+        self._remap_slots(slot_remap, rows)
+        params = per_row_params(sampling_params, rows, vocab_size=cfg.vocab_size)
+        active = [i for i in range(rows) if not bool(inactive[i])]
+        offsets = [self._steps[i] if i in active else 0 for i in range(rows)]
         out = self.group.decode_forward(
             tokens=tok,
             start_pos=pos,
             page_table=table,
             sampling_params=params,
+            step_offsets=offsets,
             reset_batch=reset_batch,
             read_from_device=read_from_device,
             history=self._history(prompt_tokens, output_tokens, rows),
             enable_trace=enable_trace,
         )
+        for i in active:
+            self._steps[i] += 1
         if isinstance(out, LaneGroupLease):
-            return out
-        value = out.logits if params is None else out.tokens
-        if value is None:
-            raise RuntimeError("decode produced no " + ("logits" if params is None else "tokens"))
-        return value
+            return VLLMDecodeOutput(
+                lease=out, is_tokens=params is not None, logprobs=_wants_logprobs(params)
+            )
+        return _host_output(out, params, what="decode")
+
+    def _decode_table(self, page_table: TableArg, pos: torch.Tensor, rows: int) -> torch.Tensor:
+        """vLLM's zero-padded table as lane-layout columns: only the blocks a row reaches."""
+        cfg = self.config
+        table = _int_tensor("page_table", page_table)
+        if table.dim() != 2 or table.shape[0] != rows:
+            raise RequestError("page_table", f"must be [{rows}, width]", value=tuple(table.shape))
+        width = cfg.page_table_width
+        reach = torch.where(pos < 0, torch.zeros_like(pos), pos // cfg.block_size + 1)
+        too_far = (reach > min(width, int(table.shape[1]))).nonzero()
+        if too_far.numel():
+            r = int(too_far[0, 0])
+            raise RequestError(
+                "start_pos",
+                f"position needs block column {int(reach[r]) - 1}, past the page table's "
+                f"{min(width, int(table.shape[1]))} columns",
+                row=r,
+                value=int(pos[r]),
+            )
+        cols = torch.arange(min(width, int(table.shape[1])))
+        kept = table[:, : cols.numel()]
+        return torch.where(cols.unsqueeze(0) < reach.unsqueeze(1), kept, torch.full_like(kept, -1))
+
+    def _remap_slots(self, slot_remap: IntsArg | None, rows: int) -> None:
+        """Row ``i`` takes slot ``remap[i]``'s per-slot state (a gather over the slots)."""
+        if slot_remap is None:
+            return
+        remap = [int(v) for v in _int_tensor("slot_remap", slot_remap).reshape(-1).tolist()]
+        n = len(remap)
+        cfg = self.config
+        if not rows <= n <= cfg.max_batch_size or sorted(remap) != list(range(n)):
+            raise RequestError(
+                "slot_remap",
+                f"must be a permutation of 0..{n - 1} covering the {rows} rows "
+                f"(at most {cfg.max_batch_size} slots)",
+                value=remap,
+            )
+        cap = cfg.lane_capacity
+        for i, src in enumerate(remap):
+            if src // cap != i // cap:
+                raise RequestError(
+                    "slot_remap",
+                    f"moves slot {src} to row {i} across lanes (KV blocks are lane-local)",
+                    row=i,
+                    value=src,
+                )
+        moved = [self._steps[src] for src in remap]
+        self._steps[:n] = moved
+
+    # -- decode output -------------------------------------------------------------------
 
     def read_decode_output(
-        self, out: LaneGroupLease, *, async_read: bool = False
-    ) -> LaneGroupHost | tuple[LaneGroupHost, tuple[Any, ...]]:
-        """Start reading a decode lease: the host value, or ``(host_value, events)`` if async."""
-        if not isinstance(out, LaneGroupLease):
-            raise RequestError(
-                "out", "must be the lease decode_forward(read_from_device=False) returned"
-            )
-        host, events = self.group.read_decode_output(out, async_read=async_read)
+        self, tt_out: VLLMDecodeOutput, async_read: bool = False
+    ) -> VLLMDecodeOutput | tuple[VLLMDecodeOutput, list[Any]]:
+        """Start reading a decode step: ``(tt_out, events)`` if async, else ``tt_out`` read.
+
+        The events are what ``ttnn.event_synchronize`` takes: the mesh's own events (none
+        on a torch device, whose read completes in ``process_decode_output_host``).
+        """
+        out = _decode_handle(tt_out)
+        if out.host is not None:
+            raise RequestError("tt_out", "this decode output is already being read")
+        host, events = self.group.read_decode_output(out.lease, async_read=async_read)
         if not isinstance(host, LaneGroupHost):
             raise RuntimeError("the lane group returned an unexpected host value")
-        return (host, events) if async_read else host
+        out.host = host
+        return (out, _native_events(events)) if async_read else out
 
-    def process_decode_output_host(
-        self, value: LaneGroupHost, *, is_tokens: bool = True
-    ) -> torch.Tensor:
-        """Complete a read and return tokens ``[B]`` (``is_tokens``) or logits ``[B, vocab]``."""
-        out = self.group.process_decode_output_host(value, is_tokens=is_tokens)
-        result = out.tokens if is_tokens else out.logits
-        if result is None:
+    def process_decode_output_host(self, tt_out: Any, is_tokens: bool = False) -> HostOutput:
+        """Complete a decode read: tokens ``[B]`` or logits ``[B, 1, vocab]``.
+
+        Takes ``decode_forward``'s raw output (read here), ``read_decode_output``'s, or
+        host tensors (returned as they are: the plugin's ``dev`` branch passes those too).
+        """
+        if isinstance(tt_out, torch.Tensor) or (
+            isinstance(tt_out, tuple) and all(isinstance(t, torch.Tensor) for t in tt_out)
+        ):
+            return tt_out
+        out = _decode_handle(tt_out)
+        if is_tokens != out.is_tokens:
             raise RequestError(
-                "is_tokens", "the decode output holds no such value", value=is_tokens
+                "is_tokens",
+                f"the decode step produced {'tokens' if out.is_tokens else 'logits'}",
+                value=is_tokens,
             )
-        return result
+        host = out.host
+        if host is None:
+            host, _ = self.group.read_decode_output(out.lease, async_read=False)
+        out.host = None
+        result = self.group.process_decode_output_host(host, is_tokens=is_tokens)
+        return _format(result, tokens=is_tokens, logprobs=out.logprobs, what="decode")
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -651,43 +784,114 @@ class VLLMAdapter:
         return list(zip(prompts, outputs, strict=True))
 
 
-def _reject(
-    extra: Mapping[str, Any], method: str, allowed: Mapping[str, str] | frozenset[str]
-) -> None:
-    for name in extra:
-        if name not in allowed:
-            raise RequestError(
-                name,
-                f"is not a keyword argument of VLLMAdapter.{method} "
-                f"(ignored extras: {', '.join(sorted(allowed)) or 'none'})",
-            )
+# -- module helpers ----------------------------------------------------------------------
 
 
-def _with_lanes(overrides: Overrides | None, lanes: int | None) -> Overrides | None:
-    if lanes is None:
-        return overrides
-    if not _is_int(lanes) or lanes < 1:
-        raise ConfigError("tt_data_parallel", lanes, "must be a positive integer")
-    if overrides is None:
-        return {"lanes": lanes}
-    if isinstance(overrides, Mapping):
-        if "lanes" in overrides and overrides["lanes"] != lanes:
-            raise ConfigError(
-                "tt_data_parallel", lanes, f"disagrees with the override lanes={overrides['lanes']}"
-            )
-        return {**overrides, "lanes": lanes}
-    return [*overrides, f"lanes={lanes}"]
-
-
-def _vocab_of(hf_config: object | None) -> int | None:
-    if hf_config is None:
+def _field(obj: object, name: str) -> Any:
+    if obj is None:
         return None
-    value = (
-        hf_config.get("vocab_size")
-        if isinstance(hf_config, Mapping)
-        else getattr(hf_config, "vocab_size", None)
-    )
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
+    if isinstance(obj, Mapping):
+        return obj.get(name)
+    return getattr(obj, name, None)
+
+
+def _local_hf_config(model_name: str) -> dict[str, Any] | None:
+    """``config.json`` of a local checkpoint directory (the plugin passes only its name)."""
+    path = Path(model_name) / "config.json" if model_name else None
+    if path is None or not path.is_file():
+        return None
+    with open(path, encoding="utf-8") as fh:
+        data = json.load(fh)
+    return {**data, "_name_or_path": model_name} if isinstance(data, dict) else None
+
+
+def _device_for(mesh_device: object, recipe: Recipe) -> Device | None:
+    """The device vLLM's mesh becomes: None keeps the recipe's own."""
+    if mesh_device is None or isinstance(mesh_device, Device):
+        return mesh_device
+    if recipe.device.backend != "ttnn":
+        warnings.warn(
+            f"recipe {recipe.name!r} runs on device.backend={recipe.device.backend}; the "
+            "vLLM mesh is not used (set device.backend=ttnn to run on it)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
+    from llmrt.device.ttnn import TtnnDevice, import_ttnn
+
+    return TtnnDevice(mesh_device, ttnn_module=import_ttnn(), owns_mesh=False)
+
+
+def _native_events(events: Sequence[Any]) -> list[Any]:
+    from llmrt.device.ttnn import TtnnEvent
+
+    return [e.mesh_event for e in events if isinstance(e, TtnnEvent)]
+
+
+def _decode_handle(value: object) -> VLLMDecodeOutput:
+    if not isinstance(value, VLLMDecodeOutput):
+        raise RequestError(
+            "tt_out",
+            "must be what decode_forward(read_from_device=False) returned",
+            value=type(value).__name__,
+        )
+    return value
+
+
+def _wants_logprobs(params: Sequence[Any] | None) -> bool:
+    return params is not None and any(p is not None and p.logprobs is not None for p in params)
+
+
+def _host_output(
+    out: PrefillOutput | DecodeOutput, params: Sequence[Any] | None, *, what: str
+) -> HostOutput:
+    return _format(out, tokens=params is not None, logprobs=_wants_logprobs(params), what=what)
+
+
+def _format(
+    out: PrefillOutput | DecodeOutput, *, tokens: bool, logprobs: bool, what: str
+) -> HostOutput:
+    if not tokens:
+        if out.logits is None:
+            raise RuntimeError(f"{what} produced no logits")
+        return out.logits.unsqueeze(1)  # [B, 1, vocab]: the plugin reads out[rows, -1, :]
+    if out.tokens is None:
+        raise RuntimeError(f"{what} produced no tokens")
+    if logprobs:
+        if out.logprobs is None:
+            raise RuntimeError(f"{what} produced no log-probabilities")
+        return out.tokens, out.logprobs
+    return out.tokens
+
+
+def _check_per_layer(tables: Sequence[TableArg] | None, page_table: TableArg, layers: int) -> None:
+    """llmrt models have one KV group: per-layer tables must all be the page table."""
+    if tables is None:
+        return
+    listed = list(tables)
+    if len(listed) != layers:
+        raise RequestError("page_tables_per_layer", f"has {len(listed)} tables for {layers} layers")
+    main = _int_tensor("page_table", page_table)
+    for i, table in enumerate(listed):
+        if not torch.equal(_int_tensor("page_tables_per_layer", table), main):
+            raise RequestError(
+                "page_tables_per_layer",
+                "differs from page_table: llmrt models use one KV group for every layer",
+                row=i,
+            )
+
+
+def _check_rope_deltas(deltas: object) -> None:
+    """mRoPE position deltas: llmrt's families use plain RoPE, so every delta must be 0."""
+    if deltas is None:
+        return
+    values = torch.as_tensor(deltas).reshape(-1)
+    if bool((values != 0).any()):
+        raise RequestError(
+            "rope_deltas_all_users",
+            "llmrt families have no mRoPE (every delta must be 0)",
+            value=values.tolist(),
+        )
 
 
 def _int_tensor(field: str, value: object) -> torch.Tensor:
@@ -707,11 +911,9 @@ def _int_list(field: str, value: object, rows: int) -> list[int]:
     return [int(v) for v in values]
 
 
-def _padded(
-    field: str, value: torch.Tensor | Sequence[Sequence[int]]
-) -> tuple[torch.Tensor, list[int]]:
+def _padded(field: str, value: TableArg) -> tuple[torch.Tensor, list[int]]:
     """A ``[B, S]`` tensor and each row's given length (ragged lists are right-padded)."""
-    if isinstance(value, torch.Tensor):
+    if isinstance(value, torch.Tensor) or hasattr(value, "__array__"):
         tensor = _int_tensor(field, value)
         if tensor.dim() != 2:
             raise RequestError(field, "must be [batch, length]", value=tuple(tensor.shape))
@@ -724,33 +926,19 @@ def _padded(
     return tensor, [int(s.numel()) for s in seqs]
 
 
-def _sampling(params: SamplingArg, rows: int) -> list[SamplingParams | None] | None:
-    if params is None:
-        return None
-    if isinstance(params, SamplingParams):
-        return [params] * rows
-    listed = list(params)
-    if len(listed) == 1 and rows > 1:
-        listed = listed * rows
-    if len(listed) != rows:
-        raise RequestError("sampling_params", f"has {len(listed)} entries for {rows} rows")
-    for i, p in enumerate(listed):
-        if p is not None and not isinstance(p, SamplingParams):
-            raise RequestError(
-                "sampling_params", "must be a SamplingParams or None", row=i, value=type(p).__name__
-            )
-    return listed
-
-
 def _token_lists(field: str, value: TokenListsArg, rows: int, vocab: int) -> list[list[int]]:
-    """Per-row token ids; in a 2-D tensor, ids outside ``[0, vocab)`` are padding."""
+    """Per-row token ids; in a 2-D tensor, ids outside ``[0, vocab)`` (vLLM's -1) are padding.
+
+    A tensor with fewer rows than the batch leaves the rest without history.
+    """
     if value is None:
         return [[] for _ in range(rows)]
     if isinstance(value, torch.Tensor):
         tensor = _int_tensor(field, value)
-        if tensor.dim() != 2 or tensor.shape[0] != rows:
-            raise RequestError(field, f"must be [{rows}, length]", value=tuple(tensor.shape))
-        return [[int(t) for t in row.tolist() if 0 <= t < vocab] for row in tensor]
+        if tensor.dim() != 2 or tensor.shape[0] > rows:
+            raise RequestError(field, f"must be [<= {rows}, length]", value=tuple(tensor.shape))
+        lists = [[int(t) for t in row.tolist() if 0 <= t < vocab] for row in tensor]
+        return lists + [[] for _ in range(rows - len(lists))]
     lists = [[int(t) for t in seq] for seq in value]
     if len(lists) != rows:
         raise RequestError(field, f"has {len(lists)} rows for {rows}")

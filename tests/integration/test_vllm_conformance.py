@@ -1,0 +1,345 @@
+"""vLLM TT plugin conformance: the plugin's own call sequence and argument forms, replayed.
+
+``PluginSession`` re-enacts what ``vllm_tt_plugin`` (tenstorrent/vllm-tt-plugin ``main``;
+see docs/vllm.md for the commit and the ``dev`` differences) does with a TT model class:
+
+- ``worker.get_num_available_blocks_tt``: ``get_max_tokens_all_users(model_name=,
+  num_devices=, tt_data_parallel=, max_model_len=, max_num_seqs=)`` then
+  ``ceil((tokens + block_size * max_num_seqs) / block_size)`` blocks per lane;
+- ``loader.TTModelLoader``: ``initialize_vllm_model(hf_config, mesh_device, max_batch_size,
+  max_seq_len=, tt_data_parallel=, optimizations=)``, first three positional;
+- ``model_runner.TTModelRunner``: ``allocate_kv_cache(shape, dtype, num_layers)`` with
+  vLLM's model dtype (bfloat16), two-phase ``warmup_model`` with ``num_blocks`` =
+  ``min(cdiv(max_model_len, block_size), num_blocks)``, ``submit_prefill`` kwargs
+  (int32 token buffer whose tail is stale, numpy ``prompt_lens`` / ``start_pos``,
+  zero-padded page tables of that width, ``empty_slots``), the host sampler reading
+  ``out[rows, -1, :]``, decode padded to the lane's slots with ``-1`` positions and zero
+  page-table rows, and ``slot_remap`` from ``_decode_state_slot_remap`` after a condense;
+- ``async_decode``: ``TTSamplingParams`` columns as lists when sampling on device,
+  ``decode_forward(read_from_device=False)``; the synchronous path hands that raw output
+  to ``process_decode_output_host``, the async one calls ``read_decode_output(out,
+  async_read=True)`` and ``ttnn.event_synchronize`` on every event first.
+
+The tokens must equal llmrt's own ``LLM.generate`` on the same recipe and prompts.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from llmrt.sampling_params import SamplingParams
+from llmrt.serving.llm import LLM
+from llmrt.testing.fake_ttnn import FakeTtnn
+from llmrt.vllm_adapter import VLLMAdapter
+
+RECIPE = "tiny-llama"
+MAX_MODEL_LEN = 512
+MAX_NUM_SEQS = 4  # == the recipe's decode.lane_capacity
+BLOCK_SIZE = 16
+VOCAB = 258
+STALE = 7  # what the plugin's persistent token buffer holds past a prompt
+
+
+@dataclass(frozen=True)
+class TTSamplingParams:
+    """The plugin's sampling columns (``vllm_tt_plugin/model_input.py``), field for field."""
+
+    temperature: Any
+    top_k: Any
+    top_p: Any
+    presence_penalty: Any = 0.0
+    frequency_penalty: Any = 0.0
+    repetition_penalty: Any = 1.0
+    seed: Any = 0
+    num_logprobs: Any = None
+    enable_log_probs: Any = None
+
+
+@dataclass
+class Req:
+    prompt: list[int]
+    params: SamplingParams
+    outputs: list[int]
+    blocks: list[int]
+    slot: int = -1
+
+    @property
+    def done(self) -> bool:
+        return len(self.outputs) >= self.params.max_tokens
+
+
+class HFConfig:
+    """What vLLM's ``model_config.hf_config`` carries for the tiny Llama (transformers-like)."""
+
+    model_type = "llama"
+    architectures = ["TTLlamaForCausalLM"]  # the platform prefixes TT in place
+    _name_or_path = "llmrt/tiny-llama"
+    vocab_size = VOCAB
+    num_hidden_layers = 2
+    num_key_value_heads = 2
+    head_dim = 16
+    torch_dtype = torch.bfloat16
+
+
+class PluginSession:
+    """One vLLM engine's model runner, reduced to the calls it makes on the TT model."""
+
+    def __init__(self, *, mesh: object, ttnn: FakeTtnn, trace_mode: str = "all") -> None:
+        self.ttnn = ttnn
+        self.calls: list[str] = []
+        cls = VLLMAdapter
+        tokens = cls.get_max_tokens_all_users(
+            model_name=HFConfig._name_or_path,
+            num_devices=1,
+            tt_data_parallel=1,
+            max_model_len=MAX_MODEL_LEN,
+            max_num_seqs=MAX_NUM_SEQS,
+        )
+        self.num_blocks = math.ceil((tokens + BLOCK_SIZE * MAX_NUM_SEQS) / BLOCK_SIZE)
+        hf = HFConfig()
+        self.model = cls.initialize_vllm_model(
+            hf,
+            mesh,
+            MAX_NUM_SEQS,
+            max_seq_len=MAX_MODEL_LEN,
+            tt_data_parallel=1,
+            optimizations=None,
+        )
+        self.width = min(math.ceil(MAX_MODEL_LEN / BLOCK_SIZE), self.num_blocks)
+        shape = (self.num_blocks, hf.num_key_value_heads, BLOCK_SIZE, hf.head_dim)
+        self.kv_caches = self.call("allocate_kv_cache", shape, hf.torch_dtype, 2)
+        prefill_kwargs = {"kv_cache": self.kv_caches, "can_sample_on_device": True}
+        decode_kwargs = {
+            "kv_cache": self.kv_caches,
+            "max_batch_size": MAX_NUM_SEQS,
+            "num_blocks": self.width,
+            "can_sample_on_device": True,
+        }
+        self.trace_prefill = trace_mode == "all"
+        self.trace_decode = trace_mode in ("all", "decode_only")
+        self.call("warmup_model_prefill", enable_trace=False, **prefill_kwargs)
+        self.call("warmup_model_decode", enable_trace=False, **decode_kwargs)
+        if self.trace_prefill:
+            self.call("warmup_model_prefill", enable_trace=True, **prefill_kwargs)
+        if self.trace_decode:
+            self.call("warmup_model_decode", enable_trace=True, **decode_kwargs)
+        self.rows: list[Req] = []  # the persistent batch, condensed
+        self.state_slot: dict[int, int] = {}  # id(req) -> device state slot
+        self.free_blocks = list(range(self.num_blocks))
+        self.layout_changed = True  # the runner's sticky "decode layout changed" flag
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        self.calls.append(method)
+        return getattr(self.model, method)(*args, **kwargs)
+
+    # -- scheduling (the bits of vLLM's scheduler and input batch the model sees) --------
+
+    def _grow(self, req: Req) -> None:
+        need = math.ceil((len(req.prompt) + len(req.outputs) + 1) / BLOCK_SIZE)
+        while len(req.blocks) < need:
+            req.blocks.append(self.free_blocks.pop(0))
+
+    def _table(self, reqs: list[Req], rows: int) -> torch.Tensor:
+        table = torch.zeros((rows, self.width), dtype=torch.int32)
+        for i, req in enumerate(reqs):
+            table[i, : len(req.blocks)] = torch.tensor(req.blocks, dtype=torch.int32)
+        return table
+
+    def _columns(self, reqs: list[Req], rows: int) -> TTSamplingParams:
+        """``slice_tt_sampling_params`` then ``.tolist()`` (padding rows: greedy defaults)."""
+        cols: dict[str, list[Any]] = {f.name: [] for f in fields(TTSamplingParams)}
+        for i in range(rows):
+            p = reqs[i].params if i < len(reqs) else SamplingParams(temperature=0.0, top_k=1)
+            cols["temperature"].append(p.temperature)
+            cols["top_k"].append(p.top_k if 0 < p.top_k < VOCAB else VOCAB)
+            cols["top_p"].append(0.0 if p.top_k == 1 else p.top_p)
+            cols["presence_penalty"].append(p.presence_penalty)
+            cols["frequency_penalty"].append(p.frequency_penalty)
+            cols["repetition_penalty"].append(p.repetition_penalty)
+            cols["seed"].append(p.seed)  # the runner maps its -1 sentinel back to None
+            cols["num_logprobs"].append(-2)
+            cols["enable_log_probs"].append(False)
+        return TTSamplingParams(**cols)
+
+    def prefill(self, new: list[Req], *, on_device: bool) -> None:
+        held = set(self.state_slot.values())
+        for req in new:
+            req.slot = min(set(range(MAX_NUM_SEQS)) - held)
+            held.add(req.slot)
+            self.state_slot[id(req)] = req.slot
+            self._grow(req)
+        width = max(len(r.prompt) for r in new)
+        tokens = torch.full((len(new), width + 3), STALE, dtype=torch.int32)
+        for i, req in enumerate(new):
+            tokens[i, : len(req.prompt)] = torch.tensor(req.prompt, dtype=torch.int32)
+        kwargs: dict[str, Any] = {
+            "tokens": tokens[:, :width],
+            "page_table": self._table(new, len(new)),
+            "kv_cache": self.kv_caches,
+            "enable_trace": self.trace_prefill,
+            "prompt_lens": np.array([len(r.prompt) for r in new], dtype=np.int64),
+            "start_pos": np.zeros(len(new), dtype=np.int32),
+        }
+        if on_device:
+            kwargs["sampling_params"] = self._columns(new, len(new))
+        kwargs["empty_slots"] = [r.slot for r in new]
+        out = self.call("prefill_forward", **kwargs)
+        if on_device:
+            sampled = out.reshape(len(new))
+        else:
+            rows = torch.arange(len(new))
+            sampled = out[rows, -1, :].argmax(-1)  # the host sampler, greedy
+        for req, token in zip(new, sampled.tolist(), strict=True):
+            req.outputs.append(int(token))
+        self.rows.extend(new)
+        self.layout_changed = True
+
+    def _slot_remap(self) -> torch.Tensor | None:
+        want = [self.state_slot[id(r)] for r in self.rows]
+        remap = want + [s for s in range(MAX_NUM_SEQS) if s not in want]
+        for row, req in enumerate(self.rows):
+            self.state_slot[id(req)] = row
+        if remap == list(range(MAX_NUM_SEQS)):
+            return None
+        return torch.tensor(remap, dtype=torch.int32)
+
+    def decode(self, *, on_device: bool, async_path: bool) -> None:
+        live = self.rows
+        for req in live:
+            self._grow(req)
+        n, pad = len(live), MAX_NUM_SEQS - len(live)
+        tokens = torch.tensor([[r.outputs[-1]] for r in live], dtype=torch.int32)
+        positions = torch.tensor([len(r.prompt) + len(r.outputs) - 1 for r in live])
+        kwargs: dict[str, Any] = {
+            "tokens": torch.cat([tokens, torch.zeros(pad, 1, dtype=torch.int32)]),
+            "page_table": self._table(live, MAX_NUM_SEQS),
+            "kv_cache": self.kv_caches,
+            "start_pos": torch.cat([positions.int(), torch.full((pad,), -1, dtype=torch.int32)]),
+        }
+        if on_device:
+            kwargs["sampling_params"] = self._columns(live, MAX_NUM_SEQS)
+            if any(r.params.has_penalties for r in live):
+                kwargs["prompt_tokens"] = _padded([r.prompt for r in live], MAX_NUM_SEQS)
+                kwargs["output_tokens"] = _padded([r.outputs for r in live], MAX_NUM_SEQS)
+            kwargs["reset_batch"] = self.layout_changed
+        self.layout_changed = False
+        remap = self._slot_remap()
+        if remap is not None:
+            kwargs["slot_remap"] = remap
+        out = self.call(
+            "decode_forward", **kwargs, enable_trace=self.trace_decode, read_from_device=False
+        )
+        if async_path:
+            out, events = self.call("read_decode_output", out, async_read=True)
+            for event in events:
+                self.ttnn.event_synchronize(event)
+        out = self.call("process_decode_output_host", out, is_tokens=on_device)
+        sampled = out[:n].reshape(n) if on_device else out[torch.arange(n), -1, :].argmax(-1)
+        for req, token in zip(live, sampled.tolist(), strict=True):
+            req.outputs.append(int(token))
+        self._retire()
+
+    def _retire(self) -> None:
+        """Finished requests leave; vLLM's condense moves the last rows into the holes."""
+        for req in [r for r in self.rows if r.done]:
+            self.free_blocks.extend(req.blocks)
+            del self.state_slot[id(req)]
+            hole = self.rows.index(req)
+            last = self.rows.pop()
+            if last is not req:
+                self.rows[hole] = last
+            self.layout_changed = True
+
+    def run(
+        self, reqs: list[Req], *, late: int, on_device: bool, async_path: bool
+    ) -> list[list[int]]:
+        """Prefill all but the last ``late`` requests, decode once, admit those, drain."""
+        first, rest = reqs[: len(reqs) - late], reqs[len(reqs) - late :]
+        self.prefill(first, on_device=on_device)
+        self._retire()
+        self.decode(on_device=on_device, async_path=async_path)
+        if rest:
+            self.prefill(rest, on_device=on_device)
+            self._retire()
+        while self.rows:
+            self.decode(on_device=on_device, async_path=async_path)
+        return [r.outputs for r in reqs]
+
+
+def _padded(lists: list[list[int]], rows: int) -> torch.Tensor:
+    width = max(len(x) for x in lists)
+    out = torch.full((rows, width), -1, dtype=torch.int32)
+    for i, x in enumerate(lists):
+        out[i, : len(x)] = torch.tensor(x, dtype=torch.int32)
+    return out
+
+
+PROMPTS = [
+    [(3 * i + 1) % 250 + 1 for i in range(10)],
+    [(5 * i + 2) % 250 + 1 for i in range(33)],
+    [(7 * i + 3) % 250 + 1 for i in range(20)],
+    [(11 * i + 4) % 250 + 1 for i in range(40)],
+]
+#: Each wave admits its last request one decode step late, after the first finished and the
+#: batch condensed: it prefills into the freed state slot 0 but decodes at row 2, so the
+#: rows' per-slot state arrives through ``slot_remap``.
+#: Wave 1: host sampling, greedy.
+HOST_WAVE = [SamplingParams(temperature=0.0, max_tokens=k, ignore_eos=True) for k in (2, 6, 5, 6)]
+#: Wave 2: device sampling: seeded (the late one too), penalized and greedy rows.
+DEVICE_WAVE = [
+    SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True),
+    SamplingParams(temperature=0.9, top_k=40, top_p=0.9, seed=1234, max_tokens=6, ignore_eos=True),
+    SamplingParams(temperature=0.0, repetition_penalty=1.3, max_tokens=5, ignore_eos=True),
+    SamplingParams(temperature=0.7, seed=99, max_tokens=6, ignore_eos=True),
+]
+
+
+@pytest.fixture(scope="module")
+def expected() -> Iterator[tuple[list[list[int]], list[list[int]]]]:
+    with LLM.from_recipe(RECIPE) as llm:
+        host = [list(o.token_ids) for o in llm.generate(PROMPTS, HOST_WAVE)]
+        device = [list(o.token_ids) for o in llm.generate(PROMPTS, DEVICE_WAVE)]
+    yield host, device
+
+
+@pytest.fixture
+def session(monkeypatch: pytest.MonkeyPatch) -> Iterator[PluginSession]:
+    monkeypatch.setenv("LLMRT_VLLM_RECIPE", RECIPE)
+    fake = FakeTtnn()
+    mesh = fake.open_mesh_device(mesh_shape=fake.MeshShape(1, 1), trace_region_size=1 << 20)
+    with pytest.warns(RuntimeWarning, match=r"device\.backend=torch; the vLLM mesh is not used"):
+        replay = PluginSession(mesh=mesh, ttnn=fake)
+    yield replay
+    replay.model.close()
+    fake.close_mesh_device(mesh)
+
+
+def test_the_plugins_call_sequence_generates_what_llm_generate_does(
+    session: PluginSession, expected: tuple[list[list[int]], list[list[int]]]
+) -> None:
+    host = session.run(_requests(HOST_WAVE), late=1, on_device=False, async_path=False)
+    device = session.run(_requests(DEVICE_WAVE), late=1, on_device=True, async_path=True)
+
+    assert (host, device) == expected
+    assert session.num_blocks == 128  # the recipe's KV capacity, through the plugin's sizing
+    assert session.calls[:5] == [
+        "allocate_kv_cache",
+        *["warmup_model_prefill", "warmup_model_decode"] * 2,  # the plugin's trace_mode "all"
+    ]
+    assert {"read_decode_output", "process_decode_output_host"} <= set(session.calls)
+    for lane in session.model.group.lanes:
+        assert lane.warmup.captured and lane.decode.outstanding_leases == 0
+
+
+def _requests(params: list[SamplingParams]) -> list[Req]:
+    return [
+        Req(prompt=list(p), params=sp, outputs=[], blocks=[])
+        for p, sp in zip(PROMPTS, params, strict=True)
+    ]
