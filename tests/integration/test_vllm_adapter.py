@@ -346,7 +346,7 @@ BAD_KV_SPECS = [
     ((NUM_BLOCKS, 4, 16, 16), torch.float32, 2, "kv_cache_shape[1] (kv_heads_per_device)"),
     ((NUM_BLOCKS, 2, 32, 16), torch.float32, 2, "kv_cache_shape[2] (block_size)"),
     (KV_SHAPE, torch.int32, 2, "dtype"),
-    (KV_SHAPE, "float32", 2, "dtype"),
+    (KV_SHAPE, "int8", 2, "dtype"),
     ((4096, 2, 16, 16), torch.bfloat16, 2, "kv_cache_shape[0] (num_blocks)"),
     ((NUM_BLOCKS, 2, 16), torch.float32, 2, "kv_cache_shape"),
 ]
