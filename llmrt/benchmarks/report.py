@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import operator
+import os
 import platform
 import sys
 from collections.abc import Callable, Mapping
@@ -110,7 +111,8 @@ class Report:
         env = environment()
         print(
             f"torch {env['torch']}, transformers {env['transformers']}, "
-            f"{env['threads']} threads, {env['machine']}",
+            f"{env['threads']} threads, {env['machine']}, {env['cpus']} CPUs, "
+            f"load average {env['load_average_1m']}",
             file=stream,
         )
         for line in self.lines:
@@ -132,7 +134,17 @@ def environment() -> dict[str, Any]:
         "threads": torch.get_num_threads(),
         "machine": f"{platform.machine()} {platform.processor() or platform.system()}".strip(),
         "python": platform.python_version(),
+        # Other work on the machine skews every wall time; the 1-minute load says how much.
+        "load_average_1m": _load_average(),
+        "cpus": os.cpu_count(),
     }
+
+
+def _load_average() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except (AttributeError, OSError):  # not on every platform
+        return None
 
 
 def _finite(value: float) -> float | None:

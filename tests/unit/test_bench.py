@@ -125,7 +125,9 @@ def test_json_has_the_documented_keys(report: Report) -> None:
     data = json.loads(text)
     assert data["workload"] == report.workload
     assert data["recipe"] == RECIPE
-    assert {"torch", "transformers", "threads"} <= set(data["environment"])
+    assert {"torch", "transformers", "threads", "load_average_1m", "cpus"} <= set(
+        data["environment"]
+    )
     for section, keys in SECTIONS[report.workload].items():
         missing = keys - set(data[section])
         assert not missing, f"{section} lacks {sorted(missing)}"
