@@ -125,6 +125,7 @@ def load_weights(*, recipe: Recipe, family: Family) -> Checkpoint:
         optional_tensors=family.optional_tensors,
         model_types=family.model_types,
         tensor_init=getattr(family, "tensor_init", None),
+        rename=getattr(family, "rename", None),
     )
     return checkpoint
 

@@ -8,6 +8,8 @@ experts and multipliers, which this module reads and the parts compute.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 
 from llmrt.errors import CheckpointError
@@ -152,6 +154,46 @@ def _moe(
     return spec, [i not in dense and (i + 1) % step == 0 for i in range(num_layers)]
 
 
+#: Per-expert checkpoint names (as on the Hub and as transformers saves them) -> the fused
+#: ``[experts, 2 * inter, hidden]`` / ``[experts, hidden, inter]`` stacks the decoder reads.
+_EXPERT_LAYOUTS: tuple[tuple[str, str, str, str, str], ...] = (
+    # (per-expert prefix, gate, up, down, router) relative to the layer prefix
+    ("block_sparse_moe.experts.", "w1", "w3", "w2", "block_sparse_moe.gate"),
+    ("mlp.experts.", "gate_proj", "up_proj", "down_proj", "mlp.gate"),
+)
+
+
+def fuse_experts(
+    tensors: Mapping[str, torch.Tensor], *, expected: Mapping[str, tuple[int, ...]]
+) -> dict[str, torch.Tensor]:
+    """Stack per-expert weights into the fused expert tensors ``expected`` names.
+
+    A layer's experts are fused only when every expert's gate, up and down weight is
+    present; anything else passes through for ``check_tensors`` to name.
+    """
+    out = dict(tensors)
+    for fused in [name for name in expected if name.endswith(".mlp.experts.gate_up_proj")]:
+        layer = fused[: -len("mlp.experts.gate_up_proj")]
+        if fused in out:
+            continue
+        experts = expected[fused][0]
+        for prefix, gate, up, down, router in _EXPERT_LAYOUTS:
+            names = [
+                [f"{layer}{prefix}{e}.{w}.weight" for w in (gate, up, down)] for e in range(experts)
+            ]
+            if not all(n in out for row in names for n in row):
+                continue
+            out[fused] = torch.stack([torch.cat([out[g], out[u]]) for g, u, _ in names])
+            out[f"{layer}mlp.experts.down_proj"] = torch.stack([out[d] for _, _, d in names])
+            for row in names:
+                for n in row:
+                    del out[n]
+            if f"{layer}{router}.weight" in out and router != "mlp.gate":
+                out[f"{layer}mlp.gate.weight"] = out.pop(f"{layer}{router}.weight")
+            break
+    return out
+
+
 #: The family the registry serves under ``llama``.
 FAMILY = DecoderFamily(
     name="llama",
@@ -159,5 +201,6 @@ FAMILY = DecoderFamily(
     read=read,
     required_keys=REQUIRED_KEYS,
     ignored_suffixes=IGNORED_SUFFIXES,
+    rename=fuse_experts,
     gguf_architecture="llama",
 )

@@ -36,6 +36,7 @@ CheckpointFormat = Literal["random", "safetensors", "gguf"]
 ExpectedTensors = Callable[[dict[str, Any]], Mapping[str, tuple[int, ...]]]
 OptionalTensors = Callable[[dict[str, Any]], Collection[str]]
 TensorInits = Callable[[dict[str, Any]], Mapping[str, Any]]
+Renamer = Callable[..., Mapping[str, torch.Tensor]]
 
 _log = logging.getLogger(__name__)
 
@@ -81,6 +82,7 @@ def load_checkpoint(
     model_types: Collection[str] | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
     tensor_init: TensorInits | None = None,
+    rename: Renamer | None = None,
 ) -> Checkpoint:
     """Load a checkpoint.
 
@@ -93,7 +95,9 @@ def load_checkpoint(
 
     `model_types` (accepted `model_type` values) and `expected_tensors` / `optional_tensors`
     (from the model family) validate the result; tensors the family does not expect are dropped.
-    `tensor_init` (from the family) says how a random checkpoint fills each tensor.
+    `tensor_init` (from the family) says how a random checkpoint fills each tensor;
+    `rename(tensors, expected=shapes)` (from the family) maps the checkpoint's own names (e.g.
+    per-expert weights) onto the expected ones before they are checked.
     """
     if format == "random":
         _forbid(format, path=path, package=package, file=file)
@@ -127,6 +131,8 @@ def load_checkpoint(
     _check_model_type(hf_config, model_types)
     if expected_tensors is not None:
         expected = _expected(expected_tensors, optional_tensors, hf_config)
+        if rename is not None:
+            tensors = dict(rename(tensors, expected={**expected.required, **expected.optional}))
         tensors = _conform(tensors, expected=expected, source=source)
     return Checkpoint(source=source, hf_config=hf_config, tensors=tensors, tokenizer=tokenizer)
 
