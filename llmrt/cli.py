@@ -139,6 +139,22 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="llamacpp: the llama-server binary (default: $LLMRT_LLAMACPP_SERVER)",
     )
+    bench.add_argument(
+        "--server",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="URL",
+        help="the mixed prompts through llmrt serve (started by the bench, or the server "
+        "running at URL) by concurrent streaming clients, against offline LLM.generate",
+    )
+    bench.add_argument(
+        "--concurrency",
+        type=int,
+        default=None,
+        metavar="N",
+        help="--server: concurrent clients (default: one per prompt)",
+    )
     bench.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts")
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.add_argument("--plot", metavar="FILE.png", help="write a latency plot (needs matplotlib)")

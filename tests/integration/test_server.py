@@ -484,6 +484,22 @@ def test_unknown_route_and_api_key(server: BackgroundServer) -> None:
     assert_idle(server)
 
 
+# -- the bench ---------------------------------------------------------------------------
+
+
+def test_bench_server_drives_a_running_server_against_offline(server: BackgroundServer) -> None:
+    from llmrt.bench import bench_report
+    from llmrt.benchmarks.settings import BenchSettings
+
+    settings = BenchSettings(recipe=RECIPE, server=server.url, num_prompts=4, max_new_tokens=4)
+    report = bench_report(settings).to_json()
+    assert report["server"]["output_tokens"] == report["offline"]["output_tokens"] == 16
+    assert report["server"]["greedy_texts_identical"] == 4
+    assert report["server_8_clients"]["output_tokens"] == 16
+    assert report["headline_ratio"] == report["ratios"]["server_over_offline_tokens_per_s"] > 0
+    assert_idle(server)
+
+
 # -- the process ---------------------------------------------------------------------------
 
 
@@ -491,20 +507,21 @@ def test_sigterm_during_load_drains_exits_0_and_leaves_a_passing_audit_log(
     tmp_path: Path,
 ) -> None:
     audit = tmp_path / "audit.jsonl"
+    log = tmp_path / "serve.log"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "llmrt.cli", "serve", RECIPE, "--port", "0",
-         "--audit-log", str(audit), "--shutdown-timeout", "20"],
-        stderr=subprocess.PIPE,
-        stdout=subprocess.DEVNULL,
-        text=True,
-        env=env,
-    )  # fmt: skip
+    with log.open("w") as sink:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "llmrt.cli", "serve", RECIPE, "--port", "0",
+             "--audit-log", str(audit), "--shutdown-timeout", "20"],
+            stderr=sink,
+            stdout=subprocess.DEVNULL,
+            env=env,
+        )  # fmt: skip
     try:
-        assert proc.stderr is not None
-        line = proc.stderr.readline()
-        found = re.search(r"http://127\.0\.0\.1:(\d+)", line)
-        assert found, line
+        deadline = time.monotonic() + TIMEOUT
+        while not (found := re.search(r"http://127\.0\.0\.1:(\d+)", log.read_text())):
+            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+            time.sleep(0.05)
         url = f"http://127.0.0.1:{found.group(1)}"
         deadline = time.monotonic() + TIMEOUT
         while httpx.get(f"{url}/health", timeout=TIMEOUT).status_code != 200:
@@ -532,7 +549,7 @@ def test_sigterm_during_load_drains_exits_0_and_leaves_a_passing_audit_log(
             t.start()
         started.wait(TIMEOUT)  # every client is mid-stream
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(TIMEOUT) == 0, proc.stderr.read()
+        assert proc.wait(TIMEOUT) == 0, log.read_text()
         for t in threads:
             t.join(TIMEOUT)
         # In the grace period every in-flight request finished normally.
@@ -543,8 +560,7 @@ def test_sigterm_during_load_drains_exits_0_and_leaves_a_passing_audit_log(
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-        if proc.stderr is not None:
-            proc.stderr.close()
+    assert "llmrt serve: stopped" in log.read_text()
     checked = subprocess.run(
         [sys.executable, "-m", "llmrt.cli", "audit", str(audit)],
         capture_output=True,
