@@ -29,6 +29,12 @@ Workloads (``--workload``; implemented in ``llmrt.benchmarks``):
   ``pp_llmrt_over_llamacpp``, ``mixed_llmrt_over_llamacpp_server`` (headline). Without
   llama.cpp the headline says so and what to provide.
 
+- ``--server [URL]``: the ``mixed`` prompts through ``llmrt serve`` (self-started, or the
+  running server at URL) by concurrent streaming clients, against offline
+  ``LLM.generate`` in the same run. Sections ``offline``, ``server``, ``server_8_clients``;
+  ratio ``server_over_offline_tokens_per_s`` (headline, target >= 0.9); the TTFT p50 at 8
+  clients is ``server_8_clients.ttft_p50_s``.
+
 Every JSON object also holds ``workload``, ``recipe``, ``environment``, ``config``,
 ``ratios``, ``targets`` (each ``{"target", "value", "met"}``), ``headline`` (the text of
 the last line) and ``headline_ratio``. Text output ends with the headline line.
@@ -45,7 +51,9 @@ from llmrt.benchmarks.settings import BenchSettings
 
 def bench_report(settings: BenchSettings) -> Report:
     """Run the workload ``settings`` names and return its report (nothing printed)."""
-    if settings.workload in ("mixed", "shared-prefix"):
+    if settings.server is not None:
+        from llmrt.benchmarks.server import server as run
+    elif settings.workload in ("mixed", "shared-prefix"):
         from llmrt.benchmarks import serving
 
         run = serving.mixed if settings.workload == "mixed" else serving.shared_prefix

@@ -1,4 +1,4 @@
-"""The ``llmrt`` command: generate, bench, recipes, warmup, audit, check."""
+"""The ``llmrt`` command: generate, serve, bench, recipes, warmup, audit, check."""
 
 from __future__ import annotations
 
@@ -139,6 +139,22 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="llamacpp: the llama-server binary (default: $LLMRT_LLAMACPP_SERVER)",
     )
+    bench.add_argument(
+        "--server",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="URL",
+        help="the mixed prompts through llmrt serve (started by the bench, or the server "
+        "running at URL) by concurrent streaming clients, against offline LLM.generate",
+    )
+    bench.add_argument(
+        "--concurrency",
+        type=int,
+        default=None,
+        metavar="N",
+        help="--server: concurrent clients (default: one per prompt)",
+    )
     bench.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts")
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.add_argument("--plot", metavar="FILE.png", help="write a latency plot (needs matplotlib)")
@@ -154,6 +170,29 @@ def build_parser() -> argparse.ArgumentParser:
     warm = sub.add_parser("warmup", help="build, warm and print the coverage manifest")
     _add_recipe_args(warm)
     warm.add_argument("--json", action="store_true")
+
+    srv = sub.add_parser(
+        "serve",
+        help="serve the OpenAI API (completions, chat) over one continuous batch",
+        description="Build and warm the runtime once, then serve OpenAI-compatible "
+        "/v1/completions, /v1/chat/completions, /v1/models, /health and /metrics until "
+        "SIGINT/SIGTERM.",
+    )
+    _add_recipe_args(srv)
+    srv.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    srv.add_argument("--port", type=int, default=8000, help="port (default 8000; 0: any free)")
+    srv.add_argument(
+        "--api-key",
+        default=os.environ.get("LLMRT_API_KEY"),
+        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $LLMRT_API_KEY)",
+    )
+    srv.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="on SIGINT/SIGTERM, let in-flight requests finish this long, then cancel them",
+    )
 
     audit = sub.add_parser("audit", help="check a JSON-lines lifecycle log against the contract")
     audit.add_argument("file")
@@ -233,6 +272,18 @@ def _dispatch(args: argparse.Namespace) -> int:
         return run_bench(args)
     if args.command == "warmup":
         return _warmup(args)
+    if args.command == "serve":
+        from llmrt.server.serve import serve
+
+        return serve(
+            recipe=args.recipe,
+            overrides=args.overrides,
+            host=args.host,
+            port=args.port,
+            api_key=args.api_key,
+            shutdown_timeout=args.shutdown_timeout,
+            log_level=args.log_level,
+        )
     raise AssertionError(args.command)
 
 

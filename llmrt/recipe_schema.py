@@ -411,12 +411,15 @@ class ServingSpec:
     """Serving-layer limits: prefix cache, per-step token budget, context and sequence caps.
 
     ``max_num_seqs`` None means every decode slot (``lanes * decode.lane_capacity``).
+    ``max_waiting`` bounds the requests ``llmrt serve`` queues behind the running ones;
+    one more is refused with HTTP 429 instead of queueing without limit.
     """
 
     prefix_caching: bool = True
     max_num_batched_tokens: int = 2048
     max_model_len: int = 4096
     max_num_seqs: int | None = None
+    max_waiting: int = 256
 
     def __attrs_post_init__(self) -> None:
         _bool("serving.prefix_caching", self.prefix_caching)
@@ -424,6 +427,7 @@ class ServingSpec:
         _positive_int("serving.max_model_len", self.max_model_len)
         if self.max_num_seqs is not None:
             _positive_int("serving.max_num_seqs", self.max_num_seqs)
+        _positive_int("serving.max_waiting", self.max_waiting)
 
 
 def _default_kv_cache() -> PagedKVCacheConfig:

@@ -49,6 +49,9 @@ class BenchSettings:
     llamacpp_dir: str | None = None
     llamacpp_bench: str | None = None
     llamacpp_server: str | None = None
+    server: str | None = None
+    """``--server``: "" starts ``llmrt serve`` itself, a URL drives a running server."""
+    concurrency: int | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.workload not in WORKLOADS:
@@ -58,6 +61,9 @@ class BenchSettings:
         _optional_positive("--num-prompts", self.num_prompts)
         _optional_positive("--max-new-tokens", self.max_new_tokens)
         _optional_positive("--hf-batch-size", self.hf_batch_size)
+        _optional_positive("--concurrency", self.concurrency)
+        if self.server and not self.server.startswith(("http://", "https://")):
+            raise ConfigError("--server", self.server, "must be an http:// or https:// URL")
         if not self.planner_rows:
             raise ConfigError("--planner-rows", self.planner_rows, "needs at least one size")
         for rows in self.planner_rows:
@@ -81,6 +87,8 @@ class BenchSettings:
             llamacpp_dir=getattr(args, "llamacpp_dir", None),
             llamacpp_bench=getattr(args, "llamacpp_bench", None),
             llamacpp_server=getattr(args, "llamacpp_server", None),
+            server=getattr(args, "server", None),
+            concurrency=getattr(args, "concurrency", None),
         )
 
     def count(self, default: int) -> int:

@@ -127,6 +127,15 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
+    def abort(self, request: Request) -> bool:
+        """Abort one request between steps: its slot and KV blocks return at once.
+
+        Returns False when it had already finished (nothing to give back).
+        """
+        aborted = self.scheduler.abort(request)
+        self._streams.pop(request.request_id, None)
+        return aborted
+
     def abort_all(self) -> None:
         """Finish every queued and running request as aborted, returning slots and blocks."""
         self.scheduler.abort_all()

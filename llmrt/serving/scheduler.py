@@ -126,6 +126,19 @@ class Scheduler:
         request.preemptions += 1
         self.waiting.appendleft(request)
 
+    def abort(self, request: Request) -> bool:
+        """Finish one request as aborted wherever it is (queued or running); its slot and
+        blocks return now. False when it had already finished."""
+        if request.finished:
+            return False
+        if request.slot is None:
+            try:
+                self.waiting.remove(request)
+            except ValueError:
+                return False
+        self.finish(request, "abort")
+        return True
+
     def abort_all(self) -> None:
         for request in [*self.running.values(), *self.waiting]:
             self.finish(request, "abort")

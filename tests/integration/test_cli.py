@@ -171,6 +171,7 @@ SUBCOMMANDS = [
     ["warmup"],
     ["audit"],
     ["check"],
+    ["serve"],
 ]
 
 

@@ -234,3 +234,40 @@ def test_close_releases_kv_traces_and_device_memory() -> None:
     llm.close()  # idempotent
     with pytest.raises(RequestError, match="closed"):
         llm.generate("hi")
+
+
+def test_abort_returns_one_requests_slot_and_blocks_at_once(llm: LLM) -> None:
+    """``Engine.abort`` (what a disconnected server client triggers) frees a running
+    request's slot and blocks immediately and drops a queued one; the others go on
+    exactly as if it had never been there."""
+    params = greedy(20, ignore_eos=True)
+    prompts = [*PROMPTS, "one more prompt than slots"]
+    expected = llm.generate(prompts, params)
+    engine = llm.engine
+    requests = [
+        engine.add_request(prompt_token_ids=llm.encode(p), params=params, index=i)
+        for i, p in enumerate(prompts)
+    ]
+    tokens: dict[int, list[int]] = defaultdict(list)
+    for _ in range(3):
+        for event in engine.step():
+            tokens[event.index].append(event.token_id)
+    running, queued = requests[1], requests[4]
+    assert running.slot is not None and queued.slot is None
+    allocator = engine.scheduler.allocator_of(running)
+    held = len(allocator.block_table(running.request_id))
+    free = allocator.num_free_blocks
+    assert held > 0
+    assert engine.abort(running)
+    assert running.finished and running.finish_reason == "abort" and running.slot is None
+    assert allocator.num_free_blocks == free + held
+    assert running.request_id not in allocator
+    assert engine.abort(queued) and queued.finish_reason == "abort"
+    assert queued not in engine.scheduler.waiting
+    assert not engine.abort(running)  # already finished: nothing to give back
+    for event in engine.run():
+        assert event.index not in (1, 4)
+        tokens[event.index].append(event.token_id)
+    for i in (0, 2, 3):
+        assert tuple(tokens[i]) == expected[i].token_ids
+    assert_idle(llm)

@@ -1,0 +1,274 @@
+"""``llmrt bench --server``: the ``mixed`` workload through ``llmrt serve`` against offline
+``LLM.generate`` on the same prompts, measured in the same run.
+
+The offline run submits every prompt at once; the server run sends each prompt from its
+own streaming client, all at once (``--concurrency`` caps the clients), so both face the
+same continuous batch. A second server run with 8 concurrent clients reports the time to
+first token a user sees at that load. Tokens are counted per streamed chunk (one per
+generated token) and checked against each response's ``usage``. Without a URL the bench
+starts ``llmrt serve`` itself (a subprocess on a free loopback port, the same recipe and
+``--set`` overrides) after the offline run, and stops it with SIGTERM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import httpx
+
+from llmrt.benchmarks.prompts import random_prompts, spread_lengths, token_pool
+from llmrt.benchmarks.report import Report, Target
+from llmrt.benchmarks.serving import (
+    MIXED_MAX_LEN,
+    MIXED_MIN_LEN,
+    MIXED_NEW_TOKENS,
+    MIXED_PROMPTS,
+    _vocab,
+    _warm,
+    greedy,
+    latency_stats,
+)
+from llmrt.benchmarks.settings import BenchSettings
+from llmrt.benchmarks.sizing import sized_recipe
+from llmrt.benchmarks.timing import ratio
+from llmrt.errors import ConfigError
+from llmrt.serving.llm import LLM
+
+TTFT_CONCURRENCY = 8
+START_TIMEOUT_S = 900.0
+REQUEST_TIMEOUT_S = 900.0
+
+
+@attrs.frozen(kw_only=True)
+class ClientRun:
+    """One server run: wall time and each request's token timestamps (``perf_counter``)."""
+
+    start: float
+    wall_s: float
+    token_times: list[list[float]]
+    submit_times: list[float]
+    texts: list[str]
+
+
+def server(settings: BenchSettings) -> Report:
+    n = settings.count(MIXED_PROMPTS)
+    new = settings.new_tokens(MIXED_NEW_TOKENS)
+    sized = sized_recipe(
+        settings.recipe, user_overrides=settings.overrides, tokens_per_request=MIXED_MAX_LEN + new
+    )
+    recipe = sized.recipe
+    report = Report(workload="server", recipe=recipe.name)
+    with LLM.from_recipe(recipe) as llm:
+        max_len = llm.engine.scheduler.config.max_model_len
+        high = min(MIXED_MAX_LEN, max_len - new)
+        if high < 1:
+            raise ConfigError(
+                "--max-new-tokens", new, f"leaves no prompt room in max_model_len={max_len}"
+            )
+        pool = token_pool(llm.tokenizer, model_vocab_size=_vocab(llm))
+        lengths = spread_lengths(n, low=min(MIXED_MIN_LEN, high), high=high, seed=settings.seed)
+        prompts = random_prompts(lengths, pool=pool, seed=settings.seed)
+        _warm(llm, pool, longest=max(lengths), seed=settings.seed)
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, greedy(new))
+        wall = time.perf_counter() - start
+        offline = latency_stats(
+            start=start,
+            wall_s=wall,
+            token_times=[o.token_times for o in outputs],
+            prompt_tokens=sum(lengths),
+        )
+        warm_prompts = random_prompts(
+            sorted({min(16, max(lengths)), max(lengths)}), pool=pool, seed=settings.seed + 7919
+        )
+        expected = [o.text for o in outputs]
+    clients = min(settings.concurrency or n, n)
+    report.section(
+        "config",
+        {
+            "num_prompts": n,
+            "prompt_len_min": min(lengths),
+            "prompt_len_max": max(lengths),
+            "prompt_tokens": sum(lengths),
+            "max_new_tokens": new,
+            "clients": clients,
+            "ttft_clients": min(TTFT_CONCURRENCY, n),
+            "server": settings.server or "self-started",
+            "bench_overrides": list(sized.bench_overrides),
+        },
+    )
+    report.section("offline", offline)
+    overrides = [*sized.bench_overrides, *settings.overrides]
+    with _server(settings, overrides=overrides) as url:
+        model = _model_id(url)
+        asyncio.run(_drive(url, model, warm_prompts, new_tokens=2, concurrency=len(warm_prompts)))
+        full = asyncio.run(_drive(url, model, prompts, new_tokens=new, concurrency=clients))
+        eight = asyncio.run(
+            _drive(url, model, prompts, new_tokens=new, concurrency=min(TTFT_CONCURRENCY, n))
+        )
+    served = _stats(full, prompt_tokens=sum(lengths))
+    served["greedy_texts_identical"] = sum(
+        a == b for a, b in zip(full.texts, expected, strict=True)
+    )
+    at_eight = _stats(eight, prompt_tokens=sum(lengths))
+    report.section("server", served)
+    report.section(f"server_{TTFT_CONCURRENCY}_clients", at_eight)
+    report.series["server ttft"] = [
+        t[0] - s for t, s in zip(full.token_times, full.submit_times, strict=True) if t
+    ]
+    report.note(
+        f"server TTFT p50 at {TTFT_CONCURRENCY} clients: {at_eight['ttft_p50_s']:.3f} s "
+        f"(all {clients} clients at once: {served['ttft_p50_s']:.3f} s, "
+        f"offline: {offline['ttft_p50_s']:.3f} s)"
+    )
+    report.ratio(
+        "server_over_offline_tokens_per_s",
+        ratio(served["output_tokens_per_s"], offline["output_tokens_per_s"]),
+        label="server/offline tokens/s ratio",
+        target=Target(op=">=", bound=0.9),
+        headline=True,
+    )
+    return report
+
+
+def _stats(run: ClientRun, *, prompt_tokens: int) -> dict[str, Any]:
+    """Like the offline stats, but TTFT counts from each request's own submission."""
+    stats = latency_stats(
+        start=run.start, wall_s=run.wall_s, token_times=run.token_times, prompt_tokens=prompt_tokens
+    )
+    shifted = [
+        [t - (s - run.start) for t in times]
+        for times, s in zip(run.token_times, run.submit_times, strict=True)
+    ]
+    own = latency_stats(
+        start=run.start, wall_s=run.wall_s, token_times=shifted, prompt_tokens=prompt_tokens
+    )
+    for key in ("ttft_p50_s", "ttft_p99_s", "ttft_mean_s"):
+        stats[key] = own[key]
+    return stats
+
+
+async def _drive(
+    url: str, model: str, prompts: Sequence[list[int]], *, new_tokens: int, concurrency: int
+) -> ClientRun:
+    """Stream every prompt with ``concurrency`` clients pulling from one queue."""
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(len(prompts)):
+        queue.put_nowait(i)
+    token_times: list[list[float]] = [[] for _ in prompts]
+    submit_times = [0.0] * len(prompts)
+    texts = [""] * len(prompts)
+
+    async def client(http: httpx.AsyncClient) -> None:
+        while not queue.empty():
+            i = queue.get_nowait()
+            body = {
+                "model": model,
+                "prompt": prompts[i],
+                "max_tokens": new_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            submit_times[i] = time.perf_counter()
+            usage = None
+            async with http.stream("POST", "/v1/completions", json=body) as response:
+                if response.status_code != 200:
+                    await response.aread()
+                    raise RuntimeError(f"server answered {response.status_code}: {response.text}")
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk.get("usage"):
+                        usage = chunk["usage"]
+                    for choice in chunk.get("choices", ()):
+                        token_times[i].append(time.perf_counter())
+                        texts[i] += choice["text"]
+            if usage is None or usage["completion_tokens"] != len(token_times[i]):
+                raise RuntimeError(f"request {i}: usage {usage} vs {len(token_times[i])} chunks")
+
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency)
+    async with httpx.AsyncClient(base_url=url, timeout=REQUEST_TIMEOUT_S, limits=limits) as http:
+        start = time.perf_counter()
+        await asyncio.gather(*(client(http) for _ in range(concurrency)))
+        wall = time.perf_counter() - start
+    return ClientRun(
+        start=start, wall_s=wall, token_times=token_times, submit_times=submit_times, texts=texts
+    )
+
+
+def _model_id(url: str) -> str:
+    response = httpx.get(f"{url}/v1/models", timeout=30)
+    response.raise_for_status()
+    return str(response.json()["data"][0]["id"])
+
+
+@contextlib.contextmanager
+def _server(settings: BenchSettings, *, overrides: Sequence[str]) -> Iterator[str]:
+    if settings.server:
+        url = settings.server.rstrip("/")
+        _wait_healthy(url, proc=None, log=None)
+        yield url
+        return
+    with tempfile.TemporaryDirectory(prefix="llmrt-bench-") as tmp:
+        log = Path(tmp) / "serve.log"
+        sets = [arg for o in overrides for arg in ("--set", o)]
+        with log.open("w") as sink:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "llmrt.cli", "serve", settings.recipe, "--port", "0", *sets],
+                stdout=subprocess.DEVNULL,
+                stderr=sink,
+                env=os.environ.copy(),
+            )
+        try:
+            url = _listening(log, proc)
+            _wait_healthy(url, proc=proc, log=log)
+            yield url
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(120)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+
+
+def _listening(log: Path, proc: subprocess.Popen[bytes]) -> str:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        found = re.search(r"listening on (http://\S+)", log.read_text())
+        if found:
+            return found.group(1)
+        if proc.poll() is not None:
+            raise RuntimeError(f"llmrt serve exited {proc.returncode}: {log.read_text()[-2000:]}")
+        time.sleep(0.1)
+    raise TimeoutError("llmrt serve did not bind")
+
+
+def _wait_healthy(url: str, *, proc: subprocess.Popen[bytes] | None, log: Path | None) -> None:
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", timeout=10).status_code == 200:
+                return
+        if proc is not None and proc.poll() is not None:
+            tail = log.read_text()[-2000:] if log is not None else ""
+            raise RuntimeError(f"llmrt serve exited {proc.returncode}: {tail}")
+        time.sleep(0.2)
+    raise TimeoutError(f"{url}/health not ready after {START_TIMEOUT_S} s")

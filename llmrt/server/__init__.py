@@ -1,0 +1,1 @@
+"""``llmrt serve``: an OpenAI-compatible HTTP server over one continuous-batching engine."""

@@ -1,0 +1,142 @@
+"""OpenAI request shapes (pydantic, strict) and how their sampling fields map onto
+:class:`~llmrt.sampling_params.SamplingParams`.
+
+Unknown fields and wrong types are refused (HTTP 400 naming the field), as OpenAI does;
+vLLM's extensions ``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids`` and
+``ignore_eos`` are accepted (the ``openai`` client sends them through ``extra_body``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from llmrt.errors import RequestError
+from llmrt.sampling_params import SamplingParams
+
+#: The ``max_tokens`` default of ``/v1/completions`` (OpenAI's legacy default).
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+
+
+class _Sampling(_Strict):
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+    def check_unsupported(self) -> None:
+        if self.n != 1:
+            raise RequestError(
+                "n", "only n=1 is supported (send the request n times)", value=self.n
+            )
+        if self.logit_bias:
+            raise RequestError("logit_bias", "is not supported", value=self.logit_bias)
+        if self.stream_options is not None and not self.stream:
+            raise RequestError("stream_options", "is only allowed with stream=true")
+
+    def sampling_params(self, *, max_tokens: int, logprobs: int | None) -> SamplingParams:
+        """The engine's parameters; a bad value raises RequestError naming the field."""
+        given: dict[str, Any] = {
+            "max_tokens": max_tokens,
+            "temperature": self.temperature,
+            "top_p": self.top_p,
+            "top_k": self.top_k,
+            "min_p": self.min_p,
+            "seed": self.seed,
+            "stop": self.stop,
+            "stop_token_ids": self.stop_token_ids,
+            "ignore_eos": self.ignore_eos,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "logprobs": logprobs,
+        }
+        return SamplingParams(**{k: v for k, v in given.items() if v is not None})
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.echo:
+            raise RequestError("echo", "is not supported", value=True)
+        if self.suffix is not None:
+            raise RequestError("suffix", "is not supported", value=self.suffix)
+        if self.best_of not in (None, 1):
+            raise RequestError("best_of", "only 1 is supported", value=self.best_of)
+
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt of the request (a string or token ids), in choice order."""
+        prompt = self.prompt
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise RequestError("prompt", "is empty")
+        if all(isinstance(t, int) for t in prompt):
+            return [list(prompt)]  # type: ignore[arg-type]
+        return list(prompt)  # type: ignore[arg-type]
+
+
+class TextPart(_Strict):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def to_template(self) -> dict[str, Any]:
+        content = self.content
+        if isinstance(content, list):
+            content = "".join(part.text for part in content)
+        message: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.name is not None:
+            message["name"] = self.name
+        return message
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def check_unsupported(self) -> None:
+        super().check_unsupported()
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError("top_logprobs", "needs logprobs=true", value=self.top_logprobs)
+
+    def engine_logprobs(self) -> int | None:
+        if not self.logprobs:
+            return None
+        return self.top_logprobs or 0

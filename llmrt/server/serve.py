@@ -1,0 +1,208 @@
+"""Running the app: ``llmrt serve`` in the foreground, or a server on a thread (tests, bench).
+
+The socket is bound before the runtime is built, so ``--port 0`` reports its port at once
+and ``GET /health`` answers 503 while the model warms. SIGINT/SIGTERM stop accepting,
+let in-flight requests finish for ``shutdown_timeout`` seconds, cancel the rest (their
+requests are aborted and their KV blocks freed), then the lifespan tears the runtime down
+through its scopes; a clean signalled shutdown exits 0.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Generator, Sequence
+
+import uvicorn
+from fastapi import FastAPI
+
+from llmrt.recipe import load_recipe
+from llmrt.server.app import ServerState, create_app
+from llmrt.serving.llm import LLM
+
+DEFAULT_HOST = "127.0.0.1"
+DEFAULT_PORT = 8000
+DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (port 0: any free port)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(2048)
+        sock.set_inheritable(True)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, except that a signal that shut it down gracefully is not raised
+    again afterwards: a drained, torn-down server exits 0."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        original = {s: signal.signal(s, self.handle_exit) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in original.items():
+                signal.signal(sig, handler)
+
+
+def _config(app: FastAPI, *, shutdown_timeout: float, log_level: str) -> uvicorn.Config:
+    return uvicorn.Config(
+        app,
+        lifespan="on",
+        log_config=None,
+        log_level=log_level,
+        access_log=False,
+        timeout_graceful_shutdown=int(max(1, round(shutdown_timeout))),
+        http="h11",
+        ws="none",
+    )
+
+
+def serve(
+    *,
+    recipe: str,
+    overrides: Sequence[str] = (),
+    host: str = DEFAULT_HOST,
+    port: int = DEFAULT_PORT,
+    api_key: str | None = None,
+    shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
+    log_level: str = "warning",
+) -> int:
+    """``llmrt serve``: serve until SIGINT/SIGTERM; returns the exit status."""
+    loaded = load_recipe(recipe, overrides=list(overrides))
+    sock = bind_socket(host, port)
+    bound = sock.getsockname()[1]
+    server: _Server | None = None
+
+    def build() -> LLM:
+        llm = LLM.from_recipe(loaded)
+        print(f"llmrt serve: ready ({loaded.name})", file=sys.stderr, flush=True)
+        return llm
+
+    def fatal(exc: BaseException) -> None:
+        if server is not None:
+            server.should_exit = True
+
+    app = create_app(
+        build=build,
+        model_name=loaded.name,
+        max_waiting=loaded.serving.max_waiting,
+        api_key=api_key,
+        on_fatal=fatal,
+    )
+    server = _Server(_config(app, shutdown_timeout=shutdown_timeout, log_level=log_level))
+    shown = f"[{host}]" if ":" in host else host
+    print(
+        f"llmrt serve: listening on http://{shown}:{bound} (model {loaded.name}; "
+        "GET /health answers 503 until warm)",
+        file=sys.stderr,
+        flush=True,
+    )
+    try:
+        asyncio.run(server.serve(sockets=[sock]))
+    finally:
+        sock.close()
+    state: ServerState = app.state.llmrt
+    if state.build_error is not None:
+        raise state.build_error
+    if state.loop is not None and state.loop.failed is not None:
+        raise state.loop.failed
+    print("llmrt serve: stopped", file=sys.stderr, flush=True)
+    return 0
+
+
+class BackgroundServer:
+    """A real uvicorn server on a thread, on a free loopback port (tests and ``bench``).
+
+    A context manager: entering starts it and waits until ``/health`` is ready; leaving
+    shuts it down (draining for ``shutdown_timeout``) and re-raises a build failure.
+    """
+
+    def __init__(
+        self,
+        *,
+        build: Callable[[], LLM],
+        model_name: str,
+        max_waiting: int,
+        api_key: str | None = None,
+        host: str = DEFAULT_HOST,
+        shutdown_timeout: float = 5.0,
+    ) -> None:
+        self.app = create_app(
+            build=build,
+            model_name=model_name,
+            max_waiting=max_waiting,
+            api_key=api_key,
+            on_fatal=self._fatal,
+        )
+        self._sock = bind_socket(host, 0)
+        self.port = int(self._sock.getsockname()[1])
+        self.url = f"http://{host}:{self.port}"
+        self._server = _Server(
+            _config(self.app, shutdown_timeout=shutdown_timeout, log_level="warning")
+        )
+        self._thread = threading.Thread(target=self._run, name="llmrt-server", daemon=True)
+        self._error: BaseException | None = None
+
+    @property
+    def state(self) -> ServerState:
+        state: ServerState = self.app.state.llmrt
+        return state
+
+    def _fatal(self, exc: BaseException) -> None:
+        self._server.should_exit = True
+
+    def _run(self) -> None:
+        try:
+            asyncio.run(self._server.serve(sockets=[self._sock]))
+        except BaseException as exc:
+            self._error = exc
+
+    def start(self, *, timeout: float = 300.0) -> BackgroundServer:
+        self._thread.start()
+        deadline = time.monotonic() + timeout
+        while self.state.loop is None:
+            if self.state.build_error is not None or not self._thread.is_alive():
+                self.stop()
+                raise RuntimeError("the server failed to start") from (
+                    self.state.build_error or self._error
+                )
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"server not ready after {timeout} s")
+            time.sleep(0.02)
+        return self
+
+    def stop(self, *, timeout: float = 60.0) -> None:
+        """Shut down gracefully and join (idempotent)."""
+        self._server.should_exit = True
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+        self._sock.close()
+        if self._thread.is_alive():
+            raise RuntimeError(f"server thread still running after {timeout} s")
+        if self._error is not None:
+            raise self._error
+
+    def __enter__(self) -> BackgroundServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
