@@ -3,9 +3,11 @@
 Tensors: ``allocate``/``upload`` stage a host torch tensor (see ``staging_plan``) and call
 ``ttnn.from_torch(..., device=mesh, mesh_mapper=...)``; ``refresh`` builds a host ttnn tensor
 with the same mapper and writes it in place with ``ttnn.copy_host_to_device_tensor``.
-Floats go in tile layout (bfloat8_b/bfloat4_b only there), integers in row-major int32/uint8,
-which is how token, position and page-table tensors are staged (int64 becomes int32: page
-tables hold -1, which uint32 would wrap).
+Floats go in tile layout (bfloat8_b/bfloat4_b only there), integers in row-major. llmrt holds
+token ids as int64 and page tables, positions and update indices as int32, so int64 is staged
+as UINT32 (what ``ttnn.embedding`` requires of its ids, and ttnn's own pick for int64; it
+travels as an int32 host copy, so values must lie in 0..2**31-1) and int32 as INT32 (page
+tables hold -1, which UINT32 would wrap).
 
 Reads: ``Tensor.cpu(blocking=...)`` then ``ttnn.to_torch`` with a concat mesh composer
 (replicated tensors keep the first device's copy). A non-blocking read returns a host torch
@@ -101,12 +103,15 @@ DEFAULT_TRACE_REGION_SIZE = 30_000_000
 
 BLOCK_FLOATS = frozenset({"BFLOAT8_B", "BFLOAT4_B"})
 _FLOAT_NAMES = frozenset({"FLOAT32", "BFLOAT16", *BLOCK_FLOATS})
-_INT32_RANGE = (-(2**31), 2**31 - 1)
+_STAGED_RANGE: dict[str, tuple[int, int]] = {
+    "INT32": (-(2**31), 2**31 - 1),
+    "UINT32": (0, 2**31 - 1),  # staged from an int32 host copy
+}
 _STAGED: dict[torch.dtype, tuple[torch.dtype, str]] = {
     torch.float32: (torch.float32, "FLOAT32"),
     torch.bfloat16: (torch.bfloat16, "BFLOAT16"),
     torch.float16: (torch.float32, "FLOAT32"),
-    torch.int64: (torch.int32, "INT32"),
+    torch.int64: (torch.int32, "UINT32"),
     torch.int32: (torch.int32, "INT32"),
     torch.int16: (torch.int32, "INT32"),
     torch.int8: (torch.int32, "INT32"),
@@ -178,13 +183,15 @@ def staging_plan(
 
 
 def stage(host: torch.Tensor, plan: StagingPlan) -> torch.Tensor:
-    """``host`` converted to ``plan.staged_dtype``; int64 values outside int32 raise."""
-    if host.dtype == torch.int64 and plan.staged_dtype == torch.int32 and host.numel():
+    """``host`` converted to ``plan.staged_dtype``; values outside the ttnn dtype raise."""
+    bounds = _STAGED_RANGE.get(plan.tt_dtype)
+    if bounds is not None and host.dtype == torch.int64 and host.numel():
         low, high = int(host.min()), int(host.max())
-        if low < _INT32_RANGE[0] or high > _INT32_RANGE[1]:
+        if low < bounds[0] or high > bounds[1]:
             raise DeviceError(
-                f"int64 tensor {describe_tensor(host)} holds {low}..{high}, outside int32; "
-                f"ttnn stages integers as int32"
+                f"int64 tensor {describe_tensor(host)} holds {low}..{high}, outside "
+                f"{bounds[0]}..{bounds[1]}; ttnn stages int64 (token ids) as uint32 and int32 "
+                f"(page tables, positions) as int32"
             )
     return host.detach().to(plan.staged_dtype).contiguous()
 
@@ -595,13 +602,18 @@ class TtnnDevice:
         ``end_trace_capture`` is (re)tried first: ttnn cannot release a trace still capturing.
         """
         failures: list[tuple[str, BaseException]] = []
+        ended: BaseException | None = None
         try:
             self._tt.end_trace_capture(self._mesh, tt_trace_id, cq_id=self._options.cq_id)
         except Exception as exc:
-            failures.append(("end_trace_capture", exc))
+            ended = exc
         try:
             self._tt.release_trace(self._mesh, tt_trace_id)
         except Exception as exc:
+            # The retried end only matters when the trace could not be released either (a
+            # failed end_trace_capture may have ended the capture before it threw).
+            if ended is not None:
+                failures.append(("end_trace_capture", ended))
             failures.append(("release_trace", exc))
         if failures:
             raise CleanupError(failures, primary=primary) from primary
