@@ -35,6 +35,8 @@ ttnn = pytest.importorskip(
 
 from llmrt.device.ttnn import (  # noqa: E402
     BLOCK_FLOATS,
+    DISPATCH_CORE_TYPES,
+    FABRIC_CONFIGS,
     TTNN_CALLS,
     TTNN_METHODS,
     TTNN_NAMES,
@@ -42,7 +44,11 @@ from llmrt.device.ttnn import (  # noqa: E402
     staging_plan,
     unstage,
 )
-from llmrt.testing.fake_ttnn import FakeTtnn  # noqa: E402
+from llmrt.testing.fake_ttnn import (  # noqa: E402
+    CACHE_MISS_IN_CAPTURE,
+    TENSOR_OPERATORS,
+    FakeTtnn,
+)
 
 ODD_SHAPES = [(5,), (3, 5), (1, 33), (2, 3, 40), (7, 64), (2, 1, 1, 1)]
 
@@ -216,7 +222,7 @@ def test_page_tables_and_tokens_in_their_staged_row_major_forms() -> None:
         (torch.float32, torch.randn(3, 5)),
         (torch.bfloat16, torch.randn(3, 5).to(torch.bfloat16)),
         (torch.float16, torch.randn(2, 7).to(torch.float16)),
-        (torch.int64, torch.tensor([[1, 50_000, -1]])),
+        (torch.int64, torch.tensor([[1, 50_000, 151_935]])),
         (torch.int32, torch.tensor([[0, 5, -1, -1]], dtype=torch.int32)),
         (torch.int16, torch.tensor([-2, 300], dtype=torch.int16)),
         (torch.int8, torch.tensor([-2, 100], dtype=torch.int8)),
@@ -285,3 +291,51 @@ def test_fake_conversions_agree_with_the_real_wheel(
     assert real[4].dtype == fake_result[4].dtype
     if dtype != "bfloat8_b":
         assert torch.equal(real[4].to(torch.float64), fake_result[4].to(torch.float64))
+
+
+# the fake's strictness, as far as the host can observe the real library
+
+
+_OBJECT_DUNDERS = set(dir(object))
+
+
+def test_fake_tensor_has_exactly_the_real_tensors_operators() -> None:
+    real = {n for n in dir(ttnn.Tensor) if n.startswith("__")} - _OBJECT_DUNDERS
+    fake = {n for n in dir(FakeTtnn.Tensor) if n.startswith("__")} - _OBJECT_DUNDERS
+    operators = {n for n in real | fake if n not in {"__dict__", "__module__", "__weakref__"}}
+    assert {n for n in operators if hasattr(FakeTtnn.Tensor, n)} - {"__torch_function__"} == {
+        n for n in operators if hasattr(ttnn.Tensor, n)
+    }
+    assert not hasattr(ttnn.Tensor, "__torch_function__")  # the fake's rejects by default
+    assert set(TENSOR_OPERATORS) | {"__getitem__"} == {
+        n for n in operators if hasattr(ttnn.Tensor, n)
+    }
+
+
+def test_fake_enums_and_recipe_options_name_real_members() -> None:
+    for name in ("FabricConfig", "DispatchCoreType", "DispatchCoreAxis"):
+        fake_members = {m.name for m in getattr(FakeTtnn, name)}
+        real_members = {m for m in dir(getattr(ttnn, name)) if m.isupper()}
+        assert fake_members <= real_members, name
+    assert {c.upper() for c in FABRIC_CONFIGS} <= {m for m in dir(ttnn.FabricConfig)}
+    assert {c.upper() for c in DISPATCH_CORE_TYPES} <= {m for m in dir(ttnn.DispatchCoreType)}
+    assert {"type"} <= param_names(ttnn.DispatchCoreConfig)
+    assert ttnn.DispatchCoreConfig(type=ttnn.DispatchCoreType.ETH).type == ttnn.DispatchCoreType.ETH
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        CACHE_MISS_IN_CAPTURE,
+        "Input must be UINT32 or BFLOAT16",
+        "Inputs to matmul must be tilized",
+        "Creating trace buffers of size {}B on MeshDevice {}, but only {}B is allocated for "
+        "trace region.",
+        "is not allowed while devices are still open",
+        "requires at least 2 participating chips",
+    ],
+)
+def test_the_fakes_error_messages_are_the_libraries(message: str) -> None:
+    libraries = Path(ttnn.__file__).parent / "build" / "lib"
+    needle = message.encode()
+    assert any(needle in path.read_bytes() for path in libraries.glob("*.so*")), message

@@ -160,3 +160,41 @@ def test_unseeded_sampled_decode_draws_on_the_lane_device(lane: Lane) -> None:
     vocab = lane.model.config.vocab_size
     assert all(0 <= t < vocab for row in tokens for t in row)
     assert lane.decode.generator.device.type == torch.device(lane.device.torch_device).type
+
+
+@pytest.mark.parametrize("device", TORCH_DEVICES)
+def test_llama_family_on_the_device_matches_transformers(device: str) -> None:
+    """Family parity on the lane's device: the prefill logits and greedy decode tokens of a
+    Llama built on ``device`` equal transformers' (float32, on the CPU) on the same weights."""
+    transformers = pytest.importorskip("transformers")
+    from llmrt.families.registry import get_family
+
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=0.2,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(config).eval()
+    model = get_family("llama").build(
+        hf_config=hf.config.to_dict(),
+        tensors=hf.state_dict(),
+        dtype=torch.float32,
+        device=device,
+    )
+    lane = build_lane(model=model, device=TorchDevice(device), block_size=BS, num_blocks=16)
+    try:
+        ids = prompt(11, seed=5)
+        out = lane.executor.prefill_forward(rows=make_rows([ids], [(0, 1, 2, 3)]))
+        assert out.logits is not None
+        with torch.no_grad():
+            expected = hf(input_ids=torch.tensor([ids])).logits[0, -1]
+        torch.testing.assert_close(out.logits[0].to("cpu"), expected, atol=1e-4, rtol=1e-4)
+    finally:
+        lane.cleanup()
