@@ -28,6 +28,7 @@ import attrs
 import pytest
 import torch
 
+from llmrt.benchmarks.hf import cache_argument
 from llmrt.prefill.plan import PrefillRow
 from llmrt.sampling_params import SamplingParams
 from llmrt.serving.llm import LLM
@@ -113,11 +114,9 @@ def transformers_run(checkpoint: Checkpoint, ids: Sequence[int]) -> Run:
         logits = first
         for _ in range(STEPS):
             tokens.append(int(logits.argmax()))
-            out = model(
-                input_ids=torch.tensor([[tokens[-1]]]),
-                past_key_values=out.past_key_values,
-                use_cache=True,
-            )
+            name = cache_argument(model)  # "cache" in transformers 5, on input and output
+            cache = {name: out[name]}
+            out = model(input_ids=torch.tensor([[tokens[-1]]]), use_cache=True, **cache)
             logits = out.logits[0, -1].float()
     return Run(logits=first, tokens=tuple(tokens))
 
