@@ -28,14 +28,14 @@ python -c 'import torch; p = torch.cuda.get_device_properties(0); print(
 status=0
 echo "== 1/3 CUDA tests (pytest -m cuda)"
 # -m cuda replaces the default 'not slow' selection: every cuda-marked test, slow or not.
-if ! timeout 170 pytest -q -p no:cacheprovider -m cuda -rs tests | tee "$out/tests.txt"; then
+if ! timeout 110 pytest -q -p no:cacheprovider -m cuda -rs tests | tee "$out/tests.txt"; then
   status=1
 fi
 
 CUDA=(--set device.kind=cuda --set device.index=0 --set trace.mode=decode_only)
 echo "== 2/3 traced/eager decode step at batch 1 and 16"
 for batch in 1 16; do
-  if ! timeout 60 llmrt bench smollm2-135m --workload decode "${CUDA[@]}" \
+  if ! timeout 55 llmrt bench smollm2-135m --workload decode "${CUDA[@]}" \
       --set "decode.lane_capacity=$batch" --num-prompts 16 --json >"$out/decode_b$batch.json"; then
     echo "decode bench at batch $batch failed" >&2
     status=1
