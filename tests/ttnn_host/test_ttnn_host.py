@@ -296,9 +296,14 @@ def test_fake_conversions_agree_with_the_real_wheel(
 # the fake's strictness, as far as the host can observe the real library
 
 
-_NAMES = "add sub mul truediv floordiv mod pow matmul and or xor lshift rshift divmod".split()
-_UNARY_AND_COMPARISONS = "neg pos abs invert lt le eq ne gt ge".split()
-_CONTAINER_AND_CONVERSIONS = "getitem setitem delitem len contains iter bool float int index".split()
+_NAMES = (
+    "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul",
+    "and", "or", "xor", "lshift", "rshift", "divmod",
+)  # fmt: skip
+_UNARY_AND_COMPARISONS = ("neg", "pos", "abs", "invert", "lt", "le", "eq", "ne", "gt", "ge")
+_CONTAINER_AND_CONVERSIONS = (
+    "getitem", "setitem", "delitem", "len", "contains", "iter", "bool", "float", "int", "index",
+)  # fmt: skip
 #: Every Python operator hook a tensor class could define (binary, reflected, in-place, unary,
 #: comparison, container and conversion).
 OPERATOR_HOOKS = frozenset(
