@@ -12,6 +12,7 @@ import json
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -24,7 +25,7 @@ from llmrt.errors import CheckpointError, ConfigError, DeviceError, IdentityErro
 from llmrt.execution import EagerExecutor, TracedExecutor
 from llmrt.families.base import CausalLM, Family
 from llmrt.families.layers import select_linear_kernel
-from llmrt.families.registry import family_for_model_type, get_family
+from llmrt.families.registry import check_family_backend, family_for_model_type, get_family
 from llmrt.lifecycle import component_logger, emit
 from llmrt.model_executor import ModelExecutor
 from llmrt.output_reader import OutputReader
@@ -44,13 +45,34 @@ KV_MEMORY_FRACTION = 0.25
 # -- device scope ----------------------------------------------------------------------------
 
 
-def open_device(*, recipe: Recipe) -> Device:
+def load_ttnn(*, recipe: Recipe) -> Any:
+    """The ``ttnn`` module a ttnn recipe opens its mesh with (None for torch).
+
+    Tests override this provider with ``llmrt.testing.fake_ttnn.FakeTtnn``.
+    """
+    if recipe.device.backend != "ttnn":
+        return None
+    from llmrt.device.ttnn import import_ttnn
+
+    return import_ttnn()
+
+
+def open_device(*, recipe: Recipe, ttnn_module: Any = None) -> Device:
     """Open the recipe's device (or mesh); the device scope closes it (``close_device``)."""
     spec = recipe.device
     if spec.backend == "ttnn":
         from llmrt.device.ttnn import open_ttnn_device
 
-        device: Device = open_ttnn_device(mesh_shape=spec.mesh_shape or (1, recipe.lanes))
+        tt = spec.ttnn
+        device: Device = open_ttnn_device(
+            mesh_shape=spec.mesh_shape or (1, recipe.lanes),
+            ttnn_module=ttnn_module,
+            l1_small_size=tt.l1_small_size,
+            trace_region_size=tt.trace_region_size,
+            num_command_queues=tt.num_command_queues,
+            dispatch_core_type=tt.dispatch_core_type,
+            fabric_config=tt.fabric_config,
+        )
     else:
         if spec.num_threads is not None:
             torch.set_num_threads(spec.num_threads)
@@ -85,10 +107,14 @@ def split_lanes(*, device: Device, lanes: int) -> tuple[Device, ...]:
 
 
 def resolve_family(*, recipe: Recipe, model_type: Callable[[], str]) -> Family:
-    """The recipe's family; ``auto`` asks ``model_type()`` (the checkpoint's, read cheaply)."""
+    """The recipe's family (``auto`` asks ``model_type()``, the checkpoint's, read cheaply),
+    which must support ``device.backend``."""
     if recipe.family == "auto":
-        return family_for_model_type(model_type())
-    return get_family(recipe.family)
+        family = family_for_model_type(model_type())
+    else:
+        family = get_family(recipe.family)
+    check_family_backend(family, recipe.device.backend)
+    return family
 
 
 def checkpoint_model_type(*, recipe: Recipe) -> str:
@@ -150,13 +176,17 @@ def load_tokenizer(*, recipe: Recipe, checkpoint: Checkpoint) -> Tokenizer:
 def build_model(
     *, recipe: Recipe, checkpoint: Checkpoint, family: Family, device: Device
 ) -> CausalLM:
-    """One lane's tensor model; lanes on one host share the checkpoint's tensors."""
+    """One lane's tensor model; lanes on one host share the checkpoint's tensors.
+
+    A torch family builds on the lane's torch device; a ttnn family gets the lane's port
+    device itself (a ``TtnnDevice``: its ``mesh_device`` and ``ttnn_module``).
+    """
     dtype = torch.bfloat16 if recipe.checkpoint.dtype == "bfloat16" else torch.float32
     model = family.build(
         hf_config=checkpoint.hf_config,
         tensors=checkpoint.tensors,
         dtype=dtype,
-        device=device.torch_device,
+        device=device if recipe.device.backend == "ttnn" else device.torch_device,
     )
     if recipe.device.backend == "torch":
         select_linear_kernel(

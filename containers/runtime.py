@@ -20,6 +20,8 @@ Overriding, the dependency-injector way, before the runtime is built:
 - a root-level provider: ``container.device.device.override(providers.Object(FaultyDevice(...)))``
   (owned: synchronized and closed at teardown), or ``...override(Borrowed(device))`` for a
   device the caller owns (left alone, visibly);
+- the ttnn module a ttnn recipe opens its mesh with:
+  ``container.device.ttnn_module.override(providers.Object(FakeTtnn()))``;
 - the family: ``container.model.family.override(providers.Object(family))`` (weights are
   loaded and validated for it; nothing else looks the family up);
 - one lane's provider: ``container.lane_containers()[i].kv_cache_manager.override(...)``
@@ -63,7 +65,9 @@ class DeviceContainer(containers.DeclarativeContainer):
     recipe = providers.Dependency(instance_of=Recipe)
     parent_scope = providers.Dependency(instance_of=LifetimeScope)
     scope: providers.Singleton[LifetimeScope] = providers.Singleton(_child, parent_scope, "device")
-    device: Owned = Owned(f.open_device, recipe=recipe).owned_by(
+    # The ttnn module (None on torch): tests override it with llmrt.testing.fake_ttnn.FakeTtnn.
+    ttnn_module = providers.Singleton(f.load_ttnn, recipe=recipe)
+    device: Owned = Owned(f.open_device, recipe=recipe, ttnn_module=ttnn_module).owned_by(
         scope, "device", close=f.close_device
     )
     lane_devices: Owned = Owned(f.split_lanes, device=device, lanes=recipe.provided.lanes).owned_by(

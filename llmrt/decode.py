@@ -34,7 +34,7 @@ from llmrt.prefill.postprocess import (
     sample_outputs,
 )
 from llmrt.prefill.sampling_helpers import history_counts, plain_argmax
-from llmrt.sampling import SamplingTensors, apply_penalties
+from llmrt.sampling import SamplingTensors, apply_penalties, device_generator
 from llmrt.sampling_params import SamplingParams
 from llmrt.tensor_resources import (
     ReleaseLedger,
@@ -216,8 +216,13 @@ class DecodeRuntime:
         self._last_artifact: str | None = None
         self._ledger = ReleaseLedger()
         self._orphans: list[TensorResourceOrphan] = []
-        self._generator = torch.Generator(device="cpu").manual_seed(0)
+        self._generator = device_generator(config.device.torch_device)
         self._log = component_logger("decode_runtime", lane=config.lane, object_id=f"{id(self):#x}")
+
+    @property
+    def generator(self) -> torch.Generator:
+        """The generator unseeded sampled rows draw from, on the device the logits live on."""
+        return self._generator
 
     @property
     def model_step(self) -> DecodeStep:

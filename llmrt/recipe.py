@@ -46,6 +46,7 @@ from llmrt.recipe_schema import (
     Recipe,
     ServingSpec,
     TokenizerSpec,
+    TtnnSpec,
     registered_families,
 )
 
@@ -61,6 +62,7 @@ __all__ = [
     "Recipe",
     "ServingSpec",
     "TokenizerSpec",
+    "TtnnSpec",
     "dump_recipe_yaml",
     "list_recipes",
     "load_recipe",

@@ -20,6 +20,7 @@ from llmrt.config import (
     TraceConfig,
     WarmupConfig,
 )
+from llmrt.device.ttnn import DEFAULT_TRACE_REGION_SIZE
 from llmrt.errors import CheckpointError, ConfigError, FamilyError, RecipeError
 from llmrt.families import registry as family_registry
 from llmrt.families.layers import LinearKernelChoice
@@ -242,6 +243,48 @@ class InductorSpec:
         )
 
 
+DispatchCoreType = Literal["worker", "eth"]
+FabricConfigName = Literal[
+    "disabled",
+    "fabric_1d",
+    "fabric_1d_ring",
+    "fabric_1d_neighbor_exchange",
+    "fabric_2d",
+    "fabric_2d_torus_x",
+    "fabric_2d_torus_y",
+    "fabric_2d_torus_xy",
+]
+@attrs.frozen(kw_only=True)
+class TtnnSpec:
+    """How the ttnn mesh is opened (``device.ttnn``; only with ``device.backend: ttnn``).
+
+    ``l1_small_size``/``trace_region_size`` are bytes reserved per chip (ttnn's
+    ``open_mesh_device`` arguments; traces need a trace region), ``num_command_queues`` is 1
+    or 2, ``dispatch_core_type`` picks the dispatch cores (None: ttnn's default, worker),
+    ``fabric_config`` is passed to ``ttnn.set_fabric_config`` before the mesh opens (a fabric
+    needs two chips or more; ``disabled`` is ttnn's default).
+    """
+
+    l1_small_size: int = 0
+    trace_region_size: int = DEFAULT_TRACE_REGION_SIZE
+    num_command_queues: int = 1
+    dispatch_core_type: DispatchCoreType | None = None
+    fabric_config: FabricConfigName = "disabled"
+
+    def __attrs_post_init__(self) -> None:
+        _non_negative_int("device.ttnn.l1_small_size", self.l1_small_size)
+        _non_negative_int("device.ttnn.trace_region_size", self.trace_region_size)
+        _check(
+            _is_int(self.num_command_queues) and self.num_command_queues in (1, 2),
+            "device.ttnn.num_command_queues",
+            self.num_command_queues,
+            "must be 1 or 2",
+        )
+        if self.dispatch_core_type is not None:
+            _one_of("device.ttnn.dispatch_core_type", self.dispatch_core_type, DispatchCoreType)
+        _one_of("device.ttnn.fabric_config", self.fabric_config, FabricConfigName)
+
+
 @attrs.frozen(kw_only=True)
 class DeviceSpec:
     """Backend and placement.
@@ -249,7 +292,8 @@ class DeviceSpec:
     ``kind``/``index`` pick a torch device (``kind`` None means cpu); ``mesh_shape`` is
     the ttnn mesh (rows, cols) the lanes split. ``num_threads`` sets torch's intra-op
     threads (None keeps torch's default). ``linear`` picks the matmul kernel of the
-    model's linear layers (``auto``: oneDNN for float32 on CPU, aten otherwise).
+    model's linear layers (``auto``: oneDNN for float32 on CPU, aten otherwise). ``ttnn``
+    holds the options the ttnn mesh is opened with.
     """
 
     backend: Backend = "torch"
@@ -260,6 +304,7 @@ class DeviceSpec:
     inductor: InductorSpec = attrs.Factory(InductorSpec)
     num_threads: int | None = None
     linear: LinearKernelChoice = "auto"
+    ttnn: TtnnSpec = attrs.Factory(TtnnSpec)
 
     def __attrs_post_init__(self) -> None:
         _one_of("device.backend", self.backend, Backend)
@@ -276,11 +321,20 @@ class DeviceSpec:
         )
         if self.num_threads is not None:
             _positive_int("device.num_threads", self.num_threads)
+        _check(
+            isinstance(self.ttnn, TtnnSpec), "device.ttnn", self.ttnn, "must be a ttnn section"
+        )
         if self.backend == "torch":
             _check(
                 self.mesh_shape is None,
                 "device.mesh_shape",
                 self.mesh_shape,
+                "is only used with device.backend=ttnn",
+            )
+            _check(
+                self.ttnn == TtnnSpec(),
+                "device.ttnn",
+                self.ttnn,
                 "is only used with device.backend=ttnn",
             )
             _check(
@@ -465,6 +519,7 @@ class Recipe:
         self._check_tokenizer()
         self._check_placement()
         self._derive_warmup()
+        self._check_family_backend()
         self._check_geometry()
 
     @property
@@ -640,6 +695,21 @@ class Recipe:
             "packed needs device.backend=torch (a ttnn wave has one start offset)",
         )
         mesh = self.device.mesh_shape
+        if self.device.backend == "ttnn":
+            tt = self.device.ttnn
+            chips = math.prod(mesh) if mesh is not None else self.lanes
+            _check(
+                tt.fabric_config == "disabled" or chips >= 2,
+                "device.ttnn.fabric_config",
+                tt.fabric_config,
+                f"needs a mesh of two chips or more (this recipe opens {chips})",
+            )
+            _check(
+                not self.trace.enabled or tt.trace_region_size > 0,
+                "device.ttnn.trace_region_size",
+                tt.trace_region_size,
+                f"must be positive when trace.mode={self.trace.mode} captures traces",
+            )
         if self.device.backend == "ttnn" and mesh is not None:
             chips = math.prod(mesh)
             _check(
@@ -682,6 +752,22 @@ class Recipe:
                 self.warmup, prefill_seq_lens=tuple(derived), prefill_batch_sizes=tuple(batches)
             )
             object.__setattr__(self, "warmup", warmup)
+
+    def _check_family_backend(self) -> None:
+        """The family (named, or ``auto`` from a random checkpoint's ``model_type``) supports
+        ``device.backend``; ``auto`` over a file checkpoint is checked when it is resolved."""
+        try:
+            if self.family != AUTO_FAMILY:
+                family = family_registry.get_family(self.family)
+            elif self.checkpoint.format == "random":
+                family = family_registry.family_for_model_type(str(self.model.get("model_type")))
+            else:
+                return
+        except FamilyError:
+            # Not loadable here (a plugin importing ttnn, an unknown model type): the
+            # container checks the pair when it resolves the family.
+            return
+        family_registry.check_family_backend(family, self.device.backend)
 
     def _check_geometry(self) -> None:
         block = self.kv_cache.block_size

@@ -14,7 +14,8 @@ rows (temperature 0, or no params) take ``argmax(logits)``, ties to the lowest i
 Seeded rows draw their noise from a CPU ``torch.Generator`` seeded by a fixed mix of
 ``(seed, step)``, so a seeded row gets the same token at the same step whatever batch it
 is in, whichever row it occupies, and on whichever device the logits live. Unseeded rows
-share the caller's ``generator`` (one batched draw, no per-row work).
+share the caller's ``generator`` (one batched draw, no per-row work), which must live on the
+logits' device (``device_generator``): torch rejects a CPU generator for a CUDA tensor.
 
 Traced programs keep persistent ``SamplingTensors`` (``to_device`` once; built with
 ``all_features=True`` or with the features in the program's identity, ``features()``)
@@ -38,7 +39,7 @@ import attrs
 import torch
 from torch import Tensor
 
-from llmrt.errors import RequestError
+from llmrt.errors import DeviceError, RequestError
 from llmrt.sampling_params import GREEDY_TEMPERATURE, MAX_LOGPROBS, SamplingParams
 
 __all__ = [
@@ -337,6 +338,24 @@ def apply_penalties(
     return out
 
 
+def device_generator(device: torch.device | str, *, seed: int = 0) -> torch.Generator:
+    """The generator unseeded rows draw from on ``device`` (a CUDA tensor needs a CUDA one)."""
+    return torch.Generator(device=torch.device(device)).manual_seed(seed)
+
+
+def _check_generator(generator: torch.Generator | None, device: torch.device) -> None:
+    if generator is None:
+        return
+    placed = torch.device(generator.device)
+    if placed.type != device.type or (
+        placed.index is not None and device.index is not None and placed.index != device.index
+    ):
+        raise DeviceError(
+            f"gumbel_noise: the generator is on {placed} but the noise is drawn on {device} "
+            "(torch rejects a generator on another device; use device_generator)"
+        )
+
+
 def gumbel_noise(
     tensors: SamplingTensors,
     *,
@@ -351,6 +370,7 @@ def gumbel_noise(
     it does not depend on the batch, the row position or the device.
     """
     shape = (tensors.batch_size, tensors.vocab_size)
+    _check_generator(generator, torch.device(tensors.device))
     exp = torch.empty(shape, dtype=torch.float32, device=tensors.device)
     noise = exp.exponential_(generator=generator).clamp_min_(_TINY).log_().neg_()
     if not tensors.any_seeded:

@@ -68,8 +68,11 @@ def single_torch_thread() -> Iterator[None]:
         torch.set_num_threads(previous)
 
 
-def tiny_llama(*, seed: int = 0, std: float = 0.15, **overrides: Any) -> CausalLM:
-    """A float32 CPU Llama with seeded N(0, std) weights (large enough for peaked logits)."""
+def tiny_llama(
+    *, seed: int = 0, std: float = 0.15, device: str = "cpu", **overrides: Any
+) -> CausalLM:
+    """A float32 Llama on ``device`` with seeded N(0, std) weights (drawn on the CPU, so
+    every device gets the same ones; large enough for peaked logits)."""
     family = get_family("llama")
     hf_config = {**TINY_LLAMA, **overrides}
     generator = torch.Generator().manual_seed(seed)
@@ -79,7 +82,7 @@ def tiny_llama(*, seed: int = 0, std: float = 0.15, **overrides: Any) -> CausalL
             tensors[name] = 1.0 + 0.1 * torch.randn(shape, generator=generator)
         else:
             tensors[name] = std * torch.randn(shape, generator=generator)
-    return family.build(hf_config=hf_config, tensors=tensors, dtype=torch.float32, device="cpu")
+    return family.build(hf_config=hf_config, tensors=tensors, dtype=torch.float32, device=device)
 
 
 @attrs.define(eq=False)

@@ -3,9 +3,11 @@
 Tensors: ``allocate``/``upload`` stage a host torch tensor (see ``staging_plan``) and call
 ``ttnn.from_torch(..., device=mesh, mesh_mapper=...)``; ``refresh`` builds a host ttnn tensor
 with the same mapper and writes it in place with ``ttnn.copy_host_to_device_tensor``.
-Floats go in tile layout (bfloat8_b/bfloat4_b only there), integers in row-major int32/uint8,
-which is how token, position and page-table tensors are staged (int64 becomes int32: page
-tables hold -1, which uint32 would wrap).
+Floats go in tile layout (bfloat8_b/bfloat4_b only there), integers in row-major. llmrt holds
+token ids as int64 and page tables, positions and update indices as int32, so int64 is staged
+as UINT32 (what ``ttnn.embedding`` requires of its ids, and ttnn's own pick for int64; it
+travels as an int32 host copy, so values must lie in 0..2**31-1) and int32 as INT32 (page
+tables hold -1, which UINT32 would wrap).
 
 Reads: ``Tensor.cpu(blocking=...)`` then ``ttnn.to_torch`` with a concat mesh composer
 (replicated tensors keep the first device's copy). A non-blocking read returns a host torch
@@ -70,8 +72,16 @@ TTNN_CALLS: Mapping[str, tuple[str, ...]] = {
     "replicate_tensor_to_mesh_mapper": (),
     "shard_tensor_to_mesh_mapper": (),
     "concat_mesh_to_tensor_composer": (),
-    "open_mesh_device": ("mesh_shape", "trace_region_size", "num_command_queues"),
+    "open_mesh_device": (
+        "mesh_shape",
+        "l1_small_size",
+        "trace_region_size",
+        "num_command_queues",
+        "dispatch_core_config",
+    ),
     "close_mesh_device": (),
+    "set_fabric_config": (),
+    "DispatchCoreConfig": ("type",),
 }
 """Every ``ttnn`` function this backend calls, with the keyword arguments it passes."""
 
@@ -93,20 +103,40 @@ TTNN_NAMES: tuple[str, ...] = (
     "DataType",
     "Layout",
     "StorageType",
+    "FabricConfig",
+    "DispatchCoreType",
 )
 """Types and enums this backend reads from the ``ttnn`` module."""
 
 DEFAULT_TRACE_REGION_SIZE = 30_000_000
 """Bytes reserved for traces when ``open_ttnn_device`` opens a mesh (ttnn's default is 0)."""
 
+DISPATCH_CORE_TYPES = ("worker", "eth")
+"""``dispatch_core_type`` values: ttnn ``DispatchCoreType`` members, lower-cased."""
+
+FABRIC_CONFIGS = (
+    "disabled",
+    "fabric_1d",
+    "fabric_1d_ring",
+    "fabric_1d_neighbor_exchange",
+    "fabric_2d",
+    "fabric_2d_torus_x",
+    "fabric_2d_torus_y",
+    "fabric_2d_torus_xy",
+)
+"""``fabric_config`` values: ttnn ``FabricConfig`` members, lower-cased."""
+
 BLOCK_FLOATS = frozenset({"BFLOAT8_B", "BFLOAT4_B"})
 _FLOAT_NAMES = frozenset({"FLOAT32", "BFLOAT16", *BLOCK_FLOATS})
-_INT32_RANGE = (-(2**31), 2**31 - 1)
+_STAGED_RANGE: dict[str, tuple[int, int]] = {
+    "INT32": (-(2**31), 2**31 - 1),
+    "UINT32": (0, 2**31 - 1),  # staged from an int32 host copy
+}
 _STAGED: dict[torch.dtype, tuple[torch.dtype, str]] = {
     torch.float32: (torch.float32, "FLOAT32"),
     torch.bfloat16: (torch.bfloat16, "BFLOAT16"),
     torch.float16: (torch.float32, "FLOAT32"),
-    torch.int64: (torch.int32, "INT32"),
+    torch.int64: (torch.int32, "UINT32"),
     torch.int32: (torch.int32, "INT32"),
     torch.int16: (torch.int32, "INT32"),
     torch.int8: (torch.int32, "INT32"),
@@ -178,13 +208,15 @@ def staging_plan(
 
 
 def stage(host: torch.Tensor, plan: StagingPlan) -> torch.Tensor:
-    """``host`` converted to ``plan.staged_dtype``; int64 values outside int32 raise."""
-    if host.dtype == torch.int64 and plan.staged_dtype == torch.int32 and host.numel():
+    """``host`` converted to ``plan.staged_dtype``; values outside the ttnn dtype raise."""
+    bounds = _STAGED_RANGE.get(plan.tt_dtype)
+    if bounds is not None and host.dtype == torch.int64 and host.numel():
         low, high = int(host.min()), int(host.max())
-        if low < _INT32_RANGE[0] or high > _INT32_RANGE[1]:
+        if low < bounds[0] or high > bounds[1]:
             raise DeviceError(
-                f"int64 tensor {describe_tensor(host)} holds {low}..{high}, outside int32; "
-                f"ttnn stages integers as int32"
+                f"int64 tensor {describe_tensor(host)} holds {low}..{high}, outside "
+                f"{bounds[0]}..{bounds[1]}; ttnn stages int64 (token ids) as uint32 and int32 "
+                f"(page tables, positions) as int32"
             )
     return host.detach().to(plan.staged_dtype).contiguous()
 
@@ -265,6 +297,7 @@ class TtnnDevice:
         capture_warmup_runs: int = 0,
         device_id: str | None = None,
         owns_mesh: bool = False,
+        owns_fabric: bool = False,
     ) -> None:
         tt = import_ttnn() if ttnn_module is None else ttnn_module
         if mesh_mapper not in ("replicate", "shard"):
@@ -294,6 +327,7 @@ class TtnnDevice:
             ),
             owns_mesh=owns_mesh,
         )
+        self._owns_fabric = owns_fabric
 
     def _setup(
         self,
@@ -313,6 +347,7 @@ class TtnnDevice:
         self._parent = parent
         self._options = options
         self._owns_mesh = owns_mesh
+        self._owns_fabric = False
         self._closed = False
         self._num_devices = int(mesh.get_num_devices())
         self._lanes: tuple[TtnnDevice, ...] | None = None
@@ -354,6 +389,11 @@ class TtnnDevice:
     def mesh_device(self) -> Any:
         """The ttnn mesh (or submesh) this device drives (borrowed unless opened here)."""
         return self._mesh
+
+    @property
+    def ttnn_module(self) -> Any:
+        """The ``ttnn`` module (or a stand-in) this device calls; a TT family builds with it."""
+        return self._tt
 
     @property
     def num_devices(self) -> int:
@@ -595,13 +635,18 @@ class TtnnDevice:
         ``end_trace_capture`` is (re)tried first: ttnn cannot release a trace still capturing.
         """
         failures: list[tuple[str, BaseException]] = []
+        ended: BaseException | None = None
         try:
             self._tt.end_trace_capture(self._mesh, tt_trace_id, cq_id=self._options.cq_id)
         except Exception as exc:
-            failures.append(("end_trace_capture", exc))
+            ended = exc
         try:
             self._tt.release_trace(self._mesh, tt_trace_id)
         except Exception as exc:
+            # The retried end only matters when the trace could not be released either (a
+            # failed end_trace_capture may have ended the capture before it threw).
+            if ended is not None:
+                failures.append(("end_trace_capture", ended))
             failures.append(("release_trace", exc))
         if failures:
             raise CleanupError(failures, primary=primary) from primary
@@ -673,6 +718,11 @@ class TtnnDevice:
                 self._tt.close_mesh_device(self._mesh)
             except Exception as exc:
                 failures.append((f"close_mesh_device {self._id}", exc))
+        if self._owns_fabric and not failures:
+            try:
+                self._tt.set_fabric_config(self._tt.FabricConfig.DISABLED)
+            except Exception as exc:
+                failures.append((f"set_fabric_config DISABLED after {self._id}", exc))
         if failures:
             raise CleanupError(failures)
         self._closed = True
@@ -827,15 +877,22 @@ def open_ttnn_device(
     mesh_shape: Sequence[int],
     *,
     ttnn_module: Any | None = None,
+    l1_small_size: int = 0,
     trace_region_size: int = DEFAULT_TRACE_REGION_SIZE,
     num_command_queues: int = 1,
+    dispatch_core_type: str | None = None,
+    fabric_config: str = "disabled",
     mesh_mapper: MeshMapper = "replicate",
     shard_dim: int = 0,
     float_layout: FloatLayout = "tile",
     float_dtypes: Mapping[torch.dtype, str] | None = None,
     capture_warmup_runs: int = 0,
 ) -> TtnnDevice:
-    """Open a ``[rows, cols]`` mesh and return a ``TtnnDevice`` that owns it (see ``close``)."""
+    """Open a ``[rows, cols]`` mesh and return a ``TtnnDevice`` that owns it (see ``close``).
+
+    ``fabric_config`` other than ``disabled`` is set with ``ttnn.set_fabric_config`` before
+    the mesh opens (ttnn requires that order) and disabled again when the device closes.
+    """
     shape = tuple(mesh_shape)
     if len(shape) != 2 or any(
         isinstance(d, bool) or not isinstance(d, int) or d < 1 for d in shape
@@ -843,25 +900,53 @@ def open_ttnn_device(
         raise ConfigError(
             "device.mesh_shape", list(shape), "must be two positive integers [rows, cols]"
         )
-    if (
-        isinstance(trace_region_size, bool)
-        or not isinstance(trace_region_size, int)
-        or trace_region_size < 1
+    for name, value, low in (
+        ("trace_region_size", trace_region_size, 0),
+        ("l1_small_size", l1_small_size, 0),
+        ("num_command_queues", num_command_queues, 1),
     ):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ConfigError(f"device.ttnn.{name}", value, f"must be an integer >= {low}")
+    if dispatch_core_type is not None and dispatch_core_type not in DISPATCH_CORE_TYPES:
         raise ConfigError(
-            "device.trace_region_size", trace_region_size, "must be a positive integer"
+            "device.ttnn.dispatch_core_type", dispatch_core_type, f"must be {DISPATCH_CORE_TYPES}"
         )
+    if fabric_config not in FABRIC_CONFIGS:
+        raise ConfigError("device.ttnn.fabric_config", fabric_config, f"must be {FABRIC_CONFIGS}")
     tt = import_ttnn() if ttnn_module is None else ttnn_module
+    fabric = fabric_config != "disabled"
+    if fabric:
+        try:
+            tt.set_fabric_config(getattr(tt.FabricConfig, fabric_config.upper()))
+        except Exception as exc:
+            raise DeviceError(
+                f"device.ttnn.fabric_config={fabric_config}: ttnn.set_fabric_config failed: "
+                f"{_first_line(exc)}"
+            ) from exc
+    dispatch = None
+    if dispatch_core_type is not None:
+        dispatch = tt.DispatchCoreConfig(
+            type=getattr(tt.DispatchCoreType, dispatch_core_type.upper())
+        )
     try:
         mesh = tt.open_mesh_device(
             mesh_shape=tt.MeshShape(*shape),
+            l1_small_size=l1_small_size,
             trace_region_size=trace_region_size,
             num_command_queues=num_command_queues,
+            dispatch_core_config=dispatch,
         )
     except Exception as exc:
-        raise DeviceError(
+        error = DeviceError(
             f"device.mesh_shape={list(shape)}: ttnn.open_mesh_device failed: {_first_line(exc)}"
-        ) from exc
+        )
+        if fabric:
+            try:
+                tt.set_fabric_config(tt.FabricConfig.DISABLED)
+            except Exception as cleanup:
+                failed = [("set_fabric_config DISABLED", cleanup)]
+                raise CleanupError(failed, primary=error) from exc
+        raise error from exc
     return TtnnDevice(
         mesh,
         ttnn_module=tt,
@@ -871,6 +956,7 @@ def open_ttnn_device(
         float_dtypes=float_dtypes,
         capture_warmup_runs=capture_warmup_runs,
         owns_mesh=True,
+        owns_fabric=fabric,
     )
 
 

@@ -125,7 +125,13 @@ class CausalLM(Protocol):
 
 @runtime_checkable
 class Family(Protocol):
-    """A model family registered under the ``llmrt.families`` entry-point group."""
+    """A model family registered under the ``llmrt.families`` entry-point group.
+
+    A family may declare ``backends`` (e.g. ``("ttnn",)``; torch only when absent): a recipe
+    pairing it with another ``device.backend`` fails validation. ``build`` receives the lane's
+    torch device on the torch backend and the lane's port device (a ``TtnnDevice``, with
+    ``mesh_device`` and ``ttnn_module``) on ttnn.
+    """
 
     @property
     def name(self) -> str: ...
@@ -145,5 +151,5 @@ class Family(Protocol):
         hf_config: Mapping[str, Any],
         tensors: Mapping[str, torch.Tensor],
         dtype: torch.dtype,
-        device: torch.device | str,
+        device: Any,
     ) -> CausalLM: ...

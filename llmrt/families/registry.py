@@ -16,10 +16,12 @@ from importlib.metadata import EntryPoint, entry_points
 from types import TracebackType
 from typing import Any
 
-from llmrt.errors import FamilyError
+from llmrt.errors import FamilyError, RecipeError
 from llmrt.families.base import Family
 
 GROUP = "llmrt.families"
+#: Backends a family supports when it does not declare ``backends``.
+DEFAULT_BACKENDS: tuple[str, ...] = ("torch",)
 
 _REGISTERED: dict[str, Family] = {}
 
@@ -135,3 +137,20 @@ def _check(family: Any, *, source: str, name: Any) -> Family:
     if family.name != name:
         raise FamilyError(f"family entry point {name!r} ({source}) names itself {family.name!r}")
     return family
+
+
+def family_backends(family: Family) -> tuple[str, ...]:
+    """The device backends ``family`` builds models for (``backends``; torch when undeclared)."""
+    declared = getattr(family, "backends", DEFAULT_BACKENDS)
+    return tuple(declared)
+
+
+def check_family_backend(family: Family, backend: str) -> None:
+    """``RecipeError`` on ``device.backend`` unless ``family`` supports ``backend``."""
+    supported = family_backends(family)
+    if backend not in supported:
+        raise RecipeError(
+            "device.backend",
+            backend,
+            f"family {family.name!r} supports {', '.join(supported)} only",
+        )

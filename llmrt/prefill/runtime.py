@@ -42,7 +42,7 @@ from llmrt.prefill.signatures import (
     chunk_signature,
 )
 from llmrt.prefill.trace import capture_plan as build_capture_plan
-from llmrt.sampling import apply_penalties
+from llmrt.sampling import apply_penalties, device_generator
 from llmrt.sampling_params import SamplingParams
 from llmrt.tensor_resources import (
     ReleaseLedger,
@@ -72,7 +72,12 @@ class PrefillRuntime:
             else step_compiler.prefill_step(config.model, block_size=config.layout.block_size)
         )
         self._orphans: list[TensorResourceOrphan] = []
-        self._generator = torch.Generator(device=config.device.torch_device).manual_seed(0)
+        self._generator = device_generator(config.device.torch_device)
+
+    @property
+    def generator(self) -> torch.Generator:
+        """The generator unseeded sampled rows draw from, on the device the logits live on."""
+        return self._generator
 
     def configure_page_table_layout(self, layout: PageTableLayout) -> None:
         self.config = self.config.with_layout(layout)

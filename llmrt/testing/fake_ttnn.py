@@ -1,29 +1,41 @@
-"""``FakeTtnn``: a recording stand-in for the ``ttnn`` module, for call-sequence tests.
+"""``FakeTtnn``: a recording stand-in for the ``ttnn`` module, as strict as ttnn 0.81.1.
 
-It mirrors the ttnn 0.81 call signatures ``TtnnDevice`` uses (``from_torch``, ``to_torch``,
+It mirrors the ttnn 0.81 call signatures llmrt uses (``from_torch``, ``to_torch``,
 ``copy_host_to_device_tensor``, ``deallocate``, ``Tensor.cpu``, events, traces, mesh mappers,
-submeshes), records every call, can fail the Nth call of a chosen name, and enforces the rules
-real Tenstorrent hardware imposes, raising ``TtnnRuleViolation`` where a chip would hang,
-corrupt memory or return garbage:
+submeshes, ``open_mesh_device`` options, ``set_fabric_config``), records every call, can fail
+the Nth call of a chosen name, and raises ``TtnnRuleViolation`` where a chip would hang,
+corrupt memory or return garbage, or where ttnn itself throws (then with ttnn's own message):
 
 - no host write (``from_torch``/``to_device``/``copy_host_to_device_tensor``), allocation,
   read, event or synchronize inside a trace capture; host-write allocations while a trace is
   live raise too (``allocation_while_trace_live="warn"`` only records them, as tt-metal warns);
+- a capture may only run programs already in the mesh's program cache (keyed like tt-metal's:
+  op, input shapes, dtypes, layouts and memory configs, and the op's non-scalar attributes),
+  so a capture whose programs differ from the warm-up run raises ttnn's
+  "Cannot load new binaries during trace capture" error;
+- a captured trace must fit the mesh's ``trace_region_size`` (``trace_bytes_per_op`` per
+  captured op, live traces included), checked at ``end_trace_capture`` with ttnn's message;
 - a trace's tensors (what it read or created) are not deallocated before ``release_trace``;
 - the host value of a non-blocking ``Tensor.cpu`` is not read before an event recorded after
   it is synchronized (or the device is synchronized);
-- nothing is deallocated twice and no deallocated tensor is used;
-- traces need ``trace_region_size > 0`` when the mesh is opened; captures do not nest.
+- nothing is deallocated twice and no deallocated tensor is used; captures do not nest;
+- ``cq_id`` must name one of the mesh's ``num_command_queues``; ``set_fabric_config`` must
+  precede ``open_mesh_device`` and a fabric needs a mesh of two chips or more.
 
-Device tensors hold a torch payload and implement ``__torch_function__`` and the arithmetic
-operators, so small torch programs run on them; ``torch_ops="reject"`` turns torch functions and
-torch methods off, as on a real ``ttnn.Tensor``, so only ttnn ops (``add``, ``multiply``,
-``matmul``, ops added with ``register_op``) and operators run. Calls of those ttnn ops are
-recorded like API calls (replays are not: a replay records only ``execute_trace``). Ops run
-inside a capture are recorded on the trace's tape; ``execute_trace`` replays the tape against
-the tensors' current payloads, so refreshed inputs change a replay's results and Python values
-are baked at capture, as on a chip. Multi-device tensors keep one logical payload plus their
-replicate/shard topology.
+Device tensors hold a torch payload but, like a real ``ttnn.Tensor``, have no
+``__torch_function__`` behaviour and no torch methods: a torch function or method on one
+raises unless the fake was made with ``torch_ops="allow"`` (a test's opt-in, for small torch
+programs). Their operators are exactly the real tensor's (``+ - * / @``, comparisons,
+``[]``) and dispatch to the fake's ttnn ops, which compute their outputs' dtype and layout
+the way ttnn documents them (binary ops keep input A's dtype and layout unless ``dtype=`` is
+given, ``matmul`` needs tile inputs, ``embedding`` needs UINT32 or BFLOAT16 ids and returns
+the weight's dtype in ``layout``, ``typecast``/``to_layout`` convert). Ops added with
+``register_op`` keep the first tensor argument's dtype and layout unless told otherwise.
+Calls of ttnn ops are recorded like API calls (replays are not: a replay records only
+``execute_trace``). Ops run inside a capture are recorded on the trace's tape;
+``execute_trace`` replays the tape against the tensors' current payloads, so refreshed inputs
+change a replay's results and Python values are baked at capture, as on a chip. Multi-device
+tensors keep one logical payload plus their replicate/shard topology.
 """
 
 from __future__ import annotations
@@ -39,6 +51,15 @@ import torch
 from llmrt.errors import ConfigError
 
 TILE_SIZE = 32
+TRACE_BYTES_PER_OP = 4096
+"""Trace-region bytes one captured op takes (a model of tt-metal's per-program commands)."""
+
+CACHE_MISS_IN_CAPTURE = (
+    "Cannot load new binaries during trace capture.This program is not yet in program cache. "
+    "Warm up before capturing a trace.See the operation's hash signature for arguments that "
+    "must match."
+)
+"""tt-metal 0.81.1's error text for a program cache miss inside a trace capture."""
 
 
 class TtnnRuleViolation(RuntimeError):
@@ -94,6 +115,42 @@ class StorageType(enum.Enum):
 
     HOST = "HOST"
     DEVICE = "DEVICE"
+
+
+class FabricConfig(enum.Enum):
+    """ttnn fabric configurations (the members of ttnn 0.81.1's ``FabricConfig``)."""
+
+    DISABLED = "DISABLED"
+    FABRIC_1D = "FABRIC_1D"
+    FABRIC_1D_NEIGHBOR_EXCHANGE = "FABRIC_1D_NEIGHBOR_EXCHANGE"
+    FABRIC_1D_RING = "FABRIC_1D_RING"
+    FABRIC_2D = "FABRIC_2D"
+    FABRIC_2D_TORUS_X = "FABRIC_2D_TORUS_X"
+    FABRIC_2D_TORUS_XY = "FABRIC_2D_TORUS_XY"
+    FABRIC_2D_TORUS_Y = "FABRIC_2D_TORUS_Y"
+    CUSTOM = "CUSTOM"
+
+
+class DispatchCoreType(enum.Enum):
+    """Which cores run command dispatch."""
+
+    WORKER = "WORKER"
+    ETH = "ETH"
+
+
+class DispatchCoreAxis(enum.Enum):
+    """Along which axis dispatch cores are taken."""
+
+    ROW = "ROW"
+    COL = "COL"
+
+
+@attrs.frozen(kw_only=True)
+class DispatchCoreConfig:
+    """``ttnn.DispatchCoreConfig(type=..., axis=...)`` (None: the device's default)."""
+
+    type: DispatchCoreType | None = None
+    axis: DispatchCoreAxis | None = None
 
 
 _TO_TORCH: dict[DataType, torch.dtype] = {
@@ -192,6 +249,10 @@ class MemoryConfig:
     name: str
 
 
+DRAM_MEMORY_CONFIG = MemoryConfig("DRAM")
+L1_MEMORY_CONFIG = MemoryConfig("L1")
+
+
 @attrs.frozen(eq=False)
 class TensorToMesh:
     """A mesh mapper: replicate, or shard along ``dim``."""
@@ -218,6 +279,7 @@ class _Tape:
     ops: list[_TapeOp] = attrs.Factory(list)
     inputs: dict[int, Tensor] = attrs.Factory(dict)
     created: dict[int, Tensor] = attrs.Factory(dict)
+    oversized: bool = False
 
 
 @attrs.frozen(eq=False)
@@ -238,13 +300,17 @@ class MeshDevice:
         mesh_id: int,
         shape: MeshShape,
         trace_region_size: int,
+        num_command_queues: int,
         parent: MeshDevice | None,
     ) -> None:
         self._fake = fake
         self._id = mesh_id
         self._shape = shape
         self._trace_region_size = trace_region_size
+        self._num_command_queues = num_command_queues
         self._parent = parent
+        self._program_cache: set[tuple[Any, ...]] = set()
+        self._trace_bytes: dict[int, int] = {}
         self._submeshes: list[MeshDevice] = []
         self._closed = False
         self._seq = 0
@@ -289,6 +355,14 @@ class MeshDevice:
         self._submeshes.append(made)
         return made
 
+    def num_program_cache_entries(self) -> int:
+        """Programs compiled on this mesh so far (each distinct op signature once)."""
+        return len(self._program_cache)
+
+    def clear_program_cache(self) -> None:
+        self._fake._record("MeshDevice.clear_program_cache", self)
+        self._program_cache.clear()
+
     def _next_seq(self) -> int:
         self._seq += 1
         return self._seq
@@ -307,9 +381,11 @@ class Tensor:
         mesh: MeshDevice | None,
         topology: TensorToMesh | None,
         created_in: _Tape | None = None,
+        memory_config: MemoryConfig | None = None,
     ) -> None:
         self._fake = fake
         self._payload = payload
+        self._memory_config = memory_config or DRAM_MEMORY_CONFIG
         self._dtype = dtype
         self._layout = layout
         self._mesh = mesh
@@ -389,13 +465,16 @@ class Tensor:
                 mesh=None,
                 topology=self._topology,
             )
-        result: Tensor = self._fake._run_op(torch.reshape, (self, dims), {})
+        result: Tensor = self._fake._call_op("reshape", torch.reshape, (self, dims), {})
         return result
 
     def item(self) -> Any:
         return self._fake._host_scalar(self, "item").item()
 
-    # torch interop
+    def memory_config(self) -> MemoryConfig:
+        return self._memory_config
+
+    # torch interop: a real ttnn.Tensor has none; ``torch_ops="allow"`` is a test's opt-in
 
     @classmethod
     def __torch_function__(
@@ -419,42 +498,55 @@ class Tensor:
             raise AttributeError(name)
         attr = getattr(torch.Tensor, name, None)
         if attr is None or self._fake._torch_ops == "reject":
-            raise AttributeError(f"fake ttnn Tensor has no attribute {name!r}")
+            raise AttributeError(f"'ttnn.Tensor' object has no attribute {name!r}")
         if callable(attr):
             return functools.partial(self._fake._run_op_method, attr, self)
         return self._fake._run_op(_getattr_op(name), (self,), {})
 
-    def __len__(self) -> int:
-        return len(self._payload)
+    def __getitem__(self, index: Any) -> Any:
+        """``tensor[...]``: ttnn's slice (a device op keeping dtype and layout)."""
+        return self._fake._call_op("getitem", _torch_getitem, (self, index), {})
 
-    def __bool__(self) -> bool:
-        return bool(self._fake._host_scalar(self, "bool"))
-
-    def __float__(self) -> float:
-        return float(self._fake._host_scalar(self, "float"))
-
-    def __int__(self) -> int:
-        return int(self._fake._host_scalar(self, "int"))
+    __hash__ = object.__hash__
 
 
-def _operator(name: str) -> Callable[..., Any]:
-    func = getattr(torch.Tensor, name)
+def _binary_operator(op: str, *, reflected: bool) -> Callable[..., Any]:
+    """A ``ttnn.Tensor`` operator: the ttnn op ``op`` (``other op self`` when reflected)."""
 
-    def method(self: Tensor, *args: Any) -> Any:
-        return self._fake._run_op(func, (self, *args), {})
+    def method(self: Tensor, other: Any) -> Any:
+        fn = getattr(self._fake, op)
+        return fn(other, self) if reflected else fn(self, other)
 
-    method.__name__ = name
     return method
 
 
-_OPERATORS = (
-    "__add__ __radd__ __iadd__ __sub__ __rsub__ __isub__ __mul__ __rmul__ __imul__ "
-    "__truediv__ __rtruediv__ __itruediv__ __floordiv__ __rfloordiv__ __mod__ __pow__ "
-    "__rpow__ __matmul__ __rmatmul__ __neg__ __abs__ __and__ __or__ __xor__ __invert__ "
-    "__lt__ __le__ __gt__ __ge__ __getitem__ __setitem__"
-)
-for _name in _OPERATORS.split():
-    setattr(Tensor, _name, _operator(_name))
+#: The operators of a real ttnn 0.81.1 ``Tensor`` and the ttnn op each calls (ttnn binds them
+#: in python: ``__rsub__`` calls ``subtract(other, self)``, ``__rtruediv__`` calls ``rdiv``).
+TENSOR_OPERATORS: Mapping[str, tuple[str, bool]] = {
+    "__add__": ("add", False),
+    "__radd__": ("add", False),
+    "__sub__": ("subtract", False),
+    "__rsub__": ("subtract", True),
+    "__mul__": ("multiply", False),
+    "__rmul__": ("multiply", False),
+    "__truediv__": ("divide", False),
+    "__rtruediv__": ("rdiv", False),
+    "__matmul__": ("matmul", False),
+    "__eq__": ("eq", False),
+    "__ne__": ("ne", False),
+    "__gt__": ("gt", False),
+    "__ge__": ("ge", False),
+    "__lt__": ("lt", False),
+    "__le__": ("le", False),
+}
+for _name, (_op, _reflected) in TENSOR_OPERATORS.items():
+    _method = _binary_operator(_op, reflected=_reflected)
+    _method.__name__ = _name
+    setattr(Tensor, _name, _method)
+
+
+def _torch_getitem(tensor: torch.Tensor, index: Any) -> torch.Tensor:
+    return tensor[index]
 
 
 @functools.cache
@@ -467,6 +559,8 @@ def _getattr_op(name: str) -> Callable[[torch.Tensor], Any]:
 
 
 _DataType = DataType
+_DispatchCoreConfig = DispatchCoreConfig
+_FabricConfig = FabricConfig
 _Layout = Layout
 _MemoryConfig = MemoryConfig
 _MeshDevice = MeshDevice
@@ -485,8 +579,9 @@ class FakeTtnn:
     number(s) that raise ``InjectedTtnnFailure`` instead of running (``inject`` adds more later).
     ``system_mesh_shape`` is what ``open_mesh_device()`` opens by default and the largest mesh
     it accepts. Call names are the ttnn names, ``Tensor.<method>`` and ``MeshDevice.<method>``.
-    ``torch_ops="reject"`` makes device tensors refuse torch functions and methods, as a real
-    ``ttnn.Tensor`` does (the default ``"allow"`` lets small torch programs run on them).
+    Device tensors refuse torch functions and torch methods, as a real ``ttnn.Tensor`` does;
+    ``torch_ops="allow"`` is a test's opt-in to run small torch programs on them.
+    ``trace_bytes_per_op`` is the trace-region cost of one captured op.
     """
 
     TILE_SIZE = TILE_SIZE
@@ -514,8 +609,12 @@ class FakeTtnn:
     ROW_MAJOR_LAYOUT = Layout.ROW_MAJOR
     TILE_LAYOUT = Layout.TILE
     DEVICE_STORAGE_TYPE = StorageType.DEVICE
-    DRAM_MEMORY_CONFIG = MemoryConfig("DRAM")
-    L1_MEMORY_CONFIG = MemoryConfig("L1")
+    DRAM_MEMORY_CONFIG = DRAM_MEMORY_CONFIG
+    L1_MEMORY_CONFIG = L1_MEMORY_CONFIG
+    FabricConfig = FabricConfig
+    DispatchCoreType = DispatchCoreType
+    DispatchCoreAxis = DispatchCoreAxis
+    DispatchCoreConfig = DispatchCoreConfig
 
     def __init__(
         self,
@@ -523,7 +622,8 @@ class FakeTtnn:
         system_mesh_shape: Sequence[int] = (1, 1),
         fail: Mapping[str, int | Iterable[int]] | None = None,
         allocation_while_trace_live: Literal["raise", "warn"] = "raise",
-        torch_ops: Literal["allow", "reject"] = "allow",
+        torch_ops: Literal["allow", "reject"] = "reject",
+        trace_bytes_per_op: int = TRACE_BYTES_PER_OP,
     ) -> None:
         if allocation_while_trace_live not in ("raise", "warn"):
             raise ConfigError(
@@ -531,6 +631,14 @@ class FakeTtnn:
             )
         if torch_ops not in ("allow", "reject"):
             raise ConfigError("torch_ops", torch_ops, "must be allow|reject")
+        if (
+            isinstance(trace_bytes_per_op, bool)
+            or not isinstance(trace_bytes_per_op, int)
+            or trace_bytes_per_op < 1
+        ):
+            raise ConfigError("trace_bytes_per_op", trace_bytes_per_op, "must be an integer >= 1")
+        self._trace_bytes_per_op = trace_bytes_per_op
+        self._fabric = FabricConfig.DISABLED
         self._torch_ops = torch_ops
         self._system_shape = MeshShape(*system_mesh_shape)
         self._failing = _resolve_fail(fail or {})
@@ -595,26 +703,72 @@ class FakeTtnn:
 
     # meshes
 
+    def set_fabric_config(self, config: _FabricConfig, *args: Any, **kwargs: Any) -> None:
+        """Select the fabric for meshes opened later (ttnn: before ``open_mesh_device``)."""
+        self._record("set_fabric_config", None, repr(config))
+        if not isinstance(config, FabricConfig):
+            raise TypeError(f"set_fabric_config: expected a ttnn.FabricConfig, got {config!r}")
+        open_meshes = [m for m in self._meshes if m._parent is None and not m._closed]
+        if config is not FabricConfig.DISABLED and open_meshes:
+            raise self._violate(
+                "set_fabric_config before open_mesh_device",
+                f"SetFabricConfig({config.name}) is not allowed while devices are still open",
+            )
+        self._fabric = config
+
+    @property
+    def fabric_config(self) -> _FabricConfig:
+        """The fabric ``set_fabric_config`` selected (fake-only introspection)."""
+        return self._fabric
+
     def open_mesh_device(
         self,
         mesh_shape: _MeshShape | None = None,
         l1_small_size: int = 0,
         trace_region_size: int = 0,
         num_command_queues: int = 1,
-        dispatch_core_config: object | None = None,
+        dispatch_core_config: _DispatchCoreConfig | None = None,
         offset: object | None = None,
         physical_device_ids: Sequence[int] = (),
         worker_l1_size: int = 0,
     ) -> _MeshDevice:
         """Open a mesh of ``mesh_shape`` (default: the whole system mesh)."""
         shape = self._system_shape if mesh_shape is None else mesh_shape
-        self._record("open_mesh_device", None, repr(shape))
+        dispatch = dispatch_core_config or DispatchCoreConfig()
+        core = None if dispatch.type is None else dispatch.type.name
+        self._record(
+            "open_mesh_device",
+            None,
+            f"{shape!r} l1_small_size={l1_small_size} trace_region_size={trace_region_size} "
+            f"num_command_queues={num_command_queues} dispatch_core_type={core} "
+            f"fabric={self._fabric.name}",
+        )
+        for name, value in (
+            ("l1_small_size", l1_small_size),
+            ("trace_region_size", trace_region_size),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise TypeError(f"open_mesh_device: {name} must be an int >= 0, got {value!r}")
+        if num_command_queues not in (1, 2):
+            raise RuntimeError(
+                f"open_mesh_device: num_command_queues must be 1 or 2, got {num_command_queues}"
+            )
         if shape.mesh_size() > self._system_shape.mesh_size():
             raise RuntimeError(
                 f"open_mesh_device: {shape!r} needs {shape.mesh_size()} devices, "
                 f"the system has {self._system_shape.mesh_size()}"
             )
-        return self._new_mesh(shape, parent=None, trace_region_size=trace_region_size)
+        if self._fabric is not FabricConfig.DISABLED and shape.mesh_size() < 2:
+            raise RuntimeError(
+                f"Fabric config {self._fabric.name} requires at least 2 participating chips, but "
+                f"the opened mesh has {shape.mesh_size()} local device(s) on a single host."
+            )
+        return self._new_mesh(
+            shape,
+            parent=None,
+            trace_region_size=trace_region_size,
+            num_command_queues=num_command_queues,
+        )
 
     def close_mesh_device(self, mesh_device: _MeshDevice) -> None:
         self._record("close_mesh_device", mesh_device)
@@ -622,24 +776,39 @@ class FakeTtnn:
         for mesh in [mesh_device, *mesh_device._submeshes]:
             mesh._closed = True
             mesh._traces.clear()
+            mesh._trace_bytes.clear()
 
     def _new_mesh(
-        self, shape: _MeshShape, *, parent: _MeshDevice | None, trace_region_size: int | None = None
+        self,
+        shape: _MeshShape,
+        *,
+        parent: _MeshDevice | None,
+        trace_region_size: int = 0,
+        num_command_queues: int = 1,
     ) -> _MeshDevice:
-        region = parent._trace_region_size if parent is not None else trace_region_size or 0
+        if parent is not None:
+            trace_region_size = parent._trace_region_size
+            num_command_queues = parent._num_command_queues
         mesh = MeshDevice(
             fake=self,
             mesh_id=len(self._meshes),
             shape=shape,
-            trace_region_size=region,
+            trace_region_size=trace_region_size,
+            num_command_queues=num_command_queues,
             parent=parent,
         )
         self._meshes.append(mesh)
         return mesh
 
-    def _require_open(self, mesh: _MeshDevice) -> None:
+    def _require_open(self, mesh: _MeshDevice, *, cq_id: int | None = None) -> None:
         if mesh._closed:
             raise self._violate("mesh closed", f"{mesh!r} was closed")
+        if cq_id is not None and not 0 <= cq_id < mesh._num_command_queues:
+            raise self._violate(
+                "command queue",
+                f"cq_id={cq_id} on {mesh!r}, opened with "
+                f"num_command_queues={mesh._num_command_queues}",
+            )
 
     # mappers and composers
 
@@ -711,6 +880,7 @@ class FakeTtnn:
             layout=layout,
             mesh=device,
             topology=topology,
+            memory_config=memory_config,
         )
 
     def to_torch(
@@ -786,6 +956,7 @@ class FakeTtnn:
             layout=layout,
             mesh=mesh_device,
             topology=TensorToMesh(mesh=mesh_device, kind="replicate"),
+            memory_config=memory_config,
         )
 
     def copy_host_to_device_tensor(
@@ -796,7 +967,7 @@ class FakeTtnn:
         mesh = device_tensor._mesh
         if mesh is None or host_tensor._mesh is not None:
             raise RuntimeError("copy_host_to_device_tensor: needs a host source and device target")
-        self._require_open(mesh)
+        self._require_open(mesh, cq_id=cq_id)
         self._check_host_write("copy_host_to_device_tensor", mesh, allocates=False)
         self._require_allocated(device_tensor, "copy_host_to_device_tensor")
         self._require_readable(host_tensor, "copy_host_to_device_tensor")
@@ -849,7 +1020,7 @@ class FakeTtnn:
             self._record("Tensor.cpu", mesh, f"{tensor!r} blocking={blocking}")
         if mesh is None:
             return tensor
-        self._require_open(mesh)
+        self._require_open(mesh, cq_id=cq_id)
         self._require_allocated(tensor, "Tensor.cpu")
         if mesh._capture is not None:
             raise self._violate("no read inside capture", f"device-to-host read of {tensor!r}")
@@ -874,7 +1045,7 @@ class FakeTtnn:
         device_range: object | None = None,
     ) -> _MeshEvent:
         self._record("record_event", mesh_device)
-        self._require_open(mesh_device)
+        self._require_open(mesh_device, cq_id=cq_id)
         if mesh_device._capture is not None:
             raise self._violate("no event inside capture", f"record_event on {mesh_device!r}")
         return MeshEvent(mesh=mesh_device, seq=mesh_device._next_seq(), cq_id=cq_id or 0)
@@ -893,7 +1064,7 @@ class FakeTtnn:
         self, device: _MeshDevice, cq_id: int | None = None, sub_device_ids: Sequence[object] = ()
     ) -> None:
         self._record("synchronize_device", device)
-        self._require_open(device)
+        self._require_open(device, cq_id=cq_id)
         if device._capture is not None:
             raise self._violate("no synchronize inside capture", f"on {device!r}")
         self._complete(device, before=device._seq + 1)
@@ -910,13 +1081,9 @@ class FakeTtnn:
 
     def begin_trace_capture(self, mesh_device: _MeshDevice, *, cq_id: int | None = None) -> Any:
         self._record("begin_trace_capture", mesh_device)
-        self._require_open(mesh_device)
+        self._require_open(mesh_device, cq_id=cq_id)
         if mesh_device._capture is not None:
             raise self._violate("no nested capture", f"{mesh_device!r} is already capturing")
-        if mesh_device._trace_region_size <= 0:
-            raise self._violate(
-                "trace region", f"{mesh_device!r} was opened with trace_region_size=0"
-            )
         trace_id = mesh_device._trace_ids
         mesh_device._trace_ids += 1
         mesh_device._capture = _Tape(trace_id=trace_id, mesh=mesh_device)
@@ -930,7 +1097,19 @@ class FakeTtnn:
         if tape is None or tape.trace_id != trace_id.value:
             raise self._violate("end_trace_capture", f"{trace_id!r} is not being captured")
         mesh_device._capture = None
+        size = max(1, len(tape.ops)) * self._trace_bytes_per_op
+        free = mesh_device._trace_region_size - sum(mesh_device._trace_bytes.values())
         mesh_device._traces[tape.trace_id] = tape
+        if size > free:
+            # The capture is over but its buffers never fit: only release_trace remains.
+            tape.ops.clear()
+            tape.oversized = True
+            raise self._violate(
+                "trace region",
+                f"Creating trace buffers of size {size}B on MeshDevice {mesh_device.id()}, but "
+                f"only {free}B is allocated for trace region.",
+            )
+        mesh_device._trace_bytes[tape.trace_id] = size
 
     def execute_trace(
         self,
@@ -942,11 +1121,11 @@ class FakeTtnn:
     ) -> None:
         """Replay the trace's tape against the current payloads of its tensors."""
         self._record("execute_trace", mesh_device, repr(trace_id))
-        self._require_open(mesh_device)
+        self._require_open(mesh_device, cq_id=cq_id)
         if mesh_device._capture is not None:
             raise self._violate("no replay inside capture", f"{trace_id!r}")
         tape = mesh_device._traces.get(trace_id.value)
-        if tape is None:
+        if tape is None or tape.oversized:
             raise self._violate("execute_trace", f"{trace_id!r} is not a live trace")
         for tensor in tape.inputs.values():
             if not tensor._allocated:
@@ -964,40 +1143,271 @@ class FakeTtnn:
             raise self._violate("no release inside capture", f"{trace_id!r}")
         if mesh_device._traces.pop(trace_id.value, None) is None:
             raise self._violate("release_trace", f"{trace_id!r} is not a live trace")
+        mesh_device._trace_bytes.pop(trace_id.value, None)
 
     # ops
 
-    def register_op(self, name: str, fn: Callable[..., Any]) -> None:
+    def register_op(
+        self, name: str, fn: Callable[..., Any], *, output: OutputSpec | None = None
+    ) -> None:
         """Expose ``fn`` (computing on torch payloads) as ``fake.<name>``, traced like any op.
 
-        Calls are recorded under ``name`` (and can be failed like any call).
+        Calls are recorded under ``name`` (and can be failed like any call). ``output`` gives
+        the ttnn dtype and layout of the op's outputs from its tensor inputs and keyword
+        arguments (default: those of its first tensor argument).
         """
 
         def op(*args: Any, **kwargs: Any) -> Any:
-            return self._call_op(name, fn, args, kwargs)
+            return self._call_op(name, fn, args, kwargs, output=output)
 
         op.__name__ = name
         setattr(self, name, op)
 
-    def add(self, input_tensor_a: Any, input_tensor_b: Any, **_: Any) -> Any:
-        return self._call_op("add", torch.add, (input_tensor_a, input_tensor_b), {})
+    def add(
+        self,
+        input_tensor_a: Any,
+        input_tensor_b: Any,
+        *,
+        dtype: Any = None,
+        memory_config: Any = None,
+    ) -> Any:
+        return self._binary("add", torch.add, input_tensor_a, input_tensor_b, dtype, memory_config)
 
-    def subtract(self, input_tensor_a: Any, input_tensor_b: Any, **_: Any) -> Any:
-        return self._call_op("subtract", torch.sub, (input_tensor_a, input_tensor_b), {})
+    def subtract(
+        self,
+        input_tensor_a: Any,
+        input_tensor_b: Any,
+        *,
+        dtype: Any = None,
+        memory_config: Any = None,
+    ) -> Any:
+        return self._binary(
+            "subtract", torch.sub, input_tensor_a, input_tensor_b, dtype, memory_config
+        )
 
-    def multiply(self, input_tensor_a: Any, input_tensor_b: Any, **_: Any) -> Any:
-        return self._call_op("multiply", torch.mul, (input_tensor_a, input_tensor_b), {})
+    def multiply(
+        self,
+        input_tensor_a: Any,
+        input_tensor_b: Any,
+        *,
+        dtype: Any = None,
+        memory_config: Any = None,
+    ) -> Any:
+        return self._binary(
+            "multiply", torch.mul, input_tensor_a, input_tensor_b, dtype, memory_config
+        )
 
-    def matmul(self, input_tensor_a: Any, input_tensor_b: Any, **_: Any) -> Any:
-        return self._call_op("matmul", torch.matmul, (input_tensor_a, input_tensor_b), {})
+    def divide(
+        self,
+        input_tensor_a: Any,
+        input_tensor_b: Any,
+        *,
+        dtype: Any = None,
+        memory_config: Any = None,
+    ) -> Any:
+        return self._binary(
+            "divide", torch.true_divide, input_tensor_a, input_tensor_b, dtype, memory_config
+        )
+
+    def rdiv(self, input_tensor: Any, value: float, *, memory_config: Any = None) -> Any:
+        """``value / input_tensor``."""
+        return self._binary("rdiv", _rdiv, input_tensor, value, None, memory_config)
+
+    def eq(
+        self,
+        input_tensor_a: Any,
+        input_tensor_b: Any,
+        *,
+        dtype: Any = None,
+        memory_config: Any = None,
+    ) -> Any:
+        return self._binary("eq", torch.eq, input_tensor_a, input_tensor_b, dtype, memory_config)
+
+    def ne(
+        self,
+        input_tensor_a: Any,
+        input_tensor_b: Any,
+        *,
+        dtype: Any = None,
+        memory_config: Any = None,
+    ) -> Any:
+        return self._binary("ne", torch.ne, input_tensor_a, input_tensor_b, dtype, memory_config)
+
+    def gt(
+        self,
+        input_tensor_a: Any,
+        input_tensor_b: Any,
+        *,
+        dtype: Any = None,
+        memory_config: Any = None,
+    ) -> Any:
+        return self._binary("gt", torch.gt, input_tensor_a, input_tensor_b, dtype, memory_config)
+
+    def ge(
+        self,
+        input_tensor_a: Any,
+        input_tensor_b: Any,
+        *,
+        dtype: Any = None,
+        memory_config: Any = None,
+    ) -> Any:
+        return self._binary("ge", torch.ge, input_tensor_a, input_tensor_b, dtype, memory_config)
+
+    def lt(
+        self,
+        input_tensor_a: Any,
+        input_tensor_b: Any,
+        *,
+        dtype: Any = None,
+        memory_config: Any = None,
+    ) -> Any:
+        return self._binary("lt", torch.lt, input_tensor_a, input_tensor_b, dtype, memory_config)
+
+    def le(
+        self,
+        input_tensor_a: Any,
+        input_tensor_b: Any,
+        *,
+        dtype: Any = None,
+        memory_config: Any = None,
+    ) -> Any:
+        return self._binary("le", torch.le, input_tensor_a, input_tensor_b, dtype, memory_config)
+
+    def _binary(
+        self,
+        name: str,
+        func: Callable[..., Any],
+        a: Any,
+        b: Any,
+        dtype: _DataType | None,
+        memory_config: _MemoryConfig | None,
+    ) -> Any:
+        """An eltwise binary op: input A's dtype (or ``dtype``) and layout, as ttnn."""
+        kwargs = {} if memory_config is None else {"memory_config": memory_config}
+
+        def output(inputs: Sequence[_Tensor], _: Mapping[str, Any]) -> tuple[_DataType, _Layout]:
+            return (dtype or inputs[0]._dtype, inputs[0]._layout)
+
+        return self._call_op(
+            name, _drop_memory_config(func), (a, b), kwargs, output=output, key_extra=(dtype,)
+        )
+
+    def matmul(
+        self,
+        input_tensor_a: Any,
+        input_tensor_b: Any,
+        *,
+        dtype: Any = None,
+        memory_config: Any = None,
+    ) -> Any:
+        """``a @ b``; both inputs in tile layout ("Inputs to matmul must be tilized")."""
+        for tensor in (input_tensor_a, input_tensor_b):
+            if isinstance(tensor, Tensor) and tensor._layout is not Layout.TILE:
+                self._record("matmul", tensor._mesh)
+                raise self._violate("op input", "Inputs to matmul must be tilized")
+
+        def output(inputs: Sequence[_Tensor], _: Mapping[str, Any]) -> tuple[_DataType, _Layout]:
+            return (dtype or inputs[0]._dtype, Layout.TILE)
+
+        kwargs = {} if memory_config is None else {"memory_config": memory_config}
+        return self._call_op(
+            "matmul",
+            _drop_memory_config(torch.matmul),
+            (input_tensor_a, input_tensor_b),
+            kwargs,
+            output=output,
+            key_extra=(dtype,),
+        )
+
+    def embedding(
+        self,
+        input_tensor: Any,
+        weight: Any,
+        *,
+        memory_config: Any = None,
+        padding_idx: int | None = None,
+        layout: _Layout = Layout.ROW_MAJOR,
+        dtype: _DataType | None = None,
+    ) -> Any:
+        """Rows of ``weight`` picked by integer ids (UINT32 or BFLOAT16, as ttnn requires);
+        the output is ``dtype`` (default: the weight's) in ``layout`` (default: row-major)."""
+        if isinstance(input_tensor, Tensor) and input_tensor._dtype not in (
+            DataType.UINT32,
+            DataType.BFLOAT16,
+        ):
+            self._record("embedding", input_tensor._mesh)
+            raise self._violate(
+                "op input", f"Input must be UINT32 or BFLOAT16 (got {input_tensor._dtype.name})"
+            )
+
+        def output(inputs: Sequence[_Tensor], _: Mapping[str, Any]) -> tuple[_DataType, _Layout]:
+            return (dtype or inputs[1]._dtype, layout)
+
+        return self._call_op(
+            "embedding",
+            _embedding,
+            (input_tensor, weight),
+            {},
+            output=output,
+            key_extra=(padding_idx, layout, dtype),
+        )
+
+    def to_layout(
+        self,
+        tensor: Any,
+        layout: _Layout,
+        dtype: _DataType | None = None,
+        memory_config: Any = None,
+    ) -> Any:
+        """``tensor`` in ``layout`` (itself when nothing changes, as in ttnn)."""
+        if (
+            isinstance(tensor, Tensor)
+            and tensor._layout is layout
+            and (dtype is None or dtype is tensor._dtype)
+        ):
+            self._record("to_layout", tensor._mesh)
+            return tensor
+        if (
+            dtype or getattr(tensor, "_dtype", None)
+        ) in _BLOCK_FLOATS and layout is not Layout.TILE:
+            raise RuntimeError("to_layout: Layout must be Layout::TILE for bfloat8_b or bfloat4_b")
+
+        def output(inputs: Sequence[_Tensor], _: Mapping[str, Any]) -> tuple[_DataType, _Layout]:
+            return (dtype or inputs[0]._dtype, layout)
+
+        return self._call_op(
+            "to_layout", _identity, (tensor,), {}, output=output, key_extra=(layout, dtype)
+        )
+
+    def typecast(self, input_tensor: Any, dtype: _DataType, *, memory_config: Any = None) -> Any:
+        """``input_tensor`` converted to ``dtype`` (block floats need tile layout)."""
+        if dtype in _BLOCK_FLOATS and getattr(input_tensor, "_layout", None) is not Layout.TILE:
+            raise RuntimeError("typecast: Layout must be Layout::TILE for bfloat8_b or bfloat4_b")
+
+        def output(inputs: Sequence[_Tensor], _: Mapping[str, Any]) -> tuple[_DataType, _Layout]:
+            return (dtype, inputs[0]._layout)
+
+        return self._call_op(
+            "typecast", _identity, (input_tensor,), {}, output=output, key_extra=(dtype,)
+        )
+
+    def reshape(self, input_tensor: Any, shape: Sequence[int]) -> Any:
+        return input_tensor.reshape(shape)
 
     def _call_op(
-        self, name: str, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+        self,
+        name: str,
+        func: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        output: OutputSpec | None = None,
+        key_extra: tuple[Any, ...] = (),
     ) -> Any:
         """A ttnn op called by name: recorded on the mesh of its first tensor, then run."""
         first = next(_tensors((args, kwargs)), None)
         self._record(name, None if first is None else first._mesh)
-        return self._run_op(func, args, kwargs)
+        return self._run_op(func, args, kwargs, name=name, output=output, key_extra=key_extra)
 
     def _run_op_method(
         self, func: Callable[..., Any], tensor: _Tensor, *args: Any, **kw: Any
@@ -1005,9 +1415,16 @@ class FakeTtnn:
         return self._run_op(func, (tensor, *args), kw)
 
     def _run_op(
-        self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+        self,
+        func: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        *,
+        name: str | None = None,
+        output: OutputSpec | None = None,
+        key_extra: tuple[Any, ...] = (),
     ) -> Any:
-        name = getattr(func, "__name__", repr(func))
+        name = name or str(getattr(func, "__name__", repr(func)))
         inputs = list(_tensors((args, kwargs)))
         if not inputs:
             return func(*args, **kwargs)
@@ -1021,14 +1438,27 @@ class FakeTtnn:
         for tensor in inputs:
             self._require_allocated(tensor, name)
         capture = mesh._capture
+        key = _program_key(name, args, kwargs, key_extra)
+        if key not in mesh._program_cache:
+            if capture is not None:
+                raise self._violate(
+                    "program cache miss during capture", f"{name}: {CACHE_MISS_IN_CAPTURE}"
+                )
+            mesh._program_cache.add(key)
         payloads = {id(t._payload): t for t in inputs}
         result = func(*_unwrap(args), **_unwrap(kwargs))
         self.ops_run += 1
         template = inputs[0]
+        if output is None:
+            spec: tuple[_DataType, _Layout] | None = None
+        else:
+            spec = output(inputs, kwargs)
 
         def wrap(payload: torch.Tensor) -> _Tensor:
             same = payloads.get(id(payload))
-            return same if same is not None else self._op_output(payload, template)
+            if same is not None:
+                return same
+            return self._op_output(payload, template, spec, kwargs.get("memory_config"))
 
         outputs = _wrap(result, wrap)
         if capture is not None:
@@ -1041,16 +1471,30 @@ class FakeTtnn:
             capture.ops.append(_TapeOp(func=func, args=args, kwargs=kwargs, outputs=outputs))
         return outputs
 
-    def _op_output(self, payload: torch.Tensor, template: _Tensor) -> _Tensor:
+    def _op_output(
+        self,
+        payload: torch.Tensor,
+        template: _Tensor,
+        spec: tuple[_DataType, _Layout] | None,
+        memory_config: _MemoryConfig | None,
+    ) -> _Tensor:
+        """A new device tensor; ``spec`` (the op's dtype and layout) or, for a torch function a
+        test opted into, the dtype ttnn would infer and the template's layout."""
         mesh = template._mesh
+        if spec is None:
+            dtype, layout = _INFERRED.get(payload.dtype, DataType.FLOAT32), template._layout
+        else:
+            dtype, layout = spec
+            payload = _store(payload, dtype)
         return Tensor(
             fake=self,
             payload=payload,
-            dtype=_INFERRED.get(payload.dtype, DataType.FLOAT32),
-            layout=template._layout,
+            dtype=dtype,
+            layout=layout,
             mesh=mesh,
             topology=template._topology,
             created_in=None if mesh is None else mesh._capture,
+            memory_config=memory_config or template._memory_config,
         )
 
     def _replay(self, op: _TapeOp) -> None:
@@ -1065,7 +1509,8 @@ class FakeTtnn:
             if isinstance(kept, Tensor):
                 if not isinstance(fresh, torch.Tensor) or fresh.shape != kept._payload.shape:
                     raise self._violate("trace replay", f"{name} changed an output shape")
-                kept._payload = fresh
+                if fresh is not kept._payload:
+                    kept._payload = _store(fresh, kept._dtype)
 
     # guards and host values
 
@@ -1122,6 +1567,61 @@ class FakeTtnn:
         else:
             self._require_readable(tensor, what)
         return tensor._payload
+
+
+OutputSpec = Callable[[Sequence[Tensor], Mapping[str, Any]], tuple[DataType, Layout]]
+"""``(tensor inputs, keyword arguments) -> (dtype, layout)`` of an op's outputs."""
+
+
+def _program_key(
+    name: str, args: tuple[Any, ...], kwargs: Mapping[str, Any], extra: tuple[Any, ...]
+) -> tuple[Any, ...]:
+    """A program-cache key like tt-metal's: the op, each tensor input's shape, dtype, layout
+    and memory config, and the op's attributes; Python numbers are runtime arguments."""
+
+    def part(value: Any) -> Any:
+        if isinstance(value, Tensor):
+            return (
+                "tensor",
+                tuple(value._payload.shape),
+                value._dtype,
+                value._layout,
+                value._memory_config,
+            )
+        if isinstance(value, (bool, int, float)):
+            return "scalar"
+        if isinstance(value, (tuple, list)):
+            return tuple(part(v) for v in value)
+        if isinstance(value, Mapping):
+            return tuple((k, part(v)) for k, v in sorted(value.items()))
+        return repr(value)
+
+    attributes = tuple(
+        (k, repr(v) if not isinstance(v, Tensor) else part(v)) for k, v in sorted(kwargs.items())
+    )
+    return (name, part(args), attributes, tuple(repr(e) for e in extra))
+
+
+def _drop_memory_config(func: Callable[..., Any]) -> Callable[..., Any]:
+    """``func`` ignoring a ``memory_config`` keyword (placement is not modelled in payloads)."""
+
+    @functools.wraps(func)
+    def run(*args: Any, memory_config: Any = None) -> Any:
+        return func(*args)
+
+    return run
+
+
+def _rdiv(tensor: torch.Tensor, value: float) -> torch.Tensor:
+    return value / tensor
+
+
+def _embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.embedding(ids.long(), weight)
+
+
+def _identity(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.clone()
 
 
 def _resolve_fail(fail: Mapping[str, int | Iterable[int]]) -> dict[str, frozenset[int]]:

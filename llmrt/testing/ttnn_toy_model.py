@@ -15,13 +15,19 @@ write in the wrong slot or a skipped write changes them. Weights are small integ
 are exact and ``reference_logits`` (host torch, from a row's token history) matches them bit
 for bit.
 
-The ops (``embedding`` with ttnn's signature, ``toy_paged_write``, ``toy_paged_sum``) are added
-to a ``FakeTtnn`` with ``register_op``; a real ttnn module has no ``toy_*`` ops.
+Besides ttnn's own ``embedding`` (UINT32 ids), ``add``, ``multiply``, ``to_layout`` and
+``matmul`` (tile inputs), it calls two ops only a ``FakeTtnn`` has, added with ``register_op``:
+``toy_paged_write`` and ``toy_paged_sum``; on a real ttnn module ``install_toy_ops`` refuses.
+
+``FAMILY`` registers it as the ``toy_ttnn`` model family (``backends = ("ttnn",)``): a recipe
+with ``family: toy_ttnn``, a ``random`` checkpoint of ``model_type: toy_ttnn`` and
+``device.backend: ttnn`` builds it through the containers on the lane's mesh, taking its
+embedding and LM head from the checkpoint.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -30,13 +36,11 @@ import torch
 from llmrt.errors import ConfigError
 from llmrt.families.base import AttentionMetadata, KVCacheView, ModelConfig
 
-TOY_OPS = ("embedding", "toy_paged_write", "toy_paged_sum")
+TOY_OPS = ("toy_paged_write", "toy_paged_sum")
 """The ops ``install_toy_ops`` registers on a fake ttnn module."""
 
-
-def _embedding(input_tensor: torch.Tensor, weight: torch.Tensor, **_: Any) -> torch.Tensor:
-    """ttnn.embedding: rows of ``weight`` selected by integer ids."""
-    return torch.nn.functional.embedding(input_tensor.long(), weight)
+MODEL_OPS = ("embedding", "add", "multiply", "to_layout", "matmul", *TOY_OPS)
+"""Every ttnn op the toy model's forwards call."""
 
 
 def _paged_positions(
@@ -94,7 +98,6 @@ def install_toy_ops(ttnn_module: Any) -> None:
             type(ttnn_module).__name__,
             "the toy model's ops exist only on llmrt.testing.fake_ttnn.FakeTtnn",
         )
-    register("embedding", _embedding)
     register("toy_paged_write", _paged_write)
     register("toy_paged_sum", _paged_sum)
 
@@ -118,6 +121,8 @@ class ToyTtnnModel:
     """The toy model on a borrowed ttnn ``mesh_device``; owns its device weights (``close``).
 
     ``layer_scales[l]`` is the factor layer ``l`` writes into V (K gets the embedding itself).
+    ``embedding`` ``[vocab, hidden]`` and ``lm_head`` ``[vocab, hidden]`` (Hugging Face
+    layout) are the weights; without them, small seeded integers make logits exact.
     """
 
     def __init__(
@@ -131,6 +136,8 @@ class ToyTtnnModel:
         num_kv_heads: int = 1,
         max_position_embeddings: int = 256,
         seed: int = 0,
+        embedding: torch.Tensor | None = None,
+        lm_head: torch.Tensor | None = None,
     ) -> None:
         self.config = ModelConfig(
             family="toy_ttnn",
@@ -148,24 +155,35 @@ class ToyTtnnModel:
         self.borrowed_mesh = mesh_device
         self.layer_scales = tuple(float(layer + 2) for layer in range(num_layers))
         generator = torch.Generator().manual_seed(seed)
-        self.embedding_host = torch.randint(
-            -3, 4, (vocab_size, hidden_size), generator=generator
-        ).to(torch.float32)
-        self.w_out_host = torch.randint(-3, 4, (hidden_size, vocab_size), generator=generator).to(
-            torch.float32
+        shape = (vocab_size, hidden_size)
+        for name, given in (("embedding", embedding), ("lm_head", lm_head)):
+            if given is not None and tuple(given.shape) != shape:
+                raise ConfigError(name, tuple(given.shape), f"expected shape {shape}")
+        self.embedding_host = (
+            torch.randint(-3, 4, shape, generator=generator).to(torch.float32)
+            if embedding is None
+            else embedding.detach().to(torch.float32)
         )
+        head = (
+            torch.randint(-3, 4, shape, generator=generator).to(torch.float32)
+            if lm_head is None
+            else lm_head.detach().to(torch.float32)
+        )
+        self.w_out_host = head.T.contiguous()
+        tt = ttnn_module
+        # ttnn.embedding reads row-major weights; matmul needs tile inputs.
         self._weights: dict[str, Any] = {
-            name: self._upload(value)
-            for name, value in (("embedding", self.embedding_host), ("lm_head", self.w_out_host))
+            "embedding": self._upload(self.embedding_host, tt.ROW_MAJOR_LAYOUT),
+            "lm_head": self._upload(self.w_out_host, tt.TILE_LAYOUT),
         }
         self._kv: _BoundKV | None = None
 
-    def _upload(self, host: torch.Tensor) -> Any:
+    def _upload(self, host: torch.Tensor, layout: Any) -> Any:
         tt = self._tt
         return tt.from_torch(
             host,
             dtype=tt.float32,
-            layout=tt.ROW_MAJOR_LAYOUT,
+            layout=layout,
             device=self.borrowed_mesh,
             mesh_mapper=tt.replicate_tensor_to_mesh_mapper(self.borrowed_mesh),
         )
@@ -285,7 +303,7 @@ class ToyTtnnModel:
         for cache in (*kv.keys, *kv.values):
             part = tt.toy_paged_sum(cache, page_table, lengths, block_size=block_size)
             total = part if total is None else tt.add(total, part)
-        return tt.matmul(total, self._weights["lm_head"])
+        return tt.matmul(tt.to_layout(total, tt.TILE_LAYOUT), self._weights["lm_head"])
 
     # -- host reference and lifetime -----------------------------------------------------
 
@@ -301,3 +319,76 @@ class ToyTtnnModel:
             name, tensor = next(iter(self._weights.items()))
             self._tt.deallocate(tensor)
             del self._weights[name]
+
+
+@attrs.frozen
+class ToyTtnnFamily:
+    """The ``toy_ttnn`` family: ``ToyTtnnModel`` on the lane's ttnn mesh, from a checkpoint.
+
+    Config keys: ``vocab_size``, ``hidden_size``, ``num_hidden_layers``,
+    ``num_key_value_heads`` (default 1), ``max_position_embeddings``. Tensors:
+    ``model.embed_tokens.weight`` and ``lm_head.weight``, both ``[vocab, hidden]``.
+    """
+
+    name: str = "toy_ttnn"
+    model_types: tuple[str, ...] = ("toy_ttnn",)
+    backends: tuple[str, ...] = ("ttnn",)
+
+    def model_config(self, hf_config: Mapping[str, Any], *, dtype: torch.dtype) -> ModelConfig:
+        kv_heads = _config_int(hf_config, "num_key_value_heads", default=1)
+        return ModelConfig(
+            family=self.name,
+            vocab_size=_config_int(hf_config, "vocab_size"),
+            hidden_size=_config_int(hf_config, "hidden_size"),
+            num_layers=_config_int(hf_config, "num_hidden_layers"),
+            num_heads=kv_heads,
+            num_kv_heads=kv_heads,
+            head_dim=_config_int(hf_config, "hidden_size"),
+            max_position_embeddings=_config_int(hf_config, "max_position_embeddings"),
+            dtype=torch.float32,
+        )
+
+    def expected_tensors(self, hf_config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+        shape = (_config_int(hf_config, "vocab_size"), _config_int(hf_config, "hidden_size"))
+        return {"model.embed_tokens.weight": shape, "lm_head.weight": shape}
+
+    def optional_tensors(self, hf_config: Mapping[str, Any]) -> frozenset[str]:
+        return frozenset()
+
+    def build(
+        self,
+        *,
+        hf_config: Mapping[str, Any],
+        tensors: Mapping[str, torch.Tensor],
+        dtype: torch.dtype,
+        device: Any,
+    ) -> ToyTtnnModel:
+        """The model on ``device``: the lane's port device, a ``TtnnDevice`` (its mesh)."""
+        mesh = getattr(device, "mesh_device", None)
+        tt = getattr(device, "ttnn_module", None)
+        if mesh is None or tt is None:
+            raise ConfigError(
+                "device.backend", repr(device), "the toy_ttnn family runs on a ttnn lane device"
+            )
+        config = self.model_config(hf_config, dtype=dtype)
+        return ToyTtnnModel(
+            mesh_device=mesh,
+            ttnn_module=tt,
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            num_layers=config.num_layers,
+            num_kv_heads=config.num_kv_heads,
+            max_position_embeddings=config.max_position_embeddings,
+            embedding=tensors["model.embed_tokens.weight"],
+            lm_head=tensors["lm_head.weight"],
+        )
+
+
+def _config_int(hf_config: Mapping[str, Any], key: str, *, default: int | None = None) -> int:
+    value = hf_config.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"model.{key}", value, "must be a positive integer")
+    return value
+
+
+FAMILY = ToyTtnnFamily()

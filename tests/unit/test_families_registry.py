@@ -106,4 +106,7 @@ def test_every_family_declares_what_the_registry_records() -> None:
     """Model types, required keys, tensor plan and backends come from each family."""
     for family in registry.families():
         assert family.model_types and registry.required_keys(family)
-        assert "torch" in family.backends  # type: ignore[attr-defined]
+        backends = family.backends  # type: ignore[attr-defined]
+        assert backends and set(backends) <= {"torch", "ttnn"}
+        assert registry.family_backends(family) == tuple(backends)
+    assert registry.family_backends(registry.get_family("toy_ttnn")) == ("ttnn",)

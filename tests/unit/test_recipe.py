@@ -22,7 +22,15 @@ from llmrt.recipe import (
     recipe_to_dict,
 )
 
-BUNDLED = ["hf", "smollm2-135m", "smollm2-135m-dp2", "smollm2-135m-fast", "tiny-gpt2", "tiny-llama"]
+BUNDLED = [
+    "hf",
+    "smollm2-135m",
+    "smollm2-135m-dp2",
+    "smollm2-135m-fast",
+    "tiny-gpt2",
+    "tiny-llama",
+    "toy-ttnn",
+]
 NO_ENV: dict[str, str] = {}
 
 

@@ -24,7 +24,13 @@ from llmrt.recipe import (
     recipe_from_dict,
     recipe_to_dict,
 )
-from llmrt.recipe_schema import CheckpointDType, DeviceKind
+from llmrt.recipe_schema import (
+    CheckpointDType,
+    DeviceKind,
+    DispatchCoreType,
+    FabricConfigName,
+    TtnnSpec,
+)
 
 # Text that exercises YAML quoting and the ${ENV} escape.
 TRICKY = st.sampled_from(
@@ -90,7 +96,17 @@ def placement(draw: st.DrawFn) -> tuple[DeviceSpec, int]:
         mesh = draw(st.sampled_from([None, (rows, cols)]))
         if mesh is None:
             lanes = draw(st.integers(1, 8))
-        return DeviceSpec(backend="ttnn", mesh_shape=mesh, num_threads=threads), lanes
+        opened = chips if mesh is not None else lanes
+        fabrics = list(get_args(FabricConfigName)) if opened >= 2 else ["disabled"]
+        ttnn = TtnnSpec(
+            l1_small_size=draw(st.integers(0, 1 << 20)),
+            trace_region_size=draw(st.integers(1, 1 << 30)),
+            num_command_queues=draw(st.sampled_from([1, 2])),
+            dispatch_core_type=draw(st.sampled_from([None, *get_args(DispatchCoreType)])),
+            fabric_config=draw(st.sampled_from(fabrics)),
+        )
+        device = DeviceSpec(backend="ttnn", mesh_shape=mesh, num_threads=threads, ttnn=ttnn)
+        return device, lanes
     kind: DeviceKind | None = draw(st.sampled_from([None, *get_args(DeviceKind)]))
     inductor = InductorSpec(
         freezing=draw(st.booleans()), max_autotune=draw(st.booleans()),
@@ -140,9 +156,18 @@ def recipes(draw: st.DrawFn) -> Recipe:
         max_model_len=draw(st.integers(1, block * max_blocks)),
         max_num_seqs=draw(st.none() | st.integers(1, lanes * decode.lane_capacity)),
     )
+    if device.backend == "ttnn":
+        family = "toy_ttnn"  # the only bundled family with the ttnn backend
+        if checkpoint.format == "random":
+            model = {
+                "model_type": "toy_ttnn", "vocab_size": model["vocab_size"], "hidden_size": 8,
+                "num_hidden_layers": 2, "max_position_embeddings": 256,
+            }  # fmt: skip
+    else:
+        family = draw(st.sampled_from(["auto", _family_of(model)]))
     return Recipe(
         name=draw(NAME), description=draw(TEXT),
-        family=draw(st.sampled_from(["auto", _family_of(model)])),
+        family=family,
         checkpoint=checkpoint, model=model, tokenizer=tokenizer, device=device, lanes=lanes,
         kv_cache=kv_cache, prefill=prefill, decode=decode,
         trace=TraceConfig(mode=draw(st.sampled_from(["none", "decode_only", "all"]))),

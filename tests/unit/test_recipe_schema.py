@@ -43,9 +43,25 @@ GGUF = {"checkpoint": {"format": "gguf", "package": "pkg", "file": "m.gguf"},
         "tokenizer": {"source": "checkpoint"}}
 
 
+#: Overrides turning ``tiny()`` into a ttnn recipe of the toy TTTv2 family (llama is torch-only).
+TT: dict[str, Any] = {
+    "family": "toy_ttnn",
+    "device.backend": "ttnn",
+    "model": None,
+    "model.model_type": "toy_ttnn",
+    "model.vocab_size": 258,
+    "model.hidden_size": 4,
+    "model.num_hidden_layers": 2,
+    "model.max_position_embeddings": 512,
+}
+
+
 def build(**overrides: Any) -> Recipe:
-    """``tiny()`` with dotted-path overrides."""
-    return recipe_from_dict(tiny(), overrides=overrides)
+    """``tiny()`` with dotted-path overrides (``model=None`` empties ``model`` first)."""
+    data = tiny()
+    if "model" in overrides and overrides.pop("model") is None:
+        data["model"] = {}
+    return recipe_from_dict(data, overrides=overrides)
 
 
 def test_minimal_recipe_is_valid_and_defaults_fill_in() -> None:
@@ -114,6 +130,24 @@ RULES: list[tuple[dict[str, Any], str, str]] = [
     ({"serving.max_num_seqs": 5}, "serving.max_num_seqs", "lanes * decode.lane_capacity"),
     ({"device.backend": "ttnn", "device.mesh_shape": [1, 3], "lanes": 2}, "lanes",
      "must divide the 3 chips"),
+    ({"device.backend": "ttnn"}, "device.backend", "family 'llama' supports torch only"),
+    ({**TT, "device.backend": "torch"}, "device.backend", "family 'toy_ttnn' supports ttnn only"),
+    ({**TT, "family": "auto", "device.backend": "torch"}, "device.backend",
+     "family 'toy_ttnn' supports ttnn only"),
+    ({"device.ttnn.trace_region_size": 1024}, "device.ttnn", "only used with device.backend=ttnn"),
+    ({**TT, "device.ttnn.l1_small_size": -1}, "device.ttnn.l1_small_size", "non-negative"),
+    ({**TT, "device.ttnn.trace_region_size": 1.5}, "device.ttnn.trace_region_size",
+     "expected int"),
+    ({**TT, "device.ttnn.num_command_queues": 3}, "device.ttnn.num_command_queues",
+     "must be 1 or 2"),
+    ({**TT, "device.ttnn.dispatch_core_type": "tensix"}, "device.ttnn.dispatch_core_type",
+     "must be one of"),
+    ({**TT, "device.ttnn.fabric_config": "fabric_3d"}, "device.ttnn.fabric_config",
+     "must be one of"),
+    ({**TT, "device.ttnn.fabric_config": "fabric_1d"}, "device.ttnn.fabric_config",
+     "needs a mesh of two chips or more (this recipe opens 1)"),
+    ({**TT, "trace.mode": "decode_only", "device.ttnn.trace_region_size": 0},
+     "device.ttnn.trace_region_size", "must be positive when trace.mode=decode_only"),
     ({"tokenizer.source": "checkpoint"}, "tokenizer.source", "random checkpoint has no tokenizer"),
     ({"model.vocab_size": 200}, "model.vocab_size", "at least 258 for the byte tokenizer"),
     # checkpoint format requirements
@@ -170,7 +204,7 @@ def test_gguf_and_safetensors_recipes_validate() -> None:
 
 
 def test_ttnn_mesh_splits_into_lanes() -> None:
-    recipe = build(**{"device.backend": "ttnn", "device.mesh_shape": [2, 4], "lanes": 4})
+    recipe = build(**TT, **{"device.mesh_shape": [2, 4], "lanes": 4})
     assert recipe.device.mesh_shape == (2, 4)
     assert recipe.lanes == 4
 
@@ -253,14 +287,14 @@ def test_builtin_families_are_registered_entry_points() -> None:
 
 def test_wave_rules_default_to_packed_on_torch_and_spec_on_ttnn() -> None:
     assert build().wave_rules == "packed"
-    assert build(**{"device.backend": "ttnn"}).wave_rules == "spec"
+    assert build(**TT).wave_rules == "spec"
     assert build(**{"prefill.wave_rules": "spec"}).wave_rules == "spec"
 
 
 def test_decode_batch_sizes_default_to_powers_of_two_on_torch_and_the_capacity_on_ttnn() -> None:
     assert build(**{"decode.lane_capacity": 12}).decode_batch_sizes == (1, 2, 4, 8, 12)
     assert build(**{"decode.lane_capacity": 1}).decode_batch_sizes == (1,)
-    ttnn = build(**{"device.backend": "ttnn", "decode.lane_capacity": 8})
+    ttnn = build(**TT, **{"decode.lane_capacity": 8})
     assert ttnn.decode_batch_sizes == (8,)
     given = build(**{"decode.lane_capacity": 8, "decode.batch_sizes": [2, 8]})
     assert given.decode_batch_sizes == (2, 8)

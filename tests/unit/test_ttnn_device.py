@@ -39,7 +39,11 @@ MESH_SHAPES = [(1, 1), (1, 2)]
 def open_device(
     shape: tuple[int, int] = (1, 1), *, fake: FakeTtnn | None = None, **options: Any
 ) -> tuple[TtnnDevice, FakeTtnn]:
-    fake = fake or FakeTtnn(system_mesh_shape=shape, allocation_while_trace_live="warn")
+    """A device over a fake that lets these tests' small torch programs run on its tensors;
+    a test capturing a program runs it eagerly first (ttnn needs it compiled)."""
+    fake = fake or FakeTtnn(
+        system_mesh_shape=shape, allocation_while_trace_live="warn", torch_ops="allow"
+    )
     mesh = fake.open_mesh_device(fake.MeshShape(*shape), trace_region_size=1 << 20)
     return TtnnDevice(mesh, ttnn_module=fake, **options), fake
 
@@ -54,6 +58,13 @@ def pair(request: pytest.FixtureRequest) -> Iterator[tuple[TtnnDevice, FakeTtnn]
 @pytest.fixture
 def device(pair: tuple[TtnnDevice, FakeTtnn]) -> TtnnDevice:
     return pair[0]
+
+
+def warm_capture(device: Any, program: Callable[[], Any]) -> Any:
+    """Run ``program`` eagerly once (ttnn compiles each program before a capture), then
+    capture it."""
+    program()
+    return device.capture_trace(program)
 
 
 def host(*values: float) -> torch.Tensor:
@@ -101,7 +112,7 @@ def test_allocate_accepts_only_row_major_order(device: TtnnDevice) -> None:
 
 def test_refresh_then_replay_gives_the_new_result(device: TtnnDevice) -> None:
     x = device.upload(host(1, 2, 3))
-    trace = device.capture_trace(functools.partial(affine, x=x, scale=2.0))
+    trace = warm_capture(device, functools.partial(affine, x=x, scale=2.0))
     out = trace.outputs
     assert device.read(out, blocking=True).tolist() == [3, 5, 7]
 
@@ -116,7 +127,7 @@ def test_refresh_then_replay_gives_the_new_result(device: TtnnDevice) -> None:
 def test_replay_without_refresh_gives_the_stale_result(device: TtnnDevice) -> None:
     source = host(1, 2, 3)
     x = device.upload(source)
-    trace = device.capture_trace(functools.partial(affine, x=x, scale=2.0))
+    trace = warm_capture(device, functools.partial(affine, x=x, scale=2.0))
 
     source.copy_(host(10, 20, 30))
     device.execute_trace(trace, blocking=True)
@@ -131,7 +142,7 @@ def test_replay_without_refresh_gives_the_stale_result(device: TtnnDevice) -> No
 def test_values_bound_at_capture_stay_baked(device: TtnnDevice) -> None:
     scale = 2.0
     x = device.upload(host(1, 2, 3))
-    trace = device.capture_trace(functools.partial(affine, x=x, scale=scale))
+    trace = warm_capture(device, functools.partial(affine, x=x, scale=scale))
 
     scale = 100.0
     x = device.upload(host(7, 7, 7))
@@ -149,7 +160,7 @@ def test_replay_rewrites_every_output_in_place(device: TtnnDevice) -> None:
     def program() -> dict[str, Any]:
         return {"sum": x.sum(), "pair": (x * 2, x + 1), "label": "baked"}
 
-    trace = device.capture_trace(program)
+    trace = warm_capture(device, program)
     total, (doubled, shifted) = trace.outputs["sum"], trace.outputs["pair"]
     device.refresh(x, host(5, 6))
     device.execute_trace(trace, blocking=True)
@@ -225,7 +236,7 @@ def test_failed_capture_registers_nothing_and_releases_the_ttnn_trace(
     assert not device.capturing
     assert device.stats().live_traces == 0
     assert device.stats().captures == 0
-    trace = device.capture_trace(lambda: x * 3)
+    trace = warm_capture(device, lambda: x * 3)
     assert trace.trace_id == 0
     device.release_trace(trace)
 
@@ -235,7 +246,7 @@ def test_release_is_idempotent_and_replay_after_release_raises(
 ) -> None:
     device, fake = pair
     x = device.upload(host(1))
-    trace = device.capture_trace(lambda: x * 3)
+    trace = warm_capture(device, lambda: x * 3)
     assert device.live_trace_count == 1
 
     device.release_trace(trace)
@@ -248,19 +259,19 @@ def test_release_is_idempotent_and_replay_after_release_raises(
 
 
 def test_foreign_trace_is_rejected() -> None:
-    fake = FakeTtnn(system_mesh_shape=(1, 2))
+    fake = FakeTtnn(system_mesh_shape=(1, 2), torch_ops="allow")
     device, _ = open_device((1, 2), fake=fake)
     other, _ = open_device((1, 1), fake=fake)
     x = other.upload(host(1))
-    trace = other.capture_trace(lambda: x + 1)
+    trace = warm_capture(other, lambda: x + 1)
     with pytest.raises(TraceStateError, match=r"belongs to ttnn:1, not ttnn:0"):
         device.execute_trace(trace)
-    same_id, _ = open_device((1, 1), fake=FakeTtnn(), device_id="ttnn:1")
+    same_id, _ = open_device((1, 1), fake=FakeTtnn(torch_ops="allow"), device_id="ttnn:1")
     with pytest.raises(TraceStateError, match="was not captured by"):
         same_id.execute_trace(trace)
     lane0, lane1 = device.lanes(2)
     y = lane0.upload(host(1))
-    lane_trace = lane0.capture_trace(lambda: y + 1)
+    lane_trace = warm_capture(lane0, lambda: y + 1)
     with pytest.raises(TraceStateError, match=r"belongs to .*lane0"):
         lane1.execute_trace(lane_trace)
     assert fake.violations == ()
@@ -373,7 +384,7 @@ def test_works_through_the_fault_injecting_wrapper() -> None:
     inner, _ = open_device((1, 1))
     device = FaultyDevice(inner, fail={"release_trace": 1})
     x = device.upload(host(1))
-    trace = device.capture_trace(lambda: x + 1)
+    trace = warm_capture(device, lambda: x + 1)
     with pytest.raises(InjectedFault):
         device.release_trace(trace)
     device.release_trace(trace)
@@ -403,7 +414,8 @@ def test_runtime_dtypes_round_trip_through_their_staging(pair: tuple[TtnnDevice,
 
 
 def test_staging_plans_match_what_ttnn_needs() -> None:
-    assert staging_plan(torch.int64).tt_dtype == "INT32"
+    assert staging_plan(torch.int64).tt_dtype == "UINT32"  # ttnn.embedding's id dtype
+    assert staging_plan(torch.int32).tt_dtype == "INT32"  # page tables hold -1
     assert staging_plan(torch.int64).layout == "ROW_MAJOR"
     assert staging_plan(torch.float32).layout == "TILE"
     assert staging_plan(torch.float32, float_layout="row_major").layout == "ROW_MAJOR"
@@ -418,12 +430,14 @@ def test_staging_plans_match_what_ttnn_needs() -> None:
     with pytest.raises(DeviceError, match=r"no ttnn staging for torch dtype torch\.float64"):
         staging_plan(torch.float64)
     plan = staging_plan(torch.int64)
-    assert unstage(stage(torch.tensor([-1, 7]), plan), plan).dtype == torch.int64
+    assert unstage(stage(torch.tensor([0, 7]), plan), plan).dtype == torch.int64
 
 
-def test_int64_outside_int32_is_rejected_with_its_range(device: TtnnDevice) -> None:
-    with pytest.raises(DeviceError, match=r"upload: int64 tensor .* holds -1\.\.4294967296"):
-        device.upload(torch.tensor([-1, 2**32]))
+def test_int64_outside_the_token_id_range_is_rejected_with_its_range(device: TtnnDevice) -> None:
+    with pytest.raises(DeviceError, match=r"upload: int64 tensor .* holds -1\.\.7, outside 0\.\."):
+        device.upload(torch.tensor([-1, 7]))
+    with pytest.raises(DeviceError, match=r"holds 0\.\.2147483648, outside 0\.\.2147483647"):
+        device.upload(torch.tensor([0, 2**31]))
 
 
 def test_bfloat8_kv_override_uploads_in_tile_layout() -> None:
@@ -446,7 +460,7 @@ def test_sharded_uploads_split_and_reads_concatenate() -> None:
 
 
 def test_invalid_options_are_rejected() -> None:
-    fake = FakeTtnn()
+    fake = FakeTtnn(torch_ops="allow")
     mesh = fake.open_mesh_device(trace_region_size=1)
     with pytest.raises(ConfigError, match=r"device\.mesh_mapper: must be 'replicate' or 'shard'"):
         TtnnDevice(mesh, ttnn_module=fake, mesh_mapper="scatter")  # type: ignore[arg-type]
@@ -474,13 +488,13 @@ def test_missing_ttnn_is_one_clear_line(monkeypatch: pytest.MonkeyPatch) -> None
 
 
 def test_open_ttnn_device_owns_the_mesh_and_close_releases_everything() -> None:
-    fake = FakeTtnn(system_mesh_shape=(1, 2))
+    fake = FakeTtnn(system_mesh_shape=(1, 2), torch_ops="allow")
     device = open_ttnn_device([1, 2], ttnn_module=fake, trace_region_size=4096)
     x = device.upload(host(1, 2))
     lane_trace_device = device.lanes(2)[1]
     y = lane_trace_device.upload(host(3))
-    device.capture_trace(lambda: x + 1)
-    lane_trace_device.capture_trace(lambda: y + 1)
+    warm_capture(device, lambda: x + 1)
+    warm_capture(lane_trace_device, lambda: y + 1)
     device.close()
     device.close()
     assert fake.call_names()[-3:] == ["release_trace", "release_trace", "close_mesh_device"]
@@ -493,7 +507,7 @@ def test_open_ttnn_device_owns_the_mesh_and_close_releases_everything() -> None:
 
 
 def test_fake_exposes_every_call_the_backend_makes() -> None:
-    fake = FakeTtnn()
+    fake = FakeTtnn(torch_ops="allow")
     for name, keywords in TTNN_CALLS.items():
         params = inspect.signature(getattr(fake, name)).parameters
         assert set(keywords) <= set(params), name
@@ -514,7 +528,7 @@ def test_eager_prefill_sequence(pair: tuple[TtnnDevice, FakeTtnn]) -> None:
     weight = device.upload(torch.randn(11, 4))
     start = len(fake.calls)
     tokens = device.upload(torch.tensor([[3, 1, 4]]))
-    logits = torch.nn.functional.embedding(tokens, weight).sum(dim=1) @ weight.T
+    logits = torch.matmul(torch.nn.functional.embedding(tokens, weight).sum(dim=1), weight.T)
     value = device.read(logits, blocking=True)
     device.deallocate(logits)
     device.deallocate(tokens)
@@ -539,10 +553,11 @@ BLOCK = 4
 def decode_step(*, emb: Any, tokens: Any, positions: Any, page_table: Any, kv: Any) -> Any:
     """A decode-like program: embed, write KV at the paged position, attend over the block."""
     hidden = torch.nn.functional.embedding(tokens, emb)
-    block = torch.gather(page_table, 1, (positions // BLOCK).long().unsqueeze(1)).squeeze(1)
-    kv[block.long(), (positions % BLOCK).long()] = hidden
-    context = kv[block.long()].sum(dim=1)
-    return (hidden + context) @ emb.T
+    column = torch.div(positions, BLOCK, rounding_mode="floor").long()
+    block = torch.gather(page_table, 1, column.unsqueeze(1)).squeeze(1)
+    kv.index_put_((block.long(), torch.remainder(positions, BLOCK).long()), hidden)
+    context = torch.index_select(kv, 0, block.long()).sum(dim=1)
+    return torch.matmul(hidden + context, emb.T)
 
 
 def test_traced_decode_loop_with_async_reads(pair: tuple[TtnnDevice, FakeTtnn]) -> None:
@@ -560,7 +575,7 @@ def test_traced_decode_loop_with_async_reads(pair: tuple[TtnnDevice, FakeTtnn]) 
     program = functools.partial(
         decode_step, emb=emb, tokens=tokens, positions=positions, page_table=page_table, kv=kv
     )
-    trace = device.capture_trace(program)
+    trace = warm_capture(device, program)
     kv_host[0, 0] = emb_host[0]
     kv_host[2, 0] = emb_host[0]
 
@@ -616,6 +631,7 @@ def test_traced_decode_loop_with_async_reads(pair: tuple[TtnnDevice, FakeTtnn]) 
 def test_capture_failure_in_end_trace_capture_still_releases() -> None:
     device, fake = open_device((1, 1))
     x = device.upload(host(1))
+    x + 1
     fake.inject("end_trace_capture", 1)
     start = len(fake.calls)
     with pytest.raises(
@@ -625,6 +641,7 @@ def test_capture_failure_in_end_trace_capture_still_releases() -> None:
     assert isinstance(caught.value.__cause__, InjectedTtnnFailure)
     assert calls_since(fake, start) == [
         "begin_trace_capture",
+        "add",
         "end_trace_capture",
         "end_trace_capture",
         "release_trace",
@@ -642,6 +659,7 @@ def test_capture_cleanup_failures_keep_the_primary_error() -> None:
         x + 1
         raise ValueError("program failed")
 
+    x + 1
     with pytest.raises(CleanupError) as caught:
         device.capture_trace(broken)
     assert isinstance(caught.value.primary, ValueError)
@@ -667,7 +685,7 @@ def test_cleanup_retries_release_before_deallocating_inputs() -> None:
     device, fake = open_device((1, 1))
     x = device.upload(host(1, 2))
     y = device.allocate(shape=(2,), dtype=torch.float32)
-    trace = device.capture_trace(lambda: x + y)
+    trace = warm_capture(device, lambda: x + y)
     fake.inject("release_trace", 1)
 
     start = len(fake.calls)
@@ -694,7 +712,7 @@ def test_cleanup_retries_release_before_deallocating_inputs() -> None:
 def test_deallocating_a_live_traces_input_is_caught_by_the_fake() -> None:
     device, _ = open_device((1, 1))
     x = device.upload(host(1, 2))
-    trace = device.capture_trace(lambda: x * 2)
+    trace = warm_capture(device, lambda: x * 2)
     with pytest.raises(DeviceError, match="release_trace before deallocating") as caught:
         device.deallocate(x)
     assert isinstance(caught.value.__cause__, TtnnRuleViolation)
@@ -716,14 +734,14 @@ def test_capture_warmup_runs_precede_begin_trace_capture() -> None:
     start = len(fake.calls)
     trace = device.capture_trace(program)
     assert seen == [False, True]
-    assert calls_since(fake, start) == ["begin_trace_capture", "end_trace_capture"]
+    assert calls_since(fake, start) == ["add", "begin_trace_capture", "add", "end_trace_capture"]
     device.release_trace(trace)
 
 
 def test_ttnn_failures_become_device_errors_naming_the_call() -> None:
-    device, fake = open_device((1, 1), fake=FakeTtnn(fail={"execute_trace": 2}))
+    device, fake = open_device((1, 1), fake=FakeTtnn(fail={"execute_trace": 2}, torch_ops="allow"))
     x = device.upload(host(1))
-    trace = device.capture_trace(lambda: x + 1)
+    trace = warm_capture(device, lambda: x + 1)
     device.execute_trace(trace)
     with pytest.raises(DeviceError, match=r"execute_trace: ttnn.execute_trace failed on ttnn:0"):
         device.execute_trace(trace)

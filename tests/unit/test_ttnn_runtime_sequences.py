@@ -32,14 +32,15 @@ from llmrt.prefill.runtime import PrefillRuntime
 from llmrt.program_compiler import ProgramCompiler
 from llmrt.sampling_params import SamplingParams
 from llmrt.testing.fake_ttnn import FakeTtnn, InjectedTtnnFailure, TtnnCall
-from llmrt.testing.ttnn_toy_model import TOY_OPS, ToyTtnnModel
+from llmrt.testing.ttnn_toy_model import MODEL_OPS as TOY_MODEL_OPS
+from llmrt.testing.ttnn_toy_model import ToyTtnnModel
 from llmrt.trace_compiler import TraceCompiler
 from llmrt.warmup import WarmupCoordinator, WarmupCoordinatorConfig
 
 BLOCK = 4
 NUM_BLOCKS = 16
 CAPACITY = 2
-MODEL_OPS = frozenset({*TOY_OPS, "add", "multiply", "matmul"})
+MODEL_OPS = frozenset(TOY_MODEL_OPS)
 ALLOCATING = frozenset({"to_device", "allocate_tensor_on_device"})
 GREEDY = SamplingParams(temperature=0.0)
 

@@ -1,0 +1,200 @@
+"""The CUDA path: per-device generators, and a decode/prefill lane on every torch device.
+
+Without a GPU the placement test still runs: runtimes built for a ``cuda:0`` lane must ask
+for their generator on ``cuda:0`` (torch rejects a CPU generator for a CUDA tensor, so the
+old CPU decode generator failed every unseeded sampled step there). The lane tests run on
+``cpu`` here and on ``cuda:0`` where one exists (``scripts/gpu_check.sh``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import attrs
+import pytest
+import torch
+from device_params import TORCH_DEVICES
+from lane_fixtures import (  # noqa: F401 (single_torch_thread: autouse)
+    Lane,
+    build_lane,
+    make_rows,
+    page_table,
+    prompt,
+    single_torch_thread,
+    tiny_llama,
+)
+
+from llmrt.decode import DecodeOutput, DecodeRuntime
+from llmrt.device.torch import TorchDevice
+from llmrt.errors import DeviceError
+from llmrt.prefill.runtime import PrefillRuntime
+from llmrt.sampling import SamplingTensors, device_generator, sample
+from llmrt.sampling_params import SamplingParams
+
+BS = 4
+LENS = (9, 5)
+BLOCKS = ((3, 17, 5, 30, 31), (8, 1, 22, 40))
+
+
+class _PlacedOn:
+    """A torch generator stand-in recording the device it was asked for."""
+
+    def __init__(self, device: Any = None) -> None:
+        self.device = torch.device(device if device is not None else "cpu")
+
+    def manual_seed(self, seed: int) -> _PlacedOn:
+        return self
+
+
+@attrs.define
+class _CudaView:
+    """A lane device that reports ``cuda:0`` (construction only: nothing runs on it)."""
+
+    inner: Any
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device("cuda", 0)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def test_runtimes_draw_unseeded_noise_from_a_generator_on_their_lane_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    lane = build_lane(block_size=BS, num_blocks=16, lane_capacity=2)
+    try:
+        assert lane.decode.generator.device == torch.device("cpu")
+        assert lane.prefill.generator.device == torch.device("cpu")
+        monkeypatch.setattr(torch, "Generator", _PlacedOn)
+        cuda = _CudaView(lane.device)
+        decode = DecodeRuntime(attrs.evolve(lane.decode.config, device=cuda))
+        prefill = PrefillRuntime(attrs.evolve(lane.prefill.config, device=cuda))
+        assert decode.generator.device == torch.device("cuda", 0)
+        assert prefill.generator.device == torch.device("cuda", 0)
+        assert device_generator("cuda:1").device == torch.device("cuda", 1)
+    finally:
+        monkeypatch.undo()
+        lane.cleanup()
+
+
+def test_sampling_refuses_a_generator_on_another_device() -> None:
+    params = [SamplingParams(temperature=1.0)]
+    tensors = SamplingTensors.from_params(params, batch_size=1, vocab_size=8, device="cpu")
+    elsewhere: Any = _PlacedOn("cuda:0")
+    with pytest.raises(DeviceError, match=r"generator is on cuda:0 but the noise is drawn on cpu"):
+        sample(torch.zeros(1, 8), tensors, generator=elsewhere)
+    result = sample(torch.zeros(1, 8), tensors, generator=device_generator("cpu", seed=3))
+    assert 0 <= int(result.tokens[0]) < 8
+
+
+@pytest.fixture(params=TORCH_DEVICES)
+def lane(request: pytest.FixtureRequest) -> Iterator[Lane]:
+    device = str(request.param)
+    lane = build_lane(
+        model=tiny_llama(device=device),
+        device=TorchDevice(device),
+        block_size=BS,
+        num_blocks=48,
+        max_chunk=16,
+        lane_capacity=4,
+    )
+    yield lane
+    lane.cleanup()
+
+
+def _decode_steps(lane: Lane, params: list[SamplingParams], steps: int) -> list[list[int]]:
+    rows = make_rows([prompt(n, seed=n) for n in LENS], BLOCKS)
+    first = lane.executor.prefill_forward(rows=rows, sampling_params=params)
+    assert first.tokens is not None
+    tokens = first.tokens.to("cpu")
+    out = [[int(t)] for t in tokens]
+    positions = torch.tensor(LENS, dtype=torch.int32)
+    for step in range(steps):
+        decoded = lane.executor.decode_forward(
+            tokens=tokens,
+            start_pos=positions,
+            page_table=page_table(BLOCKS, width=8),
+            sampling_params=params,
+            step_offsets=[step + 1] * len(params),
+        )
+        assert isinstance(decoded, DecodeOutput) and decoded.tokens is not None
+        tokens = decoded.tokens.to("cpu")
+        for row, token in enumerate(tokens):
+            out[row].append(int(token))
+        positions = positions + 1
+    return out
+
+
+def test_greedy_decode_matches_a_prefill_of_the_whole_history_on_the_same_device(
+    lane: Lane,
+) -> None:
+    """Each decoded token is the argmax of the logits a fresh prefill of the row's history
+    gives (a wrong KV write, position or page table on the device changes one of them)."""
+    greedy = [SamplingParams(temperature=0.0)] * len(LENS)
+    tokens = _decode_steps(lane, greedy, steps=3)
+    histories = [prompt(n, seed=n) + row[:-1] for n, row in zip(LENS, tokens, strict=True)]
+    fresh = ((32, 33, 34, 35), (36, 37, 38, 39))
+    out = lane.executor.prefill_forward(rows=make_rows(histories, fresh))
+    assert out.logits is not None
+    assert out.logits.device.type == torch.device(lane.device.torch_device).type
+    assert out.logits.to("cpu").argmax(dim=-1).tolist() == [row[-1] for row in tokens]
+
+
+def test_seeded_sampled_decode_on_the_lane_device_is_reproducible(lane: Lane) -> None:
+    params = [
+        SamplingParams(temperature=0.9, seed=11),
+        SamplingParams(temperature=1.1, top_k=20, seed=12),
+    ]
+    saved = lane.snapshot()
+    first = _decode_steps(lane, params, steps=4)
+    lane.restore(saved)
+    assert _decode_steps(lane, params, steps=4) == first
+
+
+def test_unseeded_sampled_decode_draws_on_the_lane_device(lane: Lane) -> None:
+    params = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_p=0.9)]
+    tokens = _decode_steps(lane, params, steps=3)
+    vocab = lane.model.config.vocab_size
+    assert all(0 <= t < vocab for row in tokens for t in row)
+    assert lane.decode.generator.device.type == torch.device(lane.device.torch_device).type
+
+
+@pytest.mark.parametrize("device", TORCH_DEVICES)
+def test_llama_family_on_the_device_matches_transformers(device: str) -> None:
+    """Family parity on the lane's device: the prefill logits and greedy decode tokens of a
+    Llama built on ``device`` equal transformers' (float32, on the CPU) on the same weights."""
+    transformers = pytest.importorskip("transformers")
+    from llmrt.families.registry import get_family
+
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        initializer_range=0.2,
+        attn_implementation="eager",
+    )
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(config).eval()
+    model = get_family("llama").build(
+        hf_config=hf.config.to_dict(),
+        tensors=hf.state_dict(),
+        dtype=torch.float32,
+        device=device,
+    )
+    lane = build_lane(model=model, device=TorchDevice(device), block_size=BS, num_blocks=16)
+    try:
+        ids = prompt(11, seed=5)
+        out = lane.executor.prefill_forward(rows=make_rows([ids], [(0, 1, 2, 3)]))
+        assert out.logits is not None
+        with torch.no_grad():
+            expected = hf(input_ids=torch.tensor([ids])).logits[0, -1]
+        torch.testing.assert_close(out.logits[0].to("cpu"), expected, atol=1e-4, rtol=1e-4)
+    finally:
+        lane.cleanup()
