@@ -37,7 +37,6 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-
 from dependency_injector import providers
 from llmrt.containers import RuntimeContainer
 
