@@ -20,12 +20,16 @@ see docs/vllm.md for the commit and the ``dev`` differences) does with a TT mode
   to ``process_decode_output_host``, the async one calls ``read_decode_output(out,
   async_read=True)`` and ``ttnn.event_synchronize`` on every event first.
 
-The tokens must equal llmrt's own ``LLM.generate`` on the same recipe and prompts.
+The tokens must equal llmrt's own ``LLM.generate`` on the same recipe and prompts, on the
+torch CPU backend (``tiny-llama``: the plugin's mesh goes unused) and on the strict fake ttnn
+(``toy-ttnn``: the plugin's raw mesh is wrapped, ``import ttnn`` gives the fake, as it gives the
+real module under vLLM).
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from typing import Any
@@ -33,15 +37,16 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from dependency_injector import providers
+from llmrt.containers import RuntimeContainer
 
+from llmrt.recipe import load_recipe
 from llmrt.sampling_params import SamplingParams
 from llmrt.serving.llm import LLM
 from llmrt.testing.fake_ttnn import FakeTtnn
 from llmrt.vllm_adapter import VLLMAdapter
 
-RECIPE = "tiny-llama"
-MAX_MODEL_LEN = 512
-MAX_NUM_SEQS = 4  # == the recipe's decode.lane_capacity
+MAX_NUM_SEQS = 4  # == the recipes' decode.lane_capacity
 BLOCK_SIZE = 16
 VOCAB = 258
 STALE = 7  # what the plugin's persistent token buffer holds past a prompt
@@ -75,46 +80,76 @@ class Req:
         return len(self.outputs) >= self.params.max_tokens
 
 
+@dataclass(frozen=True)
 class HFConfig:
-    """What vLLM's ``model_config.hf_config`` carries for the tiny Llama (transformers-like)."""
+    """What vLLM's ``model_config.hf_config`` carries (transformers-like attributes)."""
 
-    model_type = "llama"
-    architectures = ["TTLlamaForCausalLM"]  # the platform prefixes TT in place
-    _name_or_path = "llmrt/tiny-llama"
-    vocab_size = VOCAB
-    num_hidden_layers = 2
-    num_key_value_heads = 2
-    head_dim = 16
-    torch_dtype = torch.bfloat16
+    model_type: str
+    _name_or_path: str
+    num_key_value_heads: int
+    head_dim: int
+    architectures: tuple[str, ...] = ("TTLlamaForCausalLM",)  # the platform prefixes TT
+    vocab_size: int = VOCAB
+    num_hidden_layers: int = 2
+    torch_dtype: torch.dtype = torch.bfloat16
+
+
+@dataclass(frozen=True)
+class Backend:
+    """A recipe, the hf_config vLLM would hold for it, its max_model_len and KV capacity."""
+
+    recipe: str
+    hf: HFConfig
+    max_model_len: int
+    capacity: int
+    ttnn: bool
+
+
+TORCH = Backend(
+    recipe="tiny-llama",
+    hf=HFConfig("llama", "llmrt/tiny-llama", num_key_value_heads=2, head_dim=16),
+    max_model_len=512,
+    capacity=128,
+    ttnn=False,
+)
+TTNN = Backend(
+    recipe="toy-ttnn",
+    hf=HFConfig("toy_ttnn", "llmrt/toy-ttnn", num_key_value_heads=1, head_dim=8),
+    max_model_len=256,
+    capacity=64,
+    ttnn=True,
+)
 
 
 class PluginSession:
     """One vLLM engine's model runner, reduced to the calls it makes on the TT model."""
 
-    def __init__(self, *, mesh: object, ttnn: FakeTtnn, trace_mode: str = "all") -> None:
+    def __init__(
+        self, *, backend: Backend, mesh: object, ttnn: FakeTtnn, trace_mode: str = "all"
+    ) -> None:
         self.ttnn = ttnn
+        hf = backend.hf
         self.calls: list[str] = []
         cls = VLLMAdapter
         tokens = cls.get_max_tokens_all_users(
-            model_name=HFConfig._name_or_path,
+            model_name=hf._name_or_path,
             num_devices=1,
             tt_data_parallel=1,
-            max_model_len=MAX_MODEL_LEN,
+            max_model_len=backend.max_model_len,
             max_num_seqs=MAX_NUM_SEQS,
         )
         self.num_blocks = math.ceil((tokens + BLOCK_SIZE * MAX_NUM_SEQS) / BLOCK_SIZE)
-        hf = HFConfig()
         self.model = cls.initialize_vllm_model(
             hf,
             mesh,
             MAX_NUM_SEQS,
-            max_seq_len=MAX_MODEL_LEN,
+            max_seq_len=backend.max_model_len,
             tt_data_parallel=1,
             optimizations=None,
         )
-        self.width = min(math.ceil(MAX_MODEL_LEN / BLOCK_SIZE), self.num_blocks)
+        self.width = min(math.ceil(backend.max_model_len / BLOCK_SIZE), self.num_blocks)
         shape = (self.num_blocks, hf.num_key_value_heads, BLOCK_SIZE, hf.head_dim)
-        self.kv_caches = self.call("allocate_kv_cache", shape, hf.torch_dtype, 2)
+        self.kv_caches = self.call("allocate_kv_cache", shape, hf.torch_dtype, hf.num_hidden_layers)
         prefill_kwargs = {"kv_cache": self.kv_caches, "can_sample_on_device": True}
         decode_kwargs = {
             "kv_cache": self.kv_caches,
@@ -301,34 +336,53 @@ DEVICE_WAVE = [
 ]
 
 
+@pytest.fixture(scope="module", params=[TORCH, TTNN], ids=["torch", "ttnn"])
+def backend(request: pytest.FixtureRequest) -> Backend:
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def expected() -> Iterator[tuple[list[list[int]], list[list[int]]]]:
-    with LLM.from_recipe(RECIPE) as llm:
+def expected(backend: Backend) -> Iterator[tuple[list[list[int]], list[list[int]]]]:
+    """``LLM.generate`` on the same recipe (a ttnn recipe over its own fake machine)."""
+    recipe = load_recipe(backend.recipe)
+    container = RuntimeContainer(recipe=recipe)
+    if backend.ttnn:
+        container.device.ttnn_module.override(providers.Object(FakeTtnn()))
+    with LLM(recipe=recipe, container=container) as llm:
         host = [list(o.token_ids) for o in llm.generate(PROMPTS, HOST_WAVE)]
         device = [list(o.token_ids) for o in llm.generate(PROMPTS, DEVICE_WAVE)]
     yield host, device
 
 
 @pytest.fixture
-def session(monkeypatch: pytest.MonkeyPatch) -> Iterator[PluginSession]:
-    monkeypatch.setenv("LLMRT_VLLM_RECIPE", RECIPE)
+def session(backend: Backend, monkeypatch: pytest.MonkeyPatch) -> Iterator[PluginSession]:
+    """The plugin's worker: a mesh opened through ``ttnn`` (the fake), then the model runner."""
+    monkeypatch.setenv("LLMRT_VLLM_RECIPE", backend.recipe)
     fake = FakeTtnn()
-    mesh = fake.open_mesh_device(mesh_shape=fake.MeshShape(1, 1), trace_region_size=1 << 20)
-    with pytest.warns(RuntimeWarning, match=r"device\.backend=torch; the vLLM mesh is not used"):
-        replay = PluginSession(mesh=mesh, ttnn=fake)
+    monkeypatch.setitem(sys.modules, "ttnn", fake)  # what ``import ttnn`` gives the plugin
+    mesh = fake.open_mesh_device(fake.MeshShape(1, 1), trace_region_size=1 << 20)
+    if backend.ttnn:
+        replay = PluginSession(backend=backend, mesh=mesh, ttnn=fake)
+    else:
+        with pytest.warns(RuntimeWarning, match=r"device\.backend=torch; the vLLM mesh is not"):
+            replay = PluginSession(backend=backend, mesh=mesh, ttnn=fake)
     yield replay
     replay.model.close()
     fake.close_mesh_device(mesh)
+    assert fake.violations == ()
+    if backend.ttnn:  # the model ran on the plugin's mesh: traces replayed, reads synchronized
+        names = fake.call_names(mesh=mesh)
+        assert "execute_trace" in names and "event_synchronize" in names
 
 
 def test_the_plugins_call_sequence_generates_what_llm_generate_does(
-    session: PluginSession, expected: tuple[list[list[int]], list[list[int]]]
+    backend: Backend, session: PluginSession, expected: tuple[list[list[int]], list[list[int]]]
 ) -> None:
     host = session.run(_requests(HOST_WAVE), late=1, on_device=False, async_path=False)
     device = session.run(_requests(DEVICE_WAVE), late=1, on_device=True, async_path=True)
 
     assert (host, device) == expected
-    assert session.num_blocks == 128  # the recipe's KV capacity, through the plugin's sizing
+    assert session.num_blocks == backend.capacity  # the recipe's KV, through the plugin's sizing
     assert session.calls[:5] == [
         "allocate_kv_cache",
         *["warmup_model_prefill", "warmup_model_decode"] * 2,  # the plugin's trace_mode "all"
