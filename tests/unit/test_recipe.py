@@ -294,7 +294,9 @@ def test_string_override_of_a_path() -> None:
     recipe = load_recipe("smollm2-135m", env=NO_ENV, overrides=[
         "checkpoint.path=/x", "checkpoint.package=null", "checkpoint.file=",
     ])
-    assert recipe.checkpoint == CheckpointSpec(format="gguf", path="/x", dtype="float32")
+    assert recipe.checkpoint == CheckpointSpec(
+        format="gguf", path="/x", dtype="float32", weights="gguf-native"
+    )
 
 
 def test_mapping_overrides_and_whole_sections() -> None:
