@@ -107,7 +107,7 @@ def decode(settings: BenchSettings) -> Report:
                 table=dev_table[:b],
             )
             calls[f"hf_b{b}"] = hf_decode_call(hf, context=context[:b].to(device))
-        if device == "cpu":
+        if torch.device(device).type == "cpu":
             calls["stream_read"] = _stream_read(STREAM_BYTES)
         timings = interleaved_times(
             calls, warmup=WARMUP, repeats=repeats, sync=sync, desc="decode llmrt vs hf"
