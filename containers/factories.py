@@ -24,8 +24,10 @@ from llmrt.device.torch import TorchDevice
 from llmrt.errors import CheckpointError, ConfigError, DeviceError, IdentityError
 from llmrt.execution import EagerExecutor, TracedExecutor
 from llmrt.families.base import CausalLM, Family
-from llmrt.families.layers import select_linear_kernel
+from llmrt.families.layers import apply_weight_format, select_linear_kernel
 from llmrt.families.registry import check_family_backend, family_for_model_type, get_family
+from llmrt.kernels.formats import QUANTIZED_FORMATS, dequantized
+from llmrt.kernels.native import require_kernels
 from llmrt.lifecycle import component_logger, emit
 from llmrt.model_executor import ModelExecutor
 from llmrt.output_reader import OutputReader
@@ -132,14 +134,23 @@ def checkpoint_model_type(*, recipe: Recipe) -> str:
     # whose dequantization cache makes the ``weights`` load that follows a cache hit.
     return str(
         load_checkpoint(
-            format=spec.format, path=spec.path, package=spec.package, file=spec.file
+            format=spec.format,
+            path=spec.path,
+            package=spec.package,
+            file=spec.file,
+            keep_quantized=spec.weight_format == "gguf-native",
         ).hf_config.get("model_type")
     )
 
 
 def load_weights(*, recipe: Recipe, family: Family) -> Checkpoint:
-    """Load (and for GGUF, dequantize once and cache) the recipe's checkpoint for ``family``."""
+    """Load (and for GGUF, dequantize once and cache) the recipe's checkpoint for ``family``.
+
+    ``checkpoint.weights: gguf-native`` keeps the GGUF's quantized blocks instead.
+    """
     spec = recipe.checkpoint
+    if spec.weight_format in QUANTIZED_FORMATS:
+        require_kernels(field="checkpoint.weights", value=spec.weight_format)
     checkpoint = load_checkpoint(
         format=spec.format,
         path=spec.path,
@@ -152,6 +163,7 @@ def load_weights(*, recipe: Recipe, family: Family) -> Checkpoint:
         model_types=family.model_types,
         tensor_init=getattr(family, "tensor_init", None),
         rename=getattr(family, "rename", None),
+        keep_quantized=spec.weight_format == "gguf-native",
     )
     return checkpoint
 
@@ -180,13 +192,20 @@ def build_model(
 
     A torch family builds on the lane's torch device; a ttnn family gets the lane's port
     device itself (a ``TtnnDevice``: its ``mesh_device`` and ``ttnn_module``).
+
+    Blocks a GGUF-native checkpoint holds are dequantized when this recipe wants another
+    weight format (e.g. weights borrowed from a gguf-native container).
     """
     dtype = torch.bfloat16 if recipe.checkpoint.dtype == "bfloat16" else torch.float32
+    native = recipe.checkpoint.weight_format == "gguf-native"
     model = family.build(
         hf_config=checkpoint.hf_config,
-        tensors=checkpoint.tensors,
+        tensors=checkpoint.tensors if native else dequantized(checkpoint.tensors),
         dtype=dtype,
         device=device if recipe.device.backend == "ttnn" else device.torch_device,
+    )
+    apply_weight_format(
+        model, weights=recipe.checkpoint.weight_format, field="checkpoint.weights"
     )
     if recipe.device.backend == "torch":
         select_linear_kernel(

@@ -24,6 +24,7 @@ from llmrt.device.ttnn import DEFAULT_TRACE_REGION_SIZE
 from llmrt.errors import CheckpointError, ConfigError, FamilyError, RecipeError
 from llmrt.families import registry as family_registry
 from llmrt.families.layers import LinearKernelChoice
+from llmrt.kernels.formats import QUANTIZED_FORMATS, WeightFormat
 from llmrt.prefill.buckets import FINE_DEFAULT_STEP, SeqLenBuckets
 from llmrt.prefill.plan import WaveRules
 
@@ -119,7 +120,11 @@ class CheckpointSpec:
     ``random``: seeded weights shaped by ``Recipe.model``. ``safetensors``: a local
     Hugging Face checkpoint directory (``path``). ``gguf``: a file (``path``) or a
     file inside an installed package (``package`` + ``file``). ``dtype`` is the
-    compute dtype the weights are materialised in.
+    compute dtype the weights are materialised in. ``weights`` is how linear weights are
+    stored: ``float32`` / ``bfloat16`` (the compute dtype; null means ``dtype``), ``int8`` /
+    ``int4`` (ggml Q8_0 / Q4_1 blocks quantized at load), or ``gguf-native`` (a GGUF's own
+    Q4_0 / Q4_1 / Q8_0 blocks, never dequantized to a float copy). Quantized weights run
+    llmrt's CPU kernels with float32 activations.
     """
 
     format: CheckpointFormat
@@ -128,9 +133,16 @@ class CheckpointSpec:
     file: str | None = None
     seed: int = 0
     dtype: CheckpointDType = "float32"
+    weights: WeightFormat | None = None
+
+    @property
+    def weight_format(self) -> WeightFormat:
+        """The weight format in force (``weights``, null resolved to ``dtype``)."""
+        return self.weights if self.weights is not None else self.dtype
 
     def __attrs_post_init__(self) -> None:
         _one_of("checkpoint.format", self.format, CheckpointFormat)
+        self._check_weights()
         for name in ("path", "package", "file"):
             _optional_str(f"checkpoint.{name}", getattr(self, name))
         _non_negative_int("checkpoint.seed", self.seed)
@@ -180,6 +192,35 @@ class CheckpointSpec:
                 f"names the GGUF file inside package {self.package!r} and is required "
                 "without checkpoint.path",
             )
+
+
+    def _check_weights(self) -> None:
+        if self.weights is None:
+            return
+        _one_of("checkpoint.weights", self.weights, WeightFormat)
+        if self.weights in QUANTIZED_FORMATS:
+            _check(
+                self.dtype == "float32",
+                "checkpoint.weights",
+                self.weights,
+                f"quantized weights compute in float32; set checkpoint.dtype=float32 "
+                f"(got {self.dtype})",
+            )
+        else:
+            _check(
+                self.weights == self.dtype,
+                "checkpoint.weights",
+                self.weights,
+                f"float weights are stored in the compute dtype checkpoint.dtype={self.dtype}; "
+                "set both alike (or leave weights null)",
+            )
+        _check(
+            self.weights != "gguf-native" or self.format == "gguf",
+            "checkpoint.weights",
+            self.weights,
+            f"gguf-native keeps a GGUF file's blocks; checkpoint.format is {self.format} "
+            "(use int8 or int4 to quantize a float checkpoint)",
+        )
 
 
 @attrs.frozen(kw_only=True)
@@ -688,6 +729,16 @@ class Recipe:
 
     def _check_placement(self) -> None:
         _positive_int("lanes", self.lanes)
+        if self.checkpoint.weight_format in QUANTIZED_FORMATS:
+            device = self.device
+            where = device.backend if device.backend != "torch" else f"torch {device.kind}"
+            _check(
+                device.backend == "torch" and device.kind in (None, "cpu"),
+                "checkpoint.weights",
+                self.checkpoint.weights,
+                f"quantized weights run llmrt's CPU kernels (device.backend=torch, "
+                f"device.kind=cpu); this recipe runs on {where}",
+            )
         _check(
             self.device.backend == "torch" or self.prefill.wave_rules != "packed",
             "prefill.wave_rules",

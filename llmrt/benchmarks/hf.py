@@ -19,6 +19,7 @@ import torch
 
 from llmrt.benchmarks.timing import Timed, progress
 from llmrt.errors import CheckpointError, UnsupportedError
+from llmrt.kernels.formats import dequantized
 from llmrt.weights.checkpoint import Checkpoint
 
 
@@ -33,11 +34,11 @@ def require_transformers() -> ModuleType:
 
 
 def build_hf_model(checkpoint: Checkpoint, *, device: torch.device) -> Any:
-    """An HF causal LM (float32, eval) holding exactly ``checkpoint``'s tensors."""
+    """An HF causal LM (float32, eval) holding exactly ``checkpoint``'s tensors (dequantized)."""
     tf = require_transformers()
     config = tf.AutoConfig.for_model(**checkpoint.hf_config)
     model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    missing, unexpected = model.load_state_dict(checkpoint.tensors, strict=False)
+    missing, unexpected = model.load_state_dict(dequantized(checkpoint.tensors), strict=False)
     model.tie_weights()
     if unexpected:
         raise CheckpointError(

@@ -14,6 +14,7 @@ import attrs
 import torch
 
 from llmrt.errors import ConfigError
+from llmrt.kernels.formats import CheckpointTensor
 
 SUPPORTED_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -149,7 +150,7 @@ class Family(Protocol):
         self,
         *,
         hf_config: Mapping[str, Any],
-        tensors: Mapping[str, torch.Tensor],
+        tensors: Mapping[str, CheckpointTensor],
         dtype: torch.dtype,
         device: Any,
     ) -> CausalLM: ...

@@ -18,7 +18,14 @@ from torch import nn
 
 from llmrt.families.causal_lm import PagedCausalLM
 from llmrt.families.kvbinding import BoundKV
-from llmrt.families.layers import FrozenLinear, frozen_embedding, frozen_linear
+from llmrt.families.layers import (
+    Embedding,
+    Linear,
+    Weight,
+    bind_weight,
+    frozen_embedding,
+    frozen_linear,
+)
 from llmrt.families.paged_attention import DecodePlan, PrefillPlan, attend, host_sync_allowed
 from llmrt.families.parts import (
     Activation,
@@ -210,7 +217,7 @@ class MLP(nn.Module):
     """Gated (``gate_up`` fused) or plain MLP."""
 
     def __init__(
-        self, *, activation: Activation, gated: bool, up: FrozenLinear, down: FrozenLinear
+        self, *, activation: Activation, gated: bool, up: Linear, down: Linear
     ) -> None:
         super().__init__()
         self.activation = activation
@@ -237,10 +244,10 @@ class MoE(nn.Module):
         self,
         *,
         spec: MoESpec,
-        router: FrozenLinear,
+        router: Linear,
         experts: list[MLP],
         shared: MLP | None,
-        shared_gate: FrozenLinear | None,
+        shared_gate: Linear | None,
     ) -> None:
         super().__init__()
         self.top_k = spec.top_k
@@ -285,8 +292,8 @@ class Attention(nn.Module):
         self,
         *,
         spec: AttentionSpec,
-        qkv: FrozenLinear,
-        o: FrozenLinear,
+        qkv: Linear,
+        o: Linear,
         q_norm: Norm | None,
         k_norm: Norm | None,
         window: int | None,
@@ -399,11 +406,11 @@ class DecoderBackbone(nn.Module):
         self,
         *,
         spec: DecoderSpec,
-        embed_tokens: nn.Embedding,
-        embed_positions: nn.Embedding | None,
+        embed_tokens: Embedding,
+        embed_positions: Embedding | None,
         layers: list[DecoderLayer],
         norm: Norm | None,
-        lm_head: FrozenLinear,
+        lm_head: Linear,
     ) -> None:
         super().__init__()
         self.spec = spec
@@ -509,22 +516,38 @@ def build_decoder(
     *,
     spec: DecoderSpec,
     names: TensorNames,
-    tensors: Mapping[str, torch.Tensor],
+    tensors: Mapping[str, Weight],
     device: torch.device,
 ) -> PagedCausalLM:
-    """Assemble the model from validated checkpoint tensors named by ``names``."""
+    """Assemble the model from validated checkpoint tensors named by ``names``.
+
+    Linear and embedding weights kept in ggml blocks (``QuantizedWeight``) stay quantized
+    where rows are used as stored; anything transposed or regrouped is dequantized first.
+    """
     dtype = spec.model.dtype
     a = spec.attention
 
-    def take(*tensor_names: str, transpose: bool = False) -> torch.Tensor:
-        parts = [tensors[n].to(device=device, dtype=dtype) for n in tensor_names]
-        if transpose:
-            parts = [t.t() for t in parts]
-        return parts[0].contiguous() if len(parts) == 1 else torch.cat(parts, dim=0)
+    def weight(*tensor_names: str) -> Weight:
+        return bind_weight([tensors[n] for n in tensor_names], device=device, dtype=dtype)
 
-    def linear(*prefixes: str, bias: bool) -> FrozenLinear:
+    def take(*tensor_names: str, transpose: bool = False) -> torch.Tensor:
+        bound = weight(*tensor_names)
+        dense = bound if isinstance(bound, torch.Tensor) else bound.dequantize()
+        if transpose:
+            return torch.cat([dense_part.t() for dense_part in _rows(tensor_names, dense)], 0)
+        return dense
+
+    def _rows(tensor_names: tuple[str, ...], dense: torch.Tensor) -> list[torch.Tensor]:
+        sizes = [int(tensors[n].shape[0]) for n in tensor_names]
+        return list(dense.split(sizes, dim=0))
+
+    def linear(*prefixes: str, bias: bool, dense: bool = False) -> Linear:
+        names_w = tuple(p + ".weight" for p in prefixes)
+        w = take(*names_w, transpose=True) if names.transposed else (
+            take(*names_w) if dense else weight(*names_w)
+        )
         return frozen_linear(
-            weight=take(*(p + ".weight" for p in prefixes), transpose=names.transposed),
+            weight=w,
             bias=take(*(p + ".bias" for p in prefixes)) if bias else None,
         )
 
@@ -549,12 +572,13 @@ def build_decoder(
             )
         return norm(prefix + template, a.qk_norm_spec)
 
-    def fused_qkv(prefix: str) -> FrozenLinear:
+    def fused_qkv(prefix: str) -> Linear:
         if names.qkv is None:
             return linear(prefix + names.q, prefix + names.k, prefix + names.v, bias=a.qkv_bias)
-        fused = linear(prefix + names.qkv, bias=a.qkv_bias)
         if not names.qkv_interleaved:
-            return fused
+            return linear(prefix + names.qkv, bias=a.qkv_bias)
+        fused = linear(prefix + names.qkv, bias=a.qkv_bias, dense=True)
+        assert isinstance(fused.weight, torch.Tensor)
 
         def regroup(t: torch.Tensor) -> torch.Tensor:
             per_head = t.reshape(a.num_heads, 3, a.head_dim, *t.shape[1:])
@@ -575,8 +599,8 @@ def build_decoder(
         return MLP(activation=mlp.activation, gated=mlp.kind == "gated", up=up, down=down)
 
     def mixture(prefix: str, moe: MoESpec) -> MoE:
-        gate_up = tensors[prefix + names.experts_gate_up].to(device=device, dtype=dtype)
-        down = tensors[prefix + names.experts_down].to(device=device, dtype=dtype)
+        gate_up = take(prefix + names.experts_gate_up)
+        down = take(prefix + names.experts_down)
         experts = [
             MLP(
                 activation=moe.activation,
@@ -635,14 +659,14 @@ def build_decoder(
                 residual_multiplier=spec.residual_multiplier,
             )
         )
-    embed = frozen_embedding(weight=tensors[names.embed].to(device=device, dtype=dtype))
+    embed = frozen_embedding(weight=weight(names.embed))
     positions = None
     if spec.positions == "learned":
         positions = frozen_embedding(
-            weight=tensors[names.positions].to(device=device, dtype=dtype).contiguous()
+            weight=take(names.positions).contiguous()
         )
     lm_head = frozen_linear(
-        weight=embed.weight if spec.tie_word_embeddings else take(names.lm_head)
+        weight=embed.weight if spec.tie_word_embeddings else weight(names.lm_head)
     )
     backbone = DecoderBackbone(
         spec=spec,

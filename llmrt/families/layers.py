@@ -1,4 +1,10 @@
-"""Small building blocks the families share (norms and linear layers built from weights)."""
+"""Small building blocks the families share (norms and linear layers built from weights).
+
+This module is the one place linear layers and embeddings are made: ``frozen_linear`` and
+``frozen_embedding`` take a float tensor or a block-``QuantizedWeight`` and return the layer
+that runs it, and ``apply_weight_format`` turns a built model's float linears into quantized
+ones (``checkpoint.weights: int8 | int4``).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,21 @@ from torch import nn
 
 from llmrt.errors import ConfigError
 from llmrt.families.base import CausalLM
+from llmrt.kernels.formats import (
+    GGML_TYPE,
+    QUANTIZE_TO,
+    CheckpointTensor,
+    QuantizedWeight,
+    concat_rows,
+    quantize,
+)
+from llmrt.kernels.native import load_kernels
+
+#: A checkpoint weight as the layer factories take it: float, or kept in ggml blocks.
+Weight = CheckpointTensor
+#: Activation rows from which a quantized linear dequantizes its weight and runs a GEMM
+#: (prefill) instead of the in-register kernel (decode).
+GEMM_MIN_ROWS = 16
 
 #: How a ``FrozenLinear`` multiplies: ``aten`` is ``F.linear``; ``onednn`` calls oneDNN's
 #: matmul directly on the plain weight. On CPU, aten sends float32 to MKL's sgemm, which
@@ -77,13 +98,7 @@ class FrozenLinear(nn.Module):
         return int(self.weight.shape[1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel == "onednn":
-            if torch.compiler.is_compiling():
-                out: torch.Tensor = _onednn_linear_op(x, self.weight, self.bias)
-                return out
-            out = torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
-            return out
-        return F.linear(x, self.weight, self.bias)
+        return _matmul(x, self.weight, self.bias, kernel=self.kernel)
 
     def extra_repr(self) -> str:
         return (
@@ -92,9 +107,158 @@ class FrozenLinear(nn.Module):
         )
 
 
-def frozen_linear(*, weight: torch.Tensor, bias: torch.Tensor | None = None) -> FrozenLinear:
-    """A ``FrozenLinear`` wrapping ``weight`` ``[out, in]`` (and ``bias``) without copying them."""
+def _matmul(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, *, kernel: LinearKernel
+) -> torch.Tensor:
+    if kernel == "onednn":
+        if torch.compiler.is_compiling():
+            out: torch.Tensor = _onednn_linear_op(x, weight, bias)
+            return out
+        out = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+        return out
+    return F.linear(x, weight, bias)
+
+
+class QuantizedLinear(nn.Module):
+    """``y = x W^T + b`` with ``W`` kept in ggml blocks (float32 activations and output).
+
+    Few rows (decode) run the in-register kernel, which reads the blocks once per call;
+    from ``GEMM_MIN_ROWS`` rows (prefill) the weight is dequantized for the call and the
+    float GEMM (``kernel``, as for ``FrozenLinear``) does the work.
+    """
+
+    def __init__(self, *, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        load_kernels()
+        self.weight = weight
+        self.blocks: torch.Tensor
+        self.register_buffer("blocks", weight.blocks, persistent=False)
+        self.bias = None if bias is None else _parameter(bias)
+        self.ggml_type = GGML_TYPE[weight.kind]
+        self.kernel: LinearKernel = "aten"
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // self.in_features
+        if rows >= GEMM_MIN_ROWS:
+            dense = torch.ops.llmrt_kernels.gguf_dequantize(
+                self.blocks, self.ggml_type, self.in_features
+            )
+            return _matmul(x, dense, self.bias, kernel=self.kernel)
+        out: torch.Tensor = torch.ops.llmrt_kernels.gguf_linear(
+            x, self.blocks, self.ggml_type, self.in_features, self.bias
+        )
+        return out
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"bias={self.bias is not None}, format={self.weight.kind}, kernel={self.kernel}"
+        )
+
+
+class QuantizedEmbedding(nn.Module):
+    """Token embedding over a ggml-block table: the looked-up rows are dequantized."""
+
+    def __init__(self, *, weight: QuantizedWeight) -> None:
+        super().__init__()
+        load_kernels()
+        self.weight = weight
+        self.blocks: torch.Tensor
+        self.register_buffer("blocks", weight.blocks, persistent=False)
+        self.ggml_type = GGML_TYPE[weight.kind]
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        rows = self.blocks.index_select(0, ids.reshape(-1))
+        dense: torch.Tensor = torch.ops.llmrt_kernels.gguf_dequantize(
+            rows, self.ggml_type, self.weight.shape[1]
+        )
+        return dense.reshape(*ids.shape, self.weight.shape[1])
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, {self.weight.shape[1]}, format={self.weight.kind}"
+
+
+#: What ``frozen_linear`` / ``frozen_embedding`` return.
+Linear = FrozenLinear | QuantizedLinear
+Embedding = nn.Embedding | QuantizedEmbedding
+
+
+def frozen_linear(*, weight: Weight, bias: torch.Tensor | None = None) -> Linear:
+    """The linear layer for ``weight`` ``[out, in]`` (and ``bias``), without copying them.
+
+    A float tensor gives a ``FrozenLinear``; a ``QuantizedWeight`` a ``QuantizedLinear``.
+    """
+    if isinstance(weight, QuantizedWeight):
+        return QuantizedLinear(weight=weight, bias=bias)
     return FrozenLinear(weight=weight, bias=bias)
+
+
+def bind_weight(parts: list[Weight], *, device: torch.device, dtype: torch.dtype) -> Weight:
+    """One weight from checkpoint ``parts`` stacked along dim 0 (fused projections).
+
+    Float parts are cast to ``dtype`` on ``device``; ggml-block parts stay quantized (they
+    compute in float32 on the CPU) and must all be quantized alike.
+    """
+    quantized = [p for p in parts if isinstance(p, QuantizedWeight)]
+    if quantized:
+        if len(quantized) != len(parts):
+            dense = [p.dequantize() if isinstance(p, QuantizedWeight) else p for p in parts]
+            return bind_weight(list(dense), device=device, dtype=dtype)
+        kinds = {p.kind for p in quantized}
+        if len(kinds) > 1:
+            dense = [p.dequantize() for p in quantized]
+            return bind_weight(list(dense), device=device, dtype=dtype)
+        return concat_rows(quantized)
+    tensors = [p.to(device=device, dtype=dtype) for p in parts if isinstance(p, torch.Tensor)]
+    return tensors[0].contiguous() if len(tensors) == 1 else torch.cat(tensors, dim=0)
+
+
+def apply_weight_format(model: CausalLM, *, weights: str, field: str) -> int:
+    """Quantize every float ``FrozenLinear`` of ``model`` for ``weights`` (``int8``/``int4``).
+
+    Other formats leave the model as built. Returns how many layers were replaced.
+    Embeddings stay float (a step reads one row of them); a tied LM head gets its own
+    quantized copy.
+    """
+    kind = QUANTIZE_TO.get(weights)
+    if kind is None:
+        return 0
+    if not isinstance(model, nn.Module):
+        raise ConfigError(field, weights, f"needs a torch model, got {type(model).__name__}")
+    replaced = 0
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, FrozenLinear):
+                qweight = quantize(child.weight.float(), kind=kind, field=field)
+                linear = QuantizedLinear(weight=qweight, bias=child.bias)
+                linear.kernel = child.kernel
+                setattr(parent, name, linear)
+                replaced += 1
+    return replaced
+
+
+def linear_weight_bytes(model: CausalLM) -> int:
+    """Bytes of linear weights (and biases) one decode step reads: the step's bandwidth floor."""
+    total = 0
+    for _, module in model.iter_executor_named_modules():
+        for sub in module.modules():
+            if isinstance(sub, FrozenLinear):
+                total += sub.weight.numel() * sub.weight.element_size()
+            elif isinstance(sub, QuantizedLinear):
+                total += sub.weight.nbytes
+            else:
+                continue
+            if sub.bias is not None:
+                total += sub.bias.numel() * sub.bias.element_size()
+    return total
 
 
 def resolve_linear_kernel(
@@ -133,10 +297,11 @@ def select_linear_kernel(
 
 
 def use_linear_kernel(module: nn.Module, *, kernel: LinearKernel) -> int:
-    """Point every ``FrozenLinear`` under ``module`` at ``kernel``; returns how many."""
+    """Point every linear layer under ``module`` at ``kernel`` (quantized ones use it for
+    GEMMs); returns how many."""
     count = 0
     for sub in module.modules():
-        if isinstance(sub, FrozenLinear):
+        if isinstance(sub, (FrozenLinear, QuantizedLinear)):
             sub.kernel = kernel
             count += 1
     return count
@@ -150,8 +315,10 @@ def frozen_layer_norm(*, weight: torch.Tensor, bias: torch.Tensor, eps: float) -
     return norm
 
 
-def frozen_embedding(*, weight: torch.Tensor) -> nn.Embedding:
-    """An ``nn.Embedding`` wrapping ``weight`` ``[num, dim]`` without copying it."""
+def frozen_embedding(*, weight: Weight) -> Embedding:
+    """An embedding over ``weight`` ``[num, dim]`` without copying it (float or ggml blocks)."""
+    if isinstance(weight, QuantizedWeight):
+        return QuantizedEmbedding(weight=weight)
     # ``_weight`` skips the random init (on "meta" it imports torch._dynamo: seconds).
     embedding = nn.Embedding(weight.shape[0], weight.shape[1], _weight=weight, _freeze=True)
     embedding.weight = _parameter(weight)

@@ -11,15 +11,16 @@ from collections.abc import Collection, Mapping
 import torch
 
 from llmrt.errors import CheckpointError
+from llmrt.kernels.formats import CheckpointTensor, QuantizedWeight
 
 
 def check_tensors(
     *,
-    tensors: Mapping[str, torch.Tensor],
+    tensors: Mapping[str, CheckpointTensor],
     expected: Mapping[str, tuple[int, ...]],
     optional: Collection[str],
     ignored_suffixes: tuple[str, ...] = (),
-) -> dict[str, torch.Tensor]:
+) -> dict[str, CheckpointTensor]:
     """Validate ``tensors`` against ``expected`` shapes and return the ones the family uses.
 
     Missing (non-optional) tensors, wrong shapes, non-floating dtypes, non-finite
@@ -41,10 +42,16 @@ def check_tensors(
         raise CheckpointError(
             unexpected[0], f"unexpected tensor for this family/config; unexpected: {shown}"
         )
-    used: dict[str, torch.Tensor] = {}
+    used: dict[str, CheckpointTensor] = {}
     for name, shape in expected.items():
         tensor = tensors.get(name)
         if tensor is None:
+            continue
+        if isinstance(tensor, QuantizedWeight):
+            if tuple(tensor.shape) != tuple(shape):
+                reason = f"has shape {tuple(tensor.shape)}, expected {tuple(shape)}"
+                raise CheckpointError(name, reason)
+            used[name] = tensor
             continue
         if not isinstance(tensor, torch.Tensor):
             raise CheckpointError(name, f"must be a torch.Tensor, got {type(tensor).__name__}")

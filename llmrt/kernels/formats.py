@@ -1,0 +1,149 @@
+"""Weight formats: how a linear layer's weight is stored, and block-quantized weights.
+
+A ``QuantizedWeight`` is a ``[out, in]`` matrix kept in one of ggml's 32-weight block layouts
+(``q4_0``, ``q4_1``, ``q8_0``): the bytes a GGUF file holds, row by row. The kernels in
+``llmrt.kernels.native`` multiply by it without materialising float weights. Float
+checkpoints reach the same layouts through ``quantize`` (``int8`` is ``q8_0``, ``int4`` is
+``q4_1``: per-block scale and minimum, the more accurate of the two 4-bit layouts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Literal, get_args
+
+import attrs
+import gguf as gguf_py
+import numpy as np
+import torch
+
+from llmrt.errors import ConfigError
+
+#: Storage of linear weights a recipe can ask for (``checkpoint.weights``).
+WeightFormat = Literal["float32", "bfloat16", "int8", "int4", "gguf-native"]
+WEIGHT_FORMATS: tuple[str, ...] = get_args(WeightFormat)
+#: Formats whose linear layers run the block-quantized kernels.
+QUANTIZED_FORMATS: tuple[str, ...] = ("int8", "int4", "gguf-native")
+
+BlockKind = Literal["q4_0", "q4_1", "q8_0"]
+BLOCK_KINDS: tuple[str, ...] = get_args(BlockKind)
+BLOCK_SIZE = 32
+#: ggml type ids and bytes per 32-weight block, by kind.
+GGML_TYPE: dict[str, int] = {"q4_0": 2, "q4_1": 3, "q8_0": 8}
+BLOCK_BYTES: dict[str, int] = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
+#: The block kind a float checkpoint is quantized to, by weight format.
+QUANTIZE_TO: dict[str, BlockKind] = {"int8": "q8_0", "int4": "q4_1"}
+
+
+def block_kind_of(ggml_type: int) -> BlockKind | None:
+    """The kind for a ggml tensor type id, or None when the kernels do not run it."""
+    for kind, type_id in GGML_TYPE.items():
+        if type_id == ggml_type:
+            return kind  # type: ignore[return-value]
+    return None
+
+
+def _check_blocks(instance: QuantizedWeight, attribute: object, blocks: torch.Tensor) -> None:
+    out_features, in_features = instance.shape
+    if in_features <= 0 or in_features % BLOCK_SIZE:
+        raise ValueError(f"in_features must be a positive multiple of 32, got {in_features}")
+    expected = (out_features, in_features // BLOCK_SIZE * BLOCK_BYTES[instance.kind])
+    if blocks.dtype != torch.uint8 or tuple(blocks.shape) != expected:
+        raise ValueError(
+            f"{instance.kind} blocks for shape {instance.shape} must be uint8 {expected}, "
+            f"got {blocks.dtype} {tuple(blocks.shape)}"
+        )
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class QuantizedWeight:
+    """A ``[out, in]`` weight as ``out`` rows of ggml blocks (``blocks``: uint8 ``[out, bytes]``).
+
+    Owns ``blocks``. ``dtype`` is the dtype it computes in (float32), so code that reads a
+    weight's dtype (e.g. for RoPE tables) sees the activations' dtype.
+    """
+
+    kind: BlockKind = attrs.field(validator=attrs.validators.in_(BLOCK_KINDS))
+    shape: tuple[int, int]
+    blocks: torch.Tensor = attrs.field(validator=_check_blocks)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32
+
+    @property
+    def device(self) -> torch.device:
+        return self.blocks.device
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a full pass over the weight reads."""
+        return int(self.blocks.numel())
+
+    def select_rows(self, index: torch.Tensor) -> QuantizedWeight:
+        """The rows at ``index`` (a row permutation or gather), still quantized."""
+        rows = self.blocks.index_select(0, index)
+        return QuantizedWeight(
+            kind=self.kind, shape=(int(index.numel()), self.shape[1]), blocks=rows
+        )
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 ``[out, in]`` weight (the reference the kernels are checked against)."""
+        from llmrt.kernels.native import load_kernels
+
+        load_kernels()
+        out: torch.Tensor = torch.ops.llmrt_kernels.gguf_dequantize(
+            self.blocks, GGML_TYPE[self.kind], self.shape[1]
+        )
+        return out
+
+
+#: A checkpoint tensor: float, or a linear weight kept in ggml blocks.
+CheckpointTensor = torch.Tensor | QuantizedWeight
+
+
+def dequantized(tensors: Mapping[str, CheckpointTensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` with every ``QuantizedWeight`` dequantized: the float32 reference."""
+    return {
+        name: t.dequantize() if isinstance(t, QuantizedWeight) else t
+        for name, t in tensors.items()
+    }
+
+
+def concat_rows(parts: Sequence[QuantizedWeight]) -> QuantizedWeight:
+    """Stack weights of one kind and width along ``out`` (fused q/k/v, gate/up)."""
+    kinds = {p.kind for p in parts}
+    widths = {p.shape[1] for p in parts}
+    if len(kinds) != 1 or len(widths) != 1:
+        raise ValueError(f"cannot fuse weights of kinds {sorted(kinds)} / widths {sorted(widths)}")
+    if len(parts) == 1:
+        return parts[0]
+    blocks = torch.cat([p.blocks for p in parts], dim=0)
+    rows = sum(p.shape[0] for p in parts)
+    return QuantizedWeight(kind=parts[0].kind, shape=(rows, parts[0].shape[1]), blocks=blocks)
+
+
+def from_gguf_bytes(
+    *, kind: BlockKind, shape: tuple[int, int], data: np.ndarray
+) -> QuantizedWeight:
+    """Wrap a GGUF tensor's raw bytes (``out * in / 32`` blocks) without dequantizing them."""
+    raw = np.ascontiguousarray(data).view(np.uint8).reshape(shape[0], -1)
+    blocks = torch.from_numpy(raw.copy() if not raw.flags.writeable else raw)
+    return QuantizedWeight(kind=kind, shape=shape, blocks=blocks)
+
+
+def quantize(weight: torch.Tensor, *, kind: BlockKind, field: str) -> QuantizedWeight:
+    """``weight`` ``[out, in]`` (float) in ``kind`` blocks, with ggml's rounding (gguf-py).
+
+    ``in`` must be a multiple of 32 (``ConfigError`` naming ``field`` otherwise).
+    """
+    if weight.dim() != 2 or weight.shape[1] % BLOCK_SIZE:
+        raise ConfigError(
+            field,
+            kind,
+            f"block quantization needs [out, in] weights with in a multiple of {BLOCK_SIZE}, "
+            f"got shape {tuple(weight.shape)}",
+        )
+    values = weight.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy()
+    raw = gguf_py.quants.quantize(values, gguf_py.GGMLQuantizationType(GGML_TYPE[kind]))
+    return from_gguf_bytes(kind=kind, shape=(int(weight.shape[0]), int(weight.shape[1])), data=raw)

@@ -1,0 +1,136 @@
+"""llmrt's compiled CPU kernels: built once per machine into the cache, then loaded as torch ops.
+
+The C++ source (``csrc/gguf_blocks.cpp``) registers ``torch.ops.llmrt_kernels.*``. It is
+built with the system C++ compiler through ``torch.utils.cpp_extension`` (ninja) into a
+directory named by the digest of the source, torch version and Python ABI: next to this
+module (``_build/``, where ``scripts/setup.sh`` builds it at install time), or, when that is
+not writable, under the cache dir (``$LLMRT_CACHE_DIR/kernels/``). A load that finds the
+shared library skips the compiler. A machine without a compiler gets a
+``KernelUnavailableError`` saying why, which the container turns into a ``ConfigError``
+naming ``checkpoint.weights``; float recipes never need the kernels.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+from llmrt.errors import ConfigError, LLMRTError
+from llmrt.weights.cache import default_cache_dir
+
+LIBRARY = "llmrt_kernels"
+_SOURCE = Path(__file__).parent / "csrc" / "gguf_blocks.cpp"
+
+
+class KernelUnavailableError(LLMRTError):
+    """The compiled kernels cannot be built or loaded on this machine."""
+
+
+def build_directories() -> tuple[Path, ...]:
+    """Where this source, torch version and Python ABI build to, in order of preference."""
+    digest = hashlib.sha256()
+    digest.update(_SOURCE.read_bytes())
+    digest.update(f"{torch.__version__}|{sys.implementation.cache_tag}".encode())
+    name = digest.hexdigest()[:16]
+    return (Path(__file__).parent / "_build" / name, default_cache_dir() / "kernels" / name)
+
+
+@functools.cache
+def load_kernels() -> Path:
+    """Make ``torch.ops.llmrt_kernels`` available, building the library if needed (once);
+    returns the directory it was loaded from."""
+    candidates = build_directories()
+    for directory in candidates:
+        library = directory / f"{LIBRARY}.so"
+        if library.is_file():
+            try:
+                torch.ops.load_library(str(library))
+            except OSError as exc:
+                raise KernelUnavailableError(f"cannot load {library}: {exc}") from exc
+            _register_fakes()
+            return directory
+    directory = next((d for d in candidates if _writable(d)), candidates[-1])
+    _build(directory)
+    _register_fakes()
+    return directory
+
+
+def _writable(directory: Path) -> bool:
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(directory, os.W_OK)
+
+
+def require_kernels(*, field: str, value: object) -> None:
+    """Load the kernels, or raise a ``ConfigError`` naming the recipe ``field`` that needs them."""
+    try:
+        load_kernels()
+    except KernelUnavailableError as exc:
+        raise ConfigError(field, value, f"needs llmrt's CPU kernels: {exc}") from exc
+
+
+def kernels_available() -> tuple[bool, str]:
+    """``(True, "")`` when the kernels load, else ``(False, why)``."""
+    try:
+        load_kernels()
+    except KernelUnavailableError as exc:
+        return False, str(exc)
+    return True, ""
+
+
+def _build(directory: Path) -> None:
+    from torch.utils import cpp_extension
+
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        cpp_extension.load(
+            name=LIBRARY,
+            sources=[str(_SOURCE)],
+            build_directory=str(directory),
+            extra_cflags=["-O3", "-fno-math-errno"],
+            is_python_module=False,
+            verbose=bool(os.environ.get("LLMRT_KERNELS_VERBOSE")),
+        )
+    except (OSError, RuntimeError, ImportError) as exc:
+        raise KernelUnavailableError(
+            f"building the CPU kernels in {directory} failed (needs a C++ compiler and "
+            f"ninja; scripts/setup.sh builds them): {exc}"
+        ) from exc
+
+
+def _register_fakes() -> None:
+    """Shape functions, so ``torch.compile`` traces through the ops."""
+
+    @torch.library.register_fake(f"{LIBRARY}::gguf_linear")
+    def _linear_fake(
+        x: torch.Tensor,
+        blocks: torch.Tensor,
+        kind: int,
+        in_features: int,
+        bias: torch.Tensor | None,
+    ) -> torch.Tensor:
+        return x.new_empty((*x.shape[:-1], blocks.shape[0]))
+
+    @torch.library.register_fake(f"{LIBRARY}::gguf_dequantize")
+    def _dequantize_fake(blocks: torch.Tensor, kind: int, in_features: int) -> torch.Tensor:
+        return blocks.new_empty((blocks.shape[0], in_features), dtype=torch.float32)
+
+
+def main() -> None:
+    """``python -m llmrt.kernels.native``: build the kernels next to the package (install time;
+    the cache dir when that is not writable) and say where they load from."""
+    preferred = build_directories()[0]
+    if not (preferred / f"{LIBRARY}.so").is_file() and _writable(preferred):
+        _build(preferred)
+    print(f"llmrt kernels ready in {load_kernels()}")
+
+
+if __name__ == "__main__":
+    main()

