@@ -70,8 +70,14 @@ class Run:
 
 
 def llmrt_run(dtype: str, prompt: Sequence[int] | None = None) -> tuple[Run, Checkpoint, Any]:
-    overrides = {**OVERRIDES, "checkpoint.dtype": dtype, "kv_cache.dtype": dtype}
-    with LLM.from_recipe("smollm2-135m", overrides=overrides) as llm:
+    overrides = {
+        **OVERRIDES,
+        "checkpoint.dtype": dtype,
+        "checkpoint.weights": dtype,
+        "kv_cache.dtype": dtype,
+    }
+    # The float reference recipe: the default one keeps the GGUF's quantized blocks.
+    with LLM.from_recipe("smollm2-135m-f32", overrides=overrides) as llm:
         ids = list(prompt) if prompt is not None else list(llm.tokenizer.encode(PROMPT))
         greedy = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
         tokens = llm.generate([ids], greedy)[0].token_ids
