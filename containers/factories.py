@@ -24,6 +24,7 @@ from llmrt.device.torch import TorchDevice
 from llmrt.errors import CheckpointError, ConfigError, DeviceError, IdentityError
 from llmrt.execution import EagerExecutor, TracedExecutor
 from llmrt.families.base import CausalLM, Family
+from llmrt.families.fused_decode import select_decode_kernel
 from llmrt.families.layers import apply_weight_format, select_linear_kernel
 from llmrt.families.registry import check_family_backend, family_for_model_type, get_family
 from llmrt.kernels.formats import QUANTIZED_FORMATS, dequantized
@@ -213,6 +214,11 @@ def build_model(
             choice=recipe.device.linear,
             device=torch.device(device.torch_device),
             dtype=dtype,
+        )
+        select_decode_kernel(
+            model,
+            choice=recipe.device.decode_kernel,
+            device=torch.device(device.torch_device),
         )
     return model
 

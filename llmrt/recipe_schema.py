@@ -23,6 +23,7 @@ from llmrt.config import (
 from llmrt.device.ttnn import DEFAULT_TRACE_REGION_SIZE
 from llmrt.errors import CheckpointError, ConfigError, FamilyError, RecipeError
 from llmrt.families import registry as family_registry
+from llmrt.families.fused_decode import DecodeKernel
 from llmrt.families.layers import LinearKernelChoice
 from llmrt.kernels.formats import QUANTIZED_FORMATS, WeightFormat
 from llmrt.prefill.buckets import FINE_DEFAULT_STEP, SeqLenBuckets
@@ -333,7 +334,9 @@ class DeviceSpec:
     ``kind``/``index`` pick a torch device (``kind`` None means cpu); ``mesh_shape`` is
     the ttnn mesh (rows, cols) the lanes split. ``num_threads`` sets torch's intra-op
     threads (None keeps torch's default). ``linear`` picks the matmul kernel of the
-    model's linear layers (``auto``: oneDNN for float32 on CPU, aten otherwise). ``ttnn``
+    model's linear layers (``auto``: oneDNN for float32 on CPU, aten otherwise).
+    ``decode_kernel`` picks how CPU decode steps run (``auto``: one fused C++ op per decoder
+    layer where the layer's parts allow it; ``fused``: required; ``ops``: torch ops). ``ttnn``
     holds the options the ttnn mesh is opened with.
     """
 
@@ -345,11 +348,13 @@ class DeviceSpec:
     inductor: InductorSpec = attrs.Factory(InductorSpec)
     num_threads: int | None = None
     linear: LinearKernelChoice = "auto"
+    decode_kernel: DecodeKernel = "auto"
     ttnn: TtnnSpec = attrs.Factory(TtnnSpec)
 
     def __attrs_post_init__(self) -> None:
         _one_of("device.backend", self.backend, Backend)
         _one_of("device.linear", self.linear, LinearKernelChoice)
+        _one_of("device.decode_kernel", self.decode_kernel, DecodeKernel)
         if self.kind is not None:
             _one_of("device.kind", self.kind, DeviceKind)
         _non_negative_int("device.index", self.index)
@@ -390,6 +395,12 @@ class DeviceSpec:
                 self.linear,
                 "onednn is a cpu kernel (use auto or aten with device.kind=cuda)",
             )
+            _check(
+                self.kind != "cuda" or self.decode_kernel != "fused",
+                "device.decode_kernel",
+                self.decode_kernel,
+                "fused is a cpu kernel (use auto or ops with device.kind=cuda)",
+            )
         else:
             _check(
                 self.kind is None,
@@ -407,6 +418,12 @@ class DeviceSpec:
                 self.linear == "auto",
                 "device.linear",
                 self.linear,
+                "is only used with device.backend=torch",
+            )
+            _check(
+                self.decode_kernel == "auto",
+                "device.decode_kernel",
+                self.decode_kernel,
                 "is only used with device.backend=torch",
             )
             if self.mesh_shape is not None:

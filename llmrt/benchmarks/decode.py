@@ -90,6 +90,7 @@ def decode(settings: BenchSettings) -> Report:
                 "repeats": repeats,
                 "trace_mode": sized.recipe.trace.mode,
                 "compile": sized.recipe.device.compile,
+                "decode_kernel": _decode_kernel(model),
                 "llm_build_s": round(build_s, 3),
                 "bench_overrides": list(sized.bench_overrides),
             },
@@ -139,6 +140,13 @@ def decode(settings: BenchSettings) -> Report:
             headline=True,
         )
     return report
+
+
+def _decode_kernel(model: Any) -> str:
+    """``fused`` when CPU decode steps run the fused layer op, else ``ops (why)``."""
+    status = getattr(getattr(model, "backbone", None), "fused_decode_status", None)
+    why = status() if status is not None else "no fused path"
+    return "fused" if why is None else f"ops ({why})"
 
 
 def step_bytes(model: Any, *, context: int) -> dict[str, int]:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmrt.families.causal_lm import PagedCausalLM
+from llmrt.families.fused_decode import FusedDecode, NotFusable, fused_step_allowed
 from llmrt.families.kvbinding import BoundKV
 from llmrt.families.layers import (
     Embedding,
@@ -425,6 +426,31 @@ class DecoderBackbone(nn.Module):
             self.register_buffer("inv_freq", inv_freq, persistent=False)
         self._rope_rows = 0
         self.reserve_positions(ROPE_CACHE_START)
+        #: Whether CPU decode steps may run the fused layer op (``device.fused_decode``).
+        self.fused_decode = True
+        self._fused: FusedDecode | None = None
+        self._not_fused: str | None = None
+
+    def fused_decode_status(self) -> str | None:
+        """None when CPU decode steps run fused (after the first), else why they do not."""
+        if not self.fused_decode:
+            return "disabled"
+        self._fused_plan()
+        return self._not_fused
+
+    def forget_fused_decode(self) -> None:
+        """Drop the fused op arguments (rebuilt on next use) after layers were replaced."""
+        self._fused = None
+        self._not_fused = None
+
+    def _fused_plan(self) -> FusedDecode | None:
+        """The fused op arguments, built on first use (after any weight-format change)."""
+        if self._fused is None and self._not_fused is None:
+            try:
+                self._fused = FusedDecode.build(list(self.layers))  # type: ignore[arg-type]
+            except NotFusable as exc:
+                self._not_fused = str(exc)
+        return self._fused
 
     def _rope_names(self, index: int) -> tuple[str, str]:
         return (
@@ -495,6 +521,10 @@ class DecoderBackbone(nn.Module):
                     positions=positions,
                 )
             )
+        if self.fused_decode and isinstance(plan, DecodePlan) and fused_step_allowed(hidden, kv):
+            fused = self._fused_plan()
+            if fused is not None:
+                return fused.run(hidden, ropes=ropes, plan=plan, kv=kv)
         for i, layer in enumerate(self.layers):
             hidden = layer(hidden, ropes=ropes, plan=plan, k_cache=kv.keys[i], v_cache=kv.values[i])
         return hidden

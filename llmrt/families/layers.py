@@ -31,6 +31,12 @@ Weight = CheckpointTensor
 #: Activation rows from which a quantized linear dequantizes its weight and runs a GEMM
 #: (prefill) instead of the in-register kernel (decode).
 GEMM_MIN_ROWS = 16
+#: A weight whose float32 form is larger than this streams out of cache when dequantized
+#: (an LM head over a large vocabulary: 113 MB for SmolLM2), which costs more than the
+#: in-register kernel saves below ``LARGE_GEMM_MIN_ROWS`` rows (measured on a 2-core EPYC:
+#: 11 ms in-register vs 51 ms dequantize + GEMM at 16 rows; even at 128).
+DEQUANTIZE_BUDGET_BYTES = 32 << 20
+LARGE_GEMM_MIN_ROWS = 128
 
 #: How a ``FrozenLinear`` multiplies: ``aten`` is ``F.linear``; ``onednn`` calls oneDNN's
 #: matmul directly on the plain weight. On CPU, aten sends float32 to MKL's sgemm, which
@@ -136,6 +142,10 @@ class QuantizedLinear(nn.Module):
         self.bias = None if bias is None else _parameter(bias)
         self.ggml_type = GGML_TYPE[weight.kind]
         self.kernel: LinearKernel = "aten"
+        dense_bytes = 4 * weight.shape[0] * weight.shape[1]
+        self.gemm_min_rows = (
+            GEMM_MIN_ROWS if dense_bytes <= DEQUANTIZE_BUDGET_BYTES else LARGE_GEMM_MIN_ROWS
+        )
 
     @property
     def out_features(self) -> int:
@@ -147,7 +157,7 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if rows >= GEMM_MIN_ROWS:
+        if rows >= self.gemm_min_rows:
             dense = torch.ops.llmrt_kernels.gguf_dequantize(
                 self.blocks, self.ggml_type, self.in_features
             )
@@ -242,6 +252,9 @@ def apply_weight_format(model: CausalLM, *, weights: str, field: str) -> int:
                 linear.kernel = child.kernel
                 setattr(parent, name, linear)
                 replaced += 1
+    forget = getattr(getattr(model, "backbone", None), "forget_fused_decode", None)
+    if replaced and callable(forget):
+        forget()  # its op arguments borrowed the float weights just replaced
     return replaced
 
 

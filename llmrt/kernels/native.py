@@ -1,8 +1,9 @@
 """llmrt's compiled CPU kernels: built once per machine into the cache, then loaded as torch ops.
 
-The C++ source (``csrc/gguf_blocks.cpp``) registers ``torch.ops.llmrt_kernels.*``. It is
-built with the system C++ compiler through ``torch.utils.cpp_extension`` (ninja) into a
-directory named by the digest of the source, torch version and Python ABI: next to this
+The C++ sources (``csrc/``: block and dense linear kernels, the fused decode layer) register
+``torch.ops.llmrt_kernels.*``. They are built with the system C++ compiler through
+``torch.utils.cpp_extension`` (ninja) into a directory named by the digest of the sources,
+flags, torch version and Python ABI: next to this
 module (``_build/``, where ``scripts/setup.sh`` builds it at install time), or, when that is
 not writable, under the cache dir (``$LLMRT_CACHE_DIR/kernels/``). A load that finds the
 shared library skips the compiler. A machine without a compiler gets a
@@ -24,7 +25,14 @@ from llmrt.errors import ConfigError, LLMRTError
 from llmrt.weights.cache import default_cache_dir
 
 LIBRARY = "llmrt_kernels"
-_SOURCE = Path(__file__).parent / "csrc" / "gguf_blocks.cpp"
+_CSRC = Path(__file__).parent / "csrc"
+#: Compiled into one library; the digest also covers the headers beside them.
+_SOURCES = (_CSRC / "gguf_blocks.cpp", _CSRC / "decode_layer.cpp")
+#: ``-fopenmp``: ``at::parallel_for`` is an OpenMP pragma in the headers, so without it the
+#: kernels run on one thread. The library links the ``libgomp.so.1`` torch already loaded
+#: (same soname), so both share one thread pool.
+_CFLAGS = ("-O3", "-fno-math-errno", "-fopenmp")
+_LDFLAGS = ("-fopenmp",)
 
 
 class KernelUnavailableError(LLMRTError):
@@ -34,7 +42,10 @@ class KernelUnavailableError(LLMRTError):
 def build_directories() -> tuple[Path, ...]:
     """Where this source, torch version and Python ABI build to, in order of preference."""
     digest = hashlib.sha256()
-    digest.update(_SOURCE.read_bytes())
+    for path in sorted(_CSRC.iterdir()):
+        if path.suffix in (".cpp", ".h"):
+            digest.update(path.name.encode() + path.read_bytes())
+    digest.update(" ".join((*_CFLAGS, *_LDFLAGS)).encode())
     digest.update(f"{torch.__version__}|{sys.implementation.cache_tag}".encode())
     name = digest.hexdigest()[:16]
     return (Path(__file__).parent / "_build" / name, default_cache_dir() / "kernels" / name)
@@ -92,9 +103,10 @@ def _build(directory: Path) -> None:
     try:
         cpp_extension.load(
             name=LIBRARY,
-            sources=[str(_SOURCE)],
+            sources=[str(path) for path in _SOURCES],
             build_directory=str(directory),
-            extra_cflags=["-O3", "-fno-math-errno"],
+            extra_cflags=list(_CFLAGS),
+            extra_ldflags=list(_LDFLAGS),
             is_python_module=False,
             verbose=bool(os.environ.get("LLMRT_KERNELS_VERBOSE")),
         )

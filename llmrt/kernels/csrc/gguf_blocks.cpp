@@ -23,6 +23,8 @@
 #include <cstdint>
 #include <cstring>
 
+#include "linear.h"
+
 namespace {
 
 constexpr int64_t kBlock = 32;
@@ -225,6 +227,53 @@ void dequant_rows_scalar(const uint8_t* w, int64_t row_bytes, int64_t k, float* 
       dequant_block_scalar<KIND>(w + r * row_bytes + b * bb, out + r * k + b * kBlock);
 }
 
+// Dense float32 weights [N, K] (kind 0): the same row-tile loop without the dequantize step.
+template <int64_t MT>
+LLMRT_AVX512 void dense_rows_tile_avx512(const float* x, int64_t ldx, const float* w, int64_t k,
+                                         float* y, int64_t ldy, int64_t n) {
+  const float* row = w + n * k;
+  __m512 acc[MT];
+  for (int64_t r = 0; r < MT; ++r) acc[r] = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + 16 <= k; j += 16) {
+    const __m512 wv = _mm512_loadu_ps(row + j);
+    for (int64_t r = 0; r < MT; ++r)
+      acc[r] = _mm512_fmadd_ps(wv, _mm512_loadu_ps(x + r * ldx + j), acc[r]);
+  }
+  if (j < k) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (k - j)) - 1);
+    const __m512 wv = _mm512_maskz_loadu_ps(tail, row + j);
+    for (int64_t r = 0; r < MT; ++r)
+      acc[r] = _mm512_fmadd_ps(wv, _mm512_maskz_loadu_ps(tail, x + r * ldx + j), acc[r]);
+  }
+  for (int64_t r = 0; r < MT; ++r) y[r * ldy + n] = _mm512_reduce_add_ps(acc[r]);
+}
+
+LLMRT_AVX512 void dense_rows_avx512(const float* x, int64_t ldx, int64_t rows_m, const float* w,
+                                    int64_t k, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    int64_t r = 0;
+    for (; r + kRowTile <= rows_m; r += kRowTile)
+      dense_rows_tile_avx512<kRowTile>(x + r * ldx, ldx, w, k, y + r * ldy, ldy, n);
+    switch (rows_m - r) {
+      case 3: dense_rows_tile_avx512<3>(x + r * ldx, ldx, w, k, y + r * ldy, ldy, n); break;
+      case 2: dense_rows_tile_avx512<2>(x + r * ldx, ldx, w, k, y + r * ldy, ldy, n); break;
+      case 1: dense_rows_tile_avx512<1>(x + r * ldx, ldx, w, k, y + r * ldy, ldy, n); break;
+      default: break;
+    }
+  }
+}
+
+void dense_rows_scalar(const float* x, int64_t ldx, int64_t rows_m, const float* w, int64_t k,
+                       float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t r = 0; r < rows_m; ++r) {
+      float s = 0.0f;
+      for (int64_t j = 0; j < k; ++j) s += w[n * k + j] * x[r * ldx + j];
+      y[r * ldy + n] = s;
+    }
+}
+
 bool has_avx512() {
   static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
                          __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c") &&
@@ -262,6 +311,52 @@ void run_linear(const float* x, int64_t rows_m, const uint8_t* w, int64_t row_by
   });
 }
 
+void run_dense(const float* x, int64_t rows_m, const float* w, int64_t k, float* y, int64_t n) {
+  const bool simd = has_avx512();
+  at::parallel_for(0, n, grain_for(n, rows_m), [&](int64_t n0, int64_t n1) {
+    if (simd)
+      dense_rows_avx512(x, k, rows_m, w, k, y, n, n0, n1);
+    else
+      dense_rows_scalar(x, k, rows_m, w, k, y, n, n0, n1);
+  });
+}
+
+}  // namespace
+
+namespace llmrt_kernels {
+
+void check_weight(const at::Tensor& w, int64_t kind, int64_t in_features) {
+  if (kind == kDenseF32) {
+    TORCH_CHECK(w.device().is_cpu() && w.scalar_type() == at::kFloat && w.dim() == 2 &&
+                    w.is_contiguous() && w.size(1) == in_features,
+                "llmrt_kernels: a dense weight must be a contiguous float32 [out, ", in_features,
+                "] CPU tensor");
+    return;
+  }
+  check_blocks(w, kind, in_features);
+}
+
+void linear_into(const float* x, int64_t rows_m, const at::Tensor& w, int64_t kind, int64_t k,
+                 float* y) {
+  const int64_t n = w.size(0);
+  if (rows_m <= 0 || n <= 0) return;
+  if (kind == kDenseF32) {
+    run_dense(x, rows_m, w.const_data_ptr<float>(), k, y, n);
+    return;
+  }
+  const uint8_t* wp = w.const_data_ptr<uint8_t>();
+  const int64_t rb = w.size(1);
+  switch (kind) {
+    case kQ4_0: run_linear<kQ4_0>(x, rows_m, wp, rb, k, y, n); break;
+    case kQ4_1: run_linear<kQ4_1>(x, rows_m, wp, rb, k, y, n); break;
+    default: run_linear<kQ8_0>(x, rows_m, wp, rb, k, y, n); break;
+  }
+}
+
+}  // namespace llmrt_kernels
+
+namespace {
+
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t kind,
                        int64_t in_features, const std::optional<at::Tensor>& bias) {
   check_blocks(blocks, kind, in_features);
@@ -275,17 +370,8 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t ki
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n;
   at::Tensor y = at::empty(shape, x.options());
-  if (rows_m > 0 && n > 0) {
-    const float* xp = xc.const_data_ptr<float>();
-    const uint8_t* wp = blocks.const_data_ptr<uint8_t>();
-    float* yp = y.mutable_data_ptr<float>();
-    const int64_t rb = blocks.size(1);
-    switch (kind) {
-      case kQ4_0: run_linear<kQ4_0>(xp, rows_m, wp, rb, in_features, yp, n); break;
-      case kQ4_1: run_linear<kQ4_1>(xp, rows_m, wp, rb, in_features, yp, n); break;
-      default: run_linear<kQ8_0>(xp, rows_m, wp, rb, in_features, yp, n); break;
-    }
-  }
+  llmrt_kernels::linear_into(xc.const_data_ptr<float>(), rows_m, blocks, kind, in_features,
+                             y.mutable_data_ptr<float>());
   if (bias.has_value()) y.add_(*bias);
   return y;
 }
@@ -320,7 +406,7 @@ at::Tensor gguf_dequantize(const at::Tensor& blocks, int64_t kind, int64_t in_fe
 
 }  // namespace
 
-TORCH_LIBRARY(llmrt_kernels, m) {
+TORCH_LIBRARY_FRAGMENT(llmrt_kernels, m) {
   m.def("gguf_linear(Tensor x, Tensor blocks, int kind, int in_features, Tensor? bias) -> Tensor");
   m.def("gguf_dequantize(Tensor blocks, int kind, int in_features) -> Tensor");
 }

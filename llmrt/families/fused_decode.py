@@ -1,0 +1,191 @@
+"""Decode steps on the CPU with one C++ op per decoder layer (``llmrt_kernels::decode_layer``).
+
+Why: at batch 1 a layer's weights take ~0.1 ms to stream, while its ~60 eager torch ops
+cost ~0.5 ms of dispatch, so an eager decode step is mostly overhead. The fused op runs
+the same parts (pre-norm RMSNorm, fused q/k/v with RoPE and the paged K/V write,
+grouped-query attention over the row's pages, output projection, gated or plain MLP) over
+the same weights, borrowed from the built modules as stored (ggml blocks or float32).
+
+A layer takes the fused path only when every part it has is one the op implements;
+otherwise the whole step stays on the torch ops (``fusable`` says why not). Prefill, CUDA,
+compiled and captured steps never use it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Literal, get_args
+
+import torch
+
+from llmrt.errors import ConfigError
+from llmrt.families.layers import GEMM_MIN_ROWS, FrozenLinear, QuantizedLinear
+from llmrt.kernels.native import kernels_available
+
+if TYPE_CHECKING:
+    from llmrt.families.decoder import DecoderLayer, Norm
+    from llmrt.families.kvbinding import BoundKV
+    from llmrt.families.paged_attention import DecodePlan
+
+#: ``device.decode_kernel``: ``auto`` runs CPU decode steps fused where every layer's parts
+#: allow it, ``fused`` requires it (a ``ConfigError`` at build says which part does not),
+#: ``ops`` always runs the torch ops.
+DecodeKernel = Literal["auto", "fused", "ops"]
+DECODE_KERNELS: tuple[str, ...] = get_args(DecodeKernel)
+#: The op's activation codes.
+ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3}
+#: Weight kind of a dense float32 matrix (ggml blocks use their type ids).
+DENSE_F32 = 0
+
+
+class NotFusable(Exception):
+    """A layer has a part the fused op does not implement (the message says which)."""
+
+
+def _linear(module: Any, field: str) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+    if isinstance(module, QuantizedLinear):
+        return module.blocks, module.ggml_type, _float_or_none(module.bias, field)
+    if isinstance(module, FrozenLinear):
+        weight = module.weight
+        if weight.dtype != torch.float32 or not weight.is_contiguous():
+            raise NotFusable(f"{field}: weights are {weight.dtype}, not contiguous float32")
+        return weight.data, DENSE_F32, _float_or_none(module.bias, field)
+    raise NotFusable(f"{field}: {type(module).__name__} is not a linear the op runs")
+
+
+def _float_or_none(bias: torch.Tensor | None, field: str) -> torch.Tensor | None:
+    if bias is None:
+        return None
+    if bias.dtype != torch.float32:
+        raise NotFusable(f"{field}: bias is {bias.dtype}")
+    return bias.data.contiguous()
+
+
+def _norm(norm: Norm | None, field: str) -> tuple[torch.Tensor, float]:
+    if norm is None:
+        raise NotFusable(f"{field}: the op needs a pre-norm here")
+    if norm.bias is not None or norm.weight.dim() != 1 or norm.weight.dtype != torch.float32:
+        raise NotFusable(f"{field}: only float32 RMSNorm weights without bias")
+    if norm.kind == "rms":
+        return norm.weight.data.contiguous(), norm.eps
+    if norm.kind == "rms_one_plus":
+        return (1.0 + norm.weight.data.float()).contiguous(), norm.eps
+    raise NotFusable(f"{field}: {norm.kind} norm")
+
+
+LayerArgs = tuple[tuple[Any, ...], tuple[Any, ...]]
+
+
+def fused_layer_args(layer: DecoderLayer) -> LayerArgs:
+    """The op's static arguments for ``layer`` (weights borrowed) around the per-step ones
+    (hidden, RoPE tables, KV, page table, positions), or ``NotFusable``."""
+    from llmrt.families.decoder import MLP
+
+    attention = layer.attention
+    if layer.parallel:
+        raise NotFusable("parallel attention + MLP residual")
+    if layer.post_attn_norm is not None or layer.post_mlp_norm is not None:
+        raise NotFusable("post-attention / post-MLP norms")
+    if attention.q_norm is not None or attention.k_norm is not None:
+        raise NotFusable("q/k norms")
+    if attention.softcap is not None:
+        raise NotFusable("attention-logit soft-capping")
+    if not isinstance(layer.mlp, MLP):
+        raise NotFusable("mixture-of-experts MLP")
+    if layer.mlp.activation not in ACTIVATIONS:
+        raise NotFusable(f"activation {layer.mlp.activation}")
+    attn_norm, eps = _norm(layer.attn_norm, "attn_norm")
+    mlp_norm, mlp_eps = _norm(layer.mlp_norm, "mlp_norm")
+    if mlp_eps != eps:
+        raise NotFusable("norms with different eps")
+    qkv = _linear(attention.qkv, "qkv")
+    o = _linear(attention.o, "o")
+    up = _linear(layer.mlp.up, "up")
+    down = _linear(layer.mlp.down, "down")
+    weights = (attn_norm, mlp_norm, *qkv, *o, *up, *down)
+    shape = (
+        attention.num_heads,
+        attention.num_kv_heads,
+        attention.head_dim,
+        float(eps),
+        float(attention.scale),
+        int(attention.window or 0),
+        ACTIVATIONS[layer.mlp.activation],
+        bool(layer.mlp.gated),
+        float(layer.residual_multiplier),
+    )
+    return weights, shape
+
+
+class FusedDecode:
+    """The per-layer op arguments of one backbone, built once from its modules."""
+
+    def __init__(self, *, layers: list[tuple[int | None, LayerArgs]]) -> None:
+        self._layers = layers
+
+    @classmethod
+    def build(cls, layers: list[DecoderLayer]) -> FusedDecode:
+        """Every layer's arguments, or ``NotFusable`` naming the first part that is not."""
+        ok, why = kernels_available()
+        if not ok:
+            raise NotFusable(why)
+        built = []
+        for i, layer in enumerate(layers):
+            try:
+                built.append((layer.rope, fused_layer_args(layer)))
+            except NotFusable as exc:
+                raise NotFusable(f"layers.{i}: {exc}") from exc
+        return cls(layers=built)
+
+    def run(
+        self,
+        hidden: torch.Tensor,
+        *,
+        ropes: list[tuple[torch.Tensor, torch.Tensor]],
+        plan: DecodePlan,
+        kv: BoundKV,
+    ) -> torch.Tensor:
+        """``hidden`` ``[B, 1, H]`` through every layer; returns ``[B, 1, H]``."""
+        rows = hidden.shape[0]
+        state = hidden.reshape(rows, -1).contiguous()
+        tables = [
+            (cos.reshape(rows, -1).contiguous(), sin.reshape(rows, -1).contiguous())
+            for cos, sin in ropes
+        ]
+        no_rope = hidden.new_empty((rows, 0))
+        page_table = plan.reads.table
+        positions = plan.positions
+        op = torch.ops.llmrt_kernels.decode_layer
+        for i, (rope, (weights, shape)) in enumerate(self._layers):
+            cos, sin = (no_rope, no_rope) if rope is None else tables[rope]
+            op(state, *weights, cos, sin, kv.keys[i], kv.values[i], page_table, positions, *shape)
+        return state.view(rows, 1, -1)
+
+
+def fused_step_allowed(hidden: torch.Tensor, kv: BoundKV) -> bool:
+    """Whether this step may run fused: eager, on the CPU, float32 activations and KV, and
+    fewer rows than a linear layer needs to prefer a GEMM over the in-register kernels."""
+    return (
+        hidden.shape[0] < GEMM_MIN_ROWS
+        and hidden.device.type == "cpu"
+        and hidden.dtype == torch.float32
+        and kv.keys[0].dtype == torch.float32
+        and not torch.compiler.is_compiling()
+    )
+
+
+def select_decode_kernel(model: object, *, choice: str, device: torch.device) -> str | None:
+    """Point ``model``'s decode steps at ``choice``; returns why they are not fused (None if
+    they are). ``fused`` on a model or device the op cannot run raises ``ConfigError``."""
+    field = "device.decode_kernel"
+    if choice not in DECODE_KERNELS:
+        raise ConfigError(field, choice, f"must be one of {list(DECODE_KERNELS)}")
+    backbone = getattr(model, "backbone", None)
+    status = getattr(backbone, "fused_decode_status", None)
+    if status is None:
+        why: str | None = f"{type(backbone).__name__} has no fused decode path"
+    else:
+        backbone.fused_decode = choice != "ops"  # type: ignore[union-attr]
+        why = status() if device.type == "cpu" else f"runs on {device.type}, not the CPU"
+    if choice == "fused" and why is not None:
+        raise ConfigError(field, choice, f"cannot fuse this model's decode layers: {why}")
+    return why

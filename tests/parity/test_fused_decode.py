@@ -1,0 +1,191 @@
+"""The fused CPU decode layer (``llmrt_kernels::decode_layer``) against the torch-ops decode.
+
+The torch-ops path is the one the architecture parity suite checks against transformers;
+here the same greedy runs (ragged batch with a padding row, chunked prefill, a prefix-cached
+continuation) decode once fused and once through the ops, and must agree: logits within
+1e-5, the same greedy tokens, the same K/V bytes in every page, and the padding row writing
+nothing. Architectures with a part the op lacks must say which and decode through the ops.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from test_architectures_parity import hf_model
+
+from llmrt.errors import ConfigError
+from llmrt.families import fused_decode
+from llmrt.families.fused_decode import FusedDecode, select_decode_kernel
+from llmrt.families.layers import apply_weight_format
+from llmrt.families.registry import family_for_model_type
+
+#: Cases whose every layer the op runs, and the parts each one exercises.
+FUSABLE = {
+    "llama-yarn-biases": "q/k/v, o and MLP biases; YaRN-scaled RoPE tables",
+    "mistral-window": "sliding window over the pages; head_dim != hidden / heads",
+    "qwen2-alternating-window": "windowed and full layers in one model",
+    "gemma-geglu-tied": "(1 + w) RMSNorm, GELU-tanh, embedding scale, tied head",
+    "granite-multipliers": "residual multiplier, attention multiplier as the scale",
+    "phi3-longrope-partial-window": "partial rotary, longrope, fused qkv/gate_up names",
+}
+#: Cases with a part the op does not implement, and the words its reason must contain.
+NOT_FUSABLE = {
+    "qwen3-qk-norm-dynamic-rope": "q/k norms",
+    "olmo2-post-norm-qk-norm": "post-attention",
+    "gemma2-softcap-window": "post-attention",
+    "mixtral-top2-window": "mixture-of-experts",
+    "gpt2": "norm",
+    "gpt-neox-parallel-partial": "parallel",
+}
+
+
+@pytest.fixture
+def counted_runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many decode steps ran through ``FusedDecode.run``."""
+    calls: list[int] = []
+    original = FusedDecode.run
+
+    def run(self: FusedDecode, hidden: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        calls.append(int(hidden.shape[0]))
+        return original(self, hidden, **kwargs)
+
+    monkeypatch.setattr(FusedDecode, "run", run)
+    return calls
+
+
+def _build(case: str, parity_harness: Any, *, weights: str | None = None) -> Any:
+    model = hf_model(case)
+    harness = parity_harness(family=family_for_model_type(model.config.model_type), hf_model=model)
+    if weights is not None:
+        apply_weight_format(harness.model, weights=weights, field="checkpoint.weights")
+    return harness
+
+
+def _run(harness: Any, *, fused: bool) -> tuple[list[Any], list[torch.Tensor]]:
+    """Greedy runs over a noise-filled cache; returns the runs and the cache afterwards."""
+    harness.model.backbone.fused_decode = fused
+    bound: list[Any] = []
+    bind = harness.bind
+
+    def noisy_bind(**_: Any) -> Any:
+        kv, pool = bind(fill_seed=7)
+        bound.append(kv)
+        return kv, pool
+
+    harness.bind = noisy_bind
+    try:
+        prompts = [harness.prompt(n, seed=30 + n) for n in (14, 9, 12)]
+        runs = harness.greedy(prompts, cuts=[[5, 8], [], [6]], align="end", pad_row=True, steps=12)
+    finally:
+        del harness.bind
+    return runs, bound[0].snapshot()
+
+
+def _run_both(harness: Any) -> tuple[list[Any], list[Any], list[torch.Tensor], list[torch.Tensor]]:
+    fused, fused_kv = _run(harness, fused=True)
+    ops, ops_kv = _run(harness, fused=False)
+    return fused, ops, fused_kv, ops_kv
+
+
+@pytest.mark.parametrize("case", sorted(FUSABLE))
+def test_fused_decode_matches_torch_ops(
+    case: str, parity_harness: Any, counted_runs: list[int]
+) -> None:
+    harness = _build(case, parity_harness)
+    assert harness.model.backbone.fused_decode_status() is None
+    fused, ops, fused_kv, ops_kv = _run_both(harness)
+    assert counted_runs, "the fused path never ran"
+    for a, b in zip(fused, ops, strict=True):
+        assert a.tokens == b.tokens
+        torch.testing.assert_close(a.logits, b.logits, rtol=0, atol=1e-5)
+    # Same bytes in every page, padding row and unused blocks included (the cache was
+    # filled with seeded noise first, so a stray write would show).
+    for a, b in zip(fused_kv, ops_kv, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("weights", ["int4", "int8"])
+def test_fused_decode_over_block_quantized_weights(
+    weights: str, parity_harness: Any, counted_runs: list[int]
+) -> None:
+    harness = _build("llama-yarn-biases", parity_harness, weights=weights)
+    fused, ops, fused_kv, ops_kv = _run_both(harness)
+    assert counted_runs
+    for a, b in zip(fused, ops, strict=True):
+        assert a.tokens == b.tokens
+        torch.testing.assert_close(a.logits, b.logits, rtol=0, atol=1e-4)
+    for a, b in zip(fused_kv, ops_kv, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", sorted(NOT_FUSABLE))
+def test_unfusable_layers_say_why_and_use_the_ops(
+    case: str, parity_harness: Any, counted_runs: list[int]
+) -> None:
+    harness = _build(case, parity_harness)
+    why = harness.model.backbone.fused_decode_status()
+    assert why is not None and NOT_FUSABLE[case] in why and "layers." in why
+    with pytest.raises(ConfigError, match=r"device\.decode_kernel"):
+        select_decode_kernel(harness.model, choice="fused", device=torch.device("cpu"))
+    assert select_decode_kernel(harness.model, choice="auto", device=torch.device("cpu")) == why
+    harness.check_single_prompt()
+    assert counted_runs == []
+
+
+def test_ops_choice_turns_the_fused_path_off(parity_harness: Any, counted_runs: list[int]) -> None:
+    harness = _build("llama-yarn-biases", parity_harness)
+    assert select_decode_kernel(harness.model, choice="fused", device=torch.device("cpu")) is None
+    harness.check_single_prompt()
+    assert counted_runs
+    counted_runs.clear()
+    assert select_decode_kernel(harness.model, choice="ops", device=torch.device("cpu"))
+    harness.check_single_prompt()
+    assert counted_runs == []
+    with pytest.raises(ConfigError, match="must be one of"):
+        select_decode_kernel(harness.model, choice="fast", device=torch.device("cpu"))
+
+
+def test_batches_from_the_gemm_threshold_use_the_ops(
+    parity_harness: Any, counted_runs: list[int]
+) -> None:
+    harness = _build("llama-yarn-biases", parity_harness)
+    prompts = [harness.prompt(5, seed=s) for s in range(fused_decode.GEMM_MIN_ROWS)]
+    harness.greedy(prompts, steps=2)
+    assert counted_runs == []
+
+
+def test_the_op_rejects_mismatched_inputs_by_name() -> None:
+    from llmrt.kernels.native import load_kernels
+
+    load_kernels()
+    hidden, heads, kv_heads, dim = 32, 2, 1, 16
+    w = lambda n, k: torch.randn(n, k)  # noqa: E731
+    norm = torch.ones(hidden)
+    cache = torch.zeros(4, kv_heads, 8, dim)
+    args = dict(
+        attn_norm=norm, mlp_norm=norm,
+        qkv=w((heads + 2 * kv_heads) * dim, hidden), qkv_kind=0, qkv_bias=None,
+        o=w(hidden, heads * dim), o_kind=0, o_bias=None,
+        up=w(2 * 24, hidden), up_kind=0, up_bias=None,
+        down=w(hidden, 24), down_kind=0, down_bias=None,
+        cos=torch.ones(1, dim), sin=torch.zeros(1, dim),
+        k_cache=cache, v_cache=cache.clone(),
+        page_table=torch.zeros(1, 4, dtype=torch.int32),
+        positions=torch.zeros(1, dtype=torch.int64),
+        num_heads=heads, num_kv_heads=kv_heads, head_dim=dim, eps=1e-6, scale=0.25,
+        window=0, activation=0, gated=True, residual_multiplier=1.0,
+    )  # fmt: skip
+    op = torch.ops.llmrt_kernels.decode_layer
+    op(torch.randn(1, hidden), **args)  # well-formed: runs
+    bad_cases = {
+        "qkv has": {"qkv": w(3 * dim, hidden)},
+        "KV caches must be": {"k_cache": torch.zeros(4, 2, 8, dim)},
+        "one position per row": {"positions": torch.zeros(2, dtype=torch.int64)},
+        "norm weights must hold": {"attn_norm": torch.ones(hidden + 1)},
+        "cos/sin": {"cos": torch.ones(1, dim + 2), "sin": torch.zeros(1, dim + 2)},
+    }
+    for message, change in bad_cases.items():
+        with pytest.raises(RuntimeError, match=message):
+            op(torch.randn(1, hidden), **{**args, **change})
