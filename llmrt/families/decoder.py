@@ -523,7 +523,7 @@ class DecoderBackbone(nn.Module):
             )
         if self.fused_decode and isinstance(plan, DecodePlan) and fused_step_allowed(hidden, kv):
             fused = self._fused_plan()
-            if fused is not None:
+            if fused is not None and hidden.shape[0] < fused.max_rows:
                 return fused.run(hidden, ropes=ropes, plan=plan, kv=kv)
         for i, layer in enumerate(self.layers):
             hidden = layer(hidden, ropes=ropes, plan=plan, k_cache=kv.keys[i], v_cache=kv.values[i])

@@ -151,7 +151,7 @@ def test_batches_from_the_gemm_threshold_use_the_ops(
     parity_harness: Any, counted_runs: list[int]
 ) -> None:
     harness = _build("llama-yarn-biases", parity_harness)
-    prompts = [harness.prompt(5, seed=s) for s in range(fused_decode.GEMM_MIN_ROWS)]
+    prompts = [harness.prompt(5, seed=s) for s in range(fused_decode.MAX_ROWS_DENSE)]
     harness.greedy(prompts, steps=2)
     assert counted_runs == []
 
