@@ -189,3 +189,20 @@ def test_the_op_rejects_mismatched_inputs_by_name() -> None:
     for message, change in bad_cases.items():
         with pytest.raises(RuntimeError, match=message):
             op(torch.randn(1, hidden), **{**args, **change})
+
+
+def test_recipes_choose_the_decode_kernel_through_the_container(counted_runs: list[int]) -> None:
+    from llmrt.sampling_params import SamplingParams
+    from llmrt.serving.llm import LLM
+
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    outputs = {}
+    for choice in ("fused", "ops"):
+        counted_runs.clear()
+        with LLM.from_recipe("tiny-llama", overrides={"device.decode_kernel": choice}) as llm:
+            outputs[choice] = [o.token_ids for o in llm.generate([[3, 4, 5]], params)]
+        assert bool(counted_runs) == (choice == "fused")
+    assert outputs["fused"] == outputs["ops"]
+    # GPT-2's LayerNorm is not a part the op has: asking for it fails at build, by field.
+    with pytest.raises(ConfigError, match=r"device\.decode_kernel.*layers\.0"):
+        LLM.from_recipe("tiny-gpt2", overrides={"device.decode_kernel": "fused"})

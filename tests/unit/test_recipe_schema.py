@@ -104,6 +104,13 @@ RULES: list[tuple[dict[str, Any], str, str]] = [
      "needs device.backend=torch"),
     ({"device.kind": "cuda", "device.linear": "onednn"}, "device.linear", "cpu kernel"),
     ({"device.backend": "ttnn", "device.linear": "aten"}, "device.linear", "only used with"),
+    ({"device.decode_kernel": "fast"}, "device.decode_kernel", "must be one of"),
+    ({"device.kind": "cuda", "device.decode_kernel": "fused"}, "device.decode_kernel", "cpu"),
+    (
+        {"device.backend": "ttnn", "device.decode_kernel": "ops"},
+        "device.decode_kernel",
+        "only used with",
+    ),
     ({"device.mesh_shape": [1, 2]}, "device.mesh_shape", "only used with device.backend=ttnn"),
     ({"device.backend": "ttnn", "device.kind": "cpu"}, "device.kind", "only used with"),
     ({"device.backend": "ttnn", "device.compile": "inductor"}, "device.compile", "eager"),
