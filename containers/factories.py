@@ -25,7 +25,11 @@ from llmrt.errors import CheckpointError, ConfigError, DeviceError, IdentityErro
 from llmrt.execution import EagerExecutor, TracedExecutor
 from llmrt.families.base import CausalLM, Family
 from llmrt.families.fused_decode import select_decode_kernel
-from llmrt.families.layers import apply_weight_format, select_linear_kernel
+from llmrt.families.layers import (
+    apply_weight_format,
+    select_gemm_dtype,
+    select_linear_kernel,
+)
 from llmrt.families.registry import check_family_backend, family_for_model_type, get_family
 from llmrt.kernels.formats import QUANTIZED_FORMATS, dequantized
 from llmrt.kernels.native import require_kernels
@@ -215,6 +219,8 @@ def build_model(
             device=torch.device(device.torch_device),
             dtype=dtype,
         )
+        if recipe.device.gemm_dtype != "float32":
+            select_gemm_dtype(model, choice=recipe.device.gemm_dtype)
         select_decode_kernel(
             model,
             choice=recipe.device.decode_kernel,

@@ -142,6 +142,8 @@ class QuantizedLinear(nn.Module):
         self.bias = None if bias is None else _parameter(bias)
         self.ggml_type = GGML_TYPE[weight.kind]
         self.kernel: LinearKernel = "aten"
+        #: The dtype GEMM calls (``gemm_min_rows`` or more) multiply in (``device.gemm_dtype``).
+        self.gemm_dtype = torch.float32
         dense_bytes = 4 * weight.shape[0] * weight.shape[1]
         self.gemm_min_rows = (
             GEMM_MIN_ROWS if dense_bytes <= DEQUANTIZE_BUDGET_BYTES else LARGE_GEMM_MIN_ROWS
@@ -161,7 +163,11 @@ class QuantizedLinear(nn.Module):
             dense = torch.ops.llmrt_kernels.gguf_dequantize(
                 self.blocks, self.ggml_type, self.in_features
             )
-            return _matmul(x, dense, self.bias, kernel=self.kernel)
+            if self.gemm_dtype == torch.float32:
+                return _matmul(x, dense, self.bias, kernel=self.kernel)
+            low = self.gemm_dtype
+            bias = None if self.bias is None else self.bias.to(low)
+            return _matmul(x.to(low), dense.to(low), bias, kernel=self.kernel).to(x.dtype)
         out: torch.Tensor = torch.ops.llmrt_kernels.gguf_linear(
             x, self.blocks, self.ggml_type, self.in_features, self.bias
         )
@@ -318,6 +324,38 @@ def use_linear_kernel(module: nn.Module, *, kernel: LinearKernel) -> int:
             sub.kernel = kernel
             count += 1
     return count
+
+
+#: ``device.gemm_dtype``: the dtype GEMMs over block-quantized weights (16 rows or more:
+#: prefill, large decode batches) multiply in. ``bfloat16`` rounds the activations and the
+#: dequantized weight to bfloat16 and accumulates in float32 (oneDNN, AVX-512 BF16 dot
+#: products: about 2x the float32 GEMM rate on a 2-core EPYC, 400 against 200 GFLOPS).
+GemmDtype = Literal["float32", "bfloat16"]
+GEMM_DTYPES: tuple[str, ...] = get_args(GemmDtype)
+
+
+def select_gemm_dtype(model: CausalLM, *, choice: str) -> int:
+    """Point every block-quantized linear of ``model`` at ``choice``; returns how many.
+
+    ``bfloat16`` without block-quantized linears is a ``ConfigError`` naming
+    ``device.gemm_dtype`` (float weights keep their own dtype).
+    """
+    field = "device.gemm_dtype"
+    if choice not in GEMM_DTYPES:
+        raise ConfigError(field, choice, f"must be one of {list(GEMM_DTYPES)}")
+    if not isinstance(model, nn.Module):
+        raise ConfigError(field, choice, f"needs a torch model, got {type(model).__name__}")
+    linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    if choice != "float32" and not linears:
+        raise ConfigError(
+            field,
+            choice,
+            "applies to block-quantized weights (checkpoint.weights: int8, int4 or gguf-native)",
+        )
+    dtype = torch.bfloat16 if choice == "bfloat16" else torch.float32
+    for linear in linears:
+        linear.gemm_dtype = dtype
+    return len(linears)
 
 
 def frozen_layer_norm(*, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> nn.LayerNorm:

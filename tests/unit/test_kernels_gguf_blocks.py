@@ -173,3 +173,30 @@ def test_dequantized_leaves_float_tensors_alone() -> None:
     dense = dequantized({"w": weight, "n": norm})
     assert dense["n"] is norm
     assert torch.equal(dense["w"], weight.dequantize())
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_bfloat16_gemms_round_to_bfloat16_and_leave_decode_rows_alone(kind: str) -> None:
+    from torch import nn
+
+    from llmrt.families.layers import select_gemm_dtype
+
+    weight = random_weight(kind, rows=40, cols=64, seed=4)
+    layer = frozen_linear(weight=weight, bias=torch.randn(40))
+    model = nn.Sequential(layer)
+    x = torch.randn(GEMM_MIN_ROWS, 64, generator=torch.Generator().manual_seed(5))
+    exact, decode = layer(x), layer(x[:1])
+    assert select_gemm_dtype(model, choice="bfloat16") == 1  # type: ignore[arg-type]
+    low = layer(x)
+    assert low.dtype == torch.float32
+    # The GEMM really ran in bfloat16: x and w rounded to 8 mantissa bits, so not equal,
+    # but within the rounding of both operands (2 * 2^-8 relative, summed over |x| |w|).
+    x64, w64 = x.double(), reference(weight)
+    bound = 2 * 2.0**-8 * (x64.abs() @ w64.abs().T) + 2.0**-8 * (x64 @ w64.T).abs() + 1e-3
+    assert not torch.equal(low, exact)
+    assert bool(((low - exact).double().abs() <= bound).all())
+    assert torch.equal(layer(x[:1]), decode)  # one row: the float32 in-register kernel
+    with pytest.raises(ConfigError, match="must be one of"):
+        select_gemm_dtype(model, choice="float16")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="block-quantized"):
+        select_gemm_dtype(nn.Sequential(nn.Linear(4, 4)), choice="bfloat16")  # type: ignore[arg-type]

@@ -105,6 +105,8 @@ RULES: list[tuple[dict[str, Any], str, str]] = [
     ({"device.kind": "cuda", "device.linear": "onednn"}, "device.linear", "cpu kernel"),
     ({"device.backend": "ttnn", "device.linear": "aten"}, "device.linear", "only used with"),
     ({"device.decode_kernel": "fast"}, "device.decode_kernel", "must be one of"),
+    ({"device.gemm_dtype": "float16"}, "device.gemm_dtype", "must be one of"),
+    ({"device.gemm_dtype": "bfloat16"}, "device.gemm_dtype", "block-quantized"),
     ({"device.kind": "cuda", "device.decode_kernel": "fused"}, "device.decode_kernel", "cpu"),
     (
         {"device.backend": "ttnn", "device.decode_kernel": "ops"},
