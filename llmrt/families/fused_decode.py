@@ -173,12 +173,17 @@ class FusedDecode:
         return state.view(rows, 1, -1)
 
 
+#: KV cache dtypes the op reads and writes (converted to and from float32 in registers).
+KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
 def fused_step_allowed(hidden: torch.Tensor, kv: BoundKV) -> bool:
-    """Whether this step may run fused: eager, on the CPU, float32 activations and KV."""
+    """Whether this step may run fused: eager, on the CPU, float32 activations, a KV cache
+    in a dtype the op converts."""
     return (
         hidden.device.type == "cpu"
         and hidden.dtype == torch.float32
-        and kv.keys[0].dtype == torch.float32
+        and kv.keys[0].dtype in KV_DTYPES
         and not torch.compiler.is_compiling()
     )
 

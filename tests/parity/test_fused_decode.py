@@ -63,14 +63,20 @@ def _build(case: str, parity_harness: Any, *, weights: str | None = None) -> Any
     return harness
 
 
-def _run(harness: Any, *, fused: bool) -> tuple[list[Any], list[torch.Tensor]]:
-    """Greedy runs over a noise-filled cache; returns the runs and the cache afterwards."""
+def _run(
+    harness: Any, *, fused: bool, kv_dtype: torch.dtype = torch.float32
+) -> tuple[list[Any], list[torch.Tensor]]:
+    """Greedy runs over a noise-filled cache (stored as ``kv_dtype``); returns the runs and
+    the cache afterwards."""
     harness.model.backbone.fused_decode = fused
     bound: list[Any] = []
     bind = harness.bind
 
     def noisy_bind(**_: Any) -> Any:
         kv, pool = bind(fill_seed=7)
+        kv.keys = [t.to(kv_dtype) for t in kv.keys]
+        kv.values = [t.to(kv_dtype) for t in kv.values]
+        harness.model.set_kv_cache(kv)
         bound.append(kv)
         return kv, pool
 
@@ -83,9 +89,11 @@ def _run(harness: Any, *, fused: bool) -> tuple[list[Any], list[torch.Tensor]]:
     return runs, bound[0].snapshot()
 
 
-def _run_both(harness: Any) -> tuple[list[Any], list[Any], list[torch.Tensor], list[torch.Tensor]]:
-    fused, fused_kv = _run(harness, fused=True)
-    ops, ops_kv = _run(harness, fused=False)
+def _run_both(
+    harness: Any, kv_dtype: torch.dtype = torch.float32
+) -> tuple[list[Any], list[Any], list[torch.Tensor], list[torch.Tensor]]:
+    fused, fused_kv = _run(harness, fused=True, kv_dtype=kv_dtype)
+    ops, ops_kv = _run(harness, fused=False, kv_dtype=kv_dtype)
     return fused, ops, fused_kv, ops_kv
 
 
@@ -104,6 +112,25 @@ def test_fused_decode_matches_torch_ops(
     # filled with seeded noise first, so a stray write would show).
     for a, b in zip(fused_kv, ops_kv, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("case", ["llama-yarn-biases", "mistral-window"])
+def test_fused_decode_over_half_precision_kv(
+    case: str, kv_dtype: torch.dtype, parity_harness: Any, counted_runs: list[int]
+) -> None:
+    harness = _build(case, parity_harness)
+    fused, ops, fused_kv, ops_kv = _run_both(harness, kv_dtype)
+    assert counted_runs
+    # Logits: the float32 summation-order differences (1e-5 with a float32 cache) pass through
+    # K/V rounded to 8-11 mantissa bits, measured up to 3.4e-4 here.
+    for a, b in zip(fused, ops, strict=True):
+        assert a.tokens == b.tokens
+        torch.testing.assert_close(a.logits, b.logits, rtol=0, atol=1e-3)
+    # Both paths round the same float32 K/V to the cache dtype (round to nearest even).
+    for a, b in zip(fused_kv, ops_kv, strict=True):
+        assert a.dtype == kv_dtype
+        torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=1e-2)
 
 
 @pytest.mark.parametrize("weights", ["int4", "int8"])

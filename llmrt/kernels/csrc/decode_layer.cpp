@@ -15,7 +15,9 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #include <immintrin.h>
@@ -87,54 +89,213 @@ bool has_avx512() {
   return ok;
 }
 
-LLMRT_AVX512 float dot_avx512(const float* a, const float* b, int64_t n) {
+// 16 cache values as float32 (masked lanes read as zero). The cache stores float32, float16
+// (F16C conversion) or bfloat16 (the upper half of a float32).
+LLMRT_AVX512 inline __m512 load16(const float* p, __mmask16 m) {
+  return _mm512_maskz_loadu_ps(m, p);
+}
+LLMRT_AVX512 inline __m512 load16(const c10::Half* p, __mmask16 m) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
+}
+LLMRT_AVX512 inline __m512 load16(const c10::BFloat16* p, __mmask16 m) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
+inline __mmask16 lanes(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
+}
+
+template <typename T>
+LLMRT_AVX512 float dot_avx512(const float* a, const T* b, int64_t n) {
   __m512 acc = _mm512_setzero_ps();
-  int64_t j = 0;
-  for (; j + 16 <= n; j += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + j), _mm512_loadu_ps(b + j), acc);
-  if (j < n) {
-    const __mmask16 tail = static_cast<__mmask16>((1u << (n - j)) - 1);
-    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, a + j), _mm512_maskz_loadu_ps(tail, b + j), acc);
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 m = lanes(n - j);
+    acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + j), load16(b + j, m), acc);
   }
   return _mm512_reduce_add_ps(acc);
 }
 
 // y += w * x
-LLMRT_AVX512 void axpy_avx512(float w, const float* x, float* y, int64_t n) {
+template <typename T>
+LLMRT_AVX512 void axpy_avx512(float w, const T* x, float* y, int64_t n) {
   const __m512 vw = _mm512_set1_ps(w);
-  int64_t j = 0;
-  for (; j + 16 <= n; j += 16)
-    _mm512_storeu_ps(y + j, _mm512_fmadd_ps(vw, _mm512_loadu_ps(x + j), _mm512_loadu_ps(y + j)));
-  if (j < n) {
-    const __mmask16 tail = static_cast<__mmask16>((1u << (n - j)) - 1);
-    _mm512_mask_storeu_ps(y + j, tail,
-                          _mm512_fmadd_ps(vw, _mm512_maskz_loadu_ps(tail, x + j),
-                                          _mm512_maskz_loadu_ps(tail, y + j)));
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 m = lanes(n - j);
+    _mm512_mask_storeu_ps(y + j, m,
+                          _mm512_fmadd_ps(vw, load16(x + j, m), _mm512_maskz_loadu_ps(m, y + j)));
   }
 }
 
-inline float dot(const float* a, const float* b, int64_t n) {
+// e^x for 16 lanes: x = n ln2 + r with |r| <= ln2/2, e^r by its degree-7 Taylor polynomial
+// (error below float32 rounding), then scaled by 2^n. Inputs are clamped to [-87, 88].
+LLMRT_AVX512 inline __m512 exp512(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+// s[t] = exp(s[t] - top); returns the sum.
+LLMRT_AVX512 float exp_shift_sum_avx512(float* s, int64_t n, float top) {
+  const __m512 shift = _mm512_set1_ps(top);
+  __m512 total = _mm512_setzero_ps();
+  int64_t t = 0;
+  for (; t + 16 <= n; t += 16) {
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + t), shift));
+    _mm512_storeu_ps(s + t, e);
+    total = _mm512_add_ps(total, e);
+  }
+  if (t < n) {
+    const __mmask16 tail = static_cast<__mmask16>((1u << (n - t)) - 1);
+    const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + t), shift));
+    _mm512_mask_storeu_ps(s + t, tail, e);
+    total = _mm512_add_ps(total, _mm512_maskz_mov_ps(tail, e));
+  }
+  return _mm512_reduce_add_ps(total);
+}
+
+// a[j] = silu(g[j]) * u[j] (u == nullptr: silu(g[j])), 16 lanes at a time.
+LLMRT_AVX512 void silu_avx512(const float* g, const float* u, float* a, int64_t n) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  int64_t j = 0;
+  for (; j < n; j += 16) {
+    const __mmask16 m = n - j >= 16 ? static_cast<__mmask16>(0xFFFF)
+                                     : static_cast<__mmask16>((1u << (n - j)) - 1);
+    const __m512 v = _mm512_maskz_loadu_ps(m, g + j);
+    __m512 out = _mm512_div_ps(v, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), v))));
+    if (u != nullptr) out = _mm512_mul_ps(out, _mm512_maskz_loadu_ps(m, u + j));
+    _mm512_mask_storeu_ps(a + j, m, out);
+  }
+}
+
+template <typename T>
+inline float dot(const float* a, const T* b, int64_t n) {
   if (has_avx512()) return dot_avx512(a, b, n);
   float s = 0.0f;
-  for (int64_t j = 0; j < n; ++j) s += a[j] * b[j];
+  for (int64_t j = 0; j < n; ++j) s += a[j] * static_cast<float>(b[j]);
   return s;
 }
 
-inline void axpy(float w, const float* x, float* y, int64_t n) {
+template <typename T>
+inline void axpy(float w, const T* x, float* y, int64_t n) {
   if (has_avx512()) {
     axpy_avx512(w, x, y, n);
     return;
   }
-  for (int64_t j = 0; j < n; ++j) y[j] += w * x[j];
+  for (int64_t j = 0; j < n; ++j) y[j] += w * static_cast<float>(x[j]);
 }
 
+template <typename T>
 struct Paged {
-  float* k;
-  float* v;
+  T* k;
+  T* v;
   int64_t s0, s1, s2;  // strides of [block, head, offset] (the last dim is contiguous)
   int64_t block_size;
   const int64_t* table;  // [rows, width] as int64
   int64_t width;
 };
+
+// Write each row's K/V at its position, then attend over its pages (see the file comment).
+// ``T`` is the cache's element type; scores and outputs are float32.
+template <typename T>
+void attend_paged(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& table,
+                  const int64_t* pos_p, const at::Tensor& cos, const at::Tensor& sin,
+                  float* qkv_p, float* attn_p, int64_t rows, int64_t num_heads,
+                  int64_t num_kv_heads, int64_t head_dim, int64_t rot, double scale,
+                  int64_t window) {
+  const int64_t q_width = num_heads * head_dim;
+  const int64_t kv_width = num_kv_heads * head_dim;
+  const int64_t qkv_width = q_width + 2 * kv_width;
+  Paged<T> kv{k_cache.mutable_data_ptr<T>(), v_cache.mutable_data_ptr<T>(),
+              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.size(2),
+              table.const_data_ptr<int64_t>(), table.size(1)};
+  const int64_t span = kv.width * kv.block_size;
+  const float* cos_p = cos.const_data_ptr<float>();
+  const float* sin_p = sin.const_data_ptr<float>();
+  for (int64_t r = 0; r < rows; ++r) {
+    float* row = qkv_p + r * qkv_width;
+    if (rot > 0)
+      for (int64_t hd = 0; hd < num_heads + num_kv_heads; ++hd)
+        rope_head(row + hd * head_dim, cos_p + r * rot, sin_p + r * rot, rot);
+    const int64_t p = pos_p[r];
+    if (p < 0 || p / kv.block_size >= kv.width) continue;
+    const int64_t block = kv.table[r * kv.width + p / kv.block_size];
+    if (block < 0) continue;
+    const int64_t offset = p % kv.block_size;
+    for (int64_t g = 0; g < num_kv_heads; ++g) {
+      const int64_t at = block * kv.s0 + g * kv.s1 + offset * kv.s2;
+      const float* k_new = row + q_width + g * head_dim;
+      const float* v_new = row + q_width + kv_width + g * head_dim;
+      for (int64_t d = 0; d < head_dim; ++d) {
+        kv.k[at + d] = static_cast<T>(k_new[d]);
+        kv.v[at + d] = static_cast<T>(v_new[d]);
+      }
+    }
+  }
+
+  const int64_t group = num_heads / num_kv_heads;
+  const float fscale = static_cast<float>(scale);
+  const bool simd = has_avx512();
+  at::parallel_for(0, rows * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / num_kv_heads;
+      const int64_t g = task % num_kv_heads;
+      const int64_t p = std::max<int64_t>(pos_p[r], 0);
+      const int64_t last = std::min(p, span - 1);
+      const int64_t first = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
+      const int64_t count = last - first + 1;
+      float* out = attn_p + r * q_width + g * group * head_dim;
+      std::fill_n(out, group * head_dim, 0.0f);
+      if (count <= 0) continue;
+      scores.assign(static_cast<size_t>(group * count), 0.0f);
+      const float* q = qkv_p + r * qkv_width + g * group * head_dim;
+      const int64_t* row_table = kv.table + r * kv.width;
+      for (int64_t t = 0; t < count; ++t) {
+        const int64_t key = first + t;
+        const int64_t block = std::max<int64_t>(row_table[key / kv.block_size], 0);
+        const T* k = kv.k + block * kv.s0 + g * kv.s1 + (key % kv.block_size) * kv.s2;
+        for (int64_t j = 0; j < group; ++j)
+          scores[j * count + t] = dot(q + j * head_dim, k, head_dim) * fscale;
+      }
+      for (int64_t j = 0; j < group; ++j) {
+        float* s = scores.data() + j * count;
+        const float top = *std::max_element(s, s + count);
+        float total = 0.0f;
+        if (simd) {
+          total = exp_shift_sum_avx512(s, count, top);
+        } else {
+          for (int64_t t = 0; t < count; ++t) {
+            s[t] = std::exp(s[t] - top);
+            total += s[t];
+          }
+        }
+        const float inv = 1.0f / total;
+        for (int64_t t = 0; t < count; ++t) s[t] *= inv;
+      }
+      for (int64_t t = 0; t < count; ++t) {
+        const int64_t key = first + t;
+        const int64_t block = std::max<int64_t>(row_table[key / kv.block_size], 0);
+        const T* v = kv.v + block * kv.s0 + g * kv.s1 + (key % kv.block_size) * kv.s2;
+        for (int64_t j = 0; j < group; ++j) {
+          axpy(scores[j * count + t], v, out + j * head_dim, head_dim);
+        }
+      }
+    }
+  });
+
+}
 
 void check_float(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat,
@@ -198,13 +359,18 @@ void decode_layer(const at::Tensor& hidden, const at::Tensor& attn_norm,
                   rot % 2 == 0,
               "llmrt_kernels.decode_layer: cos/sin must be contiguous [rows, rotary_dim]");
   for (const auto* t : {&k_cache, &v_cache}) {
-    check_float(*t, "the KV cache");
+    TORCH_CHECK(t->device().is_cpu() && (t->scalar_type() == at::kFloat ||
+                                         t->scalar_type() == at::kHalf ||
+                                         t->scalar_type() == at::kBFloat16),
+                "llmrt_kernels.decode_layer: the KV cache must be float32, float16 or bfloat16 "
+                "on the CPU");
     TORCH_CHECK(t->dim() == 4 && t->size(1) == num_kv_heads && t->size(3) == head_dim &&
                     t->stride(3) == 1,
                 "llmrt_kernels.decode_layer: KV caches must be [blocks, kv_heads, block_size, "
                 "head_dim] with a contiguous last dim");
   }
-  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides(),
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides() &&
+                  k_cache.scalar_type() == v_cache.scalar_type(),
               "llmrt_kernels.decode_layer: K and V caches must share a layout");
   TORCH_CHECK(page_table.dim() == 2 && page_table.size(0) == rows,
               "llmrt_kernels.decode_layer: page_table must be [rows, width]");
@@ -235,74 +401,19 @@ void decode_layer(const at::Tensor& hidden, const at::Tensor& attn_norm,
   llmrt_kernels::linear_into(n_p, rows, qkv, qkv_kind, width, qkv_p);
   add_bias(qkv_p, rows, qkv_width, qkv_bias);
 
-  Paged kv{k_cache.mutable_data_ptr<float>(), v_cache.mutable_data_ptr<float>(),
-           k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.size(2),
-           table.const_data_ptr<int64_t>(), table.size(1)};
-  const int64_t span = kv.width * kv.block_size;
-  const float* cos_p = cos.const_data_ptr<float>();
-  const float* sin_p = sin.const_data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) {
-    float* row = qkv_p + r * qkv_width;
-    if (rot > 0)
-      for (int64_t hd = 0; hd < num_heads + num_kv_heads; ++hd)
-        rope_head(row + hd * head_dim, cos_p + r * rot, sin_p + r * rot, rot);
-    const int64_t p = pos_p[r];
-    if (p < 0 || p / kv.block_size >= kv.width) continue;
-    const int64_t block = kv.table[r * kv.width + p / kv.block_size];
-    if (block < 0) continue;
-    const int64_t offset = p % kv.block_size;
-    for (int64_t g = 0; g < num_kv_heads; ++g) {
-      const int64_t at = block * kv.s0 + g * kv.s1 + offset * kv.s2;
-      std::copy_n(row + q_width + g * head_dim, head_dim, kv.k + at);
-      std::copy_n(row + q_width + kv_width + g * head_dim, head_dim, kv.v + at);
-    }
+  switch (k_cache.scalar_type()) {
+    case at::kHalf:
+      attend_paged<c10::Half>(k_cache, v_cache, table, pos_p, cos, sin, qkv_p, attn_p, rows,
+                              num_heads, num_kv_heads, head_dim, rot, scale, window);
+      break;
+    case at::kBFloat16:
+      attend_paged<c10::BFloat16>(k_cache, v_cache, table, pos_p, cos, sin, qkv_p, attn_p, rows,
+                                  num_heads, num_kv_heads, head_dim, rot, scale, window);
+      break;
+    default:
+      attend_paged<float>(k_cache, v_cache, table, pos_p, cos, sin, qkv_p, attn_p, rows,
+                          num_heads, num_kv_heads, head_dim, rot, scale, window);
   }
-
-  const int64_t group = num_heads / num_kv_heads;
-  const float fscale = static_cast<float>(scale);
-  at::parallel_for(0, rows * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task / num_kv_heads;
-      const int64_t g = task % num_kv_heads;
-      const int64_t p = std::max<int64_t>(pos_p[r], 0);
-      const int64_t last = std::min(p, span - 1);
-      const int64_t first = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
-      const int64_t count = last - first + 1;
-      float* out = attn_p + r * q_width + g * group * head_dim;
-      std::fill_n(out, group * head_dim, 0.0f);
-      if (count <= 0) continue;
-      scores.assign(static_cast<size_t>(group * count), 0.0f);
-      const float* q = qkv_p + r * qkv_width + g * group * head_dim;
-      const int64_t* row_table = kv.table + r * kv.width;
-      for (int64_t t = 0; t < count; ++t) {
-        const int64_t key = first + t;
-        const int64_t block = std::max<int64_t>(row_table[key / kv.block_size], 0);
-        const float* k = kv.k + block * kv.s0 + g * kv.s1 + (key % kv.block_size) * kv.s2;
-        for (int64_t j = 0; j < group; ++j)
-          scores[j * count + t] = dot(q + j * head_dim, k, head_dim) * fscale;
-      }
-      for (int64_t j = 0; j < group; ++j) {
-        float* s = scores.data() + j * count;
-        const float top = *std::max_element(s, s + count);
-        float total = 0.0f;
-        for (int64_t t = 0; t < count; ++t) {
-          s[t] = std::exp(s[t] - top);
-          total += s[t];
-        }
-        const float inv = 1.0f / total;
-        for (int64_t t = 0; t < count; ++t) s[t] *= inv;
-      }
-      for (int64_t t = 0; t < count; ++t) {
-        const int64_t key = first + t;
-        const int64_t block = std::max<int64_t>(row_table[key / kv.block_size], 0);
-        const float* v = kv.v + block * kv.s0 + g * kv.s1 + (key % kv.block_size) * kv.s2;
-        for (int64_t j = 0; j < group; ++j) {
-          axpy(scores[j * count + t], v, out + j * head_dim, head_dim);
-        }
-      }
-    }
-  });
 
   llmrt_kernels::linear_into(attn_p, rows, o, o_kind, q_width, proj_p);
   add_bias(proj_p, rows, width, o_bias);
@@ -312,16 +423,20 @@ void decode_layer(const at::Tensor& hidden, const at::Tensor& attn_norm,
   rms_norm_rows(h, rows, width, mlp_norm.const_data_ptr<float>(), eps, n_p);
   llmrt_kernels::linear_into(n_p, rows, up, up_kind, width, up_p);
   add_bias(up_p, rows, up_rows, up_bias);
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* gate_row = up_p + r * up_rows;
-    float* a = act_p + r * inter;
-    if (gated) {
-      const float* up_row = gate_row + inter;
-      for (int64_t j = 0; j < inter; ++j) a[j] = activate(gate_row[j], activation) * up_row[j];
-    } else {
-      for (int64_t j = 0; j < inter; ++j) a[j] = activate(gate_row[j], activation);
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float* gate_row = up_p + r * up_rows;
+      const float* up_row = gated ? gate_row + inter : nullptr;
+      float* a = act_p + r * inter;
+      if (activation == kSilu && has_avx512()) {
+        silu_avx512(gate_row, up_row, a, inter);
+      } else if (gated) {
+        for (int64_t j = 0; j < inter; ++j) a[j] = activate(gate_row[j], activation) * up_row[j];
+      } else {
+        for (int64_t j = 0; j < inter; ++j) a[j] = activate(gate_row[j], activation);
+      }
     }
-  }
+  });
   llmrt_kernels::linear_into(act_p, rows, down, down_kind, inter, proj_p);
   add_bias(proj_p, rows, width, down_bias);
   for (int64_t i = 0; i < rows * width; ++i) h[i] += mult * proj_p[i];
