@@ -298,10 +298,12 @@ def build_lane(
     max_batch_size: int = 8,
     kv_fill_seed: int | None = 1,
     wave_rules: WaveRules = "spec",
+    torch_device: str = "cpu",
 ) -> Lane:
-    """Assemble a lane over ``device`` (default a fresh ``TorchDevice("cpu")``)."""
-    model = tiny_llama() if model is None else model
-    port: Device = TorchDevice("cpu") if device is None else device
+    """Assemble a lane over ``device`` (default a fresh ``TorchDevice(torch_device)``) for
+    ``model`` (default ``tiny_llama`` on ``torch_device``)."""
+    model = tiny_llama(device=torch_device) if model is None else model
+    port: Device = TorchDevice(torch_device) if device is None else device
     inner = port
     while not isinstance(inner, TorchDevice):
         inner = inner.inner  # type: ignore[attr-defined]
@@ -350,6 +352,12 @@ def build_lane(
         compiler=compiler,
         executor=executor,
     )
+
+
+def poisons_pending_reads(lane: Lane) -> bool:
+    """Whether a pending non-blocking read's host value is poison until its event (the CPU
+    device's simulation of an in-flight copy; a CUDA copy lands whenever its stream runs)."""
+    return torch.device(lane.inner.torch_device).type == "cpu"
 
 
 def run_prefill(
