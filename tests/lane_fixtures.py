@@ -425,10 +425,10 @@ def written_mask(
 def assert_unchanged_outside(
     before: Sequence[torch.Tensor], after: Sequence[torch.Tensor], mask: torch.Tensor
 ) -> None:
-    """Every slot not in ``mask`` is bit-for-bit equal in every K/V tensor."""
+    """Every slot not in ``mask`` (host bool) is bit-for-bit equal in every K/V tensor."""
     for index, (old, new) in enumerate(zip(before, after, strict=True)):
         changed = (old.view(torch.int32) != new.view(torch.int32)).any(dim=3).any(dim=1)
-        stray = changed & ~mask
+        stray = changed.cpu() & ~mask
         assert not stray.any(), (
             f"KV tensor {index}: slots outside the active rows changed: "
             f"{sorted(map(tuple, stray.nonzero().tolist()))[:8]}"
