@@ -10,7 +10,7 @@ a GPU uses ``requires_cuda``. Nothing here imports torch at module load (the plu
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import pytest
 
@@ -45,6 +45,17 @@ def require_device(device: str) -> str:
     if reason is not None:
         pytest.skip(reason)
     return device
+
+
+def recipe_overrides(device: str) -> dict[str, Any]:
+    """Recipe overrides placing a torch recipe on ``device`` (none for ``cpu``, the bundled
+    recipes' own device)."""
+    import torch
+
+    placed = torch.device(device)
+    if placed.type == "cpu":
+        return {}
+    return {"device.kind": placed.type, "device.index": placed.index or 0}
 
 
 def requires_cuda(test: _F) -> _F:

@@ -20,6 +20,7 @@ import transformers
 from llmrt.kernels.formats import dequantized
 from llmrt.sampling_params import SamplingParams
 from llmrt.serving.llm import LLM
+from llmrt.testing.devices import recipe_overrides
 from llmrt.weights.checkpoint import Checkpoint
 
 MAX_TOKENS = 12
@@ -131,21 +132,13 @@ def test_recipe_defaults_match_transformers(reference: Mapping[str, Any]) -> Non
     assert reference["base"] == reference["expected"]
 
 
-def on_device(overrides: Mapping[str, Any], torch_device: str) -> dict[str, Any]:
-    """``overrides`` serving on ``torch_device`` (the recipes' own device is the CPU)."""
-    placed = torch.device(torch_device)
-    if placed.type == "cpu":
-        return dict(overrides)
-    return {**overrides, "device.kind": placed.type, "device.index": placed.index or 0}
-
-
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_configuration_matches_transformers(
     torch_device: str, reference: Mapping[str, Any], variant: str
 ) -> None:
     """Every configuration, on every torch device (float32; CUDA graphs under the trace
     modes on cuda), gives transformers' greedy tokens (computed on the CPU)."""
-    overrides = on_device(VARIANTS[variant], torch_device)
+    overrides = {**VARIANTS[variant], **recipe_overrides(torch_device)}
     with LLM.from_recipe(reference["recipe"], overrides=overrides) as llm:
         first = _tokens(llm, PROMPTS)
         hits_after_first = llm.stats().prefix_hit_tokens
