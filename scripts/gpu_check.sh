@@ -8,7 +8,7 @@
 #      `llmrt bench --workload decode` with decode.lane_capacity 1 and 16: the lane step is
 #      timed at the lane capacity, replaying its CUDA graph vs running eagerly);
 #   3. the end-to-end `mixed` serving bench against transformers generate on the same GPU.
-# Each step has a time budget (150 + 40 + 40 + 60 s); results go to $GPU_CHECK_OUT (default
+# Each step has a time budget (160 + 35 + 35 + 60 s); results go to $GPU_CHECK_OUT (default
 # ./gpu-check) and the last lines summarise them. Exit status 0 only if every step passed;
 # 2 when there is no CUDA device.
 #
@@ -89,9 +89,9 @@ print(f"torch {torch.__version__} (CUDA {torch.version.cuda}) on {p.name}, "
 fi
 
 # -m cuda replaces the default 'not slow' selection: every cuda-marked test, slow or not.
-step "1/3 CUDA tests" 150 tests.txt pytest -q -p no:cacheprovider -m cuda -rs tests
+step "1/3 CUDA tests" 160 tests.txt pytest -q -p no:cacheprovider -m cuda -rs tests
 for batch in 1 16; do
-  step "2/3 decode bench, batch $batch" 40 "decode_b$batch.json" \
+  step "2/3 decode bench, batch $batch" 35 "decode_b$batch.json" \
     llmrt bench "$recipe" --workload decode "${on_cuda[@]}" \
     --set "decode.lane_capacity=$batch" --num-prompts 16 --json
 done
