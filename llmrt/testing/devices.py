@@ -4,7 +4,8 @@ The pytest plugin's ``torch_device`` fixture is parametrized over ``TORCH_DEVICE
 that asks for it runs once per device, the cuda case carrying the ``cuda`` marker (so
 ``pytest -m cuda`` selects exactly the CUDA variants, as ``scripts/gpu_check.sh`` does) and
 skipped with ``NO_CUDA`` as the reason where no GPU is present. A test that only makes sense on
-a GPU uses ``requires_cuda``. Nothing here imports torch at module load: the plugin imports this module.
+a GPU uses ``requires_cuda``. Nothing here imports torch at module load: the plugin imports
+this module.
 """
 
 from __future__ import annotations
