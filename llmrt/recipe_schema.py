@@ -807,9 +807,10 @@ class Recipe:
         A warmup length is the padded length its prompts run at: a length past
         ``prefill.max_chunk_size`` runs in chunks, so it becomes the largest padded length
         a chunk reaches; any other becomes the padded length it rounds up to. Batch sizes
-        past ``prefill.max_batch_size`` can never form and are dropped (the maximum is
-        warmed instead when none is left). Overriding ``prefill.max_chunk_size`` therefore
-        keeps a recipe valid instead of failing on ``warmup.prefill_seq_lens``.
+        past ``prefill.max_batch_size`` or ``decode.lane_capacity`` (a wave holds at most a
+        lane's rows) can never form and are dropped (the largest that can is warmed instead
+        when none is left). Overriding ``prefill.max_chunk_size`` or ``decode.lane_capacity``
+        therefore keeps a recipe valid instead of failing on the warmup fields.
         """
         chunk = self.prefill.max_chunk_size
         if chunk % self.kv_cache.block_size:
@@ -822,9 +823,10 @@ class Recipe:
             {min((n for n in usable if n >= want), default=usable[-1])
              for want in self.warmup.prefill_seq_lens}
         )  # fmt: skip
-        batches = [b for b in self.warmup.prefill_batch_sizes if b <= self.prefill.max_batch_size]
+        largest = min(self.prefill.max_batch_size, self.decode.lane_capacity)
+        batches = [b for b in self.warmup.prefill_batch_sizes if b <= largest]
         if not batches:
-            batches = [self.prefill.max_batch_size]
+            batches = [max(b for b in PREFILL_BATCH_SIZES if b <= largest)]
         if (tuple(derived), tuple(batches)) != (
             tuple(self.warmup.prefill_seq_lens),
             tuple(self.warmup.prefill_batch_sizes),

@@ -72,9 +72,10 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$ttnn_spec $torch_spec" ]; then
   echo "$ttnn_spec $torch_spec" >"$stamp"
 fi
 
-# llmrt is imported from this checkout; --confcutdir keeps tests/conftest.py (which needs
+# llmrt is imported from this checkout, and tests/ for the helpers the host tests share with
+# the unit tests (fake_ttnn_errors); --confcutdir keeps tests/conftest.py (which needs
 # llmrt's full dependency set) out of this run.
-export PYTHONPATH="$repo${PYTHONPATH:+:$PYTHONPATH}"
+export PYTHONPATH="$repo:$repo/tests${PYTHONPATH:+:$PYTHONPATH}"
 export LOGURU_LEVEL=${LOGURU_LEVEL:-WARNING}
 export TT_LOGGER_LEVEL=${TT_LOGGER_LEVEL:-error}
 exec "$venv/bin/pytest" -q -p no:cacheprovider --confcutdir=tests/ttnn_host tests/ttnn_host "$@"

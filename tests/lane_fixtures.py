@@ -298,10 +298,12 @@ def build_lane(
     max_batch_size: int = 8,
     kv_fill_seed: int | None = 1,
     wave_rules: WaveRules = "spec",
+    torch_device: str = "cpu",
 ) -> Lane:
-    """Assemble a lane over ``device`` (default a fresh ``TorchDevice("cpu")``)."""
-    model = tiny_llama() if model is None else model
-    port: Device = TorchDevice("cpu") if device is None else device
+    """Assemble a lane over ``device`` (default a fresh ``TorchDevice(torch_device)``) for
+    ``model`` (default ``tiny_llama`` on ``torch_device``)."""
+    model = tiny_llama(device=torch_device) if model is None else model
+    port: Device = TorchDevice(torch_device) if device is None else device
     inner = port
     while not isinstance(inner, TorchDevice):
         inner = inner.inner  # type: ignore[attr-defined]
@@ -350,6 +352,12 @@ def build_lane(
         compiler=compiler,
         executor=executor,
     )
+
+
+def poisons_pending_reads(lane: Lane) -> bool:
+    """Whether a pending non-blocking read's host value is poison until its event (the CPU
+    device's simulation of an in-flight copy; a CUDA copy lands whenever its stream runs)."""
+    return torch.device(lane.inner.torch_device).type == "cpu"
 
 
 def run_prefill(
@@ -417,10 +425,10 @@ def written_mask(
 def assert_unchanged_outside(
     before: Sequence[torch.Tensor], after: Sequence[torch.Tensor], mask: torch.Tensor
 ) -> None:
-    """Every slot not in ``mask`` is bit-for-bit equal in every K/V tensor."""
+    """Every slot not in ``mask`` (host bool) is bit-for-bit equal in every K/V tensor."""
     for index, (old, new) in enumerate(zip(before, after, strict=True)):
         changed = (old.view(torch.int32) != new.view(torch.int32)).any(dim=3).any(dim=1)
-        stray = changed & ~mask
+        stray = changed.cpu() & ~mask
         assert not stray.any(), (
             f"KV tensor {index}: slots outside the active rows changed: "
             f"{sorted(map(tuple, stray.nonzero().tolist()))[:8]}"

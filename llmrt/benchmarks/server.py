@@ -29,22 +29,21 @@ from typing import Any
 import attrs
 import httpx
 
-from llmrt.benchmarks.prompts import random_prompts, spread_lengths, token_pool
+from llmrt.benchmarks.prompts import random_prompts
 from llmrt.benchmarks.report import Report, Target
 from llmrt.benchmarks.serving import (
     MIXED_MAX_LEN,
-    MIXED_MIN_LEN,
     MIXED_NEW_TOKENS,
     MIXED_PROMPTS,
-    _vocab,
     _warm,
     greedy,
     latency_stats,
+    mixed_prompts,
+    warm_prompts,
 )
 from llmrt.benchmarks.settings import BenchSettings
 from llmrt.benchmarks.sizing import sized_recipe
 from llmrt.benchmarks.timing import ratio
-from llmrt.errors import ConfigError
 from llmrt.serving.llm import LLM
 
 TTFT_CONCURRENCY = 8
@@ -72,15 +71,9 @@ def server(settings: BenchSettings) -> Report:
     recipe = sized.recipe
     report = Report(workload="server", recipe=recipe.name)
     with LLM.from_recipe(recipe) as llm:
-        max_len = llm.engine.scheduler.config.max_model_len
-        high = min(MIXED_MAX_LEN, max_len - new)
-        if high < 1:
-            raise ConfigError(
-                "--max-new-tokens", new, f"leaves no prompt room in max_model_len={max_len}"
-            )
-        pool = token_pool(llm.tokenizer, model_vocab_size=_vocab(llm))
-        lengths = spread_lengths(n, low=min(MIXED_MIN_LEN, high), high=high, seed=settings.seed)
-        prompts = random_prompts(lengths, pool=pool, seed=settings.seed)
+        pool, lengths, prompts = mixed_prompts(
+            llm, num_prompts=n, new_tokens=new, seed=settings.seed
+        )
         _warm(llm, pool, longest=max(lengths), seed=settings.seed)
         start = time.perf_counter()
         outputs = llm.generate(prompts, greedy(new))
@@ -91,9 +84,7 @@ def server(settings: BenchSettings) -> Report:
             token_times=[o.token_times for o in outputs],
             prompt_tokens=sum(lengths),
         )
-        warm_prompts = random_prompts(
-            sorted({min(16, max(lengths)), max(lengths)}), pool=pool, seed=settings.seed + 7919
-        )
+        warm = warm_prompts(pool, longest=max(lengths), seed=settings.seed)
         expected = [o.text for o in outputs]
         # The 8-client run gets its own prompts (same lengths): reusing the first run's
         # would hit the server's prefix cache and flatter its TTFT.
@@ -117,7 +108,7 @@ def server(settings: BenchSettings) -> Report:
     overrides = [*sized.bench_overrides, *settings.overrides]
     with _server(settings, overrides=overrides) as url:
         model = _model_id(url)
-        asyncio.run(_drive(url, model, warm_prompts, new_tokens=2, concurrency=len(warm_prompts)))
+        asyncio.run(_drive(url, model, warm, new_tokens=2, concurrency=len(warm)))
         full = asyncio.run(_drive(url, model, prompts, new_tokens=new, concurrency=clients))
         eight = asyncio.run(
             _drive(url, model, fresh, new_tokens=new, concurrency=min(TTFT_CONCURRENCY, n))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from llmrt.benchmarks.hf import build_hf_model, hf_generate
 from llmrt.benchmarks.prompts import (
@@ -76,14 +76,39 @@ def _vocab(llm: LLM) -> int:
     return int(llm.engine.executor.lanes[0].decode.config.vocab_size)
 
 
-def _warm(llm: LLM, pool: Sequence[int], *, longest: int, seed: int) -> None:
-    """Unrelated short and ``longest``-token requests: first-call costs stay out of the run.
+def warm_prompts(pool: Sequence[int], *, longest: int, seed: int) -> list[list[int]]:
+    """Unrelated short and ``longest``-token prompts: first-call costs stay out of the run.
 
-    The prompts share no prefix with the workload's (a different seed), so the prefix
-    cache gains nothing from them.
+    They share no prefix with the workload's (a different seed), so the prefix cache gains
+    nothing from them.
     """
     lengths = sorted({min(WARMUP_LEN, longest), longest})
-    llm.generate(random_prompts(lengths, pool=pool, seed=seed + 7919), greedy(2))
+    return random_prompts(lengths, pool=pool, seed=seed + 7919)
+
+
+def _warm(llm: LLM, pool: Sequence[int], *, longest: int, seed: int) -> None:
+    llm.generate(warm_prompts(pool, longest=longest, seed=seed), greedy(2))
+
+
+class MixedPrompts(NamedTuple):
+    pool: list[int]
+    lengths: list[int]
+    prompts: list[list[int]]
+
+
+def mixed_prompts(llm: LLM, *, num_prompts: int, new_tokens: int, seed: int) -> MixedPrompts:
+    """The ``mixed`` workload's prompts for ``llm``: ``num_prompts`` lengths spread over
+    16-512 tokens (less where ``max_model_len`` must also hold ``new_tokens``), drawn from
+    the ids both the tokenizer and the model know."""
+    max_len = llm.engine.scheduler.config.max_model_len
+    high = min(MIXED_MAX_LEN, max_len - new_tokens)
+    if high < 1:
+        raise ConfigError(
+            "--max-new-tokens", new_tokens, f"leaves no prompt room in max_model_len={max_len}"
+        )
+    pool = token_pool(llm.tokenizer, model_vocab_size=_vocab(llm))
+    lengths = spread_lengths(num_prompts, low=min(MIXED_MIN_LEN, high), high=high, seed=seed)
+    return MixedPrompts(pool, lengths, random_prompts(lengths, pool=pool, seed=seed))
 
 
 def mixed(settings: BenchSettings) -> Report:
@@ -97,15 +122,9 @@ def mixed(settings: BenchSettings) -> Report:
     recipe = sized.recipe
     report = Report(workload="mixed", recipe=recipe.name)
     with LLM.from_recipe(recipe) as llm:
-        max_len = llm.engine.scheduler.config.max_model_len
-        high = min(MIXED_MAX_LEN, max_len - new)
-        if high < 1:
-            raise ConfigError(
-                "--max-new-tokens", new, f"leaves no prompt room in max_model_len={max_len}"
-            )
-        pool = token_pool(llm.tokenizer, model_vocab_size=_vocab(llm))
-        lengths = spread_lengths(n, low=min(MIXED_MIN_LEN, high), high=high, seed=settings.seed)
-        prompts = random_prompts(lengths, pool=pool, seed=settings.seed)
+        pool, lengths, prompts = mixed_prompts(
+            llm, num_prompts=n, new_tokens=new, seed=settings.seed
+        )
         hf_batch = settings.hf_batch_size or recipe.decode.lane_capacity
         report.section(
             "config",

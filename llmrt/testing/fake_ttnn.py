@@ -572,6 +572,27 @@ _StorageType = StorageType
 _Tensor = Tensor
 
 
+def _binary_op(name: str, func: Callable[..., Any]) -> Callable[..., Any]:
+    """``ttnn.<name>(input_tensor_a, input_tensor_b, *, dtype=None, memory_config=None)``: an
+    eltwise binary op computing ``func`` on the payloads (``FakeTtnn._binary`` gives its
+    output dtype and layout)."""
+
+    def op(
+        self: FakeTtnn,
+        input_tensor_a: Any,
+        input_tensor_b: Any,
+        *,
+        dtype: Any = None,
+        memory_config: Any = None,
+    ) -> Any:
+        return self._binary(name, func, input_tensor_a, input_tensor_b, dtype, memory_config)
+
+    op.__name__ = name
+    op.__qualname__ = f"FakeTtnn.{name}"
+    op.__doc__ = f"``ttnn.{name}``: input A's dtype (or ``dtype``) and layout, as ttnn."
+    return op
+
+
 class FakeTtnn:
     """A fake ``ttnn`` module instance; pass it as ``TtnnDevice(..., ttnn_module=fake)``.
 
@@ -1163,115 +1184,20 @@ class FakeTtnn:
         op.__name__ = name
         setattr(self, name, op)
 
-    def add(
-        self,
-        input_tensor_a: Any,
-        input_tensor_b: Any,
-        *,
-        dtype: Any = None,
-        memory_config: Any = None,
-    ) -> Any:
-        return self._binary("add", torch.add, input_tensor_a, input_tensor_b, dtype, memory_config)
-
-    def subtract(
-        self,
-        input_tensor_a: Any,
-        input_tensor_b: Any,
-        *,
-        dtype: Any = None,
-        memory_config: Any = None,
-    ) -> Any:
-        return self._binary(
-            "subtract", torch.sub, input_tensor_a, input_tensor_b, dtype, memory_config
-        )
-
-    def multiply(
-        self,
-        input_tensor_a: Any,
-        input_tensor_b: Any,
-        *,
-        dtype: Any = None,
-        memory_config: Any = None,
-    ) -> Any:
-        return self._binary(
-            "multiply", torch.mul, input_tensor_a, input_tensor_b, dtype, memory_config
-        )
-
-    def divide(
-        self,
-        input_tensor_a: Any,
-        input_tensor_b: Any,
-        *,
-        dtype: Any = None,
-        memory_config: Any = None,
-    ) -> Any:
-        return self._binary(
-            "divide", torch.true_divide, input_tensor_a, input_tensor_b, dtype, memory_config
-        )
+    add = _binary_op("add", torch.add)
+    subtract = _binary_op("subtract", torch.sub)
+    multiply = _binary_op("multiply", torch.mul)
+    divide = _binary_op("divide", torch.true_divide)
+    eq = _binary_op("eq", torch.eq)
+    ne = _binary_op("ne", torch.ne)
+    gt = _binary_op("gt", torch.gt)
+    ge = _binary_op("ge", torch.ge)
+    lt = _binary_op("lt", torch.lt)
+    le = _binary_op("le", torch.le)
 
     def rdiv(self, input_tensor: Any, value: float, *, memory_config: Any = None) -> Any:
         """``value / input_tensor``."""
         return self._binary("rdiv", _rdiv, input_tensor, value, None, memory_config)
-
-    def eq(
-        self,
-        input_tensor_a: Any,
-        input_tensor_b: Any,
-        *,
-        dtype: Any = None,
-        memory_config: Any = None,
-    ) -> Any:
-        return self._binary("eq", torch.eq, input_tensor_a, input_tensor_b, dtype, memory_config)
-
-    def ne(
-        self,
-        input_tensor_a: Any,
-        input_tensor_b: Any,
-        *,
-        dtype: Any = None,
-        memory_config: Any = None,
-    ) -> Any:
-        return self._binary("ne", torch.ne, input_tensor_a, input_tensor_b, dtype, memory_config)
-
-    def gt(
-        self,
-        input_tensor_a: Any,
-        input_tensor_b: Any,
-        *,
-        dtype: Any = None,
-        memory_config: Any = None,
-    ) -> Any:
-        return self._binary("gt", torch.gt, input_tensor_a, input_tensor_b, dtype, memory_config)
-
-    def ge(
-        self,
-        input_tensor_a: Any,
-        input_tensor_b: Any,
-        *,
-        dtype: Any = None,
-        memory_config: Any = None,
-    ) -> Any:
-        return self._binary("ge", torch.ge, input_tensor_a, input_tensor_b, dtype, memory_config)
-
-    def lt(
-        self,
-        input_tensor_a: Any,
-        input_tensor_b: Any,
-        *,
-        dtype: Any = None,
-        memory_config: Any = None,
-    ) -> Any:
-        return self._binary("lt", torch.lt, input_tensor_a, input_tensor_b, dtype, memory_config)
-
-    def le(
-        self,
-        input_tensor_a: Any,
-        input_tensor_b: Any,
-        *,
-        dtype: Any = None,
-        memory_config: Any = None,
-    ) -> Any:
-        return self._binary("le", torch.le, input_tensor_a, input_tensor_b, dtype, memory_config)
 
     def _binary(
         self,

@@ -2,7 +2,9 @@
 
 The harness allocates the paged KV cache itself (per-layer zeros or random bytes of
 ``[num_blocks, kv_heads, block_size, head_dim]``) and hands rows scattered,
-non-contiguous block ids, so any page-table mistake shows up as a mismatch. It serves
+non-contiguous block ids, so any page-table mistake shows up as a mismatch. The model may
+live on any torch device (``Harness(device=...)``): inputs and the KV cache are placed there,
+logits come back to the CPU, and transformers runs on the CPU in float32. It serves
 the project's parity tests, the ``parity_harness`` fixture of the pytest plugin
 (``llmrt.testing.plugin``) and ``llmrt check`` (``llmrt.check``). transformers is only
 needed for the reference runs (``hf_greedy``); nothing here imports it.
@@ -48,17 +50,23 @@ class PagedKV:
 
 
 def allocate_kv(
-    model: CausalLM, *, num_blocks: int, block_size: int, fill_seed: int | None = None
+    model: CausalLM,
+    *,
+    num_blocks: int,
+    block_size: int,
+    fill_seed: int | None = None,
+    device: torch.device | str = "cpu",
 ) -> PagedKV:
-    """Zeros (or seeded random values, to make "unchanged" checks meaningful) per layer."""
+    """Zeros (or seeded random values, to make "unchanged" checks meaningful) per layer, on
+    ``device`` (random values are drawn on the CPU, so every device gets the same ones)."""
     meta = model.attention_metadata()
     shape = meta.kv_shape(num_blocks, block_size)
     generator = torch.Generator().manual_seed(fill_seed or 0)
 
     def make(dtype: torch.dtype) -> torch.Tensor:
         if fill_seed is None:
-            return torch.zeros(shape, dtype=dtype)
-        return torch.randn(shape, generator=generator).to(dtype)
+            return torch.zeros(shape, dtype=dtype, device=device)
+        return torch.randn(shape, generator=generator).to(device=device, dtype=dtype)
 
     return PagedKV(
         keys=[make(d) for d in meta.kv_dtypes],
@@ -125,13 +133,26 @@ class Run:
 
 
 class Harness:
-    """Drives an llmrt model over a test-owned paged KV cache and checks it against HF."""
+    """Drives an llmrt model over a test-owned paged KV cache and checks it against HF.
 
-    def __init__(self, *, hf_model: Any, model: CausalLM, vocab_size: int, seed: int) -> None:
+    ``device`` is where ``model`` lives: the harness places the KV cache and every input
+    there and brings the logits back to the CPU for the comparison.
+    """
+
+    def __init__(
+        self,
+        *,
+        hf_model: Any,
+        model: CausalLM,
+        vocab_size: int,
+        seed: int,
+        device: torch.device | str = "cpu",
+    ) -> None:
         self.hf_model = hf_model
         self.model = model
         self.vocab_size = vocab_size
         self.seed = seed
+        self.device = torch.device(device)
         self._references: dict[tuple[int, ...], Reference] = {}  # (*prompt, -steps)
         self.pad_token = vocab_size - 1
 
@@ -150,7 +171,11 @@ class Harness:
     def bind(self, *, fill_seed: int | None = None) -> tuple[PagedKV, BlockPool]:
         """A fresh cache bound to the model and a scattered block pool."""
         kv = allocate_kv(
-            self.model, num_blocks=NUM_BLOCKS, block_size=BLOCK_SIZE, fill_seed=fill_seed
+            self.model,
+            num_blocks=NUM_BLOCKS,
+            block_size=BLOCK_SIZE,
+            fill_seed=fill_seed,
+            device=self.device,
         )
         self.model.set_kv_cache(kv)
         return kv, BlockPool(num_blocks=NUM_BLOCKS, seed=self.seed)
@@ -163,29 +188,36 @@ class Harness:
         table: torch.Tensor,
         pad_to: int | None = None,
     ) -> torch.Tensor:
-        """One padded prefill call; row ``r`` adds ``chunks[r]`` at ``starts[r]``."""
+        """One padded prefill call; row ``r`` adds ``chunks[r]`` at ``starts[r]`` (logits on
+        the CPU)."""
         width = max(pad_to or 0, max(len(c) for c in chunks), 1)
         tokens = torch.full((len(chunks), width), self.pad_token, dtype=torch.int64)
         for r, chunk in enumerate(chunks):
             tokens[r, : len(chunk)] = torch.tensor(list(chunk), dtype=torch.int64)
         lens = [len(c) for c in chunks]
-        return self.model.prefill_forward(
-            tokens=tokens,
-            start_pos=torch.tensor(list(starts), dtype=torch.int32),
-            seq_lens=torch.tensor(lens, dtype=torch.int32),
-            page_table=table,
-            last_token_index=torch.tensor([max(n - 1, 0) for n in lens], dtype=torch.int64),
+        on = self.device
+        logits = self.model.prefill_forward(
+            tokens=tokens.to(on),
+            start_pos=torch.tensor(list(starts), dtype=torch.int32, device=on),
+            seq_lens=torch.tensor(lens, dtype=torch.int32, device=on),
+            page_table=table.to(on),
+            last_token_index=torch.tensor(
+                [max(n - 1, 0) for n in lens], dtype=torch.int64, device=on
+            ),
         )
+        return logits.to("cpu")
 
     def decode(
         self, *, tokens: Sequence[int], positions: Sequence[int], table: torch.Tensor
     ) -> torch.Tensor:
-        """One decode step for every row."""
-        return self.model.decode_forward(
-            tokens=torch.tensor(list(tokens), dtype=torch.int64),
-            positions=torch.tensor(list(positions), dtype=torch.int32),
-            page_table=table,
+        """One decode step for every row (logits on the CPU)."""
+        on = self.device
+        logits = self.model.decode_forward(
+            tokens=torch.tensor(list(tokens), dtype=torch.int64, device=on),
+            positions=torch.tensor(list(positions), dtype=torch.int32, device=on),
+            page_table=table.to(on),
         )
+        return logits.to("cpu")
 
     def greedy(
         self,

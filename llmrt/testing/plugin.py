@@ -8,8 +8,12 @@ tests of a family, a recipe or the runtime itself.
   (or ``inner``) that fails the Nth call of the named operations.
 - ``lifecycle_log``: the structured lifecycle log written to a JSON-lines file for the
   test; at teardown ``llmrt.audit.check`` runs over it and the test fails on a violation.
-- ``parity_harness(family=..., hf_model=...)``: the transformers parity harness
-  (``llmrt.testing.parity.Harness``) over a family's model built from ``hf_model``'s weights.
+- ``parity_harness(family=..., hf_model=..., device="cpu")``: the transformers parity
+  harness (``llmrt.testing.parity.Harness``) over a family's model built on ``device`` from
+  ``hf_model``'s weights.
+- ``torch_device`` (module scope): ``"cpu"``, then ``"cuda:0"`` marked ``cuda`` and skipped
+  with the reason where no GPU is present (``llmrt.testing.devices``); a test or fixture that
+  asks for it runs on every torch device.
 
 The fixtures only assemble the project's own pieces; import nothing heavy at load time.
 """
@@ -22,11 +26,27 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from llmrt.testing.devices import TORCH_DEVICES, require_device
+
 if TYPE_CHECKING:
     from llmrt.device.base import Device
     from llmrt.families.base import Family
     from llmrt.testing.faulty_device import FaultyDevice
     from llmrt.testing.parity import Harness
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Register the ``cuda`` marker the ``torch_device`` fixture's GPU case carries."""
+    config.addinivalue_line("markers", "cuda: needs a CUDA device (skipped without one)")
+
+
+@pytest.fixture(scope="module", params=TORCH_DEVICES)
+def torch_device(request: pytest.FixtureRequest) -> str:
+    """A torch device string: ``cpu``, then ``cuda:0`` (skipped, with why, without a GPU).
+
+    Module scope, so a module's lane or harness fixtures can build on it once per device.
+    """
+    return require_device(str(request.param))
 
 
 @pytest.fixture
@@ -103,28 +123,34 @@ def lifecycle_log(tmp_path: Path) -> Iterator[Path]:
 
 @pytest.fixture(scope="session")
 def parity_harness() -> Callable[..., Harness]:
-    """Factory: ``parity_harness(family=..., hf_model=..., seed=0)`` -> parity ``Harness``.
+    """Factory: ``parity_harness(family=..., hf_model=..., seed=0, device="cpu")`` -> parity
+    ``Harness``.
 
-    The model uses the linear kernel ``device.linear: auto`` picks, as serving does.
+    The model is built on ``device`` (transformers stays on the CPU, in float32) and uses the
+    linear kernel ``device.linear: auto`` picks there, as serving does.
     """
     import torch
 
     from llmrt.families.layers import select_linear_kernel
     from llmrt.testing.parity import Harness
 
-    def make(*, family: Family, hf_model: Any, seed: int = 0) -> Harness:
+    def make(*, family: Family, hf_model: Any, seed: int = 0, device: str = "cpu") -> Harness:
         hf_model.eval()
         model = family.build(
             hf_config=hf_model.config.to_dict(),
             tensors=hf_model.state_dict(),
             dtype=torch.float32,
-            device="cpu",
+            device=device,
         )
         select_linear_kernel(
-            model, choice="auto", device=torch.device("cpu"), dtype=torch.float32
+            model, choice="auto", device=torch.device(device), dtype=torch.float32
         )
         return Harness(
-            hf_model=hf_model, model=model, vocab_size=model.config.vocab_size, seed=seed
+            hf_model=hf_model,
+            model=model,
+            vocab_size=model.config.vocab_size,
+            seed=seed,
+            device=device,
         )
 
     return make

@@ -15,6 +15,7 @@ from llmrt.lane_group import LaneGroupHost, LaneGroupLease
 from llmrt.model_executor import ModelExecutor
 from llmrt.prefill.plan import PrefillRow
 from llmrt.sampling_params import SamplingParams
+from llmrt.testing.devices import recipe_overrides
 
 GREEDY = SamplingParams(temperature=0.0)
 Runtime = Any  # conftest's Runtime
@@ -31,15 +32,20 @@ PROMPTS = [
 INTERLEAVED = [0, 5, 1, 6]
 
 
-@pytest.fixture(scope="module")
-def one_lane(module_build: Callable[..., Runtime]) -> Runtime:
-    """Shared by the module: every test writes each KV block it later reads."""
-    return module_build("tiny-llama").ready()
+def _on(torch_device: str) -> list[str]:
+    return [f"{key}={value}" for key, value in recipe_overrides(torch_device).items()]
 
 
 @pytest.fixture(scope="module")
-def two_lanes(module_build: Callable[..., Runtime]) -> Runtime:
-    return module_build("tiny-llama", ["lanes=2"]).ready()
+def one_lane(module_build: Callable[..., Runtime], torch_device: str) -> Runtime:
+    """Shared by the module: every test writes each KV block it later reads. On every torch
+    device (the plugin's ``torch_device``)."""
+    return module_build("tiny-llama", _on(torch_device)).ready()
+
+
+@pytest.fixture(scope="module")
+def two_lanes(module_build: Callable[..., Runtime], torch_device: str) -> Runtime:
+    return module_build("tiny-llama", ["lanes=2", *_on(torch_device)]).ready()
 
 
 def _rows(runtime: Runtime, slots: list[int], *, steps: int = 0) -> list[PrefillRow]:

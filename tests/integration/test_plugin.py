@@ -52,3 +52,31 @@ def test_lifecycle_log_fails_a_test_that_breaks_the_contract(pytester: pytest.Py
     result.stdout.fnmatch_lines(
         ["*lifecycle contract broken (1 violation(s))*", "*[[]kv-once[]]*never allocated*"]
     )
+
+
+def test_torch_device_runs_on_cpu_and_marks_the_cuda_variant(pytester: pytest.Pytester) -> None:
+    """``-m cuda`` (scripts/gpu_check.sh) selects exactly the CUDA variants, which skip with
+    the reason where torch sees no GPU."""
+    import torch
+
+    from llmrt.testing.devices import NO_CUDA
+
+    pytester.makepyfile(
+        """
+        import torch
+
+        def test_on(torch_device):
+            assert torch.zeros(1, device=torch_device).device.type in torch_device
+        """
+    )
+    every = pytester.runpytest("-p", "no:cacheprovider", "-rs", "-v")
+    every.stdout.fnmatch_lines(["*test_on[[]cpu[]] PASSED*"])
+    if torch.cuda.is_available():
+        every.assert_outcomes(passed=2)
+    else:
+        every.assert_outcomes(passed=1, skipped=1)
+        every.stdout.fnmatch_lines([f"*SKIPPED*{NO_CUDA}*"])
+    cuda = pytester.runpytest("-p", "no:cacheprovider", "-m", "cuda", "-v")
+    cuda.stdout.fnmatch_lines(["*test_on[[]cuda[]]*"])
+    assert "test_on[cpu]" not in cuda.stdout.str()
+    assert cuda.parseoutcomes().get("deselected") == 1

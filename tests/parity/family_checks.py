@@ -1,7 +1,8 @@
 """Parity checks every family module runs against transformers.
 
-A family's test module defines a ``harness`` fixture (one per HF case) and imports the
-``test_*`` functions below, so pytest runs each of them in that module over its cases.
+A family's test module defines a ``harness`` fixture (one per HF case, built on the plugin's
+``torch_device``: cpu, and cuda where a GPU is present) and imports the ``test_*`` functions
+below, so pytest runs each of them in that module over its cases and devices.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ padding row, chunked prefill, a prefix-cached continuation next to a fresh row, 
 greedy decode steps (logits within 1e-4, greedy tokens equal). The configs switch on
 the options each architecture is known for (sliding windows, soft-capping, q/k norms,
 partial rotary, RoPE scalings, multipliers, experts), so each part is checked where
-transformers computes it.
+transformers computes it. Each case runs on every torch device (``torch_device``: cuda
+where a GPU is present), against transformers on the CPU.
 """
 
 from __future__ import annotations
@@ -148,10 +149,12 @@ def hf_model(case: str) -> Any:
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_family_auto_matches_transformers(case: str, parity_harness: Any) -> None:
+def test_family_auto_matches_transformers(
+    case: str, parity_harness: Any, torch_device: str
+) -> None:
     model = hf_model(case)
     family = family_for_model_type(model.config.model_type)
-    harness = parity_harness(family=family, hf_model=model)
+    harness = parity_harness(family=family, hf_model=model, device=torch_device)
     prompts = [harness.prompt(n, seed=30 + n) for n in (14, 9, 12)]
     runs = harness.greedy(prompts, cuts=[[5, 8], [], [6]], align="end", pad_row=True)
     harness.assert_parity(prompts, runs)

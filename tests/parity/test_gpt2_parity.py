@@ -47,10 +47,10 @@ CASES: dict[str, Callable[[], torch.nn.Module]] = {
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
-def harness(request: pytest.FixtureRequest, parity_harness: Any) -> Any:
+def harness(request: pytest.FixtureRequest, parity_harness: Any, torch_device: str) -> Any:
     torch.manual_seed(0)
     hf_model = _randomise(CASES[request.param](), seed=1)
-    return parity_harness(family=FAMILY, hf_model=hf_model)
+    return parity_harness(family=FAMILY, hf_model=hf_model, device=torch_device)
 
 
 def test_bare_gpt2model_tensor_names_are_accepted(harness: Any) -> None:
@@ -62,7 +62,10 @@ def test_bare_gpt2model_tensor_names_are_accepted(harness: Any) -> None:
     }
     assert "h.0.attn.c_attn.weight" in bare
     model = FAMILY.build(
-        hf_config=hf_model.config.to_dict(), tensors=bare, dtype=torch.float32, device="cpu"
+        hf_config=hf_model.config.to_dict(),
+        tensors=bare,
+        dtype=torch.float32,
+        device=str(harness.device),
     )
     reference = harness.model.backbone.layers[0].attention.qkv.weight
     assert torch.equal(model.backbone.layers[0].attention.qkv.weight, reference)

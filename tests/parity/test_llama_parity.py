@@ -86,10 +86,10 @@ CASES: dict[str, Callable[[], torch.nn.Module]] = {
 
 
 @pytest.fixture(scope="module", params=sorted(CASES))
-def harness(request: pytest.FixtureRequest, parity_harness: Any) -> Any:
+def harness(request: pytest.FixtureRequest, parity_harness: Any, torch_device: str) -> Any:
     torch.manual_seed(0)
     hf_model = _randomise(CASES[request.param](), seed=1)
-    return parity_harness(family=FAMILY, hf_model=hf_model)
+    return parity_harness(family=FAMILY, hf_model=hf_model, device=torch_device)
 
 
 def test_hf_tensor_names_are_exactly_expected(harness: Any) -> None:

@@ -8,6 +8,7 @@ twice, so the second pass runs on prefix-cache hits (or on recomputation with ca
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
@@ -15,11 +16,11 @@ from typing import Any
 import pytest
 import torch
 import transformers
-from device_params import CUDA
 
 from llmrt.kernels.formats import dequantized
 from llmrt.sampling_params import SamplingParams
 from llmrt.serving.llm import LLM
+from llmrt.testing.devices import recipe_overrides
 from llmrt.weights.checkpoint import Checkpoint
 
 MAX_TOKENS = 12
@@ -108,16 +109,23 @@ def _tokens(llm: LLM, prompts: Sequence[str | list[int]]) -> list[tuple[int, ...
     return [o.token_ids for o in llm.generate(prompts, GREEDY)]
 
 
-@pytest.fixture(scope="module", params=["tiny-llama", "tiny-gpt2"])
-def reference(request: pytest.FixtureRequest) -> Iterator[dict[str, Any]]:
-    """The recipe name, encoded prompts and transformers' greedy tokens for each."""
-    with LLM.from_recipe(request.param) as llm:
+@functools.cache
+def _reference(recipe: str) -> dict[str, Any]:
+    """Computed once per recipe: pytest may set ``reference`` up again when it regroups the
+    tests by ``torch_device``."""
+    with LLM.from_recipe(recipe) as llm:
         encoded = [llm.encode(p) for p in PROMPTS]
         model = hf_model_from(llm.container.model.weights())
         baseline = _tokens(llm, PROMPTS)
     assert max(len(p) for p in encoded) > 128 > min(len(p) for p in encoded)
     expected = [tuple(hf_greedy(model, p, MAX_TOKENS)) for p in encoded]
-    yield {"recipe": request.param, "encoded": encoded, "expected": expected, "base": baseline}
+    return {"recipe": recipe, "encoded": encoded, "expected": expected, "base": baseline}
+
+
+@pytest.fixture(scope="module", params=["tiny-llama", "tiny-gpt2"])
+def reference(request: pytest.FixtureRequest) -> Mapping[str, Any]:
+    """The recipe name, encoded prompts and transformers' greedy tokens for each."""
+    return _reference(str(request.param))
 
 
 def test_recipe_defaults_match_transformers(reference: Mapping[str, Any]) -> None:
@@ -125,8 +133,12 @@ def test_recipe_defaults_match_transformers(reference: Mapping[str, Any]) -> Non
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_configuration_matches_transformers(reference: Mapping[str, Any], variant: str) -> None:
-    overrides = VARIANTS[variant]
+def test_configuration_matches_transformers(
+    torch_device: str, reference: Mapping[str, Any], variant: str
+) -> None:
+    """Every configuration, on every torch device (float32; CUDA graphs under the trace
+    modes on cuda), gives transformers' greedy tokens (computed on the CPU)."""
+    overrides = {**VARIANTS[variant], **recipe_overrides(torch_device)}
     with LLM.from_recipe(reference["recipe"], overrides=overrides) as llm:
         first = _tokens(llm, PROMPTS)
         hits_after_first = llm.stats().prefix_hit_tokens
@@ -144,19 +156,6 @@ def test_configuration_matches_transformers(reference: Mapping[str, Any], varian
     else:
         assert stats.prefix_hit_tokens == 0
         assert stats.prefill_tokens_computed == 2 * total_prompt
-
-
-@pytest.mark.parametrize("variant", ["trace-none", "trace-all", "chunk-32"])
-@pytest.mark.parametrize("device", [CUDA])
-def test_serving_on_cuda_matches_transformers(
-    reference: Mapping[str, Any], device: str, variant: str
-) -> None:
-    """The serving stack on ``cuda:0`` (float32, CUDA graphs under trace modes) gives
-    transformers' greedy tokens (computed on the CPU)."""
-    index = torch.device(device).index or 0
-    overrides = {**VARIANTS[variant], "device.kind": "cuda", "device.index": index}
-    with LLM.from_recipe(reference["recipe"], overrides=overrides) as llm:
-        assert _tokens(llm, PROMPTS) == reference["expected"], variant
 
 
 def test_prefix_hits_prefill_in_waves_and_match_transformers(

@@ -2,8 +2,9 @@
 
 Without a GPU the placement test still runs: runtimes built for a ``cuda:0`` lane must ask
 for their generator on ``cuda:0`` (torch rejects a CPU generator for a CUDA tensor, so the
-old CPU decode generator failed every unseeded sampled step there). The lane tests run on
-``cpu`` here and on ``cuda:0`` where one exists (``scripts/gpu_check.sh``).
+old CPU decode generator failed every unseeded sampled step there). The lane tests run over
+the plugin's ``torch_device``: ``cpu`` here, and ``cuda:0`` where one exists
+(``scripts/gpu_check.sh``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from typing import Any
 import attrs
 import pytest
 import torch
-from device_params import TORCH_DEVICES
 from lane_fixtures import (  # noqa: F401 (single_torch_thread: autouse)
     Lane,
     build_lane,
@@ -22,11 +22,11 @@ from lane_fixtures import (  # noqa: F401 (single_torch_thread: autouse)
     page_table,
     prompt,
     single_torch_thread,
-    tiny_llama,
 )
 
+import llmrt.decode
+import llmrt.prefill.runtime
 from llmrt.decode import DecodeOutput, DecodeRuntime
-from llmrt.device.torch import TorchDevice
 from llmrt.errors import DeviceError
 from llmrt.prefill.runtime import PrefillRuntime
 from llmrt.sampling import SamplingTensors, device_generator, sample
@@ -90,12 +90,50 @@ def test_sampling_refuses_a_generator_on_another_device() -> None:
     assert 0 <= int(result.tokens[0]) < 8
 
 
-@pytest.fixture(params=TORCH_DEVICES)
-def lane(request: pytest.FixtureRequest) -> Iterator[Lane]:
-    device = str(request.param)
+def test_sampled_steps_refuse_a_generator_off_the_lane_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The failure the old decode runtime hit on CUDA (its generator on another device than
+    the logits), reproduced on the CPU: both runtimes get a generator "on cuda:0" for a cpu
+    lane. Every sampled step (unseeded or seeded) through the lane is refused with both
+    devices named, before any noise is drawn; greedy steps never touch the generator."""
+
+    def misplaced(device: Any, *, seed: int = 0) -> Any:
+        return _PlacedOn("cuda:0")
+
+    monkeypatch.setattr(llmrt.decode, "device_generator", misplaced)
+    monkeypatch.setattr(llmrt.prefill.runtime, "device_generator", misplaced)
+    lane = build_lane(block_size=BS, num_blocks=48, max_chunk=16, lane_capacity=4)
+    try:
+        match = r"generator is on cuda:0 but the noise is drawn on cpu"
+        unseeded, seeded = SamplingParams(temperature=0.8), SamplingParams(temperature=0.8, seed=4)
+        for params in ([unseeded], [seeded]):
+            rows = make_rows([prompt(LENS[0], seed=1)], BLOCKS[:1])
+            with pytest.raises(DeviceError, match=match):
+                lane.executor.prefill_forward(rows=rows, sampling_params=params)
+            with pytest.raises(DeviceError, match=match):
+                lane.executor.decode_forward(
+                    tokens=torch.tensor([3]),
+                    start_pos=torch.tensor([LENS[0]], dtype=torch.int32),
+                    page_table=page_table(BLOCKS[:1], width=8),
+                    sampling_params=params,
+                    step_offsets=[1],
+                )
+        greedy = lane.executor.decode_forward(
+            tokens=torch.tensor([3]),
+            start_pos=torch.tensor([LENS[0]], dtype=torch.int32),
+            page_table=page_table(BLOCKS[:1], width=8),
+            sampling_params=[SamplingParams(temperature=0.0)],
+        )
+        assert isinstance(greedy, DecodeOutput) and greedy.tokens is not None
+    finally:
+        lane.cleanup()
+
+
+@pytest.fixture
+def lane(torch_device: str) -> Iterator[Lane]:
     lane = build_lane(
-        model=tiny_llama(device=device),
-        device=TorchDevice(device),
+        torch_device=torch_device,
         block_size=BS,
         num_blocks=48,
         max_chunk=16,
@@ -139,8 +177,8 @@ def test_greedy_decode_matches_a_prefill_of_the_whole_history_on_the_same_device
     fresh = ((32, 33, 34, 35), (36, 37, 38, 39))
     out = lane.executor.prefill_forward(rows=make_rows(histories, fresh))
     assert out.logits is not None
-    assert out.logits.device.type == torch.device(lane.device.torch_device).type
-    assert out.logits.to("cpu").argmax(dim=-1).tolist() == [row[-1] for row in tokens]
+    assert out.logits.device.type == "cpu"  # outputs are read back to the host
+    assert out.logits.argmax(dim=-1).tolist() == [row[-1] for row in tokens]
 
 
 def test_seeded_sampled_decode_on_the_lane_device_is_reproducible(lane: Lane) -> None:
@@ -162,8 +200,7 @@ def test_unseeded_sampled_decode_draws_on_the_lane_device(lane: Lane) -> None:
     assert lane.decode.generator.device.type == torch.device(lane.device.torch_device).type
 
 
-@pytest.mark.parametrize("device", TORCH_DEVICES)
-def test_llama_family_on_the_device_matches_transformers(device: str) -> None:
+def test_llama_family_on_the_device_matches_transformers(torch_device: str) -> None:
     """Family parity on the lane's device: the prefill logits and greedy decode tokens of a
     Llama built on ``device`` equal transformers' (float32, on the CPU) on the same weights."""
     transformers = pytest.importorskip("transformers")
@@ -186,15 +223,15 @@ def test_llama_family_on_the_device_matches_transformers(device: str) -> None:
         hf_config=hf.config.to_dict(),
         tensors=hf.state_dict(),
         dtype=torch.float32,
-        device=device,
+        device=torch_device,
     )
-    lane = build_lane(model=model, device=TorchDevice(device), block_size=BS, num_blocks=16)
+    lane = build_lane(model=model, torch_device=torch_device, block_size=BS, num_blocks=16)
     try:
         ids = prompt(11, seed=5)
         out = lane.executor.prefill_forward(rows=make_rows([ids], [(0, 1, 2, 3)]))
         assert out.logits is not None
         with torch.no_grad():
             expected = hf(input_ids=torch.tensor([ids])).logits[0, -1]
-        torch.testing.assert_close(out.logits[0].to("cpu"), expected, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(out.logits[0], expected, atol=1e-4, rtol=1e-4)
     finally:
         lane.cleanup()

@@ -11,20 +11,13 @@ import torch
 
 from llmrt.device import Device, TorchDevice
 from llmrt.errors import ConfigError, DeviceError, TraceStateError
-
-NO_CUDA = "needs a CUDA device: torch.cuda.is_available() is False"
-DEVICE_SPECS = [
-    "cpu",
-    pytest.param(
-        "cuda:0",
-        marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)],
-    ),
-]
+from llmrt.testing.devices import requires_cuda
 
 
-@pytest.fixture(params=DEVICE_SPECS)
-def device(request: pytest.FixtureRequest) -> Iterator[TorchDevice]:
-    yield TorchDevice(request.param)
+@pytest.fixture
+def device(torch_device: str) -> Iterator[TorchDevice]:
+    """A fresh device on every torch device (the plugin's ``torch_device``)."""
+    yield TorchDevice(torch_device)
 
 
 def host(*values: float) -> torch.Tensor:
@@ -312,8 +305,7 @@ def test_refresh_targets_only_tensors_this_device_allocated(device: TorchDevice)
         lane1.refresh(lane_dst, host(3, 4))
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason=NO_CUDA)
+@requires_cuda
 def test_cuda_trace_is_a_graph_that_replays_without_python() -> None:
     device = TorchDevice("cuda:0", cuda_warmup_runs=2)
     x = device.upload(host(1, 2))

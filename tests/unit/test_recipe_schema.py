@@ -335,6 +335,8 @@ def test_decode_batch_sizes_default_to_powers_of_two_on_torch_and_the_capacity_o
         ({"prefill.seq_len_buckets": "tile"}, (128,), (1, 2)),
         ({"warmup.prefill_batch_sizes": [1, 8]}, (32, 64), (1,)),
         ({"warmup.prefill_batch_sizes": [8], "prefill.max_batch_size": 2}, (32, 64), (2,)),
+        ({"decode.lane_capacity": 1}, (32, 64), (1,)),  # a wave holds at most a lane's rows
+        ({"warmup.prefill_batch_sizes": [4], "decode.lane_capacity": 3}, (32, 64), (2,)),
     ],
 )
 def test_warmup_follows_the_prefill_fields_it_depends_on(

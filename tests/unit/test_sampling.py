@@ -20,6 +20,7 @@ from llmrt.sampling import (
     sample,
     token_counts,
 )
+from llmrt.testing.devices import requires_cuda
 
 LOGITS = [2.0, 1.5, 1.2, 0.8, 0.3, 0.0, -0.4, -1.0, -2.0, -3.0]
 DRAWS = 20_000
@@ -525,8 +526,7 @@ def test_bad_inputs_raise_request_errors_naming_them() -> None:
         apply_penalties(torch.zeros(1, 8), tensors=penal, output_counts=torch.zeros(1, 7))
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@requires_cuda
 def test_seeded_rows_match_between_host_and_cuda() -> None:
     vocab = 256
     params = [
@@ -544,8 +544,7 @@ def test_seeded_rows_match_between_host_and_cuda() -> None:
     torch.testing.assert_close(device.logprobs.cpu(), host.logprobs)
 
 
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@requires_cuda
 def test_cuda_graph_replay_with_persistent_buffers_matches_eager() -> None:
     vocab, batch = 128, 8
     persistent = SamplingTensors.from_params(

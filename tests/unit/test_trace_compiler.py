@@ -271,14 +271,17 @@ ROW1 = [8, 9, 10]  # covers positions 0..11
 
 
 @pytest.fixture(scope="module")
-def model() -> CausalLM:
-    return tiny_llama()
+def model(torch_device: str) -> CausalLM:
+    return tiny_llama(device=torch_device)
 
 
 @pytest.fixture
-def lane(model: CausalLM) -> Iterator[Lane]:
-    """A decode_only lane, warmed and captured (the decode trace has not replayed yet)."""
-    lane = build_lane(model=model, block_size=BS, num_blocks=64, max_chunk=16)
+def lane(model: CausalLM, torch_device: str) -> Iterator[Lane]:
+    """A decode_only lane, warmed and captured (the decode trace has not replayed yet), on
+    every torch device: on cuda the trace is a CUDA graph and replays must equal eager."""
+    lane = build_lane(
+        model=model, block_size=BS, num_blocks=64, max_chunk=16, torch_device=torch_device
+    )
     add_tracing(lane, mode="decode_only", seq_lens=(8,), batch_sizes=(1,))
     assert lane.tracing is not None
     lane.tracing.warm()

@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+from fake_ttnn_errors import LIBRARY_ERRORS, fake_message, says
 
 from llmrt.errors import ConfigError
 from llmrt.testing.fake_ttnn import FakeTtnn, InjectedTtnnFailure, TtnnRuleViolation
@@ -304,3 +305,11 @@ def test_registered_ops_are_traced() -> None:
     fake.copy_host_to_device_tensor(fake.from_torch(torch.tensor([[0.0, 1.0]])), x)
     fake.execute_trace(mesh, tid, cq_id=0, blocking=True)
     assert torch.allclose(fake.to_torch(out), torch.softmax(torch.tensor([[0.0, 2.0]]), dim=-1))
+
+
+@pytest.mark.parametrize("case", sorted(LIBRARY_ERRORS))
+def test_the_fake_raises_with_the_libraries_text(case: str) -> None:
+    """The text is ttnn 0.81.1's (``tests/ttnn_host`` finds it in the wheel), not the fake's."""
+    text, provoke = LIBRARY_ERRORS[case]
+    message = fake_message(provoke)
+    assert says(message, text), message

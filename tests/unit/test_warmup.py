@@ -35,14 +35,15 @@ CHUNK = 16
 
 
 @pytest.fixture(scope="module")
-def model() -> CausalLM:
-    return tiny_llama()
+def model(torch_device: str) -> CausalLM:
+    return tiny_llama(device=torch_device)
 
 
 @pytest.fixture
-def make(model: CausalLM) -> Iterator[Callable[..., Lane]]:
-    """Builds un-warmed traced lanes (a fresh model per extra lane, so several can coexist);
-    all are cleaned up and checked for leaks at teardown."""
+def make(model: CausalLM, torch_device: str) -> Iterator[Callable[..., Lane]]:
+    """Builds un-warmed traced lanes (a fresh model per extra lane, so several can coexist)
+    on every torch device (captures are CUDA graphs on cuda); all are cleaned up and checked
+    for leaks at teardown."""
     made: list[Lane] = []
 
     def build(
@@ -55,8 +56,9 @@ def make(model: CausalLM) -> Iterator[Callable[..., Lane]]:
         **tracing: Any,
     ) -> Lane:
         lane = build_lane(
-            model=model if not made else tiny_llama(),
+            model=model if not made else tiny_llama(device=torch_device),
             device=device,
+            torch_device=torch_device,
             block_size=BS,
             num_blocks=num_blocks,
             max_chunk=CHUNK,
@@ -205,8 +207,10 @@ def test_eager_mode_never_captures_or_closes_the_gate(make: Callable[..., Lane])
 # -- lanes -----------------------------------------------------------------------------
 
 
-def _two_lanes(make: Callable[..., Lane], **second: Any) -> tuple[Lane, Lane, CaptureBarrier]:
-    devices = TorchDevice("cpu").lanes(2)
+def _two_lanes(
+    make: Callable[..., Lane], torch_device: str, **second: Any
+) -> tuple[Lane, Lane, CaptureBarrier]:
+    devices = TorchDevice(torch_device).lanes(2)
     barrier = CaptureBarrier(lanes=2)
     lane0 = make("all", device=devices[0], barrier=barrier, lane_index=0)
     options = {"barrier": barrier, "lane_index": 1, **second}
@@ -214,8 +218,10 @@ def _two_lanes(make: Callable[..., Lane], **second: Any) -> tuple[Lane, Lane, Ca
     return lane0, lane1, barrier
 
 
-def test_the_barrier_holds_until_every_lane_is_ready(make: Callable[..., Lane]) -> None:
-    lane0, lane1, barrier = _two_lanes(make)
+def test_the_barrier_holds_until_every_lane_is_ready(
+    make: Callable[..., Lane], torch_device: str
+) -> None:
+    lane0, lane1, barrier = _two_lanes(make, torch_device)
     _t(lane0).warm()
     _t(lane1).warmup.warmup_decode()
     for lane in (lane0, lane1):
@@ -233,9 +239,10 @@ def test_the_barrier_holds_until_every_lane_is_ready(make: Callable[..., Lane]) 
 
 
 def test_mismatched_lane_readiness_raises_and_captures_nothing(
-    make: Callable[..., Lane],
+    make: Callable[..., Lane], torch_device: str
 ) -> None:
-    lane0, lane1, barrier = _two_lanes(make, lane_capacity=4)  # decode[b4] vs decode[b8]
+    # decode[b4] vs decode[b8]
+    lane0, lane1, barrier = _two_lanes(make, torch_device, lane_capacity=4)
     _t(lane0).warm()
     with pytest.raises(IdentityError, match="identical warmup readiness"):
         _t(lane1).warm()
@@ -244,8 +251,10 @@ def test_mismatched_lane_readiness_raises_and_captures_nothing(
         assert lane.inner.stats().captures == 0 and not lane.compiler.gate_closed
 
 
-def test_two_coordinators_cannot_report_the_same_lane(make: Callable[..., Lane]) -> None:
-    lane0, lane1, barrier = _two_lanes(make, lane_index=0)
+def test_two_coordinators_cannot_report_the_same_lane(
+    make: Callable[..., Lane], torch_device: str
+) -> None:
+    lane0, lane1, barrier = _two_lanes(make, torch_device, lane_index=0)
     _t(lane0).warm()
     with pytest.raises(IdentityError, match="one warmup coordinator per lane"):
         _t(lane1).warm()
@@ -362,9 +371,11 @@ def test_coverage_keeps_a_wave_its_fewest_rows_can_form(make: Callable[..., Lane
 # -- lifecycle events ------------------------------------------------------------------
 
 
-def test_warmup_capture_and_replay_lifecycle_events(model: CausalLM) -> None:
+def test_warmup_capture_and_replay_lifecycle_events(model: CausalLM, torch_device: str) -> None:
     configure_logging(level="debug", console=False)  # before building: the filter binds early
-    lane = build_lane(model=model, block_size=BS, num_blocks=64, max_chunk=CHUNK)
+    lane = build_lane(
+        model=model, block_size=BS, num_blocks=64, max_chunk=CHUNK, torch_device=torch_device
+    )
     try:
         tracing = add_tracing(lane, mode="decode_only", seq_lens=(8,), batch_sizes=(1,))
         with capture_logs() as logs:
