@@ -16,7 +16,7 @@ from llmrt.families import hfparts
 from llmrt.families.decoder import TensorNames
 from llmrt.families.decoder_family import DecoderFamily
 from llmrt.families.hfconfig import HFConfig
-from llmrt.families.parts import AttentionSpec, DecoderSpec, LayerSpec, MLPSpec, NormSpec
+from llmrt.families.parts import DecoderSpec, LayerSpec, MLPSpec, NormSpec
 
 MODEL_TYPES: tuple[str, ...] = ("gpt2",)
 REQUIRED_KEYS: tuple[str, ...] = ("vocab_size", "n_embd", "n_layer", "n_head", "n_positions")
@@ -77,10 +77,8 @@ def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
     )
     spec = DecoderSpec(
         model=model,
-        attention=AttentionSpec(
-            num_heads=heads,
-            num_kv_heads=heads,
-            head_dim=head_dim,
+        attention=hfparts.attention(
+            model,
             scale=head_dim**-0.5 if cfg.flag("scale_attn_weights", True) else 1.0,
             qkv_bias=True,
             o_bias=True,

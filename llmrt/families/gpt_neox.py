@@ -12,17 +12,9 @@ from llmrt.families import hfparts
 from llmrt.families.decoder import TensorNames
 from llmrt.families.decoder_family import DecoderFamily
 from llmrt.families.hfconfig import HFConfig
-from llmrt.families.parts import AttentionSpec, DecoderSpec, LayerSpec, MLPSpec, NormSpec
+from llmrt.families.parts import DecoderSpec, LayerSpec, MLPSpec, NormSpec
 
 MODEL_TYPES: tuple[str, ...] = ("gpt_neox",)
-REQUIRED_KEYS: tuple[str, ...] = (
-    "vocab_size",
-    "hidden_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "intermediate_size",
-    "max_position_embeddings",
-)
 NAMES = TensorNames(
     embed="gpt_neox.embed_in.weight",
     final_norm="gpt_neox.final_layer_norm",
@@ -54,7 +46,6 @@ def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
         )
     geometry = (heads, heads, hidden // heads)
     model = hfparts.model_config(cfg, family="gpt_neox", dtype=dtype, hidden=hidden, heads=geometry)
-    head_dim = hidden // heads
     bias = cfg.flag("attention_bias", True)
     parallel = cfg.flag("use_parallel_residual", True)
     if "rotary_pct" in cfg.raw and "partial_rotary_factor" not in cfg.raw:
@@ -63,11 +54,8 @@ def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
         cfg = HFConfig(raw={**cfg.raw, "rope_theta": cfg.raw["rotary_emb_base"]})
     spec = DecoderSpec(
         model=model,
-        attention=AttentionSpec(
-            num_heads=heads,
-            num_kv_heads=heads,
-            head_dim=head_dim,
-            scale=head_dim**-0.5,
+        attention=hfparts.attention(
+            model,
             qkv_bias=bias,
             o_bias=bias,
         ),
@@ -80,11 +68,7 @@ def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
         norm=NormSpec(kind="layer", eps=cfg.positive_float("layer_norm_eps", 1e-5), bias=True),
         layers=tuple(LayerSpec() for _ in range(model.num_layers)),
         residual="parallel" if parallel else "sequential",
-        ropes=(
-            hfparts.rope(
-                cfg, head_dim=head_dim, max_positions=model.max_position_embeddings, partial=True
-            ),
-        ),
+        ropes=(hfparts.rope(cfg, model, partial=True),),
         tie_word_embeddings=cfg.flag("tie_word_embeddings", False),
     )
     return spec, NAMES
@@ -107,7 +91,7 @@ FAMILY = DecoderFamily(
     name="gpt_neox",
     model_types=MODEL_TYPES,
     read=read,
-    required_keys=REQUIRED_KEYS,
+    required_keys=hfparts.DECODER_KEYS,
     ignored_suffixes=IGNORED_SUFFIXES,
     rename=canonical_names,
 )

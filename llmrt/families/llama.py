@@ -18,7 +18,6 @@ from llmrt.families.decoder import TensorNames
 from llmrt.families.decoder_family import DecoderFamily
 from llmrt.families.hfconfig import HFConfig
 from llmrt.families.parts import (
-    AttentionSpec,
     DecoderSpec,
     LayerSpec,
     MLPSpec,
@@ -36,14 +35,6 @@ MODEL_TYPES: tuple[str, ...] = (
     "granite",
 )
 IGNORED_SUFFIXES: tuple[str, ...] = (".rotary_emb.inv_freq",)
-REQUIRED_KEYS: tuple[str, ...] = (
-    "vocab_size",
-    "hidden_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "intermediate_size",
-    "max_position_embeddings",
-)
 #: Model types whose sliding window covers every layer (``sliding_window``, null: none).
 _WINDOW_ALL = ("mistral", "mixtral")
 _QWEN = ("qwen2", "qwen3", "qwen3_moe")
@@ -52,11 +43,7 @@ _QWEN = ("qwen2", "qwen3", "qwen3_moe")
 def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
     """Map a Llama-family ``config.json`` onto parts (``CheckpointError`` naming a field)."""
     model_type = str(cfg.raw.get("model_type") or "llama")
-    hfparts.reject_common(cfg)
-    hidden = cfg.positive_int("hidden_size")
-    heads = hfparts.head_geometry(cfg, hidden=hidden)
-    model = hfparts.model_config(cfg, family="llama", dtype=dtype, hidden=hidden, heads=heads)
-    num_heads, kv_heads, head_dim = heads
+    model = hfparts.read_common(cfg, family="llama", dtype=dtype)
     n = model.num_layers
     act = hfparts.activation(cfg, "hidden_act", "silu")
     hfparts.reject_value(cfg, "pretraining_tp", allowed=1, reason="only pretraining_tp=1")
@@ -77,7 +64,7 @@ def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
     if "sliding_attention" in kinds and window is None:
         raise CheckpointError("config.sliding_window", "required by sliding_attention layers")
     attention_bias = cfg.flag("attention_bias", False)
-    scale = head_dim**-0.5
+    scale: float | None = None
     embedding_scale = residual_multiplier = logit_scale = 1.0
     if model_type == "granite":
         scale = cfg.positive_float("attention_multiplier", 1.0)
@@ -86,10 +73,8 @@ def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
         logit_scale = 1.0 / cfg.positive_float("logits_scaling", 1.0)
     eps = cfg.positive_float("rms_norm_eps", 1e-6)
     norm = NormSpec(kind="rms", eps=eps)
-    attention = AttentionSpec(
-        num_heads=num_heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
+    attention = hfparts.attention(
+        model,
         scale=scale,
         qkv_bias=model_type == "qwen2" or attention_bias,
         o_bias=model_type != "qwen2" and attention_bias,
@@ -116,7 +101,7 @@ def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
         moe=moe,
         norm=norm,
         layers=layers,
-        ropes=(hfparts.rope(cfg, head_dim=head_dim, max_positions=model.max_position_embeddings),),
+        ropes=(hfparts.rope(cfg, model),),
         embedding_scale=embedding_scale,
         residual_multiplier=residual_multiplier,
         logit_scale=logit_scale,
@@ -199,7 +184,7 @@ FAMILY = DecoderFamily(
     name="llama",
     model_types=MODEL_TYPES,
     read=read,
-    required_keys=REQUIRED_KEYS,
+    required_keys=hfparts.DECODER_KEYS,
     ignored_suffixes=IGNORED_SUFFIXES,
     rename=fuse_experts,
     gguf_architecture="llama",
