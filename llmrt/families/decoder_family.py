@@ -22,15 +22,16 @@ from llmrt.families.decoder import TensorInit, TensorNames, TensorPlan, build_de
 from llmrt.families.hfconfig import HFConfig
 from llmrt.families.parts import DecoderSpec
 from llmrt.families.tensors import check_tensors
+from llmrt.kernels.formats import CheckpointTensor
 
-Tensors = Mapping[str, torch.Tensor]
+Tensors = Mapping[str, CheckpointTensor]
 SpecReader = Callable[[HFConfig, torch.dtype], tuple[DecoderSpec, TensorNames]]
 
 
 class Renamer(Protocol):
     def __call__(
         self, tensors: Tensors, *, expected: Mapping[str, tuple[int, ...]]
-    ) -> dict[str, torch.Tensor]: ...
+    ) -> dict[str, CheckpointTensor]: ...
 
 
 @attrs.frozen(kw_only=True)

@@ -17,6 +17,7 @@ from llmrt.families.decoder import TensorNames
 from llmrt.families.decoder_family import DecoderFamily
 from llmrt.families.hfconfig import HFConfig
 from llmrt.families.parts import DecoderSpec, LayerSpec, MLPSpec, NormSpec
+from llmrt.kernels.formats import CheckpointTensor
 
 MODEL_TYPES: tuple[str, ...] = ("gpt2",)
 REQUIRED_KEYS: tuple[str, ...] = ("vocab_size", "n_embd", "n_layer", "n_head", "n_positions")
@@ -98,11 +99,11 @@ def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
 
 
 def canonical_names(
-    tensors: Mapping[str, torch.Tensor], *, expected: Mapping[str, tuple[int, ...]]
-) -> dict[str, torch.Tensor]:
+    tensors: Mapping[str, CheckpointTensor], *, expected: Mapping[str, tuple[int, ...]]
+) -> dict[str, CheckpointTensor]:
     """Map bare ``GPT2Model`` names (``h.0.attn...``, as in the original hub files) to the
     ``transformer.``-prefixed ones in ``expected``; every other name passes through."""
-    renamed: dict[str, torch.Tensor] = {}
+    renamed: dict[str, CheckpointTensor] = {}
     for name, tensor in tensors.items():
         prefixed = f"transformer.{name}"
         key = prefixed if name not in expected and prefixed in expected else name

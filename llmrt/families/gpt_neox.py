@@ -13,6 +13,7 @@ from llmrt.families.decoder import TensorNames
 from llmrt.families.decoder_family import DecoderFamily
 from llmrt.families.hfconfig import HFConfig
 from llmrt.families.parts import DecoderSpec, LayerSpec, MLPSpec, NormSpec
+from llmrt.kernels.formats import CheckpointTensor
 
 MODEL_TYPES: tuple[str, ...] = ("gpt_neox",)
 NAMES = TensorNames(
@@ -75,8 +76,8 @@ def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
 
 
 def canonical_names(
-    tensors: Mapping[str, torch.Tensor], *, expected: Mapping[str, tuple[int, ...]]
-) -> dict[str, torch.Tensor]:
+    tensors: Mapping[str, CheckpointTensor], *, expected: Mapping[str, tuple[int, ...]]
+) -> dict[str, CheckpointTensor]:
     """Older checkpoints name the LM head ``embed_out``; map it onto ``lm_head``."""
     renamed = dict(tensors)
     if "embed_out.weight" in renamed:

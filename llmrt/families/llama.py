@@ -24,6 +24,7 @@ from llmrt.families.parts import (
     MoESpec,
     NormSpec,
 )
+from llmrt.kernels.formats import CheckpointTensor
 
 MODEL_TYPES: tuple[str, ...] = (
     "llama",
@@ -149,8 +150,8 @@ _EXPERT_LAYOUTS: tuple[tuple[str, str, str, str, str], ...] = (
 
 
 def fuse_experts(
-    tensors: Mapping[str, torch.Tensor], *, expected: Mapping[str, tuple[int, ...]]
-) -> dict[str, torch.Tensor]:
+    tensors: Mapping[str, CheckpointTensor], *, expected: Mapping[str, tuple[int, ...]]
+) -> dict[str, CheckpointTensor]:
     """Stack per-expert weights into the fused expert tensors ``expected`` names.
 
     A layer's experts are fused only when every expert's gate, up and down weight is
@@ -168,8 +169,12 @@ def fuse_experts(
             ]
             if not all(n in out for row in names for n in row):
                 continue
-            out[fused] = torch.stack([torch.cat([out[g], out[u]]) for g, u, _ in names])
-            out[f"{layer}mlp.experts.down_proj"] = torch.stack([out[d] for _, _, d in names])
+            out[fused] = torch.stack(
+                [torch.cat([_dense(out[g]), _dense(out[u])]) for g, u, _ in names]
+            )
+            out[f"{layer}mlp.experts.down_proj"] = torch.stack(
+                [_dense(out[d]) for _, _, d in names]
+            )
             for row in names:
                 for n in row:
                     del out[n]
@@ -177,6 +182,11 @@ def fuse_experts(
                 out[f"{layer}mlp.gate.weight"] = out.pop(f"{layer}{router}.weight")
             break
     return out
+
+
+def _dense(tensor: CheckpointTensor) -> torch.Tensor:
+    """Expert weights are stacked in float (quantized blocks are dequantized first)."""
+    return tensor if isinstance(tensor, torch.Tensor) else tensor.dequantize()
 
 
 #: The family the registry serves under ``llama``.
