@@ -23,6 +23,7 @@ from llmrt.families.hfconfig import HFConfig
 from llmrt.families.parts import DecoderSpec
 from llmrt.families.tensors import check_tensors
 from llmrt.kernels.formats import CheckpointTensor
+from llmrt.weights.gguf_architecture import GGUFArchitecture
 
 Tensors = Mapping[str, CheckpointTensor]
 SpecReader = Callable[[HFConfig, torch.dtype], tuple[DecoderSpec, TensorNames]]
@@ -40,7 +41,8 @@ class DecoderFamily:
 
     ``required_keys`` are the ``config.json`` keys a random checkpoint of each model type
     must give (``recipes validate`` checks them before anything loads);
-    ``gguf_architecture`` is the GGUF ``general.architecture`` it reads (None: none);
+    ``gguf`` says how it reads GGUF files (its ``general.architecture``, config, tensor
+    names and layouts; None: it reads none);
     ``backends`` the device backends that can run it.
     """
 
@@ -50,8 +52,13 @@ class DecoderFamily:
     required_keys: tuple[str, ...]
     ignored_suffixes: tuple[str, ...] = ()
     rename: Renamer | None = None
-    gguf_architecture: str | None = None
+    gguf: GGUFArchitecture | None = None
     backends: tuple[str, ...] = ("torch",)
+
+    @property
+    def gguf_architecture(self) -> str | None:
+        """The GGUF ``general.architecture`` this family reads (None: none)."""
+        return None if self.gguf is None else self.gguf.name
 
     def spec(self, hf_config: Mapping[str, Any], *, dtype: torch.dtype) -> DecoderSpec:
         """The parts ``hf_config`` maps onto (``CheckpointError`` naming a bad field)."""

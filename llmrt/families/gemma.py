@@ -118,5 +118,4 @@ FAMILY = DecoderFamily(
     read=read,
     required_keys=hfparts.DECODER_KEYS,
     ignored_suffixes=(".rotary_emb.inv_freq",),
-    gguf_architecture=None,
 )

@@ -9,7 +9,10 @@ experts and multipliers, which this module reads and the parts compute.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
 
+import numpy as np
 import torch
 
 from llmrt.errors import CheckpointError
@@ -25,6 +28,14 @@ from llmrt.families.parts import (
     NormSpec,
 )
 from llmrt.kernels.formats import CheckpointTensor
+from llmrt.weights.gguf_architecture import (
+    GGUFArchitecture,
+    metadata_field,
+    reject_rope_scaling,
+    token_ids,
+    unpermute_rotary,
+    vocab_size,
+)
 
 MODEL_TYPES: tuple[str, ...] = (
     "llama",
@@ -189,6 +200,80 @@ def _dense(tensor: CheckpointTensor) -> torch.Tensor:
     return tensor if isinstance(tensor, torch.Tensor) else tensor.dequantize()
 
 
+def _gguf_config(
+    metadata: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], item: str
+) -> dict[str, Any]:
+    """A llama.cpp ``llama`` GGUF's metadata as a Llama ``config.json``."""
+    hidden = int(metadata_field(metadata, "llama.embedding_length", item))
+    heads = int(metadata_field(metadata, "llama.attention.head_count", item))
+    kv_heads = int(metadata.get("llama.attention.head_count_kv") or heads)
+    head_dim = int(metadata.get("llama.attention.key_length") or hidden // heads)
+    rope_dim = metadata.get("llama.rope.dimension_count")
+    if rope_dim is not None and int(rope_dim) != head_dim:
+        raise CheckpointError(
+            f"{item}: llama.rope.dimension_count",
+            f"partial rotary ({rope_dim} of head_dim {head_dim}) is not supported",
+        )
+    reject_rope_scaling(metadata, "llama", item)
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab_size(metadata, shapes, "llama"),
+        "hidden_size": hidden,
+        "intermediate_size": int(metadata_field(metadata, "llama.feed_forward_length", item)),
+        "num_hidden_layers": int(metadata_field(metadata, "llama.block_count", item)),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "max_position_embeddings": int(metadata_field(metadata, "llama.context_length", item)),
+        "rope_theta": float(metadata.get("llama.rope.freq_base") or 10000.0),
+        "rms_norm_eps": float(
+            metadata_field(metadata, "llama.attention.layer_norm_rms_epsilon", item)
+        ),
+        "hidden_act": "silu",
+        "attention_bias": "blk.0.attn_q.bias" in shapes,
+        "mlp_bias": "blk.0.ffn_up.bias" in shapes,
+        "tie_word_embeddings": "output.weight" not in shapes,
+        **token_ids(metadata),
+    }
+
+
+def _gguf_convert(name: str, values: np.ndarray, hf_config: Mapping[str, Any]) -> np.ndarray:
+    """Undo llama.cpp's interleaving of rotary halves in Q and K rows (weights and biases)."""
+    if ".attn_q." in name:
+        return unpermute_rotary(values, heads=int(hf_config["num_attention_heads"]))
+    if ".attn_k." in name:
+        return unpermute_rotary(values, heads=int(hf_config["num_key_value_heads"]))
+    return values
+
+
+#: llama.cpp's ``llama`` architecture (Llama 1-3, SmolLM2, ...) in Hugging Face form.
+GGUF = GGUFArchitecture(
+    name="llama",
+    hf_config=_gguf_config,
+    global_names=MappingProxyType(
+        {
+            "token_embd.weight": "model.embed_tokens.weight",
+            "output_norm.weight": "model.norm.weight",
+            "output.weight": "lm_head.weight",
+        }
+    ),
+    block_names=MappingProxyType(
+        {
+            "attn_q": "model.layers.{layer}.self_attn.q_proj",
+            "attn_k": "model.layers.{layer}.self_attn.k_proj",
+            "attn_v": "model.layers.{layer}.self_attn.v_proj",
+            "attn_output": "model.layers.{layer}.self_attn.o_proj",
+            "ffn_gate": "model.layers.{layer}.mlp.gate_proj",
+            "ffn_up": "model.layers.{layer}.mlp.up_proj",
+            "ffn_down": "model.layers.{layer}.mlp.down_proj",
+            "attn_norm": "model.layers.{layer}.input_layernorm",
+            "ffn_norm": "model.layers.{layer}.post_attention_layernorm",
+        }
+    ),
+    convert=_gguf_convert,
+)
+
 #: The family the registry serves under ``llama``.
 FAMILY = DecoderFamily(
     name="llama",
@@ -197,5 +282,5 @@ FAMILY = DecoderFamily(
     required_keys=hfparts.DECODER_KEYS,
     ignored_suffixes=IGNORED_SUFFIXES,
     rename=fuse_experts,
-    gguf_architecture="llama",
+    gguf=GGUF,
 )

@@ -139,6 +139,24 @@ def _check(family: Any, *, source: str, name: Any) -> Family:
     return family
 
 
+def gguf_architectures() -> dict[str, Any]:
+    """GGUF ``general.architecture`` -> the ``GGUFArchitecture`` the family that reads it
+    declares (``gguf``); families that fail to load are left out (named by ``get_family``)."""
+    out: dict[str, Any] = {}
+    for name in family_names():
+        try:
+            family = get_family(name)
+        except FamilyError:
+            continue
+        gguf = getattr(family, "gguf", None)
+        if gguf is None:
+            continue
+        if gguf.name in out:
+            raise FamilyError(f"GGUF architecture {gguf.name!r} is claimed by several families")
+        out[gguf.name] = gguf
+    return out
+
+
 def family_backends(family: Family) -> tuple[str, ...]:
     """The device backends ``family`` builds models for (``backends``; torch when undeclared)."""
     declared = getattr(family, "backends", DEFAULT_BACKENDS)
