@@ -43,7 +43,9 @@ class DecoderFamily:
     must give (``recipes validate`` checks them before anything loads);
     ``gguf`` says how it reads GGUF files (its ``general.architecture``, config, tensor
     names and layouts; None: it reads none);
-    ``backends`` the device backends that can run it.
+    ``architectures`` the Hugging Face class names (``config.json`` ``architectures``)
+    of its checkpoints, which vLLM's plugin registers; ``backends`` the device backends
+    that can run it.
     """
 
     name: str
@@ -53,6 +55,7 @@ class DecoderFamily:
     ignored_suffixes: tuple[str, ...] = ()
     rename: Renamer | None = None
     gguf: GGUFArchitecture | None = None
+    architectures: tuple[str, ...] = ()
     backends: tuple[str, ...] = ("torch",)
 
     @property

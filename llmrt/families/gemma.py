@@ -114,6 +114,11 @@ def _optional_cap(cfg: HFConfig, key: str, default: float | None) -> float | Non
 #: The family the registry serves under ``gemma``.
 FAMILY = DecoderFamily(
     name="gemma",
+    architectures=(
+        "GemmaForCausalLM",
+        "Gemma2ForCausalLM",
+        "Gemma3ForCausalLM",
+    ),
     model_types=MODEL_TYPES,
     read=read,
     required_keys=hfparts.DECODER_KEYS,

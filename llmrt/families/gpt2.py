@@ -177,6 +177,7 @@ GGUF = GGUFArchitecture(
 #: The family the registry serves under ``gpt2``.
 FAMILY = DecoderFamily(
     name="gpt2",
+    architectures=("GPT2LMHeadModel",),
     model_types=MODEL_TYPES,
     read=read,
     required_keys=REQUIRED_KEYS,

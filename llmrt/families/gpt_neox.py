@@ -90,6 +90,7 @@ def canonical_names(
 #: The family the registry serves under ``gpt_neox``.
 FAMILY = DecoderFamily(
     name="gpt_neox",
+    architectures=("GPTNeoXForCausalLM",),
     model_types=MODEL_TYPES,
     read=read,
     required_keys=hfparts.DECODER_KEYS,

@@ -277,6 +277,15 @@ GGUF = GGUFArchitecture(
 #: The family the registry serves under ``llama``.
 FAMILY = DecoderFamily(
     name="llama",
+    architectures=(
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "MixtralForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+        "Qwen3MoeForCausalLM",
+        "GraniteForCausalLM",
+    ),
     model_types=MODEL_TYPES,
     read=read,
     required_keys=hfparts.DECODER_KEYS,

@@ -49,6 +49,7 @@ def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
 #: The family the registry serves under ``olmo2``.
 FAMILY = DecoderFamily(
     name="olmo2",
+    architectures=("Olmo2ForCausalLM",),
     model_types=MODEL_TYPES,
     read=read,
     required_keys=hfparts.DECODER_KEYS,

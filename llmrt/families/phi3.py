@@ -37,6 +37,7 @@ def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
 #: The family the registry serves under ``phi3``.
 FAMILY = DecoderFamily(
     name="phi3",
+    architectures=("Phi3ForCausalLM",),
     model_types=MODEL_TYPES,
     read=read,
     required_keys=hfparts.DECODER_KEYS,

@@ -157,6 +157,20 @@ def gguf_architectures() -> dict[str, Any]:
     return out
 
 
+def hf_architectures() -> dict[str, str]:
+    """Hugging Face architecture (``LlamaForCausalLM``) -> the family serving it, from
+    each family's ``architectures``; families that fail to load are left out."""
+    out: dict[str, str] = {}
+    for name in family_names():
+        try:
+            family = get_family(name)
+        except FamilyError:
+            continue
+        for arch in getattr(family, "architectures", ()):
+            out.setdefault(arch, family.name)
+    return out
+
+
 def family_backends(family: Family) -> tuple[str, ...]:
     """The device backends ``family`` builds models for (``backends``; torch when undeclared)."""
     declared = getattr(family, "backends", DEFAULT_BACKENDS)

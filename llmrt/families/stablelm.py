@@ -50,6 +50,7 @@ def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
 #: The family the registry serves under ``stablelm``.
 FAMILY = DecoderFamily(
     name="stablelm",
+    architectures=("StableLmForCausalLM",),
     model_types=MODEL_TYPES,
     read=read,
     required_keys=hfparts.DECODER_KEYS,

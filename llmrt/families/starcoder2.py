@@ -43,6 +43,7 @@ def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
 #: The family the registry serves under ``starcoder2``.
 FAMILY = DecoderFamily(
     name="starcoder2",
+    architectures=("Starcoder2ForCausalLM",),
     model_types=MODEL_TYPES,
     read=read,
     required_keys=hfparts.DECODER_KEYS,
