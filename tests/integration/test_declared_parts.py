@@ -102,48 +102,44 @@ def test_check_passes_on_declared_parts_and_fails_on_a_changed_part(
     assert capsys.readouterr().out.rstrip().endswith("FAILED")
 
 
-def test_check_declared_gemma2_parts_against_transformers(
+def test_check_declared_olmo2_parts_against_transformers(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Sandwich norms, (1+w) RMSNorm, GeGLU, sqrt(hidden) embedding scale, tied head,
-    query pre-scale, score and final soft-capping, sliding window on alternate layers."""
+    """OLMo-2's post-norm residual (norms on the attention and MLP outputs only) and q/k
+    RMSNorm over the whole projection, declared in a recipe, against Olmo2ForCausalLM.
+    (Gemma-2's parts are checked against the gemma family in tests/unit.)"""
     recipe = yaml.safe_load(Path("recipes/tiny-parts.yaml").read_text())
     recipe["model"] = {
-        "model_type": "gemma2",
+        "model_type": "olmo2",
         "vocab_size": 258,
         "hidden_size": 64,
         "intermediate_size": 96,
         "num_hidden_layers": 2,
         "num_attention_heads": 4,
         "num_key_value_heads": 2,
-        "head_dim": 16,
         "max_position_embeddings": 512,
-        "sliding_window": 6,
-        "query_pre_attn_scalar": 12,
-        "attn_logit_softcapping": 2.0,
-        "final_logit_softcapping": 3.0,
-        "tie_word_embeddings": True,
+        "rms_norm_eps": 1e-5,
+        "attention_bias": True,
         "parts": {
-            "norm": {"kind": "rms_one_plus"},
-            "attention": {
-                "scale": 12**-0.5,
-                "softcap": 2.0,
-                "sliding_window": 6,
-                "sliding_layers": "even",
-            },
-            "mlp": {"kind": "gated", "activation": "gelu_tanh"},
+            "norm": {"kind": "rms"},
+            "attention": {"qkv_bias": True, "o_bias": True, "qk_norm": "proj"},
+            "mlp": {"kind": "gated", "activation": "silu"},
+            "attn_norm": False,
+            "mlp_norm": False,
             "post_attn_norm": True,
             "post_mlp_norm": True,
-            "embedding_scale": "sqrt_hidden",
-            "final_softcap": 3.0,
-            "tensor_names": {"mlp_norm": "pre_feedforward_layernorm"},
         },
     }
-    path = _write(tmp_path / "gemma2-parts.yaml", recipe)
+    path = _write(tmp_path / "olmo2-parts.yaml", recipe)
     status = main(["check", path, "--steps", "8"])
     out = capsys.readouterr().out
     assert status == 0, out
     assert "(family parts)" in out
+    # A part that computes differently on the same tensors fails the comparison; one that
+    # needs other tensors is named before anything runs.
+    assert main(["check", path, "--set", "model.parts.norm.kind=rms_one_plus", "--steps", "4"]) == 1
+    assert main(["check", path, "--set", "model.parts.attention.qk_norm=head", "--steps", "4"]) == 2
+    assert "q_norm.weight: has shape (64,), expected (16,)" in capsys.readouterr().err
 
 
 @pytest.fixture(scope="module")
