@@ -201,3 +201,32 @@ def test_safetensors_dir_with_default_names_and_a_missing_mapping(
     broken = build(_safetensors_recipe(tmp_path, neox_dir, no_names), SMALL)
     with pytest.raises(Exception, match=r"model\.embed_tokens\.weight"):
         broken.ready()
+
+
+def test_a_variant_neither_a_family_nor_transformers_knows_runs(
+    build: Callable[..., Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A new model type with a parallel residual, q/k norm per head, GELU-tanh MLP and no
+    positional encoding on its last layer: validated, built and run from the recipe alone;
+    ``llmrt check`` says it has no reference instead of comparing against something else."""
+    variant = [
+        "model.model_type=my_variant",
+        "model.parts.residual=parallel",
+        "model.parts.mlp_norm=false",
+        "model.parts.attention.qk_norm=head",
+        "model.parts.mlp.activation=gelu_tanh",
+        "model.parts.nope_layers=[1]",
+    ]
+    runtime = build("tiny-parts", [*variant, *(f"{k}={v}" for k, v in SMALL.items())])
+    tokens = _tokens(runtime)
+    assert [len(t) for t in tokens] == [7, 7]
+    spec = runtime.container.model.family().spec(
+        runtime.container.model.weights().hf_config, dtype=torch.float32
+    )
+    assert (spec.residual, spec.attention.qk_norm, [layer.rope for layer in spec.layers]) == (
+        "parallel",
+        "head",
+        [0, None],
+    )
+    assert main(["check", "tiny-parts", *(a for v in variant for a in ("--set", v))]) == 2
+    assert "no reference" in capsys.readouterr().err
