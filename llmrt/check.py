@@ -248,6 +248,11 @@ def check_target(
         )
     model = {key: value for key, value in recipe.model.items() if key != "parts"}
     config = model if full_size else small_config(model)
+    parts = recipe.declared_parts
+    layers = config.get("num_hidden_layers")
+    if parts is not None and isinstance(layers, int):
+        # Keep every layer the parts name by index (a shrunk model must still have them).
+        config["num_hidden_layers"] = max(layers, parts.layers_named())
     model_type = str(config["model_type"])
     return run_check(
         family=recipe.family_for(model_type),

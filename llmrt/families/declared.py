@@ -282,6 +282,14 @@ class DeclaredParts:
             raise RecipeError(f"{self.path}.{exc.field}", exc.value, exc.reason) from exc
         return spec, TensorNames(**top["tensor_names"])
 
+    def layers_named(self) -> int:
+        """How many layers a model needs for every index the parts list (0: none listed)."""
+        selections = [self.attention["sliding_layers"], self.top["nope_layers"]]
+        if self.moe is not None:
+            selections.append(self.moe["layers"])
+        listed = [i for s in selections if not isinstance(s, str) for i in s]
+        return max(listed) + 1 if listed else 0
+
     def _layers(self, field: str, selection: LayerSelection, n: int) -> set[int]:
         if selection == "all":
             return set(range(n))

@@ -167,3 +167,10 @@ def test_parts_stay_with_a_safetensors_checkpoint_but_other_model_keys_do_not(
     with pytest.raises(RecipeError) as caught:
         load_recipe(str(_safetensors_recipe(tmp_path, {"parts": LLAMA_PARTS}, fmt="gguf")))
     assert caught.value.field == "model.parts"
+
+
+def test_parts_say_how_many_layers_their_indices_need() -> None:
+    """``llmrt check`` shrinks a recipe's layers but keeps every layer the parts list."""
+    assert parse_parts(LLAMA_PARTS).layers_named() == 0
+    listed = {**LLAMA_PARTS, "nope_layers": [3], "moe": {"layers": [1, 5]}}
+    assert parse_parts(listed).layers_named() == 6
