@@ -4,7 +4,8 @@ tests of a family, a recipe or the runtime itself.
 - ``llmrt_runtime(recipe, overrides=..., providers=...)``: a ``RuntimeContainer`` built from
   a recipe, with dependency-injector providers replaced by dotted path
   (``{"device.device": my_device}``); closed at teardown, its cleanup errors failing the test.
-  ``llmrt_module_runtime`` is the same for containers a test module shares.
+  ``llmrt_module_runtime`` / ``llmrt_session_runtime`` are the same for containers a test
+  module / the whole session shares.
 - ``faulty_device(fail=..., inner=None)``: a ``FaultyDevice`` over a CPU ``TorchDevice``
   (or ``inner``) that fails the Nth call of the named operations.
 - ``lifecycle_log``: the structured lifecycle log written to a JSON-lines file for the
@@ -83,6 +84,12 @@ def llmrt_runtime(request: pytest.FixtureRequest) -> Iterator[Callable[..., Any]
 def llmrt_module_runtime() -> Iterator[Callable[..., Any]]:
     """``llmrt_runtime`` for containers a whole test module shares (closed after its last
     test; no ``lifecycle_log``, which is per test)."""
+    yield from _runtime_factory()
+
+
+@pytest.fixture(scope="session")
+def llmrt_session_runtime() -> Iterator[Callable[..., Any]]:
+    """``llmrt_runtime`` for containers the whole session shares (a large model built once)."""
     yield from _runtime_factory()
 
 

