@@ -30,7 +30,7 @@ from llmrt.families.layers import (
     select_gemm_dtype,
     select_linear_kernel,
 )
-from llmrt.families.registry import check_family_backend, family_for_model_type, get_family
+from llmrt.families.registry import check_family_backend
 from llmrt.kernels.formats import QUANTIZED_FORMATS, dequantized
 from llmrt.kernels.native import require_kernels
 from llmrt.lifecycle import component_logger, emit
@@ -116,10 +116,7 @@ def split_lanes(*, device: Device, lanes: int) -> tuple[Device, ...]:
 def resolve_family(*, recipe: Recipe, model_type: Callable[[], str]) -> Family:
     """The recipe's family (``auto`` asks ``model_type()``, the checkpoint's, read cheaply),
     which must support ``device.backend``."""
-    if recipe.family == "auto":
-        family = family_for_model_type(model_type())
-    else:
-        family = get_family(recipe.family)
+    family = recipe.family_for(model_type() if recipe.family == "auto" else "")
     check_family_backend(family, recipe.device.backend)
     return family
 

@@ -24,8 +24,10 @@ import torch
 from llmrt.errors import ConfigError
 from llmrt.families.base import Family
 from llmrt.families.layers import select_linear_kernel
-from llmrt.families.registry import family_for_model_type, get_family
-from llmrt.recipe_schema import AUTO_FAMILY, BYTE_TOKENIZER_VOCAB_SIZE
+from llmrt.families.registry import family_for_model_type
+from llmrt.kernels.formats import dequantized
+from llmrt.recipe_schema import BYTE_TOKENIZER_VOCAB_SIZE
+from llmrt.weights.checkpoint import load_checkpoint
 
 DEFAULT_TOLERANCE = 1e-4
 
@@ -131,7 +133,14 @@ def reference_model(
     assert config is not None
     values = dict(config)
     model_type = values.pop("model_type")
-    hf_config = transformers.AutoConfig.for_model(model_type, **values)
+    try:
+        hf_config = transformers.AutoConfig.for_model(model_type, **values)
+    except ValueError as exc:
+        raise ConfigError(
+            "model.model_type",
+            model_type,
+            "transformers has no such architecture, so llmrt check has no reference for it",
+        ) from exc
     hf_config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(hf_config)
@@ -146,16 +155,22 @@ def run_check(
     steps: int = 32,
     tolerance: float = DEFAULT_TOLERANCE,
     seed: int = 0,
+    directory: Path | None = None,
 ) -> Report:
-    """Build ``family``'s model from ``hf_model``'s weights and compare phase by phase."""
+    """Build ``family``'s model from ``hf_model``'s weights and compare phase by phase.
+
+    With ``directory`` (the checkpoint ``hf_model`` was loaded from) llmrt reads the
+    directory's files and ``config.json`` as the runtime does, names and all, instead of
+    transformers' in-memory state dict.
+    """
     from llmrt.testing.parity import Harness
 
-    model = family.build(
-        hf_config=hf_model.config.to_dict(),
-        tensors=hf_model.state_dict(),
-        dtype=torch.float32,
-        device="cpu",
-    )
+    if directory is None:
+        hf_config, tensors = hf_model.config.to_dict(), hf_model.state_dict()
+    else:
+        checkpoint = load_checkpoint(format="safetensors", path=directory)
+        hf_config, tensors = checkpoint.hf_config, dequantized(checkpoint.tensors)
+    model = family.build(hf_config=hf_config, tensors=tensors, dtype=torch.float32, device="cpu")
     select_linear_kernel(model, choice="auto", device=torch.device("cpu"), dtype=torch.float32)
     harness = Harness(
         hf_model=hf_model, model=model, vocab_size=model.config.vocab_size, seed=seed
@@ -205,6 +220,7 @@ def check_target(
             family=family,
             hf_model=reference_model(directory=path),
             source=str(path),
+            directory=path,
             steps=steps,
             tolerance=tolerance,
         )
@@ -213,7 +229,16 @@ def check_target(
     recipe = load_recipe(target, overrides=list(overrides))
     spec = recipe.checkpoint
     if spec.format == "safetensors" and spec.path:
-        return check_target(spec.path, steps=steps, tolerance=tolerance)
+        directory = Path(spec.path).expanduser()
+        raw = json.loads((directory / "config.json").read_text())
+        return run_check(
+            family=recipe.family_for(str(raw.get("model_type"))),
+            hf_model=reference_model(directory=directory),
+            source=f"recipe {recipe.name} ({directory})",
+            directory=directory,
+            steps=steps,
+            tolerance=tolerance,
+        )
     if spec.format != "random":
         raise ConfigError(
             "checkpoint.format",
@@ -221,15 +246,16 @@ def check_target(
             "llmrt check compares random recipes or Hugging Face directories "
             "(a GGUF file has no transformers reference here)",
         )
-    config = dict(recipe.model) if full_size else small_config(recipe.model)
+    model = {key: value for key, value in recipe.model.items() if key != "parts"}
+    config = model if full_size else small_config(model)
+    parts = recipe.declared_parts
+    layers = config.get("num_hidden_layers")
+    if parts is not None and isinstance(layers, int):
+        # Keep every layer the parts name by index (a shrunk model must still have them).
+        config["num_hidden_layers"] = max(layers, parts.layers_named())
     model_type = str(config["model_type"])
-    family = (
-        family_for_model_type(model_type)
-        if recipe.family == AUTO_FAMILY
-        else get_family(recipe.family)
-    )
     return run_check(
-        family=family,
+        family=recipe.family_for(model_type),
         hf_model=reference_model(config=config, seed=spec.seed),
         source=f"recipe {recipe.name} ({model_type})",
         steps=steps,

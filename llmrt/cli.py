@@ -298,7 +298,8 @@ def _recipes(args: argparse.Namespace) -> int:
     if args.recipes_command == "show":
         print(dump_recipe_yaml(recipe), end="")
     else:
-        print(f"{args.recipe}: ok ({recipe.name}, family {recipe.family})")
+        family = "parts (model.parts)" if recipe.declared_parts else recipe.family
+        print(f"{args.recipe}: ok ({recipe.name}, family {family})")
     return 0
 
 

@@ -23,6 +23,8 @@ from llmrt.config import (
 from llmrt.device.ttnn import DEFAULT_TRACE_REGION_SIZE
 from llmrt.errors import CheckpointError, ConfigError, FamilyError, RecipeError
 from llmrt.families import registry as family_registry
+from llmrt.families.base import Family
+from llmrt.families.declared import DeclaredParts, declared_family, parse_parts
 from llmrt.families.fused_decode import DecodeKernel
 from llmrt.families.layers import GemmDtype, LinearKernelChoice
 from llmrt.kernels.formats import QUANTIZED_FORMATS, WeightFormat
@@ -660,13 +662,29 @@ class Recipe:
         for key, value in self.model.items():
             _check(isinstance(key, str), "model", key, "keys must be strings")
             check_model_value(f"model.{key}", value)
-        if self.checkpoint.format != "random":
+        parts = self.declared_parts
+        if parts is not None:
             _check(
-                not self.model,
+                self.family == AUTO_FAMILY,
+                "family",
+                self.family,
+                "must be auto when model.parts declares the architecture",
+            )
+            _check(
+                self.checkpoint.format != "gguf",
+                "model.parts",
+                "...",
+                "declares parts for random or safetensors checkpoints (a GGUF file's "
+                "architecture comes from its header)",
+            )
+        if self.checkpoint.format != "random":
+            config = {key: value for key, value in self.model.items() if key != "parts"}
+            _check(
+                not config,
                 "model",
-                self.model,
-                f"is only used by checkpoint.format=random; a {self.checkpoint.format} "
-                "checkpoint brings its own config",
+                config,
+                f"is only used by checkpoint.format=random (besides model.parts); a "
+                f"{self.checkpoint.format} checkpoint brings its own config",
             )
             return
         model_type = self.model.get("model_type")
@@ -691,6 +709,8 @@ class Recipe:
         except CheckpointError as exc:
             item = exc.item.removeprefix("config.")
             raise RecipeError(f"model.{item}", _model_value(self.model, item), exc.reason) from exc
+        except RecipeError:
+            raise
         except ConfigError as exc:
             raise RecipeError(
                 "model", model_type, f"maps onto invalid parts: {exc.field}: {exc.reason}"
@@ -700,8 +720,28 @@ class Recipe:
                 "model", model_type, f"family {family.name} cannot read it: {exc}"
             ) from exc
 
+    @property
+    def declared_parts(self) -> DeclaredParts | None:
+        """``model.parts`` validated (None when the recipe declares no parts)."""
+        if "parts" not in self.model:
+            return None
+        return parse_parts(self.model["parts"])
+
+    def family_for(self, model_type: str) -> Family:
+        """The family that builds this recipe's checkpoint of ``model_type``: the one its
+        ``model.parts`` declare, the one ``family`` names, or (``auto``) the one that claims
+        ``model_type`` (``FamilyError`` when none does)."""
+        parts = self.declared_parts
+        if parts is not None:
+            return declared_family(parts, model_type=model_type)
+        if self.family == AUTO_FAMILY:
+            return family_registry.family_for_model_type(model_type)
+        return family_registry.get_family(self.family)
+
     def _model_family(self, model_type: str) -> Any:
         """The family that will build this random model, checked against ``family``."""
+        if "parts" in self.model:
+            return self.family_for(model_type)
         try:
             if self.family == AUTO_FAMILY:
                 return family_registry.family_for_model_type(model_type)
@@ -840,10 +880,10 @@ class Recipe:
         """The family (named, or ``auto`` from a random checkpoint's ``model_type``) supports
         ``device.backend``; ``auto`` over a file checkpoint is checked when it is resolved."""
         try:
-            if self.family != AUTO_FAMILY:
-                family = family_registry.get_family(self.family)
-            elif self.checkpoint.format == "random":
-                family = family_registry.family_for_model_type(str(self.model.get("model_type")))
+            if self.family != AUTO_FAMILY or self.checkpoint.format == "random":
+                family = self.family_for(str(self.model.get("model_type")))
+            elif "parts" in self.model:
+                family = self.family_for("")
             else:
                 return
         except FamilyError:

@@ -6,9 +6,11 @@ checked in this order:
 
 1. ``LLMRT_VLLM_RECIPE`` (a bundled recipe name or a recipe file): always wins.
 2. :data:`NAMED_RECIPES`: a checkpoint llmrt bundles a recipe for, by its Hub name.
-3. :data:`ARCHITECTURE_RECIPES`: an architecture llmrt serves from a local checkpoint
-   directory (``hf_config._name_or_path`` / vLLM's ``--model`` path); the recipe's
-   ``checkpoint.path`` is set to that directory.
+3. :func:`architecture_recipes`: an architecture llmrt serves from a local checkpoint
+   directory (``hf_config._name_or_path`` / vLLM's ``--model`` path): every architecture
+   a registered family declares (``family.architectures``) with the ``hf`` recipe
+   (``family: auto``), and :data:`ARCHITECTURE_RECIPES` where a recipe is named
+   explicitly; the recipe's ``checkpoint.path`` is set to that directory.
 
 ``LLMRT_VLLM_OVERRIDES`` adds recipe overrides (``--set`` syntax, whitespace separated,
 shell quoting) to whichever recipe was chosen, e.g.
@@ -45,7 +47,19 @@ ARCHITECTURE_RECIPES: Mapping[str, str] = MappingProxyType(
         "GPT2LMHeadModel": "hf",
     }
 )
-"""Hugging Face architectures served from a local checkpoint directory, and the recipe."""
+"""Architectures with an explicitly chosen recipe (beyond the registry's, which get ``hf``)."""
+#: The recipe a registered family's architecture is served with (``family: auto``).
+DIRECTORY_RECIPE = "hf"
+
+
+def architecture_recipes() -> dict[str, str]:
+    """Hugging Face architecture -> recipe for a local checkpoint directory: every
+    architecture a registered family declares (``hf``), then ``ARCHITECTURE_RECIPES``."""
+    from llmrt.families.registry import hf_architectures
+
+    table = {arch: DIRECTORY_RECIPE for arch in hf_architectures()}
+    table.update(ARCHITECTURE_RECIPES)
+    return table
 
 
 @attrs.frozen(kw_only=True)
@@ -126,12 +140,13 @@ def select_recipe(
     if isinstance(architectures, str):
         architectures = (architectures,)
     served = [a.removeprefix("TT") for a in architectures if isinstance(a, str)]
-    known = [a for a in served if a in ARCHITECTURE_RECIPES]
+    table = architecture_recipes()
+    known = [a for a in served if a in table]
     if known and isinstance(name, str) and Path(name).is_dir():
         arch = known[0]
         return RecipeChoice(
-            recipe=ARCHITECTURE_RECIPES[arch],
-            reason=f"ARCHITECTURE_RECIPES[{arch!r}] with checkpoint {name}",
+            recipe=table[arch],
+            reason=f"architecture {arch} -> recipe {table[arch]} with checkpoint {name}",
             overrides=(f"checkpoint.path={name}", *env_overrides, *given),
         )
     what = f"model {name!r}" if name else "the model"
@@ -140,7 +155,7 @@ def select_recipe(
     else:
         hint = (
             f"no llmrt recipe for {what} (architectures {list(served) or 'unknown'}; "
-            f"served: {sorted(NAMED_RECIPES)} by name, {sorted(ARCHITECTURE_RECIPES)} from a "
+            f"served: {sorted(NAMED_RECIPES)} by name, {sorted(table)} from a "
             "local directory)"
         )
     raise ConfigError(

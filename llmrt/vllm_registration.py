@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from llmrt.vllm_recipe import ARCHITECTURE_RECIPES, RECIPE_ENV
+from llmrt.vllm_recipe import RECIPE_ENV, architecture_recipes
 
 #: The class the plugin instantiates (vLLM's lazy ``"module:Class"`` form).
 MAIN_CLASS = "llmrt.vllm_adapter:VLLMAdapter"
@@ -36,7 +36,7 @@ def architectures(env: Mapping[str, str] = os.environ) -> list[str]:
     given = env.get(ARCHITECTURES_ENV, "")
     if given.strip():
         return [a.strip().removeprefix("TT") for a in given.split(",") if a.strip()]
-    return sorted(ARCHITECTURE_RECIPES)
+    return sorted(architecture_recipes())
 
 
 def enabled(env: Mapping[str, str] = os.environ) -> bool:

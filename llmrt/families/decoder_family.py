@@ -22,15 +22,17 @@ from llmrt.families.decoder import TensorInit, TensorNames, TensorPlan, build_de
 from llmrt.families.hfconfig import HFConfig
 from llmrt.families.parts import DecoderSpec
 from llmrt.families.tensors import check_tensors
+from llmrt.kernels.formats import CheckpointTensor
+from llmrt.weights.gguf_architecture import GGUFArchitecture
 
-Tensors = Mapping[str, torch.Tensor]
+Tensors = Mapping[str, CheckpointTensor]
 SpecReader = Callable[[HFConfig, torch.dtype], tuple[DecoderSpec, TensorNames]]
 
 
 class Renamer(Protocol):
     def __call__(
         self, tensors: Tensors, *, expected: Mapping[str, tuple[int, ...]]
-    ) -> dict[str, torch.Tensor]: ...
+    ) -> dict[str, CheckpointTensor]: ...
 
 
 @attrs.frozen(kw_only=True)
@@ -39,8 +41,11 @@ class DecoderFamily:
 
     ``required_keys`` are the ``config.json`` keys a random checkpoint of each model type
     must give (``recipes validate`` checks them before anything loads);
-    ``gguf_architecture`` is the GGUF ``general.architecture`` it reads (None: none);
-    ``backends`` the device backends that can run it.
+    ``gguf`` says how it reads GGUF files (its ``general.architecture``, config, tensor
+    names and layouts; None: it reads none);
+    ``architectures`` the Hugging Face class names (``config.json`` ``architectures``)
+    of its checkpoints, which vLLM's plugin registers; ``backends`` the device backends
+    that can run it.
     """
 
     name: str
@@ -49,8 +54,14 @@ class DecoderFamily:
     required_keys: tuple[str, ...]
     ignored_suffixes: tuple[str, ...] = ()
     rename: Renamer | None = None
-    gguf_architecture: str | None = None
+    gguf: GGUFArchitecture | None = None
+    architectures: tuple[str, ...] = ()
     backends: tuple[str, ...] = ("torch",)
+
+    @property
+    def gguf_architecture(self) -> str | None:
+        """The GGUF ``general.architecture`` this family reads (None: none)."""
+        return None if self.gguf is None else self.gguf.name
 
     def spec(self, hf_config: Mapping[str, Any], *, dtype: torch.dtype) -> DecoderSpec:
         """The parts ``hf_config`` maps onto (``CheckpointError`` naming a bad field)."""

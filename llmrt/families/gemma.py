@@ -15,28 +15,16 @@ from llmrt.families import hfparts
 from llmrt.families.decoder import TensorNames
 from llmrt.families.decoder_family import DecoderFamily
 from llmrt.families.hfconfig import HFConfig
-from llmrt.families.parts import AttentionSpec, DecoderSpec, LayerSpec, MLPSpec, NormSpec
+from llmrt.families.parts import DecoderSpec, LayerSpec, MLPSpec, NormSpec
 from llmrt.families.rope import RopeSpec
 
 MODEL_TYPES: tuple[str, ...] = ("gemma", "gemma2", "gemma3_text")
-REQUIRED_KEYS: tuple[str, ...] = (
-    "vocab_size",
-    "hidden_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "intermediate_size",
-    "max_position_embeddings",
-)
 
 
 def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
     """Map a Gemma-family ``config.json`` onto parts (``CheckpointError`` naming a field)."""
     model_type = str(cfg.raw.get("model_type") or "gemma")
-    hfparts.reject_common(cfg)
-    hidden = cfg.positive_int("hidden_size")
-    heads = hfparts.head_geometry(cfg, hidden=hidden, head_dim_default=256)
-    model = hfparts.model_config(cfg, family="gemma", dtype=dtype, hidden=hidden, heads=heads)
-    num_heads, kv_heads, head_dim = heads
+    model = hfparts.read_common(cfg, family="gemma", dtype=dtype, head_dim_default=256)
     n = model.num_layers
     norm = NormSpec(kind="rms_one_plus", eps=cfg.positive_float("rms_norm_eps", 1e-6))
     if model_type == "gemma":
@@ -45,13 +33,12 @@ def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
             act = "gelu_tanh"  # transformers maps Gemma's legacy "gelu" to the tanh form
     else:
         act = hfparts.activation(cfg, "hidden_activation", "gelu_pytorch_tanh")
-    max_positions = model.max_position_embeddings
     ropes: tuple[RopeSpec, ...]
     if model_type == "gemma":
         kinds = ["full_attention"] * n
-        ropes = (hfparts.rope(cfg, head_dim=head_dim, max_positions=max_positions),)
+        ropes = (hfparts.rope(cfg, model),)
         rope_of = {"full_attention": 0}
-        scale, softcap, final_softcap = head_dim**-0.5, None, None
+        scale, softcap, final_softcap = model.head_dim**-0.5, None, None
     else:
         pattern = 2
         if model_type == "gemma3_text":
@@ -60,7 +47,7 @@ def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
             )
         default = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
         kinds = hfparts.layer_kinds(cfg, num_layers=n, default=default)
-        scale = cfg.positive_float("query_pre_attn_scalar", head_dim) ** -0.5
+        scale = cfg.positive_float("query_pre_attn_scalar", model.head_dim) ** -0.5
         # Gemma 3 keeps ``attn_logit_softcapping`` in its config but transformers never
         # applies it (the reference this family matches); Gemma 2 applies it.
         softcap = (
@@ -72,23 +59,20 @@ def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
         if model_type == "gemma3_text":
             by_kind = hfparts.rope_by_layer_kind(
                 cfg,
-                head_dim=head_dim,
-                max_positions=max_positions,
+                model,
                 defaults={"full_attention": 1_000_000.0, "sliding_attention": 10_000.0},
             )
             ropes = (by_kind["full_attention"], by_kind["sliding_attention"])
             rope_of = {"full_attention": 0, "sliding_attention": 1}
         else:
-            ropes = (hfparts.rope(cfg, head_dim=head_dim, max_positions=max_positions),)
+            ropes = (hfparts.rope(cfg, model),)
             rope_of = {"full_attention": 0, "sliding_attention": 0}
     window = hfparts.window_size(cfg, default=4096) if model_type != "gemma" else None
     if "sliding_attention" in kinds and window is None:
         raise CheckpointError("config.sliding_window", "required by sliding_attention layers")
     attention_bias = cfg.flag("attention_bias", False)
-    attention = AttentionSpec(
-        num_heads=num_heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
+    attention = hfparts.attention(
+        model,
         scale=scale,
         qkv_bias=attention_bias,
         o_bias=attention_bias,
@@ -111,7 +95,7 @@ def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
         post_attn_norm=extra_norms,
         post_mlp_norm=extra_norms,
         ropes=ropes,
-        embedding_scale=hidden**0.5,
+        embedding_scale=model.hidden_size**0.5,
         final_softcap=final_softcap,
         tie_word_embeddings=cfg.flag("tie_word_embeddings", True),
     )
@@ -130,9 +114,13 @@ def _optional_cap(cfg: HFConfig, key: str, default: float | None) -> float | Non
 #: The family the registry serves under ``gemma``.
 FAMILY = DecoderFamily(
     name="gemma",
+    architectures=(
+        "GemmaForCausalLM",
+        "Gemma2ForCausalLM",
+        "Gemma3ForCausalLM",
+    ),
     model_types=MODEL_TYPES,
     read=read,
-    required_keys=REQUIRED_KEYS,
+    required_keys=hfparts.DECODER_KEYS,
     ignored_suffixes=(".rotary_emb.inv_freq",),
-    gguf_architecture=None,
 )

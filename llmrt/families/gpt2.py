@@ -8,7 +8,10 @@ transposed``); the decoder transposes them once at load so every matmul is a pla
 from __future__ import annotations
 
 from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
 
+import numpy as np
 import torch
 
 from llmrt.errors import CheckpointError
@@ -16,7 +19,9 @@ from llmrt.families import hfparts
 from llmrt.families.decoder import TensorNames
 from llmrt.families.decoder_family import DecoderFamily
 from llmrt.families.hfconfig import HFConfig
-from llmrt.families.parts import AttentionSpec, DecoderSpec, LayerSpec, MLPSpec, NormSpec
+from llmrt.families.parts import DecoderSpec, LayerSpec, MLPSpec, NormSpec
+from llmrt.kernels.formats import CheckpointTensor
+from llmrt.weights.gguf_architecture import GGUFArchitecture, metadata_field, token_ids, vocab_size
 
 MODEL_TYPES: tuple[str, ...] = ("gpt2",)
 REQUIRED_KEYS: tuple[str, ...] = ("vocab_size", "n_embd", "n_layer", "n_head", "n_positions")
@@ -77,10 +82,8 @@ def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
     )
     spec = DecoderSpec(
         model=model,
-        attention=AttentionSpec(
-            num_heads=heads,
-            num_kv_heads=heads,
-            head_dim=head_dim,
+        attention=hfparts.attention(
+            model,
             scale=head_dim**-0.5 if cfg.flag("scale_attn_weights", True) else 1.0,
             qkv_bias=True,
             o_bias=True,
@@ -100,11 +103,11 @@ def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
 
 
 def canonical_names(
-    tensors: Mapping[str, torch.Tensor], *, expected: Mapping[str, tuple[int, ...]]
-) -> dict[str, torch.Tensor]:
+    tensors: Mapping[str, CheckpointTensor], *, expected: Mapping[str, tuple[int, ...]]
+) -> dict[str, CheckpointTensor]:
     """Map bare ``GPT2Model`` names (``h.0.attn...``, as in the original hub files) to the
     ``transformer.``-prefixed ones in ``expected``; every other name passes through."""
-    renamed: dict[str, torch.Tensor] = {}
+    renamed: dict[str, CheckpointTensor] = {}
     for name, tensor in tensors.items():
         prefixed = f"transformer.{name}"
         key = prefixed if name not in expected and prefixed in expected else name
@@ -114,13 +117,71 @@ def canonical_names(
     return renamed
 
 
+def _gguf_config(
+    metadata: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], item: str
+) -> dict[str, Any]:
+    """A llama.cpp ``gpt2`` GGUF's metadata as a GPT-2 ``config.json``."""
+    hidden = int(metadata_field(metadata, "gpt2.embedding_length", item))
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": vocab_size(metadata, shapes, "gpt2"),
+        "n_embd": hidden,
+        "n_layer": int(metadata_field(metadata, "gpt2.block_count", item)),
+        "n_head": int(metadata_field(metadata, "gpt2.attention.head_count", item)),
+        "n_positions": int(metadata_field(metadata, "gpt2.context_length", item)),
+        "n_inner": int(metadata.get("gpt2.feed_forward_length") or 4 * hidden),
+        "layer_norm_epsilon": float(
+            metadata_field(metadata, "gpt2.attention.layer_norm_epsilon", item)
+        ),
+        "activation_function": "gelu_new",
+        "tie_word_embeddings": "output.weight" not in shapes,
+        **token_ids(metadata),
+    }
+
+
+_CONV1D = (".attn_qkv.weight", ".attn_output.weight", ".ffn_up.weight", ".ffn_down.weight")
+
+
+def _gguf_convert(name: str, values: np.ndarray, hf_config: Mapping[str, Any]) -> np.ndarray:
+    """GPT-2's Hugging Face projections are Conv1D (``[in, out]``); GGUF stores them as Linear."""
+    return values.T if name.endswith(_CONV1D) else values
+
+
+#: llama.cpp's ``gpt2`` architecture in Hugging Face form.
+GGUF = GGUFArchitecture(
+    name="gpt2",
+    hf_config=_gguf_config,
+    global_names=MappingProxyType(
+        {
+            "token_embd.weight": "transformer.wte.weight",
+            "position_embd.weight": "transformer.wpe.weight",
+            "output_norm.weight": "transformer.ln_f.weight",
+            "output_norm.bias": "transformer.ln_f.bias",
+            "output.weight": "lm_head.weight",
+        }
+    ),
+    block_names=MappingProxyType(
+        {
+            "attn_norm": "transformer.h.{layer}.ln_1",
+            "attn_qkv": "transformer.h.{layer}.attn.c_attn",
+            "attn_output": "transformer.h.{layer}.attn.c_proj",
+            "ffn_norm": "transformer.h.{layer}.ln_2",
+            "ffn_up": "transformer.h.{layer}.mlp.c_fc",
+            "ffn_down": "transformer.h.{layer}.mlp.c_proj",
+        }
+    ),
+    convert=_gguf_convert,
+)
+
 #: The family the registry serves under ``gpt2``.
 FAMILY = DecoderFamily(
     name="gpt2",
+    architectures=("GPT2LMHeadModel",),
     model_types=MODEL_TYPES,
     read=read,
     required_keys=REQUIRED_KEYS,
     ignored_suffixes=IGNORED_SUFFIXES,
     rename=canonical_names,
-    gguf_architecture="gpt2",
+    gguf=GGUF,
 )

@@ -12,17 +12,10 @@ from llmrt.families import hfparts
 from llmrt.families.decoder import TensorNames
 from llmrt.families.decoder_family import DecoderFamily
 from llmrt.families.hfconfig import HFConfig
-from llmrt.families.parts import AttentionSpec, DecoderSpec, LayerSpec, MLPSpec, NormSpec
+from llmrt.families.parts import DecoderSpec, LayerSpec, MLPSpec, NormSpec
+from llmrt.kernels.formats import CheckpointTensor
 
 MODEL_TYPES: tuple[str, ...] = ("gpt_neox",)
-REQUIRED_KEYS: tuple[str, ...] = (
-    "vocab_size",
-    "hidden_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "intermediate_size",
-    "max_position_embeddings",
-)
 NAMES = TensorNames(
     embed="gpt_neox.embed_in.weight",
     final_norm="gpt_neox.final_layer_norm",
@@ -54,7 +47,6 @@ def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
         )
     geometry = (heads, heads, hidden // heads)
     model = hfparts.model_config(cfg, family="gpt_neox", dtype=dtype, hidden=hidden, heads=geometry)
-    head_dim = hidden // heads
     bias = cfg.flag("attention_bias", True)
     parallel = cfg.flag("use_parallel_residual", True)
     if "rotary_pct" in cfg.raw and "partial_rotary_factor" not in cfg.raw:
@@ -63,11 +55,8 @@ def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
         cfg = HFConfig(raw={**cfg.raw, "rope_theta": cfg.raw["rotary_emb_base"]})
     spec = DecoderSpec(
         model=model,
-        attention=AttentionSpec(
-            num_heads=heads,
-            num_kv_heads=heads,
-            head_dim=head_dim,
-            scale=head_dim**-0.5,
+        attention=hfparts.attention(
+            model,
             qkv_bias=bias,
             o_bias=bias,
         ),
@@ -80,19 +69,15 @@ def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
         norm=NormSpec(kind="layer", eps=cfg.positive_float("layer_norm_eps", 1e-5), bias=True),
         layers=tuple(LayerSpec() for _ in range(model.num_layers)),
         residual="parallel" if parallel else "sequential",
-        ropes=(
-            hfparts.rope(
-                cfg, head_dim=head_dim, max_positions=model.max_position_embeddings, partial=True
-            ),
-        ),
+        ropes=(hfparts.rope(cfg, model, partial=True),),
         tie_word_embeddings=cfg.flag("tie_word_embeddings", False),
     )
     return spec, NAMES
 
 
 def canonical_names(
-    tensors: Mapping[str, torch.Tensor], *, expected: Mapping[str, tuple[int, ...]]
-) -> dict[str, torch.Tensor]:
+    tensors: Mapping[str, CheckpointTensor], *, expected: Mapping[str, tuple[int, ...]]
+) -> dict[str, CheckpointTensor]:
     """Older checkpoints name the LM head ``embed_out``; map it onto ``lm_head``."""
     renamed = dict(tensors)
     if "embed_out.weight" in renamed:
@@ -105,9 +90,10 @@ def canonical_names(
 #: The family the registry serves under ``gpt_neox``.
 FAMILY = DecoderFamily(
     name="gpt_neox",
+    architectures=("GPTNeoXForCausalLM",),
     model_types=MODEL_TYPES,
     read=read,
-    required_keys=REQUIRED_KEYS,
+    required_keys=hfparts.DECODER_KEYS,
     ignored_suffixes=IGNORED_SUFFIXES,
     rename=canonical_names,
 )

@@ -14,10 +14,19 @@ import torch
 from llmrt.errors import CheckpointError
 from llmrt.families.base import ModelConfig
 from llmrt.families.hfconfig import HFConfig
-from llmrt.families.parts import HF_ACTIVATIONS, Activation
+from llmrt.families.parts import HF_ACTIVATIONS, Activation, AttentionSpec
 from llmrt.families.rope import RopeSpec, read_rope, read_rope_params, rope_parameters
 
 LAYER_KINDS = ("full_attention", "sliding_attention")
+#: ``config.json`` keys a random checkpoint of a Llama-style decoder must give.
+DECODER_KEYS: tuple[str, ...] = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "intermediate_size",
+    "max_position_embeddings",
+)
 
 
 def head_geometry(
@@ -76,6 +85,29 @@ def model_config(
     )
 
 
+def read_common(
+    cfg: HFConfig, *, family: str, dtype: torch.dtype, head_dim_default: int | None = None
+) -> ModelConfig:
+    """The reads every Llama-style config starts with: reject what no family implements,
+    then the model config from ``hidden_size`` and the standard head keys."""
+    reject_common(cfg)
+    hidden = cfg.positive_int("hidden_size")
+    heads = head_geometry(cfg, hidden=hidden, head_dim_default=head_dim_default)
+    return model_config(cfg, family=family, dtype=dtype, hidden=hidden, heads=heads)
+
+
+def attention(model: ModelConfig, *, scale: float | None = None, **options: Any) -> AttentionSpec:
+    """The attention part over ``model``'s head geometry; ``scale`` defaults to
+    ``head_dim ** -0.5``, ``options`` are the rest of ``AttentionSpec``."""
+    return AttentionSpec(
+        num_heads=model.num_heads,
+        num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim,
+        scale=model.head_dim**-0.5 if scale is None else scale,
+        **options,
+    )
+
+
 def activation(cfg: HFConfig, key: str, default: str) -> Activation:
     """The activation part for ``config.<key>``."""
     name = cfg.text(key, default)
@@ -87,10 +119,12 @@ def activation(cfg: HFConfig, key: str, default: str) -> Activation:
     return HF_ACTIVATIONS[name]
 
 
-def rope(cfg: HFConfig, *, head_dim: int, max_positions: int, partial: bool = False) -> RopeSpec:
-    """The single RoPE variant of a config; ``partial``: the architecture honours
-    ``partial_rotary_factor`` (else a factor below one is rejected, not ignored)."""
-    spec = read_rope(cfg, head_dim=head_dim, max_positions=max_positions)
+def rope(cfg: HFConfig, model: ModelConfig, *, partial: bool = False) -> RopeSpec:
+    """The single RoPE variant of a config over ``model``'s head_dim and positions;
+    ``partial``: the architecture honours ``partial_rotary_factor`` (else a factor below
+    one is rejected, not ignored)."""
+    head_dim = model.head_dim
+    spec = read_rope(cfg, head_dim=head_dim, max_positions=model.max_position_embeddings)
     if not partial and spec.head_dim != head_dim:
         _, params = rope_parameters(cfg)
         where = "rope_parameters." if "partial_rotary_factor" in params else ""
@@ -102,7 +136,7 @@ def rope(cfg: HFConfig, *, head_dim: int, max_positions: int, partial: bool = Fa
 
 
 def rope_by_layer_kind(
-    cfg: HFConfig, *, head_dim: int, max_positions: int, defaults: dict[str, float]
+    cfg: HFConfig, model: ModelConfig, *, defaults: dict[str, float]
 ) -> dict[str, RopeSpec]:
     """RoPE per layer kind (Gemma 3: ``rope_parameters`` keyed by ``full_attention`` /
     ``sliding_attention``; legacy ``rope_theta`` / ``rope_local_base_freq`` /
@@ -124,9 +158,13 @@ def rope_by_layer_kind(
         theta = sub.get("rope_theta", cfg.raw.get(theta_key, defaults[kind]))
         merged = {**sub, "rope_theta": theta}
         out[kind] = read_rope_params(
-            merged, item=item, config=cfg, head_dim=head_dim, max_positions=max_positions
+            merged,
+            item=item,
+            config=cfg,
+            head_dim=model.head_dim,
+            max_positions=model.max_position_embeddings,
         )
-        if out[kind].head_dim != head_dim:
+        if out[kind].head_dim != model.head_dim:
             raise CheckpointError(
                 f"{item}.partial_rotary_factor",
                 "partial rotary embeddings are not part of this architecture",

@@ -9,7 +9,10 @@ experts and multipliers, which this module reads and the parts compute.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
 
+import numpy as np
 import torch
 
 from llmrt.errors import CheckpointError
@@ -18,12 +21,20 @@ from llmrt.families.decoder import TensorNames
 from llmrt.families.decoder_family import DecoderFamily
 from llmrt.families.hfconfig import HFConfig
 from llmrt.families.parts import (
-    AttentionSpec,
     DecoderSpec,
     LayerSpec,
     MLPSpec,
     MoESpec,
     NormSpec,
+)
+from llmrt.kernels.formats import CheckpointTensor
+from llmrt.weights.gguf_architecture import (
+    GGUFArchitecture,
+    metadata_field,
+    reject_rope_scaling,
+    token_ids,
+    unpermute_rotary,
+    vocab_size,
 )
 
 MODEL_TYPES: tuple[str, ...] = (
@@ -36,14 +47,6 @@ MODEL_TYPES: tuple[str, ...] = (
     "granite",
 )
 IGNORED_SUFFIXES: tuple[str, ...] = (".rotary_emb.inv_freq",)
-REQUIRED_KEYS: tuple[str, ...] = (
-    "vocab_size",
-    "hidden_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "intermediate_size",
-    "max_position_embeddings",
-)
 #: Model types whose sliding window covers every layer (``sliding_window``, null: none).
 _WINDOW_ALL = ("mistral", "mixtral")
 _QWEN = ("qwen2", "qwen3", "qwen3_moe")
@@ -52,11 +55,7 @@ _QWEN = ("qwen2", "qwen3", "qwen3_moe")
 def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
     """Map a Llama-family ``config.json`` onto parts (``CheckpointError`` naming a field)."""
     model_type = str(cfg.raw.get("model_type") or "llama")
-    hfparts.reject_common(cfg)
-    hidden = cfg.positive_int("hidden_size")
-    heads = hfparts.head_geometry(cfg, hidden=hidden)
-    model = hfparts.model_config(cfg, family="llama", dtype=dtype, hidden=hidden, heads=heads)
-    num_heads, kv_heads, head_dim = heads
+    model = hfparts.read_common(cfg, family="llama", dtype=dtype)
     n = model.num_layers
     act = hfparts.activation(cfg, "hidden_act", "silu")
     hfparts.reject_value(cfg, "pretraining_tp", allowed=1, reason="only pretraining_tp=1")
@@ -77,7 +76,7 @@ def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
     if "sliding_attention" in kinds and window is None:
         raise CheckpointError("config.sliding_window", "required by sliding_attention layers")
     attention_bias = cfg.flag("attention_bias", False)
-    scale = head_dim**-0.5
+    scale: float | None = None
     embedding_scale = residual_multiplier = logit_scale = 1.0
     if model_type == "granite":
         scale = cfg.positive_float("attention_multiplier", 1.0)
@@ -86,10 +85,8 @@ def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
         logit_scale = 1.0 / cfg.positive_float("logits_scaling", 1.0)
     eps = cfg.positive_float("rms_norm_eps", 1e-6)
     norm = NormSpec(kind="rms", eps=eps)
-    attention = AttentionSpec(
-        num_heads=num_heads,
-        num_kv_heads=kv_heads,
-        head_dim=head_dim,
+    attention = hfparts.attention(
+        model,
         scale=scale,
         qkv_bias=model_type == "qwen2" or attention_bias,
         o_bias=model_type != "qwen2" and attention_bias,
@@ -116,7 +113,7 @@ def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
         moe=moe,
         norm=norm,
         layers=layers,
-        ropes=(hfparts.rope(cfg, head_dim=head_dim, max_positions=model.max_position_embeddings),),
+        ropes=(hfparts.rope(cfg, model),),
         embedding_scale=embedding_scale,
         residual_multiplier=residual_multiplier,
         logit_scale=logit_scale,
@@ -164,8 +161,8 @@ _EXPERT_LAYOUTS: tuple[tuple[str, str, str, str, str], ...] = (
 
 
 def fuse_experts(
-    tensors: Mapping[str, torch.Tensor], *, expected: Mapping[str, tuple[int, ...]]
-) -> dict[str, torch.Tensor]:
+    tensors: Mapping[str, CheckpointTensor], *, expected: Mapping[str, tuple[int, ...]]
+) -> dict[str, CheckpointTensor]:
     """Stack per-expert weights into the fused expert tensors ``expected`` names.
 
     A layer's experts are fused only when every expert's gate, up and down weight is
@@ -183,8 +180,12 @@ def fuse_experts(
             ]
             if not all(n in out for row in names for n in row):
                 continue
-            out[fused] = torch.stack([torch.cat([out[g], out[u]]) for g, u, _ in names])
-            out[f"{layer}mlp.experts.down_proj"] = torch.stack([out[d] for _, _, d in names])
+            out[fused] = torch.stack(
+                [torch.cat([_dense(out[g]), _dense(out[u])]) for g, u, _ in names]
+            )
+            out[f"{layer}mlp.experts.down_proj"] = torch.stack(
+                [_dense(out[d]) for _, _, d in names]
+            )
             for row in names:
                 for n in row:
                     del out[n]
@@ -194,13 +195,101 @@ def fuse_experts(
     return out
 
 
+def _dense(tensor: CheckpointTensor) -> torch.Tensor:
+    """Expert weights are stacked in float (quantized blocks are dequantized first)."""
+    return tensor if isinstance(tensor, torch.Tensor) else tensor.dequantize()
+
+
+def _gguf_config(
+    metadata: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], item: str
+) -> dict[str, Any]:
+    """A llama.cpp ``llama`` GGUF's metadata as a Llama ``config.json``."""
+    hidden = int(metadata_field(metadata, "llama.embedding_length", item))
+    heads = int(metadata_field(metadata, "llama.attention.head_count", item))
+    kv_heads = int(metadata.get("llama.attention.head_count_kv") or heads)
+    head_dim = int(metadata.get("llama.attention.key_length") or hidden // heads)
+    rope_dim = metadata.get("llama.rope.dimension_count")
+    if rope_dim is not None and int(rope_dim) != head_dim:
+        raise CheckpointError(
+            f"{item}: llama.rope.dimension_count",
+            f"partial rotary ({rope_dim} of head_dim {head_dim}) is not supported",
+        )
+    reject_rope_scaling(metadata, "llama", item)
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab_size(metadata, shapes, "llama"),
+        "hidden_size": hidden,
+        "intermediate_size": int(metadata_field(metadata, "llama.feed_forward_length", item)),
+        "num_hidden_layers": int(metadata_field(metadata, "llama.block_count", item)),
+        "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads,
+        "head_dim": head_dim,
+        "max_position_embeddings": int(metadata_field(metadata, "llama.context_length", item)),
+        "rope_theta": float(metadata.get("llama.rope.freq_base") or 10000.0),
+        "rms_norm_eps": float(
+            metadata_field(metadata, "llama.attention.layer_norm_rms_epsilon", item)
+        ),
+        "hidden_act": "silu",
+        "attention_bias": "blk.0.attn_q.bias" in shapes,
+        "mlp_bias": "blk.0.ffn_up.bias" in shapes,
+        "tie_word_embeddings": "output.weight" not in shapes,
+        **token_ids(metadata),
+    }
+
+
+def _gguf_convert(name: str, values: np.ndarray, hf_config: Mapping[str, Any]) -> np.ndarray:
+    """Undo llama.cpp's interleaving of rotary halves in Q and K rows (weights and biases)."""
+    if ".attn_q." in name:
+        return unpermute_rotary(values, heads=int(hf_config["num_attention_heads"]))
+    if ".attn_k." in name:
+        return unpermute_rotary(values, heads=int(hf_config["num_key_value_heads"]))
+    return values
+
+
+#: llama.cpp's ``llama`` architecture (Llama 1-3, SmolLM2, ...) in Hugging Face form.
+GGUF = GGUFArchitecture(
+    name="llama",
+    hf_config=_gguf_config,
+    global_names=MappingProxyType(
+        {
+            "token_embd.weight": "model.embed_tokens.weight",
+            "output_norm.weight": "model.norm.weight",
+            "output.weight": "lm_head.weight",
+        }
+    ),
+    block_names=MappingProxyType(
+        {
+            "attn_q": "model.layers.{layer}.self_attn.q_proj",
+            "attn_k": "model.layers.{layer}.self_attn.k_proj",
+            "attn_v": "model.layers.{layer}.self_attn.v_proj",
+            "attn_output": "model.layers.{layer}.self_attn.o_proj",
+            "ffn_gate": "model.layers.{layer}.mlp.gate_proj",
+            "ffn_up": "model.layers.{layer}.mlp.up_proj",
+            "ffn_down": "model.layers.{layer}.mlp.down_proj",
+            "attn_norm": "model.layers.{layer}.input_layernorm",
+            "ffn_norm": "model.layers.{layer}.post_attention_layernorm",
+        }
+    ),
+    convert=_gguf_convert,
+)
+
 #: The family the registry serves under ``llama``.
 FAMILY = DecoderFamily(
     name="llama",
+    architectures=(
+        "LlamaForCausalLM",
+        "MistralForCausalLM",
+        "MixtralForCausalLM",
+        "Qwen2ForCausalLM",
+        "Qwen3ForCausalLM",
+        "Qwen3MoeForCausalLM",
+        "GraniteForCausalLM",
+    ),
     model_types=MODEL_TYPES,
     read=read,
-    required_keys=REQUIRED_KEYS,
+    required_keys=hfparts.DECODER_KEYS,
     ignored_suffixes=IGNORED_SUFFIXES,
     rename=fuse_experts,
-    gguf_architecture="llama",
+    gguf=GGUF,
 )

@@ -9,36 +9,21 @@ from llmrt.families import hfparts
 from llmrt.families.decoder import TensorNames
 from llmrt.families.decoder_family import DecoderFamily
 from llmrt.families.hfconfig import HFConfig
-from llmrt.families.parts import AttentionSpec, DecoderSpec, LayerSpec, MLPSpec, NormSpec
+from llmrt.families.parts import DecoderSpec, LayerSpec, MLPSpec, NormSpec
 
 MODEL_TYPES: tuple[str, ...] = ("olmo2",)
-REQUIRED_KEYS: tuple[str, ...] = (
-    "vocab_size",
-    "hidden_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "intermediate_size",
-    "max_position_embeddings",
-)
 
 
 def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
     """Map an OLMo-2 ``config.json`` onto parts (``CheckpointError`` naming a field)."""
-    hfparts.reject_common(cfg)
-    hidden = cfg.positive_int("hidden_size")
-    heads = hfparts.head_geometry(cfg, hidden=hidden)
-    model = hfparts.model_config(cfg, family="olmo2", dtype=dtype, hidden=hidden, heads=heads)
-    num_heads, kv_heads, head_dim = heads
+    model = hfparts.read_common(cfg, family="olmo2", dtype=dtype)
     hfparts.reject_value(cfg, "clip_qkv", allowed=None, reason="q/k/v clipping is unsupported")
     norm = NormSpec(kind="rms", eps=cfg.positive_float("rms_norm_eps", 1e-5))
     bias = cfg.flag("attention_bias", False)
     spec = DecoderSpec(
         model=model,
-        attention=AttentionSpec(
-            num_heads=num_heads,
-            num_kv_heads=kv_heads,
-            head_dim=head_dim,
-            scale=head_dim**-0.5,
+        attention=hfparts.attention(
+            model,
             qkv_bias=bias,
             o_bias=bias,
             qk_norm="proj",
@@ -55,7 +40,7 @@ def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
         mlp_norm=False,
         post_attn_norm=True,
         post_mlp_norm=True,
-        ropes=(hfparts.rope(cfg, head_dim=head_dim, max_positions=model.max_position_embeddings),),
+        ropes=(hfparts.rope(cfg, model),),
         tie_word_embeddings=cfg.flag("tie_word_embeddings", False),
     )
     return spec, TensorNames()
@@ -64,8 +49,9 @@ def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
 #: The family the registry serves under ``olmo2``.
 FAMILY = DecoderFamily(
     name="olmo2",
+    architectures=("Olmo2ForCausalLM",),
     model_types=MODEL_TYPES,
     read=read,
-    required_keys=REQUIRED_KEYS,
+    required_keys=hfparts.DECODER_KEYS,
     ignored_suffixes=(".rotary_emb.inv_freq",),
 )

@@ -12,6 +12,7 @@ initialisation, GGUF architecture, backends) is read from the family object itse
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 from importlib.metadata import EntryPoint, entry_points
 from types import TracebackType
 from typing import Any
@@ -137,6 +138,39 @@ def _check(family: Any, *, source: str, name: Any) -> Family:
     if family.name != name:
         raise FamilyError(f"family entry point {name!r} ({source}) names itself {family.name!r}")
     return family
+
+
+def _loadable_families() -> Iterator[Family]:
+    """Every family that loads (a broken plugin is skipped here; ``get_family`` names it)."""
+    for name in family_names():
+        try:
+            yield get_family(name)
+        except FamilyError:
+            continue
+
+
+def gguf_architectures() -> dict[str, Any]:
+    """GGUF ``general.architecture`` -> the ``GGUFArchitecture`` the family that reads it
+    declares (``gguf``); families that fail to load are left out (named by ``get_family``)."""
+    out: dict[str, Any] = {}
+    for family in _loadable_families():
+        gguf = getattr(family, "gguf", None)
+        if gguf is None:
+            continue
+        if gguf.name in out:
+            raise FamilyError(f"GGUF architecture {gguf.name!r} is claimed by several families")
+        out[gguf.name] = gguf
+    return out
+
+
+def hf_architectures() -> dict[str, str]:
+    """Hugging Face architecture (``LlamaForCausalLM``) -> the family serving it, from
+    each family's ``architectures``; families that fail to load are left out."""
+    out: dict[str, str] = {}
+    for family in _loadable_families():
+        for arch in getattr(family, "architectures", ()):
+            out.setdefault(arch, family.name)
+    return out
 
 
 def family_backends(family: Family) -> tuple[str, ...]:

@@ -9,36 +9,21 @@ from llmrt.families import hfparts
 from llmrt.families.decoder import TensorNames
 from llmrt.families.decoder_family import DecoderFamily
 from llmrt.families.hfconfig import HFConfig
-from llmrt.families.parts import AttentionSpec, DecoderSpec, LayerSpec, MLPSpec, NormSpec
+from llmrt.families.parts import DecoderSpec, LayerSpec, MLPSpec, NormSpec
 
 MODEL_TYPES: tuple[str, ...] = ("stablelm",)
-REQUIRED_KEYS: tuple[str, ...] = (
-    "vocab_size",
-    "hidden_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "intermediate_size",
-    "max_position_embeddings",
-)
 
 
 def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
     """Map a StableLM ``config.json`` onto parts (``CheckpointError`` naming a field)."""
-    hfparts.reject_common(cfg)
-    hidden = cfg.positive_int("hidden_size")
-    heads = hfparts.head_geometry(cfg, hidden=hidden)
-    model = hfparts.model_config(cfg, family="stablelm", dtype=dtype, hidden=hidden, heads=heads)
-    num_heads, kv_heads, head_dim = heads
+    model = hfparts.read_common(cfg, family="stablelm", dtype=dtype)
     eps = cfg.positive_float("layer_norm_eps", 1e-5)
     parallel = cfg.flag("use_parallel_residual", False)
     qk_norm = cfg.flag("qk_layernorm", False)
     spec = DecoderSpec(
         model=model,
-        attention=AttentionSpec(
-            num_heads=num_heads,
-            num_kv_heads=kv_heads,
-            head_dim=head_dim,
-            scale=head_dim**-0.5,
+        attention=hfparts.attention(
+            model,
             qkv_bias=cfg.flag("use_qkv_bias", False),
             qk_norm="head" if qk_norm else None,
             qk_norm_spec=NormSpec(kind="layer", eps=eps),
@@ -53,11 +38,7 @@ def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
         layers=tuple(LayerSpec() for _ in range(model.num_layers)),
         residual="parallel" if parallel else "sequential",
         mlp_norm=not parallel,
-        ropes=(
-            hfparts.rope(
-                cfg, head_dim=head_dim, max_positions=model.max_position_embeddings, partial=True
-            ),
-        ),
+        ropes=(hfparts.rope(cfg, model, partial=True),),
         tie_word_embeddings=cfg.flag("tie_word_embeddings", False),
     )
     names = TensorNames(
@@ -69,8 +50,9 @@ def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
 #: The family the registry serves under ``stablelm``.
 FAMILY = DecoderFamily(
     name="stablelm",
+    architectures=("StableLmForCausalLM",),
     model_types=MODEL_TYPES,
     read=read,
-    required_keys=REQUIRED_KEYS,
+    required_keys=hfparts.DECODER_KEYS,
     ignored_suffixes=(".rotary_emb.inv_freq",),
 )

@@ -9,35 +9,20 @@ from llmrt.families import hfparts
 from llmrt.families.decoder import TensorNames
 from llmrt.families.decoder_family import DecoderFamily
 from llmrt.families.hfconfig import HFConfig
-from llmrt.families.parts import AttentionSpec, DecoderSpec, LayerSpec, MLPSpec, NormSpec
+from llmrt.families.parts import DecoderSpec, LayerSpec, MLPSpec, NormSpec
 
 MODEL_TYPES: tuple[str, ...] = ("starcoder2",)
-REQUIRED_KEYS: tuple[str, ...] = (
-    "vocab_size",
-    "hidden_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "intermediate_size",
-    "max_position_embeddings",
-)
 
 
 def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
     """Map a StarCoder2 ``config.json`` onto parts (``CheckpointError`` naming a field)."""
-    hfparts.reject_common(cfg)
-    hidden = cfg.positive_int("hidden_size")
-    heads = hfparts.head_geometry(cfg, hidden=hidden)
-    model = hfparts.model_config(cfg, family="starcoder2", dtype=dtype, hidden=hidden, heads=heads)
-    num_heads, kv_heads, head_dim = heads
+    model = hfparts.read_common(cfg, family="starcoder2", dtype=dtype)
     bias = cfg.flag("use_bias", True)
     window = hfparts.window_size(cfg)
     spec = DecoderSpec(
         model=model,
-        attention=AttentionSpec(
-            num_heads=num_heads,
-            num_kv_heads=kv_heads,
-            head_dim=head_dim,
-            scale=head_dim**-0.5,
+        attention=hfparts.attention(
+            model,
             qkv_bias=bias,
             o_bias=bias,
         ),
@@ -49,7 +34,7 @@ def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
         ),
         norm=NormSpec(kind="layer", eps=cfg.positive_float("norm_epsilon", 1e-5), bias=True),
         layers=tuple(LayerSpec(window=window) for _ in range(model.num_layers)),
-        ropes=(hfparts.rope(cfg, head_dim=head_dim, max_positions=model.max_position_embeddings),),
+        ropes=(hfparts.rope(cfg, model),),
         tie_word_embeddings=cfg.flag("tie_word_embeddings", True),
     )
     return spec, TensorNames(up="mlp.c_fc", down="mlp.c_proj")
@@ -58,8 +43,9 @@ def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
 #: The family the registry serves under ``starcoder2``.
 FAMILY = DecoderFamily(
     name="starcoder2",
+    architectures=("Starcoder2ForCausalLM",),
     model_types=MODEL_TYPES,
     read=read,
-    required_keys=REQUIRED_KEYS,
+    required_keys=hfparts.DECODER_KEYS,
     ignored_suffixes=(".rotary_emb.inv_freq",),
 )

@@ -4,6 +4,8 @@ tests of a family, a recipe or the runtime itself.
 - ``llmrt_runtime(recipe, overrides=..., providers=...)``: a ``RuntimeContainer`` built from
   a recipe, with dependency-injector providers replaced by dotted path
   (``{"device.device": my_device}``); closed at teardown, its cleanup errors failing the test.
+  ``llmrt_module_runtime`` / ``llmrt_session_runtime`` are the same for containers a test
+  module / the whole session shares.
 - ``faulty_device(fail=..., inner=None)``: a ``FaultyDevice`` over a CPU ``TorchDevice``
   (or ``inner``) that fails the Nth call of the named operations.
 - ``lifecycle_log``: the structured lifecycle log written to a JSON-lines file for the
@@ -31,6 +33,7 @@ from llmrt.testing.devices import TORCH_DEVICES, require_device
 if TYPE_CHECKING:
     from llmrt.device.base import Device
     from llmrt.families.base import Family
+    from llmrt.recipe import Overrides
     from llmrt.testing.faulty_device import FaultyDevice
     from llmrt.testing.parity import Harness
 
@@ -49,29 +52,22 @@ def torch_device(request: pytest.FixtureRequest) -> str:
     return require_device(str(request.param))
 
 
-@pytest.fixture
-def llmrt_runtime(request: pytest.FixtureRequest) -> Iterator[Callable[..., Any]]:
-    """Factory: ``llmrt_runtime(recipe, overrides=(), providers={})`` -> ``RuntimeContainer``.
-
-    With ``lifecycle_log`` in the same test, the log starts first and is audited after
-    every container here is closed, so the audit sees whole lifetimes.
-    """
+def _runtime_factory() -> Iterator[Callable[..., Any]]:
+    """Yield ``make(recipe, overrides=..., providers=...)``; close what it built after."""
     from dependency_injector import providers as di
 
     from llmrt.containers import RuntimeContainer, close_runtime
     from llmrt.recipe import load_recipe
 
-    if "lifecycle_log" in request.fixturenames:
-        request.getfixturevalue("lifecycle_log")
     built: list[Any] = []
 
     def make(
         recipe: str,
+        overrides: Overrides = (),
         *,
-        overrides: Sequence[str] = (),
         providers: Mapping[str, Any] | None = None,
     ) -> Any:
-        container = RuntimeContainer(recipe=load_recipe(recipe, overrides=list(overrides)))
+        container = RuntimeContainer(recipe=load_recipe(recipe, overrides=overrides))
         built.append(container)
         for path, value in (providers or {}).items():
             target: Any = container
@@ -89,6 +85,32 @@ def llmrt_runtime(request: pytest.FixtureRequest) -> Iterator[Callable[..., Any]
             errors.append(exc)
     if errors:
         raise errors[0]
+
+
+@pytest.fixture
+def llmrt_runtime(request: pytest.FixtureRequest) -> Iterator[Callable[..., Any]]:
+    """Factory: ``llmrt_runtime(recipe, overrides=(), providers={})`` -> ``RuntimeContainer``.
+
+    ``overrides`` are ``--set``-style strings or a mapping of dotted paths. With
+    ``lifecycle_log`` in the same test, the log starts first and is audited after every
+    container here is closed, so the audit sees whole lifetimes.
+    """
+    if "lifecycle_log" in request.fixturenames:
+        request.getfixturevalue("lifecycle_log")
+    yield from _runtime_factory()
+
+
+@pytest.fixture(scope="module")
+def llmrt_module_runtime() -> Iterator[Callable[..., Any]]:
+    """``llmrt_runtime`` for containers a whole test module shares (closed after its last
+    test; no ``lifecycle_log``, which is per test)."""
+    yield from _runtime_factory()
+
+
+@pytest.fixture(scope="session")
+def llmrt_session_runtime() -> Iterator[Callable[..., Any]]:
+    """``llmrt_runtime`` for containers the whole session shares (a large model built once)."""
+    yield from _runtime_factory()
 
 
 @pytest.fixture(scope="session")

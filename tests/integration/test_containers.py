@@ -32,6 +32,7 @@ Runtime = Any
 BUILT_BY = {
     "tiny-llama": "test_tiny_recipe_builds_and_runs",
     "tiny-gpt2": "test_tiny_recipe_builds_and_runs",
+    "tiny-parts": "test_tiny_recipe_builds_and_runs",
     "hf": "test_hf_recipe_builds_from_a_transformers_checkpoint",
     "smollm2-135m": "test_smollm2_recipe_runs_prefill_and_decode",
     "smollm2-135m-dp2": "test_smollm2_dp2_recipe_matches_one_lane",
@@ -91,7 +92,7 @@ def test_each_decode_batch_size_is_warmed_and_captured_largest_first(
     assert captured[: len(decode)] == decode  # decode before prefill
 
 
-@pytest.mark.parametrize("recipe", ["tiny-llama", "tiny-gpt2"])
+@pytest.mark.parametrize("recipe", ["tiny-llama", "tiny-gpt2", "tiny-parts"])
 def test_tiny_recipe_builds_and_runs(build: Callable[..., Runtime], recipe: str) -> None:
     runtime = build(recipe)
     group = runtime.group

@@ -37,9 +37,9 @@ def _scope_steps(events: list[dict[str, Any]]) -> dict[str, str]:
 
 
 def test_an_overriding_device_is_owned_synchronized_and_closed(
-    build: Callable[..., Runtime],
+    build: Callable[..., Runtime], faulty_device: Callable[..., FaultyDevice]
 ) -> None:
-    faulty = FaultyDevice(TorchDevice("cpu"), fail={})
+    faulty = faulty_device()
     runtime = build("tiny-llama", SMALL)
     runtime.container.device.device.override(providers.Object(faulty))
     runtime.ready()
@@ -56,9 +56,9 @@ def test_an_overriding_device_is_owned_synchronized_and_closed(
 
 
 def test_a_borrowed_device_is_recorded_and_visibly_left_alone(
-    build: Callable[..., Runtime],
+    build: Callable[..., Runtime], faulty_device: Callable[..., FaultyDevice]
 ) -> None:
-    mine = FaultyDevice(TorchDevice("cpu"), fail={})
+    mine = faulty_device()
     runtime = build("tiny-llama", SMALL)
     runtime.container.device.device.override(Borrowed(mine))
     with capture_logs() as built:

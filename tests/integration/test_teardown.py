@@ -19,7 +19,6 @@ from llmrt.containers import Owned
 from structlog.testing import capture_logs
 
 from llmrt.audit import check
-from llmrt.device.torch import TorchDevice
 from llmrt.errors import CleanupError, KVCacheStateError
 from llmrt.lane_group import LaneGroupLease
 from llmrt.lifecycle import configure_logging
@@ -92,10 +91,9 @@ GOVERNED = (
 
 
 def test_a_full_lifecycle_tears_down_in_exact_reverse_creation_order(
-    build: Callable[..., Runtime], tmp_path: Path
+    lifecycle_log: Path, build: Callable[..., Runtime]
 ) -> None:
-    audit = tmp_path / "audit.jsonl"
-    configure_logging(level="warning", audit_path=audit, console=False)
+    audit = lifecycle_log  # the plugin's log: audited again at teardown
     runtime = build("tiny-llama", ["lanes=2"])
     _lifecycle(runtime)
     root = runtime.container.root_scope()
@@ -168,18 +166,20 @@ def test_a_full_lifecycle_tears_down_in_exact_reverse_creation_order(
 
 
 def _faulty_lifecycle(
-    build: Callable[..., Runtime], fail: dict[str, int]
+    build: Callable[..., Runtime], faulty_device: Callable[..., FaultyDevice], fail: dict[str, int]
 ) -> tuple[Runtime, FaultyDevice]:
-    faulty = FaultyDevice(TorchDevice("cpu"), fail=fail)
+    faulty = faulty_device(fail=fail)
     runtime = build("tiny-llama", ["lanes=2"])
     runtime.container.device.device.override(providers.Object(faulty))
     _lifecycle(runtime)
     return runtime, faulty
 
 
-def _teardown_plan(build: Callable[..., Runtime]) -> dict[str, int]:
+def _teardown_plan(
+    build: Callable[..., Runtime], faulty_device: Callable[..., FaultyDevice]
+) -> dict[str, int]:
     """Call numbers that hit lane 1's teardown: first sync, first trace, first KV tensor."""
-    runtime, faulty = _faulty_lifecycle(build, {})
+    runtime, faulty = _faulty_lifecycle(build, faulty_device, {})
     syncs = len(faulty.calls_of("synchronize"))
     before = len(faulty.calls_of("deallocate"))
     kv = runtime.group.lanes[1].kv_cache.context
@@ -201,12 +201,12 @@ def _faults(error: BaseException) -> Iterator[BaseException]:
 
 
 def test_failing_teardown_steps_keep_the_kv_guard_and_a_retry_frees_the_orphans(
-    build: Callable[..., Runtime], tmp_path: Path
+    build: Callable[..., Runtime], faulty_device: Callable[..., FaultyDevice], tmp_path: Path
 ) -> None:
-    plan = _teardown_plan(build)
+    plan = _teardown_plan(build, faulty_device)
     audit = tmp_path / "audit.jsonl"
     configure_logging(level="critical", audit_path=audit, console=False)
-    runtime, faulty = _faulty_lifecycle(build, plan)
+    runtime, faulty = _faulty_lifecycle(build, faulty_device, plan)
     lanes = runtime.group.lanes
     devices = runtime.container.device.lane_devices()
     primary = RuntimeError("the scheduler crashed")

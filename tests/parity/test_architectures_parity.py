@@ -3,23 +3,34 @@ checkpoints with perturbed norms and biases.
 
 One test per architecture runs the fast combination: a ragged batch with an inert
 padding row, chunked prefill, a prefix-cached continuation next to a fresh row, and 32
-greedy decode steps (logits within 1e-4, greedy tokens equal). The configs switch on
-the options each architecture is known for (sliding windows, soft-capping, q/k norms,
-partial rotary, RoPE scalings, multipliers, experts), so each part is checked where
-transformers computes it. Each case runs on every torch device (``torch_device``: cuda
-where a GPU is present), against transformers on the CPU.
+greedy decode steps (logits within 1e-4, greedy tokens equal). Two more run each
+architecture on the capture-safe path (no host reads inside a forward; MoE dense) and
+through the whole serving stack on two data-parallel lanes with traced decode; a
+representative subset (``REPRESENTATIVE``) runs by default, every case under ``-m slow``.
+The configs switch on the options each architecture is known for (sliding windows,
+soft-capping, q/k norms, partial rotary, RoPE scalings, multipliers, experts), so each
+part is checked where transformers computes it. The fast-combination case runs on every
+torch device (``torch_device``: cuda where a GPU is present), against transformers on the
+CPU.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import transformers
+import yaml
 from family_checks import perturb
 
 from llmrt.families.registry import family_for_model_type
+from llmrt.recipe import load_recipe
+from llmrt.sampling_params import SamplingParams
+from llmrt.serving.llm import LLM
+from llmrt.testing.parity import hf_greedy
+from llmrt.weights.checkpoint import Checkpoint
 
 COMMON: dict[str, Any] = {
     "vocab_size": 128,
@@ -138,11 +149,33 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def hf_model(case: str) -> Any:
+#: Cases the default run takes through the capture-safe and two-lane traced paths: dense
+#: and MoE, pre-norm / sandwich / parallel residuals, windows and soft-caps, fused and
+#: interleaved q/k/v, learned positions.
+REPRESENTATIVE = (
+    "llama-yarn-biases",
+    "gemma2-softcap-window",
+    "gpt-neox-parallel-partial",
+    "qwen3-moe-softmax-topk-dense-layer",
+)
+RECIPES = Path(__file__).resolve().parents[2] / "recipes"
+#: The byte tokenizer's 258 ids fit every serving case's vocabulary.
+SERVING_VOCAB = 258
+MAX_TOKENS = 33  # the prefill token and 32 decode steps
+
+
+def _cases(*, default: tuple[str, ...]) -> list[Any]:
+    return [
+        pytest.param(case, marks=() if case in default else pytest.mark.slow)
+        for case in sorted(CASES)
+    ]
+
+
+def hf_model(case: str, **extra: Any) -> Any:
     """The case's transformers model (eager attention), norms and biases perturbed."""
     model_type, overrides = CASES[case]
     torch.manual_seed(0)
-    config = transformers.AutoConfig.for_model(model_type, **{**COMMON, **overrides})
+    config = transformers.AutoConfig.for_model(model_type, **{**COMMON, **overrides, **extra})
     config._attn_implementation = "eager"
     model = transformers.AutoModelForCausalLM.from_config(config)
     return perturb(model, seed=1, is_norm=lambda name: "norm" in name or ".ln_" in name)
@@ -158,6 +191,63 @@ def test_family_auto_matches_transformers(
     prompts = [harness.prompt(n, seed=30 + n) for n in (14, 9, 12)]
     runs = harness.greedy(prompts, cuts=[[5, 8], [], [6]], align="end", pad_row=True)
     harness.assert_parity(prompts, runs)
+
+
+@pytest.mark.parametrize("case", _cases(default=REPRESENTATIVE))
+def test_capture_safe_path_matches_transformers(
+    case: str, parity_harness: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No host read inside any forward (what CUDA-graph capture and compilation need):
+    ragged batch, chunked prefill, shared prefix blocks, inert padding."""
+    model = hf_model(case)
+    harness = parity_harness(family=family_for_model_type(model.config.model_type), hf_model=model)
+    harness.check_capture_safe(monkeypatch)
+
+
+@pytest.mark.parametrize("case", _cases(default=REPRESENTATIVE))
+def test_two_lanes_with_traced_decode_match_transformers(
+    case: str, llmrt_runtime: Any, tmp_path: Path
+) -> None:
+    """The serving stack (scheduler, batched prefill, prefix cache, two data-parallel lanes,
+    decode replayed from traces) on the case's perturbed weights gives transformers' greedy
+    tokens for every prompt."""
+    model = hf_model(case, vocab_size=SERVING_VOCAB).eval()
+    config = model.config.to_dict()
+    recipe = yaml.safe_load((RECIPES / "tiny-llama.yaml").read_text())
+    recipe.update(name=f"arch-{case}", family="auto")
+    recipe["model"] = {"model_type": config["model_type"], **COMMON, **CASES[case][1]}
+    recipe["model"]["vocab_size"] = SERVING_VOCAB
+    path = tmp_path / "recipe.yaml"
+    path.write_text(yaml.safe_dump(recipe))
+    overrides = {
+        "lanes": 2,
+        "decode.lane_capacity": 2,
+        "trace.mode": "decode_only",
+        "kv_cache.num_blocks": 24,
+        "serving.max_model_len": 128,
+        "warmup.prefill_seq_lens": [32],
+        "warmup.prefill_batch_sizes": [1, 2],
+    }
+    weights = Checkpoint(
+        source=f"transformers:{case}",
+        hf_config=config,
+        tensors={k: v.detach().contiguous() for k, v in model.state_dict().items()},
+        tokenizer=None,
+    )
+    container = llmrt_runtime(str(path), overrides, providers={"model.weights": weights})
+    prompts = [[(7 * i + 3 * n) % 250 + 1 for i in range(n)] for n in (14, 9, 21, 5)]
+    with LLM(recipe=load_recipe(str(path), overrides=overrides), container=container) as llm:
+        assert llm.container.model.family().name == family_for_model_type(config["model_type"]).name
+        outputs = llm.generate(
+            prompts, SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+        )
+        replays = [
+            sum(lane.trace_compiler().replay_counts().values())
+            for lane in llm.container.lane_containers()
+        ]
+    assert all(count > 0 for count in replays), replays  # both lanes decoded from traces
+    for prompt, output in zip(prompts, outputs, strict=True):
+        assert list(output.token_ids) == hf_greedy(model, prompt, steps=MAX_TOKENS).tokens
 
 
 def test_every_listed_architecture_has_a_case() -> None:

@@ -110,3 +110,19 @@ def test_every_family_declares_what_the_registry_records() -> None:
         assert backends and set(backends) <= {"torch", "ttnn"}
         assert registry.family_backends(family) == tuple(backends)
     assert registry.family_backends(registry.get_family("toy_ttnn")) == ("ttnn",)
+
+
+def test_each_familys_architectures_are_transformers_classes_of_its_model_types() -> None:
+    """``family.architectures`` (what vLLM registers) name, per model type, the class
+    transformers builds for it; gguf maps are served by the registry, by architecture."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    served = registry.hf_architectures()
+    for family in registry.families():
+        declared = getattr(family, "architectures", ())
+        if family.name == "toy_ttnn":
+            continue
+        assert set(declared) == {MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[t] for t in family.model_types}
+        assert all(served[arch] == family.name for arch in declared)
+    assert sorted(registry.gguf_architectures()) == ["gpt2", "llama"]
+    assert registry.gguf_architectures()["llama"] is llama.GGUF

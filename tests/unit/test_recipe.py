@@ -30,6 +30,7 @@ BUNDLED = [
     "smollm2-135m-fast",
     "tiny-gpt2",
     "tiny-llama",
+    "tiny-parts",
     "toy-ttnn",
 ]
 NO_ENV: dict[str, str] = {}

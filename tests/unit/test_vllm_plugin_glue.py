@@ -41,6 +41,23 @@ def test_a_local_checkpoint_of_a_served_architecture_uses_the_hf_recipe(
     assert choice.overrides == (f"checkpoint.path={tmp_path}", "lanes=2", "trace.mode=all")
 
 
+#: The Hugging Face classes of the sixteen architectures llmrt's families serve.
+SERVED_ARCHITECTURES = (
+    "LlamaForCausalLM", "MistralForCausalLM", "MixtralForCausalLM", "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "GraniteForCausalLM", "GemmaForCausalLM",
+    "Gemma2ForCausalLM", "Gemma3ForCausalLM", "Phi3ForCausalLM", "Olmo2ForCausalLM",
+    "GPTNeoXForCausalLM", "StableLmForCausalLM", "Starcoder2ForCausalLM", "GPT2LMHeadModel",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", ["TTQwen3MoeForCausalLM", "TTGemma2ForCausalLM"])
+def test_any_registered_familys_architecture_is_served_from_a_local_directory(
+    tmp_path: pathlib.Path, arch: str
+) -> None:
+    choice = select_recipe(hf_config=_hf(str(tmp_path), arch), env={})
+    assert (choice.recipe, choice.overrides) == ("hf", (f"checkpoint.path={tmp_path}",))
+
+
 def test_the_environment_recipe_wins_and_an_unknown_model_names_the_variable() -> None:
     env = {"LLMRT_VLLM_RECIPE": "tiny-llama"}
     assert select_recipe(hf_config=_hf("org/Unknown-7B", "MysteryLM"), env=env).recipe == (
@@ -112,7 +129,8 @@ def test_registration_is_opt_in_and_then_replaces_the_plugins_class() -> None:
 
     names = register(registry, env={"LLMRT_VLLM_RECIPE": "smollm2-135m"})
 
-    assert names == ["TTGPT2LMHeadModel", "TTLlamaForCausalLM"]
+    # Every architecture a registered family serves (the sixteen model types).
+    assert names == sorted(f"TT{arch}" for arch in SERVED_ARCHITECTURES)
     assert all(registry.models[n] == MAIN_CLASS for n in names)
     assert register(
         Registry(), env={"LLMRT_VLLM": "1", "LLMRT_VLLM_ARCHITECTURES": "TTQwen2X"}
@@ -126,7 +144,7 @@ def test_the_bundle_is_what_the_plugins_extra_models_dir_reads(tmp_path: pathlib
     module, _, name = meta["main_class"].partition(":")
     cls = getattr(importlib.import_module(module), name)
     assert callable(cls.initialize_vllm_model) and callable(cls.get_max_tokens_all_users)
-    assert len(write_bundle(tmp_path / "all")) == 2
+    assert len(write_bundle(tmp_path / "all")) == len(SERVED_ARCHITECTURES)
 
 
 def test_the_vllm_entry_point_is_declared() -> None:

@@ -440,6 +440,39 @@ def test_unknown_architecture_is_named(tmp_path: Path, bpe_meta: dict[str, Any])
         load(path)
 
 
+def test_the_loader_learns_architectures_from_the_registry(
+    tmp_path: Path, bpe_meta: dict[str, Any]
+) -> None:
+    """A family registered in-process with a ``gguf`` map makes its architecture loadable;
+    nothing in the GGUF loader names it."""
+    import attrs
+
+    from llmrt.families import llama, registry
+
+    model = tiny_llama(len(bpe_meta["tokens"]))
+    path = write_llama_gguf(tmp_path / "variant.gguf", model, bpe_meta, arch="llama_variant")
+
+    def config(meta: Any, shapes: Any, item: str) -> dict[str, Any]:
+        as_llama = {k.replace("llama_variant.", "llama.", 1): v for k, v in meta.items()}
+        return {**llama.GGUF.hf_config(as_llama, shapes, item), "model_type": "llama_variant"}
+
+    variant = attrs.evolve(
+        llama.FAMILY,
+        name="llama_variant",
+        model_types=("llama_variant",),
+        gguf=attrs.evolve(llama.GGUF, name="llama_variant", hf_config=config),
+    )
+    with pytest.raises(CheckpointError, match=r"general\.architecture.*'llama_variant'"):
+        load(path)
+    with registry.register(variant):
+        checkpoint = load(path)
+    reference = load(write_llama_gguf(tmp_path / "llama.gguf", model, bpe_meta))
+    assert checkpoint.hf_config == {**reference.hf_config, "model_type": "llama_variant"}
+    assert checkpoint.tensors.keys() == reference.tensors.keys()
+    for name, tensor in checkpoint.tensors.items():
+        assert torch.equal(tensor, reference.tensors[name]), name
+
+
 def test_expected_tensors_are_checked(llama_file: tuple[Path, Any]) -> None:
     path, model = llama_file
     shapes = {k: tuple(v.shape) for k, v in model.state_dict().items() if k != "lm_head.weight"}

@@ -1,0 +1,105 @@
+"""How a family reads GGUF files: the map from one ``general.architecture`` to Hugging Face
+form (config from the metadata, tensor names, llama.cpp's layout changes undone).
+
+A family declares its ``GGUFArchitecture`` (``DecoderFamily.gguf``) beside its config
+mapping, so the GGUF loader (``llmrt.weights.gguf``) learns every architecture from the
+registry and adding one touches only the family's module. The metadata helpers here are
+shared by those declarations.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+import numpy as np
+
+from llmrt.errors import CheckpointError
+
+_BLOCK = re.compile(r"blk\.(\d+)\.([a-z_0-9]+)\.(weight|bias)")
+
+#: ``hf_config(metadata, shapes, item)``: the ``config.json`` dict (``item`` names the file).
+ConfigReader = Callable[[Mapping[str, Any], Mapping[str, tuple[int, ...]], str], dict[str, Any]]
+#: ``convert(gguf_name, values, hf_config)``: the tensor in Hugging Face layout (a row
+#: permutation where it can be, so quantized blocks can stay quantized).
+Converter = Callable[[str, np.ndarray, Mapping[str, Any]], np.ndarray]
+
+
+def keep_layout(name: str, values: np.ndarray, hf_config: Mapping[str, Any]) -> np.ndarray:
+    """The converter of an architecture whose GGUF tensors are already in HF layout."""
+    return values
+
+
+@attrs.frozen(kw_only=True)
+class GGUFArchitecture:
+    """How one GGUF ``general.architecture`` (``name``) maps to Hugging Face.
+
+    ``global_names`` maps whole GGUF tensor names; ``block_names`` maps the part of a
+    ``blk.N.<part>.weight|bias`` name to an HF prefix with ``{layer}``.
+    """
+
+    name: str
+    hf_config: ConfigReader
+    global_names: Mapping[str, str]
+    block_names: Mapping[str, str]
+    convert: Converter = keep_layout
+
+    def hf_name(self, gguf_name: str) -> str | None:
+        """The Hugging Face parameter name for ``gguf_name``, or None when it has none."""
+        if gguf_name in self.global_names:
+            return self.global_names[gguf_name]
+        match = _BLOCK.fullmatch(gguf_name)
+        if match is None or match.group(2) not in self.block_names:
+            return None
+        layer, part, kind = match.groups()
+        return self.block_names[part].format(layer=layer) + "." + kind
+
+
+def metadata_field(metadata: Mapping[str, Any], key: str, item: str) -> Any:
+    """A required metadata value (``CheckpointError`` naming file and key when missing)."""
+    value = metadata.get(key)
+    if value is None:
+        raise CheckpointError(f"{item}: {key}", "missing GGUF metadata field")
+    return value
+
+
+def token_ids(metadata: Mapping[str, Any]) -> dict[str, int]:
+    """bos/eos/pad token ids the metadata gives, under their ``config.json`` keys."""
+    ids = {}
+    for hf_key, gguf_key in (
+        ("bos_token_id", "tokenizer.ggml.bos_token_id"),
+        ("eos_token_id", "tokenizer.ggml.eos_token_id"),
+        ("pad_token_id", "tokenizer.ggml.padding_token_id"),
+    ):
+        if metadata.get(gguf_key) is not None:
+            ids[hf_key] = int(metadata[gguf_key])
+    return ids
+
+
+def vocab_size(
+    metadata: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], arch: str
+) -> int:
+    """``<arch>.vocab_size``, else the embedding's rows, else the tokenizer's size."""
+    if metadata.get(f"{arch}.vocab_size") is not None:
+        return int(metadata[f"{arch}.vocab_size"])
+    if "token_embd.weight" in shapes:
+        return shapes["token_embd.weight"][0]
+    return len(metadata.get("tokenizer.ggml.tokens") or ())
+
+
+def reject_rope_scaling(metadata: Mapping[str, Any], arch: str, item: str) -> None:
+    """``CheckpointError`` for a RoPE scaling the GGUF mapping does not translate."""
+    scaling = metadata.get(f"{arch}.rope.scaling.type")
+    if scaling not in (None, "none"):
+        raise CheckpointError(
+            f"{item}: {arch}.rope.scaling.type", f"rope scaling {scaling!r} is not supported"
+        )
+
+
+def unpermute_rotary(values: np.ndarray, *, heads: int) -> np.ndarray:
+    """Undo llama.cpp's interleaving of the rotary halves in Q/K rows (weights or biases)."""
+    half = values.shape[0] // heads // 2
+    grouped = values.reshape(heads, half, 2, *values.shape[1:])
+    return grouped.swapaxes(1, 2).reshape(values.shape)
