@@ -1,6 +1,7 @@
 """GGUF checkpoints (llama.cpp's format), read into Hugging Face form.
 
-`read_gguf` parses the file with the `gguf` package, dequantizes every tensor to float32,
+`read_gguf` parses the file (`gguf_file.open_gguf`: one private mmap, the header read with
+`struct`), dequantizes every tensor to float32 with the `gguf` package,
 and, through the `GGUFArchitecture` the family reading that `general.architecture` declares
 (found in the registry), renames llama.cpp tensors to Hugging Face parameter names, undoes
 llama.cpp's layout changes (the rotary permutation of Q/K rows for llama, the Conv1D
@@ -11,7 +12,8 @@ cache in front of it, so the (slow) dequantization happens once per file.
 With `keep_quantized`, 2-D tensors in a block layout the kernels run (Q4_0, Q4_1, Q8_0) stay
 quantized (`QuantizedWeight`, rows permuted like the float path); a tensor whose conversion
 is not a row permutation (gpt2's transposed projections) is dequantized as before. That path
-reads the file directly (no dequantization to cache).
+reads the file directly (no dequantization to cache); blocks kept as they are stay views of
+the file's mapping (no copy; pages come from the page cache as the kernels touch them).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from llmrt.families import registry
 from llmrt.kernels.formats import CheckpointTensor, QuantizedWeight, block_kind_of, from_gguf_bytes
 from llmrt.weights.cache import CachedCheckpoint, CacheEntry, file_digest
 from llmrt.weights.gguf_architecture import GGUFArchitecture
+from llmrt.weights.gguf_file import GGUFTensor, open_gguf
 from llmrt.weights.gguf_tokenizer import gguf_tokenizer
 from llmrt.weights.tokenizer import Tokenizer
 
@@ -95,11 +98,8 @@ def read_gguf(path: Path, *, keep_quantized: bool = False) -> GGUFContents:
     """Parse and dequantize the GGUF file at `path` (no cache); see the module doc for
     `keep_quantized`."""
     item = str(path)
-    try:
-        reader = gguf_py.GGUFReader(str(path))
-        metadata = {name: field.contents() for name, field in reader.fields.items()}
-    except Exception as exc:  # the reader raises ValueError/IndexError/... on damaged files
-        raise CheckpointError(item, f"corrupt or unreadable GGUF file: {exc}") from exc
+    reader = open_gguf(path)
+    metadata = reader.metadata
     arch_name = metadata.get("general.architecture")
     known = registry.gguf_architectures()
     architecture = known.get(str(arch_name))
@@ -109,7 +109,7 @@ def read_gguf(path: Path, *, keep_quantized: bool = False) -> GGUFContents:
             f"unsupported GGUF architecture {arch_name!r}; supported: {sorted(known)} "
             "(a family reads GGUF files by declaring `gguf`)",
         )
-    shapes = {t.name: tuple(int(d) for d in reversed(t.shape.tolist())) for t in reader.tensors}
+    shapes = {t.name: t.shape for t in reader.tensors}
     hf_config = architecture.hf_config(metadata, shapes, item)
     tokenizer = gguf_tokenizer(metadata, item=item)
     tensors: dict[str, CheckpointTensor] = {}
@@ -134,7 +134,7 @@ def read_gguf(path: Path, *, keep_quantized: bool = False) -> GGUFContents:
 
 
 def _quantized(
-    tensor: gguf_py.ReaderTensor,
+    tensor: GGUFTensor,
     architecture: GGUFArchitecture,
     *,
     shape: tuple[int, ...],
@@ -154,9 +154,7 @@ def _quantized(
     return weight.select_rows(torch.from_numpy(np.ascontiguousarray(order.reshape(-1))))
 
 
-def dequantize_tensor(
-    tensor: gguf_py.ReaderTensor, *, shape: tuple[int, ...], item: str
-) -> np.ndarray:
+def dequantize_tensor(tensor: GGUFTensor, *, shape: tuple[int, ...], item: str) -> np.ndarray:
     """`tensor` as a float32 array of `shape` (torch order: GGUF's dims reversed)."""
     try:
         values = gguf_py.quants.dequantize(tensor.data, tensor.tensor_type)
