@@ -43,7 +43,7 @@ from llmrt.program_compiler import PROGRAM_OPERATIONS, ProgramCompiler
 from llmrt.recipe import Recipe
 from llmrt.trace_compiler import TraceCompiler
 from llmrt.warmup import CaptureBarrier, WarmupCoordinator, WarmupCoordinatorConfig
-from llmrt.weights.checkpoint import Checkpoint, load_checkpoint
+from llmrt.weights.checkpoint import Checkpoint, gguf_config, load_checkpoint
 from llmrt.weights.tokenizer import Tokenizer, byte_tokenizer
 
 #: Fraction of physical memory one lane's KV cache may take when num_blocks is unresolved.
@@ -132,17 +132,8 @@ def checkpoint_model_type(*, recipe: Recipe) -> str:
             return str(json.loads(config.read_text(encoding="utf-8"))["model_type"])
         except (OSError, ValueError, KeyError) as exc:
             raise CheckpointError(str(config), f"no readable model_type ({exc})") from exc
-    # A GGUF's model_type comes from its header's architecture: read through the loader,
-    # whose dequantization cache makes the ``weights`` load that follows a cache hit.
-    return str(
-        load_checkpoint(
-            format=spec.format,
-            path=spec.path,
-            package=spec.package,
-            file=spec.file,
-            keep_quantized=spec.weight_format == "gguf-native",
-        ).hf_config.get("model_type")
-    )
+    # A GGUF's model_type comes from its header's architecture (no tensor is read).
+    return str(gguf_config(path=spec.path, package=spec.package, file=spec.file)["model_type"])
 
 
 def load_weights(*, recipe: Recipe, family: Family) -> Checkpoint:

@@ -21,7 +21,7 @@ import torch
 from llmrt.errors import CheckpointError, ConfigError, LLMRTError
 from llmrt.kernels.formats import CheckpointTensor, QuantizedWeight
 from llmrt.weights.cache import default_cache_dir
-from llmrt.weights.gguf import load_gguf
+from llmrt.weights.gguf import load_gguf, read_gguf_config
 from llmrt.weights.package_data import package_file
 from llmrt.weights.random import random_config, random_tensors
 from llmrt.weights.safetensors_dir import read_safetensors_dir
@@ -144,6 +144,17 @@ def load_checkpoint(
             tensors = dict(rename(tensors, expected={**expected.required, **expected.optional}))
         tensors = _conform(tensors, expected=expected, source=source)
     return Checkpoint(source=source, hf_config=hf_config, tensors=tensors, tokenizer=tokenizer)
+
+
+def gguf_config(
+    *,
+    path: str | os.PathLike[str] | None = None,
+    package: str | None = None,
+    file: str | None = None,
+) -> dict[str, Any]:
+    """The Hugging Face config (with `model_type`) of a GGUF checkpoint, read from its header
+    only: `path`, or `package` + `file`, as for `load_checkpoint`."""
+    return read_gguf_config(_gguf_path(path=path, package=package, file=file))
 
 
 def _random(

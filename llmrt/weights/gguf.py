@@ -94,12 +94,18 @@ def load_gguf(*, path: Path, cache_dir: Path, keep_quantized: bool = False) -> G
     return contents
 
 
-def read_gguf(path: Path, *, keep_quantized: bool = False) -> GGUFContents:
-    """Parse and dequantize the GGUF file at `path` (no cache); see the module doc for
-    `keep_quantized`."""
-    item = str(path)
+def read_gguf_config(path: Path) -> dict[str, Any]:
+    """The Hugging Face config of the GGUF file at `path`, from its header alone (no tensor
+    data, no tokenizer): what `family: auto` needs to pick a family."""
+    if not path.is_file():
+        raise CheckpointError(str(path), "GGUF file not found")
     reader = open_gguf(path)
-    metadata = reader.metadata
+    architecture = _architecture(reader.metadata, str(path))
+    shapes = {t.name: t.shape for t in reader.tensors}
+    return architecture.hf_config(reader.metadata, shapes, str(path))
+
+
+def _architecture(metadata: Mapping[str, Any], item: str) -> Architecture:
     arch_name = metadata.get("general.architecture")
     known = registry.gguf_architectures()
     architecture = known.get(str(arch_name))
@@ -109,6 +115,17 @@ def read_gguf(path: Path, *, keep_quantized: bool = False) -> GGUFContents:
             f"unsupported GGUF architecture {arch_name!r}; supported: {sorted(known)} "
             "(a family reads GGUF files by declaring `gguf`)",
         )
+    return architecture
+
+
+def read_gguf(path: Path, *, keep_quantized: bool = False) -> GGUFContents:
+    """Parse and dequantize the GGUF file at `path` (no cache); see the module doc for
+    `keep_quantized`."""
+    item = str(path)
+    reader = open_gguf(path)
+    metadata = reader.metadata
+    architecture = _architecture(metadata, item)
+    arch_name = metadata["general.architecture"]
     shapes = {t.name: t.shape for t in reader.tensors}
     hf_config = architecture.hf_config(metadata, shapes, item)
     tokenizer = gguf_tokenizer(metadata, item=item)

@@ -285,3 +285,32 @@ def test_generate_warms_only_the_decode_batches_its_prompts_can_form(
         assert llm.recipe.decode.lane_capacity > 1
         expected = llm.generate(["hello"], SamplingParams(temperature=0, max_tokens=4))
     assert json_lines(out) == [o.to_json() for o in expected]
+
+
+_CONSOLE = (
+    "import atexit, sys\n"
+    "atexit.register(lambda: print('exit handler ran', file=sys.stderr))\n"
+    "sys.argv = ['llmrt', *sys.argv[1:]]\n"
+    "from llmrt.cli import console_main\n"
+    "console_main()\n"
+    "print('not reached')\n"
+)
+
+
+@pytest.mark.parametrize(
+    ("argv", "code"),
+    [(["recipes", "list"], 0), (["generate", "no-such-recipe", "--prompt", "x"], 2)],
+)
+def test_console_exit_flushes_output_and_runs_exit_handlers(argv: list[str], code: int) -> None:
+    """The executable skips interpreter finalization, not what a user sees: piped (block
+    buffered) output arrives whole, exit handlers run, the exit code is main's."""
+    done = subprocess.run(
+        [sys.executable, "-c", _CONSOLE, *argv], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == code, done.stderr
+    assert "not reached" not in done.stdout
+    assert done.stderr.rstrip().endswith("exit handler ran")
+    if code == 0:
+        assert "smollm2-135m " in done.stdout and "tiny-llama" in done.stdout
+    else:
+        assert "llmrt: error:" in done.stderr
