@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from math import prod
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
+from typing import Any, Literal
 
 import attrs
 import numpy as np
@@ -113,7 +113,7 @@ class _Parser:
         self._buffer = mapped
         self._bytes = np.frombuffer(mapped, dtype=np.uint8)
         self._item = item
-        self._order = "<"
+        self._order: Literal["<", ">"] = "<"
         self.offset = 0
 
     def parse(self) -> GGUFFile:
