@@ -105,7 +105,7 @@ def read_gguf_config(path: Path) -> dict[str, Any]:
     return architecture.hf_config(reader.metadata, shapes, str(path))
 
 
-def _architecture(metadata: Mapping[str, Any], item: str) -> Architecture:
+def _architecture(metadata: Mapping[str, Any], item: str) -> GGUFArchitecture:
     arch_name = metadata.get("general.architecture")
     known = registry.gguf_architectures()
     architecture = known.get(str(arch_name))
