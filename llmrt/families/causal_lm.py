@@ -134,6 +134,13 @@ class PagedCausalLM(nn.Module):
         """One token per row at ``positions``; float32 logits ``[B, vocab]``."""
         kv = require_bound(self._kv)
         with torch.no_grad():
+            fused = getattr(self.backbone, "decode_fused", None)
+            if fused is not None:
+                logits: torch.Tensor | None = fused(
+                    tokens=tokens, positions=positions, page_table=page_table, kv=kv
+                )
+                if logits is not None:
+                    return logits
             plan = plan_decode(positions=positions, page_table=page_table, block_size=kv.block_size)
             hidden = self.backbone.hidden_states(
                 tokens=tokens[:, None], positions=plan.positions[:, None], plan=plan, kv=kv

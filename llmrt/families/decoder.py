@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmrt.families import paged_attention
 from llmrt.families.causal_lm import PagedCausalLM
 from llmrt.families.fused_decode import FusedDecode, NotFusable, fused_step_allowed
 from llmrt.families.kvbinding import BoundKV
@@ -217,9 +218,7 @@ def activate(x: torch.Tensor, kind: Activation) -> torch.Tensor:
 class MLP(nn.Module):
     """Gated (``gate_up`` fused) or plain MLP."""
 
-    def __init__(
-        self, *, activation: Activation, gated: bool, up: Linear, down: Linear
-    ) -> None:
+    def __init__(self, *, activation: Activation, gated: bool, up: Linear, down: Linear) -> None:
         super().__init__()
         self.activation = activation
         self.gated = gated
@@ -503,6 +502,15 @@ class DecoderBackbone(nn.Module):
 
         Positions past a learned table (padding only; the runtime rejects real ones) clamp.
         """
+        hidden, ropes = self._embed(tokens=tokens, positions=positions)
+        for i, layer in enumerate(self.layers):
+            hidden = layer(hidden, ropes=ropes, plan=plan, k_cache=kv.keys[i], v_cache=kv.values[i])
+        return hidden
+
+    def _embed(
+        self, *, tokens: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """Token (and learned position) embeddings, and each RoPE variant's cos/sin rows."""
         m = self.spec.model
         device = self.device()
         hidden = self.embed_tokens(tokens.to(device).clamp(0, m.vocab_size - 1))
@@ -521,13 +529,37 @@ class DecoderBackbone(nn.Module):
                     positions=positions,
                 )
             )
-        if self.fused_decode and isinstance(plan, DecodePlan) and fused_step_allowed(hidden, kv):
-            fused = self._fused_plan()
-            if fused is not None and hidden.shape[0] < fused.max_rows:
-                return fused.run(hidden, ropes=ropes, plan=plan, kv=kv)
-        for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, ropes=ropes, plan=plan, k_cache=kv.keys[i], v_cache=kv.values[i])
-        return hidden
+        return hidden, ropes
+
+    def decode_fused(
+        self,
+        *,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        page_table: torch.Tensor,
+        kv: BoundKV,
+    ) -> torch.Tensor | None:
+        """One decode step (one token per row) through the fused layer op: float32 logits
+        ``[B, vocab]``, or None when this step cannot take it (the caller then plans it for
+        the torch ops). It needs no write plan or mask: the op resolves both per row."""
+        rows = int(tokens.shape[0])
+        if not self.fused_decode or rows == 0:
+            return None
+        fused = self._fused_plan()
+        if fused is None or rows >= fused.max_rows:
+            return None
+        if not fused_step_allowed(device=self.device(), dtype=self.spec.model.dtype, kv=kv):
+            return None
+        pos = positions.to(dtype=torch.long)
+        clamped = pos.clamp(min=0)
+        hidden, ropes = self._embed(tokens=tokens[:, None], positions=clamped[:, None])
+        # The pages in use only, as the torch path trims them (where a host read is allowed).
+        table = page_table
+        if paged_attention.host_sync_allowed(self.device()):
+            blocks = max(1, min(page_table.shape[1], int(clamped.max()) // kv.block_size + 1))
+            table = page_table[:, :blocks]
+        hidden = fused.run(hidden, ropes=ropes, page_table=table, positions=pos, kv=kv)
+        return self.logits(hidden[:, 0])
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head (scaled, soft-capped), as float32."""
@@ -573,8 +605,10 @@ def build_decoder(
 
     def linear(*prefixes: str, bias: bool, dense: bool = False) -> Linear:
         names_w = tuple(p + ".weight" for p in prefixes)
-        w = take(*names_w, transpose=True) if names.transposed else (
-            take(*names_w) if dense else weight(*names_w)
+        w = (
+            take(*names_w, transpose=True)
+            if names.transposed
+            else (take(*names_w) if dense else weight(*names_w))
         )
         return frozen_linear(
             weight=w,
@@ -692,9 +726,7 @@ def build_decoder(
     embed = frozen_embedding(weight=weight(names.embed))
     positions = None
     if spec.positions == "learned":
-        positions = frozen_embedding(
-            weight=take(names.positions).contiguous()
-        )
+        positions = frozen_embedding(weight=take(names.positions).contiguous())
     lm_head = frozen_linear(
         weight=embed.weight if spec.tie_word_embeddings else weight(names.lm_head)
     )

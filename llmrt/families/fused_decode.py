@@ -24,7 +24,6 @@ from llmrt.kernels.native import kernels_available
 if TYPE_CHECKING:
     from llmrt.families.decoder import DecoderLayer, Norm
     from llmrt.families.kvbinding import BoundKV
-    from llmrt.families.paged_attention import DecodePlan
 
 #: ``device.decode_kernel``: ``auto`` runs CPU decode steps fused where every layer's parts
 #: allow it, ``fused`` requires it (a ``ConfigError`` at build says which part does not),
@@ -153,10 +152,12 @@ class FusedDecode:
         hidden: torch.Tensor,
         *,
         ropes: list[tuple[torch.Tensor, torch.Tensor]],
-        plan: DecodePlan,
+        page_table: torch.Tensor,
+        positions: torch.Tensor,
         kv: BoundKV,
     ) -> torch.Tensor:
-        """``hidden`` ``[B, 1, H]`` through every layer; returns ``[B, 1, H]``."""
+        """``hidden`` ``[B, 1, H]`` through every layer at ``positions`` ``[B]`` (negative:
+        a padding row that writes nothing); returns ``[B, 1, H]``."""
         rows = hidden.shape[0]
         state = hidden.reshape(rows, -1).contiguous()
         tables = [
@@ -164,8 +165,6 @@ class FusedDecode:
             for cos, sin in ropes
         ]
         no_rope = hidden.new_empty((rows, 0))
-        page_table = plan.reads.table
-        positions = plan.positions
         op = torch.ops.llmrt_kernels.decode_layer
         for i, (rope, (weights, shape)) in enumerate(self._layers):
             cos, sin = (no_rope, no_rope) if rope is None else tables[rope]
@@ -177,12 +176,12 @@ class FusedDecode:
 KV_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-def fused_step_allowed(hidden: torch.Tensor, kv: BoundKV) -> bool:
-    """Whether this step may run fused: eager, on the CPU, float32 activations, a KV cache
-    in a dtype the op converts."""
+def fused_step_allowed(*, device: torch.device, dtype: torch.dtype, kv: BoundKV) -> bool:
+    """Whether a step may run fused: eager, on the CPU, float32 activations, a KV cache in a
+    dtype the op converts."""
     return (
-        hidden.device.type == "cpu"
-        and hidden.dtype == torch.float32
+        device.type == "cpu"
+        and dtype == torch.float32
         and kv.keys[0].dtype in KV_DTYPES
         and not torch.compiler.is_compiling()
     )
