@@ -25,6 +25,7 @@ from llmrt.recipe import (
 BUNDLED = [
     "hf",
     "smollm2-135m",
+    "smollm2-135m-compiled",
     "smollm2-135m-dp2",
     "smollm2-135m-f32",
     "smollm2-135m-fast",
@@ -112,16 +113,19 @@ def test_default_recipe_matches_the_brief() -> None:
 def test_variants_differ_from_the_default_only_where_named() -> None:
     base = recipe_to_dict(load_recipe("smollm2-135m", env=NO_ENV))
     dp2 = recipe_to_dict(load_recipe("smollm2-135m-dp2", env=NO_ENV))
-    fast = load_recipe("smollm2-135m-fast", env=NO_ENV)
+    compiled = load_recipe("smollm2-135m-compiled", env=NO_ENV)
+    fast = recipe_to_dict(load_recipe("smollm2-135m-fast", env=NO_ENV))
     changed = {k for k in base if base[k] != dp2[k]}
     assert changed == {"name", "description", "lanes"}
     assert dp2["lanes"] == 2
     f32 = recipe_to_dict(load_recipe("smollm2-135m-f32", env=NO_ENV))
     assert {k for k in base if base[k] != f32[k]} == {"name", "description", "checkpoint"}
     assert f32["checkpoint"] == {**base["checkpoint"], "weights": "float32"}
-    assert fast.checkpoint.dtype == "bfloat16"
-    assert fast.device.compile == "inductor"
-    assert fast.device.inductor == InductorSpec(freezing=False, operations=("decode",))
+    assert compiled.checkpoint.dtype == "bfloat16"
+    assert compiled.device.compile == "inductor"
+    assert compiled.device.inductor == InductorSpec(freezing=False, operations=("decode",))
+    assert {k for k in base if base[k] != fast[k]} == {"name", "description", "device"}
+    assert fast["device"] == {**base["device"], "gemm_dtype": "bfloat16"}
 
 
 @pytest.mark.parametrize(("name", "family"), [("tiny-llama", "llama"), ("tiny-gpt2", "gpt2")])
