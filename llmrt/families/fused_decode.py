@@ -6,9 +6,10 @@ the same parts (pre-norm RMSNorm, fused q/k/v with RoPE and the paged K/V write,
 grouped-query attention over the row's pages, output projection, gated or plain MLP) over
 the same weights, borrowed from the built modules as stored (ggml blocks or float32).
 
-A layer takes the fused path only when every part it has is one the op implements;
-otherwise the whole step stays on the torch ops (``fusable`` says why not). Prefill, CUDA,
-compiled and captured steps never use it.
+A model takes the fused path only when every part of every layer is one the op implements;
+otherwise its decode steps stay on the torch ops and ``DecoderBackbone.fused_decode_status()``
+names the first part that is not. Prefill, CUDA, compiled steps and CUDA-graph captures never
+use it.
 """
 
 from __future__ import annotations
