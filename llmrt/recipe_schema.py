@@ -20,7 +20,7 @@ from llmrt.config import (
     TraceConfig,
     WarmupConfig,
 )
-from llmrt.device.ttnn import DEFAULT_TRACE_REGION_SIZE
+from llmrt.device.ttnn import DEFAULT_TRACE_REGION_SIZE, DispatchCoreType, FabricConfigName
 from llmrt.errors import CheckpointError, ConfigError, FamilyError, RecipeError
 from llmrt.families import registry as family_registry
 from llmrt.families.base import Family
@@ -287,17 +287,6 @@ class InductorSpec:
         )
 
 
-DispatchCoreType = Literal["worker", "eth"]
-FabricConfigName = Literal[
-    "disabled",
-    "fabric_1d",
-    "fabric_1d_ring",
-    "fabric_1d_neighbor_exchange",
-    "fabric_2d",
-    "fabric_2d_torus_x",
-    "fabric_2d_torus_y",
-    "fabric_2d_torus_xy",
-]
 @attrs.frozen(kw_only=True)
 class TtnnSpec:
     """How the ttnn mesh is opened (``device.ttnn``; only with ``device.backend: ttnn``).

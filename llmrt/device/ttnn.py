@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Generic, Literal, TypeVar
+from typing import Any, Generic, Literal, TypeVar, get_args
 
 import attrs
 import torch
@@ -111,10 +111,11 @@ TTNN_NAMES: tuple[str, ...] = (
 DEFAULT_TRACE_REGION_SIZE = 30_000_000
 """Bytes reserved for traces when ``open_ttnn_device`` opens a mesh (ttnn's default is 0)."""
 
-DISPATCH_CORE_TYPES = ("worker", "eth")
+DispatchCoreType = Literal["worker", "eth"]
 """``dispatch_core_type`` values: ttnn ``DispatchCoreType`` members, lower-cased."""
+DISPATCH_CORE_TYPES: tuple[str, ...] = get_args(DispatchCoreType)
 
-FABRIC_CONFIGS = (
+FabricConfigName = Literal[
     "disabled",
     "fabric_1d",
     "fabric_1d_ring",
@@ -123,8 +124,9 @@ FABRIC_CONFIGS = (
     "fabric_2d_torus_x",
     "fabric_2d_torus_y",
     "fabric_2d_torus_xy",
-)
+]
 """``fabric_config`` values: ttnn ``FabricConfig`` members, lower-cased."""
+FABRIC_CONFIGS: tuple[str, ...] = get_args(FabricConfigName)
 
 BLOCK_FLOATS = frozenset({"BFLOAT8_B", "BFLOAT4_B"})
 _FLOAT_NAMES = frozenset({"FLOAT32", "BFLOAT16", *BLOCK_FLOATS})
