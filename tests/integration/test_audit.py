@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from test_teardown import SPEC_LANE_CLEANUP  # the spec's order, written out once
 
 from llmrt.audit import check
 from llmrt.cli import main
@@ -37,17 +38,6 @@ def scope(event: str, name: str) -> dict[str, Any]:
     return {"event": f"scope.{event}", "component": "scope", "scope": name, "object_id": name}
 
 
-#: The spec's lane cleanup order (Lifecycle section 7), independent of the product's constant.
-SPEC_LANE_CLEANUP = [
-    "external_decode_leases",
-    "pending_output_reads",
-    "prefill_transients",
-    "decode_transients",
-    "traces",
-    "program_registry",
-    "device_sampling_buffers",
-    "paged_kv_cache",
-]
 
 
 def kv(event: str, obj: str = "0xkv", lane: int = 0, device: str = "cpu:0/lane0") -> dict[str, Any]:
