@@ -29,9 +29,12 @@
 #include <optional>
 #include <vector>
 
+#include "cpu.h"
 #include "linear.h"
 
 namespace {
+
+using llmrt_kernels::has_avx512;
 
 constexpr int64_t kSilu = 0;
 constexpr int64_t kGelu = 1;
@@ -79,14 +82,6 @@ void rope_head(float* v, const float* cos, const float* sin, int64_t rot) {
     v[c] = a * cos[c] - b * sin[c];
     v[c + half] = b * cos[c + half] + a * sin[c + half];
   }
-}
-
-#define LLMRT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,fma")))
-
-bool has_avx512() {
-  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("fma");
-  return ok;
 }
 
 // 16 cache values as float32 (masked lanes read as zero). The cache stores float32, float16

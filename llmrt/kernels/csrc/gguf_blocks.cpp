@@ -23,9 +23,12 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cpu.h"
 #include "linear.h"
 
 namespace {
+
+using llmrt_kernels::has_avx512;
 
 constexpr int64_t kBlock = 32;
 constexpr int64_t kQ4_0 = 2;
@@ -90,8 +93,6 @@ void linear_rows_scalar(const float* x, int64_t ldx, int64_t rows_m, const uint8
 }
 
 // ---- AVX-512 -----------------------------------------------------------------------------
-
-#define LLMRT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,f16c,fma")))
 
 // The block's 32 weights as two float32 vectors (elements 0-15 and 16-31).
 // 4-bit blocks build the block's 16 possible values (d * q + m for q = 0..15, one FMA) and
@@ -272,13 +273,6 @@ void dense_rows_scalar(const float* x, int64_t ldx, int64_t rows_m, const float*
       for (int64_t j = 0; j < k; ++j) s += w[n * k + j] * x[r * ldx + j];
       y[r * ldy + n] = s;
     }
-}
-
-bool has_avx512() {
-  static const bool ok = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c") &&
-                         __builtin_cpu_supports("fma");
-  return ok;
 }
 
 void check_blocks(const at::Tensor& blocks, int64_t kind, int64_t in_features) {
