@@ -39,6 +39,7 @@ from llmrt.benchmarks.serving import (
     greedy,
     latency_stats,
     mixed_prompts,
+    prompt_summary,
     warm_prompts,
 )
 from llmrt.benchmarks.settings import BenchSettings
@@ -93,11 +94,7 @@ def server(settings: BenchSettings) -> Report:
     report.section(
         "config",
         {
-            "num_prompts": n,
-            "prompt_len_min": min(lengths),
-            "prompt_len_max": max(lengths),
-            "prompt_tokens": sum(lengths),
-            "max_new_tokens": new,
+            **prompt_summary(lengths, new_tokens=new),
             "clients": clients,
             "ttft_clients": min(TTFT_CONCURRENCY, n),
             "server": settings.server or "self-started",

@@ -111,6 +111,17 @@ def mixed_prompts(llm: LLM, *, num_prompts: int, new_tokens: int, seed: int) -> 
     return MixedPrompts(pool, lengths, random_prompts(lengths, pool=pool, seed=seed))
 
 
+def prompt_summary(lengths: Sequence[int], *, new_tokens: int) -> dict[str, int]:
+    """A workload's prompts as a report's ``config`` entries (counts and lengths)."""
+    return {
+        "num_prompts": len(lengths),
+        "prompt_len_min": min(lengths),
+        "prompt_len_max": max(lengths),
+        "prompt_tokens": sum(lengths),
+        "max_new_tokens": new_tokens,
+    }
+
+
 def mixed(settings: BenchSettings) -> Report:
     n = settings.count(MIXED_PROMPTS)
     new = settings.new_tokens(MIXED_NEW_TOKENS)
@@ -129,11 +140,7 @@ def mixed(settings: BenchSettings) -> Report:
         report.section(
             "config",
             {
-                "num_prompts": n,
-                "prompt_len_min": min(lengths),
-                "prompt_len_max": max(lengths),
-                "prompt_tokens": sum(lengths),
-                "max_new_tokens": new,
+                **prompt_summary(lengths, new_tokens=new),
                 "lanes": recipe.lanes,
                 "lane_capacity": recipe.decode.lane_capacity,
                 "hf_batch_size": hf_batch if settings.baseline == "hf" else None,
