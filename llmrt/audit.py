@@ -75,15 +75,45 @@ class _CleanupRun:
     completed: dict[str, list[int]] = attrs.Factory(lambda: defaultdict(list))
 
 
+@attrs.define(kw_only=True, eq=False)
+class _Ledger:
+    """Resources each acquired once and released once (KV caches, traces), by key."""
+
+    rule: str
+    acquired: str  # the verb of acquiring: "allocated", "captured"
+    open: dict[Any, tuple[int, str]] = attrs.Factory(dict)  # key -> (line, label)
+    done: set[Any] = attrs.Factory(set)
+
+    def acquire(self, audit: _Auditor, *, key: Any, label: str, line: int) -> None:
+        if key in self.open:
+            audit.add(
+                self.rule,
+                line,
+                f"{label} {self.acquired} again before its release "
+                f"({self.acquired} on line {self.open[key][0]})",
+            )
+        self.open[key] = (line, label)
+        self.done.discard(key)
+
+    def release(self, audit: _Auditor, *, key: Any, label: str, line: int) -> None:
+        if self.open.pop(key, None) is not None:
+            self.done.add(key)
+            return
+        again = "released twice" if key in self.done else f"released but never {self.acquired}"
+        audit.add(self.rule, line, f"{label} {again}")
+
+    def unreleased(self, audit: _Auditor) -> None:
+        for line, label in self.open.values():
+            audit.add(self.rule, line, f"{label} never released")
+
+
 class _Auditor:
     """Folds a log into open resources and violations (one instance per ``check``)."""
 
     def __init__(self) -> None:
         self.found: list[Violation] = []
-        self.kv_open: dict[str, int] = {}
-        self.kv_done: set[str] = set()
-        self.traces_open: dict[tuple[str, str], int] = {}
-        self.traces_done: set[tuple[str, str]] = set()
+        self.kv = _Ledger(rule="kv-once", acquired="allocated")
+        self.traces = _Ledger(rule="trace-once", acquired="captured")
         self.gate_closed: dict[Any, int] = {}
         self.runs: dict[tuple[Any, str], _CleanupRun] = {}
         self.all_runs: list[_CleanupRun] = []
@@ -107,15 +137,7 @@ class _Auditor:
 
     def _on_kv_allocated(self, number: int, e: Record) -> None:
         obj, lane = str(e.get("object_id")), e.get("lane")
-        if obj in self.kv_open:
-            self.add(
-                "kv-once",
-                number,
-                f"KV cache {obj} allocated again before its release "
-                f"(allocated on line {self.kv_open[obj]})",
-            )
-        self.kv_open[obj] = number
-        self.kv_done.discard(obj)
+        self.kv.acquire(self, key=obj, label=f"KV cache {obj}", line=number)
         device = e.get("device")
         if device is None:
             self.add("one-mesh-per-lane", number, f"kv.allocated of {obj} names no device")
@@ -130,11 +152,7 @@ class _Auditor:
 
     def _on_kv_released(self, number: int, e: Record) -> None:
         obj = str(e.get("object_id"))
-        if self.kv_open.pop(obj, None) is not None:
-            self.kv_done.add(obj)
-        else:
-            again = "released twice" if obj in self.kv_done else "released but never allocated"
-            self.add("kv-once", number, f"KV cache {obj} {again}")
+        self.kv.release(self, key=obj, label=f"KV cache {obj}", line=number)
 
     def _on_device_opened(self, number: int, e: Record) -> None:
         if e.get("lane") is not None and e.get("device") is not None:
@@ -142,23 +160,11 @@ class _Auditor:
 
     def _on_trace_captured(self, number: int, e: Record) -> None:
         key = (str(e.get("object_id")), str(e.get("trace")))
-        if key in self.traces_open:
-            self.add(
-                "trace-once",
-                number,
-                f"trace {key[1]} captured again before its release "
-                f"(captured on line {self.traces_open[key]})",
-            )
-        self.traces_open[key] = number
-        self.traces_done.discard(key)
+        self.traces.acquire(self, key=key, label=f"trace {key[1]}", line=number)
 
     def _on_trace_released(self, number: int, e: Record) -> None:
         key = (str(e.get("object_id")), str(e.get("trace")))
-        if self.traces_open.pop(key, None) is not None:
-            self.traces_done.add(key)
-        else:
-            again = "released twice" if key in self.traces_done else "released but never captured"
-            self.add("trace-once", number, f"trace {key[1]} {again}")
+        self.traces.release(self, key=key, label=f"trace {key[1]}", line=number)
 
     def _on_compile_gate_closed(self, number: int, e: Record) -> None:
         self.gate_closed.setdefault(e.get("lane"), number)
@@ -288,10 +294,8 @@ class _Auditor:
                 line,
                 f"{component} lane {lane} {obj}: {path} orphaned and never recovered",
             )
-        for obj, line in self.kv_open.items():
-            self.add("kv-once", line, f"KV cache {obj} never released")
-        for key, line in self.traces_open.items():
-            self.add("trace-once", line, f"trace {key[1]} never released")
+        self.kv.unreleased(self)
+        self.traces.unreleased(self)
         for scope in self.scopes:
             self.add("scope-reverse", None, f"scope {scope} was entered but never exited")
         return self.found
