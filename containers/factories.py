@@ -29,6 +29,7 @@ from llmrt.families.layers import (
     apply_weight_format,
     select_gemm_dtype,
     select_linear_kernel,
+    select_weight_layout,
 )
 from llmrt.families.registry import check_family_backend
 from llmrt.kernels.formats import QUANTIZED_FORMATS, dequantized
@@ -197,9 +198,7 @@ def build_model(
         dtype=dtype,
         device=device if recipe.device.backend == "ttnn" else device.torch_device,
     )
-    apply_weight_format(
-        model, weights=recipe.checkpoint.weight_format, field="checkpoint.weights"
-    )
+    apply_weight_format(model, weights=recipe.checkpoint.weight_format, field="checkpoint.weights")
     if recipe.device.backend == "torch":
         select_linear_kernel(
             model,
@@ -209,6 +208,9 @@ def build_model(
         )
         if recipe.device.gemm_dtype != "float32":
             select_gemm_dtype(model, choice=recipe.device.gemm_dtype)
+        select_weight_layout(
+            model, choice=recipe.device.weight_layout, device=torch.device(device.torch_device)
+        )
         select_decode_kernel(
             model,
             choice=recipe.device.decode_kernel,

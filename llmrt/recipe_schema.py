@@ -26,7 +26,7 @@ from llmrt.families import registry as family_registry
 from llmrt.families.base import Family
 from llmrt.families.declared import DeclaredParts, declared_family, parse_parts
 from llmrt.families.fused_decode import DecodeKernel
-from llmrt.families.layers import GemmDtype, LinearKernelChoice
+from llmrt.families.layers import GemmDtype, LinearKernelChoice, WeightLayoutChoice
 from llmrt.kernels.formats import QUANTIZED_FORMATS, WeightFormat
 from llmrt.prefill.buckets import FINE_DEFAULT_STEP, SeqLenBuckets
 from llmrt.prefill.plan import WaveRules
@@ -196,7 +196,6 @@ class CheckpointSpec:
                 "without checkpoint.path",
             )
 
-
     def _check_weights(self) -> None:
         if self.weights is None:
             return
@@ -330,7 +329,10 @@ class DeviceSpec:
     layer where the layer's parts allow it; ``fused``: required; ``ops``: torch ops).
     ``gemm_dtype`` is the dtype GEMMs over block-quantized weights (prefill, large decode
     batches) multiply in: ``float32``, or ``bfloat16`` (twice the rate, logits within ~0.5
-    instead of 5e-3 of the float32 reference on SmolLM2). ``ttnn``
+    instead of 5e-3 of the float32 reference on SmolLM2). ``weight_layout`` orders the
+    blocks of block-quantized weights (``auto``: interleaved for the integer-dot kernels on
+    CPUs with AVX-512 VNNI, whose two-level 8-bit activations keep logits within ~2e-3 of
+    the float32 reference on SmolLM2; ``ggml``: the file's order, float32 activations). ``ttnn``
     holds the options the ttnn mesh is opened with.
     """
 
@@ -344,6 +346,7 @@ class DeviceSpec:
     linear: LinearKernelChoice = "auto"
     decode_kernel: DecodeKernel = "auto"
     gemm_dtype: GemmDtype = "float32"
+    weight_layout: WeightLayoutChoice = "auto"
     ttnn: TtnnSpec = attrs.Factory(TtnnSpec)
 
     def __attrs_post_init__(self) -> None:
@@ -351,6 +354,7 @@ class DeviceSpec:
         _one_of("device.linear", self.linear, LinearKernelChoice)
         _one_of("device.decode_kernel", self.decode_kernel, DecodeKernel)
         _one_of("device.gemm_dtype", self.gemm_dtype, GemmDtype)
+        _one_of("device.weight_layout", self.weight_layout, WeightLayoutChoice)
         if self.kind is not None:
             _one_of("device.kind", self.kind, DeviceKind)
         _non_negative_int("device.index", self.index)
@@ -363,9 +367,7 @@ class DeviceSpec:
         )
         if self.num_threads is not None:
             _positive_int("device.num_threads", self.num_threads)
-        _check(
-            isinstance(self.ttnn, TtnnSpec), "device.ttnn", self.ttnn, "must be a ttnn section"
-        )
+        _check(isinstance(self.ttnn, TtnnSpec), "device.ttnn", self.ttnn, "must be a ttnn section")
         if self.backend == "torch":
             _check(
                 self.mesh_shape is None,
@@ -390,6 +392,12 @@ class DeviceSpec:
                 "device.linear",
                 self.linear,
                 "onednn is a cpu kernel (use auto or aten with device.kind=cuda)",
+            )
+            _check(
+                self.kind != "cuda" or self.weight_layout != "interleaved",
+                "device.weight_layout",
+                self.weight_layout,
+                "interleaved is a cpu layout (use auto or ggml with device.kind=cuda)",
             )
             _check(
                 self.kind != "cuda" or self.decode_kernel != "fused",
@@ -420,6 +428,12 @@ class DeviceSpec:
                 self.decode_kernel == "auto",
                 "device.decode_kernel",
                 self.decode_kernel,
+                "is only used with device.backend=torch",
+            )
+            _check(
+                self.weight_layout == "auto",
+                "device.weight_layout",
+                self.weight_layout,
                 "is only used with device.backend=torch",
             )
             if self.mesh_shape is not None:
@@ -797,6 +811,14 @@ class Recipe:
             self.device.gemm_dtype,
             f"applies to block-quantized weights; checkpoint.weights is "
             f"{self.checkpoint.weight_format} (use int8, int4 or gguf-native)",
+        )
+        _check(
+            self.device.weight_layout != "interleaved"
+            or self.checkpoint.weight_format in QUANTIZED_FORMATS,
+            "device.weight_layout",
+            self.device.weight_layout,
+            f"orders block-quantized weights; checkpoint.weights is "
+            f"{self.checkpoint.weight_format} (use int8, int4 or gguf-native, or auto)",
         )
         _check(
             self.device.backend == "torch" or self.prefill.wave_rules != "packed",

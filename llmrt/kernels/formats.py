@@ -26,6 +26,13 @@ WEIGHT_FORMATS: tuple[str, ...] = get_args(WeightFormat)
 QUANTIZED_FORMATS: tuple[str, ...] = ("int8", "int4", "gguf-native")
 
 BlockKind = Literal["q4_0", "q4_1", "q8_0"]
+#: How a weight's blocks are ordered: ``ggml`` as the file holds them, or ``interleaved``
+#: (``csrc/interleaved.cpp``: each row's quants grouped so one 64-byte load holds whole
+#: blocks, for the integer-dot kernels; same bytes per block, rows stay independent).
+BlockLayout = Literal["ggml", "interleaved"]
+BLOCK_LAYOUTS: tuple[str, ...] = get_args(BlockLayout)
+#: Added to the ggml type id in the kernel ops for interleaved blocks.
+INTERLEAVED_TYPE = 256
 BLOCK_KINDS: tuple[str, ...] = get_args(BlockKind)
 BLOCK_SIZE = 32
 #: ggml type ids and bytes per 32-weight block, by kind.
@@ -66,6 +73,12 @@ class QuantizedWeight:
     kind: BlockKind = attrs.field(validator=attrs.validators.in_(BLOCK_KINDS))
     shape: tuple[int, int]
     blocks: torch.Tensor = attrs.field(validator=_check_blocks)
+    layout: BlockLayout = attrs.field(default="ggml", validator=attrs.validators.in_(BLOCK_LAYOUTS))
+
+    @property
+    def kernel_type(self) -> int:
+        """The type code the kernel ops take: the ggml type id, plus ``INTERLEAVED_TYPE``."""
+        return GGML_TYPE[self.kind] + (INTERLEAVED_TYPE if self.layout == "interleaved" else 0)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -84,7 +97,24 @@ class QuantizedWeight:
         """The rows at ``index`` (a row permutation or gather), still quantized."""
         rows = self.blocks.index_select(0, index)
         return QuantizedWeight(
-            kind=self.kind, shape=(int(index.numel()), self.shape[1]), blocks=rows
+            kind=self.kind,
+            shape=(int(index.numel()), self.shape[1]),
+            blocks=rows,
+            layout=self.layout,
+        )
+
+    def interleaved(self) -> QuantizedWeight:
+        """This weight in the ``interleaved`` layout (a new buffer; itself when it is)."""
+        if self.layout == "interleaved":
+            return self
+        from llmrt.kernels.native import load_kernels
+
+        load_kernels()
+        blocks = torch.ops.llmrt_kernels.gguf_interleave(
+            self.blocks, GGML_TYPE[self.kind], self.shape[1]
+        )
+        return QuantizedWeight(
+            kind=self.kind, shape=self.shape, blocks=blocks, layout="interleaved"
         )
 
     def dequantize(self) -> torch.Tensor:
@@ -93,7 +123,7 @@ class QuantizedWeight:
 
         load_kernels()
         out: torch.Tensor = torch.ops.llmrt_kernels.gguf_dequantize(
-            self.blocks, GGML_TYPE[self.kind], self.shape[1]
+            self.blocks, self.kernel_type, self.shape[1]
         )
         return out
 
@@ -105,8 +135,7 @@ CheckpointTensor = torch.Tensor | QuantizedWeight
 def dequantized(tensors: Mapping[str, CheckpointTensor]) -> dict[str, torch.Tensor]:
     """``tensors`` with every ``QuantizedWeight`` dequantized: the float32 reference."""
     return {
-        name: t.dequantize() if isinstance(t, QuantizedWeight) else t
-        for name, t in tensors.items()
+        name: t.dequantize() if isinstance(t, QuantizedWeight) else t for name, t in tensors.items()
     }
 
 
@@ -114,13 +143,19 @@ def concat_rows(parts: Sequence[QuantizedWeight]) -> QuantizedWeight:
     """Stack weights of one kind and width along ``out`` (fused q/k/v, gate/up)."""
     kinds = {p.kind for p in parts}
     widths = {p.shape[1] for p in parts}
-    if len(kinds) != 1 or len(widths) != 1:
-        raise ValueError(f"cannot fuse weights of kinds {sorted(kinds)} / widths {sorted(widths)}")
+    layouts = {p.layout for p in parts}
+    if len(kinds) != 1 or len(widths) != 1 or len(layouts) != 1:
+        raise ValueError(
+            f"cannot fuse weights of kinds {sorted(kinds)} / widths {sorted(widths)} / "
+            f"layouts {sorted(layouts)}"
+        )
     if len(parts) == 1:
         return parts[0]
     blocks = torch.cat([p.blocks for p in parts], dim=0)
     rows = sum(p.shape[0] for p in parts)
-    return QuantizedWeight(kind=parts[0].kind, shape=(rows, parts[0].shape[1]), blocks=blocks)
+    return QuantizedWeight(
+        kind=parts[0].kind, shape=(rows, parts[0].shape[1]), blocks=blocks, layout=parts[0].layout
+    )
 
 
 def from_gguf_bytes(

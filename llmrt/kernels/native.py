@@ -27,7 +27,7 @@ from llmrt.weights.cache import default_cache_dir
 LIBRARY = "llmrt_kernels"
 _CSRC = Path(__file__).parent / "csrc"
 #: Compiled into one library; the digest also covers the headers beside them.
-_SOURCES = (_CSRC / "gguf_blocks.cpp", _CSRC / "decode_layer.cpp")
+_SOURCES = (_CSRC / "gguf_blocks.cpp", _CSRC / "interleaved.cpp", _CSRC / "decode_layer.cpp")
 #: ``-fopenmp``: ``at::parallel_for`` is an OpenMP pragma in the headers, so without it the
 #: kernels run on one thread. The library links the ``libgomp.so.1`` torch already loaded
 #: (same soname), so both share one thread pool.
@@ -96,6 +96,15 @@ def kernels_available() -> tuple[bool, str]:
     return True, ""
 
 
+@functools.cache
+def int8_dot_supported() -> bool:
+    """Whether this CPU runs the interleaved layout's integer-dot kernels (AVX-512 VNNI);
+    False too when the kernels do not load."""
+    if not kernels_available()[0]:
+        return False
+    return bool(torch.ops.llmrt_kernels.int8_dot_supported())
+
+
 def _build(directory: Path) -> None:
     from torch.utils import cpp_extension
 
@@ -133,6 +142,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake(f"{LIBRARY}::gguf_dequantize")
     def _dequantize_fake(blocks: torch.Tensor, kind: int, in_features: int) -> torch.Tensor:
         return blocks.new_empty((blocks.shape[0], in_features), dtype=torch.float32)
+
+    @torch.library.register_fake(f"{LIBRARY}::gguf_interleave")
+    def _interleave_fake(blocks: torch.Tensor, kind: int, in_features: int) -> torch.Tensor:
+        return torch.empty_like(blocks)
 
 
 def main() -> None:

@@ -108,6 +108,18 @@ RULES: list[tuple[dict[str, Any], str, str]] = [
     ({"device.gemm_dtype": "float16"}, "device.gemm_dtype", "must be one of"),
     ({"device.gemm_dtype": "bfloat16"}, "device.gemm_dtype", "block-quantized"),
     ({"device.kind": "cuda", "device.decode_kernel": "fused"}, "device.decode_kernel", "cpu"),
+    ({"device.weight_layout": "tiled"}, "device.weight_layout", "must be one of"),
+    ({"device.weight_layout": "interleaved"}, "device.weight_layout", "block-quantized"),
+    (
+        {"device.kind": "cuda", "device.weight_layout": "interleaved"},
+        "device.weight_layout",
+        "cpu layout",
+    ),
+    (
+        {"device.backend": "ttnn", "device.weight_layout": "ggml"},
+        "device.weight_layout",
+        "only used with",
+    ),
     (
         {"device.backend": "ttnn", "device.decode_kernel": "ops"},
         "device.decode_kernel",

@@ -38,7 +38,7 @@ constexpr int64_t kQ8_0 = 8;
 constexpr int64_t kRowTile = 4;
 
 int64_t block_bytes(int64_t kind) {
-  switch (kind) {
+  switch (kind & ~llmrt_kernels::kInterleaved) {
     case kQ4_0: return 18;
     case kQ4_1: return 20;
     case kQ8_0: return 34;
@@ -340,6 +340,10 @@ void linear_into(const float* x, int64_t rows_m, const at::Tensor& w, int64_t ki
   }
   const uint8_t* wp = w.const_data_ptr<uint8_t>();
   const int64_t rb = w.size(1);
+  if (kind & kInterleaved) {
+    interleaved_linear_into(x, rows_m, wp, rb, kind & ~kInterleaved, k, y, n);
+    return;
+  }
   switch (kind) {
     case kQ4_0: run_linear<kQ4_0>(x, rows_m, wp, rb, k, y, n); break;
     case kQ4_1: run_linear<kQ4_1>(x, rows_m, wp, rb, k, y, n); break;
@@ -389,6 +393,11 @@ at::Tensor gguf_dequantize(const at::Tensor& blocks, int64_t kind, int64_t in_fe
     const uint8_t* wp = blocks.const_data_ptr<uint8_t>();
     float* op = out.mutable_data_ptr<float>();
     const int64_t rb = blocks.size(1);
+    if (kind & llmrt_kernels::kInterleaved) {
+      llmrt_kernels::interleaved_dequantize(wp, rb, kind & ~llmrt_kernels::kInterleaved,
+                                            in_features, op, rows);
+      return out;
+    }
     switch (kind) {
       case kQ4_0: run_dequant<kQ4_0>(wp, rb, in_features, op, rows); break;
       case kQ4_1: run_dequant<kQ4_1>(wp, rb, in_features, op, rows); break;

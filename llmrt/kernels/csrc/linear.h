@@ -9,6 +9,8 @@ namespace llmrt_kernels {
 
 // Weight kind of a dense float32 [out, in] matrix; ggml block kinds use their type ids (2, 3, 8).
 constexpr int64_t kDenseF32 = 0;
+// Added to a ggml type id: the blocks are in the interleaved layout (interleaved.cpp).
+constexpr int64_t kInterleaved = 256;
 
 // Throws unless ``w`` is a weight of ``kind`` with ``in_features`` columns.
 void check_weight(const at::Tensor& w, int64_t kind, int64_t in_features);
@@ -16,5 +18,11 @@ void check_weight(const at::Tensor& w, int64_t kind, int64_t in_features);
 // y[m, n] = sum_k x[m, k] * W[n, k] for rows_m contiguous rows of x (float32), parallel over n.
 void linear_into(const float* x, int64_t rows_m, const at::Tensor& w, int64_t kind, int64_t k,
                  float* y);
+
+// The interleaved layout's kernels (interleaved.cpp); ``base`` is the ggml type id.
+void interleaved_linear_into(const float* x, int64_t rows_m, const uint8_t* w, int64_t row_bytes,
+                             int64_t base, int64_t k, float* y, int64_t n);
+void interleaved_dequantize(const uint8_t* w, int64_t row_bytes, int64_t base, int64_t k,
+                            float* out, int64_t rows);
 
 }  // namespace llmrt_kernels

@@ -1,0 +1,428 @@
+// Interleaved ggml blocks and their integer-dot kernels (AVX-512 VNNI).
+//
+// Why: a float32-activation GEMV over 4-bit blocks spends ~12 vector instructions per 32
+// weights turning nibbles into floats, so at two threads it reads weights at ~2/3 of the
+// machine's streaming rate. Multiplying the nibbles as they are (vpdpbusd: u8 x s8 -> s32,
+// 64 products per instruction) needs the activations as integers and the blocks in a
+// layout where one 64-byte load holds whole blocks' quants.
+//
+// Layout (same bytes per block as ggml, rows stay independent): a row is groups of G blocks
+// (G = 4 for Q4_0/Q4_1, 2 for Q8_0; the last group holds the c <= G blocks left):
+//   4-bit: c*16 bytes of quants (block i's ggml qs at 16*i), c fp16 d, (Q4_1) c fp16 m
+//   Q8_0:  c*32 bytes of quants stored as q + 128 (unsigned), c fp16 d
+// Kind codes are the ggml type id plus kInterleaved.
+//
+// Activations: each 32-wide block of a row of x is split into two int8 levels,
+// x ~= dx * (h + l / 256) with dx = max|x| / 127, h = round(x / dx), l = round(256 * residual),
+// which keeps ~16 bits of each block (max error dx / 512): products are exact integers and
+// the only rounding left is the float32 scaling per block. One 8-bit level (llama.cpp's
+// Q8_1 activations) moved SmolLM2's logits by 0.4; two levels by 2e-3, as float32 does.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "cpu.h"
+#include "linear.h"
+
+#define LLMRT_VNNI \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,f16c,fma")))
+
+namespace {
+
+constexpr int64_t kBlock = 32;
+constexpr int64_t kQ4_0 = 2;
+constexpr int64_t kQ4_1 = 3;
+constexpr int64_t kQ8_0 = 8;
+
+bool has_vnni() {
+  static const bool ok = llmrt_kernels::has_avx512() &&
+                         __builtin_cpu_supports("avx512vnni") &&
+                         __builtin_cpu_supports("avx512dq");
+  return ok;
+}
+
+constexpr int64_t bytes_of(int64_t base) { return base == kQ4_0 ? 18 : (base == kQ4_1 ? 20 : 34); }
+constexpr int64_t group_of(int64_t base) { return base == kQ8_0 ? 2 : 4; }
+constexpr int64_t quant_bytes(int64_t base) { return base == kQ8_0 ? 32 : 16; }
+
+inline float half_at(const uint8_t* p) {
+  uint16_t bits;
+  std::memcpy(&bits, p, sizeof(bits));
+  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+}
+
+// ---- layout ------------------------------------------------------------------------------
+
+void interleave_row(const uint8_t* src, uint8_t* dst, int64_t base, int64_t nb) {
+  const int64_t bb = bytes_of(base), g = group_of(base), qb = quant_bytes(base);
+  for (int64_t b0 = 0; b0 < nb; b0 += g) {
+    const int64_t c = std::min(g, nb - b0);
+    uint8_t* o = dst + b0 * bb;
+    for (int64_t i = 0; i < c; ++i) {
+      const uint8_t* blk = src + (b0 + i) * bb;
+      if (base == kQ8_0) {
+        for (int64_t j = 0; j < 32; ++j) o[32 * i + j] = blk[2 + j] ^ 0x80;
+        std::memcpy(o + 32 * c + 2 * i, blk, 2);
+      } else {
+        const int64_t head = base == kQ4_1 ? 4 : 2;
+        std::memcpy(o + qb * i, blk + head, 16);
+        std::memcpy(o + 16 * c + 2 * i, blk, 2);
+        if (base == kQ4_1) std::memcpy(o + 18 * c + 2 * i, blk + 2, 2);
+      }
+    }
+  }
+}
+
+// Block b's d, m (Q4_0: -8 d) and quants, in a row of the interleaved layout.
+struct BlockRef {
+  float d, m;
+  const uint8_t* q;
+};
+
+inline BlockRef block_at(const uint8_t* row, int64_t base, int64_t nb, int64_t b) {
+  const int64_t g = group_of(base), b0 = b - b % g, c = std::min(g, nb - b0), i = b - b0;
+  const uint8_t* o = row + b0 * bytes_of(base);
+  const int64_t qb = quant_bytes(base);
+  const float d = half_at(o + qb * c + 2 * i);
+  const float m = base == kQ4_1 ? half_at(o + 18 * c + 2 * i) : (base == kQ4_0 ? -8.0f * d : 0.0f);
+  return {d, m, o + qb * i};
+}
+
+void dequant_rows(const uint8_t* w, int64_t row_bytes, int64_t base, int64_t k, float* out,
+                  int64_t r0, int64_t r1) {
+  const int64_t nb = k / kBlock;
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = w + r * row_bytes;
+    for (int64_t b = 0; b < nb; ++b) {
+      const BlockRef ref = block_at(row, base, nb, b);
+      float* o = out + r * k + b * kBlock;
+      if (base == kQ8_0) {
+        for (int j = 0; j < 32; ++j) o[j] = ref.d * static_cast<float>(static_cast<int>(ref.q[j]) - 128);
+      } else {
+        for (int j = 0; j < 16; ++j) {
+          o[j] = ref.d * static_cast<float>(ref.q[j] & 15) + ref.m;
+          o[j + 16] = ref.d * static_cast<float>(ref.q[j] >> 4) + ref.m;
+        }
+      }
+    }
+  }
+}
+
+template <int64_t BASE>
+LLMRT_VNNI void dequant_rows_avx512(const uint8_t* w, int64_t row_bytes, int64_t k, float* out,
+                                    int64_t r0, int64_t r1) {
+  const int64_t nb = k / kBlock, g = group_of(BASE), bb = bytes_of(BASE), qb = quant_bytes(BASE);
+  const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = w + r * row_bytes;
+    float* o = out + r * k;
+    for (int64_t b0 = 0; b0 < nb; b0 += g) {
+      const int64_t c = std::min(g, nb - b0);
+      const uint8_t* grp = row + b0 * bb;
+      for (int64_t i = 0; i < c; ++i) {
+        const __m512 vd = _mm512_set1_ps(half_at(grp + qb * c + 2 * i));
+        const uint8_t* q = grp + qb * i;
+        float* ob = o + (b0 + i) * kBlock;
+        if constexpr (BASE == kQ8_0) {
+          const __m512i bias = _mm512_set1_epi32(128);
+          for (int half = 0; half < 2; ++half) {
+            const __m128i qv = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16 * half));
+            const __m512i iv = _mm512_sub_epi32(_mm512_cvtepu8_epi32(qv), bias);
+            _mm512_storeu_ps(ob + 16 * half, _mm512_mul_ps(_mm512_cvtepi32_ps(iv), vd));
+          }
+        } else {
+          const __m512 vm = BASE == kQ4_1 ? _mm512_set1_ps(half_at(grp + 18 * c + 2 * i))
+                                          : _mm512_mul_ps(vd, _mm512_set1_ps(-8.0f));
+          const __m512 table = _mm512_fmadd_ps(levels, vd, vm);
+          const __m128i qv = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+          _mm512_storeu_ps(ob, _mm512_permutexvar_ps(_mm512_cvtepu8_epi32(qv), table));
+          _mm512_storeu_ps(ob + 16, _mm512_permutexvar_ps(
+                                        _mm512_cvtepu8_epi32(_mm_srli_epi16(qv, 4)), table));
+        }
+      }
+    }
+  }
+}
+
+// ---- activations -------------------------------------------------------------------------
+
+// One row of x prepared for one base kind, per group of G blocks:
+//   h[G*32], l[G*32]  int8 levels in the weights' quant order (4-bit: block i's elements
+//                     0-15 at 16*i, 16-31 at 64 + 16*i; Q8_0: natural order)
+//   scale[16]         float dx / 256 per dot-product lane (lane -> block: 4-bit 4 lanes,
+//                     Q8_0 8 lanes)
+//   extra[16]         4-bit: float sum of the block's x (for the m term) in lanes 0..G-1;
+//                     Q8_0: int32 128 * (256 * sum h + sum l) in the block's first lane
+//                     (removes the +128 of the stored quants)
+constexpr int64_t kGroupPrep = 2 * 128 + 64 + 64;
+
+LLMRT_VNNI void prepare_row(const float* x, int64_t k, int64_t base, uint8_t* prep) {
+  const int64_t nb = k / kBlock, g = group_of(base), ng = (nb + g - 1) / g;
+  std::memset(prep, 0, ng * kGroupPrep);
+  const __m512 inv256 = _mm512_set1_ps(256.0f);
+  for (int64_t b = 0; b < nb; ++b) {
+    const int64_t gi = b / g, i = b % g;
+    uint8_t* p = prep + gi * kGroupPrep;
+    int8_t* h = reinterpret_cast<int8_t*>(p);
+    int8_t* l = reinterpret_cast<int8_t*>(p + 128);
+    float* scale = reinterpret_cast<float*>(p + 256);
+    const __m512 x0 = _mm512_loadu_ps(x + b * kBlock);
+    const __m512 x1 = _mm512_loadu_ps(x + b * kBlock + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+    const float dx = amax / 127.0f;
+    const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    const int64_t off0 = base == kQ8_0 ? 32 * i : 16 * i;
+    const int64_t off1 = base == kQ8_0 ? 32 * i + 16 : 64 + 16 * i;
+    int32_t sum_h = 0, sum_l = 0;
+    const __m512 xs[2] = {x0, x1};
+    const int64_t offs[2] = {off0, off1};
+    for (int half = 0; half < 2; ++half) {
+      const __m512 v = _mm512_mul_ps(xs[half], inv);
+      const __m512 hv = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      const __m512 lv = _mm512_min_ps(
+          _mm512_max_ps(_mm512_roundscale_ps(_mm512_mul_ps(_mm512_sub_ps(v, hv), inv256),
+                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+                        _mm512_set1_ps(-127.0f)),
+          _mm512_set1_ps(127.0f));
+      const __m512i hi = _mm512_cvtps_epi32(hv), li = _mm512_cvtps_epi32(lv);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(h + offs[half]), _mm512_cvtsepi32_epi8(hi));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(l + offs[half]), _mm512_cvtsepi32_epi8(li));
+      sum_h += _mm512_reduce_add_epi32(hi);
+      sum_l += _mm512_reduce_add_epi32(li);
+    }
+    const int64_t lanes = 16 / g;
+    for (int64_t t = 0; t < lanes; ++t) scale[lanes * i + t] = dx / 256.0f;
+    if (base == kQ8_0) {
+      int32_t* corr = reinterpret_cast<int32_t*>(p + 320);
+      corr[lanes * i] = 128 * (256 * sum_h + sum_l);
+    } else {
+      float* sx = reinterpret_cast<float*>(p + 320);
+      sx[i] = dx * (static_cast<float>(sum_h) + static_cast<float>(sum_l) / 256.0f);
+    }
+  }
+}
+
+// ---- kernels -----------------------------------------------------------------------------
+
+inline __mmask64 byte_mask(int64_t n) { return n >= 64 ? ~0ULL : ((1ULL << n) - 1); }
+
+// MT activation rows against weight rows [n0, n1) of a 4-bit kind.
+template <int64_t BASE, int MT>
+LLMRT_VNNI void q4_tile(const uint8_t* const* prep, const uint8_t* w, int64_t row_bytes,
+                        int64_t nb, float* const* y, int64_t n0, int64_t n1) {
+  const __m512i low = _mm512_set1_epi8(15);
+  const __m512i lane_block = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  const int64_t ng = (nb + 3) / 4;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    __m512 acc[MT];
+    __m128 macc[MT];
+    for (int r = 0; r < MT; ++r) {
+      acc[r] = _mm512_setzero_ps();
+      macc[r] = _mm_setzero_ps();
+    }
+    for (int64_t gi = 0; gi < ng; ++gi) {
+      const int64_t c = std::min<int64_t>(4, nb - 4 * gi);
+      const uint8_t* o = row + gi * 4 * bytes_of(BASE);
+      const __mmask8 hm = static_cast<__mmask8>((1u << c) - 1);
+      const __m512i z = c == 4 ? _mm512_loadu_si512(o) : _mm512_maskz_loadu_epi8(byte_mask(16 * c), o);
+      const __m128 d4 = _mm_cvtph_ps(_mm_maskz_loadu_epi16(hm, o + 16 * c));
+      __m128 m4;
+      if constexpr (BASE == kQ4_1)
+        m4 = _mm_cvtph_ps(_mm_maskz_loadu_epi16(hm, o + 18 * c));
+      else
+        m4 = _mm_mul_ps(d4, _mm_set1_ps(-8.0f));
+      const __m512i wl = _mm512_and_si512(z, low);
+      const __m512i wh = _mm512_and_si512(_mm512_srli_epi16(z, 4), low);
+      const __m512 dl = _mm512_permutexvar_ps(lane_block, _mm512_castps128_ps512(d4));
+      for (int r = 0; r < MT; ++r) {
+        const uint8_t* p = prep[r] + gi * kGroupPrep;
+        __m512i ih = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wl, _mm512_loadu_si512(p));
+        ih = _mm512_dpbusd_epi32(ih, wh, _mm512_loadu_si512(p + 64));
+        __m512i il = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wl, _mm512_loadu_si512(p + 128));
+        il = _mm512_dpbusd_epi32(il, wh, _mm512_loadu_si512(p + 192));
+        const __m512i iv = _mm512_add_epi32(_mm512_slli_epi32(ih, 8), il);
+        const __m512 s = _mm512_mul_ps(dl, _mm512_loadu_ps(reinterpret_cast<const float*>(p + 256)));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iv), s, acc[r]);
+        macc[r] = _mm_fmadd_ps(m4, _mm_loadu_ps(reinterpret_cast<const float*>(p + 320)), macc[r]);
+      }
+    }
+    for (int r = 0; r < MT; ++r) {
+      __m128 t = macc[r];
+      t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+      t = _mm_add_ss(t, _mm_shuffle_ps(t, t, 1));
+      y[r][n] = _mm512_reduce_add_ps(acc[r]) + _mm_cvtss_f32(t);
+    }
+  }
+}
+
+template <int MT>
+LLMRT_VNNI void q8_tile(const uint8_t* const* prep, const uint8_t* w, int64_t row_bytes,
+                        int64_t nb, float* const* y, int64_t n0, int64_t n1) {
+  const __m512i lane_block = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
+  const int64_t ng = (nb + 1) / 2;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    __m512 acc[MT];
+    for (int r = 0; r < MT; ++r) acc[r] = _mm512_setzero_ps();
+    for (int64_t gi = 0; gi < ng; ++gi) {
+      const int64_t c = std::min<int64_t>(2, nb - 2 * gi);
+      const uint8_t* o = row + gi * 2 * 34;
+      const __m512i z = c == 2 ? _mm512_loadu_si512(o) : _mm512_maskz_loadu_epi8(byte_mask(32), o);
+      const __m128 d2 = _mm_cvtph_ps(_mm_maskz_loadu_epi16(static_cast<__mmask8>((1u << c) - 1), o + 32 * c));
+      const __m512 dl = _mm512_permutexvar_ps(lane_block, _mm512_castps128_ps512(d2));
+      for (int r = 0; r < MT; ++r) {
+        const uint8_t* p = prep[r] + gi * kGroupPrep;
+        const __m512i ih = _mm512_dpbusd_epi32(_mm512_setzero_si512(), z, _mm512_loadu_si512(p));
+        const __m512i il = _mm512_dpbusd_epi32(_mm512_setzero_si512(), z, _mm512_loadu_si512(p + 128));
+        const __m512i iv = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(ih, 8), il),
+                                            _mm512_loadu_si512(p + 320));
+        const __m512 s = _mm512_mul_ps(dl, _mm512_loadu_ps(reinterpret_cast<const float*>(p + 256)));
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iv), s, acc[r]);
+      }
+    }
+    for (int r = 0; r < MT; ++r) y[r][n] = _mm512_reduce_add_ps(acc[r]);
+  }
+}
+
+template <int MT>
+void tile_for(int64_t base, const uint8_t* const* prep, const uint8_t* w, int64_t row_bytes,
+              int64_t nb, float* const* y, int64_t n0, int64_t n1) {
+  switch (base) {
+    case kQ4_0: q4_tile<kQ4_0, MT>(prep, w, row_bytes, nb, y, n0, n1); break;
+    case kQ4_1: q4_tile<kQ4_1, MT>(prep, w, row_bytes, nb, y, n0, n1); break;
+    default: q8_tile<MT>(prep, w, row_bytes, nb, y, n0, n1); break;
+  }
+}
+
+// Rows of x in tiles of up to 8 (one pass over a weight row serves a tile).
+void vnni_rows(int64_t base, const std::vector<const uint8_t*>& prep, const uint8_t* w,
+               int64_t row_bytes, int64_t nb, const std::vector<float*>& y, int64_t n0,
+               int64_t n1) {
+  // Weight rows in chunks that stay in L1 across the activation tiles.
+  constexpr int64_t kChunk = 16;
+  const int64_t rows_m = static_cast<int64_t>(prep.size());
+  for (int64_t c0 = n0; c0 < n1; c0 += kChunk) {
+    const int64_t c1 = std::min(n1, c0 + kChunk);
+    for (int64_t r = 0; r < rows_m; r += 8) {
+      const uint8_t* const* p = prep.data() + r;
+      float* const* yy = y.data() + r;
+      switch (std::min<int64_t>(8, rows_m - r)) {
+        case 8: tile_for<8>(base, p, w, row_bytes, nb, yy, c0, c1); break;
+        case 7: tile_for<7>(base, p, w, row_bytes, nb, yy, c0, c1); break;
+        case 6: tile_for<6>(base, p, w, row_bytes, nb, yy, c0, c1); break;
+        case 5: tile_for<5>(base, p, w, row_bytes, nb, yy, c0, c1); break;
+        case 4: tile_for<4>(base, p, w, row_bytes, nb, yy, c0, c1); break;
+        case 3: tile_for<3>(base, p, w, row_bytes, nb, yy, c0, c1); break;
+        case 2: tile_for<2>(base, p, w, row_bytes, nb, yy, c0, c1); break;
+        default: tile_for<1>(base, p, w, row_bytes, nb, yy, c0, c1); break;
+      }
+    }
+  }
+}
+
+// Without VNNI: dequantize a weight row and take float32 dot products (a layout the
+// automatic choice never picks on such CPUs; kept so the layout runs everywhere).
+void portable_rows(const float* x, int64_t rows_m, const uint8_t* w, int64_t row_bytes,
+                   int64_t base, int64_t k, float* y, int64_t n, int64_t n0, int64_t n1) {
+  std::vector<float> row(static_cast<size_t>(k));
+  for (int64_t j = n0; j < n1; ++j) {
+    dequant_rows(w + j * row_bytes, row_bytes, base, k, row.data(), 0, 1);
+    for (int64_t r = 0; r < rows_m; ++r) {
+      float s = 0.0f;
+      for (int64_t i = 0; i < k; ++i) s += row[i] * x[r * k + i];
+      y[r * n + j] = s;
+    }
+  }
+}
+
+}  // namespace
+
+namespace llmrt_kernels {
+
+void interleaved_linear_into(const float* x, int64_t rows_m, const uint8_t* w, int64_t row_bytes,
+                             int64_t base, int64_t k, float* y, int64_t n) {
+  const int64_t nb = k / kBlock;
+  if (!has_vnni()) {
+    at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) {
+      portable_rows(x, rows_m, w, row_bytes, base, k, y, n, n0, n1);
+    });
+    return;
+  }
+  const int64_t ng = (nb + group_of(base) - 1) / group_of(base);
+  const int64_t per_row = ng * kGroupPrep;
+  thread_local std::vector<uint8_t> scratch;
+  if (static_cast<int64_t>(scratch.size()) < rows_m * per_row + 64)
+    scratch.resize(static_cast<size_t>(rows_m * per_row + 64));
+  uint8_t* base_ptr = scratch.data();
+  std::vector<const uint8_t*> prep(static_cast<size_t>(rows_m));
+  std::vector<float*> yrows(static_cast<size_t>(rows_m));
+  for (int64_t r = 0; r < rows_m; ++r) {
+    uint8_t* p = base_ptr + r * per_row;
+    prepare_row(x + r * k, k, base, p);
+    prep[r] = p;
+    yrows[r] = y + r * n;
+  }
+  const int64_t grain = n < 64 ? n : (rows_m <= 4 ? 32 : 16);
+  at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
+    vnni_rows(base, prep, w, row_bytes, nb, yrows, n0, n1);
+  });
+}
+
+void interleaved_dequantize(const uint8_t* w, int64_t row_bytes, int64_t base, int64_t k,
+                            float* out, int64_t rows) {
+  const bool simd = llmrt_kernels::has_avx512();
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    if (!simd) {
+      dequant_rows(w, row_bytes, base, k, out, r0, r1);
+      return;
+    }
+    switch (base) {
+      case kQ4_0: dequant_rows_avx512<kQ4_0>(w, row_bytes, k, out, r0, r1); break;
+      case kQ4_1: dequant_rows_avx512<kQ4_1>(w, row_bytes, k, out, r0, r1); break;
+      default: dequant_rows_avx512<kQ8_0>(w, row_bytes, k, out, r0, r1); break;
+    }
+  });
+}
+
+}  // namespace llmrt_kernels
+
+namespace {
+
+at::Tensor gguf_interleave(const at::Tensor& blocks, int64_t kind, int64_t in_features) {
+  llmrt_kernels::check_weight(blocks, kind, in_features);
+  TORCH_CHECK(!(kind & llmrt_kernels::kInterleaved),
+              "llmrt_kernels: the blocks are interleaved already (kind ", kind, ")");
+  TORCH_CHECK(kind != llmrt_kernels::kDenseF32, "llmrt_kernels: only ggml blocks interleave");
+  at::Tensor out = at::empty(blocks.sizes(), blocks.options());
+  const int64_t rows = blocks.size(0), rb = blocks.size(1), nb = in_features / kBlock;
+  const uint8_t* src = blocks.const_data_ptr<uint8_t>();
+  uint8_t* dst = out.mutable_data_ptr<uint8_t>();
+  at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) interleave_row(src + r * rb, dst + r * rb, kind, nb);
+  });
+  return out;
+}
+
+bool int8_dot_supported_op() { return has_vnni(); }
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(llmrt_kernels, m) {
+  m.def("gguf_interleave(Tensor blocks, int kind, int in_features) -> Tensor");
+  m.def("int8_dot_supported() -> bool", &int8_dot_supported_op);
+}
+
+TORCH_LIBRARY_IMPL(llmrt_kernels, CPU, m) { m.impl("gguf_interleave", &gguf_interleave); }

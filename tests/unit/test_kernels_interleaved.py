@@ -1,0 +1,169 @@
+"""The interleaved block layout and its integer-dot kernels.
+
+The layout is restated here from its definition (a row is groups of 4 blocks for Q4_0/Q4_1,
+2 for Q8_0; a group holds its blocks' quants, then their fp16 d, then (Q4_1) their fp16 m;
+Q8_0 quants are stored plus 128), and checked byte by byte. Products run on activations
+split into two 8-bit levels per 32-wide block, so the stated error bound is the larger of
+float32 accumulation and one 256th of an 8-bit step of each block.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from test_kernels_gguf_blocks import KINDS, random_weight, reference
+
+from llmrt.errors import ConfigError
+from llmrt.families.layers import (
+    AUTO_INTERLEAVED_KINDS,
+    QuantizedLinear,
+    select_weight_layout,
+)
+from llmrt.kernels.formats import BLOCK_BYTES, QuantizedWeight, concat_rows
+from llmrt.kernels.native import int8_dot_supported
+
+GROUP = {"q4_0": 4, "q4_1": 4, "q8_0": 2}
+#: Widths whose last group holds 1, 2, 3 or 4 blocks (and several groups).
+WIDTHS = [32, 64, 96, 128, 160, 576]
+
+
+def expected_layout(weight: QuantizedWeight) -> np.ndarray:
+    """The interleaved bytes of ``weight`` (ggml layout), built from the definition."""
+    raw = weight.blocks.numpy()
+    bb = BLOCK_BYTES[weight.kind]
+    nb = weight.shape[1] // 32
+    out = np.zeros_like(raw)
+    g = GROUP[weight.kind]
+    for b0 in range(0, nb, g):
+        c = min(g, nb - b0)
+        base = b0 * bb
+        for i in range(c):
+            blk = raw[:, (b0 + i) * bb : (b0 + i + 1) * bb]
+            if weight.kind == "q8_0":
+                out[:, base + 32 * i : base + 32 * i + 32] = blk[:, 2:34] ^ 0x80
+                out[:, base + 32 * c + 2 * i : base + 32 * c + 2 * i + 2] = blk[:, 0:2]
+            else:
+                head = 4 if weight.kind == "q4_1" else 2
+                out[:, base + 16 * i : base + 16 * i + 16] = blk[:, head : head + 16]
+                out[:, base + 16 * c + 2 * i : base + 16 * c + 2 * i + 2] = blk[:, 0:2]
+                if weight.kind == "q4_1":
+                    out[:, base + 18 * c + 2 * i : base + 18 * c + 2 * i + 2] = blk[:, 2:4]
+    return out
+
+
+def two_level_bound(x: torch.Tensor, w64: torch.Tensor) -> torch.Tensor:
+    """Per-output bound: float32 accumulation plus |w| times each block's rounding
+    (max |x| of the block / 127 / 256)."""
+    x64 = x.double().reshape(-1, x.shape[-1])
+    blocks = x64.reshape(x64.shape[0], -1, 32).abs().amax(-1, keepdim=True)
+    step = (blocks / 127 / 256).expand(-1, -1, 32).reshape(x64.shape)
+    return step @ w64.abs().T + 1e-5 * (x64.abs() @ w64.abs().T) + 1e-6
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("cols", WIDTHS)
+def test_interleave_follows_the_layout_and_dequantizes_exactly(kind: str, cols: int) -> None:
+    weight = random_weight(kind, rows=5, cols=cols, seed=cols)
+    inter = weight.interleaved()
+    assert inter.layout == "interleaved" and inter.shape == weight.shape
+    assert inter.blocks.shape == weight.blocks.shape
+    assert inter.blocks.data_ptr() != weight.blocks.data_ptr()
+    assert np.array_equal(inter.blocks.numpy(), expected_layout(weight))
+    assert torch.equal(inter.dequantize().double(), reference(weight))
+    assert inter.interleaved() is inter
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 17, 33])
+@pytest.mark.parametrize("cols", [96, 160, 576])
+def test_linear_on_interleaved_blocks_is_within_the_two_level_bound(
+    kind: str, rows: int, cols: int
+) -> None:
+    weight = random_weight(kind, rows=70, cols=cols, seed=rows)
+    w64 = reference(weight)
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, cols, generator=gen)
+    x[:, 3] = 40.0  # an outlier: every other value of its block is rounded against it
+    x[0, 32:64] = 0.0  # an all-zero block
+    linear = QuantizedLinear(weight=weight.interleaved())
+    got = linear(x).double()
+    error = (got - x.double() @ w64.T).abs()
+    assert bool((error <= two_level_bound(x, w64)).all())
+    # One 8-bit level would be off by up to 256 times more: the second level is there.
+    one_level = (two_level_bound(x, w64) - 1e-5 * (x.double().abs() @ w64.abs().T)) * 256
+    assert float(error.max()) < float(one_level.max()) / 16
+
+
+def test_interleaved_linear_is_deterministic_and_row_independent() -> None:
+    weight = random_weight("q4_1", rows=100, cols=576, seed=7).interleaved()
+    linear = QuantizedLinear(weight=weight)
+    x = torch.randn(12, 576)
+    batch = linear(x)
+    assert torch.equal(batch, linear(x))
+    for r in (0, 5, 11):
+        assert torch.equal(linear(x[r : r + 1])[0], batch[r])
+
+
+def test_concat_and_select_rows_keep_the_layout() -> None:
+    a = random_weight("q4_1", rows=3, cols=96, seed=1)
+    b = random_weight("q4_1", rows=4, cols=96, seed=2)
+    fused = concat_rows([a.interleaved(), b.interleaved()])
+    assert fused.layout == "interleaved"
+    assert torch.equal(fused.dequantize(), torch.cat([a.dequantize(), b.dequantize()]))
+    picked = fused.select_rows(torch.tensor([6, 0]))
+    assert picked.layout == "interleaved"
+    assert torch.equal(picked.dequantize(), fused.dequantize()[[6, 0]])
+    with pytest.raises(ValueError, match="layouts"):
+        concat_rows([a, b.interleaved()])
+
+
+def test_interleaving_twice_or_a_dense_weight_is_refused() -> None:
+    weight = random_weight("q4_0", rows=2, cols=64, seed=3).interleaved()
+    with pytest.raises(RuntimeError, match="interleaved already"):
+        torch.ops.llmrt_kernels.gguf_interleave(weight.blocks, weight.kernel_type, 64)
+    with pytest.raises(ValueError, match="layout"):
+        QuantizedWeight(kind="q4_0", shape=(2, 64), blocks=weight.blocks, layout="tiled")  # type: ignore[arg-type]
+
+
+class _Model(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = QuantizedLinear(weight=random_weight("q4_1", rows=8, cols=64, seed=1))
+        self.b = QuantizedLinear(weight=random_weight("q4_0", rows=8, cols=64, seed=2))
+        self.c = QuantizedLinear(weight=random_weight("q8_0", rows=8, cols=64, seed=3))
+
+
+def _layouts(model: _Model) -> dict[str, str]:
+    return {name: m.weight.layout for name, m in model.named_children()}
+
+
+def test_weight_layout_choices() -> None:
+    cpu = torch.device("cpu")
+    model = _Model()
+    before = {name: m.weight.dequantize() for name, m in model.named_children()}
+    assert select_weight_layout(model, choice="ggml", device=cpu) == 0  # type: ignore[arg-type]
+    assert set(_layouts(model).values()) == {"ggml"}
+    changed = select_weight_layout(model, choice="auto", device=cpu)  # type: ignore[arg-type]
+    if int8_dot_supported():
+        assert AUTO_INTERLEAVED_KINDS == ("q4_0", "q4_1")
+        assert changed == 2
+        assert _layouts(model) == {"a": "interleaved", "b": "interleaved", "c": "ggml"}
+        assert model.a.ggml_type == 3 + 256 and model.a.blocks is model.a.weight.blocks
+    else:
+        assert changed == 0
+    assert select_weight_layout(model, choice="interleaved", device=cpu) >= 1  # type: ignore[arg-type]
+    assert set(_layouts(model).values()) == {"interleaved"}
+    for name, m in model.named_children():
+        assert torch.equal(m.weight.dequantize(), before[name])
+
+
+def test_weight_layout_errors_name_the_field() -> None:
+    model = _Model()
+    with pytest.raises(ConfigError, match=r"device\.weight_layout"):
+        select_weight_layout(model, choice="tiled", device=torch.device("cpu"))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="cpu layout"):
+        select_weight_layout(model, choice="interleaved", device=torch.device("cuda", 0))  # type: ignore[arg-type]
+    assert select_weight_layout(model, choice="auto", device=torch.device("cuda", 0)) == 0  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="does not replace"):
+        model.a.use_weight(random_weight("q4_1", rows=9, cols=64, seed=1))
