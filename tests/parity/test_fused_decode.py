@@ -114,6 +114,23 @@ def test_fused_decode_matches_torch_ops(
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("head_dim", [16, 24, 32, 64, 128])
+def test_fused_attention_over_head_dims(
+    head_dim: int, parity_harness: Any, counted_runs: list[int]
+) -> None:
+    """Head dims of 16, 32, 64 and 128 take the op's register-tiled attention, others
+    its generic loop; both must match the torch ops."""
+    model = hf_model("llama-yarn-biases", head_dim=head_dim)
+    harness = parity_harness(family=family_for_model_type(model.config.model_type), hf_model=model)
+    fused, ops, fused_kv, ops_kv = _run_both(harness)
+    assert counted_runs
+    for a, b in zip(fused, ops, strict=True):
+        assert a.tokens == b.tokens
+        torch.testing.assert_close(a.logits, b.logits, rtol=0, atol=1e-5)
+    for a, b in zip(fused_kv, ops_kv, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("case", ["llama-yarn-biases", "mistral-window"])
 def test_fused_decode_over_half_precision_kv(

@@ -192,6 +192,101 @@ inline void axpy(float w, const T* x, float* y, int64_t n) {
 }
 
 template <typename T>
+struct Paged;
+
+// One row's attention for one KV head with head_dim = 16 * NV (AVX-512): keys are walked
+// page by page (no division per key), each key's K is loaded once for all the group's
+// query heads, and the outputs of up to GC heads accumulate in registers over the values.
+// Same math as the generic loop: scaled dot products, max-shifted exp, normalised weights.
+template <typename T, int NV, int GC>
+LLMRT_AVX512 void weigh_values(const Paged<T>& kv, const int64_t* row_table, int64_t g,
+                               int64_t first, int64_t count, const float* scores,
+                               int64_t score_stride, float* out, int64_t head_dim) {
+  __m512 acc[GC][NV];
+  for (int j = 0; j < GC; ++j)
+    for (int c = 0; c < NV; ++c) acc[j][c] = _mm512_setzero_ps();
+  int64_t t = 0;
+  while (t < count) {
+    const int64_t key = first + t;
+    const int64_t page = key / kv.block_size;
+    const int64_t off = key - page * kv.block_size;
+    const int64_t n = std::min(kv.block_size - off, count - t);
+    const int64_t block = std::max<int64_t>(row_table[page], 0);
+    const T* vp = kv.v + block * kv.s0 + g * kv.s1 + off * kv.s2;
+    for (int64_t i = 0; i < n; ++i, vp += kv.s2) {
+      __m512 v[NV];
+      for (int c = 0; c < NV; ++c) v[c] = load16(vp + 16 * c, static_cast<__mmask16>(0xFFFF));
+      for (int j = 0; j < GC; ++j) {
+        const __m512 w = _mm512_set1_ps(scores[j * score_stride + t + i]);
+        for (int c = 0; c < NV; ++c) acc[j][c] = _mm512_fmadd_ps(w, v[c], acc[j][c]);
+      }
+    }
+    t += n;
+  }
+  for (int j = 0; j < GC; ++j)
+    for (int c = 0; c < NV; ++c) _mm512_storeu_ps(out + j * head_dim + 16 * c, acc[j][c]);
+}
+
+template <typename T, int NV>
+LLMRT_AVX512 void score_keys(const Paged<T>& kv, const int64_t* row_table, int64_t g,
+                             int64_t first, int64_t count, const float* q, int64_t group,
+                             float scale, float* scores) {
+  const int64_t head_dim = 16 * NV;
+  int64_t t = 0;
+  while (t < count) {
+    const int64_t key = first + t;
+    const int64_t page = key / kv.block_size;
+    const int64_t off = key - page * kv.block_size;
+    const int64_t n = std::min(kv.block_size - off, count - t);
+    const int64_t block = std::max<int64_t>(row_table[page], 0);
+    const T* kp = kv.k + block * kv.s0 + g * kv.s1 + off * kv.s2;
+    for (int64_t i = 0; i < n; ++i, kp += kv.s2) {
+      __m512 k[NV];
+      for (int c = 0; c < NV; ++c) k[c] = load16(kp + 16 * c, static_cast<__mmask16>(0xFFFF));
+      for (int64_t j = 0; j < group; ++j) {
+        const float* qj = q + j * head_dim;
+        __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qj), k[0]);
+        for (int c = 1; c < NV; ++c) a = _mm512_fmadd_ps(_mm512_loadu_ps(qj + 16 * c), k[c], a);
+        scores[j * count + t + i] = _mm512_reduce_add_ps(a) * scale;
+      }
+    }
+    t += n;
+  }
+}
+
+template <typename T, int NV>
+LLMRT_AVX512 void attend_task_avx512(const Paged<T>& kv, const int64_t* row_table, int64_t g,
+                                     int64_t first, int64_t count, const float* q,
+                                     int64_t group, float scale, float* out,
+                                     std::vector<float>& scores) {
+  constexpr int kMaxHeads = NV <= 4 ? 4 : 2;  // output registers: kMaxHeads * NV <= 16
+  const int64_t head_dim = 16 * NV;
+  scores.resize(static_cast<size_t>(group * count));
+  float* s = scores.data();
+  score_keys<T, NV>(kv, row_table, g, first, count, q, group, scale, s);
+  for (int64_t j = 0; j < group; ++j) {
+    float* sj = s + j * count;
+    const float top = *std::max_element(sj, sj + count);
+    const float inv = 1.0f / exp_shift_sum_avx512(sj, count, top);
+    const __m512 vinv = _mm512_set1_ps(inv);
+    int64_t t = 0;
+    for (; t + 16 <= count; t += 16)
+      _mm512_storeu_ps(sj + t, _mm512_mul_ps(_mm512_loadu_ps(sj + t), vinv));
+    for (; t < count; ++t) sj[t] *= inv;
+  }
+  for (int64_t j0 = 0; j0 < group; j0 += kMaxHeads) {
+    const float* sj = s + j0 * count;
+    float* oj = out + j0 * head_dim;
+    switch (std::min<int64_t>(kMaxHeads, group - j0)) {
+      case 4: weigh_values<T, NV, 4>(kv, row_table, g, first, count, sj, count, oj, head_dim); break;
+      case 3: weigh_values<T, NV, 3>(kv, row_table, g, first, count, sj, count, oj, head_dim); break;
+      case 2: weigh_values<T, NV, 2>(kv, row_table, g, first, count, sj, count, oj, head_dim); break;
+      default: weigh_values<T, NV, 1>(kv, row_table, g, first, count, sj, count, oj, head_dim); break;
+    }
+  }
+}
+
+template <typename T>
 struct Paged {
   T* k;
   T* v;
@@ -242,6 +337,7 @@ void attend_paged(const at::Tensor& k_cache, const at::Tensor& v_cache, const at
   const int64_t group = num_heads / num_kv_heads;
   const float fscale = static_cast<float>(scale);
   const bool simd = has_avx512();
+  const int nv = simd && head_dim % 16 == 0 ? static_cast<int>(head_dim / 16) : 0;
   at::parallel_for(0, rows * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores;
     for (int64_t task = begin; task < end; ++task) {
@@ -254,6 +350,15 @@ void attend_paged(const at::Tensor& k_cache, const at::Tensor& v_cache, const at
       float* out = attn_p + r * q_width + g * group * head_dim;
       std::fill_n(out, group * head_dim, 0.0f);
       if (count <= 0) continue;
+      const float* q_row = qkv_p + r * qkv_width + g * group * head_dim;
+      const int64_t* table_row = kv.table + r * kv.width;
+      switch (nv) {
+        case 1: attend_task_avx512<T, 1>(kv, table_row, g, first, count, q_row, group, fscale, out, scores); continue;
+        case 2: attend_task_avx512<T, 2>(kv, table_row, g, first, count, q_row, group, fscale, out, scores); continue;
+        case 4: attend_task_avx512<T, 4>(kv, table_row, g, first, count, q_row, group, fscale, out, scores); continue;
+        case 8: attend_task_avx512<T, 8>(kv, table_row, g, first, count, q_row, group, fscale, out, scores); continue;
+        default: break;
+      }
       scores.assign(static_cast<size_t>(group * count), 0.0f);
       const float* q = qkv_p + r * qkv_width + g * group * head_dim;
       const int64_t* row_table = kv.table + r * kv.width;
