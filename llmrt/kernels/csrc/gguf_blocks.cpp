@@ -20,6 +20,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -34,8 +35,9 @@ constexpr int64_t kBlock = 32;
 constexpr int64_t kQ4_0 = 2;
 constexpr int64_t kQ4_1 = 3;
 constexpr int64_t kQ8_0 = 8;
-// Activation rows one pass over a weight row serves (each keeps two accumulators).
-constexpr int64_t kRowTile = 4;
+// Activation rows one pass over a weight row serves (each keeps two accumulators: 16 of the
+// 32 vector registers). 8 against 4: the LM head (Q8_0) at 16 rows 1.3x faster.
+constexpr int64_t kRowTile = 8;
 
 int64_t block_bytes(int64_t kind) {
   switch (kind & ~llmrt_kernels::kInterleaved) {
@@ -189,16 +191,27 @@ LLMRT_AVX512 void linear_rows_avx512(const float* x, int64_t ldx, int64_t rows_m
     linear_rows_m1_avx512<KIND>(x, w, row_bytes, k, y, n0, n1);
     return;
   }
-  // Weight rows outer, activation tiles inner: a weight row stays in L1 across the tiles.
-  for (int64_t n = n0; n < n1; ++n) {
-    int64_t r = 0;
-    for (; r + kRowTile <= rows_m; r += kRowTile)
-      linear_rows_tile_avx512<KIND, kRowTile>(x + r * ldx, ldx, w, row_bytes, k, y + r * ldy, ldy, n);
-    switch (rows_m - r) {
-      case 3: linear_rows_tile_avx512<KIND, 3>(x + r * ldx, ldx, w, row_bytes, k, y + r * ldy, ldy, n); break;
-      case 2: linear_rows_tile_avx512<KIND, 2>(x + r * ldx, ldx, w, row_bytes, k, y + r * ldy, ldy, n); break;
-      case 1: linear_rows_tile_avx512<KIND, 1>(x + r * ldx, ldx, w, row_bytes, k, y + r * ldy, ldy, n); break;
-      default: break;
+  // A chunk of weight rows (kept in L2) against each tile of activation rows (kept in L1):
+  // with every row of x behind each weight row, 16 rows of x (36 KB at K=576) no longer fit
+  // L1 and were streamed from L2 once per weight row.
+  constexpr int64_t kChunk = 32;
+  for (int64_t c0 = n0; c0 < n1; c0 += kChunk) {
+    const int64_t c1 = std::min(n1, c0 + kChunk);
+    for (int64_t r = 0; r < rows_m; r += kRowTile) {
+      const float* xt = x + r * ldx;
+      float* yt = y + r * ldy;
+      for (int64_t n = c0; n < c1; ++n) {
+        switch (std::min(kRowTile, rows_m - r)) {
+          case 8: linear_rows_tile_avx512<KIND, 8>(xt, ldx, w, row_bytes, k, yt, ldy, n); break;
+          case 7: linear_rows_tile_avx512<KIND, 7>(xt, ldx, w, row_bytes, k, yt, ldy, n); break;
+          case 6: linear_rows_tile_avx512<KIND, 6>(xt, ldx, w, row_bytes, k, yt, ldy, n); break;
+          case 5: linear_rows_tile_avx512<KIND, 5>(xt, ldx, w, row_bytes, k, yt, ldy, n); break;
+          case 4: linear_rows_tile_avx512<KIND, 4>(xt, ldx, w, row_bytes, k, yt, ldy, n); break;
+          case 3: linear_rows_tile_avx512<KIND, 3>(xt, ldx, w, row_bytes, k, yt, ldy, n); break;
+          case 2: linear_rows_tile_avx512<KIND, 2>(xt, ldx, w, row_bytes, k, yt, ldy, n); break;
+          default: linear_rows_tile_avx512<KIND, 1>(xt, ldx, w, row_bytes, k, yt, ldy, n); break;
+        }
+      }
     }
   }
 }
@@ -252,15 +265,25 @@ LLMRT_AVX512 void dense_rows_tile_avx512(const float* x, int64_t ldx, const floa
 
 LLMRT_AVX512 void dense_rows_avx512(const float* x, int64_t ldx, int64_t rows_m, const float* w,
                                     int64_t k, float* y, int64_t ldy, int64_t n0, int64_t n1) {
-  for (int64_t n = n0; n < n1; ++n) {
-    int64_t r = 0;
-    for (; r + kRowTile <= rows_m; r += kRowTile)
-      dense_rows_tile_avx512<kRowTile>(x + r * ldx, ldx, w, k, y + r * ldy, ldy, n);
-    switch (rows_m - r) {
-      case 3: dense_rows_tile_avx512<3>(x + r * ldx, ldx, w, k, y + r * ldy, ldy, n); break;
-      case 2: dense_rows_tile_avx512<2>(x + r * ldx, ldx, w, k, y + r * ldy, ldy, n); break;
-      case 1: dense_rows_tile_avx512<1>(x + r * ldx, ldx, w, k, y + r * ldy, ldy, n); break;
-      default: break;
+  // Chunks of weight rows against tiles of activation rows, as for blocks (see above).
+  constexpr int64_t kChunk = 16;
+  for (int64_t c0 = n0; c0 < n1; c0 += kChunk) {
+    const int64_t c1 = std::min(n1, c0 + kChunk);
+    for (int64_t r = 0; r < rows_m; r += kRowTile) {
+      const float* xt = x + r * ldx;
+      float* yt = y + r * ldy;
+      for (int64_t n = c0; n < c1; ++n) {
+        switch (std::min(kRowTile, rows_m - r)) {
+          case 8: dense_rows_tile_avx512<8>(xt, ldx, w, k, yt, ldy, n); break;
+          case 7: dense_rows_tile_avx512<7>(xt, ldx, w, k, yt, ldy, n); break;
+          case 6: dense_rows_tile_avx512<6>(xt, ldx, w, k, yt, ldy, n); break;
+          case 5: dense_rows_tile_avx512<5>(xt, ldx, w, k, yt, ldy, n); break;
+          case 4: dense_rows_tile_avx512<4>(xt, ldx, w, k, yt, ldy, n); break;
+          case 3: dense_rows_tile_avx512<3>(xt, ldx, w, k, yt, ldy, n); break;
+          case 2: dense_rows_tile_avx512<2>(xt, ldx, w, k, yt, ldy, n); break;
+          default: dense_rows_tile_avx512<1>(xt, ldx, w, k, yt, ldy, n); break;
+        }
+      }
     }
   }
 }
