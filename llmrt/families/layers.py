@@ -36,6 +36,17 @@ GEMM_MIN_ROWS = 16
 #: 11 ms in-register vs 51 ms dequantize + GEMM at 16 rows; even at 128).
 DEQUANTIZE_BUDGET_BYTES = 32 << 20
 LARGE_GEMM_MIN_ROWS = 128
+#: ``GEMM_MIN_ROWS`` for interleaved blocks: their integer-dot kernel keeps up with
+#: dequantize + GEMM longer (one SmolLM2 layer, 2 threads: 1.7 against 1.9-8 ms at 32 rows,
+#: 3.9 against 2.7-3.4 ms at 64), and short prompts skip dequantizing every weight.
+INTERLEAVED_GEMM_MIN_ROWS = 48
+
+
+def gemm_min_rows(weight: QuantizedWeight) -> int:
+    """Rows from which a linear over ``weight`` dequantizes it and runs a GEMM."""
+    if 4 * weight.shape[0] * weight.shape[1] > DEQUANTIZE_BUDGET_BYTES:
+        return LARGE_GEMM_MIN_ROWS
+    return INTERLEAVED_GEMM_MIN_ROWS if weight.layout == "interleaved" else GEMM_MIN_ROWS
 
 #: How a ``FrozenLinear`` multiplies: ``aten`` is ``F.linear``; ``onednn`` calls oneDNN's
 #: matmul directly on the plain weight. On CPU, aten sends float32 to MKL's sgemm, which
@@ -144,10 +155,7 @@ class QuantizedLinear(nn.Module):
         self.kernel: LinearKernel = "aten"
         #: The dtype GEMM calls (``gemm_min_rows`` or more) multiply in (``device.gemm_dtype``).
         self.gemm_dtype = torch.float32
-        dense_bytes = 4 * weight.shape[0] * weight.shape[1]
-        self.gemm_min_rows = (
-            GEMM_MIN_ROWS if dense_bytes <= DEQUANTIZE_BUDGET_BYTES else LARGE_GEMM_MIN_ROWS
-        )
+        self.gemm_min_rows = gemm_min_rows(weight)
 
     @property
     def out_features(self) -> int:
@@ -167,18 +175,22 @@ class QuantizedLinear(nn.Module):
         self.weight = weight
         self.blocks = weight.blocks
         self.ggml_type = weight.kernel_type
+        self.gemm_min_rows = gemm_min_rows(weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
         if rows >= self.gemm_min_rows:
-            dense = torch.ops.llmrt_kernels.gguf_dequantize(
-                self.blocks, self.ggml_type, self.in_features
-            )
             if self.gemm_dtype == torch.float32:
+                dense = torch.ops.llmrt_kernels.gguf_dequantize(
+                    self.blocks, self.ggml_type, self.in_features
+                )
                 return _matmul(x, dense, self.bias, kernel=self.kernel)
             low = self.gemm_dtype
+            weight = torch.ops.llmrt_kernels.gguf_dequantize_bf16(
+                self.blocks, self.ggml_type, self.in_features
+            )
             bias = None if self.bias is None else self.bias.to(low)
-            return _matmul(x.to(low), dense.to(low), bias, kernel=self.kernel).to(x.dtype)
+            return _matmul(x.to(low), weight, bias, kernel=self.kernel).to(x.dtype)
         out: torch.Tensor = torch.ops.llmrt_kernels.gguf_linear(
             x, self.blocks, self.ggml_type, self.in_features, self.bias
         )

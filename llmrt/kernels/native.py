@@ -143,6 +143,10 @@ def _register_fakes() -> None:
     def _dequantize_fake(blocks: torch.Tensor, kind: int, in_features: int) -> torch.Tensor:
         return blocks.new_empty((blocks.shape[0], in_features), dtype=torch.float32)
 
+    @torch.library.register_fake(f"{LIBRARY}::gguf_dequantize_bf16")
+    def _dequantize_bf16_fake(blocks: torch.Tensor, kind: int, in_features: int) -> torch.Tensor:
+        return blocks.new_empty((blocks.shape[0], in_features), dtype=torch.bfloat16)
+
     @torch.library.register_fake(f"{LIBRARY}::gguf_interleave")
     def _interleave_fake(blocks: torch.Tensor, kind: int, in_features: int) -> torch.Tensor:
         return torch.empty_like(blocks)

@@ -167,3 +167,15 @@ def test_weight_layout_errors_name_the_field() -> None:
     assert select_weight_layout(model, choice="auto", device=torch.device("cuda", 0)) == 0  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="does not replace"):
         model.a.use_weight(random_weight("q4_1", rows=9, cols=64, seed=1))
+
+
+@pytest.mark.parametrize("layout", ["ggml", "interleaved"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_bfloat16_dequantize_rounds_the_float32_weight(kind: str, layout: str) -> None:
+    """What bfloat16 GEMMs multiply: the float32 dequantization rounded to nearest even."""
+    weight = random_weight(kind, rows=37, cols=160, seed=11)
+    if layout == "interleaved":
+        weight = weight.interleaved()
+    got = torch.ops.llmrt_kernels.gguf_dequantize_bf16(weight.blocks, weight.kernel_type, 160)
+    assert got.dtype == torch.bfloat16 and got.shape == (37, 160)
+    assert torch.equal(got, weight.dequantize().to(torch.bfloat16))

@@ -14,6 +14,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
@@ -23,6 +24,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "cpu.h"
 #include "linear.h"
@@ -430,14 +432,69 @@ at::Tensor gguf_dequantize(const at::Tensor& blocks, int64_t kind, int64_t in_fe
   return out;
 }
 
+void dequantize_into(const uint8_t* wp, int64_t rb, int64_t kind, int64_t k, float* op,
+                     int64_t rows) {
+  if (kind & llmrt_kernels::kInterleaved) {
+    llmrt_kernels::interleaved_dequantize(wp, rb, kind & ~llmrt_kernels::kInterleaved, k, op,
+                                          rows);
+    return;
+  }
+  switch (kind) {
+    case kQ4_0: run_dequant<kQ4_0>(wp, rb, k, op, rows); break;
+    case kQ4_1: run_dequant<kQ4_1>(wp, rb, k, op, rows); break;
+    default: run_dequant<kQ8_0>(wp, rb, k, op, rows); break;
+  }
+}
+
+__attribute__((target("avx512f,avx512bf16"))) void to_bf16_avx512(const float* in,
+                                                                   c10::BFloat16* out,
+                                                                   int64_t n) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
+                        (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(in + i)));
+  for (; i < n; ++i) out[i] = c10::BFloat16(in[i]);
+}
+
+// The bfloat16 weight a bfloat16 GEMM multiplies (``device.gemm_dtype``): dequantized to
+// float32 a few rows at a time in cache, then rounded to nearest even, as ``.to(bfloat16)``
+// would round the float32 weight, without writing and re-reading the float32 matrix.
+at::Tensor gguf_dequantize_bf16(const at::Tensor& blocks, int64_t kind, int64_t in_features) {
+  check_blocks(blocks, kind, in_features);
+  const int64_t rows = blocks.size(0);
+  at::Tensor out = at::empty({rows, in_features}, blocks.options().dtype(at::kBFloat16));
+  if (rows == 0) return out;
+  static const bool bf16_ops = __builtin_cpu_supports("avx512bf16");
+  const uint8_t* wp = blocks.const_data_ptr<uint8_t>();
+  c10::BFloat16* op = out.mutable_data_ptr<c10::BFloat16>();
+  const int64_t rb = blocks.size(1);
+  constexpr int64_t kRows = 16;
+  at::parallel_for(0, (rows + kRows - 1) / kRows, 1, [&](int64_t c0, int64_t c1) {
+    std::vector<float> buf(static_cast<size_t>(kRows * in_features));
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t r0 = c * kRows, n = std::min(kRows, rows - r0);
+      dequantize_into(wp + r0 * rb, rb, kind, in_features, buf.data(), n);
+      c10::BFloat16* dst = op + r0 * in_features;
+      if (bf16_ops) {
+        to_bf16_avx512(buf.data(), dst, n * in_features);
+      } else {
+        for (int64_t i = 0; i < n * in_features; ++i) dst[i] = c10::BFloat16(buf[i]);
+      }
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llmrt_kernels, m) {
   m.def("gguf_linear(Tensor x, Tensor blocks, int kind, int in_features, Tensor? bias) -> Tensor");
   m.def("gguf_dequantize(Tensor blocks, int kind, int in_features) -> Tensor");
+  m.def("gguf_dequantize_bf16(Tensor blocks, int kind, int in_features) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(llmrt_kernels, CPU, m) {
   m.impl("gguf_linear", &gguf_linear);
   m.impl("gguf_dequantize", &gguf_dequantize);
+  m.impl("gguf_dequantize_bf16", &gguf_dequantize_bf16);
 }
