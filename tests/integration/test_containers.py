@@ -37,7 +37,6 @@ BUILT_BY = {
     "smollm2-135m": "test_smollm2_recipe_runs_prefill_and_decode",
     "smollm2-135m-dp2": "test_smollm2_dp2_recipe_matches_one_lane",
     "smollm2-135m-compiled": "test_smollm2_compiled_recipe_builds_with_inductor",
-    "smollm2-135m-fast": "test_smollm2_fast_recipe_keeps_the_default_tokens",
     "toy-ttnn": "test_toy_ttnn_recipe_builds_over_the_fake_ttnn",
     "smollm2-135m-f32": "test_smollm2_f32_reference_gives_the_default_tokens",
 }
@@ -209,7 +208,6 @@ def test_smollm2_variants_differ_from_the_default_only_where_named() -> None:
     base = recipe_to_dict(load_recipe("smollm2-135m"))
     dp2 = recipe_to_dict(load_recipe("smollm2-135m-dp2"))
     compiled = recipe_to_dict(load_recipe("smollm2-135m-compiled"))
-    fast = recipe_to_dict(load_recipe("smollm2-135m-fast"))
 
     assert dp2["lanes"] == 2 and _same_except(base, dp2, {"lanes"})
     assert compiled["device"]["compile"] == "inductor"
@@ -217,10 +215,11 @@ def test_smollm2_variants_differ_from_the_default_only_where_named() -> None:
     assert compiled["checkpoint"]["dtype"] == "bfloat16"
     assert compiled["decode"]["batch_sizes"] == [1]  # and the capacity: each is one compile
     assert _same_except(base, compiled, {"device", "kv_cache", "checkpoint", "decode"})
-    assert fast["device"] == {**base["device"], "gemm_dtype": "bfloat16"}
-    assert _same_except(base, fast, {"device"})
     f32 = recipe_to_dict(load_recipe("smollm2-135m-f32"))
-    assert f32["checkpoint"]["weights"] == "float32" and _same_except(base, f32, {"checkpoint"})
+    assert f32["checkpoint"]["weights"] == "float32"
+    # bfloat16 GEMMs and block layouts apply to block-quantized weights only.
+    assert f32["device"] == {**base["device"], "gemm_dtype": "float32"}
+    assert _same_except(base, f32, {"checkpoint", "device"})
 
 
 @smollm2
@@ -256,26 +255,6 @@ def test_smollm2_compiled_recipe_builds_with_inductor(
     generation = runtime.generate([tokenizer.encode("The capital of France is")], steps=3)
 
     assert "Paris" in tokenizer.decode(generation.tokens[0])
-
-
-@smollm2
-@pytest.mark.smollm2
-@pytest.mark.slow
-def test_smollm2_fast_recipe_keeps_the_default_tokens(
-    build: Callable[..., Runtime], smollm2: Runtime, smollm2_overrides: list[str]
-) -> None:
-    """bfloat16 GEMMs (the prompt's prefill) keep the default's greedy tokens."""
-    runtime = build("smollm2-135m-fast", smollm2_overrides)
-    runtime.container.model.weights.override(providers.Object(smollm2.container.model.weights()))
-    runtime.ready()
-    tokenizer = smollm2.container.model.tokenizer()
-    prompt = tokenizer.encode(
-        "The capital of France is a city that many people from all over the world visit because"
-    )
-    assert len(prompt) >= 16  # long enough for the GEMM path
-    fast = runtime.generate([prompt], steps=4)
-    default = smollm2.generate([prompt], steps=4)
-    assert fast.tokens == default.tokens
 
 
 @smollm2
