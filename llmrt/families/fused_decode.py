@@ -122,10 +122,34 @@ def fused_layer_args(layer: DecoderLayer) -> LayerArgs:
 
 
 class FusedDecode:
-    """The per-layer op arguments of one backbone, built once from its modules."""
+    """One backbone's layers as a ``llmrt_kernels.DecodeStack`` (built once from its
+    modules, borrowing their weights): a decode step is one call that runs every layer."""
 
     def __init__(self, *, layers: list[tuple[int | None, LayerArgs]], max_rows: int) -> None:
-        self._layers = layers
+        tensors: list[torch.Tensor] = []
+        biases: list[torch.Tensor | None] = []
+        ints: list[int] = []
+        floats: list[float] = []
+        for rope, (weights, shape) in layers:
+            attn_norm, mlp_norm, *linears = weights
+            tensors += [attn_norm, mlp_norm]
+            for i in range(0, len(linears), 3):
+                blocks, kind, bias = linears[i : i + 3]
+                tensors.append(blocks)
+                ints.append(int(kind))
+                biases.append(bias)
+            heads, kv_heads, head_dim, eps, scale, window, activation, gated, mult = shape
+            ints += [
+                heads,
+                kv_heads,
+                head_dim,
+                window,
+                activation,
+                int(gated),
+                -1 if rope is None else rope,
+            ]
+            floats += [eps, scale, mult]
+        self._stack = torch.classes.llmrt_kernels.DecodeStack(tensors, biases, ints, floats)
         #: Steps with this many rows or more run the torch ops instead.
         self.max_rows = max_rows
 
@@ -161,15 +185,9 @@ class FusedDecode:
         a padding row that writes nothing); returns ``[B, 1, H]``."""
         rows = hidden.shape[0]
         state = hidden.reshape(rows, -1).contiguous()
-        tables = [
-            (cos.reshape(rows, -1).contiguous(), sin.reshape(rows, -1).contiguous())
-            for cos, sin in ropes
-        ]
-        no_rope = hidden.new_empty((rows, 0))
-        op = torch.ops.llmrt_kernels.decode_layer
-        for i, (rope, (weights, shape)) in enumerate(self._layers):
-            cos, sin = (no_rope, no_rope) if rope is None else tables[rope]
-            op(state, *weights, cos, sin, kv.keys[i], kv.values[i], page_table, positions, *shape)
+        cos = [c.reshape(rows, -1).contiguous() for c, _ in ropes]
+        sin = [s.reshape(rows, -1).contiguous() for _, s in ropes]
+        self._stack.run(state, cos, sin, list(kv.keys), list(kv.values), page_table, positions)
         return state.view(rows, 1, -1)
 
 

@@ -18,7 +18,10 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
+#include <torch/custom_class.h>
 #include <torch/library.h>
+
+#include <omp.h>
 
 #include <immintrin.h>
 
@@ -296,106 +299,45 @@ struct Paged {
   int64_t width;
 };
 
-// Write each row's K/V at its position, then attend over its pages (see the file comment).
-// ``T`` is the cache's element type; scores and outputs are float32.
 template <typename T>
-void attend_paged(const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& table,
-                  const int64_t* pos_p, const at::Tensor& cos, const at::Tensor& sin,
-                  float* qkv_p, float* attn_p, int64_t rows, int64_t num_heads,
-                  int64_t num_kv_heads, int64_t head_dim, int64_t rot, double scale,
-                  int64_t window) {
-  const int64_t q_width = num_heads * head_dim;
-  const int64_t kv_width = num_kv_heads * head_dim;
-  const int64_t qkv_width = q_width + 2 * kv_width;
-  Paged<T> kv{k_cache.mutable_data_ptr<T>(), v_cache.mutable_data_ptr<T>(),
-              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), k_cache.size(2),
-              table.const_data_ptr<int64_t>(), table.size(1)};
-  const int64_t span = kv.width * kv.block_size;
-  const float* cos_p = cos.const_data_ptr<float>();
-  const float* sin_p = sin.const_data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r) {
-    float* row = qkv_p + r * qkv_width;
-    if (rot > 0)
-      for (int64_t hd = 0; hd < num_heads + num_kv_heads; ++hd)
-        rope_head(row + hd * head_dim, cos_p + r * rot, sin_p + r * rot, rot);
-    const int64_t p = pos_p[r];
-    if (p < 0 || p / kv.block_size >= kv.width) continue;
-    const int64_t block = kv.table[r * kv.width + p / kv.block_size];
-    if (block < 0) continue;
-    const int64_t offset = p % kv.block_size;
-    for (int64_t g = 0; g < num_kv_heads; ++g) {
-      const int64_t at = block * kv.s0 + g * kv.s1 + offset * kv.s2;
-      const float* k_new = row + q_width + g * head_dim;
-      const float* v_new = row + q_width + kv_width + g * head_dim;
-      for (int64_t d = 0; d < head_dim; ++d) {
-        kv.k[at + d] = static_cast<T>(k_new[d]);
-        kv.v[at + d] = static_cast<T>(v_new[d]);
-      }
-    }
-  }
-
-  const int64_t group = num_heads / num_kv_heads;
-  const float fscale = static_cast<float>(scale);
-  const bool simd = has_avx512();
-  const int nv = simd && head_dim % 16 == 0 ? static_cast<int>(head_dim / 16) : 0;
-  at::parallel_for(0, rows * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scores;
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t r = task / num_kv_heads;
-      const int64_t g = task % num_kv_heads;
-      const int64_t p = std::max<int64_t>(pos_p[r], 0);
-      const int64_t last = std::min(p, span - 1);
-      const int64_t first = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
-      const int64_t count = last - first + 1;
-      float* out = attn_p + r * q_width + g * group * head_dim;
-      std::fill_n(out, group * head_dim, 0.0f);
-      if (count <= 0) continue;
-      const float* q_row = qkv_p + r * qkv_width + g * group * head_dim;
-      const int64_t* table_row = kv.table + r * kv.width;
-      switch (nv) {
-        case 1: attend_task_avx512<T, 1>(kv, table_row, g, first, count, q_row, group, fscale, out, scores); continue;
-        case 2: attend_task_avx512<T, 2>(kv, table_row, g, first, count, q_row, group, fscale, out, scores); continue;
-        case 4: attend_task_avx512<T, 4>(kv, table_row, g, first, count, q_row, group, fscale, out, scores); continue;
-        case 8: attend_task_avx512<T, 8>(kv, table_row, g, first, count, q_row, group, fscale, out, scores); continue;
-        default: break;
-      }
-      scores.assign(static_cast<size_t>(group * count), 0.0f);
-      const float* q = qkv_p + r * qkv_width + g * group * head_dim;
-      const int64_t* row_table = kv.table + r * kv.width;
-      for (int64_t t = 0; t < count; ++t) {
-        const int64_t key = first + t;
-        const int64_t block = std::max<int64_t>(row_table[key / kv.block_size], 0);
-        const T* k = kv.k + block * kv.s0 + g * kv.s1 + (key % kv.block_size) * kv.s2;
-        for (int64_t j = 0; j < group; ++j)
-          scores[j * count + t] = dot(q + j * head_dim, k, head_dim) * fscale;
-      }
-      for (int64_t j = 0; j < group; ++j) {
-        float* s = scores.data() + j * count;
-        const float top = *std::max_element(s, s + count);
-        float total = 0.0f;
-        if (simd) {
-          total = exp_shift_sum_avx512(s, count, top);
-        } else {
-          for (int64_t t = 0; t < count; ++t) {
-            s[t] = std::exp(s[t] - top);
-            total += s[t];
-          }
-        }
-        const float inv = 1.0f / total;
-        for (int64_t t = 0; t < count; ++t) s[t] *= inv;
-      }
-      for (int64_t t = 0; t < count; ++t) {
-        const int64_t key = first + t;
-        const int64_t block = std::max<int64_t>(row_table[key / kv.block_size], 0);
-        const T* v = kv.v + block * kv.s0 + g * kv.s1 + (key % kv.block_size) * kv.s2;
-        for (int64_t j = 0; j < group; ++j) {
-          axpy(scores[j * count + t], v, out + j * head_dim, head_dim);
-        }
-      }
-    }
-  });
-
+Paged<T> paged(const at::Tensor& k_cache, const at::Tensor& v_cache, const int64_t* table,
+               int64_t width) {
+  return {k_cache.mutable_data_ptr<T>(), v_cache.mutable_data_ptr<T>(), k_cache.stride(0),
+          k_cache.stride(1), k_cache.stride(2), k_cache.size(2), table, width};
 }
+
+// ---- one step over a stack of layers, run by a team of threads -----------------------------
+//
+// A step runs every layer inside one OpenMP parallel region: each phase (norm, a linear's
+// output columns, RoPE and the K/V write per row, attention per (row, KV head), the MLP
+// activation) is split across the team, with a barrier between phases. Why: a region per
+// kernel call costs a fork/join each (5 per layer, ~3-4 us apiece at 2 threads), and a torch
+// op per layer ~15 us of dispatch, against ~0.1 ms of weight streaming per SmolLM2 layer.
+
+struct Team {
+  int tid;
+  int nt;
+  // [a, b): this thread's share of n items.
+  void split(int64_t n, int64_t& a, int64_t& b) const {
+    a = n * tid / nt;
+    b = n * (tid + 1) / nt;
+  }
+};
+
+inline void team_barrier() {
+#pragma omp barrier
+}
+
+// A layer's weights (borrowed) and shape, checked once.
+struct LayerSpec {
+  at::Tensor attn_norm, mlp_norm, qkv, o, up, down;
+  int64_t qkv_kind, o_kind, up_kind, down_kind;
+  std::optional<at::Tensor> qkv_bias, o_bias, up_bias, down_bias;
+  int64_t num_heads, num_kv_heads, head_dim, window, activation, rope;
+  bool gated;
+  double eps, scale, mult;
+  int64_t q_width, kv_width, qkv_width, up_rows, inter;
+};
 
 void check_float(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat,
@@ -409,6 +351,381 @@ void check_vector(const std::optional<at::Tensor>& t, int64_t n, const char* nam
               " must hold ", n, " contiguous values");
 }
 
+// Checks ``s`` against a hidden width and fills its derived sizes.
+void check_spec(LayerSpec& s, int64_t width) {
+  TORCH_CHECK(s.num_kv_heads > 0 && s.num_heads % s.num_kv_heads == 0,
+              "llmrt_kernels.decode_layer: num_heads must be a multiple of num_kv_heads");
+  s.q_width = s.num_heads * s.head_dim;
+  s.kv_width = s.num_kv_heads * s.head_dim;
+  s.qkv_width = s.q_width + 2 * s.kv_width;
+  for (const auto* t : {&s.attn_norm, &s.mlp_norm}) {
+    check_float(*t, "a norm weight");
+    TORCH_CHECK(t->is_contiguous() && t->numel() == width,
+                "llmrt_kernels.decode_layer: norm weights must hold ", width, " values");
+  }
+  llmrt_kernels::check_weight(s.qkv, s.qkv_kind, width);
+  llmrt_kernels::check_weight(s.o, s.o_kind, s.q_width);
+  llmrt_kernels::check_weight(s.up, s.up_kind, width);
+  TORCH_CHECK(s.qkv.size(0) == s.qkv_width, "llmrt_kernels.decode_layer: qkv has ",
+              s.qkv.size(0), " rows, the heads need ", s.qkv_width);
+  TORCH_CHECK(s.o.size(0) == width, "llmrt_kernels.decode_layer: o must have ", width, " rows");
+  s.up_rows = s.up.size(0);
+  s.inter = s.gated ? s.up_rows / 2 : s.up_rows;
+  TORCH_CHECK(!s.gated || s.up_rows % 2 == 0,
+              "llmrt_kernels.decode_layer: gated up has odd rows");
+  llmrt_kernels::check_weight(s.down, s.down_kind, s.inter);
+  TORCH_CHECK(s.down.size(0) == width, "llmrt_kernels.decode_layer: down must have ", width,
+              " rows");
+  check_vector(s.qkv_bias, s.qkv_width, "qkv_bias");
+  check_vector(s.o_bias, width, "o_bias");
+  check_vector(s.up_bias, s.up_rows, "up_bias");
+  check_vector(s.down_bias, width, "down_bias");
+}
+
+void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, const LayerSpec& s) {
+  for (const auto* t : {&k_cache, &v_cache}) {
+    TORCH_CHECK(t->device().is_cpu() && (t->scalar_type() == at::kFloat ||
+                                         t->scalar_type() == at::kHalf ||
+                                         t->scalar_type() == at::kBFloat16),
+                "llmrt_kernels.decode_layer: the KV cache must be float32, float16 or bfloat16 "
+                "on the CPU");
+    TORCH_CHECK(t->dim() == 4 && t->size(1) == s.num_kv_heads && t->size(3) == s.head_dim &&
+                    t->stride(3) == 1,
+                "llmrt_kernels.decode_layer: KV caches must be [blocks, kv_heads, block_size, "
+                "head_dim] with a contiguous last dim");
+  }
+  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides() &&
+                  k_cache.scalar_type() == v_cache.scalar_type(),
+              "llmrt_kernels.decode_layer: K and V caches must share a layout");
+}
+
+// Per-step buffers, sized for the largest layer, allocated before the team starts.
+struct Scratch {
+  float* normed;
+  float* qkv;
+  float* attn;
+  float* proj;
+  float* up;
+  float* act;
+  uint8_t* prep;
+  std::vector<std::vector<float>>* scores;  // one per thread
+};
+
+// One linear by the whole team; the caller puts a barrier after it.
+void team_linear(const Team& team, const float* x, int64_t rows, const at::Tensor& w,
+                 int64_t kind, int64_t k, uint8_t* prep, float* y) {
+  if (llmrt_kernels::linear_prep_bytes(kind, k) > 0) {
+    int64_t a, b;
+    team.split(rows, a, b);
+    llmrt_kernels::linear_prepare(x, a, b, kind, k, prep);
+    team_barrier();
+  }
+  int64_t n0, n1;
+  team.split(w.size(0), n0, n1);
+  llmrt_kernels::linear_range(x, rows, w, kind, k, prep, y, n0, n1);
+}
+
+// Rows [r0, r1): bias, RoPE, then the K/V write at each row's position.
+template <typename T>
+void rope_and_write(const Paged<T>& kv, const LayerSpec& s, const int64_t* pos_p,
+                    const float* cos_p, const float* sin_p, int64_t rot, float* qkv_p,
+                    int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r) {
+    float* row = qkv_p + r * s.qkv_width;
+    if (s.qkv_bias.has_value()) {
+      const float* b = s.qkv_bias->const_data_ptr<float>();
+      for (int64_t j = 0; j < s.qkv_width; ++j) row[j] += b[j];
+    }
+    if (rot > 0)
+      for (int64_t hd = 0; hd < s.num_heads + s.num_kv_heads; ++hd)
+        rope_head(row + hd * s.head_dim, cos_p + r * rot, sin_p + r * rot, rot);
+    const int64_t p = pos_p[r];
+    if (p < 0 || p / kv.block_size >= kv.width) continue;
+    const int64_t block = kv.table[r * kv.width + p / kv.block_size];
+    if (block < 0) continue;
+    const int64_t offset = p % kv.block_size;
+    for (int64_t g = 0; g < s.num_kv_heads; ++g) {
+      const int64_t at = block * kv.s0 + g * kv.s1 + offset * kv.s2;
+      const float* k_new = row + s.q_width + g * s.head_dim;
+      const float* v_new = row + s.q_width + s.kv_width + g * s.head_dim;
+      for (int64_t d = 0; d < s.head_dim; ++d) {
+        kv.k[at + d] = static_cast<T>(k_new[d]);
+        kv.v[at + d] = static_cast<T>(v_new[d]);
+      }
+    }
+  }
+}
+
+// Attention tasks [t0, t1) of rows * num_kv_heads (see the file comment for which keys).
+template <typename T>
+void attend_range(const Paged<T>& kv, const LayerSpec& s, const int64_t* pos_p,
+                  const float* qkv_p, float* attn_p, int64_t t0, int64_t t1,
+                  std::vector<float>& scores) {
+  const int64_t head_dim = s.head_dim;
+  const int64_t group = s.num_heads / s.num_kv_heads;
+  const float fscale = static_cast<float>(s.scale);
+  const int64_t span = kv.width * kv.block_size;
+  const bool simd = has_avx512();
+  const int nv = simd && head_dim % 16 == 0 ? static_cast<int>(head_dim / 16) : 0;
+  for (int64_t task = t0; task < t1; ++task) {
+    const int64_t r = task / s.num_kv_heads;
+    const int64_t g = task % s.num_kv_heads;
+    const int64_t p = std::max<int64_t>(pos_p[r], 0);
+    const int64_t last = std::min(p, span - 1);
+    const int64_t first = s.window > 0 ? std::max<int64_t>(0, p - s.window + 1) : 0;
+    const int64_t count = last - first + 1;
+    float* out = attn_p + r * s.q_width + g * group * head_dim;
+    std::fill_n(out, group * head_dim, 0.0f);
+    if (count <= 0) continue;
+    const float* q = qkv_p + r * s.qkv_width + g * group * head_dim;
+    const int64_t* row_table = kv.table + r * kv.width;
+    switch (nv) {
+      case 1: attend_task_avx512<T, 1>(kv, row_table, g, first, count, q, group, fscale, out, scores); continue;
+      case 2: attend_task_avx512<T, 2>(kv, row_table, g, first, count, q, group, fscale, out, scores); continue;
+      case 4: attend_task_avx512<T, 4>(kv, row_table, g, first, count, q, group, fscale, out, scores); continue;
+      case 8: attend_task_avx512<T, 8>(kv, row_table, g, first, count, q, group, fscale, out, scores); continue;
+      default: break;
+    }
+    scores.assign(static_cast<size_t>(group * count), 0.0f);
+    for (int64_t t = 0; t < count; ++t) {
+      const int64_t key = first + t;
+      const int64_t block = std::max<int64_t>(row_table[key / kv.block_size], 0);
+      const T* k = kv.k + block * kv.s0 + g * kv.s1 + (key % kv.block_size) * kv.s2;
+      for (int64_t j = 0; j < group; ++j)
+        scores[j * count + t] = dot(q + j * head_dim, k, head_dim) * fscale;
+    }
+    for (int64_t j = 0; j < group; ++j) {
+      float* sc = scores.data() + j * count;
+      const float top = *std::max_element(sc, sc + count);
+      float total = 0.0f;
+      if (simd) {
+        total = exp_shift_sum_avx512(sc, count, top);
+      } else {
+        for (int64_t t = 0; t < count; ++t) {
+          sc[t] = std::exp(sc[t] - top);
+          total += sc[t];
+        }
+      }
+      const float inv = 1.0f / total;
+      for (int64_t t = 0; t < count; ++t) sc[t] *= inv;
+    }
+    for (int64_t t = 0; t < count; ++t) {
+      const int64_t key = first + t;
+      const int64_t block = std::max<int64_t>(row_table[key / kv.block_size], 0);
+      const T* v = kv.v + block * kv.s0 + g * kv.s1 + (key % kv.block_size) * kv.s2;
+      for (int64_t j = 0; j < group; ++j) axpy(scores[j * count + t], v, out + j * head_dim, head_dim);
+    }
+  }
+}
+
+// Rows [r0, r1): h += mult * (proj + bias), then (when ``norm``) normed = RMSNorm(h).
+void residual_rows(float* h, const float* proj, const std::optional<at::Tensor>& bias,
+                   double mult, int64_t width, const at::Tensor* norm, double eps, float* normed,
+                   int64_t r0, int64_t r1) {
+  const float m = static_cast<float>(mult);
+  const float* b = bias.has_value() ? bias->const_data_ptr<float>() : nullptr;
+  for (int64_t r = r0; r < r1; ++r) {
+    float* hr = h + r * width;
+    const float* pr = proj + r * width;
+    for (int64_t j = 0; j < width; ++j) hr[j] += m * (b != nullptr ? pr[j] + b[j] : pr[j]);
+    if (norm != nullptr)
+      rms_norm_rows(hr, 1, width, norm->const_data_ptr<float>(), eps, normed + r * width);
+  }
+}
+
+// Columns [c0, c1) of every row: up bias, then the (gated) activation.
+void activate_cols(const LayerSpec& s, float* up_p, float* act_p, int64_t rows, int64_t c0,
+                   int64_t c1) {
+  const float* b = s.up_bias.has_value() ? s.up_bias->const_data_ptr<float>() : nullptr;
+  for (int64_t r = 0; r < rows; ++r) {
+    float* gate_row = up_p + r * s.up_rows;
+    float* up_row = s.gated ? gate_row + s.inter : nullptr;
+    if (b != nullptr) {
+      for (int64_t j = c0; j < c1; ++j) gate_row[j] += b[j];
+      if (up_row != nullptr)
+        for (int64_t j = c0; j < c1; ++j) up_row[j] += b[s.inter + j];
+    }
+    float* a = act_p + r * s.inter;
+    if (s.activation == kSilu && has_avx512()) {
+      silu_avx512(gate_row + c0, up_row == nullptr ? nullptr : up_row + c0, a + c0, c1 - c0);
+    } else if (up_row != nullptr) {
+      for (int64_t j = c0; j < c1; ++j) a[j] = activate(gate_row[j], s.activation) * up_row[j];
+    } else {
+      for (int64_t j = c0; j < c1; ++j) a[j] = activate(gate_row[j], s.activation);
+    }
+  }
+}
+
+// Inputs of one step besides the layers: checked, converted once.
+struct StepInputs {
+  float* h;
+  int64_t rows, width;
+  const int64_t* pos;
+  const int64_t* table;
+  int64_t table_width;
+  std::vector<at::Tensor> cos, sin;
+  std::vector<at::Tensor> k, v;
+};
+
+template <typename T>
+void layer_by_team(const Team& team, const LayerSpec& s, const LayerSpec* next,
+                   const StepInputs& in, size_t li, Scratch& sc) {
+  const int64_t rows = in.rows, width = in.width;
+  const Paged<T> kv = paged<T>(in.k[li], in.v[li], in.table, in.table_width);
+  int64_t a, b;
+  // q/k/v (the pre-norm was written by the previous phase), RoPE and the K/V write.
+  team_linear(team, sc.normed, rows, s.qkv, s.qkv_kind, width, sc.prep, sc.qkv);
+  team_barrier();
+  const bool has_rope = s.rope >= 0;
+  const int64_t rot = has_rope ? in.cos[s.rope].size(1) : 0;
+  const float* cos_p = has_rope ? in.cos[s.rope].const_data_ptr<float>() : nullptr;
+  const float* sin_p = has_rope ? in.sin[s.rope].const_data_ptr<float>() : nullptr;
+  team.split(rows, a, b);
+  rope_and_write<T>(kv, s, in.pos, cos_p, sin_p, rot, sc.qkv, a, b);
+  team_barrier();
+  team.split(rows * s.num_kv_heads, a, b);
+  attend_range<T>(kv, s, in.pos, sc.qkv, sc.attn, a, b, (*sc.scores)[team.tid]);
+  team_barrier();
+  // Output projection, residual, MLP pre-norm.
+  team_linear(team, sc.attn, rows, s.o, s.o_kind, s.q_width, sc.prep, sc.proj);
+  team_barrier();
+  team.split(rows, a, b);
+  residual_rows(in.h, sc.proj, s.o_bias, s.mult, width, &s.mlp_norm, s.eps, sc.normed, a, b);
+  team_barrier();
+  // MLP, residual, and the next layer's pre-norm.
+  team_linear(team, sc.normed, rows, s.up, s.up_kind, width, sc.prep, sc.up);
+  team_barrier();
+  team.split(s.inter, a, b);
+  activate_cols(s, sc.up, sc.act, rows, a, b);
+  team_barrier();
+  team_linear(team, sc.act, rows, s.down, s.down_kind, s.inter, sc.prep, sc.proj);
+  team_barrier();
+  team.split(rows, a, b);
+  residual_rows(in.h, sc.proj, s.down_bias, s.mult, width,
+                next == nullptr ? nullptr : &next->attn_norm, next == nullptr ? 0.0 : next->eps,
+                sc.normed, a, b);
+  team_barrier();
+}
+
+void run_stack(const std::vector<LayerSpec>& layers, StepInputs& in) {
+  const int64_t rows = in.rows, width = in.width;
+  if (rows == 0 || layers.empty()) return;
+  int64_t max_qkv = 0, max_q = 0, max_up = 0, max_inter = 0, max_prep = 0;
+  for (const auto& s : layers) {
+    max_qkv = std::max(max_qkv, s.qkv_width);
+    max_q = std::max(max_q, s.q_width);
+    max_up = std::max(max_up, s.up_rows);
+    max_inter = std::max(max_inter, s.inter);
+    max_prep = std::max({max_prep, llmrt_kernels::linear_prep_bytes(s.qkv_kind, width),
+                         llmrt_kernels::linear_prep_bytes(s.o_kind, s.q_width),
+                         llmrt_kernels::linear_prep_bytes(s.up_kind, width),
+                         llmrt_kernels::linear_prep_bytes(s.down_kind, s.inter)});
+  }
+  const int64_t floats = rows * (2 * width + max_qkv + max_q + max_up + max_inter);
+  at::Tensor buffer = at::empty({floats * 4 + rows * max_prep + 64},
+                                at::TensorOptions().dtype(at::kByte));
+  float* base = reinterpret_cast<float*>(buffer.mutable_data_ptr<uint8_t>());
+  Scratch sc{};
+  sc.normed = base;
+  sc.proj = sc.normed + rows * width;
+  sc.qkv = sc.proj + rows * width;
+  sc.attn = sc.qkv + rows * max_qkv;
+  sc.up = sc.attn + rows * max_q;
+  sc.act = sc.up + rows * max_up;
+  sc.prep = reinterpret_cast<uint8_t*>(sc.act + rows * max_inter);
+  const int nt = std::max(1, at::get_num_threads());
+  std::vector<std::vector<float>> scores(static_cast<size_t>(nt));
+  sc.scores = &scores;
+  rms_norm_rows(in.h, rows, width, layers[0].attn_norm.const_data_ptr<float>(), layers[0].eps,
+                sc.normed);
+  const auto body = [&](const Team& team) {
+    for (size_t i = 0; i < layers.size(); ++i) {
+      const LayerSpec* next = i + 1 < layers.size() ? &layers[i + 1] : nullptr;
+      switch (in.k[i].scalar_type()) {
+        case at::kHalf: layer_by_team<c10::Half>(team, layers[i], next, in, i, sc); break;
+        case at::kBFloat16: layer_by_team<c10::BFloat16>(team, layers[i], next, in, i, sc); break;
+        default: layer_by_team<float>(team, layers[i], next, in, i, sc); break;
+      }
+    }
+  };
+  if (nt == 1 || at::in_parallel_region()) {
+    body(Team{0, 1});
+    return;
+  }
+#pragma omp parallel num_threads(nt)
+  {
+    body(Team{omp_get_thread_num(), omp_get_num_threads()});
+  }
+}
+
+// Checks the per-step tensors against the layers and fills ``in`` (page table and positions
+// converted to int64 into ``table`` / ``pos``, which must outlive the step).
+void prepare_step(const std::vector<LayerSpec>& layers, const at::Tensor& hidden,
+                  const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,
+                  const std::vector<at::Tensor>& k, const std::vector<at::Tensor>& v,
+                  const at::Tensor& page_table, const at::Tensor& positions, at::Tensor& table,
+                  at::Tensor& pos, StepInputs& in) {
+  check_float(hidden, "hidden");
+  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(),
+              "llmrt_kernels.decode_layer: hidden must be a contiguous [rows, hidden] tensor");
+  const int64_t rows = hidden.size(0);
+  TORCH_CHECK(k.size() == layers.size() && v.size() == layers.size(),
+              "llmrt_kernels.decode_layer: one K and one V cache per layer (", layers.size(),
+              "), got ", k.size(), " and ", v.size());
+  TORCH_CHECK(cos.size() == sin.size(), "llmrt_kernels.decode_layer: cos and sin lists differ");
+  for (size_t i = 0; i < cos.size(); ++i) {
+    check_float(cos[i], "cos");
+    check_float(sin[i], "sin");
+    TORCH_CHECK(cos[i].dim() == 2 && cos[i].size(0) == rows && cos[i].is_contiguous() &&
+                    sin[i].sizes() == cos[i].sizes() && sin[i].is_contiguous() &&
+                    cos[i].size(1) % 2 == 0,
+                "llmrt_kernels.decode_layer: cos/sin must be contiguous [rows, rotary_dim]");
+  }
+  for (size_t i = 0; i < layers.size(); ++i) {
+    const LayerSpec& s = layers[i];
+    TORCH_CHECK(s.attn_norm.numel() == hidden.size(1),
+                "llmrt_kernels.decode_layer: hidden has ", hidden.size(1),
+                " features, the layers ", s.attn_norm.numel());
+    TORCH_CHECK(s.rope < static_cast<int64_t>(cos.size()),
+                "llmrt_kernels.decode_layer: a layer's RoPE table ", s.rope, " is not given");
+    if (s.rope >= 0)
+      TORCH_CHECK(cos[s.rope].size(1) <= s.head_dim,
+                  "llmrt_kernels.decode_layer: cos/sin must be contiguous [rows, rotary_dim]");
+    check_cache(k[i], v[i], s);
+  }
+  TORCH_CHECK(page_table.dim() == 2 && page_table.size(0) == rows,
+              "llmrt_kernels.decode_layer: page_table must be [rows, width]");
+  TORCH_CHECK(positions.numel() == rows, "llmrt_kernels.decode_layer: one position per row");
+  table = page_table.to(at::kLong).contiguous();
+  pos = positions.to(at::kLong).contiguous();
+  in.h = hidden.mutable_data_ptr<float>();
+  in.rows = rows;
+  in.width = hidden.size(1);
+  in.pos = pos.const_data_ptr<int64_t>();
+  in.table = table.const_data_ptr<int64_t>();
+  in.table_width = table.size(1);
+  in.cos = cos;
+  in.sin = sin;
+  in.k = k;
+  in.v = v;
+}
+
+LayerSpec spec_of(const at::Tensor& attn_norm, const at::Tensor& mlp_norm, const at::Tensor& qkv,
+                  int64_t qkv_kind, const std::optional<at::Tensor>& qkv_bias,
+                  const at::Tensor& o, int64_t o_kind, const std::optional<at::Tensor>& o_bias,
+                  const at::Tensor& up, int64_t up_kind, const std::optional<at::Tensor>& up_bias,
+                  const at::Tensor& down, int64_t down_kind,
+                  const std::optional<at::Tensor>& down_bias, int64_t num_heads,
+                  int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
+                  int64_t window, int64_t activation, bool gated, double mult, int64_t rope) {
+  LayerSpec s{attn_norm, mlp_norm, qkv, o, up, down, qkv_kind, o_kind, up_kind, down_kind,
+              qkv_bias, o_bias, up_bias, down_bias, num_heads, num_kv_heads, head_dim, window,
+              activation, rope, gated, eps, scale, mult, 0, 0, 0, 0, 0};
+  check_spec(s, attn_norm.numel());
+  return s;
+}
+
+// The single-layer op (one layer's stack).
 void decode_layer(const at::Tensor& hidden, const at::Tensor& attn_norm,
                   const at::Tensor& mlp_norm, const at::Tensor& qkv, int64_t qkv_kind,
                   const std::optional<at::Tensor>& qkv_bias, const at::Tensor& o, int64_t o_kind,
@@ -421,126 +738,69 @@ void decode_layer(const at::Tensor& hidden, const at::Tensor& attn_norm,
                   int64_t head_dim, double eps, double scale, int64_t window, int64_t activation,
                   bool gated, double residual_multiplier) {
   check_float(hidden, "hidden");
-  TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(),
-              "llmrt_kernels.decode_layer: hidden must be a contiguous [rows, hidden] tensor");
-  const int64_t rows = hidden.size(0);
-  const int64_t width = hidden.size(1);
-  const int64_t q_width = num_heads * head_dim;
-  const int64_t kv_width = num_kv_heads * head_dim;
-  const int64_t qkv_width = q_width + 2 * kv_width;
-  TORCH_CHECK(num_kv_heads > 0 && num_heads % num_kv_heads == 0,
-              "llmrt_kernels.decode_layer: num_heads must be a multiple of num_kv_heads");
-  for (const auto* t : {&attn_norm, &mlp_norm}) {
-    check_float(*t, "a norm weight");
-    TORCH_CHECK(t->is_contiguous() && t->numel() == width,
-                "llmrt_kernels.decode_layer: norm weights must hold ", width, " values");
-  }
-  llmrt_kernels::check_weight(qkv, qkv_kind, width);
-  llmrt_kernels::check_weight(o, o_kind, q_width);
-  llmrt_kernels::check_weight(up, up_kind, width);
-  TORCH_CHECK(qkv.size(0) == qkv_width, "llmrt_kernels.decode_layer: qkv has ", qkv.size(0),
-              " rows, the heads need ", qkv_width);
-  TORCH_CHECK(o.size(0) == width, "llmrt_kernels.decode_layer: o must have ", width, " rows");
-  const int64_t up_rows = up.size(0);
-  const int64_t inter = gated ? up_rows / 2 : up_rows;
-  TORCH_CHECK(!gated || up_rows % 2 == 0, "llmrt_kernels.decode_layer: gated up has odd rows");
-  llmrt_kernels::check_weight(down, down_kind, inter);
-  TORCH_CHECK(down.size(0) == width, "llmrt_kernels.decode_layer: down must have ", width,
-              " rows");
-  check_vector(qkv_bias, qkv_width, "qkv_bias");
-  check_vector(o_bias, width, "o_bias");
-  check_vector(up_bias, up_rows, "up_bias");
-  check_vector(down_bias, width, "down_bias");
+  TORCH_CHECK(hidden.dim() == 2, "llmrt_kernels.decode_layer: hidden must be a contiguous "
+              "[rows, hidden] tensor");
+  const bool rope = cos.dim() == 2 && cos.size(1) > 0;
+  std::vector<LayerSpec> layers{spec_of(attn_norm, mlp_norm, qkv, qkv_kind, qkv_bias, o, o_kind,
+                                        o_bias, up, up_kind, up_bias, down, down_kind, down_bias,
+                                        num_heads, num_kv_heads, head_dim, eps, scale, window,
+                                        activation, gated, residual_multiplier, rope ? 0 : -1)};
+  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == hidden.size(0) && cos.is_contiguous() &&
+                  sin.sizes() == cos.sizes() && sin.is_contiguous() && cos.size(1) <= head_dim &&
+                  cos.size(1) % 2 == 0,
+              "llmrt_kernels.decode_layer: cos/sin must be contiguous [rows, rotary_dim]");
+  at::Tensor table, pos;
+  StepInputs in{};
+  std::vector<at::Tensor> tables = rope ? std::vector<at::Tensor>{cos} : std::vector<at::Tensor>{};
+  std::vector<at::Tensor> sines = rope ? std::vector<at::Tensor>{sin} : std::vector<at::Tensor>{};
   check_float(cos, "cos");
   check_float(sin, "sin");
-  const int64_t rot = cos.dim() == 2 ? cos.size(1) : 0;
-  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == rows && cos.is_contiguous() &&
-                  sin.sizes() == cos.sizes() && sin.is_contiguous() && rot <= head_dim &&
-                  rot % 2 == 0,
-              "llmrt_kernels.decode_layer: cos/sin must be contiguous [rows, rotary_dim]");
-  for (const auto* t : {&k_cache, &v_cache}) {
-    TORCH_CHECK(t->device().is_cpu() && (t->scalar_type() == at::kFloat ||
-                                         t->scalar_type() == at::kHalf ||
-                                         t->scalar_type() == at::kBFloat16),
-                "llmrt_kernels.decode_layer: the KV cache must be float32, float16 or bfloat16 "
-                "on the CPU");
-    TORCH_CHECK(t->dim() == 4 && t->size(1) == num_kv_heads && t->size(3) == head_dim &&
-                    t->stride(3) == 1,
-                "llmrt_kernels.decode_layer: KV caches must be [blocks, kv_heads, block_size, "
-                "head_dim] with a contiguous last dim");
-  }
-  TORCH_CHECK(k_cache.sizes() == v_cache.sizes() && k_cache.strides() == v_cache.strides() &&
-                  k_cache.scalar_type() == v_cache.scalar_type(),
-              "llmrt_kernels.decode_layer: K and V caches must share a layout");
-  TORCH_CHECK(page_table.dim() == 2 && page_table.size(0) == rows,
-              "llmrt_kernels.decode_layer: page_table must be [rows, width]");
-  TORCH_CHECK(positions.numel() == rows, "llmrt_kernels.decode_layer: one position per row");
-  if (rows == 0) return;
-
-  const at::Tensor table = page_table.to(at::kLong).contiguous();
-  const at::Tensor pos = positions.to(at::kLong).contiguous();
-  const int64_t* pos_p = pos.const_data_ptr<int64_t>();
-  const auto f32 = hidden.options();
-  at::Tensor normed = at::empty({rows, width}, f32);
-  at::Tensor qkv_out = at::empty({rows, qkv_width}, f32);
-  at::Tensor attn = at::empty({rows, q_width}, f32);
-  at::Tensor proj = at::empty({rows, width}, f32);
-  at::Tensor up_out = at::empty({rows, up_rows}, f32);
-  at::Tensor act = at::empty({rows, inter}, f32);
-  float* h = hidden.mutable_data_ptr<float>();
-  float* n_p = normed.mutable_data_ptr<float>();
-  float* qkv_p = qkv_out.mutable_data_ptr<float>();
-  float* attn_p = attn.mutable_data_ptr<float>();
-  float* proj_p = proj.mutable_data_ptr<float>();
-  float* up_p = up_out.mutable_data_ptr<float>();
-  float* act_p = act.mutable_data_ptr<float>();
-  const float mult = static_cast<float>(residual_multiplier);
-
-  // Attention block.
-  rms_norm_rows(h, rows, width, attn_norm.const_data_ptr<float>(), eps, n_p);
-  llmrt_kernels::linear_into(n_p, rows, qkv, qkv_kind, width, qkv_p);
-  add_bias(qkv_p, rows, qkv_width, qkv_bias);
-
-  switch (k_cache.scalar_type()) {
-    case at::kHalf:
-      attend_paged<c10::Half>(k_cache, v_cache, table, pos_p, cos, sin, qkv_p, attn_p, rows,
-                              num_heads, num_kv_heads, head_dim, rot, scale, window);
-      break;
-    case at::kBFloat16:
-      attend_paged<c10::BFloat16>(k_cache, v_cache, table, pos_p, cos, sin, qkv_p, attn_p, rows,
-                                  num_heads, num_kv_heads, head_dim, rot, scale, window);
-      break;
-    default:
-      attend_paged<float>(k_cache, v_cache, table, pos_p, cos, sin, qkv_p, attn_p, rows,
-                          num_heads, num_kv_heads, head_dim, rot, scale, window);
-  }
-
-  llmrt_kernels::linear_into(attn_p, rows, o, o_kind, q_width, proj_p);
-  add_bias(proj_p, rows, width, o_bias);
-  for (int64_t i = 0; i < rows * width; ++i) h[i] += mult * proj_p[i];
-
-  // MLP block.
-  rms_norm_rows(h, rows, width, mlp_norm.const_data_ptr<float>(), eps, n_p);
-  llmrt_kernels::linear_into(n_p, rows, up, up_kind, width, up_p);
-  add_bias(up_p, rows, up_rows, up_bias);
-  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
-    for (int64_t r = r0; r < r1; ++r) {
-      const float* gate_row = up_p + r * up_rows;
-      const float* up_row = gated ? gate_row + inter : nullptr;
-      float* a = act_p + r * inter;
-      if (activation == kSilu && has_avx512()) {
-        silu_avx512(gate_row, up_row, a, inter);
-      } else if (gated) {
-        for (int64_t j = 0; j < inter; ++j) a[j] = activate(gate_row[j], activation) * up_row[j];
-      } else {
-        for (int64_t j = 0; j < inter; ++j) a[j] = activate(gate_row[j], activation);
-      }
-    }
-  });
-  llmrt_kernels::linear_into(act_p, rows, down, down_kind, inter, proj_p);
-  add_bias(proj_p, rows, width, down_bias);
-  for (int64_t i = 0; i < rows * width; ++i) h[i] += mult * proj_p[i];
+  prepare_step(layers, hidden, tables, sines, {k_cache}, {v_cache}, page_table, positions, table,
+               pos, in);
+  run_stack(layers, in);
 }
+
+// Every decoder layer of a model's decode step, built once from the layers' weights
+// (borrowed: the modules own them) and run per step with one call.
+struct DecodeStack : torch::CustomClassHolder {
+  std::vector<LayerSpec> layers;
+
+  // Per layer: tensors (attn_norm, mlp_norm, qkv, o, up, down), biases (qkv, o, up, down),
+  // ints (qkv_kind, o_kind, up_kind, down_kind, num_heads, num_kv_heads, head_dim, window,
+  // activation, gated, rope table index or -1), floats (eps, scale, residual_multiplier).
+  DecodeStack(std::vector<at::Tensor> tensors, c10::List<std::optional<at::Tensor>> biases,
+              std::vector<int64_t> ints, std::vector<double> floats) {
+    const size_t n = tensors.size() / 6;
+    TORCH_CHECK(tensors.size() == 6 * n && biases.size() == 4 * n && ints.size() == 11 * n &&
+                    floats.size() == 3 * n && n > 0,
+                "llmrt_kernels.DecodeStack: per layer 6 tensors, 4 biases, 11 ints and 3 "
+                "floats, got ", tensors.size(), ", ", biases.size(), ", ", ints.size(), ", ",
+                floats.size());
+    for (size_t i = 0; i < n; ++i) {
+      const at::Tensor* t = tensors.data() + 6 * i;
+      const int64_t* q = ints.data() + 11 * i;
+      const double* f = floats.data() + 3 * i;
+      layers.push_back(spec_of(t[0], t[1], t[2], q[0], biases.get(4 * i), t[3], q[1],
+                               biases.get(4 * i + 1), t[4], q[2], biases.get(4 * i + 2), t[5],
+                               q[3], biases.get(4 * i + 3), q[4], q[5], q[6], f[0], f[1], q[7],
+                               q[8], q[9] != 0, f[2], q[10]));
+      TORCH_CHECK(layers.back().attn_norm.numel() == layers[0].attn_norm.numel(),
+                  "llmrt_kernels.DecodeStack: layers of different widths");
+    }
+  }
+
+  int64_t num_layers() const { return static_cast<int64_t>(layers.size()); }
+
+  void run(at::Tensor hidden, std::vector<at::Tensor> cos, std::vector<at::Tensor> sin,
+           std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
+           at::Tensor page_table, at::Tensor positions) {
+    at::Tensor table, pos;
+    StepInputs in{};
+    prepare_step(layers, hidden, cos, sin, k_caches, v_caches, page_table, positions, table, pos,
+                 in);
+    run_stack(layers, in);
+  }
+};
 
 }  // namespace
 
@@ -552,6 +812,11 @@ TORCH_LIBRARY_FRAGMENT(llmrt_kernels, m) {
       "Tensor sin, Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor page_table, Tensor positions, "
       "int num_heads, int num_kv_heads, int head_dim, float eps, float scale, int window, "
       "int activation, bool gated, float residual_multiplier) -> ()");
+  m.class_<DecodeStack>("DecodeStack")
+      .def(torch::init<std::vector<at::Tensor>, c10::List<std::optional<at::Tensor>>,
+                       std::vector<int64_t>, std::vector<double>>())
+      .def("num_layers", &DecodeStack::num_layers)
+      .def("run", &DecodeStack::run);
 }
 
 TORCH_LIBRARY_IMPL(llmrt_kernels, CPU, m) { m.impl("decode_layer", &decode_layer); }

@@ -376,6 +376,50 @@ void linear_into(const float* x, int64_t rows_m, const at::Tensor& w, int64_t ki
   }
 }
 
+int64_t linear_prep_bytes(int64_t kind, int64_t k) {
+  return (kind & kInterleaved) ? interleaved_prep_bytes(kind & ~kInterleaved, k) : 0;
+}
+
+void linear_prepare(const float* x, int64_t r0, int64_t r1, int64_t kind, int64_t k,
+                    uint8_t* prep) {
+  if (kind & kInterleaved) interleaved_prepare(x, r0, r1, kind & ~kInterleaved, k, prep);
+}
+
+void linear_range(const float* x, int64_t rows_m, const at::Tensor& w, int64_t kind, int64_t k,
+                  const uint8_t* prep, float* y, int64_t n0, int64_t n1) {
+  const int64_t n = w.size(0);
+  if (rows_m <= 0 || n0 >= n1) return;
+  const bool simd = has_avx512();
+  if (kind == kDenseF32) {
+    const float* wp = w.const_data_ptr<float>();
+    if (simd)
+      dense_rows_avx512(x, k, rows_m, wp, k, y, n, n0, n1);
+    else
+      dense_rows_scalar(x, k, rows_m, wp, k, y, n, n0, n1);
+    return;
+  }
+  const uint8_t* wp = w.const_data_ptr<uint8_t>();
+  const int64_t rb = w.size(1);
+  if (kind & kInterleaved) {
+    interleaved_range(x, rows_m, wp, rb, kind & ~kInterleaved, k, prep, y, n, n0, n1);
+    return;
+  }
+  switch (kind) {
+    case kQ4_0:
+      if (simd) linear_rows_avx512<kQ4_0>(x, k, rows_m, wp, rb, k, y, n, n0, n1);
+      else linear_rows_scalar<kQ4_0>(x, k, rows_m, wp, rb, k, y, n, n0, n1);
+      break;
+    case kQ4_1:
+      if (simd) linear_rows_avx512<kQ4_1>(x, k, rows_m, wp, rb, k, y, n, n0, n1);
+      else linear_rows_scalar<kQ4_1>(x, k, rows_m, wp, rb, k, y, n, n0, n1);
+      break;
+    default:
+      if (simd) linear_rows_avx512<kQ8_0>(x, k, rows_m, wp, rb, k, y, n, n0, n1);
+      else linear_rows_scalar<kQ8_0>(x, k, rows_m, wp, rb, k, y, n, n0, n1);
+      break;
+  }
+}
+
 }  // namespace llmrt_kernels
 
 namespace {

@@ -220,8 +220,9 @@ inline __mmask64 byte_mask(int64_t n) { return n >= 64 ? ~0ULL : ((1ULL << n) - 
 
 // MT activation rows against weight rows [n0, n1) of a 4-bit kind.
 template <int64_t BASE, int MT>
-LLMRT_VNNI void q4_tile(const uint8_t* const* prep, const uint8_t* w, int64_t row_bytes,
-                        int64_t nb, float* const* y, int64_t n0, int64_t n1) {
+LLMRT_VNNI void q4_tile(const uint8_t* prep, int64_t prep_stride, const uint8_t* w,
+                        int64_t row_bytes, int64_t nb, float* y, int64_t ldy, int64_t n0,
+                        int64_t n1) {
   const __m512i low = _mm512_set1_epi8(15);
   const __m512i lane_block = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
   const int64_t ng = (nb + 3) / 4;
@@ -248,7 +249,7 @@ LLMRT_VNNI void q4_tile(const uint8_t* const* prep, const uint8_t* w, int64_t ro
       const __m512i wh = _mm512_and_si512(_mm512_srli_epi16(z, 4), low);
       const __m512 dl = _mm512_permutexvar_ps(lane_block, _mm512_castps128_ps512(d4));
       for (int r = 0; r < MT; ++r) {
-        const uint8_t* p = prep[r] + gi * kGroupPrep;
+        const uint8_t* p = prep + r * prep_stride + gi * kGroupPrep;
         __m512i ih = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wl, _mm512_loadu_si512(p));
         ih = _mm512_dpbusd_epi32(ih, wh, _mm512_loadu_si512(p + 64));
         __m512i il = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wl, _mm512_loadu_si512(p + 128));
@@ -263,14 +264,15 @@ LLMRT_VNNI void q4_tile(const uint8_t* const* prep, const uint8_t* w, int64_t ro
       __m128 t = macc[r];
       t = _mm_add_ps(t, _mm_movehl_ps(t, t));
       t = _mm_add_ss(t, _mm_shuffle_ps(t, t, 1));
-      y[r][n] = _mm512_reduce_add_ps(acc[r]) + _mm_cvtss_f32(t);
+      y[r * ldy + n] = _mm512_reduce_add_ps(acc[r]) + _mm_cvtss_f32(t);
     }
   }
 }
 
 template <int MT>
-LLMRT_VNNI void q8_tile(const uint8_t* const* prep, const uint8_t* w, int64_t row_bytes,
-                        int64_t nb, float* const* y, int64_t n0, int64_t n1) {
+LLMRT_VNNI void q8_tile(const uint8_t* prep, int64_t prep_stride, const uint8_t* w,
+                        int64_t row_bytes, int64_t nb, float* y, int64_t ldy, int64_t n0,
+                        int64_t n1) {
   const __m512i lane_block = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
   const int64_t ng = (nb + 1) / 2;
   for (int64_t n = n0; n < n1; ++n) {
@@ -284,7 +286,7 @@ LLMRT_VNNI void q8_tile(const uint8_t* const* prep, const uint8_t* w, int64_t ro
       const __m128 d2 = _mm_cvtph_ps(_mm_maskz_loadu_epi16(static_cast<__mmask8>((1u << c) - 1), o + 32 * c));
       const __m512 dl = _mm512_permutexvar_ps(lane_block, _mm512_castps128_ps512(d2));
       for (int r = 0; r < MT; ++r) {
-        const uint8_t* p = prep[r] + gi * kGroupPrep;
+        const uint8_t* p = prep + r * prep_stride + gi * kGroupPrep;
         const __m512i ih = _mm512_dpbusd_epi32(_mm512_setzero_si512(), z, _mm512_loadu_si512(p));
         const __m512i il = _mm512_dpbusd_epi32(_mm512_setzero_si512(), z, _mm512_loadu_si512(p + 128));
         const __m512i iv = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(ih, 8), il),
@@ -293,41 +295,40 @@ LLMRT_VNNI void q8_tile(const uint8_t* const* prep, const uint8_t* w, int64_t ro
         acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iv), s, acc[r]);
       }
     }
-    for (int r = 0; r < MT; ++r) y[r][n] = _mm512_reduce_add_ps(acc[r]);
+    for (int r = 0; r < MT; ++r) y[r * ldy + n] = _mm512_reduce_add_ps(acc[r]);
   }
 }
 
 template <int MT>
-void tile_for(int64_t base, const uint8_t* const* prep, const uint8_t* w, int64_t row_bytes,
-              int64_t nb, float* const* y, int64_t n0, int64_t n1) {
+void tile_for(int64_t base, const uint8_t* prep, int64_t prep_stride, const uint8_t* w,
+              int64_t row_bytes, int64_t nb, float* y, int64_t ldy, int64_t n0, int64_t n1) {
   switch (base) {
-    case kQ4_0: q4_tile<kQ4_0, MT>(prep, w, row_bytes, nb, y, n0, n1); break;
-    case kQ4_1: q4_tile<kQ4_1, MT>(prep, w, row_bytes, nb, y, n0, n1); break;
-    default: q8_tile<MT>(prep, w, row_bytes, nb, y, n0, n1); break;
+    case kQ4_0: q4_tile<kQ4_0, MT>(prep, prep_stride, w, row_bytes, nb, y, ldy, n0, n1); break;
+    case kQ4_1: q4_tile<kQ4_1, MT>(prep, prep_stride, w, row_bytes, nb, y, ldy, n0, n1); break;
+    default: q8_tile<MT>(prep, prep_stride, w, row_bytes, nb, y, ldy, n0, n1); break;
   }
 }
 
-// Rows of x in tiles of up to 8 (one pass over a weight row serves a tile).
-void vnni_rows(int64_t base, const std::vector<const uint8_t*>& prep, const uint8_t* w,
-               int64_t row_bytes, int64_t nb, const std::vector<float*>& y, int64_t n0,
-               int64_t n1) {
-  // Weight rows in chunks that stay in L1 across the activation tiles.
+// Rows of x in tiles of up to 8 (one pass over a weight row serves a tile), against chunks
+// of weight rows that stay in L1 across the tiles.
+void vnni_rows(int64_t base, const uint8_t* prep, int64_t prep_stride, int64_t rows_m,
+               const uint8_t* w, int64_t row_bytes, int64_t nb, float* y, int64_t ldy,
+               int64_t n0, int64_t n1) {
   constexpr int64_t kChunk = 16;
-  const int64_t rows_m = static_cast<int64_t>(prep.size());
   for (int64_t c0 = n0; c0 < n1; c0 += kChunk) {
     const int64_t c1 = std::min(n1, c0 + kChunk);
     for (int64_t r = 0; r < rows_m; r += 8) {
-      const uint8_t* const* p = prep.data() + r;
-      float* const* yy = y.data() + r;
+      const uint8_t* p = prep + r * prep_stride;
+      float* yy = y + r * ldy;
       switch (std::min<int64_t>(8, rows_m - r)) {
-        case 8: tile_for<8>(base, p, w, row_bytes, nb, yy, c0, c1); break;
-        case 7: tile_for<7>(base, p, w, row_bytes, nb, yy, c0, c1); break;
-        case 6: tile_for<6>(base, p, w, row_bytes, nb, yy, c0, c1); break;
-        case 5: tile_for<5>(base, p, w, row_bytes, nb, yy, c0, c1); break;
-        case 4: tile_for<4>(base, p, w, row_bytes, nb, yy, c0, c1); break;
-        case 3: tile_for<3>(base, p, w, row_bytes, nb, yy, c0, c1); break;
-        case 2: tile_for<2>(base, p, w, row_bytes, nb, yy, c0, c1); break;
-        default: tile_for<1>(base, p, w, row_bytes, nb, yy, c0, c1); break;
+        case 8: tile_for<8>(base, p, prep_stride, w, row_bytes, nb, yy, ldy, c0, c1); break;
+        case 7: tile_for<7>(base, p, prep_stride, w, row_bytes, nb, yy, ldy, c0, c1); break;
+        case 6: tile_for<6>(base, p, prep_stride, w, row_bytes, nb, yy, ldy, c0, c1); break;
+        case 5: tile_for<5>(base, p, prep_stride, w, row_bytes, nb, yy, ldy, c0, c1); break;
+        case 4: tile_for<4>(base, p, prep_stride, w, row_bytes, nb, yy, ldy, c0, c1); break;
+        case 3: tile_for<3>(base, p, prep_stride, w, row_bytes, nb, yy, ldy, c0, c1); break;
+        case 2: tile_for<2>(base, p, prep_stride, w, row_bytes, nb, yy, ldy, c0, c1); break;
+        default: tile_for<1>(base, p, prep_stride, w, row_bytes, nb, yy, ldy, c0, c1); break;
       }
     }
   }
@@ -352,32 +353,41 @@ void portable_rows(const float* x, int64_t rows_m, const uint8_t* w, int64_t row
 
 namespace llmrt_kernels {
 
-void interleaved_linear_into(const float* x, int64_t rows_m, const uint8_t* w, int64_t row_bytes,
-                             int64_t base, int64_t k, float* y, int64_t n) {
+int64_t interleaved_prep_bytes(int64_t base, int64_t k) {
+  if (!has_vnni()) return 0;
   const int64_t nb = k / kBlock;
+  return (nb + group_of(base) - 1) / group_of(base) * kGroupPrep;
+}
+
+void interleaved_prepare(const float* x, int64_t r0, int64_t r1, int64_t base, int64_t k,
+                         uint8_t* prep) {
+  const int64_t per_row = interleaved_prep_bytes(base, k);
+  if (per_row == 0) return;
+  for (int64_t r = r0; r < r1; ++r) prepare_row(x + r * k, k, base, prep + r * per_row);
+}
+
+void interleaved_range(const float* x, int64_t rows_m, const uint8_t* w, int64_t row_bytes,
+                       int64_t base, int64_t k, const uint8_t* prep, float* y, int64_t n,
+                       int64_t n0, int64_t n1) {
   if (!has_vnni()) {
-    at::parallel_for(0, n, 16, [&](int64_t n0, int64_t n1) {
-      portable_rows(x, rows_m, w, row_bytes, base, k, y, n, n0, n1);
-    });
+    portable_rows(x, rows_m, w, row_bytes, base, k, y, n, n0, n1);
     return;
   }
-  const int64_t ng = (nb + group_of(base) - 1) / group_of(base);
-  const int64_t per_row = ng * kGroupPrep;
+  vnni_rows(base, prep, interleaved_prep_bytes(base, k), rows_m, w, row_bytes, k / kBlock, y, n,
+            n0, n1);
+}
+
+void interleaved_linear_into(const float* x, int64_t rows_m, const uint8_t* w, int64_t row_bytes,
+                             int64_t base, int64_t k, float* y, int64_t n) {
+  const int64_t per_row = interleaved_prep_bytes(base, k);
   thread_local std::vector<uint8_t> scratch;
-  if (static_cast<int64_t>(scratch.size()) < rows_m * per_row + 64)
-    scratch.resize(static_cast<size_t>(rows_m * per_row + 64));
-  uint8_t* base_ptr = scratch.data();
-  std::vector<const uint8_t*> prep(static_cast<size_t>(rows_m));
-  std::vector<float*> yrows(static_cast<size_t>(rows_m));
-  for (int64_t r = 0; r < rows_m; ++r) {
-    uint8_t* p = base_ptr + r * per_row;
-    prepare_row(x + r * k, k, base, p);
-    prep[r] = p;
-    yrows[r] = y + r * n;
-  }
+  if (static_cast<int64_t>(scratch.size()) < rows_m * per_row)
+    scratch.resize(static_cast<size_t>(rows_m * per_row));
+  interleaved_prepare(x, 0, rows_m, base, k, scratch.data());
+  const uint8_t* prep = scratch.data();
   const int64_t grain = n < 64 ? n : (rows_m <= 4 ? 32 : 16);
   at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
-    vnni_rows(base, prep, w, row_bytes, nb, yrows, n0, n1);
+    interleaved_range(x, rows_m, w, row_bytes, base, k, prep, y, n, n0, n1);
   });
 }
 

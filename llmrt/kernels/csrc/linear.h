@@ -19,7 +19,22 @@ void check_weight(const at::Tensor& w, int64_t kind, int64_t in_features);
 void linear_into(const float* x, int64_t rows_m, const at::Tensor& w, int64_t kind, int64_t k,
                  float* y);
 
+// A linear split across a team of threads: each row of x prepared once (``linear_prepare``
+// over disjoint row ranges into ``prep``, ``linear_prep_bytes`` per row; nothing for kinds
+// that read float32 x directly), then each thread computes its own output columns.
+int64_t linear_prep_bytes(int64_t kind, int64_t k);
+void linear_prepare(const float* x, int64_t r0, int64_t r1, int64_t kind, int64_t k,
+                    uint8_t* prep);
+void linear_range(const float* x, int64_t rows_m, const at::Tensor& w, int64_t kind, int64_t k,
+                  const uint8_t* prep, float* y, int64_t n0, int64_t n1);
+
 // The interleaved layout's kernels (interleaved.cpp); ``base`` is the ggml type id.
+int64_t interleaved_prep_bytes(int64_t base, int64_t k);
+void interleaved_prepare(const float* x, int64_t r0, int64_t r1, int64_t base, int64_t k,
+                         uint8_t* prep);
+void interleaved_range(const float* x, int64_t rows_m, const uint8_t* w, int64_t row_bytes,
+                       int64_t base, int64_t k, const uint8_t* prep, float* y, int64_t n,
+                       int64_t n0, int64_t n1);
 void interleaved_linear_into(const float* x, int64_t rows_m, const uint8_t* w, int64_t row_bytes,
                              int64_t base, int64_t k, float* y, int64_t n);
 void interleaved_dequantize(const uint8_t* w, int64_t row_bytes, int64_t base, int64_t k,
