@@ -243,6 +243,72 @@ def test_the_op_rejects_mismatched_inputs_by_name() -> None:
             op(torch.randn(1, hidden), **{**args, **change})
 
 
+def _stack_layer(hidden: int, heads: int, kv_heads: int, dim: int, seed: int) -> tuple:
+    gen = torch.Generator().manual_seed(seed)
+    w = lambda n, k: torch.randn(n, k, generator=gen) * 0.1  # noqa: E731
+    tensors = [
+        1.0 + 0.1 * torch.randn(hidden, generator=gen),
+        1.0 + 0.1 * torch.randn(hidden, generator=gen),
+        w((heads + 2 * kv_heads) * dim, hidden),
+        w(hidden, heads * dim),
+        w(2 * 24, hidden),
+        w(hidden, 24),
+    ]
+    biases = [0.1 * torch.randn((heads + 2 * kv_heads) * dim, generator=gen), None, None, None]
+    ints = [0, 0, 0, 0, heads, kv_heads, dim, 0, 0, 1, 0]
+    floats = [1e-6, dim**-0.5, 1.0]
+    return tensors, biases, ints, floats
+
+
+def test_the_stack_runs_layers_as_the_single_layer_op_does() -> None:
+    """One ``DecodeStack`` call over two layers equals two ``decode_layer`` calls: the same
+    hidden state and the same bytes written to each layer's cache."""
+    from llmrt.kernels.native import load_kernels
+
+    load_kernels()
+    hidden, heads, kv_heads, dim = 32, 2, 1, 16
+    layers = [_stack_layer(hidden, heads, kv_heads, dim, seed) for seed in (1, 2)]
+    stack = torch.classes.llmrt_kernels.DecodeStack(
+        [t for layer in layers for t in layer[0]],
+        [b for layer in layers for b in layer[1]],
+        [i for layer in layers for i in layer[2]],
+        [f for layer in layers for f in layer[3]],
+    )
+    assert stack.num_layers() == 2
+    x = torch.randn(3, hidden)
+    cos, sin = torch.rand(3, dim), torch.rand(3, dim)
+    caches = [torch.randn(4, kv_heads, 8, dim) for _ in range(4)]
+    table = torch.tensor([[0, 1, -1, -1], [2, -1, -1, -1], [3, -1, -1, -1]], dtype=torch.int32)
+    positions = torch.tensor([9, 3, -1])
+    got, got_caches = x.clone(), [c.clone() for c in caches]
+    stack.run(got, [cos], [sin], got_caches[:2], got_caches[2:], table, positions)
+    want, want_caches = x.clone(), [c.clone() for c in caches]
+    for i, (tensors, biases, _ints, floats) in enumerate(layers):
+        attn_norm, mlp_norm, qkv, o, up, down = tensors
+        torch.ops.llmrt_kernels.decode_layer(
+            want, attn_norm, mlp_norm, qkv, 0, biases[0], o, 0, None, up, 0, None, down, 0,
+            None, cos, sin, want_caches[i], want_caches[2 + i], table, positions,
+            heads, kv_heads, dim, floats[0], floats[1], 0, 0, True, 1.0,
+        )  # fmt: skip
+    assert torch.equal(got, want)
+    for a, b in zip(got_caches, want_caches, strict=True):
+        assert torch.equal(a, b)
+    assert not torch.equal(got, x)
+
+    one = _stack_layer(hidden, heads, kv_heads, dim, 3)
+    with pytest.raises(RuntimeError, match="per layer 6 tensors"):
+        torch.classes.llmrt_kernels.DecodeStack(one[0][:5], one[1], one[2], one[3])
+    wide = _stack_layer(hidden * 2, heads, kv_heads, dim, 4)
+    with pytest.raises(RuntimeError, match="different widths"):
+        torch.classes.llmrt_kernels.DecodeStack(
+            one[0] + wide[0], one[1] + wide[1], one[2] + wide[2], one[3] + wide[3]
+        )
+    with pytest.raises(RuntimeError, match="one K and one V cache per layer"):
+        stack.run(x.clone(), [cos], [sin], caches[:1], caches[2:3], table, positions)
+    with pytest.raises(RuntimeError, match="RoPE table 0 is not given"):
+        stack.run(x.clone(), [], [], caches[:2], caches[2:], table, positions)
+
+
 def test_recipes_choose_the_decode_kernel_through_the_container(counted_runs: list[int]) -> None:
     from llmrt.sampling_params import SamplingParams
     from llmrt.serving.llm import LLM
