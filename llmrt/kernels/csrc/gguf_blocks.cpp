@@ -512,6 +512,11 @@ at::Tensor gguf_dequantize_bf16(const at::Tensor& blocks, int64_t kind, int64_t 
   const uint8_t* wp = blocks.const_data_ptr<uint8_t>();
   c10::BFloat16* op = out.mutable_data_ptr<c10::BFloat16>();
   const int64_t rb = blocks.size(1);
+  if ((kind & llmrt_kernels::kInterleaved) &&
+      llmrt_kernels::interleaved_dequantize_bf16(wp, rb, kind & ~llmrt_kernels::kInterleaved,
+                                                 in_features, reinterpret_cast<uint16_t*>(op),
+                                                 rows))
+    return out;
   constexpr int64_t kRows = 16;
   at::parallel_for(0, (rows + kRows - 1) / kRows, 1, [&](int64_t c0, int64_t c1) {
     std::vector<float> buf(static_cast<size_t>(kRows * in_features));

@@ -156,6 +156,38 @@ LLMRT_VNNI void dequant_rows_avx512(const uint8_t* w, int64_t row_bytes, int64_t
   }
 }
 
+// 4-bit blocks straight to bfloat16: the block's 16 levels (d * q + m, float32, one FMA as
+// in the float32 dequantize) rounded to bfloat16 once, then looked up per nibble (vpermw),
+// 64 bytes of output per block with no float32 row in between.
+template <int64_t BASE>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,f16c,fma"))) void
+dequant_rows_bf16_q4(const uint8_t* w, int64_t row_bytes, int64_t k, uint16_t* out, int64_t r0,
+                     int64_t r1) {
+  const int64_t nb = k / kBlock, bb = bytes_of(BASE);
+  const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m256i low = _mm256_set1_epi16(15);
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = w + r * row_bytes;
+    uint16_t* o = out + r * k;
+    for (int64_t b0 = 0; b0 < nb; b0 += 4) {
+      const int64_t c = std::min<int64_t>(4, nb - b0);
+      const uint8_t* grp = row + b0 * bb;
+      for (int64_t i = 0; i < c; ++i) {
+        const __m512 vd = _mm512_set1_ps(half_at(grp + 16 * c + 2 * i));
+        const __m512 vm = BASE == kQ4_1 ? _mm512_set1_ps(half_at(grp + 18 * c + 2 * i))
+                                        : _mm512_mul_ps(vd, _mm512_set1_ps(-8.0f));
+        const __m512i table = _mm512_castsi256_si512(
+            reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(_mm512_fmadd_ps(levels, vd, vm))));
+        const __m256i q =
+            _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(grp + 16 * i)));
+        const __m512i idx = _mm512_inserti64x4(
+            _mm512_castsi256_si512(_mm256_and_si256(q, low)), _mm256_srli_epi16(q, 4), 1);
+        _mm512_storeu_si512(o + (b0 + i) * kBlock, _mm512_permutexvar_epi16(idx, table));
+      }
+    }
+  }
+}
+
 // ---- activations -------------------------------------------------------------------------
 
 // One row of x prepared for one base kind, per group of G blocks:
@@ -389,6 +421,19 @@ void interleaved_linear_into(const float* x, int64_t rows_m, const uint8_t* w, i
   at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
     interleaved_range(x, rows_m, w, row_bytes, base, k, prep, y, n, n0, n1);
   });
+}
+
+bool interleaved_dequantize_bf16(const uint8_t* w, int64_t row_bytes, int64_t base, int64_t k,
+                                 uint16_t* out, int64_t rows) {
+  static const bool ok = llmrt_kernels::has_avx512() && __builtin_cpu_supports("avx512bf16");
+  if (!ok || base == kQ8_0) return false;
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    if (base == kQ4_0)
+      dequant_rows_bf16_q4<kQ4_0>(w, row_bytes, k, out, r0, r1);
+    else
+      dequant_rows_bf16_q4<kQ4_1>(w, row_bytes, k, out, r0, r1);
+  });
+  return true;
 }
 
 void interleaved_dequantize(const uint8_t* w, int64_t row_bytes, int64_t base, int64_t k,
