@@ -508,7 +508,7 @@ at::Tensor gguf_dequantize_bf16(const at::Tensor& blocks, int64_t kind, int64_t 
   const int64_t rows = blocks.size(0);
   at::Tensor out = at::empty({rows, in_features}, blocks.options().dtype(at::kBFloat16));
   if (rows == 0) return out;
-  static const bool bf16_ops = __builtin_cpu_supports("avx512bf16");
+  static const bool bf16_ops = llmrt_kernels::has_avx512_bf16();
   const uint8_t* wp = blocks.const_data_ptr<uint8_t>();
   c10::BFloat16* op = out.mutable_data_ptr<c10::BFloat16>();
   const int64_t rb = blocks.size(1);

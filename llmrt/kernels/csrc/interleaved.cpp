@@ -425,7 +425,7 @@ void interleaved_linear_into(const float* x, int64_t rows_m, const uint8_t* w, i
 
 bool interleaved_dequantize_bf16(const uint8_t* w, int64_t row_bytes, int64_t base, int64_t k,
                                  uint16_t* out, int64_t rows) {
-  static const bool ok = llmrt_kernels::has_avx512() && __builtin_cpu_supports("avx512bf16");
+  static const bool ok = llmrt_kernels::has_avx512_bf16();
   if (!ok || base == kQ8_0) return false;
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
     if (base == kQ4_0)
