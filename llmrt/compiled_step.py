@@ -229,6 +229,10 @@ def _private_code(fn: types.FunctionType, *, name: str) -> types.FunctionType:
     return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
 
 
+class _NotPrecompilable(StepArtifactError):
+    """``aot_compile`` could not make a serializable step; the jit path takes over."""
+
+
 def _decode_step(
     model: CausalLM, tokens: torch.Tensor, positions: torch.Tensor, page_table: torch.Tensor
 ) -> Any:
@@ -306,8 +310,21 @@ class CompiledStep:
         compiled, model = self._compiled, self._model
         if compiled is None or model is None:
             raise KVCacheStateError(f"the compiled {self.operation} step was closed")
-        if self._store is not None and inputs["tokens"].device.type == "cpu":
-            return self._run_precompiled(model, geometry, last_position, inputs)
+        cpu = inputs["tokens"].device.type == "cpu"
+        if geometry in self._precompiled or (self._store is not None and cpu):
+            try:
+                return self._run_precompiled(model, geometry, last_position, dict(inputs))
+            except _NotPrecompilable as exc:
+                # Keep the steps already loaded; every other geometry takes the jit path.
+                self._on_artifact(
+                    "program.artifact_save_failed",
+                    operation=self.operation,
+                    path=str(exc.path),
+                    reason="cannot precompile, Dynamo traces this step in every process"
+                    f" instead ({exc.reason})",
+                )
+                self._store = None
+                self._precompiled.pop(geometry, None)
         table = inputs["page_table"]
         inputs["page_table"] = self._trim(table, last_position)
         if inputs["page_table"] is not table:
@@ -428,7 +445,9 @@ class CompiledStep:
 
     def _aot_compile(self, model: CausalLM, width: int, inputs: dict[str, Any]) -> PrecompiledStep:
         """Trace and compile these inputs' geometry; the page table's width is traced as
-        dynamic on an example copy (a mark on the runtime tensor would fail the guards)."""
+        dynamic on an example copy (a mark on the runtime tensor would fail the guards).
+        Raises ``_NotPrecompilable`` when torch cannot make a serializable step of it (e.g.
+        a guard on an object it cannot pickle)."""
         example = dict(inputs)
         table = example["page_table"]
         if self._dynamic(width):
@@ -437,7 +456,13 @@ class CompiledStep:
         compiled = torch.compile(
             self._trampoline, fullgraph=True, dynamic=False, backend=self._backend
         )
-        step: PrecompiledStep = compiled.aot_compile(((model,), example))  # type: ignore[attr-defined]
+        before = self._backend.graphs
+        try:
+            step: PrecompiledStep = compiled.aot_compile(((model,), example))  # type: ignore[attr-defined]
+        except Exception as exc:  # torch raises anything from tracing to guard pickling
+            self._backend.graphs = before  # the graph is dropped with the failed attempt
+            directory = self._store.directory if self._store is not None else Path()
+            raise _NotPrecompilable(directory, f"{type(exc).__name__}: {exc}") from exc
         step.disable_guard_check()  # run() checks before every call
         return step
 

@@ -284,7 +284,7 @@ def test_compiled_decode_matches_eager_and_detects_a_forced_recompile(
     assert steps.recompilations == 1
     (event,) = [e for e in logs if e["event"] == "program.recompiled"]
     assert event["signature"] == "decode(tokens[4] positions[4] page_table[4, 8])"
-    assert any((inductor_cache / "fxgraph").iterdir())
+    assert len(list((inductor_cache / "steps").iterdir())) == 1  # the recompile is not saved
 
 
 def _greedy_tokens(overrides: list[str]) -> tuple[list[tuple[int, ...]], Any, list[str]]:

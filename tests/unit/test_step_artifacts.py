@@ -353,6 +353,44 @@ def test_a_file_whose_guards_fail_is_recompiled_not_run(
     torch.testing.assert_close(out, expected)
 
 
+def test_a_step_torch_cannot_precompile_runs_on_the_jit_path(
+    stub_dir: Path, inductor_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_compile = torch.compile
+
+    def unserializable(fn: Any, **kwargs: Any) -> Any:
+        compiled = real_compile(fn, **kwargs)
+
+        def aot_compile(example: Any) -> Any:
+            kwargs["backend"].graphs += 1  # as in torch: the backend ran, then guards failed
+            raise RuntimeError("Tried to serialize object DecodeStack")
+
+        compiled.aot_compile = aot_compile
+        return compiled
+
+    monkeypatch.setattr(torch, "compile", unserializable)
+    model = _stub()
+    steps = _inductor(inductor_cache)
+    step = steps.decode_step(model, block_size=4)
+    table = torch.arange(18, dtype=torch.int32).reshape(3, 6)
+    inputs = {"positions": torch.full((3,), 9, dtype=torch.int32), "page_table": table}
+    with capture_logs() as logs:
+        first = step(tokens=torch.arange(3), **inputs)
+        again = step(tokens=torch.arange(3), **inputs)
+    (failed,) = _events(logs, "program.artifact_save_failed")
+    assert failed["log_level"] == "warning"
+    assert failed["reason"].startswith("cannot precompile, Dynamo traces this step")
+    assert "RuntimeError: Tried to serialize object DecodeStack" in failed["reason"]
+    assert not _events(logs, "program.artifact_saved")
+    assert steps.stats().graphs == 1 and steps.recompilations == 0  # the jit graph only
+    assert torch.equal(first, again)
+    expected = model.decode_forward(
+        tokens=torch.arange(3), positions=inputs["positions"], page_table=table[:, :3]
+    )
+    torch.testing.assert_close(first, expected)
+    assert not (inductor_cache / "steps").exists()
+
+
 # -- when the precompiled path applies --------------------------------------------------------
 
 
