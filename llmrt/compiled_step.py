@@ -427,7 +427,7 @@ class CompiledStep:
         compiled = self._aot_compile(model, width, inputs)
         try:
             store.save(key, compiled)
-        except OSError as exc:  # a read-only or full disk costs the next start, not this one
+        except Exception as exc:  # a full disk or an unpicklable part costs the next start only
             self._on_artifact(
                 "program.artifact_save_failed",
                 operation=self.operation,

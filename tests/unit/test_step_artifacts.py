@@ -391,6 +391,22 @@ def test_a_step_torch_cannot_precompile_runs_on_the_jit_path(
     assert not (inductor_cache / "steps").exists()
 
 
+def test_a_step_that_cannot_be_saved_still_runs(stub_dir: Path, inductor_cache: Path) -> None:
+    inductor_cache.mkdir(parents=True, exist_ok=True)
+    (inductor_cache / "steps").write_text("a file where the directory should be")
+    steps = _inductor(inductor_cache)
+    with capture_logs() as logs:
+        out = _decode(steps, _stub())
+    (failed,) = _events(logs, "program.artifact_save_failed")
+    assert failed["reason"].startswith("FileExistsError") and failed["log_level"] == "warning"
+    assert not _events(logs, "program.artifact_saved") and steps.stats().graphs == 1
+    table = torch.arange(18, dtype=torch.int32).reshape(3, 6)[:, :3]
+    expected = _stub().decode_forward(
+        tokens=torch.arange(3), positions=torch.full((3,), 9, dtype=torch.int32), page_table=table
+    )
+    torch.testing.assert_close(out, expected)
+
+
 # -- when the precompiled path applies --------------------------------------------------------
 
 
