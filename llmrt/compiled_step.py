@@ -11,12 +11,23 @@ eager model does inside ``plan_decode``/``plan_prefill``) and its width is the o
 dimension marked dynamic, so a long context neither recompiles nor pays for the full
 width. Elsewhere (CUDA graphs) every shape stays the signature's.
 
+On the CPU (``precompiled``, the default, and no ``freezing``) each geometry's first run
+loads its precompiled step from ``<cache>/steps`` (:mod:`llmrt.step_artifacts`: graph,
+guards and kernels, no Dynamo trace; ``program.artifact_loaded``), or traces and compiles
+it with ``aot_compile`` and saves it (``program.artifact_saved``). A file that is damaged,
+saved for another key or whose guards reject the inputs is reported
+(``program.artifact_rejected``), recompiled and replaced, never run. The model is the
+traced function's first argument, so a file holds no process's model and its weights stay
+graph inputs. Elsewhere (CUDA, ``freezing``, ``precompiled: false``) one ``torch.compile``
+function serves every geometry and Dynamo re-traces each in every process.
+
 A compile for a geometry this step already compiled is a recompilation (Dynamo retraces
-on a stride, dtype or global-state change as well as a shape): a bug, counted and emitted
-as ``program.recompiled``. Each step traces a private copy of a trampoline's code object,
-so Dynamo's per-code cache and recompile limit belong to that step alone and are freed
-with it. Inductor's caches live under ``<LLMRT_CACHE_DIR>/inductor`` (torch reads the
-directory from ``TORCHINDUCTOR_CACHE_DIR``, process-wide), so another process reuses them.
+on a stride, dtype or global-state change as well as a shape; a precompiled step's guards
+reject the same changes): a bug, counted and emitted as ``program.recompiled``. Each step
+traces a private copy of a trampoline's code object, so Dynamo's per-code cache and
+recompile limit belong to that step alone and are freed with it. Inductor's caches live
+under ``<LLMRT_CACHE_DIR>/inductor`` (torch reads the directory from
+``TORCHINDUCTOR_CACHE_DIR``, process-wide), so another process reuses them.
 """
 
 from __future__ import annotations
@@ -35,6 +46,13 @@ from llmrt.errors import ConfigError, KVCacheStateError
 from llmrt.families.base import CausalLM
 from llmrt.lifecycle import component_logger, emit
 from llmrt.recipe_schema import CompiledOperation, CompileMode, DeviceSpec, InductorMode
+from llmrt.step_artifacts import (
+    ArtifactStore,
+    PrecompiledStep,
+    StepArtifactError,
+    artifact_key,
+    guard_failure,
+)
 from llmrt.weights.cache import default_cache_dir
 
 #: Torch reads the inductor (FX graph, AOTAutograd, kernel) cache root from this variable.
@@ -89,6 +107,9 @@ class CompileOptions:
     graph cache is bypassed, so a warm start recompiles); ``max_autotune`` benchmarks
     kernel choices at compile time; ``inductor_mode`` is a ``torch.compile`` mode whose
     options are merged first. ``cache_dir`` None means ``<LLMRT_CACHE_DIR>/inductor``.
+    ``precompiled`` saves each CPU step geometry's traced graph under ``<cache_dir>/steps``
+    and loads it in later processes instead of re-tracing (:mod:`llmrt.step_artifacts`);
+    it does not apply with ``freezing`` (the weights would be baked into the file).
     """
 
     mode: CompileMode = attrs.field(
@@ -101,6 +122,7 @@ class CompileOptions:
     )
     cache_dir: Path | None = attrs.field(default=None, validator=_directory)
     operations: tuple[str, ...] = attrs.field(default=("decode", "prefill"), validator=_operations)
+    precompiled: bool = attrs.field(default=True, validator=_flag("device.inductor.precompiled"))
 
     @classmethod
     def from_device(cls, spec: DeviceSpec, *, cache_dir: Path | None = None) -> CompileOptions:
@@ -112,6 +134,7 @@ class CompileOptions:
             inductor_mode=spec.inductor.mode,
             cache_dir=cache_dir,
             operations=tuple(spec.inductor.operations),
+            precompiled=spec.inductor.precompiled,
         )
 
     def inductor_options(self) -> dict[str, Any]:
@@ -126,6 +149,12 @@ class CompileOptions:
 
     def resolved_cache_dir(self) -> Path:
         return self.cache_dir if self.cache_dir is not None else default_cache_dir() / "inductor"
+
+    def artifact_directory(self) -> Path | None:
+        """Where precompiled steps live; None when they are off (or ``freezing`` is on)."""
+        if self.mode != "inductor" or not self.precompiled or self.freezing:
+            return None
+        return self.resolved_cache_dir() / "steps"
 
 
 class DecodeStep(Protocol):
@@ -200,68 +229,106 @@ def _private_code(fn: types.FunctionType, *, name: str) -> types.FunctionType:
     return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
 
 
-def _decode_trampoline(forward: DecodeStep) -> types.FunctionType:
-    def step(tokens: torch.Tensor, positions: torch.Tensor, page_table: torch.Tensor) -> Any:
-        return forward(tokens=tokens, positions=positions, page_table=page_table)
-
-    return step  # type: ignore[return-value]
+class _NotPrecompilable(StepArtifactError):
+    """``aot_compile`` could not make a serializable step; the jit path takes over."""
 
 
-def _prefill_trampoline(forward: PrefillStep) -> types.FunctionType:
-    def step(
-        tokens: torch.Tensor,
-        start_pos: torch.Tensor,
-        seq_lens: torch.Tensor,
-        page_table: torch.Tensor,
-        last_token_index: torch.Tensor,
-    ) -> Any:
-        return forward(
-            tokens=tokens,
-            start_pos=start_pos,
-            seq_lens=seq_lens,
-            page_table=page_table,
-            last_token_index=last_token_index,
-        )
+def _decode_step(
+    model: CausalLM, tokens: torch.Tensor, positions: torch.Tensor, page_table: torch.Tensor
+) -> Any:
+    """The traced decode function: the model is an argument, never a closure, so a saved
+    trace holds no reference to one process's model (its weights are graph inputs)."""
+    return model.decode_forward(tokens=tokens, positions=positions, page_table=page_table)
 
-    return step  # type: ignore[return-value]
+
+def _prefill_step(
+    model: CausalLM,
+    tokens: torch.Tensor,
+    start_pos: torch.Tensor,
+    seq_lens: torch.Tensor,
+    page_table: torch.Tensor,
+    last_token_index: torch.Tensor,
+) -> Any:
+    """The traced prefill function (see ``_decode_step``)."""
+    return model.prefill_forward(
+        tokens=tokens,
+        start_pos=start_pos,
+        seq_lens=seq_lens,
+        page_table=page_table,
+        last_token_index=last_token_index,
+    )
 
 
 class CompiledStep:
     """One operation's compiled forward; tells first compiles from recompilations.
 
-    Borrows the model (through its bound forward); owns the compiled function and the
-    record of every geometry it compiled.
+    Borrows the model; owns the compiled functions and the record of every geometry it
+    compiled. With an artifact store (CPU inputs, ``precompiled``, no ``freezing``) each
+    geometry's first run loads its precompiled step, or traces, compiles and saves it, and
+    later runs dispatch on that step's guards; otherwise one ``torch.compile`` function
+    serves every geometry and Dynamo re-traces each in every process.
     """
 
     def __init__(
         self,
         *,
         operation: str,
+        model: CausalLM,
         trampoline: types.FunctionType,
         block_size: int,
         options: CompileOptions,
         on_recompile: Callable[[CompiledGeometry], None],
+        on_artifact: Callable[..., None],
     ) -> None:
         self.operation = operation
+        self._model: CausalLM | None = model
         self._block_size = block_size
-        self._backend = _CountingInductor(options.inductor_options())
-        fn = _private_code(trampoline, name=f"llmrt_{operation}_step")
+        self._options = options.inductor_options()
+        self._backend = _CountingInductor(self._options)
+        self._trampoline = _private_code(trampoline, name=f"llmrt_{operation}_step")
         self._compiled: Callable[..., torch.Tensor] | None = torch.compile(
-            fn, fullgraph=True, dynamic=False, backend=self._backend
+            self._trampoline, fullgraph=True, dynamic=False, backend=self._backend
         )
+        directory = options.artifact_directory()
+        self._store = None if directory is None else ArtifactStore(directory)
+        self._precompiled: dict[Geometry, list[PrecompiledStep]] = {}
         self._on_recompile = on_recompile
+        self._on_artifact = on_artifact
         self._geometries: dict[Geometry, CompiledGeometry] = {}
 
     @property
     def geometries(self) -> tuple[CompiledGeometry, ...]:
         return tuple(self._geometries.values())
 
+    @property
+    def precompiles(self) -> bool:
+        """Whether CPU geometries go through precompiled steps on disk."""
+        return self._store is not None
+
     def run(self, geometry: Geometry, *, last_position: Callable[[], int], **inputs: Any) -> Any:
         """Run the compiled forward over ``inputs`` (``geometry`` = their untrimmed shapes)."""
-        compiled = self._compiled
-        if compiled is None:
+        compiled, model = self._compiled, self._model
+        if compiled is None or model is None:
             raise KVCacheStateError(f"the compiled {self.operation} step was closed")
-        inputs["page_table"] = self._trim(inputs["page_table"], last_position)
+        cpu = inputs["tokens"].device.type == "cpu"
+        if geometry in self._precompiled or (self._store is not None and cpu):
+            try:
+                return self._run_precompiled(model, geometry, last_position, dict(inputs))
+            except _NotPrecompilable as exc:
+                # Keep the steps already loaded; every other geometry takes the jit path.
+                self._on_artifact(
+                    "program.artifact_save_failed",
+                    operation=self.operation,
+                    path=str(exc.path),
+                    reason="cannot precompile, Dynamo traces this step in every process"
+                    f" instead ({exc.reason})",
+                )
+                self._store = None
+                self._precompiled.pop(geometry, None)
+        table = inputs["page_table"]
+        inputs["page_table"] = self._trim(table, last_position)
+        if inputs["page_table"] is not table:
+            self._mark_width(inputs["page_table"], table.shape[1])
         before = self._backend.graphs
         started = time.perf_counter()
         with (
@@ -272,11 +339,138 @@ class CompiledStep:
                 fail_on_recompile_limit_hit=True,
             ),
         ):
-            out = compiled(**inputs)
+            out = compiled(model, **inputs)
         graphs = self._backend.graphs - before
         if graphs or geometry not in self._geometries:
             self._note_compile(geometry, graphs=graphs, seconds=time.perf_counter() - started)
         return out
+
+    def _run_precompiled(
+        self,
+        model: CausalLM,
+        geometry: Geometry,
+        last_position: Callable[[], int],
+        inputs: dict[str, Any],
+    ) -> Any:
+        width = inputs["page_table"].shape[1]
+        inputs["page_table"] = self._trim(inputs["page_table"], last_position)
+        with torch.no_grad():
+            steps = self._precompiled.get(geometry)
+            if steps is None:
+                started = time.perf_counter()
+                step, graphs = self._load_or_compile(model, geometry, width, inputs)
+                self._precompiled[geometry] = [step]
+                out = step(model, **inputs)
+                self._note_compile(geometry, graphs=graphs, seconds=time.perf_counter() - started)
+                return out
+            for step in steps:
+                if step.guard_check(model, **inputs):
+                    return step(model, **inputs)
+            # A known geometry whose guards all fail (a stride, dtype or global-state
+            # change): what Dynamo would retrace, so a recompilation. Kept in memory only.
+            started = time.perf_counter()
+            before = self._backend.graphs
+            step = self._aot_compile(model, width, inputs)
+            steps.append(step)
+            out = step(model, **inputs)
+            self._note_compile(
+                geometry,
+                graphs=self._backend.graphs - before,
+                seconds=time.perf_counter() - started,
+            )
+            return out
+
+    def _load_or_compile(
+        self, model: CausalLM, geometry: Geometry, width: int, inputs: dict[str, Any]
+    ) -> tuple[PrecompiledStep, int]:
+        """This geometry's step from disk when its file checks out and its guards pass on
+        these inputs, else compiled now and saved (replacing any unusable file)."""
+        store = self._store
+        assert store is not None
+        key = artifact_key(
+            operation=self.operation,
+            geometry=geometry,
+            dtypes={name: tensor.dtype for name, tensor in inputs.items()},
+            dynamic=self._dynamic(width),
+            options={"backend": "inductor", **self._options},
+            model=model,  # type: ignore[arg-type]
+        )
+        path = store.path(key)
+        started = time.perf_counter()
+        try:
+            loaded = store.load(key, f_globals=self._trampoline.__globals__)
+        except StepArtifactError as exc:
+            self._on_artifact(
+                "program.artifact_rejected",
+                operation=self.operation,
+                path=str(path),
+                reason=exc.reason,
+            )
+            loaded = None
+        if loaded is not None:
+            if loaded.guard_check(model, **inputs):
+                loaded.disable_guard_check()  # checked here, once per call, before calling
+                self._on_artifact(
+                    "program.artifact_loaded",
+                    operation=self.operation,
+                    path=str(path),
+                    seconds=round(time.perf_counter() - started, 3),
+                )
+                return loaded, 0
+            self._on_artifact(
+                "program.artifact_rejected",
+                operation=self.operation,
+                path=str(path),
+                reason=guard_failure(loaded, model, **inputs),
+            )
+        before = self._backend.graphs
+        compiled = self._aot_compile(model, width, inputs)
+        try:
+            store.save(key, compiled)
+        except Exception as exc:  # a full disk or an unpicklable part costs the next start only
+            self._on_artifact(
+                "program.artifact_save_failed",
+                operation=self.operation,
+                path=str(path),
+                reason=f"{type(exc).__name__}: {exc}",
+            )
+        else:
+            self._on_artifact(
+                "program.artifact_saved",
+                operation=self.operation,
+                path=str(path),
+                seconds=round(time.perf_counter() - started, 3),
+            )
+        return compiled, self._backend.graphs - before
+
+    def _aot_compile(self, model: CausalLM, width: int, inputs: dict[str, Any]) -> PrecompiledStep:
+        """Trace and compile these inputs' geometry; the page table's width is traced as
+        dynamic on an example copy (a mark on the runtime tensor would fail the guards).
+        Raises ``_NotPrecompilable`` when torch cannot make a serializable step of it (e.g.
+        a guard on an object it cannot pickle)."""
+        example = dict(inputs)
+        table = example["page_table"]
+        if self._dynamic(width):
+            example["page_table"] = table.clone()
+            self._mark_width(example["page_table"], width)
+        compiled = torch.compile(
+            self._trampoline, fullgraph=True, dynamic=False, backend=self._backend
+        )
+        before = self._backend.graphs
+        try:
+            step: PrecompiledStep = compiled.aot_compile(((model,), example))  # type: ignore[attr-defined]
+        except Exception as exc:  # torch raises anything from tracing to guard pickling
+            self._backend.graphs = before  # the graph is dropped with the failed attempt
+            directory = self._store.directory if self._store is not None else Path()
+            raise _NotPrecompilable(directory, f"{type(exc).__name__}: {exc}") from exc
+        step.disable_guard_check()  # run() checks before every call
+        return step
+
+    def _dynamic(self, width: int) -> dict[str, Any]:
+        """The dimensions traced as dynamic: the page-table width on the CPU (see ``_trim``)."""
+        if width <= MIN_DYNAMIC_WIDTH:
+            return {}
+        return {"page_table": {"dim": 1, "min": MIN_DYNAMIC_WIDTH, "max": width}}
 
     def _trim(self, table: torch.Tensor, last_position: Callable[[], int]) -> torch.Tensor:
         width = table.shape[1]
@@ -284,13 +478,15 @@ class CompiledStep:
             return table
         used = max(MIN_DYNAMIC_WIDTH, last_position() // self._block_size + 1)
         # Contiguous whatever the width: a view's stride would split the graph at full width.
-        trimmed = table[:, : min(width, used)].contiguous()
-        torch._dynamo.mark_dynamic(trimmed, 1, min=MIN_DYNAMIC_WIDTH, max=width)
-        return trimmed
+        return table[:, : min(width, used)].contiguous()
+
+    @staticmethod
+    def _mark_width(table: torch.Tensor, width: int) -> None:
+        torch._dynamo.mark_dynamic(table, 1, min=MIN_DYNAMIC_WIDTH, max=width)
 
     def _note_compile(self, geometry: Geometry, *, graphs: int, seconds: float) -> None:
-        """Record a geometry's first run (``graphs`` 0: it reused another's graph) or, for a
-        known geometry, a recompilation."""
+        """Record a geometry's first run (``graphs`` 0: it reused another's graph or loaded
+        a precompiled step) or, for a known geometry, a recompilation."""
         known = self._geometries.get(geometry)
         if known is None:
             self._geometries[geometry] = CompiledGeometry(
@@ -308,6 +504,8 @@ class CompiledStep:
 
     def close(self) -> None:
         self._compiled = None
+        self._model = None
+        self._precompiled.clear()
 
 
 class CompiledDecode:
@@ -398,30 +596,37 @@ class StepCompiler:
         """The decode forward to call; ``block_size`` is the bound KV cache's."""
         if not self.compiles("decode"):
             return model.decode_forward
-        return CompiledDecode(
-            self._add("decode", _decode_trampoline(model.decode_forward), block_size)
-        )
+        return CompiledDecode(self._add("decode", model, _decode_step, block_size))
 
     def prefill_step(self, model: CausalLM, *, block_size: int) -> PrefillStep:
         """The prefill forward to call; ``block_size`` is the bound KV cache's."""
         if not self.compiles("prefill"):
             return model.prefill_forward
-        return CompiledPrefill(
-            self._add("prefill", _prefill_trampoline(model.prefill_forward), block_size)
-        )
+        return CompiledPrefill(self._add("prefill", model, _prefill_step, block_size))
 
-    def _add(self, operation: str, trampoline: types.FunctionType, block_size: int) -> CompiledStep:
+    def _add(
+        self,
+        operation: str,
+        model: CausalLM,
+        trampoline: Callable[..., Any],
+        block_size: int,
+    ) -> CompiledStep:
         if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
             raise ConfigError("kv_cache.block_size", block_size, "must be a positive integer")
         step = CompiledStep(
             operation=operation,
-            trampoline=trampoline,
+            model=model,
+            trampoline=trampoline,  # type: ignore[arg-type]
             block_size=block_size,
             options=self.config,
             on_recompile=self._recompiled,
+            on_artifact=self._artifact,
         )
         self._steps.append(step)
         return step
+
+    def _artifact(self, event: str, **fields: Any) -> None:
+        emit(self._log, event, **fields)
 
     def _recompiled(self, geometry: CompiledGeometry) -> None:
         self._recompilations += 1

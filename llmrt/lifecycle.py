@@ -53,6 +53,10 @@ class LifecycleEvent(str, enum.Enum):
     PROGRAM_COMPILED = "program.compiled"
     PROGRAM_RECOMPILED = "program.recompiled"
     PROGRAM_REJECTED = "program.rejected"
+    PROGRAM_ARTIFACT_LOADED = "program.artifact_loaded"
+    PROGRAM_ARTIFACT_SAVED = "program.artifact_saved"
+    PROGRAM_ARTIFACT_REJECTED = "program.artifact_rejected"
+    PROGRAM_ARTIFACT_SAVE_FAILED = "program.artifact_save_failed"
     PROGRAMS_RELEASED = "programs.released"
     TRACE_REGISTERED = "trace.registered"
     TRACE_CAPTURED = "trace.captured"
@@ -97,6 +101,8 @@ _WARNING_EVENTS = frozenset(
         LifecycleEvent.TRACE_CAPTURE_ROLLED_BACK,
         LifecycleEvent.OUTPUT_READ_FAILED,
         LifecycleEvent.PROGRAM_REJECTED,
+        LifecycleEvent.PROGRAM_ARTIFACT_REJECTED,
+        LifecycleEvent.PROGRAM_ARTIFACT_SAVE_FAILED,
         LifecycleEvent.TRACE_CAPTURE_FAILED,
         LifecycleEvent.TRACE_COVERAGE_MISSED,
         LifecycleEvent.CLEANUP_FAILED,

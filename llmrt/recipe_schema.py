@@ -257,16 +257,19 @@ class InductorSpec:
 
     ``operations`` are the steps compiled; the others run eagerly. Decode is where
     compiling pays (small, memory-bound steps); a prefill step is dominated by its GEMMs
-    and costs a compile per warmed geometry.
+    and costs a compile per warmed geometry. ``precompiled`` keeps each traced CPU step on
+    disk so later starts load it instead of re-tracing (not with ``freezing``).
     """
 
     freezing: bool = False
     max_autotune: bool = False
     mode: InductorMode | None = None
     operations: tuple[CompiledOperation, ...] = ("decode", "prefill")
+    precompiled: bool = True
 
     def __attrs_post_init__(self) -> None:
         _bool("device.inductor.freezing", self.freezing)
+        _bool("device.inductor.precompiled", self.precompiled)
         _bool("device.inductor.max_autotune", self.max_autotune)
         if self.mode is not None:
             _one_of("device.inductor.mode", self.mode, InductorMode)

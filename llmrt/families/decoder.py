@@ -545,10 +545,12 @@ class DecoderBackbone(nn.Module):
         rows = int(tokens.shape[0])
         if not self.fused_decode or rows == 0:
             return None
+        # Checked first: under torch.compile it returns before the plan (a script object a
+        # precompiled step's guards could not serialize) is touched.
+        if not fused_step_allowed(device=self.device(), dtype=self.spec.model.dtype, kv=kv):
+            return None
         fused = self._fused_plan()
         if fused is None or rows >= fused.max_rows:
-            return None
-        if not fused_step_allowed(device=self.device(), dtype=self.spec.model.dtype, kv=kv):
             return None
         pos = positions.to(dtype=torch.long)
         clamped = pos.clamp(min=0)

@@ -186,7 +186,7 @@ def test_empty_file_reports_the_first_missing_field(tmp_path: Path) -> None:
     ("prefill: {max_chunk_size: 128, chunk: 64}\n", "prefill.chunk",
      "unknown key (known: max_chunk_size, batched, max_batch_size"),
     ("device: {inductor: {freeze: true}}\n", "device.inductor.freeze",
-     "unknown key (known: freezing, max_autotune, mode, operations)"),
+     "unknown key (known: freezing, max_autotune, mode, operations, precompiled)"),
     ("lanes: two\n", "lanes", "expected int"),
     ("lanes: 2.5\n", "lanes", "expected int"),
     ("decode: {device_sampling: 1}\n", "decode.device_sampling", "expected true or false"),
@@ -385,7 +385,8 @@ def test_recipe_to_dict_is_plain_data() -> None:
     ]
     assert data["warmup"]["prefill_batch_sizes"] == [1, 2, 4, 8]
     assert data["device"]["inductor"] == {
-        "freezing": False, "max_autotune": False, "mode": None, "operations": ["decode", "prefill"]
+        "freezing": False, "max_autotune": False, "mode": None, "operations": ["decode", "prefill"],
+        "precompiled": True,
     }
 
 

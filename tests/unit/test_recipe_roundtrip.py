@@ -112,6 +112,7 @@ def placement(draw: st.DrawFn) -> tuple[DeviceSpec, int]:
         freezing=draw(st.booleans()), max_autotune=draw(st.booleans()),
         mode=draw(st.sampled_from([None, "default", "reduce-overhead", "max-autotune"])),
         operations=draw(st.sampled_from([("decode",), ("prefill",), ("decode", "prefill")])),
+        precompiled=draw(st.booleans()),
     )
     device = DeviceSpec(
         backend="torch", kind=kind, index=draw(st.integers(0, 7)) if kind == "cuda" else 0,
