@@ -195,7 +195,27 @@ inline void axpy(float w, const T* x, float* y, int64_t n) {
 }
 
 template <typename T>
-struct Paged;
+struct Paged {
+  T* k;
+  T* v;
+  int64_t s0, s1, s2;  // strides of [block, head, offset] (the last dim is contiguous)
+  int64_t block_size;
+  const int64_t* table;  // [rows, width] as int64
+  int64_t width;
+};
+
+// The keys from ``key`` on that share its page (at most ``left``): returns how many, and sets
+// ``at`` to the element offset of ``key``'s row for KV head ``g`` (into ``kv.k`` or ``kv.v``;
+// a ``-1`` page reads block 0). Consecutive keys of a run are ``kv.s2`` elements apart.
+template <typename T>
+inline int64_t page_run(const Paged<T>& kv, const int64_t* row_table, int64_t g, int64_t key,
+                        int64_t left, int64_t& at) {
+  const int64_t page = key / kv.block_size;
+  const int64_t off = key - page * kv.block_size;
+  const int64_t block = std::max<int64_t>(row_table[page], 0);
+  at = block * kv.s0 + g * kv.s1 + off * kv.s2;
+  return std::min(kv.block_size - off, left);
+}
 
 // One row's attention for one KV head with head_dim = 16 * NV (AVX-512): keys are walked
 // page by page (no division per key), each key's K is loaded once for all the group's
@@ -208,14 +228,10 @@ LLMRT_AVX512 void weigh_values(const Paged<T>& kv, const int64_t* row_table, int
   __m512 acc[GC][NV];
   for (int j = 0; j < GC; ++j)
     for (int c = 0; c < NV; ++c) acc[j][c] = _mm512_setzero_ps();
-  int64_t t = 0;
-  while (t < count) {
-    const int64_t key = first + t;
-    const int64_t page = key / kv.block_size;
-    const int64_t off = key - page * kv.block_size;
-    const int64_t n = std::min(kv.block_size - off, count - t);
-    const int64_t block = std::max<int64_t>(row_table[page], 0);
-    const T* vp = kv.v + block * kv.s0 + g * kv.s1 + off * kv.s2;
+  for (int64_t t = 0, n = 0; t < count; t += n) {
+    int64_t at;
+    n = page_run(kv, row_table, g, first + t, count - t, at);
+    const T* vp = kv.v + at;
     for (int64_t i = 0; i < n; ++i, vp += kv.s2) {
       __m512 v[NV];
       for (int c = 0; c < NV; ++c) v[c] = load16(vp + 16 * c, static_cast<__mmask16>(0xFFFF));
@@ -224,7 +240,6 @@ LLMRT_AVX512 void weigh_values(const Paged<T>& kv, const int64_t* row_table, int
         for (int c = 0; c < NV; ++c) acc[j][c] = _mm512_fmadd_ps(w, v[c], acc[j][c]);
       }
     }
-    t += n;
   }
   for (int j = 0; j < GC; ++j)
     for (int c = 0; c < NV; ++c) _mm512_storeu_ps(out + j * head_dim + 16 * c, acc[j][c]);
@@ -235,14 +250,10 @@ LLMRT_AVX512 void score_keys(const Paged<T>& kv, const int64_t* row_table, int64
                              int64_t first, int64_t count, const float* q, int64_t group,
                              float scale, float* scores) {
   const int64_t head_dim = 16 * NV;
-  int64_t t = 0;
-  while (t < count) {
-    const int64_t key = first + t;
-    const int64_t page = key / kv.block_size;
-    const int64_t off = key - page * kv.block_size;
-    const int64_t n = std::min(kv.block_size - off, count - t);
-    const int64_t block = std::max<int64_t>(row_table[page], 0);
-    const T* kp = kv.k + block * kv.s0 + g * kv.s1 + off * kv.s2;
+  for (int64_t t = 0, n = 0; t < count; t += n) {
+    int64_t at;
+    n = page_run(kv, row_table, g, first + t, count - t, at);
+    const T* kp = kv.k + at;
     for (int64_t i = 0; i < n; ++i, kp += kv.s2) {
       __m512 k[NV];
       for (int c = 0; c < NV; ++c) k[c] = load16(kp + 16 * c, static_cast<__mmask16>(0xFFFF));
@@ -253,7 +264,6 @@ LLMRT_AVX512 void score_keys(const Paged<T>& kv, const int64_t* row_table, int64
         scores[j * count + t + i] = _mm512_reduce_add_ps(a) * scale;
       }
     }
-    t += n;
   }
 }
 
@@ -289,15 +299,6 @@ LLMRT_AVX512 void attend_task_avx512(const Paged<T>& kv, const int64_t* row_tabl
   }
 }
 
-template <typename T>
-struct Paged {
-  T* k;
-  T* v;
-  int64_t s0, s1, s2;  // strides of [block, head, offset] (the last dim is contiguous)
-  int64_t block_size;
-  const int64_t* table;  // [rows, width] as int64
-  int64_t width;
-};
 
 template <typename T>
 Paged<T> paged(const at::Tensor& k_cache, const at::Tensor& v_cache, const int64_t* table,
