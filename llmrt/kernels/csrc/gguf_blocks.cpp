@@ -26,35 +26,27 @@
 #include <cstring>
 #include <vector>
 
+#include "blocks.h"
 #include "cpu.h"
 #include "linear.h"
+#include "tiles.h"
 
 namespace {
 
 using llmrt_kernels::has_avx512;
 
-constexpr int64_t kBlock = 32;
-constexpr int64_t kQ4_0 = 2;
-constexpr int64_t kQ4_1 = 3;
-constexpr int64_t kQ8_0 = 8;
-// Activation rows one pass over a weight row serves (each keeps two accumulators: 16 of the
-// 32 vector registers). 8 against 4: the LM head (Q8_0) at 16 rows 1.3x faster.
-constexpr int64_t kRowTile = 8;
+using llmrt_kernels::block_bytes_of;
+using llmrt_kernels::half_at;
+using llmrt_kernels::kBlock;
+using llmrt_kernels::kQ4_0;
+using llmrt_kernels::kQ4_1;
+using llmrt_kernels::kQ8_0;
 
 int64_t block_bytes(int64_t kind) {
-  switch (kind & ~llmrt_kernels::kInterleaved) {
-    case kQ4_0: return 18;
-    case kQ4_1: return 20;
-    case kQ8_0: return 34;
-    default: TORCH_CHECK(false, "llmrt_kernels: unsupported GGUF block type ", kind);
-  }
-  return 0;
-}
-
-inline float half_at(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, sizeof(bits));
-  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+  const int64_t base = kind & ~llmrt_kernels::kInterleaved;
+  TORCH_CHECK(base == kQ4_0 || base == kQ4_1 || base == kQ8_0,
+              "llmrt_kernels: unsupported GGUF block type ", kind);
+  return block_bytes_of(base);
 }
 
 // ---- portable reference loops ------------------------------------------------------------
@@ -79,7 +71,7 @@ template <int64_t KIND>
 void linear_rows_scalar(const float* x, int64_t ldx, int64_t rows_m, const uint8_t* w,
                         int64_t row_bytes, int64_t k, float* y, int64_t ldy, int64_t n0,
                         int64_t n1) {
-  constexpr int64_t bb = KIND == kQ4_0 ? 18 : (KIND == kQ4_1 ? 20 : 34);
+  constexpr int64_t bb = block_bytes_of(KIND);
   float tmp[32];
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * row_bytes;
@@ -133,7 +125,7 @@ LLMRT_AVX512 inline void dequant_block_avx512(const uint8_t* blk, __m512& w0, __
 template <int64_t KIND>
 LLMRT_AVX512 void linear_rows_m1_avx512(const float* x, const uint8_t* w, int64_t row_bytes,
                                         int64_t k, float* y, int64_t n0, int64_t n1) {
-  constexpr int64_t bb = KIND == kQ4_0 ? 18 : (KIND == kQ4_1 ? 20 : 34);
+  constexpr int64_t bb = block_bytes_of(KIND);
   const int64_t nb = k / kBlock;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * row_bytes;
@@ -166,7 +158,7 @@ template <int64_t KIND, int64_t MT>
 LLMRT_AVX512 void linear_rows_tile_avx512(const float* x, int64_t ldx, const uint8_t* w,
                                           int64_t row_bytes, int64_t k, float* y, int64_t ldy,
                                           int64_t n) {
-  constexpr int64_t bb = KIND == kQ4_0 ? 18 : (KIND == kQ4_1 ? 20 : 34);
+  constexpr int64_t bb = block_bytes_of(KIND);
   const uint8_t* row = w + n * row_bytes;
   __m512 a0[MT], a1[MT];
   for (int64_t r = 0; r < MT; ++r) {
@@ -185,6 +177,23 @@ LLMRT_AVX512 void linear_rows_tile_avx512(const float* x, int64_t ldx, const uin
   for (int64_t r = 0; r < MT; ++r) y[r * ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(a0[r], a1[r]));
 }
 
+// linear_rows_tile_avx512 over the weight rows of a chunk (run_tiles drives the chunks).
+template <int64_t KIND>
+struct BlockTile {
+  const float* x;
+  int64_t ldx;
+  const uint8_t* w;
+  int64_t row_bytes, k;
+  float* y;
+  int64_t ldy;
+
+  template <int MT>
+  LLMRT_AVX512 void run(int64_t r, int64_t c0, int64_t c1) const {
+    for (int64_t n = c0; n < c1; ++n)
+      linear_rows_tile_avx512<KIND, MT>(x + r * ldx, ldx, w, row_bytes, k, y + r * ldy, ldy, n);
+  }
+};
+
 template <int64_t KIND>
 LLMRT_AVX512 void linear_rows_avx512(const float* x, int64_t ldx, int64_t rows_m,
                                      const uint8_t* w, int64_t row_bytes, int64_t k, float* y,
@@ -193,35 +202,13 @@ LLMRT_AVX512 void linear_rows_avx512(const float* x, int64_t ldx, int64_t rows_m
     linear_rows_m1_avx512<KIND>(x, w, row_bytes, k, y, n0, n1);
     return;
   }
-  // A chunk of weight rows (kept in L2) against each tile of activation rows (kept in L1):
-  // with every row of x behind each weight row, 16 rows of x (36 KB at K=576) no longer fit
-  // L1 and were streamed from L2 once per weight row.
-  constexpr int64_t kChunk = 32;
-  for (int64_t c0 = n0; c0 < n1; c0 += kChunk) {
-    const int64_t c1 = std::min(n1, c0 + kChunk);
-    for (int64_t r = 0; r < rows_m; r += kRowTile) {
-      const float* xt = x + r * ldx;
-      float* yt = y + r * ldy;
-      for (int64_t n = c0; n < c1; ++n) {
-        switch (std::min(kRowTile, rows_m - r)) {
-          case 8: linear_rows_tile_avx512<KIND, 8>(xt, ldx, w, row_bytes, k, yt, ldy, n); break;
-          case 7: linear_rows_tile_avx512<KIND, 7>(xt, ldx, w, row_bytes, k, yt, ldy, n); break;
-          case 6: linear_rows_tile_avx512<KIND, 6>(xt, ldx, w, row_bytes, k, yt, ldy, n); break;
-          case 5: linear_rows_tile_avx512<KIND, 5>(xt, ldx, w, row_bytes, k, yt, ldy, n); break;
-          case 4: linear_rows_tile_avx512<KIND, 4>(xt, ldx, w, row_bytes, k, yt, ldy, n); break;
-          case 3: linear_rows_tile_avx512<KIND, 3>(xt, ldx, w, row_bytes, k, yt, ldy, n); break;
-          case 2: linear_rows_tile_avx512<KIND, 2>(xt, ldx, w, row_bytes, k, yt, ldy, n); break;
-          default: linear_rows_tile_avx512<KIND, 1>(xt, ldx, w, row_bytes, k, yt, ldy, n); break;
-        }
-      }
-    }
-  }
+  llmrt_kernels::run_tiles(BlockTile<KIND>{x, ldx, w, row_bytes, k, y, ldy}, rows_m, n0, n1, 32);
 }
 
 template <int64_t KIND>
 LLMRT_AVX512 void dequant_rows_avx512(const uint8_t* w, int64_t row_bytes, int64_t k, float* out,
                                       int64_t r0, int64_t r1) {
-  constexpr int64_t bb = KIND == kQ4_0 ? 18 : (KIND == kQ4_1 ? 20 : 34);
+  constexpr int64_t bb = block_bytes_of(KIND);
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* row = w + r * row_bytes;
     float* o = out + r * k;
@@ -237,7 +224,7 @@ LLMRT_AVX512 void dequant_rows_avx512(const uint8_t* w, int64_t row_bytes, int64
 template <int64_t KIND>
 void dequant_rows_scalar(const uint8_t* w, int64_t row_bytes, int64_t k, float* out, int64_t r0,
                          int64_t r1) {
-  constexpr int64_t bb = KIND == kQ4_0 ? 18 : (KIND == kQ4_1 ? 20 : 34);
+  constexpr int64_t bb = block_bytes_of(KIND);
   for (int64_t r = r0; r < r1; ++r)
     for (int64_t b = 0; b < k / kBlock; ++b)
       dequant_block_scalar<KIND>(w + r * row_bytes + b * bb, out + r * k + b * kBlock);
@@ -265,29 +252,24 @@ LLMRT_AVX512 void dense_rows_tile_avx512(const float* x, int64_t ldx, const floa
   for (int64_t r = 0; r < MT; ++r) y[r * ldy + n] = _mm512_reduce_add_ps(acc[r]);
 }
 
+struct DenseTile {
+  const float* x;
+  int64_t ldx;
+  const float* w;
+  int64_t k;
+  float* y;
+  int64_t ldy;
+
+  template <int MT>
+  LLMRT_AVX512 void run(int64_t r, int64_t c0, int64_t c1) const {
+    for (int64_t n = c0; n < c1; ++n)
+      dense_rows_tile_avx512<MT>(x + r * ldx, ldx, w, k, y + r * ldy, ldy, n);
+  }
+};
+
 LLMRT_AVX512 void dense_rows_avx512(const float* x, int64_t ldx, int64_t rows_m, const float* w,
                                     int64_t k, float* y, int64_t ldy, int64_t n0, int64_t n1) {
-  // Chunks of weight rows against tiles of activation rows, as for blocks (see above).
-  constexpr int64_t kChunk = 16;
-  for (int64_t c0 = n0; c0 < n1; c0 += kChunk) {
-    const int64_t c1 = std::min(n1, c0 + kChunk);
-    for (int64_t r = 0; r < rows_m; r += kRowTile) {
-      const float* xt = x + r * ldx;
-      float* yt = y + r * ldy;
-      for (int64_t n = c0; n < c1; ++n) {
-        switch (std::min(kRowTile, rows_m - r)) {
-          case 8: dense_rows_tile_avx512<8>(xt, ldx, w, k, yt, ldy, n); break;
-          case 7: dense_rows_tile_avx512<7>(xt, ldx, w, k, yt, ldy, n); break;
-          case 6: dense_rows_tile_avx512<6>(xt, ldx, w, k, yt, ldy, n); break;
-          case 5: dense_rows_tile_avx512<5>(xt, ldx, w, k, yt, ldy, n); break;
-          case 4: dense_rows_tile_avx512<4>(xt, ldx, w, k, yt, ldy, n); break;
-          case 3: dense_rows_tile_avx512<3>(xt, ldx, w, k, yt, ldy, n); break;
-          case 2: dense_rows_tile_avx512<2>(xt, ldx, w, k, yt, ldy, n); break;
-          default: dense_rows_tile_avx512<1>(xt, ldx, w, k, yt, ldy, n); break;
-        }
-      }
-    }
-  }
+  llmrt_kernels::run_tiles(DenseTile{x, ldx, w, k, y, ldy}, rows_m, n0, n1, 16);
 }
 
 void dense_rows_scalar(const float* x, int64_t ldx, int64_t rows_m, const float* w, int64_t k,

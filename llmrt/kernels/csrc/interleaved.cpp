@@ -34,18 +34,22 @@
 #include <cstring>
 #include <vector>
 
+#include "blocks.h"
 #include "cpu.h"
 #include "linear.h"
+#include "tiles.h"
 
 #define LLMRT_VNNI \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,f16c,fma")))
 
 namespace {
 
-constexpr int64_t kBlock = 32;
-constexpr int64_t kQ4_0 = 2;
-constexpr int64_t kQ4_1 = 3;
-constexpr int64_t kQ8_0 = 8;
+using llmrt_kernels::block_bytes_of;
+using llmrt_kernels::half_at;
+using llmrt_kernels::kBlock;
+using llmrt_kernels::kQ4_0;
+using llmrt_kernels::kQ4_1;
+using llmrt_kernels::kQ8_0;
 
 bool has_vnni() {
   static const bool ok = llmrt_kernels::has_avx512() &&
@@ -54,20 +58,14 @@ bool has_vnni() {
   return ok;
 }
 
-constexpr int64_t bytes_of(int64_t base) { return base == kQ4_0 ? 18 : (base == kQ4_1 ? 20 : 34); }
 constexpr int64_t group_of(int64_t base) { return base == kQ8_0 ? 2 : 4; }
 constexpr int64_t quant_bytes(int64_t base) { return base == kQ8_0 ? 32 : 16; }
 
-inline float half_at(const uint8_t* p) {
-  uint16_t bits;
-  std::memcpy(&bits, p, sizeof(bits));
-  return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
-}
 
 // ---- layout ------------------------------------------------------------------------------
 
 void interleave_row(const uint8_t* src, uint8_t* dst, int64_t base, int64_t nb) {
-  const int64_t bb = bytes_of(base), g = group_of(base), qb = quant_bytes(base);
+  const int64_t bb = block_bytes_of(base), g = group_of(base), qb = quant_bytes(base);
   for (int64_t b0 = 0; b0 < nb; b0 += g) {
     const int64_t c = std::min(g, nb - b0);
     uint8_t* o = dst + b0 * bb;
@@ -94,7 +92,7 @@ struct BlockRef {
 
 inline BlockRef block_at(const uint8_t* row, int64_t base, int64_t nb, int64_t b) {
   const int64_t g = group_of(base), b0 = b - b % g, c = std::min(g, nb - b0), i = b - b0;
-  const uint8_t* o = row + b0 * bytes_of(base);
+  const uint8_t* o = row + b0 * block_bytes_of(base);
   const int64_t qb = quant_bytes(base);
   const float d = half_at(o + qb * c + 2 * i);
   const float m = base == kQ4_1 ? half_at(o + 18 * c + 2 * i) : (base == kQ4_0 ? -8.0f * d : 0.0f);
@@ -124,7 +122,7 @@ void dequant_rows(const uint8_t* w, int64_t row_bytes, int64_t base, int64_t k, 
 template <int64_t BASE>
 LLMRT_VNNI void dequant_rows_avx512(const uint8_t* w, int64_t row_bytes, int64_t k, float* out,
                                     int64_t r0, int64_t r1) {
-  const int64_t nb = k / kBlock, g = group_of(BASE), bb = bytes_of(BASE), qb = quant_bytes(BASE);
+  const int64_t nb = k / kBlock, g = group_of(BASE), bb = block_bytes_of(BASE), qb = quant_bytes(BASE);
   const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* row = w + r * row_bytes;
@@ -164,7 +162,7 @@ template <int64_t BASE>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,f16c,fma"))) void
 dequant_rows_bf16_q4(const uint8_t* w, int64_t row_bytes, int64_t k, uint16_t* out, int64_t r0,
                      int64_t r1) {
-  const int64_t nb = k / kBlock, bb = bytes_of(BASE);
+  const int64_t nb = k / kBlock, bb = block_bytes_of(BASE);
   const __m512 levels = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m256i low = _mm256_set1_epi16(15);
   for (int64_t r = r0; r < r1; ++r) {
@@ -269,7 +267,7 @@ LLMRT_VNNI void q4_tile(const uint8_t* prep, int64_t prep_stride, const uint8_t*
     }
     for (int64_t gi = 0; gi < ng; ++gi) {
       const int64_t c = std::min<int64_t>(4, nb - 4 * gi);
-      const uint8_t* o = row + gi * 4 * bytes_of(BASE);
+      const uint8_t* o = row + gi * 4 * block_bytes_of(BASE);
       const __mmask8 hm = static_cast<__mmask8>((1u << c) - 1);
       const __m512i z = c == 4 ? _mm512_loadu_si512(o) : _mm512_maskz_loadu_epi8(byte_mask(16 * c), o);
       const __m128 d4 = _mm_cvtph_ps(_mm_maskz_loadu_epi16(hm, o + 16 * c));
@@ -332,40 +330,28 @@ LLMRT_VNNI void q8_tile(const uint8_t* prep, int64_t prep_stride, const uint8_t*
   }
 }
 
-template <int MT>
-void tile_for(int64_t base, const uint8_t* prep, int64_t prep_stride, const uint8_t* w,
-              int64_t row_bytes, int64_t nb, float* y, int64_t ldy, int64_t n0, int64_t n1) {
-  switch (base) {
-    case kQ4_0: q4_tile<kQ4_0, MT>(prep, prep_stride, w, row_bytes, nb, y, ldy, n0, n1); break;
-    case kQ4_1: q4_tile<kQ4_1, MT>(prep, prep_stride, w, row_bytes, nb, y, ldy, n0, n1); break;
-    default: q8_tile<MT>(prep, prep_stride, w, row_bytes, nb, y, ldy, n0, n1); break;
-  }
-}
+// The kernel for ``base`` over activation rows [r, r + MT) and a chunk of weight rows
+// (run_tiles drives the chunks and the activation tiles).
+struct VnniTile {
+  int64_t base;
+  const uint8_t* prep;
+  int64_t prep_stride;
+  const uint8_t* w;
+  int64_t row_bytes, nb;
+  float* y;
+  int64_t ldy;
 
-// Rows of x in tiles of up to 8 (one pass over a weight row serves a tile), against chunks
-// of weight rows that stay in L1 across the tiles.
-void vnni_rows(int64_t base, const uint8_t* prep, int64_t prep_stride, int64_t rows_m,
-               const uint8_t* w, int64_t row_bytes, int64_t nb, float* y, int64_t ldy,
-               int64_t n0, int64_t n1) {
-  constexpr int64_t kChunk = 16;
-  for (int64_t c0 = n0; c0 < n1; c0 += kChunk) {
-    const int64_t c1 = std::min(n1, c0 + kChunk);
-    for (int64_t r = 0; r < rows_m; r += 8) {
-      const uint8_t* p = prep + r * prep_stride;
-      float* yy = y + r * ldy;
-      switch (std::min<int64_t>(8, rows_m - r)) {
-        case 8: tile_for<8>(base, p, prep_stride, w, row_bytes, nb, yy, ldy, c0, c1); break;
-        case 7: tile_for<7>(base, p, prep_stride, w, row_bytes, nb, yy, ldy, c0, c1); break;
-        case 6: tile_for<6>(base, p, prep_stride, w, row_bytes, nb, yy, ldy, c0, c1); break;
-        case 5: tile_for<5>(base, p, prep_stride, w, row_bytes, nb, yy, ldy, c0, c1); break;
-        case 4: tile_for<4>(base, p, prep_stride, w, row_bytes, nb, yy, ldy, c0, c1); break;
-        case 3: tile_for<3>(base, p, prep_stride, w, row_bytes, nb, yy, ldy, c0, c1); break;
-        case 2: tile_for<2>(base, p, prep_stride, w, row_bytes, nb, yy, ldy, c0, c1); break;
-        default: tile_for<1>(base, p, prep_stride, w, row_bytes, nb, yy, ldy, c0, c1); break;
-      }
+  template <int MT>
+  void run(int64_t r, int64_t c0, int64_t c1) const {
+    const uint8_t* p = prep + r * prep_stride;
+    float* yr = y + r * ldy;
+    switch (base) {
+      case kQ4_0: q4_tile<kQ4_0, MT>(p, prep_stride, w, row_bytes, nb, yr, ldy, c0, c1); break;
+      case kQ4_1: q4_tile<kQ4_1, MT>(p, prep_stride, w, row_bytes, nb, yr, ldy, c0, c1); break;
+      default: q8_tile<MT>(p, prep_stride, w, row_bytes, nb, yr, ldy, c0, c1); break;
     }
   }
-}
+};
 
 // Without VNNI: dequantize a weight row and take float32 dot products (a layout the
 // automatic choice never picks on such CPUs; kept so the layout runs everywhere).
@@ -406,8 +392,8 @@ void interleaved_range(const float* x, int64_t rows_m, const uint8_t* w, int64_t
     portable_rows(x, rows_m, w, row_bytes, base, k, y, n, n0, n1);
     return;
   }
-  vnni_rows(base, prep, interleaved_prep_bytes(base, k), rows_m, w, row_bytes, k / kBlock, y, n,
-            n0, n1);
+  const VnniTile tile{base, prep, interleaved_prep_bytes(base, k), w, row_bytes, k / kBlock, y, n};
+  llmrt_kernels::run_tiles(tile, rows_m, n0, n1, 16);
 }
 
 void interleaved_linear_into(const float* x, int64_t rows_m, const uint8_t* w, int64_t row_bytes,
