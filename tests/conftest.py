@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -18,3 +19,16 @@ def _isolated_logging() -> Iterator[None]:
     reset_logging()
     yield
     reset_logging()
+
+
+@pytest.fixture
+def inductor_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A private inductor cache for one test; the process-wide setting is restored after."""
+    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+
+    from llmrt.compiled_step import INDUCTOR_CACHE_ENV
+
+    cache = tmp_path / "inductor"
+    monkeypatch.setenv(INDUCTOR_CACHE_ENV, str(cache))
+    with temporary_cache_dir(str(cache)):
+        yield cache

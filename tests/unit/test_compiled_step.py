@@ -14,7 +14,7 @@ import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,6 @@ import pytest
 import torch
 from lane_fixtures import single_torch_thread, tiny_llama  # noqa: F401  (autouse fixture)
 from structlog.testing import capture_logs
-from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
 from llmrt.compiled_step import (
     INDUCTOR_CACHE_ENV,
@@ -46,15 +45,6 @@ SMALL_COVERAGE = [
     "warmup.prefill_batch_sizes=[1]",
 ]
 PROMPTS = ["Hello world", "The quick brown fox", "x" * 40, "paged attention " * 6]
-
-
-@pytest.fixture
-def inductor_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    """A private inductor cache for one test; the process-wide setting is restored after."""
-    cache = tmp_path / "inductor"
-    monkeypatch.setenv(INDUCTOR_CACHE_ENV, str(cache))
-    with temporary_cache_dir(str(cache)):
-        yield cache
 
 
 @attrs.frozen

@@ -15,7 +15,6 @@ import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,6 @@ import pytest
 import torch
 from lane_fixtures import single_torch_thread  # noqa: F401  (autouse fixture)
 from structlog.testing import capture_logs
-from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
 import llmrt.compiled_step as compiled_step
 from llmrt.compiled_step import INDUCTOR_CACHE_ENV, CompileOptions, StepCompiler
@@ -99,14 +97,6 @@ def stub_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.syspath_prepend(str(directory))
     sys.modules.pop("stub_model", None)
     return directory
-
-
-@pytest.fixture
-def inductor_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
-    cache = tmp_path / "inductor"
-    monkeypatch.setenv(INDUCTOR_CACHE_ENV, str(cache))
-    with temporary_cache_dir(str(cache)):
-        yield cache
 
 
 def _stub(seed: int = 0, **kwargs: Any) -> Any:
