@@ -69,13 +69,6 @@ inline float activate(float v, int64_t kind) {
   }
 }
 
-void add_bias(float* y, int64_t rows, int64_t n, const std::optional<at::Tensor>& bias) {
-  if (!bias.has_value()) return;
-  const float* b = bias->const_data_ptr<float>();
-  for (int64_t r = 0; r < rows; ++r)
-    for (int64_t j = 0; j < n; ++j) y[r * n + j] += b[j];
-}
-
 // Rotate the leading ``rot`` channels of one head by the row's tables (rotate-half convention).
 void rope_head(float* v, const float* cos, const float* sin, int64_t rot) {
   const int64_t half = rot / 2;

@@ -300,28 +300,6 @@ int64_t grain_for(int64_t n, int64_t rows_m) {
   return n < 2 * per ? n : per;
 }
 
-template <int64_t KIND>
-void run_linear(const float* x, int64_t rows_m, const uint8_t* w, int64_t row_bytes, int64_t k,
-                float* y, int64_t n) {
-  const bool simd = has_avx512();
-  at::parallel_for(0, n, grain_for(n, rows_m), [&](int64_t n0, int64_t n1) {
-    if (simd)
-      linear_rows_avx512<KIND>(x, k, rows_m, w, row_bytes, k, y, n, n0, n1);
-    else
-      linear_rows_scalar<KIND>(x, k, rows_m, w, row_bytes, k, y, n, n0, n1);
-  });
-}
-
-void run_dense(const float* x, int64_t rows_m, const float* w, int64_t k, float* y, int64_t n) {
-  const bool simd = has_avx512();
-  at::parallel_for(0, n, grain_for(n, rows_m), [&](int64_t n0, int64_t n1) {
-    if (simd)
-      dense_rows_avx512(x, k, rows_m, w, k, y, n, n0, n1);
-    else
-      dense_rows_scalar(x, k, rows_m, w, k, y, n, n0, n1);
-  });
-}
-
 }  // namespace
 
 namespace llmrt_kernels {
@@ -341,21 +319,16 @@ void linear_into(const float* x, int64_t rows_m, const at::Tensor& w, int64_t ki
                  float* y) {
   const int64_t n = w.size(0);
   if (rows_m <= 0 || n <= 0) return;
-  if (kind == kDenseF32) {
-    run_dense(x, rows_m, w.const_data_ptr<float>(), k, y, n);
-    return;
-  }
-  const uint8_t* wp = w.const_data_ptr<uint8_t>();
-  const int64_t rb = w.size(1);
-  if (kind & kInterleaved) {
-    interleaved_linear_into(x, rows_m, wp, rb, kind & ~kInterleaved, k, y, n);
-    return;
-  }
-  switch (kind) {
-    case kQ4_0: run_linear<kQ4_0>(x, rows_m, wp, rb, k, y, n); break;
-    case kQ4_1: run_linear<kQ4_1>(x, rows_m, wp, rb, k, y, n); break;
-    default: run_linear<kQ8_0>(x, rows_m, wp, rb, k, y, n); break;
-  }
+  // The caller's scratch (a thread_local named inside the lambda would be each worker's own).
+  thread_local std::vector<uint8_t> scratch;
+  const int64_t prep_bytes = rows_m * linear_prep_bytes(kind, k);
+  if (static_cast<int64_t>(scratch.size()) < prep_bytes)
+    scratch.resize(static_cast<size_t>(prep_bytes));
+  uint8_t* prep = scratch.data();
+  linear_prepare(x, 0, rows_m, kind, k, prep);
+  at::parallel_for(0, n, grain_for(n, rows_m), [&](int64_t n0, int64_t n1) {
+    linear_range(x, rows_m, w, kind, k, prep, y, n0, n1);
+  });
 }
 
 int64_t linear_prep_bytes(int64_t kind, int64_t k) {
@@ -436,28 +409,6 @@ void run_dequant(const uint8_t* w, int64_t row_bytes, int64_t k, float* out, int
   });
 }
 
-at::Tensor gguf_dequantize(const at::Tensor& blocks, int64_t kind, int64_t in_features) {
-  check_blocks(blocks, kind, in_features);
-  const int64_t rows = blocks.size(0);
-  at::Tensor out = at::empty({rows, in_features}, blocks.options().dtype(at::kFloat));
-  if (rows > 0) {
-    const uint8_t* wp = blocks.const_data_ptr<uint8_t>();
-    float* op = out.mutable_data_ptr<float>();
-    const int64_t rb = blocks.size(1);
-    if (kind & llmrt_kernels::kInterleaved) {
-      llmrt_kernels::interleaved_dequantize(wp, rb, kind & ~llmrt_kernels::kInterleaved,
-                                            in_features, op, rows);
-      return out;
-    }
-    switch (kind) {
-      case kQ4_0: run_dequant<kQ4_0>(wp, rb, in_features, op, rows); break;
-      case kQ4_1: run_dequant<kQ4_1>(wp, rb, in_features, op, rows); break;
-      default: run_dequant<kQ8_0>(wp, rb, in_features, op, rows); break;
-    }
-  }
-  return out;
-}
-
 void dequantize_into(const uint8_t* wp, int64_t rb, int64_t kind, int64_t k, float* op,
                      int64_t rows) {
   if (kind & llmrt_kernels::kInterleaved) {
@@ -471,6 +422,17 @@ void dequantize_into(const uint8_t* wp, int64_t rb, int64_t kind, int64_t k, flo
     default: run_dequant<kQ8_0>(wp, rb, k, op, rows); break;
   }
 }
+
+at::Tensor gguf_dequantize(const at::Tensor& blocks, int64_t kind, int64_t in_features) {
+  check_blocks(blocks, kind, in_features);
+  const int64_t rows = blocks.size(0);
+  at::Tensor out = at::empty({rows, in_features}, blocks.options().dtype(at::kFloat));
+  if (rows > 0)
+    dequantize_into(blocks.const_data_ptr<uint8_t>(), blocks.size(1), kind, in_features,
+                    out.mutable_data_ptr<float>(), rows);
+  return out;
+}
+
 
 __attribute__((target("avx512f,avx512bf16"))) void to_bf16_avx512(const float* in,
                                                                    c10::BFloat16* out,

@@ -396,20 +396,6 @@ void interleaved_range(const float* x, int64_t rows_m, const uint8_t* w, int64_t
   llmrt_kernels::run_tiles(tile, rows_m, n0, n1, 16);
 }
 
-void interleaved_linear_into(const float* x, int64_t rows_m, const uint8_t* w, int64_t row_bytes,
-                             int64_t base, int64_t k, float* y, int64_t n) {
-  const int64_t per_row = interleaved_prep_bytes(base, k);
-  thread_local std::vector<uint8_t> scratch;
-  if (static_cast<int64_t>(scratch.size()) < rows_m * per_row)
-    scratch.resize(static_cast<size_t>(rows_m * per_row));
-  interleaved_prepare(x, 0, rows_m, base, k, scratch.data());
-  const uint8_t* prep = scratch.data();
-  const int64_t grain = n < 64 ? n : (rows_m <= 4 ? 32 : 16);
-  at::parallel_for(0, n, grain, [&](int64_t n0, int64_t n1) {
-    interleaved_range(x, rows_m, w, row_bytes, base, k, prep, y, n, n0, n1);
-  });
-}
-
 bool interleaved_dequantize_bf16(const uint8_t* w, int64_t row_bytes, int64_t base, int64_t k,
                                  uint16_t* out, int64_t rows) {
   static const bool ok = llmrt_kernels::has_avx512_bf16();

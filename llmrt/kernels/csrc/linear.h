@@ -35,8 +35,6 @@ void interleaved_prepare(const float* x, int64_t r0, int64_t r1, int64_t base, i
 void interleaved_range(const float* x, int64_t rows_m, const uint8_t* w, int64_t row_bytes,
                        int64_t base, int64_t k, const uint8_t* prep, float* y, int64_t n,
                        int64_t n0, int64_t n1);
-void interleaved_linear_into(const float* x, int64_t rows_m, const uint8_t* w, int64_t row_bytes,
-                             int64_t base, int64_t k, float* y, int64_t n);
 // bfloat16 bits of the dequantized weight; false (nothing written) where this CPU or kind
 // has no direct path.
 bool interleaved_dequantize_bf16(const uint8_t* w, int64_t row_bytes, int64_t base, int64_t k,
