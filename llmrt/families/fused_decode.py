@@ -14,7 +14,7 @@ use it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, get_args
 
 import torch
 
@@ -77,12 +77,22 @@ def _norm(norm: Norm | None, field: str) -> tuple[torch.Tensor, float]:
     raise NotFusable(f"{field}: {norm.kind} norm")
 
 
-LayerArgs = tuple[tuple[Any, ...], tuple[Any, ...]]
+class StackLayer(NamedTuple):
+    """One layer's arguments to ``llmrt_kernels.DecodeStack``, in its constructor's order."""
+
+    #: attn_norm, mlp_norm, and the qkv, o, up, down weights (borrowed).
+    tensors: tuple[torch.Tensor, ...]
+    #: qkv, o, up, down biases.
+    biases: tuple[torch.Tensor | None, ...]
+    #: qkv, o, up, down weight kinds; heads, KV heads, head_dim, window, activation, gated,
+    #: and the RoPE table index (-1: none).
+    ints: tuple[int, ...]
+    #: eps, attention scale, residual multiplier.
+    floats: tuple[float, ...]
 
 
-def fused_layer_args(layer: DecoderLayer) -> LayerArgs:
-    """The op's static arguments for ``layer`` (weights borrowed) around the per-step ones
-    (hidden, RoPE tables, KV, page table, positions), or ``NotFusable``."""
+def fused_layer_args(layer: DecoderLayer) -> StackLayer:
+    """The stack's arguments for ``layer`` (weights borrowed), or ``NotFusable``."""
     from llmrt.families.decoder import MLP
 
     attention = layer.attention
@@ -102,54 +112,40 @@ def fused_layer_args(layer: DecoderLayer) -> LayerArgs:
     mlp_norm, mlp_eps = _norm(layer.mlp_norm, "mlp_norm")
     if mlp_eps != eps:
         raise NotFusable("norms with different eps")
-    qkv = _linear(attention.qkv, "qkv")
-    o = _linear(attention.o, "o")
-    up = _linear(layer.mlp.up, "up")
-    down = _linear(layer.mlp.down, "down")
-    weights = (attn_norm, mlp_norm, *qkv, *o, *up, *down)
-    shape = (
-        attention.num_heads,
-        attention.num_kv_heads,
-        attention.head_dim,
-        float(eps),
-        float(attention.scale),
-        int(attention.window or 0),
-        ACTIVATIONS[layer.mlp.activation],
-        bool(layer.mlp.gated),
-        float(layer.residual_multiplier),
+    linears = [
+        _linear(attention.qkv, "qkv"),
+        _linear(attention.o, "o"),
+        _linear(layer.mlp.up, "up"),
+        _linear(layer.mlp.down, "down"),
+    ]
+    return StackLayer(
+        tensors=(attn_norm, mlp_norm, *(weight for weight, _, _ in linears)),
+        biases=tuple(bias for _, _, bias in linears),
+        ints=(
+            *(kind for _, kind, _ in linears),
+            attention.num_heads,
+            attention.num_kv_heads,
+            attention.head_dim,
+            int(attention.window or 0),
+            ACTIVATIONS[layer.mlp.activation],
+            int(bool(layer.mlp.gated)),
+            -1 if layer.rope is None else layer.rope,
+        ),
+        floats=(float(eps), float(attention.scale), float(layer.residual_multiplier)),
     )
-    return weights, shape
 
 
 class FusedDecode:
     """One backbone's layers as a ``llmrt_kernels.DecodeStack`` (built once from its
     modules, borrowing their weights): a decode step is one call that runs every layer."""
 
-    def __init__(self, *, layers: list[tuple[int | None, LayerArgs]], max_rows: int) -> None:
-        tensors: list[torch.Tensor] = []
-        biases: list[torch.Tensor | None] = []
-        ints: list[int] = []
-        floats: list[float] = []
-        for rope, (weights, shape) in layers:
-            attn_norm, mlp_norm, *linears = weights
-            tensors += [attn_norm, mlp_norm]
-            for i in range(0, len(linears), 3):
-                blocks, kind, bias = linears[i : i + 3]
-                tensors.append(blocks)
-                ints.append(int(kind))
-                biases.append(bias)
-            heads, kv_heads, head_dim, eps, scale, window, activation, gated, mult = shape
-            ints += [
-                heads,
-                kv_heads,
-                head_dim,
-                window,
-                activation,
-                int(gated),
-                -1 if rope is None else rope,
-            ]
-            floats += [eps, scale, mult]
-        self._stack = torch.classes.llmrt_kernels.DecodeStack(tensors, biases, ints, floats)
+    def __init__(self, *, layers: list[StackLayer], max_rows: int) -> None:
+        self._stack = torch.classes.llmrt_kernels.DecodeStack(
+            [t for layer in layers for t in layer.tensors],
+            [b for layer in layers for b in layer.biases],
+            [i for layer in layers for i in layer.ints],
+            [f for layer in layers for f in layer.floats],
+        )
         #: Steps with this many rows or more run the torch ops instead.
         self.max_rows = max_rows
 
@@ -162,7 +158,7 @@ class FusedDecode:
         built = []
         for i, layer in enumerate(layers):
             try:
-                built.append((layer.rope, fused_layer_args(layer)))
+                built.append(fused_layer_args(layer))
             except NotFusable as exc:
                 raise NotFusable(f"layers.{i}: {exc}") from exc
         dense = all(
