@@ -731,25 +731,14 @@ void decode_layer(const at::Tensor& hidden, const at::Tensor& attn_norm,
                   const at::Tensor& positions, int64_t num_heads, int64_t num_kv_heads,
                   int64_t head_dim, double eps, double scale, int64_t window, int64_t activation,
                   bool gated, double residual_multiplier) {
-  check_float(hidden, "hidden");
-  TORCH_CHECK(hidden.dim() == 2, "llmrt_kernels.decode_layer: hidden must be a contiguous "
-              "[rows, hidden] tensor");
-  const bool rope = cos.dim() == 2 && cos.size(1) > 0;
-  std::vector<LayerSpec> layers{spec_of(attn_norm, mlp_norm, qkv, qkv_kind, qkv_bias, o, o_kind,
-                                        o_bias, up, up_kind, up_bias, down, down_kind, down_bias,
-                                        num_heads, num_kv_heads, head_dim, eps, scale, window,
-                                        activation, gated, residual_multiplier, rope ? 0 : -1)};
-  TORCH_CHECK(cos.dim() == 2 && cos.size(0) == hidden.size(0) && cos.is_contiguous() &&
-                  sin.sizes() == cos.sizes() && sin.is_contiguous() && cos.size(1) <= head_dim &&
-                  cos.size(1) % 2 == 0,
-              "llmrt_kernels.decode_layer: cos/sin must be contiguous [rows, rotary_dim]");
+  // The layer reads RoPE table 0: [rows, 0] tables rotate nothing.
+  const std::vector<LayerSpec> layers{spec_of(
+      attn_norm, mlp_norm, qkv, qkv_kind, qkv_bias, o, o_kind, o_bias, up, up_kind, up_bias, down,
+      down_kind, down_bias, num_heads, num_kv_heads, head_dim, eps, scale, window, activation,
+      gated, residual_multiplier, 0)};
   at::Tensor table, pos;
   StepInputs in{};
-  std::vector<at::Tensor> tables = rope ? std::vector<at::Tensor>{cos} : std::vector<at::Tensor>{};
-  std::vector<at::Tensor> sines = rope ? std::vector<at::Tensor>{sin} : std::vector<at::Tensor>{};
-  check_float(cos, "cos");
-  check_float(sin, "sin");
-  prepare_step(layers, hidden, tables, sines, {k_cache}, {v_cache}, page_table, positions, table,
+  prepare_step(layers, hidden, {cos}, {sin}, {k_cache}, {v_cache}, page_table, positions, table,
                pos, in);
   run_stack(layers, in);
 }
