@@ -26,18 +26,19 @@ WEIGHT_FORMATS: tuple[str, ...] = get_args(WeightFormat)
 QUANTIZED_FORMATS: tuple[str, ...] = ("int8", "int4", "gguf-native")
 
 BlockKind = Literal["q4_0", "q4_1", "q8_0"]
-#: How a weight's blocks are ordered: ``ggml`` as the file holds them, or ``interleaved``
-#: (``csrc/interleaved.cpp``: each row's quants grouped so one 64-byte load holds whole
-#: blocks, for the integer-dot kernels; same bytes per block, rows stay independent).
-BlockLayout = Literal["ggml", "interleaved"]
-BLOCK_LAYOUTS: tuple[str, ...] = get_args(BlockLayout)
-#: Added to the ggml type id in the kernel ops for interleaved blocks.
-INTERLEAVED_TYPE = 256
 BLOCK_KINDS: tuple[str, ...] = get_args(BlockKind)
 BLOCK_SIZE = 32
 #: ggml type ids and bytes per 32-weight block, by kind.
 GGML_TYPE: dict[str, int] = {"q4_0": 2, "q4_1": 3, "q8_0": 8}
 BLOCK_BYTES: dict[str, int] = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
+#: How a weight's blocks are ordered: ``ggml`` as the file holds them, or ``interleaved``
+#: (``csrc/interleaved.cpp``: each row's quants grouped so one 64-byte load holds whole
+#: blocks, for the integer-dot kernels; same bytes per block, rows stay independent).
+BlockLayout = Literal["ggml", "interleaved"]
+BLOCK_LAYOUTS: tuple[str, ...] = get_args(BlockLayout)
+#: Added to the ggml type id in the kernel ops for interleaved blocks (``kInterleaved`` in
+#: csrc/linear.h).
+INTERLEAVED_TYPE = 256
 #: The block kind a float checkpoint is quantized to, by weight format.
 QUANTIZE_TO: dict[str, BlockKind] = {"int8": "q8_0", "int4": "q4_1"}
 
