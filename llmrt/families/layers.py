@@ -281,10 +281,17 @@ def apply_weight_format(model: CausalLM, *, weights: str, field: str) -> int:
                 linear.kernel = child.kernel
                 setattr(parent, name, linear)
                 replaced += 1
-    forget = getattr(getattr(model, "backbone", None), "forget_fused_decode", None)
-    if replaced and callable(forget):
-        forget()  # its op arguments borrowed the float weights just replaced
+    if replaced:
+        _forget_fused_decode(model)
     return replaced
+
+
+def _forget_fused_decode(model: CausalLM) -> None:
+    """Drop the fused decode stack's borrowed weights after linears were replaced (it is
+    rebuilt from the new ones on the next step)."""
+    forget = getattr(getattr(model, "backbone", None), "forget_fused_decode", None)
+    if callable(forget):
+        forget()
 
 
 def linear_weight_bytes(model: CausalLM) -> int:
@@ -384,9 +391,8 @@ def select_weight_layout(model: CausalLM, *, choice: str, device: torch.device) 
             continue
         module.use_weight(module.weight.interleaved())
         changed += 1
-    forget = getattr(getattr(model, "backbone", None), "forget_fused_decode", None)
-    if changed and callable(forget):
-        forget()  # its op arguments borrowed the blocks just replaced
+    if changed:
+        _forget_fused_decode(model)
     return changed
 
 
