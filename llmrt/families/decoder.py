@@ -16,7 +16,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmrt.families import paged_attention
 from llmrt.families.causal_lm import PagedCausalLM
 from llmrt.families.fused_decode import FusedDecode, NotFusable, fused_step_allowed
 from llmrt.families.kvbinding import BoundKV
@@ -446,7 +445,7 @@ class DecoderBackbone(nn.Module):
         """The fused op arguments, built on first use (after any weight-format change)."""
         if self._fused is None and self._not_fused is None:
             try:
-                self._fused = FusedDecode.build(list(self.layers))  # type: ignore[arg-type]
+                self._fused = FusedDecode.build(self)
             except NotFusable as exc:
                 self._not_fused = str(exc)
         return self._fused
@@ -539,7 +538,7 @@ class DecoderBackbone(nn.Module):
         page_table: torch.Tensor,
         kv: BoundKV,
     ) -> torch.Tensor | None:
-        """One decode step (one token per row) through the fused layer op: float32 logits
+        """One decode step (one token per row) as one ``FusedDecode.step`` call: float32 logits
         ``[B, vocab]``, or None when this step cannot take it (the caller then plans it for
         the torch ops). It needs no write plan or mask: the op resolves both per row."""
         rows = int(tokens.shape[0])
@@ -552,22 +551,23 @@ class DecoderBackbone(nn.Module):
         fused = self._fused_plan()
         if fused is None or rows >= fused.max_rows:
             return None
-        pos = positions.to(dtype=torch.long)
-        clamped = pos.clamp(min=0)
-        hidden, ropes = self._embed(tokens=tokens[:, None], positions=clamped[:, None])
-        # The pages in use only, as the torch path trims them (where a host read is allowed).
-        table = page_table
-        if paged_attention.host_sync_allowed(self.device()):
-            blocks = max(1, min(page_table.shape[1], int(clamped.max()) // kv.block_size + 1))
-            table = page_table[:, :blocks]
-        hidden = fused.run(hidden, ropes=ropes, page_table=table, positions=pos, kv=kv)
-        return self.logits(hidden[:, 0])
+        ropes = [
+            (getattr(self, cos_name), getattr(self, sin_name))
+            for cos_name, sin_name in map(self._rope_names, range(len(self.spec.ropes)))
+        ]
+        logits = fused.step(
+            tokens=tokens, positions=positions, page_table=page_table, ropes=ropes, kv=kv
+        )
+        return self._scaled_logits(logits)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head (scaled, soft-capped), as float32."""
         if self.norm is not None:
             hidden = self.norm(hidden)
-        logits: torch.Tensor = self.lm_head(hidden)
+        return self._scaled_logits(self.lm_head(hidden))
+
+    def _scaled_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The LM head's output times the logit scale, soft-capped (where the model has them)."""
         if self.spec.logit_scale != 1.0:
             logits = logits * self.spec.logit_scale
         if self.spec.final_softcap is not None:

@@ -1,15 +1,16 @@
-"""Decode steps on the CPU with one C++ op per decoder layer (``llmrt_kernels::decode_layer``).
+"""Decode steps on the CPU as one C++ call (``llmrt_kernels::DecodeStack.step``).
 
 Why: at batch 1 a layer's weights take ~0.1 ms to stream, while its ~60 eager torch ops
-cost ~0.5 ms of dispatch, so an eager decode step is mostly overhead. The fused op runs
-the same parts (pre-norm RMSNorm, fused q/k/v with RoPE and the paged K/V write,
-grouped-query attention over the row's pages, output projection, gated or plain MLP) over
-the same weights, borrowed from the built modules as stored (ggml blocks or float32).
+cost ~0.5 ms of dispatch, so an eager decode step is mostly overhead; even the embedding,
+RoPE lookup, final norm and LM head as torch ops cost ~0.9 ms of a 6 ms SmolLM2 step. The
+call runs the same parts (token embedding, pre-norm RMSNorm, fused q/k/v with RoPE and the
+paged K/V write, grouped-query attention over the row's pages, output projection, gated or
+plain MLP, final norm, LM head) over the same weights, borrowed from the built modules as
+stored (ggml blocks or float32).
 
-A model takes the fused path only when every part of every layer is one the op implements;
-otherwise its decode steps stay on the torch ops and ``DecoderBackbone.fused_decode_status()``
-names the first part that is not. Prefill, CUDA, compiled steps and CUDA-graph captures never
-use it.
+A model takes the fused path only when every part is one the call implements; otherwise its
+decode steps stay on the torch ops and ``DecoderBackbone.fused_decode_status()`` names the
+first part that is not. Prefill, CUDA, compiled steps and CUDA-graph captures never use it.
 """
 
 from __future__ import annotations
@@ -19,11 +20,11 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple, get_args
 import torch
 
 from llmrt.errors import ConfigError
-from llmrt.families.layers import FrozenLinear, QuantizedLinear
+from llmrt.families.layers import FrozenLinear, QuantizedEmbedding, QuantizedLinear
 from llmrt.kernels.native import kernels_available
 
 if TYPE_CHECKING:
-    from llmrt.families.decoder import DecoderLayer, Norm
+    from llmrt.families.decoder import DecoderBackbone, DecoderLayer, Norm
     from llmrt.families.kvbinding import BoundKV
 
 #: ``device.decode_kernel``: ``auto`` runs CPU decode steps fused where every layer's parts
@@ -135,56 +136,107 @@ def fused_layer_args(layer: DecoderLayer) -> StackLayer:
     )
 
 
-class FusedDecode:
-    """One backbone's layers as a ``llmrt_kernels.DecodeStack`` (built once from its
-    modules, borrowing their weights): a decode step is one call that runs every layer."""
+class StackEnds(NamedTuple):
+    """The step's ends, in ``DecodeStack.set_ends``'s order (weights borrowed)."""
 
-    def __init__(self, *, layers: list[StackLayer], max_rows: int) -> None:
+    #: Token embedding rows (ggml blocks or float32), their kind, and the embedding scale.
+    embed: torch.Tensor
+    embed_kind: int
+    embed_scale: float
+    #: Final RMSNorm weight and eps.
+    norm: torch.Tensor
+    eps: float
+    #: LM head weight, kind and bias.
+    head: torch.Tensor
+    head_kind: int
+    head_bias: torch.Tensor | None
+
+
+def fused_ends_args(backbone: DecoderBackbone) -> StackEnds:
+    """The embedding and final norm + LM head arguments, or ``NotFusable``."""
+    if backbone.embed_positions is not None:
+        raise NotFusable("embed_positions: learned position embeddings")
+    vocab = backbone.spec.model.vocab_size
+    embed = backbone.embed_tokens
+    if isinstance(embed, QuantizedEmbedding):
+        table, embed_kind = embed.blocks, embed.ggml_type
+    elif embed.weight.dtype == torch.float32 and embed.weight.is_contiguous():
+        table, embed_kind = embed.weight.data, DENSE_F32
+    else:
+        raise NotFusable(f"embed_tokens: {embed.weight.dtype} rows, not float32 or ggml blocks")
+    norm, eps = _norm(backbone.norm, "norm")
+    head, head_kind, head_bias = _linear(backbone.lm_head, "lm_head")
+    return StackEnds(
+        # Ids past the model's vocabulary read its last row, as the torch path clamps them.
+        embed=table[:vocab],
+        embed_kind=embed_kind,
+        embed_scale=float(backbone.spec.embedding_scale),
+        norm=norm,
+        eps=float(eps),
+        head=head,
+        head_kind=head_kind,
+        head_bias=head_bias,
+    )
+
+
+class FusedDecode:
+    """One backbone as a ``llmrt_kernels.DecodeStack`` (built once from its modules,
+    borrowing their weights): a decode step is one call from token ids to logits."""
+
+    def __init__(self, *, layers: list[StackLayer], ends: StackEnds, max_rows: int) -> None:
         self._stack = torch.classes.llmrt_kernels.DecodeStack(
             [t for layer in layers for t in layer.tensors],
             [b for layer in layers for b in layer.biases],
             [i for layer in layers for i in layer.ints],
             [f for layer in layers for f in layer.floats],
         )
+        self._stack.set_ends(*ends)
         #: Steps with this many rows or more run the torch ops instead.
         self.max_rows = max_rows
 
     @classmethod
-    def build(cls, layers: list[DecoderLayer]) -> FusedDecode:
-        """Every layer's arguments, or ``NotFusable`` naming the first part that is not."""
+    def build(cls, backbone: DecoderBackbone) -> FusedDecode:
+        """Every part's arguments, or ``NotFusable`` naming the first part that is not."""
         ok, why = kernels_available()
         if not ok:
             raise NotFusable(why)
+        layers: list[DecoderLayer] = list(backbone.layers)  # type: ignore[arg-type]
         built = []
         for i, layer in enumerate(layers):
             try:
                 built.append(fused_layer_args(layer))
             except NotFusable as exc:
                 raise NotFusable(f"layers.{i}: {exc}") from exc
+        ends = fused_ends_args(backbone)
         dense = all(
             isinstance(linear, FrozenLinear)
             for layer in layers
             for linear in (layer.attention.qkv, layer.attention.o, layer.mlp.up, layer.mlp.down)
         )
-        return cls(layers=built, max_rows=MAX_ROWS_DENSE if dense else MAX_ROWS_BLOCKS)
+        return cls(layers=built, ends=ends, max_rows=MAX_ROWS_DENSE if dense else MAX_ROWS_BLOCKS)
 
-    def run(
+    def step(
         self,
-        hidden: torch.Tensor,
         *,
-        ropes: list[tuple[torch.Tensor, torch.Tensor]],
-        page_table: torch.Tensor,
+        tokens: torch.Tensor,
         positions: torch.Tensor,
+        page_table: torch.Tensor,
+        ropes: list[tuple[torch.Tensor, torch.Tensor]],
         kv: BoundKV,
     ) -> torch.Tensor:
-        """``hidden`` ``[B, 1, H]`` through every layer at ``positions`` ``[B]`` (negative:
-        a padding row that writes nothing); returns ``[B, 1, H]``."""
-        rows = hidden.shape[0]
-        state = hidden.reshape(rows, -1).contiguous()
-        cos = [c.reshape(rows, -1).contiguous() for c, _ in ropes]
-        sin = [s.reshape(rows, -1).contiguous() for _, s in ropes]
-        self._stack.run(state, cos, sin, list(kv.keys), list(kv.values), page_table, positions)
-        return state.view(rows, 1, -1)
+        """Token ids ``[B]`` at ``positions`` ``[B]`` (negative: a padding row that writes
+        nothing) through the whole model, RoPE read from the ``ropes`` cos/sin caches;
+        returns float32 logits ``[B, vocab]`` (before any logit scale or soft-cap)."""
+        logits: torch.Tensor = self._stack.step(
+            tokens,
+            positions,
+            page_table,
+            [cos for cos, _ in ropes],
+            [sin for _, sin in ropes],
+            list(kv.keys),
+            list(kv.values),
+        )
+        return logits
 
 
 #: KV cache dtypes the op reads and writes (converted to and from float32 in registers).

@@ -43,15 +43,15 @@ NOT_FUSABLE = {
 
 @pytest.fixture
 def counted_runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """How many decode steps ran through ``FusedDecode.run``."""
+    """How many decode steps ran through ``FusedDecode.step`` (rows of each)."""
     calls: list[int] = []
-    original = FusedDecode.run
+    original = FusedDecode.step
 
-    def run(self: FusedDecode, hidden: torch.Tensor, **kwargs: Any) -> torch.Tensor:
-        calls.append(int(hidden.shape[0]))
-        return original(self, hidden, **kwargs)
+    def step(self: FusedDecode, *, tokens: torch.Tensor, **kwargs: Any) -> torch.Tensor:
+        calls.append(int(tokens.shape[0]))
+        return original(self, tokens=tokens, **kwargs)
 
-    monkeypatch.setattr(FusedDecode, "run", run)
+    monkeypatch.setattr(FusedDecode, "step", step)
     return calls
 
 
@@ -64,10 +64,10 @@ def _build(case: str, parity_harness: Any, *, weights: str | None = None) -> Any
 
 
 def _run(
-    harness: Any, *, fused: bool, kv_dtype: torch.dtype = torch.float32
+    harness: Any, *, fused: bool, kv_dtype: torch.dtype = torch.float32, rows: int = 3
 ) -> tuple[list[Any], list[torch.Tensor]]:
-    """Greedy runs over a noise-filled cache (stored as ``kv_dtype``); returns the runs and
-    the cache afterwards."""
+    """Greedy runs of ``rows`` prompts and a padding row over a noise-filled cache (stored as
+    ``kv_dtype``); returns the runs and the cache afterwards."""
     harness.model.backbone.fused_decode = fused
     bound: list[Any] = []
     bind = harness.bind
@@ -82,29 +82,37 @@ def _run(
 
     harness.bind = noisy_bind
     try:
-        prompts = [harness.prompt(n, seed=30 + n) for n in (14, 9, 12)]
-        runs = harness.greedy(prompts, cuts=[[5, 8], [], [6]], align="end", pad_row=True, steps=12)
+        lengths = [(14, 9, 12)[i % 3] + i // 3 for i in range(rows)]
+        prompts = [harness.prompt(n, seed=30 + i) for i, n in enumerate(lengths)]
+        cuts = [([5, 8], [], [6])[i % 3] for i in range(rows)]
+        runs = harness.greedy(prompts, cuts=cuts, align="end", pad_row=True, steps=12)
     finally:
         del harness.bind
     return runs, bound[0].snapshot()
 
 
 def _run_both(
-    harness: Any, kv_dtype: torch.dtype = torch.float32
+    harness: Any, kv_dtype: torch.dtype = torch.float32, rows: int = 3
 ) -> tuple[list[Any], list[Any], list[torch.Tensor], list[torch.Tensor]]:
-    fused, fused_kv = _run(harness, fused=True, kv_dtype=kv_dtype)
-    ops, ops_kv = _run(harness, fused=False, kv_dtype=kv_dtype)
+    fused, fused_kv = _run(harness, fused=True, kv_dtype=kv_dtype, rows=rows)
+    ops, ops_kv = _run(harness, fused=False, kv_dtype=kv_dtype, rows=rows)
     return fused, ops, fused_kv, ops_kv
 
 
-@pytest.mark.parametrize("case", sorted(FUSABLE))
+@pytest.mark.parametrize(
+    ("case", "rows"),
+    [(case, 3) for case in sorted(FUSABLE)] + [("llama-yarn-biases", 8), ("gemma-geglu-tied", 8)],
+)
 def test_fused_decode_matches_torch_ops(
-    case: str, parity_harness: Any, counted_runs: list[int]
+    case: str, rows: int, parity_harness: Any, counted_runs: list[int]
 ) -> None:
+    """3 prompts and a padding row: each thread keeps its own residual stream; 8 and a
+    padding row (more than ``kPrivateRows``): the team shares it, split by rows."""
     harness = _build(case, parity_harness)
     assert harness.model.backbone.fused_decode_status() is None
-    fused, ops, fused_kv, ops_kv = _run_both(harness)
+    fused, ops, fused_kv, ops_kv = _run_both(harness, rows=rows)
     assert counted_runs, "the fused path never ran"
+    assert max(counted_runs) == rows + 1
     for a, b in zip(fused, ops, strict=True):
         assert a.tokens == b.tokens
         torch.testing.assert_close(a.logits, b.logits, rtol=0, atol=1e-5)
@@ -307,6 +315,74 @@ def test_the_stack_runs_layers_as_the_single_layer_op_does() -> None:
         stack.run(x.clone(), [cos], [sin], caches[:1], caches[2:3], table, positions)
     with pytest.raises(RuntimeError, match="RoPE table 0 is not given"):
         stack.run(x.clone(), [], [], caches[:2], caches[2:], table, positions)
+
+
+@pytest.mark.parametrize("rows", [2, 7])
+@pytest.mark.parametrize("embed_kind", ["float32", "q8_0"])
+def test_a_step_is_embedding_layers_norm_and_head(rows: int, embed_kind: str) -> None:
+    """``DecodeStack.step`` from token ids equals the embedding rows (scaled) through
+    ``run``, then RMSNorm and the LM head with its bias, all stated with torch ops here;
+    ids past the table read its last row, RoPE rows come from the caches at each position."""
+    from llmrt.kernels.formats import GGML_TYPE, quantize
+    from llmrt.kernels.native import load_kernels
+
+    load_kernels()
+    gen = torch.Generator().manual_seed(5)
+    hidden, heads, kv_heads, dim, vocab = 32, 2, 1, 16, 40
+    layers = [_stack_layer(hidden, heads, kv_heads, dim, seed) for seed in (1, 2)]
+    stack = torch.classes.llmrt_kernels.DecodeStack(
+        [t for layer in layers for t in layer[0]],
+        [b for layer in layers for b in layer[1]],
+        [i for layer in layers for i in layer[2]],
+        [f for layer in layers for f in layer[3]],
+    )
+    table_f = torch.randn(vocab, hidden, generator=gen)
+    if embed_kind == "q8_0":
+        blocks = quantize(table_f, kind="q8_0", field="embed")
+        embed, kind, dense = blocks.blocks, GGML_TYPE["q8_0"], blocks.dequantize()
+    else:
+        embed, kind, dense = table_f, 0, table_f
+    norm = 1.0 + 0.1 * torch.randn(hidden, generator=gen)
+    head = torch.randn(vocab + 3, hidden, generator=gen) * 0.1
+    head_bias = torch.randn(vocab + 3, generator=gen)
+    stack.set_ends(embed, kind, 1.5, norm, 1e-6, head, 0, head_bias)
+    assert stack.has_ends()
+    cos_cache = torch.rand(64, dim // 2, generator=gen)
+    sin_cache = torch.rand(64, dim // 2, generator=gen)
+    tokens = torch.tensor([3, vocab + 7, 0, 11, 5, 39, 2][:rows])
+    positions = torch.tensor([9, 3, -1, 0, 12, 20, 7][:rows])
+    table = torch.arange(rows * 4, dtype=torch.int32).reshape(rows, 4)
+    caches = [torch.randn(rows * 4, kv_heads, 8, dim, generator=gen) for _ in range(4)]
+
+    got_caches = [c.clone() for c in caches]
+    logits = stack.step(tokens, positions, table, [cos_cache], [sin_cache], got_caches[:2],
+                        got_caches[2:])  # fmt: skip
+
+    want_caches = [c.clone() for c in caches]
+    state = dense[tokens.clamp(max=vocab - 1)] * 1.5
+    where = positions.clamp(min=0)
+    cos = torch.cat([cos_cache[where]] * 2, dim=-1)
+    sin = torch.cat([sin_cache[where]] * 2, dim=-1)
+    stack.run(state, [cos], [sin], want_caches[:2], want_caches[2:], table, positions)
+    normed = torch.nn.functional.rms_norm(state, (hidden,), eps=1e-6) * norm
+    want = normed @ head.t() + head_bias
+    assert logits.shape == (rows, vocab + 3)
+    torch.testing.assert_close(logits, want, rtol=0, atol=1e-4)
+    for a, b in zip(got_caches, want_caches, strict=True):
+        assert torch.equal(a, b)
+
+    with pytest.raises(RuntimeError, match="final norm weight must hold"):
+        stack.set_ends(embed, kind, 1.0, torch.ones(hidden + 1), 1e-6, head, 0, None)
+    with pytest.raises(RuntimeError, match="head_bias"):
+        stack.set_ends(embed, kind, 1.0, norm, 1e-6, head, 0, torch.ones(2))
+    with pytest.raises(RuntimeError, match="one position per token"):
+        stack.step(tokens, positions[:1], table, [cos_cache], [sin_cache], caches[:2], caches[2:])
+    with pytest.raises(RuntimeError, match="RoPE tables"):
+        stack.step(tokens, positions, table, [cos_cache.t()], [sin_cache.t()], caches[:2],
+                   caches[2:])  # fmt: skip
+    bare = torch.classes.llmrt_kernels.DecodeStack(*[list(part) for part in layers[0]])
+    with pytest.raises(RuntimeError, match="set_ends first"):
+        bare.step(tokens, positions, table, [cos_cache], [sin_cache], caches[:1], caches[2:3])
 
 
 def test_recipes_choose_the_decode_kernel_through_the_container(counted_runs: list[int]) -> None:

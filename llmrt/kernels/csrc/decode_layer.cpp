@@ -26,6 +26,9 @@
 #include <immintrin.h>
 
 #include <algorithm>
+#include <atomic>
+#include <memory>
+#include <utility>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -302,21 +305,54 @@ Paged<T> paged(const at::Tensor& k_cache, const at::Tensor& v_cache, const int64
 
 // ---- one step over a stack of layers, run by a team of threads -----------------------------
 //
-// A step runs every layer inside one OpenMP parallel region: each phase (norm, a linear's
-// output columns, RoPE and the K/V write per row, attention per (row, KV head), the MLP
-// activation) is split across the team, with a barrier between phases. Why: a region per
-// kernel call costs a fork/join each (5 per layer, ~3-4 us apiece at 2 threads), and a torch
-// op per layer ~15 us of dispatch, against ~0.1 ms of weight streaming per SmolLM2 layer.
+// A step runs every layer inside one OpenMP parallel region. Why: a region per kernel call
+// costs a fork/join each (5 per layer, ~3-4 us apiece at 2 threads), and a torch op per layer
+// ~15 us of dispatch, against ~0.1 ms of weight streaming per SmolLM2 layer.
+//
+// Five phases per layer end in a barrier: q/k/v, attention, output projection, MLP up (with
+// its activation), MLP down. Each is shared out as it goes: threads take chunks of output
+// columns (or attention tasks) from the phase's counter, so a core that runs slower (another
+// process's time slice, a cold cache) does less instead of holding the others at the barrier
+// (at batch 1 on a 2-core VM, static halves left one thread waiting ~15% of the step). With
+// few rows, the work between the phases (activation prep, residual, RMSNorm) is done by every
+// thread on its own copy, which costs less than the barrier a split would need.
+
+// Rows up to which every thread keeps its own residual stream and prepared activations.
+constexpr int64_t kPrivateRows = 4;
 
 struct Team {
   int tid;
   int nt;
+  // One counter per shared phase of the step, zeroed before the team starts; every thread
+  // walks the phases in the same order, so ``phase`` names the same counter on each.
+  std::atomic<int64_t>* counters;
+  int64_t phase = 0;
+
   // [a, b): this thread's share of n items.
   void split(int64_t n, int64_t& a, int64_t& b) const {
     a = n * tid / nt;
     b = n * (tid + 1) / nt;
   }
+
+  std::atomic<int64_t>& next_phase() { return counters[phase++]; }
 };
+
+// The next chunk [a, b) of ``n`` items from ``next``, or false when none is left. Guided: a
+// chunk is 1/(2 nt) of what remains (few counter updates on a big LM head), at least and a
+// multiple of ``unit`` items.
+bool take(std::atomic<int64_t>& next, int64_t n, int64_t unit, int nt, int64_t& a, int64_t& b) {
+  int64_t c0 = next.load(std::memory_order_relaxed);
+  while (c0 < n) {
+    const int64_t size = std::max(unit, (n - c0) / (2 * nt) / unit * unit);
+    const int64_t c1 = std::min(n, c0 + size);
+    if (next.compare_exchange_weak(c0, c1, std::memory_order_relaxed)) {
+      a = c0;
+      b = c1;
+      return true;
+    }
+  }
+  return false;
+}
 
 inline void team_barrier() {
 #pragma omp barrier
@@ -405,48 +441,81 @@ struct Scratch {
   std::vector<std::vector<float>>* scores;  // one per thread
 };
 
-// One linear by the whole team; the caller puts a barrier after it.
-void team_linear(const Team& team, const float* x, int64_t rows, const at::Tensor& w,
-                 int64_t kind, int64_t k, uint8_t* prep, float* y) {
-  if (llmrt_kernels::linear_prep_bytes(kind, k) > 0) {
-    int64_t a, b;
-    team.split(rows, a, b);
-    llmrt_kernels::linear_prepare(x, a, b, kind, k, prep);
-    team_barrier();
+// Where a thread reads the residual stream and the normed rows, and prepares activations:
+// its own copies (few rows) or the team's shared buffers.
+struct Stream {
+  float* h;
+  float* normed;
+  uint8_t* prep;
+  bool own;
+};
+
+// ``x`` prepared for a linear of ``kind`` (nullptr when it reads float32 x directly): every
+// row into this thread's buffer, or its share of the rows into the shared one and a barrier.
+const uint8_t* prepare_x(const Team& team, const Stream& st, const float* x, int64_t rows,
+                         int64_t kind, int64_t k) {
+  if (llmrt_kernels::linear_prep_bytes(kind, k) == 0) return nullptr;
+  if (st.own) {
+    llmrt_kernels::linear_prepare(x, 0, rows, kind, k, st.prep);
+    return st.prep;
   }
-  int64_t n0, n1;
-  team.split(w.size(0), n0, n1);
-  llmrt_kernels::linear_range(x, rows, w, kind, k, prep, y, n0, n1);
+  int64_t a, b;
+  team.split(rows, a, b);
+  llmrt_kernels::linear_prepare(x, a, b, kind, k, st.prep);
+  team_barrier();
+  return st.prep;
 }
 
-// Rows [r0, r1): bias, RoPE, then the K/V write at each row's position.
+// Weight rows a chunk of a linear is made of (the kernels' tile loop walks 16 at a time).
+constexpr int64_t kChunkUnit = 16;
+
+// One linear by the whole team, output columns taken in chunks (``bias``, when given, added
+// to them); the caller puts a barrier after it.
+void team_linear(Team& team, const Stream& st, const float* x, int64_t rows, const at::Tensor& w,
+                 int64_t kind, int64_t k, float* y, const float* bias = nullptr) {
+  const uint8_t* prep = prepare_x(team, st, x, rows, kind, k);
+  std::atomic<int64_t>& next = team.next_phase();
+  const int64_t n = w.size(0);
+  int64_t a, b;
+  while (take(next, n, kChunkUnit, team.nt, a, b)) {
+    llmrt_kernels::linear_range(x, rows, w, kind, k, prep, y, a, b);
+    if (bias != nullptr)
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t c = a; c < b; ++c) y[r * n + c] += bias[c];
+  }
+}
+
+// Row ``r``, KV head ``g``: bias, RoPE of the group's query heads and the key, then the K/V
+// write at the row's position (the columns no other task touches).
 template <typename T>
 void rope_and_write(const Paged<T>& kv, const LayerSpec& s, const int64_t* pos_p,
                     const float* cos_p, const float* sin_p, int64_t rot, float* qkv_p,
-                    int64_t r0, int64_t r1) {
-  for (int64_t r = r0; r < r1; ++r) {
-    float* row = qkv_p + r * s.qkv_width;
-    if (s.qkv_bias.has_value()) {
-      const float* b = s.qkv_bias->const_data_ptr<float>();
-      for (int64_t j = 0; j < s.qkv_width; ++j) row[j] += b[j];
+                    int64_t r, int64_t g) {
+  float* row = qkv_p + r * s.qkv_width;
+  const int64_t group = s.num_heads / s.num_kv_heads, d = s.head_dim;
+  float* q = row + g * group * d;
+  float* k_new = row + s.q_width + g * d;
+  float* v_new = row + s.q_width + s.kv_width + g * d;
+  if (s.qkv_bias.has_value()) {
+    const float* b = s.qkv_bias->const_data_ptr<float>();
+    for (float* part : {q, k_new, v_new}) {
+      const int64_t cols = part == q ? group * d : d;
+      const float* pb = b + (part - row);
+      for (int64_t j = 0; j < cols; ++j) part[j] += pb[j];
     }
-    if (rot > 0)
-      for (int64_t hd = 0; hd < s.num_heads + s.num_kv_heads; ++hd)
-        rope_head(row + hd * s.head_dim, cos_p + r * rot, sin_p + r * rot, rot);
-    const int64_t p = pos_p[r];
-    if (p < 0 || p / kv.block_size >= kv.width) continue;
-    const int64_t block = kv.table[r * kv.width + p / kv.block_size];
-    if (block < 0) continue;
-    const int64_t offset = p % kv.block_size;
-    for (int64_t g = 0; g < s.num_kv_heads; ++g) {
-      const int64_t at = block * kv.s0 + g * kv.s1 + offset * kv.s2;
-      const float* k_new = row + s.q_width + g * s.head_dim;
-      const float* v_new = row + s.q_width + s.kv_width + g * s.head_dim;
-      for (int64_t d = 0; d < s.head_dim; ++d) {
-        kv.k[at + d] = static_cast<T>(k_new[d]);
-        kv.v[at + d] = static_cast<T>(v_new[d]);
-      }
-    }
+  }
+  if (rot > 0) {
+    for (int64_t j = 0; j < group; ++j) rope_head(q + j * d, cos_p + r * rot, sin_p + r * rot, rot);
+    rope_head(k_new, cos_p + r * rot, sin_p + r * rot, rot);
+  }
+  const int64_t p = pos_p[r];
+  if (p < 0 || p / kv.block_size >= kv.width) return;
+  const int64_t block = kv.table[r * kv.width + p / kv.block_size];
+  if (block < 0) return;
+  const int64_t at = block * kv.s0 + g * kv.s1 + (p % kv.block_size) * kv.s2;
+  for (int64_t c = 0; c < d; ++c) {
+    kv.k[at + c] = static_cast<T>(k_new[c]);
+    kv.v[at + c] = static_cast<T>(v_new[c]);
   }
 }
 
@@ -561,47 +630,92 @@ struct StepInputs {
   std::vector<at::Tensor> k, v;
 };
 
+// The residual after a linear (``proj``), then ``norm``(h) into the normed rows: every row
+// on this thread's copy, or its share of the shared rows and a barrier.
+void team_residual(const Team& team, const Stream& st, int64_t rows, int64_t width,
+                   const float* proj, const std::optional<at::Tensor>& bias, double mult,
+                   const at::Tensor* norm, double eps) {
+  if (st.own) {
+    residual_rows(st.h, proj, bias, mult, width, norm, eps, st.normed, 0, rows);
+    return;
+  }
+  int64_t a, b;
+  team.split(rows, a, b);
+  residual_rows(st.h, proj, bias, mult, width, norm, eps, st.normed, a, b);
+  team_barrier();
+}
+
+// The MLP's up projection and activation, in chunks of intermediate columns: a chunk's gate
+// and up columns, then their activation (no barrier between the two).
+void team_mlp_up(Team& team, const Stream& st, const LayerSpec& s, int64_t rows, int64_t width,
+                 Scratch& sc) {
+  const uint8_t* prep = prepare_x(team, st, st.normed, rows, s.up_kind, width);
+  std::atomic<int64_t>& next = team.next_phase();
+  int64_t a, b;
+  while (take(next, s.inter, kChunkUnit, team.nt, a, b)) {
+    llmrt_kernels::linear_range(st.normed, rows, s.up, s.up_kind, width, prep, sc.up, a, b);
+    if (s.gated)
+      llmrt_kernels::linear_range(st.normed, rows, s.up, s.up_kind, width, prep, sc.up,
+                                  s.inter + a, s.inter + b);
+    activate_cols(s, sc.up, sc.act, rows, a, b);
+  }
+}
+
+// One layer; its last residual writes ``next_norm``(h) into the normed rows (the next layer's
+// pre-norm, or the final norm before the LM head).
 template <typename T>
-void layer_by_team(const Team& team, const LayerSpec& s, const LayerSpec* next,
-                   const StepInputs& in, size_t li, Scratch& sc) {
+void layer_by_team(Team& team, const Stream& st, const LayerSpec& s, const at::Tensor* next_norm,
+                   double next_eps, const StepInputs& in, size_t li, Scratch& sc) {
   const int64_t rows = in.rows, width = in.width;
   const Paged<T> kv = paged<T>(in.k[li], in.v[li], in.table, in.table_width);
-  int64_t a, b;
-  // q/k/v (the pre-norm was written by the previous phase), RoPE and the K/V write.
-  team_linear(team, sc.normed, rows, s.qkv, s.qkv_kind, width, sc.prep, sc.qkv);
+  // q/k/v of the pre-normed rows.
+  team_linear(team, st, st.normed, rows, s.qkv, s.qkv_kind, width, sc.qkv);
   team_barrier();
+  // Per (row, KV head): bias, RoPE and the K/V write of that head, then its attention.
   const bool has_rope = s.rope >= 0;
   const int64_t rot = has_rope ? in.cos[s.rope].size(1) : 0;
   const float* cos_p = has_rope ? in.cos[s.rope].const_data_ptr<float>() : nullptr;
   const float* sin_p = has_rope ? in.sin[s.rope].const_data_ptr<float>() : nullptr;
-  team.split(rows, a, b);
-  rope_and_write<T>(kv, s, in.pos, cos_p, sin_p, rot, sc.qkv, a, b);
-  team_barrier();
-  team.split(rows * s.num_kv_heads, a, b);
-  attend_range<T>(kv, s, in.pos, sc.qkv, sc.attn, a, b, (*sc.scores)[team.tid]);
+  {
+    std::atomic<int64_t>& next = team.next_phase();
+    const int64_t tasks = rows * s.num_kv_heads;
+    for (int64_t task = next.fetch_add(1, std::memory_order_relaxed); task < tasks;
+         task = next.fetch_add(1, std::memory_order_relaxed)) {
+      rope_and_write<T>(kv, s, in.pos, cos_p, sin_p, rot, sc.qkv, task / s.num_kv_heads,
+                        task % s.num_kv_heads);
+      attend_range<T>(kv, s, in.pos, sc.qkv, sc.attn, task, task + 1, (*sc.scores)[team.tid]);
+    }
+  }
   team_barrier();
   // Output projection, residual, MLP pre-norm.
-  team_linear(team, sc.attn, rows, s.o, s.o_kind, s.q_width, sc.prep, sc.proj);
+  team_linear(team, st, sc.attn, rows, s.o, s.o_kind, s.q_width, sc.proj);
   team_barrier();
-  team.split(rows, a, b);
-  residual_rows(in.h, sc.proj, s.o_bias, s.mult, width, &s.mlp_norm, s.eps, sc.normed, a, b);
-  team_barrier();
+  team_residual(team, st, rows, width, sc.proj, s.o_bias, s.mult, &s.mlp_norm, s.eps);
   // MLP, residual, and the next layer's pre-norm.
-  team_linear(team, sc.normed, rows, s.up, s.up_kind, width, sc.prep, sc.up);
+  team_mlp_up(team, st, s, rows, width, sc);
   team_barrier();
-  team.split(s.inter, a, b);
-  activate_cols(s, sc.up, sc.act, rows, a, b);
+  team_linear(team, st, sc.act, rows, s.down, s.down_kind, s.inter, sc.proj);
   team_barrier();
-  team_linear(team, sc.act, rows, s.down, s.down_kind, s.inter, sc.prep, sc.proj);
-  team_barrier();
-  team.split(rows, a, b);
-  residual_rows(in.h, sc.proj, s.down_bias, s.mult, width,
-                next == nullptr ? nullptr : &next->attn_norm, next == nullptr ? 0.0 : next->eps,
-                sc.normed, a, b);
-  team_barrier();
+  team_residual(team, st, rows, width, sc.proj, s.down_bias, s.mult, next_norm, next_eps);
 }
 
-void run_stack(const std::vector<LayerSpec>& layers, StepInputs& in) {
+// A step's ends besides the layers (borrowed): the token embedding (ggml blocks or dense
+// float32 rows, times ``embed_scale``) and the final RMSNorm + LM head (+ bias).
+struct Ends {
+  at::Tensor embed;
+  int64_t embed_kind;
+  double embed_scale;
+  at::Tensor norm;
+  double eps;
+  at::Tensor head;
+  int64_t head_kind;
+  std::optional<at::Tensor> head_bias;
+};
+
+// Every layer over ``in.h``; with ``ends``, then the final norm and the LM head into
+// ``logits`` ``[rows, vocab]`` in the same team.
+void run_stack(const std::vector<LayerSpec>& layers, StepInputs& in, const Ends* ends = nullptr,
+               float* logits = nullptr) {
   const int64_t rows = in.rows, width = in.width;
   if (rows == 0 || layers.empty()) return;
   int64_t max_qkv = 0, max_q = 0, max_up = 0, max_inter = 0, max_prep = 0;
@@ -615,10 +729,19 @@ void run_stack(const std::vector<LayerSpec>& layers, StepInputs& in) {
                          llmrt_kernels::linear_prep_bytes(s.up_kind, width),
                          llmrt_kernels::linear_prep_bytes(s.down_kind, s.inter)});
   }
-  const int64_t floats = rows * (2 * width + max_qkv + max_q + max_up + max_inter);
-  at::Tensor buffer = at::empty({floats * 4 + rows * max_prep + 64},
+  if (ends != nullptr)
+    max_prep = std::max(max_prep, llmrt_kernels::linear_prep_bytes(ends->head_kind, width));
+  const int nt = std::max(1, at::get_num_threads());
+  const bool own = rows <= kPrivateRows;
+  // Shared: normed, proj, qkv, attn, up, act, prep; per thread (few rows): h, normed, prep.
+  const auto lines = [](int64_t n) { return (n + 63) / 64 * 64; };  // whole cache lines
+  const int64_t shared = lines(rows * (2 * width + max_qkv + max_q + max_up + max_inter) * 4 +
+                               rows * max_prep);
+  const int64_t per_thread = own ? lines(rows * (2 * width * 4 + max_prep)) : 0;
+  at::Tensor buffer = at::empty({shared + nt * per_thread},
                                 at::TensorOptions().dtype(at::kByte));
-  float* base = reinterpret_cast<float*>(buffer.mutable_data_ptr<uint8_t>());
+  uint8_t* bytes = buffer.mutable_data_ptr<uint8_t>();
+  float* base = reinterpret_cast<float*>(bytes);
   Scratch sc{};
   sc.normed = base;
   sc.proj = sc.normed + rows * width;
@@ -627,28 +750,58 @@ void run_stack(const std::vector<LayerSpec>& layers, StepInputs& in) {
   sc.up = sc.attn + rows * max_q;
   sc.act = sc.up + rows * max_up;
   sc.prep = reinterpret_cast<uint8_t*>(sc.act + rows * max_inter);
-  const int nt = std::max(1, at::get_num_threads());
   std::vector<std::vector<float>> scores(static_cast<size_t>(nt));
   sc.scores = &scores;
-  rms_norm_rows(in.h, rows, width, layers[0].attn_norm.const_data_ptr<float>(), layers[0].eps,
-                sc.normed);
-  const auto body = [&](const Team& team) {
+  // Counters of the shared phases: five per layer and the LM head.
+  const int64_t phases = 5 * static_cast<int64_t>(layers.size()) + 1;
+  std::unique_ptr<std::atomic<int64_t>[]> counters(new std::atomic<int64_t>[phases]);
+  for (int64_t i = 0; i < phases; ++i) counters[i].store(0, std::memory_order_relaxed);
+  const auto body = [&](Team& team) {
+    Stream st{in.h, sc.normed, sc.prep, false};
+    if (own) {
+      // This thread's copy of the residual stream (every copy takes the same steps, so they
+      // stay bit-equal) and its pre-norm.
+      uint8_t* mine = bytes + shared + team.tid * per_thread;
+      st.h = reinterpret_cast<float*>(mine);
+      st.normed = st.h + rows * width;
+      st.prep = reinterpret_cast<uint8_t*>(st.normed + rows * width);
+      st.own = true;
+      std::copy_n(in.h, rows * width, st.h);
+    }
+    if (own || team.tid == 0)
+      rms_norm_rows(st.h, rows, width, layers[0].attn_norm.const_data_ptr<float>(),
+                    layers[0].eps, st.normed);
+    if (!own) team_barrier();
     for (size_t i = 0; i < layers.size(); ++i) {
-      const LayerSpec* next = i + 1 < layers.size() ? &layers[i + 1] : nullptr;
+      const bool last = i + 1 == layers.size();
+      const at::Tensor* norm = !last ? &layers[i + 1].attn_norm
+                                     : (ends != nullptr ? &ends->norm : nullptr);
+      const double eps = !last ? layers[i + 1].eps : (ends != nullptr ? ends->eps : 0.0);
       switch (in.k[i].scalar_type()) {
-        case at::kHalf: layer_by_team<c10::Half>(team, layers[i], next, in, i, sc); break;
-        case at::kBFloat16: layer_by_team<c10::BFloat16>(team, layers[i], next, in, i, sc); break;
-        default: layer_by_team<float>(team, layers[i], next, in, i, sc); break;
+        case at::kHalf:
+          layer_by_team<c10::Half>(team, st, layers[i], norm, eps, in, i, sc);
+          break;
+        case at::kBFloat16:
+          layer_by_team<c10::BFloat16>(team, st, layers[i], norm, eps, in, i, sc);
+          break;
+        default: layer_by_team<float>(team, st, layers[i], norm, eps, in, i, sc); break;
       }
     }
+    if (own && team.tid == 0) std::copy_n(st.h, rows * width, in.h);
+    if (ends == nullptr) return;
+    team_linear(team, st, st.normed, rows, ends->head, ends->head_kind, width, logits,
+                ends->head_bias.has_value() ? ends->head_bias->const_data_ptr<float>()
+                                            : nullptr);
   };
   if (nt == 1 || at::in_parallel_region()) {
-    body(Team{0, 1});
+    Team team{0, 1, counters.get()};
+    body(team);
     return;
   }
 #pragma omp parallel num_threads(nt)
   {
-    body(Team{omp_get_thread_num(), omp_get_num_threads()});
+    Team team{omp_get_thread_num(), omp_get_num_threads(), counters.get()};
+    body(team);
   }
 }
 
@@ -772,7 +925,97 @@ struct DecodeStack : torch::CustomClassHolder {
     }
   }
 
+  std::optional<Ends> ends;
+
   int64_t num_layers() const { return static_cast<int64_t>(layers.size()); }
+
+  // The embedding before the layers and the final norm + LM head after them (borrowed), so
+  // that ``step`` runs a whole decode step: token ids in, logits out.
+  void set_ends(at::Tensor embed, int64_t embed_kind, double embed_scale, at::Tensor norm,
+                double eps, at::Tensor head, int64_t head_kind,
+                std::optional<at::Tensor> head_bias) {
+    const int64_t width = layers[0].attn_norm.numel();
+    llmrt_kernels::check_weight(embed, embed_kind, width);
+    TORCH_CHECK(embed.size(0) > 0, "llmrt_kernels.DecodeStack: an empty embedding");
+    check_float(norm, "the final norm weight");
+    TORCH_CHECK(norm.is_contiguous() && norm.numel() == width,
+                "llmrt_kernels.DecodeStack: the final norm weight must hold ", width, " values");
+    llmrt_kernels::check_weight(head, head_kind, width);
+    check_vector(head_bias, head.size(0), "head_bias");
+    ends = Ends{embed, embed_kind, embed_scale, norm, eps, head, head_kind, head_bias};
+  }
+
+  bool has_ends() const { return ends.has_value(); }
+
+  // One decode step from token ids: embedding (ids clamped to the table), every layer, final
+  // norm and LM head. ``cos_tables``/``sin_tables`` are the RoPE caches ``[positions,
+  // rotary_dim / 2]``, read at each row's position clamped to them (padding rows, negative,
+  // read row 0). Returns float32 logits ``[rows, vocab]``.
+  at::Tensor step(at::Tensor tokens, at::Tensor positions, at::Tensor page_table,
+                  std::vector<at::Tensor> cos_tables, std::vector<at::Tensor> sin_tables,
+                  std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches) {
+    TORCH_CHECK(ends.has_value(), "llmrt_kernels.DecodeStack: step needs set_ends first");
+    const Ends& e = *ends;
+    TORCH_CHECK(tokens.dim() == 1 && !tokens.is_floating_point(),
+                "llmrt_kernels.DecodeStack: tokens must be integer ids [rows]");
+    TORCH_CHECK(positions.dim() == 1 && positions.numel() == tokens.numel(),
+                "llmrt_kernels.DecodeStack: one position per token");
+    TORCH_CHECK(cos_tables.size() == sin_tables.size(),
+                "llmrt_kernels.DecodeStack: cos and sin lists differ");
+    const int64_t rows = tokens.size(0), width = layers[0].attn_norm.numel();
+    const at::Tensor tok = tokens.to(at::kLong).contiguous();
+    const at::Tensor at_pos = positions.to(at::kLong).contiguous();
+    const int64_t* tok_p = tok.const_data_ptr<int64_t>();
+    const int64_t* pos_p = at_pos.const_data_ptr<int64_t>();
+    at::Tensor hidden = at::empty({rows, width}, tok.options().dtype(at::kFloat));
+    float* h = hidden.mutable_data_ptr<float>();
+    const int64_t last_id = e.embed.size(0) - 1;
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t id = std::clamp<int64_t>(tok_p[r], 0, last_id);
+      if (e.embed_kind == llmrt_kernels::kDenseF32) {
+        std::copy_n(e.embed.const_data_ptr<float>() + id * width, width, h + r * width);
+      } else {
+        const int64_t rb = e.embed.size(1);
+        llmrt_kernels::dequantize_rows(e.embed.const_data_ptr<uint8_t>() + id * rb, rb,
+                                       e.embed_kind, width, h + r * width, 1);
+      }
+      if (e.embed_scale != 1.0) {
+        const float scale = static_cast<float>(e.embed_scale);
+        for (int64_t j = 0; j < width; ++j) h[r * width + j] *= scale;
+      }
+    }
+    std::vector<at::Tensor> cos(cos_tables.size()), sin(sin_tables.size());
+    for (size_t i = 0; i < cos_tables.size(); ++i) {
+      const at::Tensor& ct = cos_tables[i];
+      const at::Tensor& st = sin_tables[i];
+      check_float(ct, "cos");
+      check_float(st, "sin");
+      TORCH_CHECK(ct.dim() == 2 && ct.size(0) > 0 && ct.is_contiguous() &&
+                      st.sizes() == ct.sizes() && st.is_contiguous(),
+                  "llmrt_kernels.DecodeStack: RoPE tables must be contiguous [positions, "
+                  "rotary_dim / 2]");
+      const int64_t half = ct.size(1), n = ct.size(0);
+      cos[i] = at::empty({rows, 2 * half}, ct.options());
+      sin[i] = at::empty({rows, 2 * half}, ct.options());
+      for (int64_t r = 0; r < rows; ++r) {
+        const int64_t at = std::clamp<int64_t>(pos_p[r], 0, n - 1) * half;
+        for (const auto& [table, out] : {std::pair{&ct, &cos[i]}, std::pair{&st, &sin[i]}}) {
+          const float* src = table->const_data_ptr<float>() + at;
+          float* dst = out->mutable_data_ptr<float>() + r * 2 * half;
+          std::copy_n(src, half, dst);
+          std::copy_n(src, half, dst + half);
+        }
+      }
+    }
+    at::Tensor logits = at::empty({rows, e.head.size(0)}, hidden.options());
+    if (rows == 0) return logits;
+    at::Tensor table, pos;
+    StepInputs in{};
+    prepare_step(layers, hidden, cos, sin, k_caches, v_caches, page_table, at_pos, table, pos,
+                 in);
+    run_stack(layers, in, &e, logits.mutable_data_ptr<float>());
+    return logits;
+  }
 
   void run(at::Tensor hidden, std::vector<at::Tensor> cos, std::vector<at::Tensor> sin,
            std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
@@ -799,6 +1042,9 @@ TORCH_LIBRARY_FRAGMENT(llmrt_kernels, m) {
       .def(torch::init<std::vector<at::Tensor>, c10::List<std::optional<at::Tensor>>,
                        std::vector<int64_t>, std::vector<double>>())
       .def("num_layers", &DecodeStack::num_layers)
+      .def("set_ends", &DecodeStack::set_ends)
+      .def("has_ends", &DecodeStack::has_ends)
+      .def("step", &DecodeStack::step)
       .def("run", &DecodeStack::run);
 }
 

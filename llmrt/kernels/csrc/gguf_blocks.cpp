@@ -409,11 +409,14 @@ void run_dequant(const uint8_t* w, int64_t row_bytes, int64_t k, float* out, int
   });
 }
 
-void dequantize_into(const uint8_t* wp, int64_t rb, int64_t kind, int64_t k, float* op,
+}  // namespace
+
+namespace llmrt_kernels {
+
+void dequantize_rows(const uint8_t* wp, int64_t rb, int64_t kind, int64_t k, float* op,
                      int64_t rows) {
-  if (kind & llmrt_kernels::kInterleaved) {
-    llmrt_kernels::interleaved_dequantize(wp, rb, kind & ~llmrt_kernels::kInterleaved, k, op,
-                                          rows);
+  if (kind & kInterleaved) {
+    interleaved_dequantize(wp, rb, kind & ~kInterleaved, k, op, rows);
     return;
   }
   switch (kind) {
@@ -423,13 +426,17 @@ void dequantize_into(const uint8_t* wp, int64_t rb, int64_t kind, int64_t k, flo
   }
 }
 
+}  // namespace llmrt_kernels
+
+namespace {
+
 at::Tensor gguf_dequantize(const at::Tensor& blocks, int64_t kind, int64_t in_features) {
   check_blocks(blocks, kind, in_features);
   const int64_t rows = blocks.size(0);
   at::Tensor out = at::empty({rows, in_features}, blocks.options().dtype(at::kFloat));
   if (rows > 0)
-    dequantize_into(blocks.const_data_ptr<uint8_t>(), blocks.size(1), kind, in_features,
-                    out.mutable_data_ptr<float>(), rows);
+    llmrt_kernels::dequantize_rows(blocks.const_data_ptr<uint8_t>(), blocks.size(1), kind,
+                                   in_features, out.mutable_data_ptr<float>(), rows);
   return out;
 }
 
@@ -466,7 +473,7 @@ at::Tensor gguf_dequantize_bf16(const at::Tensor& blocks, int64_t kind, int64_t 
     std::vector<float> buf(static_cast<size_t>(kRows * in_features));
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t r0 = c * kRows, n = std::min(kRows, rows - r0);
-      dequantize_into(wp + r0 * rb, rb, kind, in_features, buf.data(), n);
+      llmrt_kernels::dequantize_rows(wp + r0 * rb, rb, kind, in_features, buf.data(), n);
       c10::BFloat16* dst = op + r0 * in_features;
       if (bf16_ops) {
         to_bf16_avx512(buf.data(), dst, n * in_features);

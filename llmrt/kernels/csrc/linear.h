@@ -28,6 +28,10 @@ void linear_prepare(const float* x, int64_t r0, int64_t r1, int64_t kind, int64_
 void linear_range(const float* x, int64_t rows_m, const at::Tensor& w, int64_t kind, int64_t k,
                   const uint8_t* prep, float* y, int64_t n0, int64_t n1);
 
+// Rows of a block weight of ``kind`` (either layout) as float32 ``[rows, k]``.
+void dequantize_rows(const uint8_t* w, int64_t row_bytes, int64_t kind, int64_t k, float* out,
+                     int64_t rows);
+
 // The interleaved layout's kernels (interleaved.cpp); ``base`` is the ggml type id.
 int64_t interleaved_prep_bytes(int64_t base, int64_t k);
 void interleaved_prepare(const float* x, int64_t r0, int64_t r1, int64_t base, int64_t k,
