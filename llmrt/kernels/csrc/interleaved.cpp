@@ -194,7 +194,8 @@ dequant_rows_bf16_q4(const uint8_t* w, int64_t row_bytes, int64_t k, uint16_t* o
 //                     0-15 at 16*i, 16-31 at 64 + 16*i; Q8_0: natural order)
 //   scale[16]         float dx / 256 per dot-product lane (lane -> block: 4-bit 4 lanes,
 //                     Q8_0 8 lanes)
-//   extra[16]         4-bit: float sum of the block's x (for the m term) in lanes 0..G-1;
+//   extra[16]         4-bit: float sum of the block's x (for the m term) in lanes 4..4+G-1,
+//                     zeros in lanes 0..3 (lined up with the kernel's d, m vector);
 //                     Q8_0: int32 128 * (256 * sum h + sum l) in the block's first lane
 //                     (removes the +128 of the stored quants)
 constexpr int64_t kGroupPrep = 2 * 128 + 64 + 64;
@@ -240,7 +241,7 @@ LLMRT_VNNI void prepare_row(const float* x, int64_t k, int64_t base, uint8_t* pr
       corr[lanes * i] = 128 * (256 * sum_h + sum_l);
     } else {
       float* sx = reinterpret_cast<float*>(p + 320);
-      sx[i] = dx * (static_cast<float>(sum_h) + static_cast<float>(sum_l) / 256.0f);
+      sx[4 + i] = dx * (static_cast<float>(sum_h) + static_cast<float>(sum_l) / 256.0f);
     }
   }
 }
@@ -249,54 +250,74 @@ LLMRT_VNNI void prepare_row(const float* x, int64_t k, int64_t base, uint8_t* pr
 
 inline __mmask64 byte_mask(int64_t n) { return n >= 64 ? ~0ULL : ((1ULL << n) - 1); }
 
-// MT activation rows against weight rows [n0, n1) of a 4-bit kind.
+// One group of 4-bit blocks (quants ``z``; ``dm`` = d in lanes 0-3, m in lanes 4-7) against
+// MT activation rows. Per row: 4 vpdpbusd chained into 256 h + l (no zeroed second
+// accumulator, no add), and the m term as one 256-bit FMA against the prepared sums.
+template <int MT>
+LLMRT_VNNI inline void q4_group(const uint8_t* p, int64_t prep_stride, __m512i z, __m256 dm,
+                                __m512* acc, __m256* macc) {
+  const __m512i low = _mm512_set1_epi8(15);
+  const __m512i lane_block = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  const __m512i wl = _mm512_and_si512(z, low);
+  const __m512i wh = _mm512_and_si512(_mm512_srli_epi16(z, 4), low);
+  const __m512 dl = _mm512_permutexvar_ps(lane_block, _mm512_castps256_ps512(dm));
+  for (int r = 0; r < MT; ++r, p += prep_stride) {
+    __m512i iv = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wl, _mm512_loadu_si512(p));
+    iv = _mm512_dpbusd_epi32(iv, wh, _mm512_loadu_si512(p + 64));
+    iv = _mm512_dpbusd_epi32(_mm512_slli_epi32(iv, 8), wl, _mm512_loadu_si512(p + 128));
+    iv = _mm512_dpbusd_epi32(iv, wh, _mm512_loadu_si512(p + 192));
+    const __m512 s = _mm512_mul_ps(dl, _mm512_loadu_ps(reinterpret_cast<const float*>(p + 256)));
+    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iv), s, acc[r]);
+    macc[r] = _mm256_fmadd_ps(dm, _mm256_loadu_ps(reinterpret_cast<const float*>(p + 320)), macc[r]);
+  }
+}
+
+// d (lanes 0-3) and m (lanes 4-7; Q4_0: -8 d) of a group's ``c`` blocks.
+template <int64_t BASE>
+LLMRT_VNNI inline __m256 group_dm(const uint8_t* o, int64_t c) {
+  const __mmask8 m = static_cast<__mmask8>((1u << c) - 1);
+  const __m128 d = _mm_cvtph_ps(_mm_maskz_loadu_epi16(m, o + 16 * c));
+  const __m128 mv = BASE == kQ4_1 ? _mm_cvtph_ps(_mm_maskz_loadu_epi16(m, o + 18 * c))
+                                  : _mm_mul_ps(d, _mm_set1_ps(-8.0f));
+  return _mm256_set_m128(mv, d);
+}
+
+// MT activation rows against weight rows [n0, n1) of a 4-bit kind (whole groups with one
+// load of their d and m, then the last group of fewer blocks, if any).
 template <int64_t BASE, int MT>
 LLMRT_VNNI void q4_tile(const uint8_t* prep, int64_t prep_stride, const uint8_t* w,
                         int64_t row_bytes, int64_t nb, float* y, int64_t ldy, int64_t n0,
                         int64_t n1) {
-  const __m512i low = _mm512_set1_epi8(15);
-  const __m512i lane_block = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-  const int64_t ng = (nb + 3) / 4;
+  constexpr int64_t gb = 4 * block_bytes_of(BASE);
+  const int64_t full = nb / 4;
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * row_bytes;
     __m512 acc[MT];
-    __m128 macc[MT];
+    __m256 macc[MT];
     for (int r = 0; r < MT; ++r) {
       acc[r] = _mm512_setzero_ps();
-      macc[r] = _mm_setzero_ps();
+      macc[r] = _mm256_setzero_ps();
     }
-    for (int64_t gi = 0; gi < ng; ++gi) {
-      const int64_t c = std::min<int64_t>(4, nb - 4 * gi);
-      const uint8_t* o = row + gi * 4 * block_bytes_of(BASE);
-      const __mmask8 hm = static_cast<__mmask8>((1u << c) - 1);
-      const __m512i z = c == 4 ? _mm512_loadu_si512(o) : _mm512_maskz_loadu_epi8(byte_mask(16 * c), o);
-      const __m128 d4 = _mm_cvtph_ps(_mm_maskz_loadu_epi16(hm, o + 16 * c));
-      __m128 m4;
-      if constexpr (BASE == kQ4_1)
-        m4 = _mm_cvtph_ps(_mm_maskz_loadu_epi16(hm, o + 18 * c));
-      else
-        m4 = _mm_mul_ps(d4, _mm_set1_ps(-8.0f));
-      const __m512i wl = _mm512_and_si512(z, low);
-      const __m512i wh = _mm512_and_si512(_mm512_srli_epi16(z, 4), low);
-      const __m512 dl = _mm512_permutexvar_ps(lane_block, _mm512_castps128_ps512(d4));
-      for (int r = 0; r < MT; ++r) {
-        const uint8_t* p = prep + r * prep_stride + gi * kGroupPrep;
-        __m512i ih = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wl, _mm512_loadu_si512(p));
-        ih = _mm512_dpbusd_epi32(ih, wh, _mm512_loadu_si512(p + 64));
-        __m512i il = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wl, _mm512_loadu_si512(p + 128));
-        il = _mm512_dpbusd_epi32(il, wh, _mm512_loadu_si512(p + 192));
-        const __m512i iv = _mm512_add_epi32(_mm512_slli_epi32(ih, 8), il);
-        const __m512 s = _mm512_mul_ps(dl, _mm512_loadu_ps(reinterpret_cast<const float*>(p + 256)));
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iv), s, acc[r]);
-        macc[r] = _mm_fmadd_ps(m4, _mm_loadu_ps(reinterpret_cast<const float*>(p + 320)), macc[r]);
+    for (int64_t gi = 0; gi < full; ++gi) {
+      const uint8_t* o = row + gi * gb;
+      __m256 dm;
+      if constexpr (BASE == kQ4_1) {
+        dm = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 64)));
+      } else {
+        const __m128 d = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(o + 64)));
+        dm = _mm256_set_m128(_mm_mul_ps(d, _mm_set1_ps(-8.0f)), d);
       }
+      q4_group<MT>(prep + gi * kGroupPrep, prep_stride, _mm512_loadu_si512(o), dm, acc, macc);
     }
-    for (int r = 0; r < MT; ++r) {
-      __m128 t = macc[r];
-      t = _mm_add_ps(t, _mm_movehl_ps(t, t));
-      t = _mm_add_ss(t, _mm_shuffle_ps(t, t, 1));
-      y[r * ldy + n] = _mm512_reduce_add_ps(acc[r]) + _mm_cvtss_f32(t);
+    if (4 * full < nb) {
+      const int64_t c = nb - 4 * full;
+      const uint8_t* o = row + full * gb;
+      q4_group<MT>(prep + full * kGroupPrep, prep_stride,
+                   _mm512_maskz_loadu_epi8(byte_mask(16 * c), o), group_dm<BASE>(o, c), acc,
+                   macc);
     }
+    for (int r = 0; r < MT; ++r)
+      y[r * ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], _mm512_zextps256_ps512(macc[r])));
   }
 }
 
