@@ -64,10 +64,15 @@ def _build(case: str, parity_harness: Any, *, weights: str | None = None) -> Any
 
 
 def _run(
-    harness: Any, *, fused: bool, kv_dtype: torch.dtype = torch.float32, rows: int = 3
+    harness: Any,
+    *,
+    fused: bool,
+    kv_dtype: torch.dtype = torch.float32,
+    rows: int = 3,
+    pad_row: bool = True,
 ) -> tuple[list[Any], list[torch.Tensor]]:
-    """Greedy runs of ``rows`` prompts and a padding row over a noise-filled cache (stored as
-    ``kv_dtype``); returns the runs and the cache afterwards."""
+    """Greedy runs of ``rows`` prompts (and a padding row) over a noise-filled cache (stored
+    as ``kv_dtype``); returns the runs and the cache afterwards."""
     harness.model.backbone.fused_decode = fused
     bound: list[Any] = []
     bind = harness.bind
@@ -85,34 +90,38 @@ def _run(
         lengths = [(14, 9, 12)[i % 3] + i // 3 for i in range(rows)]
         prompts = [harness.prompt(n, seed=30 + i) for i, n in enumerate(lengths)]
         cuts = [([5, 8], [], [6])[i % 3] for i in range(rows)]
-        runs = harness.greedy(prompts, cuts=cuts, align="end", pad_row=True, steps=12)
+        runs = harness.greedy(prompts, cuts=cuts, align="end", pad_row=pad_row, steps=12)
     finally:
         del harness.bind
     return runs, bound[0].snapshot()
 
 
 def _run_both(
-    harness: Any, kv_dtype: torch.dtype = torch.float32, rows: int = 3
+    harness: Any, kv_dtype: torch.dtype = torch.float32, rows: int = 3, pad_row: bool = True
 ) -> tuple[list[Any], list[Any], list[torch.Tensor], list[torch.Tensor]]:
-    fused, fused_kv = _run(harness, fused=True, kv_dtype=kv_dtype, rows=rows)
-    ops, ops_kv = _run(harness, fused=False, kv_dtype=kv_dtype, rows=rows)
+    fused, fused_kv = _run(harness, fused=True, kv_dtype=kv_dtype, rows=rows, pad_row=pad_row)
+    ops, ops_kv = _run(harness, fused=False, kv_dtype=kv_dtype, rows=rows, pad_row=pad_row)
     return fused, ops, fused_kv, ops_kv
 
 
 @pytest.mark.parametrize(
-    ("case", "rows"),
-    [(case, 3) for case in sorted(FUSABLE)] + [("llama-yarn-biases", 8), ("gemma-geglu-tied", 8)],
+    ("case", "rows", "pad_row"),
+    [(case, 3, True) for case in sorted(FUSABLE)]
+    + [("llama-yarn-biases", 8, True), ("gemma-geglu-tied", 8, True)]
+    + [("llama-yarn-biases", 1, False), ("mistral-window", 1, False)],
 )
 def test_fused_decode_matches_torch_ops(
-    case: str, rows: int, parity_harness: Any, counted_runs: list[int]
+    case: str, rows: int, pad_row: bool, parity_harness: Any, counted_runs: list[int]
 ) -> None:
     """3 prompts and a padding row: each thread keeps its own residual stream; 8 and a
-    padding row (more than ``kPrivateRows``): the team shares it, split by rows."""
+    padding row (more than ``kPrivateRows``): the team shares it, split by rows; 1 prompt
+    (2 KV heads: fewer attention tasks than twice a 2-thread team): each task's keys are
+    split in parts and merged."""
     harness = _build(case, parity_harness)
     assert harness.model.backbone.fused_decode_status() is None
-    fused, ops, fused_kv, ops_kv = _run_both(harness, rows=rows)
+    fused, ops, fused_kv, ops_kv = _run_both(harness, rows=rows, pad_row=pad_row)
     assert counted_runs, "the fused path never ran"
-    assert max(counted_runs) == rows + 1
+    assert max(counted_runs) == rows + pad_row
     for a, b in zip(fused, ops, strict=True):
         assert a.tokens == b.tokens
         torch.testing.assert_close(a.logits, b.logits, rtol=0, atol=1e-5)

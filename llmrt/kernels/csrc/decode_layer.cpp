@@ -267,7 +267,7 @@ template <typename T, int NV>
 LLMRT_AVX512 void attend_task_avx512(const Paged<T>& kv, const int64_t* row_table, int64_t g,
                                      int64_t first, int64_t count, const float* q,
                                      int64_t group, float scale, float* out,
-                                     std::vector<float>& scores) {
+                                     std::vector<float>& scores, float* stats) {
   constexpr int kMaxHeads = NV <= 4 ? 4 : 2;  // output registers: kMaxHeads * NV <= 16
   const int64_t head_dim = 16 * NV;
   scores.resize(static_cast<size_t>(group * count));
@@ -276,7 +276,12 @@ LLMRT_AVX512 void attend_task_avx512(const Paged<T>& kv, const int64_t* row_tabl
   for (int64_t j = 0; j < group; ++j) {
     float* sj = s + j * count;
     const float top = *std::max_element(sj, sj + count);
-    const float inv = 1.0f / exp_shift_sum_avx512(sj, count, top);
+    const float total = exp_shift_sum_avx512(sj, count, top);
+    if (stats != nullptr) {
+      stats[2 * j] = top;
+      stats[2 * j + 1] = total;
+    }
+    const float inv = 1.0f / total;
     const __m512 vinv = _mm512_set1_ps(inv);
     int64_t t = 0;
     for (; t + 16 <= count; t += 16)
@@ -437,6 +442,8 @@ struct Scratch {
   float* proj;
   float* up;
   float* act;
+  float* part;   // attention split over key parts: [rows, parts, q_width]
+  float* stats;  // and each part's (max, sum) per head: [rows, parts, heads, 2]
   uint8_t* prep;
   std::vector<std::vector<float>>* scores;  // one per thread
 };
@@ -446,6 +453,7 @@ struct Scratch {
 struct Stream {
   float* h;
   float* normed;
+  float* attn;  // (own) the attention output merged from key parts
   uint8_t* prep;
   bool own;
 };
@@ -519,66 +527,116 @@ void rope_and_write(const Paged<T>& kv, const LayerSpec& s, const int64_t* pos_p
   }
 }
 
-// Attention tasks [t0, t1) of rows * num_kv_heads (see the file comment for which keys).
+// Keys [first, last] row ``r`` attends to (see the file comment).
+inline void key_span(const LayerSpec& s, int64_t pos, int64_t span, int64_t& first,
+                     int64_t& last) {
+  const int64_t p = std::max<int64_t>(pos, 0);
+  last = std::min(p, span - 1);
+  first = s.window > 0 ? std::max<int64_t>(0, p - s.window + 1) : 0;
+}
+
+// Row ``r``'s attention for KV head ``g`` over keys [first, first + count): the group's
+// softmax-weighted values into ``out``; with ``stats``, each query head's largest score and
+// sum of exponentials (what merging parts of a key range needs; a part with no keys gives
+// -inf and 0).
 template <typename T>
-void attend_range(const Paged<T>& kv, const LayerSpec& s, const int64_t* pos_p,
-                  const float* qkv_p, float* attn_p, int64_t t0, int64_t t1,
-                  std::vector<float>& scores) {
+void attend_keys(const Paged<T>& kv, const LayerSpec& s, int64_t r, int64_t g, int64_t first,
+                 int64_t count, const float* q, float* out, std::vector<float>& scores,
+                 float* stats) {
   const int64_t head_dim = s.head_dim;
   const int64_t group = s.num_heads / s.num_kv_heads;
   const float fscale = static_cast<float>(s.scale);
-  const int64_t span = kv.width * kv.block_size;
   const bool simd = has_avx512();
   const int nv = simd && head_dim % 16 == 0 ? static_cast<int>(head_dim / 16) : 0;
-  for (int64_t task = t0; task < t1; ++task) {
-    const int64_t r = task / s.num_kv_heads;
-    const int64_t g = task % s.num_kv_heads;
-    const int64_t p = std::max<int64_t>(pos_p[r], 0);
-    const int64_t last = std::min(p, span - 1);
-    const int64_t first = s.window > 0 ? std::max<int64_t>(0, p - s.window + 1) : 0;
-    const int64_t count = last - first + 1;
-    float* out = attn_p + r * s.q_width + g * group * head_dim;
-    std::fill_n(out, group * head_dim, 0.0f);
-    if (count <= 0) continue;
-    const float* q = qkv_p + r * s.qkv_width + g * group * head_dim;
-    const int64_t* row_table = kv.table + r * kv.width;
-    switch (nv) {
-      case 1: attend_task_avx512<T, 1>(kv, row_table, g, first, count, q, group, fscale, out, scores); continue;
-      case 2: attend_task_avx512<T, 2>(kv, row_table, g, first, count, q, group, fscale, out, scores); continue;
-      case 4: attend_task_avx512<T, 4>(kv, row_table, g, first, count, q, group, fscale, out, scores); continue;
-      case 8: attend_task_avx512<T, 8>(kv, row_table, g, first, count, q, group, fscale, out, scores); continue;
-      default: break;
+  std::fill_n(out, group * head_dim, 0.0f);
+  if (count <= 0) {
+    if (stats != nullptr)
+      for (int64_t j = 0; j < group; ++j) {
+        stats[2 * j] = -std::numeric_limits<float>::infinity();
+        stats[2 * j + 1] = 0.0f;
+      }
+    return;
+  }
+  const int64_t* row_table = kv.table + r * kv.width;
+  switch (nv) {
+    case 1: attend_task_avx512<T, 1>(kv, row_table, g, first, count, q, group, fscale, out, scores, stats); return;
+    case 2: attend_task_avx512<T, 2>(kv, row_table, g, first, count, q, group, fscale, out, scores, stats); return;
+    case 4: attend_task_avx512<T, 4>(kv, row_table, g, first, count, q, group, fscale, out, scores, stats); return;
+    case 8: attend_task_avx512<T, 8>(kv, row_table, g, first, count, q, group, fscale, out, scores, stats); return;
+    default: break;
+  }
+  scores.assign(static_cast<size_t>(group * count), 0.0f);
+  for (int64_t t = 0; t < count; ++t) {
+    const int64_t key = first + t;
+    const int64_t block = std::max<int64_t>(row_table[key / kv.block_size], 0);
+    const T* k = kv.k + block * kv.s0 + g * kv.s1 + (key % kv.block_size) * kv.s2;
+    for (int64_t j = 0; j < group; ++j)
+      scores[j * count + t] = dot(q + j * head_dim, k, head_dim) * fscale;
+  }
+  for (int64_t j = 0; j < group; ++j) {
+    float* sc = scores.data() + j * count;
+    const float top = *std::max_element(sc, sc + count);
+    float total = 0.0f;
+    if (simd) {
+      total = exp_shift_sum_avx512(sc, count, top);
+    } else {
+      for (int64_t t = 0; t < count; ++t) {
+        sc[t] = std::exp(sc[t] - top);
+        total += sc[t];
+      }
     }
-    scores.assign(static_cast<size_t>(group * count), 0.0f);
-    for (int64_t t = 0; t < count; ++t) {
-      const int64_t key = first + t;
-      const int64_t block = std::max<int64_t>(row_table[key / kv.block_size], 0);
-      const T* k = kv.k + block * kv.s0 + g * kv.s1 + (key % kv.block_size) * kv.s2;
-      for (int64_t j = 0; j < group; ++j)
-        scores[j * count + t] = dot(q + j * head_dim, k, head_dim) * fscale;
+    if (stats != nullptr) {
+      stats[2 * j] = top;
+      stats[2 * j + 1] = total;
     }
-    for (int64_t j = 0; j < group; ++j) {
-      float* sc = scores.data() + j * count;
-      const float top = *std::max_element(sc, sc + count);
+    const float inv = 1.0f / total;
+    for (int64_t t = 0; t < count; ++t) sc[t] *= inv;
+  }
+  for (int64_t t = 0; t < count; ++t) {
+    const int64_t key = first + t;
+    const int64_t block = std::max<int64_t>(row_table[key / kv.block_size], 0);
+    const T* v = kv.v + block * kv.s0 + g * kv.s1 + (key % kv.block_size) * kv.s2;
+    for (int64_t j = 0; j < group; ++j) axpy(scores[j * count + t], v, out + j * head_dim, head_dim);
+  }
+}
+
+// Attention task ``task`` of rows * num_kv_heads over the row's whole key span.
+template <typename T>
+void attend_task(const Paged<T>& kv, const LayerSpec& s, const int64_t* pos_p,
+                 const float* qkv_p, float* attn_p, int64_t task, std::vector<float>& scores) {
+  const int64_t r = task / s.num_kv_heads, g = task % s.num_kv_heads;
+  const int64_t offset = g * (s.num_heads / s.num_kv_heads) * s.head_dim;
+  int64_t first, last;
+  key_span(s, pos_p[r], kv.width * kv.block_size, first, last);
+  attend_keys<T>(kv, s, r, g, first, last - first + 1, qkv_p + r * s.qkv_width + offset,
+                 attn_p + r * s.q_width + offset, scores, nullptr);
+}
+
+// Each row's attention from ``parts`` parts of its key span (``part`` [rows, parts, q_width],
+// ``stats`` [rows, parts, heads, 2]): out = sum_p w_p out_p / sum_p w_p with
+// w_p = total_p * exp(top_p - max top), the softmax over the whole span.
+void merge_parts(const LayerSpec& s, int64_t rows, int64_t parts, const float* part,
+                 const float* stats, float* out) {
+  const int64_t d = s.head_dim;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t h = 0; h < s.num_heads; ++h) {
+      float top = -std::numeric_limits<float>::infinity();
+      for (int64_t p = 0; p < parts; ++p)
+        top = std::max(top, stats[((r * parts + p) * s.num_heads + h) * 2]);
+      float* o = out + r * s.q_width + h * d;
+      std::fill_n(o, d, 0.0f);
       float total = 0.0f;
-      if (simd) {
-        total = exp_shift_sum_avx512(sc, count, top);
-      } else {
-        for (int64_t t = 0; t < count; ++t) {
-          sc[t] = std::exp(sc[t] - top);
-          total += sc[t];
-        }
+      for (int64_t p = 0; p < parts; ++p) {
+        const float* st = stats + ((r * parts + p) * s.num_heads + h) * 2;
+        if (st[1] == 0.0f) continue;
+        const float w = st[1] * std::exp(st[0] - top);
+        total += w;
+        const float* src = part + (r * parts + p) * s.q_width + h * d;
+        for (int64_t c = 0; c < d; ++c) o[c] += w * src[c];
       }
       const float inv = 1.0f / total;
-      for (int64_t t = 0; t < count; ++t) sc[t] *= inv;
+      for (int64_t c = 0; c < d; ++c) o[c] *= inv;
     }
-    for (int64_t t = 0; t < count; ++t) {
-      const int64_t key = first + t;
-      const int64_t block = std::max<int64_t>(row_table[key / kv.block_size], 0);
-      const T* v = kv.v + block * kv.s0 + g * kv.s1 + (key % kv.block_size) * kv.s2;
-      for (int64_t j = 0; j < group; ++j) axpy(scores[j * count + t], v, out + j * head_dim, head_dim);
-    }
-  }
 }
 
 // Rows [r0, r1): h += mult * (proj + bias), then (when ``norm``) normed = RMSNorm(h).
@@ -672,23 +730,48 @@ void layer_by_team(Team& team, const Stream& st, const LayerSpec& s, const at::T
   team_linear(team, st, st.normed, rows, s.qkv, s.qkv_kind, width, sc.qkv);
   team_barrier();
   // Per (row, KV head): bias, RoPE and the K/V write of that head, then its attention.
+  // With fewer such tasks than twice the team (batch 1: 3 KV heads on 2 threads left one
+  // thread a whole task behind), the write goes first and each task's keys are split in
+  // ``parts`` parts, merged by every thread into its own copy after the barrier.
   const bool has_rope = s.rope >= 0;
   const int64_t rot = has_rope ? in.cos[s.rope].size(1) : 0;
   const float* cos_p = has_rope ? in.cos[s.rope].const_data_ptr<float>() : nullptr;
   const float* sin_p = has_rope ? in.sin[s.rope].const_data_ptr<float>() : nullptr;
+  const int64_t tasks = rows * s.num_kv_heads;
+  const int64_t parts = st.own && tasks < 2 * team.nt ? team.nt : 1;
+  std::vector<float>& scores = (*sc.scores)[team.tid];
   {
     std::atomic<int64_t>& next = team.next_phase();
-    const int64_t tasks = rows * s.num_kv_heads;
     for (int64_t task = next.fetch_add(1, std::memory_order_relaxed); task < tasks;
          task = next.fetch_add(1, std::memory_order_relaxed)) {
       rope_and_write<T>(kv, s, in.pos, cos_p, sin_p, rot, sc.qkv, task / s.num_kv_heads,
                         task % s.num_kv_heads);
-      attend_range<T>(kv, s, in.pos, sc.qkv, sc.attn, task, task + 1, (*sc.scores)[team.tid]);
+      if (parts == 1) attend_task<T>(kv, s, in.pos, sc.qkv, sc.attn, task, scores);
+    }
+  }
+  if (parts > 1) {
+    team_barrier();
+    std::atomic<int64_t>& next = team.next_phase();
+    const int64_t group = s.num_heads / s.num_kv_heads;
+    for (int64_t task = next.fetch_add(1, std::memory_order_relaxed); task < tasks * parts;
+         task = next.fetch_add(1, std::memory_order_relaxed)) {
+      const int64_t r = task / (s.num_kv_heads * parts);
+      const int64_t g = task / parts % s.num_kv_heads, part = task % parts;
+      int64_t first, last;
+      key_span(s, in.pos[r], kv.width * kv.block_size, first, last);
+      const int64_t count = last - first + 1;
+      const int64_t a = first + count * part / parts, b = first + count * (part + 1) / parts;
+      const int64_t head = g * group;
+      attend_keys<T>(kv, s, r, g, a, b - a, sc.qkv + r * s.qkv_width + head * s.head_dim,
+                     sc.part + (r * parts + part) * s.q_width + head * s.head_dim, scores,
+                     sc.stats + ((r * parts + part) * s.num_heads + head) * 2);
     }
   }
   team_barrier();
+  if (parts > 1) merge_parts(s, rows, parts, sc.part, sc.stats, st.attn);
+  const float* attn = parts > 1 ? st.attn : sc.attn;
   // Output projection, residual, MLP pre-norm.
-  team_linear(team, st, sc.attn, rows, s.o, s.o_kind, s.q_width, sc.proj);
+  team_linear(team, st, attn, rows, s.o, s.o_kind, s.q_width, sc.proj);
   team_barrier();
   team_residual(team, st, rows, width, sc.proj, s.o_bias, s.mult, &s.mlp_norm, s.eps);
   // MLP, residual, and the next layer's pre-norm.
@@ -718,8 +801,9 @@ void run_stack(const std::vector<LayerSpec>& layers, StepInputs& in, const Ends*
                float* logits = nullptr) {
   const int64_t rows = in.rows, width = in.width;
   if (rows == 0 || layers.empty()) return;
-  int64_t max_qkv = 0, max_q = 0, max_up = 0, max_inter = 0, max_prep = 0;
+  int64_t max_qkv = 0, max_q = 0, max_up = 0, max_inter = 0, max_prep = 0, max_heads = 0;
   for (const auto& s : layers) {
+    max_heads = std::max(max_heads, s.num_heads);
     max_qkv = std::max(max_qkv, s.qkv_width);
     max_q = std::max(max_q, s.q_width);
     max_up = std::max(max_up, s.up_rows);
@@ -733,11 +817,14 @@ void run_stack(const std::vector<LayerSpec>& layers, StepInputs& in, const Ends*
     max_prep = std::max(max_prep, llmrt_kernels::linear_prep_bytes(ends->head_kind, width));
   const int nt = std::max(1, at::get_num_threads());
   const bool own = rows <= kPrivateRows;
-  // Shared: normed, proj, qkv, attn, up, act, prep; per thread (few rows): h, normed, prep.
+  // Shared: normed, proj, qkv, attn, up, act, (few rows) attention parts and their stats,
+  // prep; per thread (few rows): h, normed, attn, prep.
   const auto lines = [](int64_t n) { return (n + 63) / 64 * 64; };  // whole cache lines
-  const int64_t shared = lines(rows * (2 * width + max_qkv + max_q + max_up + max_inter) * 4 +
-                               rows * max_prep);
-  const int64_t per_thread = own ? lines(rows * (2 * width * 4 + max_prep)) : 0;
+  const int64_t part_floats = own ? rows * nt * (max_q + 2 * max_heads) : 0;
+  const int64_t shared =
+      lines((rows * (2 * width + max_qkv + max_q + max_up + max_inter) + part_floats) * 4 +
+            rows * max_prep);
+  const int64_t per_thread = own ? lines(rows * ((2 * width + max_q) * 4 + max_prep)) : 0;
   at::Tensor buffer = at::empty({shared + nt * per_thread},
                                 at::TensorOptions().dtype(at::kByte));
   uint8_t* bytes = buffer.mutable_data_ptr<uint8_t>();
@@ -749,22 +836,25 @@ void run_stack(const std::vector<LayerSpec>& layers, StepInputs& in, const Ends*
   sc.attn = sc.qkv + rows * max_qkv;
   sc.up = sc.attn + rows * max_q;
   sc.act = sc.up + rows * max_up;
-  sc.prep = reinterpret_cast<uint8_t*>(sc.act + rows * max_inter);
+  sc.part = sc.act + rows * max_inter;
+  sc.stats = sc.part + (own ? rows * nt * max_q : 0);
+  sc.prep = reinterpret_cast<uint8_t*>(sc.part + part_floats);
   std::vector<std::vector<float>> scores(static_cast<size_t>(nt));
   sc.scores = &scores;
-  // Counters of the shared phases: five per layer and the LM head.
-  const int64_t phases = 5 * static_cast<int64_t>(layers.size()) + 1;
+  // Counters of the shared phases: at most six per layer and the LM head.
+  const int64_t phases = 6 * static_cast<int64_t>(layers.size()) + 1;
   std::unique_ptr<std::atomic<int64_t>[]> counters(new std::atomic<int64_t>[phases]);
   for (int64_t i = 0; i < phases; ++i) counters[i].store(0, std::memory_order_relaxed);
   const auto body = [&](Team& team) {
-    Stream st{in.h, sc.normed, sc.prep, false};
+    Stream st{in.h, sc.normed, sc.attn, sc.prep, false};
     if (own) {
       // This thread's copy of the residual stream (every copy takes the same steps, so they
       // stay bit-equal) and its pre-norm.
       uint8_t* mine = bytes + shared + team.tid * per_thread;
       st.h = reinterpret_cast<float*>(mine);
       st.normed = st.h + rows * width;
-      st.prep = reinterpret_cast<uint8_t*>(st.normed + rows * width);
+      st.attn = st.normed + rows * width;
+      st.prep = reinterpret_cast<uint8_t*>(st.attn + rows * max_q);
       st.own = true;
       std::copy_n(in.h, rows * width, st.h);
     }
