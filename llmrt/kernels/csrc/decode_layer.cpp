@@ -508,6 +508,7 @@ struct Stream {
   float* h;
   float* normed;
   float* attn;  // (own) the attention output merged from key parts
+  float* q;     // (own) a key part's roped queries
   uint8_t* prep;
   bool own;
 };
@@ -545,29 +546,31 @@ void team_linear(Team& team, const Stream& st, const float* x, int64_t rows, con
   });
 }
 
-// Row ``r``, KV head ``g``: bias, RoPE of the group's query heads and the key, then the K/V
-// write at the row's position (the columns no other task touches).
+// Row ``r``, KV head ``g``: the group's query heads with bias and RoPE (in place, or into
+// ``q_out`` leaving the row as it is), then, when ``write``, the key's bias and RoPE and the
+// K/V write at the row's position (columns no other task touches).
 template <typename T>
 void rope_and_write(const Paged<T>& kv, const LayerSpec& s, const int64_t* pos_p,
                     const float* cos_p, const float* sin_p, int64_t rot, float* qkv_p,
-                    int64_t r, int64_t g) {
+                    int64_t r, int64_t g, float* q_out, bool write) {
   float* row = qkv_p + r * s.qkv_width;
   const int64_t group = s.num_heads / s.num_kv_heads, d = s.head_dim;
-  float* q = row + g * group * d;
+  const float* bias = s.qkv_bias.has_value() ? s.qkv_bias->const_data_ptr<float>() : nullptr;
+  const float* q_in = row + g * group * d;
+  float* q = q_out != nullptr ? q_out : row + g * group * d;
+  for (int64_t j = 0; j < group * d; ++j)
+    q[j] = bias != nullptr ? q_in[j] + bias[g * group * d + j] : q_in[j];
+  if (rot > 0)
+    for (int64_t j = 0; j < group; ++j) rope_head(q + j * d, cos_p + r * rot, sin_p + r * rot, rot);
+  if (!write) return;
   float* k_new = row + s.q_width + g * d;
   float* v_new = row + s.q_width + s.kv_width + g * d;
-  if (s.qkv_bias.has_value()) {
-    const float* b = s.qkv_bias->const_data_ptr<float>();
-    for (float* part : {q, k_new, v_new}) {
-      const int64_t cols = part == q ? group * d : d;
-      const float* pb = b + (part - row);
-      for (int64_t j = 0; j < cols; ++j) part[j] += pb[j];
+  if (bias != nullptr)
+    for (int64_t j = 0; j < d; ++j) {
+      k_new[j] += bias[s.q_width + g * d + j];
+      v_new[j] += bias[s.q_width + s.kv_width + g * d + j];
     }
-  }
-  if (rot > 0) {
-    for (int64_t j = 0; j < group; ++j) rope_head(q + j * d, cos_p + r * rot, sin_p + r * rot, rot);
-    rope_head(k_new, cos_p + r * rot, sin_p + r * rot, rot);
-  }
+  if (rot > 0) rope_head(k_new, cos_p + r * rot, sin_p + r * rot, rot);
   const int64_t p = pos_p[r];
   if (p < 0 || p / kv.block_size >= kv.width) return;
   const int64_t block = kv.table[r * kv.width + p / kv.block_size];
@@ -781,41 +784,38 @@ void layer_by_team(Team& team, const Stream& st, const LayerSpec& s, const at::T
   team_barrier(team);
   // Per (row, KV head): bias, RoPE and the K/V write of that head, then its attention.
   // With fewer such tasks than twice the team (batch 1: 3 KV heads on 2 threads left one
-  // thread a whole task behind), the write goes first and each task's keys are split in
-  // ``parts`` parts, merged by every thread into its own copy after the barrier.
+  // thread a whole task behind), each task's keys are split in ``parts`` parts instead: a
+  // part's task ropes its own copy of the queries, the last part (the only one that reads
+  // the row's position) writes the K/V first, and every thread merges the parts into its
+  // own copy after the barrier.
   const bool has_rope = s.rope >= 0;
   const int64_t rot = has_rope ? in.cos[s.rope].size(1) : 0;
   const float* cos_p = has_rope ? in.cos[s.rope].const_data_ptr<float>() : nullptr;
   const float* sin_p = has_rope ? in.sin[s.rope].const_data_ptr<float>() : nullptr;
   const int64_t tasks = rows * s.num_kv_heads;
   const int64_t parts = st.own && tasks < 2 * team.nt ? team.nt : 1;
+  const int64_t group = s.num_heads / s.num_kv_heads;
   std::vector<float>& scores = (*sc.scores)[team.tid];
-  {
-    std::atomic<int64_t>& next = *team.next_phase();
-    for (int64_t task = next.fetch_add(1, std::memory_order_relaxed); task < tasks;
-         task = next.fetch_add(1, std::memory_order_relaxed)) {
-      rope_and_write<T>(kv, s, in.pos, cos_p, sin_p, rot, sc.qkv, task / s.num_kv_heads,
-                        task % s.num_kv_heads);
-      if (parts == 1) attend_task<T>(kv, s, in.pos, sc.qkv, sc.attn, task, scores);
+  std::atomic<int64_t>& next = *team.next_phase();
+  for (int64_t task = next.fetch_add(1, std::memory_order_relaxed); task < tasks * parts;
+       task = next.fetch_add(1, std::memory_order_relaxed)) {
+    const int64_t r = task / (s.num_kv_heads * parts);
+    const int64_t g = task / parts % s.num_kv_heads, part = task % parts;
+    if (parts == 1) {
+      rope_and_write<T>(kv, s, in.pos, cos_p, sin_p, rot, sc.qkv, r, g, nullptr, true);
+      attend_task<T>(kv, s, in.pos, sc.qkv, sc.attn, task, scores);
+      continue;
     }
-  }
-  if (parts > 1) {
-    team_barrier(team);
-    std::atomic<int64_t>& next = *team.next_phase();
-    const int64_t group = s.num_heads / s.num_kv_heads;
-    for (int64_t task = next.fetch_add(1, std::memory_order_relaxed); task < tasks * parts;
-         task = next.fetch_add(1, std::memory_order_relaxed)) {
-      const int64_t r = task / (s.num_kv_heads * parts);
-      const int64_t g = task / parts % s.num_kv_heads, part = task % parts;
-      int64_t first, last;
-      key_span(s, in.pos[r], kv.width * kv.block_size, first, last);
-      const int64_t count = last - first + 1;
-      const int64_t a = first + count * part / parts, b = first + count * (part + 1) / parts;
-      const int64_t head = g * group;
-      attend_keys<T>(kv, s, r, g, a, b - a, sc.qkv + r * s.qkv_width + head * s.head_dim,
-                     sc.part + (r * parts + part) * s.q_width + head * s.head_dim, scores,
-                     sc.stats + ((r * parts + part) * s.num_heads + head) * 2);
-    }
+    float* q = st.q;
+    rope_and_write<T>(kv, s, in.pos, cos_p, sin_p, rot, sc.qkv, r, g, q, part == parts - 1);
+    int64_t first, last;
+    key_span(s, in.pos[r], kv.width * kv.block_size, first, last);
+    const int64_t count = last - first + 1;
+    const int64_t a = first + count * part / parts, b = first + count * (part + 1) / parts;
+    const int64_t head = g * group;
+    attend_keys<T>(kv, s, r, g, a, b - a, q,
+                   sc.part + (r * parts + part) * s.q_width + head * s.head_dim, scores,
+                   sc.stats + ((r * parts + part) * s.num_heads + head) * 2);
   }
   team_barrier(team);
   if (parts > 1) merge_parts(s, rows, parts, sc.part, sc.stats, st.attn);
@@ -874,7 +874,7 @@ void run_stack(const std::vector<LayerSpec>& layers, StepInputs& in, const Ends*
   const int64_t shared =
       lines((rows * (2 * width + max_qkv + max_q + max_up + max_inter) + part_floats) * 4 +
             rows * max_prep);
-  const int64_t per_thread = own ? lines(rows * ((2 * width + max_q) * 4 + max_prep)) : 0;
+  const int64_t per_thread = own ? lines(rows * ((2 * width + max_q) * 4 + max_prep) + max_q * 4) : 0;
   at::Tensor buffer = at::empty({shared + nt * per_thread},
                                 at::TensorOptions().dtype(at::kByte));
   uint8_t* bytes = buffer.mutable_data_ptr<uint8_t>();
@@ -897,7 +897,7 @@ void run_stack(const std::vector<LayerSpec>& layers, StepInputs& in, const Ends*
   std::unique_ptr<std::atomic<int64_t>[]> counters(new std::atomic<int64_t>[phases * nt]);
   for (int64_t i = 0; i < phases * nt; ++i) counters[i].store(0, std::memory_order_relaxed);
   const auto body = [&](Team& team) {
-    Stream st{in.h, sc.normed, sc.attn, sc.prep, false};
+    Stream st{in.h, sc.normed, sc.attn, nullptr, sc.prep, false};
     if (own) {
       // This thread's copy of the residual stream (every copy takes the same steps, so they
       // stay bit-equal) and its pre-norm.
@@ -905,7 +905,8 @@ void run_stack(const std::vector<LayerSpec>& layers, StepInputs& in, const Ends*
       st.h = reinterpret_cast<float*>(mine);
       st.normed = st.h + rows * width;
       st.attn = st.normed + rows * width;
-      st.prep = reinterpret_cast<uint8_t*>(st.attn + rows * max_q);
+      st.q = st.attn + rows * max_q;
+      st.prep = reinterpret_cast<uint8_t*>(st.q + max_q);
       st.own = true;
       std::copy_n(in.h, rows * width, st.h);
     }
