@@ -20,6 +20,11 @@ and SHA-256), then torch's pickled function. Anything that does not check out
 :class:`StepArtifactError` naming the file and the problem; the caller recompiles and
 overwrites. Files are written to a temporary name and moved into place with
 ``os.replace``. They are pickles: the cache directory is as trusted as inductor's own.
+
+Every key change (a new llmrt, torch or recipe geometry) writes new files beside the old
+ones (~5 MB each for SmolLM2), so the store is bounded: a load marks its file used, and a
+save then deletes the least recently used files beyond ``MAX_STORE_BYTES`` (and temporary
+files a crashed save left behind).
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import os
 import platform
 import sys
 import tempfile
+import time
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol, cast
@@ -49,6 +55,10 @@ MAGIC = b"llmrt-step-artifact"
 SUFFIX = ".aot"
 _LLMRT_ROOT = Path(__file__).resolve().parent
 _SOURCE_SUFFIXES = (".py", ".cpp", ".h")
+#: The store's size bound: least recently used files beyond it are deleted after a save.
+MAX_STORE_BYTES = 1 << 30
+#: A temporary file older than this is a crashed save's, not one in progress.
+STALE_TEMPORARY_S = 3600.0
 #: Module attributes Dynamo never reads for a forward (torch's own bookkeeping).
 _SKIPPED_ATTRIBUTES = frozenset(
     {"_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "__dict__"}
@@ -233,6 +243,8 @@ class ArtifactStore:
         except OSError as exc:
             raise StepArtifactError(path, f"cannot be read ({exc})") from exc
         payload = _unpack(path, data, key)
+        with contextlib.suppress(OSError):
+            os.utime(path)  # used: the last to be pruned
         try:
             loaded = cast(
                 PrecompiledStep,
@@ -266,7 +278,43 @@ class ArtifactStore:
             with contextlib.suppress(OSError):
                 os.unlink(temporary)
             raise
+        self.prune(keep=path)
         return path
+
+    def prune(self, *, keep: Path | None = None, max_bytes: int = MAX_STORE_BYTES) -> list[Path]:
+        """Delete the least recently used step files beyond ``max_bytes`` (never ``keep``)
+        and stale temporary files; returns what was deleted. Files another process deletes
+        meanwhile are skipped; a file deleted under a process that was about to load it
+        only costs that process a recompile."""
+        now = time.time()
+        files: list[tuple[float, int, Path]] = []
+        removed: list[Path] = []
+        with contextlib.suppress(FileNotFoundError):
+            for entry in os.scandir(self.directory):
+                try:
+                    info = entry.stat()
+                except OSError:
+                    continue
+                path = Path(entry.path)
+                if entry.name.startswith("."):  # a save's temporary (see ``save``)
+                    if now - info.st_mtime > STALE_TEMPORARY_S and _unlink(path):
+                        removed.append(path)
+                elif entry.name.endswith(SUFFIX) and entry.is_file():
+                    files.append((info.st_mtime, info.st_size, path))
+        total = 0
+        for _, size, path in sorted(files, key=lambda f: f[0], reverse=True):
+            total += size
+            if total > max_bytes and path != keep and _unlink(path):
+                removed.append(path)
+        return removed
+
+
+def _unlink(path: Path) -> bool:
+    try:
+        path.unlink()
+    except OSError:
+        return False
+    return True
 
 
 def _pack(key: ArtifactKey, payload: bytes) -> bytes:

@@ -408,3 +408,38 @@ def test_precompiled_steps_are_on_by_default_and_off_with_freezing(tmp_path: Pat
     assert CompileOptions().artifact_directory() is None  # eager
     with pytest.raises(ConfigError, match=r"device\.inductor\.precompiled: must be a boolean"):
         CompileOptions(precompiled="yes")  # type: ignore[arg-type]
+
+
+def test_the_store_keeps_its_most_recently_used_files_within_its_bound(tmp_path: Path) -> None:
+    """Older keys' files do not pile up: past the bound the least recently used go, never
+    the file just written; a load marks a file used; a crashed save's temporary file goes
+    once stale, one in progress stays."""
+    import os
+    import time
+
+    from llmrt.step_artifacts import STALE_TEMPORARY_S, SUFFIX, ArtifactStore
+
+    store = ArtifactStore(tmp_path)
+    now = time.time()
+    files = []
+    for age, name in enumerate(["e", "d", "c", "b", "a"]):  # "a" the oldest
+        path = tmp_path / f"decode-{name}{SUFFIX}"
+        path.write_bytes(b"x" * 100)
+        os.utime(path, (now - 10 * age, now - 10 * age))
+        files.append(path)
+    stale = tmp_path / f".decode-z{SUFFIX}.abc123"
+    stale.write_bytes(b"partial")
+    os.utime(stale, (now - 2 * STALE_TEMPORARY_S, now - 2 * STALE_TEMPORARY_S))
+    fresh = tmp_path / f".decode-y{SUFFIX}.def456"
+    fresh.write_bytes(b"partial")
+    other = tmp_path / "notes.txt"
+    other.write_text("not ours")
+
+    os.utime(files[4], (now + 5, now + 5))  # "a" used most recently (as a load does)
+    removed = store.prune(keep=files[3], max_bytes=250)
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert set(removed) == {files[1], files[2], stale}
+    assert left == sorted([files[0].name, files[3].name, files[4].name, fresh.name, "notes.txt"])
+    assert store.prune(max_bytes=10**9) == []
+    # A missing directory is an empty store.
+    assert ArtifactStore(tmp_path / "absent").prune(max_bytes=0) == []
