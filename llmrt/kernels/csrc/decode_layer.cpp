@@ -335,6 +335,9 @@ struct SpinBarrier {
   alignas(64) std::atomic<int> arrived{0};
   alignas(64) std::atomic<int> generation{0};
   int size = 1;
+  // Pauses before a waiter yields its core; none when the team outnumbers the CPUs (a
+  // spinning waiter would hold the core the last arrival needs).
+  int spins = 4096;
 };
 
 struct Team {
@@ -409,7 +412,7 @@ inline void team_barrier(const Team& team) {
     return;
   }
   for (int spins = 0; b.generation.load(std::memory_order_acquire) == gen; ++spins) {
-    if (spins < 4096) {
+    if (spins < b.spins) {
       _mm_pause();
     } else {
       std::this_thread::yield();
@@ -943,7 +946,11 @@ void run_stack(const std::vector<LayerSpec>& layers, StepInputs& in, const Ends*
 #pragma omp parallel num_threads(nt)
   {
 #pragma omp single
-    bar.size = omp_get_num_threads();
+    {
+      bar.size = omp_get_num_threads();
+      const unsigned cpus = std::thread::hardware_concurrency();
+      if (cpus != 0 && static_cast<unsigned>(bar.size) > cpus) bar.spins = 0;
+    }
     Team team{omp_get_thread_num(), omp_get_num_threads(), &bar, counters.get()};
     body(team);
   }
