@@ -326,6 +326,35 @@ def test_the_stack_runs_layers_as_the_single_layer_op_does() -> None:
         stack.run(x.clone(), [], [], caches[:2], caches[2:], table, positions)
 
 
+def test_a_row_with_no_keys_in_its_window_attends_to_nothing_on_any_team() -> None:
+    """A position past its pages with a sliding window leaves no keys: the attention output is
+    zeros (not NaN) whether one thread runs the row or two split its keys and merge them."""
+    from llmrt.kernels.native import load_kernels
+
+    load_kernels()
+    hidden, heads, kv_heads, dim = 32, 2, 1, 16
+    tensors, biases, ints, floats = _stack_layer(hidden, heads, kv_heads, dim, 1)
+    ints = [*ints[:7], 4, *ints[8:]]  # window of 4 keys
+    stack = torch.classes.llmrt_kernels.DecodeStack(tensors, biases, ints, floats)
+    x = torch.randn(1, hidden)
+    cos, sin = torch.rand(1, dim), torch.rand(1, dim)
+    caches = [torch.randn(2, kv_heads, 8, dim) for _ in range(2)]
+    table = torch.tensor([[0, 1]], dtype=torch.int32)
+    threads = torch.get_num_threads()
+    outs = []
+    try:
+        for count in (1, 2):
+            torch.set_num_threads(count)
+            y = x.clone()
+            stack.run(y, [cos], [sin], [c.clone() for c in caches][:1],
+                      [c.clone() for c in caches][1:], table, torch.tensor([40]))  # fmt: skip
+            outs.append(y)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.isfinite(y).all() for y in outs)
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("rows", [2, 7])
 @pytest.mark.parametrize("embed_kind", ["float32", "q8_0"])
 def test_a_step_is_embedding_layers_norm_and_head(rows: int, embed_kind: str) -> None:

@@ -692,6 +692,7 @@ void merge_parts(const LayerSpec& s, int64_t rows, int64_t parts, const float* p
         const float* src = part + (r * parts + p) * s.q_width + h * d;
         for (int64_t c = 0; c < d; ++c) o[c] += w * src[c];
       }
+      if (total == 0.0f) continue;  // no keys in any part (a position past its pages): zeros
       const float inv = 1.0f / total;
       for (int64_t c = 0; c < d; ++c) o[c] *= inv;
     }
