@@ -13,9 +13,11 @@ naming ``checkpoint.weights``; float recipes never need the kernels.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -32,6 +34,9 @@ _SOURCES = (_CSRC / "gguf_blocks.cpp", _CSRC / "interleaved.cpp", _CSRC / "decod
 #: kernels run on one thread. The library links the ``libgomp.so.1`` torch already loaded
 #: (same soname), so both share one thread pool.
 _CFLAGS = ("-O3", "-fno-math-errno", "-fopenmp")
+#: Builds kept per build root (each source, flag or torch change builds a new ~3 MB one): the
+#: most recently loaded; older ones are deleted after a build.
+KEPT_BUILDS = 4
 _LDFLAGS = ("-fopenmp",)
 
 
@@ -63,12 +68,41 @@ def load_kernels() -> Path:
                 torch.ops.load_library(str(library))
             except OSError as exc:
                 raise KernelUnavailableError(f"cannot load {library}: {exc}") from exc
+            _touch(directory)
             _register_fakes()
             return directory
     directory = next((d for d in candidates if _writable(d)), candidates[-1])
     _build(directory)
     _register_fakes()
+    prune_builds(directory.parent, keep=directory)
     return directory
+
+
+def _touch(directory: Path) -> None:
+    """Mark a build used (the last to be pruned); a read-only install stays as it is."""
+    with contextlib.suppress(OSError):
+        os.utime(directory)
+
+
+def prune_builds(root: Path, *, keep: Path, kept: int = KEPT_BUILDS) -> list[Path]:
+    """Delete the builds under ``root`` beyond the ``kept`` most recently used (never
+    ``keep``); returns what was deleted. A process that already loaded a deleted build
+    keeps running it (the mapping outlives the file); one about to load it rebuilds."""
+    builds = []
+    with contextlib.suppress(OSError):
+        for entry in root.iterdir():
+            with contextlib.suppress(OSError):
+                if entry.is_dir() and (entry / f"{LIBRARY}.so").is_file():
+                    builds.append((entry.stat().st_mtime, entry))
+    builds.sort(key=lambda b: b[0], reverse=True)
+    removed = []
+    for _, entry in builds[kept:]:
+        if entry == keep:
+            continue
+        shutil.rmtree(entry, ignore_errors=True)
+        if not entry.exists():
+            removed.append(entry)
+    return removed
 
 
 def _writable(directory: Path) -> bool:

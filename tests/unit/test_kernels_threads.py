@@ -29,3 +29,30 @@ def test_one_openmp_runtime_in_the_process() -> None:
         if "libgomp" in line or "libiomp" in line
     }
     assert len(runtimes) == 1, f"more than one OpenMP runtime mapped: {sorted(runtimes)}"
+
+
+def test_old_builds_are_pruned_to_the_most_recently_used(tmp_path: Path) -> None:
+    """Each source or torch change builds a new library beside the old ones: after a build
+    only the most recently used few stay; the one just built always does, and directories
+    that are not builds are left alone."""
+    import os
+    import time
+
+    from llmrt.kernels.native import prune_builds
+
+    now = time.time()
+    builds = []
+    for age in range(5):
+        build = tmp_path / f"digest{age}"
+        build.mkdir()
+        (build / f"{LIBRARY}.so").write_bytes(b"\x7fELF")
+        os.utime(build, (now - 100 * age, now - 100 * age))
+        builds.append(build)
+    other = tmp_path / "notes"
+    other.mkdir()
+    newest_but_oldest = builds[4]  # e.g. a build another process just loaded and touched
+    os.utime(newest_but_oldest, (now + 10, now + 10))
+    removed = prune_builds(tmp_path, keep=builds[3], kept=2)
+    assert sorted(removed) == sorted([builds[1], builds[2]])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["digest0", "digest3", "digest4", "notes"]
+    assert prune_builds(tmp_path / "absent", keep=builds[0]) == []
