@@ -326,6 +326,48 @@ def test_the_stack_runs_layers_as_the_single_layer_op_does() -> None:
         stack.run(x.clone(), [], [], caches[:2], caches[2:], table, positions)
 
 
+def test_rows_reading_missing_pages_see_every_write_of_the_step() -> None:
+    """A ``-1`` page reads block 0 (padding rows do), which another row may write in the same
+    step: the team must finish every write before any attention reads, so two threads give
+    the one-thread result every time. A stress test: the race it guards against showed in
+    about one run in three."""
+    from llmrt.kernels.native import load_kernels
+
+    load_kernels()
+    hidden, heads, kv_heads, dim = 32, 6, 3, 16
+    layers = [_stack_layer(hidden, heads, kv_heads, dim, seed) for seed in (1, 2)]
+    stack = torch.classes.llmrt_kernels.DecodeStack(
+        [t for layer in layers for t in layer[0]],
+        [b for layer in layers for b in layer[1]],
+        [i for layer in layers for i in layer[2]],
+        [f for layer in layers for f in layer[3]],
+    )
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(4, hidden, generator=gen)
+    cos, sin = torch.rand(4, dim, generator=gen), torch.rand(4, dim, generator=gen)
+    caches = [torch.randn(8, kv_heads, 8, dim, generator=gen) for _ in range(4)]
+    # Row 2 writes block 0 (offset 5); rows 1 and 3 read block 0 through their -1 pages.
+    table = torch.tensor(
+        [[6, -1, -1, -1], [2, -1, -1, -1], [0, 3, -1, -1], [7, -1, -1, -1]], dtype=torch.int32
+    )
+    positions = torch.tensor([5, 35, 5, 36])
+
+    def run(count: int) -> torch.Tensor:
+        torch.set_num_threads(count)
+        y = x.clone()
+        copies = [c.clone() for c in caches]
+        stack.run(y, [cos], [sin], copies[:2], copies[2:], table, positions)
+        return y
+
+    threads = torch.get_num_threads()
+    try:
+        want = run(1)
+        for _ in range(20):
+            assert torch.equal(run(2), want)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_a_row_with_no_keys_in_its_window_attends_to_nothing_on_any_team() -> None:
     """A position past its pages with a sliding window leaves no keys: the attention output is
     zeros (not NaN) whether one thread runs the row or two split its keys and merge them."""

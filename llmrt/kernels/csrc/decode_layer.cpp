@@ -22,6 +22,9 @@
 #include <torch/library.h>
 
 #include <omp.h>
+#ifdef __linux__
+#include <sched.h>
+#endif
 
 #include <immintrin.h>
 
@@ -340,6 +343,16 @@ struct SpinBarrier {
   int spins = 4096;
 };
 
+// CPUs this process may run on (its affinity mask, which containers and taskset narrow),
+// or the machine's count where the mask cannot be read.
+inline int usable_cpus() {
+#ifdef __linux__
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) return CPU_COUNT(&set);
+#endif
+  return static_cast<int>(std::thread::hardware_concurrency());
+}
+
 struct Team {
   int tid;
   int nt;
@@ -593,6 +606,22 @@ inline void key_span(const LayerSpec& s, int64_t pos, int64_t span, int64_t& fir
   first = s.window > 0 ? std::max<int64_t>(0, p - s.window + 1) : 0;
 }
 
+// Whether some row's key span reaches a ``-1`` page (read as block 0, which a row of this
+// step may be writing). Every thread computes the same answer.
+template <typename T>
+bool reads_missing_pages(const Paged<T>& kv, const LayerSpec& s, const int64_t* pos_p,
+                         int64_t rows) {
+  const int64_t span = kv.width * kv.block_size;
+  for (int64_t r = 0; r < rows; ++r) {
+    int64_t first, last;
+    key_span(s, pos_p[r], span, first, last);
+    for (int64_t page = first / kv.block_size; first <= last && page <= last / kv.block_size;
+         ++page)
+      if (kv.table[r * kv.width + page] < 0) return true;
+  }
+  return false;
+}
+
 // Row ``r``'s attention for KV head ``g`` over keys [first, first + count): the group's
 // softmax-weighted values into ``out``; with ``stats``, each query head's largest score and
 // sum of exponentials (what merging parts of a key range needs; a part with no keys gives
@@ -791,7 +820,8 @@ void layer_by_team(Team& team, const Stream& st, const LayerSpec& s, const at::T
   // thread a whole task behind), each task's keys are split in ``parts`` parts instead: a
   // part's task ropes its own copy of the queries, the last part (the only one that reads
   // the row's position) writes the K/V first, and every thread merges the parts into its
-  // own copy after the barrier.
+  // own copy after the barrier. A row that reads a ``-1`` page (padding) reads block 0,
+  // which another row may be writing: then every write goes first, behind a barrier.
   const bool has_rope = s.rope >= 0;
   const int64_t rot = has_rope ? in.cos[s.rope].size(1) : 0;
   const float* cos_p = has_rope ? in.cos[s.rope].const_data_ptr<float>() : nullptr;
@@ -799,24 +829,37 @@ void layer_by_team(Team& team, const Stream& st, const LayerSpec& s, const at::T
   const int64_t tasks = rows * s.num_kv_heads;
   const int64_t parts = st.own && tasks < 2 * team.nt ? team.nt : 1;
   const int64_t group = s.num_heads / s.num_kv_heads;
+  const bool writes_first = reads_missing_pages(kv, s, in.pos, rows);
+  if (writes_first) {
+    std::atomic<int64_t>& next = *team.next_phase();
+    for (int64_t task = next.fetch_add(1, std::memory_order_relaxed); task < tasks;
+         task = next.fetch_add(1, std::memory_order_relaxed))
+      rope_and_write<T>(kv, s, in.pos, cos_p, sin_p, rot, sc.qkv, task / s.num_kv_heads,
+                        task % s.num_kv_heads, nullptr, true);
+    team_barrier(team);
+  }
   std::vector<float>& scores = (*sc.scores)[team.tid];
   std::atomic<int64_t>& next = *team.next_phase();
   for (int64_t task = next.fetch_add(1, std::memory_order_relaxed); task < tasks * parts;
        task = next.fetch_add(1, std::memory_order_relaxed)) {
     const int64_t r = task / (s.num_kv_heads * parts);
     const int64_t g = task / parts % s.num_kv_heads, part = task % parts;
+    const int64_t head = g * group;
     if (parts == 1) {
-      rope_and_write<T>(kv, s, in.pos, cos_p, sin_p, rot, sc.qkv, r, g, nullptr, true);
+      if (!writes_first)
+        rope_and_write<T>(kv, s, in.pos, cos_p, sin_p, rot, sc.qkv, r, g, nullptr, true);
       attend_task<T>(kv, s, in.pos, sc.qkv, sc.attn, task, scores);
       continue;
     }
-    float* q = st.q;
-    rope_and_write<T>(kv, s, in.pos, cos_p, sin_p, rot, sc.qkv, r, g, q, part == parts - 1);
+    float* q = sc.qkv + r * s.qkv_width + head * s.head_dim;  // roped by the write phase
+    if (!writes_first) {
+      q = st.q;
+      rope_and_write<T>(kv, s, in.pos, cos_p, sin_p, rot, sc.qkv, r, g, q, part == parts - 1);
+    }
     int64_t first, last;
     key_span(s, in.pos[r], kv.width * kv.block_size, first, last);
     const int64_t count = last - first + 1;
     const int64_t a = first + count * part / parts, b = first + count * (part + 1) / parts;
-    const int64_t head = g * group;
     attend_keys<T>(kv, s, r, g, a, b - a, q,
                    sc.part + (r * parts + part) * s.q_width + head * s.head_dim, scores,
                    sc.stats + ((r * parts + part) * s.num_heads + head) * 2);
@@ -949,8 +992,8 @@ void run_stack(const std::vector<LayerSpec>& layers, StepInputs& in, const Ends*
 #pragma omp single
     {
       bar.size = omp_get_num_threads();
-      const unsigned cpus = std::thread::hardware_concurrency();
-      if (cpus != 0 && static_cast<unsigned>(bar.size) > cpus) bar.spins = 0;
+      const int cpus = usable_cpus();
+      if (cpus > 0 && bar.size > cpus) bar.spins = 0;
     }
     Team team{omp_get_thread_num(), omp_get_num_threads(), &bar, counters.get()};
     body(team);
