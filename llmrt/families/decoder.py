@@ -518,17 +518,18 @@ class DecoderBackbone(nn.Module):
         if self.embed_positions is not None:
             where = positions.to(device).clamp(0, m.max_position_embeddings - 1)
             hidden = hidden + self.embed_positions(where)
-        ropes = []
-        for index in range(len(self.spec.ropes)):
-            cos_name, sin_name = self._rope_names(index)
-            ropes.append(
-                rope_lookup(
-                    cos_cache=getattr(self, cos_name),
-                    sin_cache=getattr(self, sin_name),
-                    positions=positions,
-                )
-            )
+        ropes = [
+            rope_lookup(cos_cache=cos, sin_cache=sin, positions=positions)
+            for cos, sin in self._rope_caches()
+        ]
         return hidden, ropes
+
+    def _rope_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each RoPE variant's cos/sin caches ``[positions, rotary_dim / 2]``."""
+        return [
+            (getattr(self, cos_name), getattr(self, sin_name))
+            for cos_name, sin_name in map(self._rope_names, range(len(self.spec.ropes)))
+        ]
 
     def decode_fused(
         self,
@@ -551,12 +552,12 @@ class DecoderBackbone(nn.Module):
         fused = self._fused_plan()
         if fused is None or rows >= fused.max_rows:
             return None
-        ropes = [
-            (getattr(self, cos_name), getattr(self, sin_name))
-            for cos_name, sin_name in map(self._rope_names, range(len(self.spec.ropes)))
-        ]
         logits = fused.step(
-            tokens=tokens, positions=positions, page_table=page_table, ropes=ropes, kv=kv
+            tokens=tokens,
+            positions=positions,
+            page_table=page_table,
+            ropes=self._rope_caches(),
+            kv=kv,
         )
         return self._scaled_logits(logits)
 
