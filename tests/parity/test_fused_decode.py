@@ -9,6 +9,8 @@ nothing. Architectures with a part the op lacks must say which and decode throug
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -277,6 +279,24 @@ def _stack_layer(hidden: int, heads: int, kv_heads: int, dim: int, seed: int) ->
     return tensors, biases, ints, floats
 
 
+def _stack(layers: list[tuple]) -> Any:
+    """A ``DecodeStack`` over ``_stack_layer`` tuples (their arguments concatenated)."""
+    return torch.classes.llmrt_kernels.DecodeStack(
+        *([x for layer in layers for x in layer[part]] for part in range(4))
+    )
+
+
+@contextlib.contextmanager
+def _threads(count: int) -> Iterator[None]:
+    """torch's thread count set to ``count`` inside, restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_the_stack_runs_layers_as_the_single_layer_op_does() -> None:
     """One ``DecodeStack`` call over two layers equals two ``decode_layer`` calls: the same
     hidden state and the same bytes written to each layer's cache."""
@@ -285,12 +305,7 @@ def test_the_stack_runs_layers_as_the_single_layer_op_does() -> None:
     load_kernels()
     hidden, heads, kv_heads, dim = 32, 2, 1, 16
     layers = [_stack_layer(hidden, heads, kv_heads, dim, seed) for seed in (1, 2)]
-    stack = torch.classes.llmrt_kernels.DecodeStack(
-        [t for layer in layers for t in layer[0]],
-        [b for layer in layers for b in layer[1]],
-        [i for layer in layers for i in layer[2]],
-        [f for layer in layers for f in layer[3]],
-    )
+    stack = _stack(layers)
     assert stack.num_layers() == 2
     x = torch.randn(3, hidden)
     cos, sin = torch.rand(3, dim), torch.rand(3, dim)
@@ -336,12 +351,7 @@ def test_rows_reading_missing_pages_see_every_write_of_the_step() -> None:
     load_kernels()
     hidden, heads, kv_heads, dim = 32, 6, 3, 16
     layers = [_stack_layer(hidden, heads, kv_heads, dim, seed) for seed in (1, 2)]
-    stack = torch.classes.llmrt_kernels.DecodeStack(
-        [t for layer in layers for t in layer[0]],
-        [b for layer in layers for b in layer[1]],
-        [i for layer in layers for i in layer[2]],
-        [f for layer in layers for f in layer[3]],
-    )
+    stack = _stack(layers)
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(4, hidden, generator=gen)
     cos, sin = torch.rand(4, dim, generator=gen), torch.rand(4, dim, generator=gen)
@@ -353,19 +363,15 @@ def test_rows_reading_missing_pages_see_every_write_of_the_step() -> None:
     positions = torch.tensor([5, 35, 5, 36])
 
     def run(count: int) -> torch.Tensor:
-        torch.set_num_threads(count)
         y = x.clone()
         copies = [c.clone() for c in caches]
-        stack.run(y, [cos], [sin], copies[:2], copies[2:], table, positions)
+        with _threads(count):
+            stack.run(y, [cos], [sin], copies[:2], copies[2:], table, positions)
         return y
 
-    threads = torch.get_num_threads()
-    try:
-        want = run(1)
-        for _ in range(20):
-            assert torch.equal(run(2), want)
-    finally:
-        torch.set_num_threads(threads)
+    want = run(1)
+    for _ in range(20):
+        assert torch.equal(run(2), want)
 
 
 def test_a_row_with_no_keys_in_its_window_attends_to_nothing_on_any_team() -> None:
@@ -377,22 +383,18 @@ def test_a_row_with_no_keys_in_its_window_attends_to_nothing_on_any_team() -> No
     hidden, heads, kv_heads, dim = 32, 2, 1, 16
     tensors, biases, ints, floats = _stack_layer(hidden, heads, kv_heads, dim, 1)
     ints = [*ints[:7], 4, *ints[8:]]  # window of 4 keys
-    stack = torch.classes.llmrt_kernels.DecodeStack(tensors, biases, ints, floats)
+    stack = _stack([(tensors, biases, ints, floats)])
     x = torch.randn(1, hidden)
     cos, sin = torch.rand(1, dim), torch.rand(1, dim)
     caches = [torch.randn(2, kv_heads, 8, dim) for _ in range(2)]
     table = torch.tensor([[0, 1]], dtype=torch.int32)
-    threads = torch.get_num_threads()
     outs = []
-    try:
-        for count in (1, 2):
-            torch.set_num_threads(count)
-            y = x.clone()
-            stack.run(y, [cos], [sin], [c.clone() for c in caches][:1],
-                      [c.clone() for c in caches][1:], table, torch.tensor([40]))  # fmt: skip
-            outs.append(y)
-    finally:
-        torch.set_num_threads(threads)
+    for count in (1, 2):
+        y = x.clone()
+        with _threads(count):
+            stack.run(y, [cos], [sin], [caches[0].clone()], [caches[1].clone()], table,
+                      torch.tensor([40]))  # fmt: skip
+        outs.append(y)
     assert all(torch.isfinite(y).all() for y in outs)
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-6)
 
@@ -410,12 +412,7 @@ def test_a_step_is_embedding_layers_norm_and_head(rows: int, embed_kind: str) ->
     gen = torch.Generator().manual_seed(5)
     hidden, heads, kv_heads, dim, vocab = 32, 2, 1, 16, 40
     layers = [_stack_layer(hidden, heads, kv_heads, dim, seed) for seed in (1, 2)]
-    stack = torch.classes.llmrt_kernels.DecodeStack(
-        [t for layer in layers for t in layer[0]],
-        [b for layer in layers for b in layer[1]],
-        [i for layer in layers for i in layer[2]],
-        [f for layer in layers for f in layer[3]],
-    )
+    stack = _stack(layers)
     table_f = torch.randn(vocab, hidden, generator=gen)
     if embed_kind == "q8_0":
         blocks = quantize(table_f, kind="q8_0", field="embed")
@@ -460,7 +457,7 @@ def test_a_step_is_embedding_layers_norm_and_head(rows: int, embed_kind: str) ->
     with pytest.raises(RuntimeError, match="RoPE tables"):
         stack.step(tokens, positions, table, [cos_cache.t()], [sin_cache.t()], caches[:2],
                    caches[2:])  # fmt: skip
-    bare = torch.classes.llmrt_kernels.DecodeStack(*[list(part) for part in layers[0]])
+    bare = _stack(layers[:1])
     with pytest.raises(RuntimeError, match="set_ends first"):
         bare.step(tokens, positions, table, [cos_cache], [sin_cache], caches[:1], caches[2:3])
 
