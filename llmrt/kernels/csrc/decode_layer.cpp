@@ -319,7 +319,8 @@ Paged<T> paged(const at::Tensor& k_cache, const at::Tensor& v_cache, const int64
 // ~15 us of dispatch, against ~0.1 ms of weight streaming per SmolLM2 layer.
 //
 // Five phases per layer end in a barrier: q/k/v, attention, output projection, MLP up (with
-// its activation), MLP down. Each is shared out as it goes (``for_chunks``: a thread's own
+// its activation), MLP down (a sixth, the K/V writes, goes before attention in a layer where
+// a row reads a ``-1`` page). Each is shared out as it goes (``for_chunks``: a thread's own
 // share of output columns first, then the others' leftovers; attention tasks from a counter),
 // so a core that runs slower (another process's time slice, a cold cache) does less instead
 // of holding the others at the barrier (at batch 1 on a 2-core VM, fixed halves left one
