@@ -20,6 +20,7 @@ from llmrt.compiled_step import CompileOptions, StepCompiler
 from llmrt.config import PageTableLayout, TraceConfig
 from llmrt.decode import DecodeRuntime, DecodeRuntimeConfig
 from llmrt.device.base import Device
+from llmrt.device.host_memory import retain_freed_memory
 from llmrt.device.torch import TorchDevice
 from llmrt.errors import CheckpointError, ConfigError, DeviceError, IdentityError
 from llmrt.execution import EagerExecutor, TracedExecutor
@@ -81,11 +82,16 @@ def open_device(*, recipe: Recipe, ttnn_module: Any = None) -> Device:
             dispatch_core_type=tt.dispatch_core_type,
             fabric_config=tt.fabric_config,
         )
-    else:
-        if spec.num_threads is not None:
-            torch.set_num_threads(spec.num_threads)
-        device = TorchDevice(spec.torch_device)
-    emit(component_logger("device", object_id=device.id), "device.opened", device=device.id)
+        emit(component_logger("device", object_id=device.id), "device.opened", device=device.id)
+        return device
+    if spec.num_threads is not None:
+        torch.set_num_threads(spec.num_threads)
+    device = TorchDevice(spec.torch_device)
+    host: dict[str, Any] = {}
+    if spec.retain_freed_memory and device.kind == "cpu":
+        why_not = retain_freed_memory()
+        host["freed_memory"] = "retained" if why_not is None else f"released ({why_not})"
+    emit(component_logger("device", object_id=device.id), "device.opened", device=device.id, **host)
     return device
 
 

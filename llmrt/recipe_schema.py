@@ -335,8 +335,11 @@ class DeviceSpec:
     instead of 5e-3 of the float32 reference on SmolLM2). ``weight_layout`` orders the
     blocks of block-quantized weights (``auto``: interleaved for the integer-dot kernels on
     CPUs with AVX-512 VNNI, whose two-level 8-bit activations keep logits within ~2e-3 of
-    the float32 reference on SmolLM2; ``ggml``: the file's order, float32 activations). ``ttnn``
-    holds the options the ttnn mesh is opened with.
+    the float32 reference on SmolLM2; ``ggml``: the file's order, float32 activations).
+    ``retain_freed_memory`` keeps freed host memory mapped for reuse (glibc thresholds, see
+    ``llmrt.device.host_memory``; applied once per process when a CPU device opens): without
+    it every large prefill temporary page-faults in afresh. ``ttnn`` holds the options the
+    ttnn mesh is opened with.
     """
 
     backend: Backend = "torch"
@@ -350,6 +353,7 @@ class DeviceSpec:
     decode_kernel: DecodeKernel = "auto"
     gemm_dtype: GemmDtype = "float32"
     weight_layout: WeightLayoutChoice = "auto"
+    retain_freed_memory: bool = True
     ttnn: TtnnSpec = attrs.Factory(TtnnSpec)
 
     def __attrs_post_init__(self) -> None:
@@ -370,6 +374,7 @@ class DeviceSpec:
         )
         if self.num_threads is not None:
             _positive_int("device.num_threads", self.num_threads)
+        _bool("device.retain_freed_memory", self.retain_freed_memory)
         _check(isinstance(self.ttnn, TtnnSpec), "device.ttnn", self.ttnn, "must be a ttnn section")
         if self.backend == "torch":
             _check(
