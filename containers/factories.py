@@ -32,6 +32,7 @@ from llmrt.families.layers import (
     select_linear_kernel,
     select_weight_layout,
 )
+from llmrt.families.prefill_attention import select_attention_kernel
 from llmrt.families.registry import check_family_backend
 from llmrt.kernels.formats import QUANTIZED_FORMATS, dequantized
 from llmrt.kernels.native import require_kernels
@@ -213,13 +214,22 @@ def build_model(
             dtype=dtype,
         )
         if recipe.device.gemm_dtype != "float32":
-            select_gemm_dtype(model, choice=recipe.device.gemm_dtype)
+            select_gemm_dtype(
+                model,
+                choice=recipe.device.gemm_dtype,
+                min_rows=recipe.device.gemm_dtype_min_rows,
+            )
         select_weight_layout(
             model, choice=recipe.device.weight_layout, device=torch.device(device.torch_device)
         )
         select_decode_kernel(
             model,
             choice=recipe.device.decode_kernel,
+            device=torch.device(device.torch_device),
+        )
+        select_attention_kernel(
+            model,
+            choice=recipe.device.attention_kernel,
             device=torch.device(device.torch_device),
         )
     return model

@@ -26,7 +26,13 @@ from llmrt.families import registry as family_registry
 from llmrt.families.base import Family
 from llmrt.families.declared import DeclaredParts, declared_family, parse_parts
 from llmrt.families.fused_decode import DecodeKernel
-from llmrt.families.layers import GemmDtype, LinearKernelChoice, WeightLayoutChoice
+from llmrt.families.layers import (
+    GEMM_DTYPE_MIN_ROWS,
+    GemmDtype,
+    LinearKernelChoice,
+    WeightLayoutChoice,
+)
+from llmrt.families.prefill_attention import AttentionKernel
 from llmrt.kernels.formats import QUANTIZED_FORMATS, WeightFormat
 from llmrt.prefill.buckets import FINE_DEFAULT_STEP, SeqLenBuckets
 from llmrt.prefill.plan import WaveRules
@@ -332,10 +338,15 @@ class DeviceSpec:
     layer where the layer's parts allow it; ``fused``: required; ``ops``: torch ops).
     ``gemm_dtype`` is the dtype GEMMs over block-quantized weights (prefill, large decode
     batches) multiply in: ``float32``, or ``bfloat16`` (twice the rate, logits within ~0.5
-    instead of 5e-3 of the float32 reference on SmolLM2). ``weight_layout`` orders the
+    instead of 5e-3 of the float32 reference on SmolLM2) for GEMMs of ``gemm_dtype_min_rows``
+    rows or more (fewer stay float32: short prompts keep the reference's greedy tokens where
+    its top two logits are close). ``weight_layout`` orders the
     blocks of block-quantized weights (``auto``: interleaved for the integer-dot kernels on
     CPUs with AVX-512 VNNI, whose two-level 8-bit activations keep logits within ~2e-3 of
     the float32 reference on SmolLM2; ``ggml``: the file's order, float32 activations).
+    ``attention_kernel`` picks what runs causal attention among a prefill's own tokens
+    (``auto``: llmrt's C++ kernel on CPUs with AVX-512 for float32 head_dims 16-128, else
+    torch's SDPA; ``native``: required; ``sdpa``: torch's).
     ``retain_freed_memory`` keeps freed host memory mapped for reuse (glibc thresholds, see
     ``llmrt.device.host_memory``; applied once per process when a CPU device opens): without
     it every large prefill temporary page-faults in afresh. ``ttnn`` holds the options the
@@ -351,7 +362,9 @@ class DeviceSpec:
     num_threads: int | None = None
     linear: LinearKernelChoice = "auto"
     decode_kernel: DecodeKernel = "auto"
+    attention_kernel: AttentionKernel = "auto"
     gemm_dtype: GemmDtype = "float32"
+    gemm_dtype_min_rows: int = GEMM_DTYPE_MIN_ROWS
     weight_layout: WeightLayoutChoice = "auto"
     retain_freed_memory: bool = True
     ttnn: TtnnSpec = attrs.Factory(TtnnSpec)
@@ -360,7 +373,9 @@ class DeviceSpec:
         _one_of("device.backend", self.backend, Backend)
         _one_of("device.linear", self.linear, LinearKernelChoice)
         _one_of("device.decode_kernel", self.decode_kernel, DecodeKernel)
+        _one_of("device.attention_kernel", self.attention_kernel, AttentionKernel)
         _one_of("device.gemm_dtype", self.gemm_dtype, GemmDtype)
+        _positive_int("device.gemm_dtype_min_rows", self.gemm_dtype_min_rows)
         _one_of("device.weight_layout", self.weight_layout, WeightLayoutChoice)
         if self.kind is not None:
             _one_of("device.kind", self.kind, DeviceKind)
@@ -413,6 +428,12 @@ class DeviceSpec:
                 self.decode_kernel,
                 "fused is a cpu kernel (use auto or ops with device.kind=cuda)",
             )
+            _check(
+                self.kind != "cuda" or self.attention_kernel != "native",
+                "device.attention_kernel",
+                self.attention_kernel,
+                "native is a cpu kernel (use auto or sdpa with device.kind=cuda)",
+            )
         else:
             _check(
                 self.kind is None,
@@ -442,6 +463,12 @@ class DeviceSpec:
                 self.weight_layout == "auto",
                 "device.weight_layout",
                 self.weight_layout,
+                "is only used with device.backend=torch",
+            )
+            _check(
+                self.attention_kernel == "auto",
+                "device.attention_kernel",
+                self.attention_kernel,
                 "is only used with device.backend=torch",
             )
             if self.mesh_shape is not None:

@@ -17,11 +17,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmrt.families.causal_lm import PagedCausalLM
-from llmrt.families.fused_decode import FusedDecode, NotFusable, fused_step_allowed
+from llmrt.families.fused_decode import ACTIVATIONS, FusedDecode, NotFusable, fused_step_allowed
 from llmrt.families.kvbinding import BoundKV
 from llmrt.families.layers import (
     Embedding,
     Linear,
+    QuantizedLinear,
     Weight,
     bind_weight,
     frozen_embedding,
@@ -215,7 +216,13 @@ def activate(x: torch.Tensor, kind: Activation) -> torch.Tensor:
 
 
 class MLP(nn.Module):
-    """Gated (``gate_up`` fused) or plain MLP."""
+    """Gated (``gate_up`` fused) or plain MLP.
+
+    Over block-quantized weights on the CPU (eager), the activation is one C++ pass
+    (``llmrt_kernels.mlp_activation``) from the up GEMM's output, in the dtype it was
+    computed in, to the down GEMM's input dtype: with bfloat16 GEMMs torch took four passes
+    (to float32, activation, product, to bfloat16) with the same two roundings.
+    """
 
     def __init__(self, *, activation: Activation, gated: bool, up: Linear, down: Linear) -> None:
         super().__init__()
@@ -223,8 +230,21 @@ class MLP(nn.Module):
         self.gated = gated
         self.up = up
         self.down = down
+        # The kernels are loaded when either linear is block-quantized (float-only models
+        # must run where they cannot be built).
+        self.native_activation = any(isinstance(m, QuantizedLinear) for m in (up, down))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.native_activation and x.device.type == "cpu" and not torch.compiler.is_compiling():
+            rows = x.numel() // x.shape[-1]
+            act = torch.ops.llmrt_kernels.mlp_activation(
+                self.up.forward_raw(x),
+                ACTIVATIONS[self.activation],
+                self.gated,
+                self.down.gemm_input_dtype(rows),
+            )
+            out: torch.Tensor = self.down.forward_raw(act).to(x.dtype)
+            return out
         if self.gated:
             gate, up = self.up(x).chunk(2, dim=-1)
             return self.down(activate(gate, self.activation) * up)
@@ -311,6 +331,9 @@ class Attention(nn.Module):
         self.window = window
         kv = spec.num_kv_heads * spec.head_dim
         self.split_sizes = (spec.num_heads * spec.head_dim, kv, kv)
+        #: Causal attention among a prefill's own tokens by llmrt's C++ kernel
+        #: (``device.attention_kernel``; ``select_attention_kernel`` sets it).
+        self.native_causal = False
 
     def forward(
         self,
@@ -342,6 +365,7 @@ class Attention(nn.Module):
             scale=self.scale,
             window=self.window,
             softcap=self.softcap,
+            native_causal=self.native_causal,
         )
         return self.o(out)
 

@@ -48,6 +48,7 @@ def gemm_min_rows(weight: QuantizedWeight) -> int:
         return LARGE_GEMM_MIN_ROWS
     return INTERLEAVED_GEMM_MIN_ROWS if weight.layout == "interleaved" else GEMM_MIN_ROWS
 
+
 #: How a ``FrozenLinear`` multiplies: ``aten`` is ``F.linear``; ``onednn`` calls oneDNN's
 #: matmul directly on the plain weight. On CPU, aten sends float32 to MKL's sgemm, which
 #: runs well below the AVX-512 peak on AMD cores (about 220 against 480 GFLOPS on this
@@ -116,6 +117,14 @@ class FrozenLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _matmul(x, self.weight, self.bias, kernel=self.kernel)
 
+    def forward_raw(self, x: torch.Tensor) -> torch.Tensor:
+        """``forward`` (a float weight multiplies in its own dtype)."""
+        return self.forward(x)
+
+    def gemm_input_dtype(self, rows: int) -> torch.dtype:
+        """The dtype ``rows`` activation rows are multiplied in: the weight's."""
+        return self.weight.dtype
+
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
@@ -153,8 +162,10 @@ class QuantizedLinear(nn.Module):
         #: The kernel ops' type code for ``blocks`` (ggml type id, + layout).
         self.ggml_type = weight.kernel_type
         self.kernel: LinearKernel = "aten"
-        #: The dtype GEMM calls (``gemm_min_rows`` or more) multiply in (``device.gemm_dtype``).
+        #: The dtype GEMM calls of ``gemm_dtype_min_rows`` rows or more multiply in
+        #: (``device.gemm_dtype``); smaller GEMMs stay float32.
         self.gemm_dtype = torch.float32
+        self.gemm_dtype_min_rows = GEMM_DTYPE_MIN_ROWS
         self.gemm_min_rows = gemm_min_rows(weight)
 
     @property
@@ -178,23 +189,36 @@ class QuantizedLinear(nn.Module):
         self.gemm_min_rows = gemm_min_rows(weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.forward_raw(x).to(x.dtype)
+
+    def forward_raw(self, x: torch.Tensor) -> torch.Tensor:
+        """``forward`` left in the dtype it was computed in: ``gemm_dtype`` for a GEMM,
+        float32 for the in-register kernel (a caller that feeds another GEMM skips a cast
+        there and back)."""
         rows = x.numel() // self.in_features
+        dtype = self.gemm_input_dtype(rows)
+        x = x.to(dtype)
         if rows >= self.gemm_min_rows:
-            if self.gemm_dtype == torch.float32:
+            if dtype == torch.float32:
                 dense = torch.ops.llmrt_kernels.gguf_dequantize(
                     self.blocks, self.ggml_type, self.in_features
                 )
                 return _matmul(x, dense, self.bias, kernel=self.kernel)
-            low = self.gemm_dtype
             weight = torch.ops.llmrt_kernels.gguf_dequantize_bf16(
                 self.blocks, self.ggml_type, self.in_features
             )
-            bias = None if self.bias is None else self.bias.to(low)
-            return _matmul(x.to(low), weight, bias, kernel=self.kernel).to(x.dtype)
+            bias = None if self.bias is None else self.bias.to(dtype)
+            return _matmul(x, weight, bias, kernel=self.kernel)
         out: torch.Tensor = torch.ops.llmrt_kernels.gguf_linear(
             x, self.blocks, self.ggml_type, self.in_features, self.bias
         )
         return out
+
+    def gemm_input_dtype(self, rows: int) -> torch.dtype:
+        """The dtype ``rows`` activation rows are multiplied in (what ``x`` is cast to)."""
+        if rows >= max(self.gemm_min_rows, self.gemm_dtype_min_rows):
+            return self.gemm_dtype
+        return torch.float32
 
     def extra_repr(self) -> str:
         return (
@@ -402,10 +426,20 @@ def select_weight_layout(model: CausalLM, *, choice: str, device: torch.device) 
 #: products: about 2x the float32 GEMM rate on a 2-core EPYC, 400 against 200 GFLOPS).
 GemmDtype = Literal["float32", "bfloat16"]
 GEMM_DTYPES: tuple[str, ...] = get_args(GemmDtype)
+#: ``device.gemm_dtype_min_rows``: GEMMs of fewer activation rows stay float32 whatever
+#: ``gemm_dtype`` says. Why: bfloat16 GEMMs move SmolLM2's logits by up to ~0.5, and the
+#: float32 reference's first answer token to the chat parity prompt leads the runner-up by
+#: 0.08; bfloat16 kept it (by 0.035) or lost it (by 0.004) depending on 1e-7 changes in the
+#: attention's rounding. Short prompts (chat turns) are where the float32 GEMM costs least
+#: (the call's fixed costs dominate); long prompts, where GEMMs dominate, keep the 2x rate.
+GEMM_DTYPE_MIN_ROWS = 128
 
 
-def select_gemm_dtype(model: CausalLM, *, choice: str) -> int:
-    """Point every block-quantized linear of ``model`` at ``choice``; returns how many.
+def select_gemm_dtype(
+    model: CausalLM, *, choice: str, min_rows: int = GEMM_DTYPE_MIN_ROWS
+) -> int:
+    """Point every block-quantized linear of ``model`` at ``choice`` for GEMMs of
+    ``min_rows`` rows or more (fewer run float32); returns how many linears.
 
     ``bfloat16`` without block-quantized linears is a ``ConfigError`` naming
     ``device.gemm_dtype`` (float weights keep their own dtype).
@@ -423,8 +457,11 @@ def select_gemm_dtype(model: CausalLM, *, choice: str) -> int:
             "applies to block-quantized weights (checkpoint.weights: int8, int4 or gguf-native)",
         )
     dtype = torch.bfloat16 if choice == "bfloat16" else torch.float32
+    if isinstance(min_rows, bool) or not isinstance(min_rows, int) or min_rows < 1:
+        raise ConfigError("device.gemm_dtype_min_rows", min_rows, "must be a positive integer")
     for linear in linears:
         linear.gemm_dtype = dtype
+        linear.gemm_dtype_min_rows = min_rows
     return len(linears)
 
 

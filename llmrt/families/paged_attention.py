@@ -22,6 +22,8 @@ from typing import Literal, NamedTuple
 import torch
 import torch.nn.functional as F
 
+from llmrt.families.prefill_attention import native_causal_attention, native_usable
+
 __all__ = [
     "TOKEN_MAJOR",
     "DecodePlan",
@@ -273,6 +275,7 @@ def attend(
     scale: float,
     window: int | None = None,
     softcap: float | None = None,
+    native_causal: bool = False,
 ) -> torch.Tensor:
     """Write this step's K/V into the pages, then attend.
 
@@ -280,6 +283,8 @@ def attend(
     returns ``[B, S, Hq * D]`` in ``q``'s dtype. ``window`` limits each query to the
     ``window`` most recent positions (itself included), as transformers' sliding-window
     mask does; ``softcap`` bounds the scores by ``softcap * tanh(score / softcap)``.
+    ``native_causal`` runs attention among the step's own tokens with llmrt's C++ kernel
+    where the call allows it (``prefill_attention``), else torch's SDPA.
     """
     write_kv(cache=k_cache, new=k, plan=plan.writes)
     write_kv(cache=v_cache, new=v, plan=plan.writes)
@@ -289,7 +294,7 @@ def attend(
     elif isinstance(plan, DecodePlan):
         out = _paged(query, k_cache, v_cache, plan.reads, scale)
     elif plan.cached is None:
-        out = _causal(query, k.transpose(1, 2), v.transpose(1, 2), scale)
+        out = _causal(query, k.transpose(1, 2), v.transpose(1, 2), scale, native_causal)
     elif plan.split is None:
         out = _paged(query, k_cache, v_cache, plan.cached, scale)
     else:
@@ -300,6 +305,7 @@ def attend(
             k.index_select(0, fresh).transpose(1, 2),
             v.index_select(0, fresh).transpose(1, 2),
             scale,
+            native_causal,
         )
         out[cached] = _paged(query.index_select(0, cached), k_cache, v_cache, plan.cached, scale)
     return out.transpose(1, 2).flatten(2)
@@ -396,7 +402,11 @@ def _causal_mask(*, positions: torch.Tensor, length: int) -> torch.Tensor:
     return (keys[None, None, :] <= positions[:, :, None])[:, None]
 
 
-def _causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+def _causal(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, native: bool = False
+) -> torch.Tensor:
+    if native and native_usable(q, k, v):
+        return native_causal_attention(q, k, v, scale)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
 
 

@@ -29,7 +29,13 @@ from llmrt.weights.cache import default_cache_dir
 LIBRARY = "llmrt_kernels"
 _CSRC = Path(__file__).parent / "csrc"
 #: Compiled into one library; the digest also covers the headers beside them.
-_SOURCES = (_CSRC / "gguf_blocks.cpp", _CSRC / "interleaved.cpp", _CSRC / "decode_layer.cpp")
+_SOURCES = (
+    _CSRC / "gguf_blocks.cpp",
+    _CSRC / "interleaved.cpp",
+    _CSRC / "decode_layer.cpp",
+    _CSRC / "activation.cpp",
+    _CSRC / "prefill_attention.cpp",
+)
 #: ``-fopenmp``: ``at::parallel_for`` is an OpenMP pragma in the headers, so without it the
 #: kernels run on one thread. The library links the ``libgomp.so.1`` torch already loaded
 #: (same soname), so both share one thread pool.

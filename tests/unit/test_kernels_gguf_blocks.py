@@ -186,7 +186,7 @@ def test_bfloat16_gemms_round_to_bfloat16_and_leave_decode_rows_alone(kind: str)
     model = nn.Sequential(layer)
     x = torch.randn(GEMM_MIN_ROWS, 64, generator=torch.Generator().manual_seed(5))
     exact, decode = layer(x), layer(x[:1])
-    assert select_gemm_dtype(model, choice="bfloat16") == 1  # type: ignore[arg-type]
+    assert select_gemm_dtype(model, choice="bfloat16", min_rows=GEMM_MIN_ROWS) == 1  # type: ignore[arg-type]
     low = layer(x)
     assert low.dtype == torch.float32
     # The GEMM really ran in bfloat16: x and w rounded to 8 mantissa bits, so not equal,
@@ -200,3 +200,22 @@ def test_bfloat16_gemms_round_to_bfloat16_and_leave_decode_rows_alone(kind: str)
         select_gemm_dtype(model, choice="float16")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="block-quantized"):
         select_gemm_dtype(nn.Sequential(nn.Linear(4, 4)), choice="bfloat16")  # type: ignore[arg-type]
+
+
+def test_gemms_below_the_bfloat16_row_threshold_stay_float32() -> None:
+    from torch import nn
+
+    from llmrt.families.layers import GEMM_DTYPE_MIN_ROWS, select_gemm_dtype
+
+    layer = frozen_linear(weight=random_weight("q4_1", rows=40, cols=64, seed=6))
+    gen = torch.Generator().manual_seed(7)
+    below = torch.randn(GEMM_DTYPE_MIN_ROWS - 1, 64, generator=gen)
+    at = torch.randn(GEMM_DTYPE_MIN_ROWS, 64, generator=gen)
+    exact_below, exact_at = layer(below), layer(at)
+    select_gemm_dtype(nn.Sequential(layer), choice="bfloat16")  # type: ignore[arg-type]
+    assert torch.equal(layer(below), exact_below)  # the float32 GEMM, bit for bit
+    assert not torch.equal(layer(at), exact_at)  # bfloat16 operands
+    select_gemm_dtype(nn.Sequential(layer), choice="bfloat16", min_rows=8)  # type: ignore[arg-type]
+    assert not torch.equal(layer(below[:8]), exact_below[:8])
+    with pytest.raises(ConfigError, match="gemm_dtype_min_rows"):
+        select_gemm_dtype(nn.Sequential(layer), choice="bfloat16", min_rows=0)  # type: ignore[arg-type]

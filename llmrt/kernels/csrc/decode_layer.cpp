@@ -41,15 +41,14 @@
 
 #include "cpu.h"
 #include "linear.h"
+#include "vecmath.h"
 
 namespace {
 
+using llmrt_kernels::activate;
+using llmrt_kernels::exp512;
 using llmrt_kernels::has_avx512;
-
-constexpr int64_t kSilu = 0;
-constexpr int64_t kGelu = 1;
-constexpr int64_t kGeluTanh = 2;
-constexpr int64_t kRelu = 3;
+using llmrt_kernels::kSilu;
 
 // out = w * (x / sqrt(mean(x^2) + eps)) per row, in float32 as Hugging Face's RMSNorm.
 void rms_norm_rows(const float* x, int64_t rows, int64_t width, const float* w, double eps,
@@ -61,18 +60,6 @@ void rms_norm_rows(const float* x, int64_t rows, int64_t width, const float* w, 
     const float inv = 1.0f / std::sqrt(ss / static_cast<float>(width) + static_cast<float>(eps));
     float* o = out + r * width;
     for (int64_t j = 0; j < width; ++j) o[j] = w[j] * (xr[j] * inv);
-  }
-}
-
-inline float activate(float v, int64_t kind) {
-  switch (kind) {
-    case kSilu: return v / (1.0f + std::exp(-v));
-    case kGelu: return 0.5f * v * (1.0f + std::erf(v * 0.70710678118654752f));
-    case kGeluTanh: {
-      const float inner = 0.79788456080286536f * (v + 0.044715f * v * v * v);
-      return 0.5f * v * (1.0f + std::tanh(inner));
-    }
-    default: return v > 0.0f ? v : 0.0f;
   }
 }
 
@@ -125,25 +112,6 @@ LLMRT_AVX512 void axpy_avx512(float w, const T* x, float* y, int64_t n) {
   }
 }
 
-// e^x for 16 lanes: x = n ln2 + r with |r| <= ln2/2, e^r by its degree-7 Taylor polynomial
-// (error below float32 rounding), then scaled by 2^n. Inputs are clamped to [-87, 88].
-LLMRT_AVX512 inline __m512 exp512(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.0f / 5040.0f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 720.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 120.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 24.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f / 6.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
-
 // s[t] = exp(s[t] - top); returns the sum.
 LLMRT_AVX512 float exp_shift_sum_avx512(float* s, int64_t n, float top) {
   const __m512 shift = _mm512_set1_ps(top);
@@ -165,13 +133,12 @@ LLMRT_AVX512 float exp_shift_sum_avx512(float* s, int64_t n, float top) {
 
 // a[j] = silu(g[j]) * u[j] (u == nullptr: silu(g[j])), 16 lanes at a time.
 LLMRT_AVX512 void silu_avx512(const float* g, const float* u, float* a, int64_t n) {
-  const __m512 one = _mm512_set1_ps(1.0f);
   int64_t j = 0;
   for (; j < n; j += 16) {
     const __mmask16 m = n - j >= 16 ? static_cast<__mmask16>(0xFFFF)
                                      : static_cast<__mmask16>((1u << (n - j)) - 1);
     const __m512 v = _mm512_maskz_loadu_ps(m, g + j);
-    __m512 out = _mm512_div_ps(v, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), v))));
+    __m512 out = llmrt_kernels::silu512(v);
     if (u != nullptr) out = _mm512_mul_ps(out, _mm512_maskz_loadu_ps(m, u + j));
     _mm512_mask_storeu_ps(a + j, m, out);
   }

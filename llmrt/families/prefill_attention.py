@@ -1,0 +1,71 @@
+"""Which kernel runs causal attention over a prefill's own tokens (``device.attention_kernel``).
+
+``native`` is ``llmrt_kernels.causal_attention``: float32 flash-style attention in C++ where
+each task holds one KV head's whole query group (see ``csrc/prefill_attention.cpp``); ``sdpa``
+is torch's ``scaled_dot_product_attention``. ``auto`` takes the native kernel on the CPU
+where the kernels load and the CPU has AVX-512. Either way a call the native kernel does not
+cover (not float32, another head_dim, under ``torch.compile``) runs SDPA; sliding windows,
+soft-capping and cached prefixes take the masked paths in ``paged_attention`` as before.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+import torch
+from torch import nn
+
+from llmrt.errors import ConfigError
+from llmrt.kernels.native import kernels_available
+
+AttentionKernel = Literal["auto", "native", "sdpa"]
+ATTENTION_KERNELS: tuple[str, ...] = get_args(AttentionKernel)
+#: head_dim values the native kernel is compiled for.
+NATIVE_HEAD_DIMS = (16, 32, 64, 128)
+
+
+def native_usable(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Whether this call can take the native kernel (checked per call: cheap, no host sync)."""
+    return (
+        q.device.type == "cpu"
+        and q.dtype == k.dtype == v.dtype == torch.float32
+        and q.shape[-1] in NATIVE_HEAD_DIMS
+        and not torch.compiler.is_compiling()
+    )
+
+
+def native_causal_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """``q`` ``[B, H, S, D]``, ``k``/``v`` ``[B, Hkv, S, D]`` -> ``[B, H, S, D]`` (a view of
+    ``[B, S, H, D]`` storage)."""
+    out: torch.Tensor = torch.ops.llmrt_kernels.causal_attention(q, k, v, scale)
+    return out
+
+
+def select_attention_kernel(model: object, *, choice: str, device: torch.device) -> str | None:
+    """Point every attention of ``model`` (the modules with a ``native_causal`` flag) at
+    ``choice``; returns why the native kernel is not used (None when it is). ``native``
+    where it cannot run is a ``ConfigError``."""
+    field = "device.attention_kernel"
+    if choice not in ATTENTION_KERNELS:
+        raise ConfigError(field, choice, f"must be one of {list(ATTENTION_KERNELS)}")
+    why = _why_not_native(device) if choice != "sdpa" else "device.attention_kernel is sdpa"
+    if choice == "native" and why is not None:
+        raise ConfigError(field, choice, f"the native causal attention cannot run: {why}")
+    if isinstance(model, nn.Module):
+        for module in model.modules():
+            if hasattr(module, "native_causal"):
+                setattr(module, "native_causal", why is None)  # noqa: B010
+    return why
+
+
+def _why_not_native(device: torch.device) -> str | None:
+    if device.type != "cpu":
+        return f"runs on {device.type}, not the CPU"
+    ok, why = kernels_available()
+    if not ok:
+        return why
+    if not bool(torch.ops.llmrt_kernels.causal_attention_supported(64)):
+        return "this CPU has no AVX-512"
+    return None

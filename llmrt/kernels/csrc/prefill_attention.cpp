@@ -1,0 +1,258 @@
+// Causal grouped-query attention over a prefill's own tokens (no cached prefix), float32.
+//
+// Why: torch's CPU flash attention ran SmolLM2's 512-token layer (9 query heads over 3 KV
+// heads, head_dim 64) at ~70 GFLOPS, a quarter of its share of a 512-token prefill. Here a
+// task is one KV head's whole query group over a block of positions, so each K/V block is
+// loaded once for all the heads that read it; scores and the value product are register
+// tiles of four query rows (sixteen accumulators), and the softmax is the online one (a
+// running max and sum per row, as flash attention), so no [S, S] score matrix is formed.
+//
+// Semantics: torch's ``scaled_dot_product_attention(q, k, v, is_causal=True, scale=s,
+// enable_gqa=True)`` with q ``[B, H, S, D]`` and k, v ``[B, Hkv, S, D]``: position i attends
+// to keys 0..i; query head h reads KV head h / (H / Hkv). The output is ``[B, H, S, D]``
+// viewed over a ``[B, S, H, D]`` buffer, so the caller's ``transpose(1, 2).flatten(2)`` is
+// free.
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <omp.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "cpu.h"
+#include "vecmath.h"
+
+namespace {
+
+using llmrt_kernels::exp512;
+using llmrt_kernels::has_avx512;
+
+// Query positions per task and keys per block.
+constexpr int64_t kQueryBlock = 32;
+constexpr int64_t kKeyBlock = 64;
+// Query rows (head, position) per register tile.
+constexpr int kTileRows = 4;
+
+struct Strides {
+  int64_t b, h, s;  // the last dim is contiguous
+};
+
+Strides strides_of(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
+
+// One task: KV head ``g`` of batch row ``b``, query positions [q0, q1), all ``group`` query
+// heads of the KV head. ``NV``: 16-float vectors per head (head_dim / 16).
+template <int NV>
+LLMRT_AVX512 void attend_block(const float* q, Strides qs, const float* k, Strides ks,
+                               const float* v, Strides vs, float* out, Strides os, int64_t b,
+                               int64_t g, int64_t group, int64_t q0, int64_t q1, float scale,
+                               std::vector<float>& work) {
+  constexpr int64_t D = 16 * NV;
+  const int64_t positions = q1 - q0, rows = group * positions;
+  // Per row r = j * positions + i (head g * group + j, position q0 + i): running max and sum,
+  // the output accumulator [rows, D], the row's scores of one key block, and K^T of the block.
+  work.resize(static_cast<size_t>(2 * rows + rows * D + rows * kKeyBlock + D * kKeyBlock));
+  float* top = work.data();
+  float* total = top + rows;
+  float* acc = total + rows;
+  float* scores = acc + rows * D;
+  float* kt = scores + rows * kKeyBlock;
+  std::fill_n(top, rows, -std::numeric_limits<float>::infinity());
+  std::fill_n(total, rows, 0.0f);
+  std::fill_n(acc, rows * D, 0.0f);
+  const float* kb = k + b * ks.b + g * ks.h;
+  const float* vb = v + b * vs.b + g * vs.h;
+  const auto qrow = [&](int64_t r) {
+    return q + b * qs.b + (g * group + r / positions) * qs.h + (q0 + r % positions) * qs.s;
+  };
+  for (int64_t k0 = 0; k0 < q1; k0 += kKeyBlock) {
+    const int64_t nk = std::min(kKeyBlock, q1 - k0);
+    // K^T of the block, zero-padded to kKeyBlock columns.
+    for (int64_t d = 0; d < D; ++d)
+      for (int64_t t = 0; t < kKeyBlock; ++t)
+        kt[d * kKeyBlock + t] = t < nk ? kb[(k0 + t) * ks.s + d] : 0.0f;
+    // Scores: kKeyBlock keys (four vectors) for kTileRows rows at a time.
+    for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
+      const int tr = static_cast<int>(std::min<int64_t>(kTileRows, rows - r0));
+      __m512 s[kTileRows][4];
+      const float* qp[kTileRows];
+      for (int i = 0; i < kTileRows; ++i) {
+        qp[i] = qrow(r0 + std::min(i, tr - 1));
+        for (int c = 0; c < 4; ++c) s[i][c] = _mm512_setzero_ps();
+      }
+      for (int64_t d = 0; d < D; ++d) {
+        const float* kd = kt + d * kKeyBlock;
+        const __m512 k0v = _mm512_loadu_ps(kd), k1v = _mm512_loadu_ps(kd + 16);
+        const __m512 k2v = _mm512_loadu_ps(kd + 32), k3v = _mm512_loadu_ps(kd + 48);
+        for (int i = 0; i < kTileRows; ++i) {
+          const __m512 qv = _mm512_set1_ps(qp[i][d]);
+          s[i][0] = _mm512_fmadd_ps(qv, k0v, s[i][0]);
+          s[i][1] = _mm512_fmadd_ps(qv, k1v, s[i][1]);
+          s[i][2] = _mm512_fmadd_ps(qv, k2v, s[i][2]);
+          s[i][3] = _mm512_fmadd_ps(qv, k3v, s[i][3]);
+        }
+      }
+      const __m512 vscale = _mm512_set1_ps(scale);
+      for (int i = 0; i < tr; ++i) {
+        const int64_t r = r0 + i, pos = q0 + r % positions;
+        // Keys past the row's position (and past the block) are masked.
+        const int64_t visible = std::min(nk, pos - k0 + 1);
+        float* sr = scores + r * kKeyBlock;
+        float block_top = -std::numeric_limits<float>::infinity();
+        for (int c = 0; c < 4; ++c) {
+          const int64_t left = visible - 16 * c;
+          const __mmask16 m = left >= 16 ? static_cast<__mmask16>(0xFFFF)
+                              : left <= 0 ? static_cast<__mmask16>(0)
+                                          : static_cast<__mmask16>((1u << left) - 1);
+          const __m512 x = _mm512_mask_mov_ps(
+              _mm512_set1_ps(-std::numeric_limits<float>::infinity()), m,
+              _mm512_mul_ps(s[i][c], vscale));
+          _mm512_storeu_ps(sr + 16 * c, x);
+          if (m != 0) block_top = std::max(block_top, _mm512_mask_reduce_max_ps(m, x));
+        }
+        // Online softmax: rescale what came before to the new maximum.
+        const float new_top = std::max(top[r], block_top);
+        // 0 for the first block (every block holds a visible key for every row: key blocks
+        // start at multiples of kKeyBlock, at or before the query block's first position).
+        const float carry = std::isinf(top[r]) ? 0.0f : std::exp(top[r] - new_top);
+        const __m512 shift = _mm512_set1_ps(new_top);
+        __m512 sum = _mm512_setzero_ps();
+        for (int c = 0; c < 4; ++c) {
+          const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sr + 16 * c), shift));
+          // exp512 clamps its input: masked keys (-inf) must give exactly 0.
+          const __m512 p = _mm512_mask_mov_ps(
+              _mm512_setzero_ps(),
+              _mm512_cmp_ps_mask(_mm512_loadu_ps(sr + 16 * c),
+                                 _mm512_set1_ps(-std::numeric_limits<float>::infinity()),
+                                 _CMP_NEQ_OQ),
+              e);
+          _mm512_storeu_ps(sr + 16 * c, p);
+          sum = _mm512_add_ps(sum, p);
+        }
+        total[r] = total[r] * carry + _mm512_reduce_add_ps(sum);
+        top[r] = new_top;
+        if (carry != 1.0f) {
+          const __m512 vc = _mm512_set1_ps(carry);
+          float* ar = acc + r * D;
+          for (int c = 0; c < NV; ++c)
+            _mm512_storeu_ps(ar + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(ar + 16 * c), vc));
+        }
+      }
+    }
+    // acc += P V over the block's keys, kTileRows rows at a time (NV <= 4: 16 accumulators).
+    constexpr int kPvRows = NV <= 4 ? kTileRows : 2;
+    for (int64_t r0 = 0; r0 < rows; r0 += kPvRows) {
+      const int tr = static_cast<int>(std::min<int64_t>(kPvRows, rows - r0));
+      __m512 o[kPvRows][NV];
+      for (int i = 0; i < kPvRows; ++i)
+        for (int c = 0; c < NV; ++c)
+          o[i][c] = i < tr ? _mm512_loadu_ps(acc + (r0 + i) * D + 16 * c) : _mm512_setzero_ps();
+      for (int64_t t = 0; t < nk; ++t) {
+        const float* vt = vb + (k0 + t) * vs.s;
+        __m512 vv[NV];
+        for (int c = 0; c < NV; ++c) vv[c] = _mm512_loadu_ps(vt + 16 * c);
+        for (int i = 0; i < kPvRows; ++i) {
+          const __m512 p = _mm512_set1_ps(scores[(r0 + std::min(i, tr - 1)) * kKeyBlock + t]);
+          for (int c = 0; c < NV; ++c) o[i][c] = _mm512_fmadd_ps(p, vv[c], o[i][c]);
+        }
+      }
+      for (int i = 0; i < tr; ++i)
+        for (int c = 0; c < NV; ++c) _mm512_storeu_ps(acc + (r0 + i) * D + 16 * c, o[i][c]);
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 inv = _mm512_set1_ps(1.0f / total[r]);
+    float* dst = out + b * os.b + (g * group + r / positions) * os.h + (q0 + r % positions) * os.s;
+    for (int c = 0; c < NV; ++c)
+      _mm512_storeu_ps(dst + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + 16 * c), inv));
+  }
+}
+
+bool supported_head_dim(int64_t d) { return d == 16 || d == 32 || d == 64 || d == 128; }
+
+bool causal_attention_supported(int64_t head_dim) {
+  return has_avx512() && supported_head_dim(head_dim);
+}
+
+at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                            double scale) {
+  for (const auto* t : {&q, &k, &v}) {
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat,
+                "llmrt_kernels.causal_attention: q, k and v must be float32 on the CPU");
+    TORCH_CHECK(t->dim() == 4, "llmrt_kernels.causal_attention: q, k and v must be [B, H, S, D]");
+  }
+  const int64_t batch = q.size(0), heads = q.size(1), len = q.size(2), dim = q.size(3);
+  const int64_t kv_heads = k.size(1);
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == batch && k.size(2) == len &&
+                  k.size(3) == dim,
+              "llmrt_kernels.causal_attention: k and v must be [B, Hkv, S, D] like q's B, S, D");
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0,
+              "llmrt_kernels.causal_attention: query heads (", heads,
+              ") must be a multiple of KV heads (", kv_heads, ")");
+  TORCH_CHECK(causal_attention_supported(dim),
+              "llmrt_kernels.causal_attention: needs AVX-512 and head_dim 16, 32, 64 or 128 (got ",
+              dim, ")");
+  const at::Tensor qc = q.stride(3) == 1 ? q : q.contiguous();
+  const at::Tensor kc = k.stride(3) == 1 ? k : k.contiguous();
+  const at::Tensor vc = v.stride(3) == 1 ? v : v.contiguous();
+  // [B, S, H, D] storage, returned as its [B, H, S, D] view.
+  at::Tensor out = at::empty({batch, len, heads, dim}, q.options()).transpose(1, 2);
+  if (out.numel() == 0) return out;
+  const int64_t group = heads / kv_heads;
+  const int64_t qblocks = (len + kQueryBlock - 1) / kQueryBlock;
+  const int64_t tasks = batch * kv_heads * qblocks;
+  const float* qp = qc.const_data_ptr<float>();
+  const float* kp = kc.const_data_ptr<float>();
+  const float* vp = vc.const_data_ptr<float>();
+  float* op = out.mutable_data_ptr<float>();
+  const Strides qs = strides_of(qc), ks = strides_of(kc), vs = strides_of(vc), os = strides_of(out);
+  const float fscale = static_cast<float>(scale);
+  // Task i: query block qblocks - 1 - i / (batch * kv_heads) (latest first: they read the
+  // most keys, so the team ends together), of KV head and batch row i % (batch * kv_heads).
+  const auto run = [&](int64_t i, std::vector<float>& work) {
+    const int64_t qb = qblocks - 1 - i / (batch * kv_heads), rest = i % (batch * kv_heads);
+    const int64_t g = rest % kv_heads, b = rest / kv_heads;
+    const int64_t q0 = qb * kQueryBlock, q1 = std::min(len, q0 + kQueryBlock);
+    switch (dim) {
+      case 16: attend_block<1>(qp, qs, kp, ks, vp, vs, op, os, b, g, group, q0, q1, fscale, work); break;
+      case 32: attend_block<2>(qp, qs, kp, ks, vp, vs, op, os, b, g, group, q0, q1, fscale, work); break;
+      case 64: attend_block<4>(qp, qs, kp, ks, vp, vs, op, os, b, g, group, q0, q1, fscale, work); break;
+      default: attend_block<8>(qp, qs, kp, ks, vp, vs, op, os, b, g, group, q0, q1, fscale, work); break;
+    }
+  };
+  const int nt = std::max(1, at::get_num_threads());
+  if (nt == 1 || tasks == 1 || at::in_parallel_region()) {
+    std::vector<float> work;
+    for (int64_t i = 0; i < tasks; ++i) run(i, work);
+    return out;
+  }
+#pragma omp parallel num_threads(nt)
+  {
+    std::vector<float> work;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < tasks; ++i) run(i, work);
+  }
+  return out;
+}
+
+bool causal_attention_supported_op(int64_t head_dim) {
+  return causal_attention_supported(head_dim);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(llmrt_kernels, m) {
+  m.def("causal_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
+  m.def("causal_attention_supported(int head_dim) -> bool", &causal_attention_supported_op);
+}
+
+TORCH_LIBRARY_IMPL(llmrt_kernels, CPU, m) { m.impl("causal_attention", &causal_attention); }
