@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from llmrt.families.causal_lm import PagedCausalLM
-from llmrt.families.fused_decode import ACTIVATIONS, FusedDecode, NotFusable, fused_step_allowed
+from llmrt.families.fused_decode import FusedDecode, NotFusable, fused_step_allowed
 from llmrt.families.kvbinding import BoundKV
 from llmrt.families.layers import (
     Embedding,
@@ -27,6 +27,7 @@ from llmrt.families.layers import (
     bind_weight,
     frozen_embedding,
     frozen_linear,
+    native_mlp_activation,
 )
 from llmrt.families.paged_attention import DecodePlan, PrefillPlan, attend, host_sync_allowed
 from llmrt.families.parts import (
@@ -237,11 +238,11 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.native_activation and x.device.type == "cpu" and not torch.compiler.is_compiling():
             rows = x.numel() // x.shape[-1]
-            act = torch.ops.llmrt_kernels.mlp_activation(
+            act = native_mlp_activation(
                 self.up.forward_raw(x),
-                ACTIVATIONS[self.activation],
-                self.gated,
-                self.down.gemm_input_dtype(rows),
+                activation=self.activation,
+                gated=self.gated,
+                dtype=self.down.gemm_input_dtype(rows),
             )
             out: torch.Tensor = self.down.forward_raw(act).to(x.dtype)
             return out

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple, get_args
 import torch
 
 from llmrt.errors import ConfigError
-from llmrt.families.layers import FrozenLinear, QuantizedEmbedding, QuantizedLinear
+from llmrt.families.layers import ACTIVATIONS, FrozenLinear, QuantizedEmbedding, QuantizedLinear
 from llmrt.kernels.native import kernels_available
 
 if TYPE_CHECKING:
@@ -37,8 +37,6 @@ DECODE_KERNELS: tuple[str, ...] = get_args(DecodeKernel)
 #: 130 vs 135 ms at 32; float32 23.8 vs 42 ms at 1 row, 83 vs 89 ms at 16.
 MAX_ROWS_BLOCKS = 32
 MAX_ROWS_DENSE = 16
-#: The kernels' activation codes (``vecmath.h``; the fused step and ``mlp_activation``).
-ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3}
 #: Weight kind of a dense float32 matrix (ggml blocks use their type ids).
 DENSE_F32 = 0
 

@@ -59,6 +59,23 @@ LinearKernelChoice = Literal["auto", "aten", "onednn"]
 LINEAR_KERNEL_CHOICES: tuple[str, ...] = get_args(LinearKernelChoice)
 
 
+#: The kernels' activation codes (``csrc/vecmath.h``: the fused decode step and
+#: ``native_mlp_activation``).
+ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3}
+
+
+def native_mlp_activation(
+    y: torch.Tensor, *, activation: str, gated: bool, dtype: torch.dtype
+) -> torch.Tensor:
+    """``activation(gate) * up`` (``y`` = [gate, up] when ``gated``) in one C++ pass, from
+    ``y``'s dtype to ``dtype`` (float32 or bfloat16), computed in float32 (``activation.cpp``).
+    """
+    out: torch.Tensor = torch.ops.llmrt_kernels.mlp_activation(
+        y, ACTIVATIONS[activation], gated, dtype
+    )
+    return out
+
+
 class RMSNorm(nn.Module):
     """RMSNorm computed in float32 and cast back before the weight, as Hugging Face does."""
 
@@ -435,9 +452,7 @@ GEMM_DTYPES: tuple[str, ...] = get_args(GemmDtype)
 GEMM_DTYPE_MIN_ROWS = 128
 
 
-def select_gemm_dtype(
-    model: CausalLM, *, choice: str, min_rows: int = GEMM_DTYPE_MIN_ROWS
-) -> int:
+def select_gemm_dtype(model: CausalLM, *, choice: str, min_rows: int = GEMM_DTYPE_MIN_ROWS) -> int:
     """Point every block-quantized linear of ``model`` at ``choice`` for GEMMs of
     ``min_rows`` rows or more (fewer run float32); returns how many linears.
 

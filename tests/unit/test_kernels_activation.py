@@ -14,8 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from llmrt.families.decoder import MLP
-from llmrt.families.fused_decode import ACTIVATIONS
-from llmrt.families.layers import frozen_linear
+from llmrt.families.layers import ACTIVATIONS, frozen_linear
 from llmrt.kernels.formats import quantize
 from llmrt.kernels.native import load_kernels
 

@@ -10,7 +10,7 @@
 
 namespace llmrt_kernels {
 
-// Activation codes (llmrt/families/fused_decode.py ``ACTIVATIONS`` names them).
+// Activation codes (llmrt/families/layers.py ``ACTIVATIONS`` names them).
 inline constexpr int64_t kSilu = 0;
 inline constexpr int64_t kGelu = 1;
 inline constexpr int64_t kGeluTanh = 2;
