@@ -8,9 +8,10 @@ and every one of them came back from the kernel page by page: ~1,300 page faults
 ~1.7 ms per conversion, against 0.1 ms in reused memory. Fixing both thresholds keeps
 blocks up to ``MMAP_THRESHOLD`` on the heap and lets up to ``TRIM_THRESHOLD`` of free heap
 stay mapped, so the next layer reuses what the last one freed. The cost is resident
-memory: what a step freed stays counted in RSS (bounded by ``TRIM_THRESHOLD``) instead of
-being returned at once. This is what jemalloc or tcmalloc, which CPU inference guides
-preload under torch, do by default.
+memory: what a step freed stays counted in RSS instead of being returned at once (up to
+``TRIM_THRESHOLD`` at the top of each arena; holes below it were never returned anyway), so
+resident memory follows the peak of heap use rather than its current level. This is what
+jemalloc or tcmalloc, which CPU inference guides preload under torch, do by default.
 
 The setting is process-wide and has no inverse (glibc has no getter for the values it
 replaces), so it is applied once, when a CPU device is opened with

@@ -437,10 +437,11 @@ def select_weight_layout(model: CausalLM, *, choice: str, device: torch.device) 
     return changed
 
 
-#: ``device.gemm_dtype``: the dtype GEMMs over block-quantized weights (16 rows or more:
-#: prefill, large decode batches) multiply in. ``bfloat16`` rounds the activations and the
-#: dequantized weight to bfloat16 and accumulates in float32 (oneDNN, AVX-512 BF16 dot
-#: products: about 2x the float32 GEMM rate on a 2-core EPYC, 400 against 200 GFLOPS).
+#: ``device.gemm_dtype``: the dtype GEMMs over block-quantized weights (from
+#: ``GEMM_DTYPE_MIN_ROWS`` rows: prefill, large batches) multiply in. ``bfloat16`` rounds
+#: the activations and the dequantized weight to bfloat16 and accumulates in float32
+#: (oneDNN, AVX-512 BF16 dot products: about 2x the float32 GEMM rate on a 2-core EPYC,
+#: 400 against 200 GFLOPS).
 GemmDtype = Literal["float32", "bfloat16"]
 GEMM_DTYPES: tuple[str, ...] = get_args(GemmDtype)
 #: ``device.gemm_dtype_min_rows``: GEMMs of fewer activation rows stay float32 whatever

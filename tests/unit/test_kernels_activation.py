@@ -87,7 +87,7 @@ def test_bad_inputs_name_the_problem() -> None:
 
 
 @pytest.mark.parametrize("gemm_dtype", DTYPES, ids=["f32-gemm", "bf16-gemm"])
-@pytest.mark.parametrize("rows", [3, 64], ids=["kernel-rows", "gemm-rows"])
+@pytest.mark.parametrize("rows", [3, 64, 160], ids=["kernel-rows", "f32-gemm-rows", "gemm-rows"])
 def test_a_quantized_mlp_gives_what_the_torch_path_gives(
     gemm_dtype: torch.dtype, rows: int
 ) -> None:
@@ -101,10 +101,12 @@ def test_a_quantized_mlp_gives_what_the_torch_path_gives(
     for linear in (up, down):
         linear.gemm_dtype = gemm_dtype  # type: ignore[union-attr]
     mlp = MLP(activation="silu", gated=True, up=up, down=down)
-    assert mlp.native_activation
     x = torch.randn(1, rows, 64, generator=gen)
+    assert mlp._native(x)
+    # GEMMs of 128 rows or more run in gemm_dtype (bfloat16 from there on).
+    assert up.gemm_input_dtype(rows) == (gemm_dtype if rows >= 128 else torch.float32)  # type: ignore[union-attr]
     got = mlp(x)
-    mlp.native_activation = False
+    mlp.allow_native = False
     expected = mlp(x)
     assert got.dtype == torch.float32
     # The same roundings in the same places: equal up to the activation's float32 ulps
@@ -114,9 +116,14 @@ def test_a_quantized_mlp_gives_what_the_torch_path_gives(
     )
 
 
-def test_float_weights_keep_the_torch_path() -> None:
+def test_float_weights_and_other_activations_keep_the_torch_path() -> None:
     linear = frozen_linear(weight=torch.randn(16, 8))
-    mlp = MLP(
-        activation="silu", gated=True, up=linear, down=frozen_linear(weight=torch.randn(8, 8))
-    )
-    assert not mlp.native_activation
+    down = frozen_linear(weight=torch.randn(8, 8))
+    mlp = MLP(activation="silu", gated=True, up=linear, down=down)
+    assert not mlp._native(torch.randn(2, 8))
+    # A model whose float linears become block-quantized after the build
+    # (``checkpoint.weights: int8 | int4``) takes the native path from then on.
+    mlp.up = frozen_linear(weight=quantize(torch.randn(16, 32), kind="q8_0", field="w"))
+    assert mlp._native(torch.randn(2, 32))
+    mlp.activation = "gelu"
+    assert not mlp._native(torch.randn(2, 32))

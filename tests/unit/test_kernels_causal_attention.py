@@ -74,6 +74,20 @@ def test_contiguous_inputs_and_an_empty_batch() -> None:
     assert op(q, k, v, 0.25).shape == (0, 4, 8, 16)
 
 
+def test_nan_and_overflowing_scores_poison_the_rows_that_see_them_as_torch_does() -> None:
+    import torch.nn.functional as F
+
+    q, k, v = (t.contiguous() for t in qkv(1, 2, 1, 70, 16, seed=8))
+    k[0, 0, 40, 3] = float("nan")  # key 40: rows 40.. see a NaN score
+    got = op(q, k, v, 0.25)
+    want = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.25, enable_gqa=True)
+    assert torch.isnan(want[:, :, 40:]).all() and not torch.isnan(want[:, :, :40]).any()
+    assert torch.equal(torch.isnan(got), torch.isnan(want))
+    torch.testing.assert_close(got[:, :, :40], want[:, :, :40], atol=1e-5, rtol=1e-5)
+    big = torch.full((1, 1, 3, 16), 1e20)  # scores overflow to +inf: torch gives NaN
+    assert torch.isnan(op(big, big, big, 1.0)).all()
+
+
 def test_bad_inputs_name_the_problem() -> None:
     q, k, v = qkv(1, 4, 2, 8, 16, seed=3)
     with pytest.raises(RuntimeError, match="float32 on the CPU"):

@@ -60,14 +60,16 @@ LLMRT_AVX512 void attend_block(const float* q, Strides qs, const float* k, Strid
   const int64_t positions = q1 - q0, rows = group * positions;
   // Per row r = j * positions + i (head g * group + j, position q0 + i): running max and sum,
   // the output accumulator [rows, D], the row's scores of one key block, and K^T of the block.
-  work.resize(static_cast<size_t>(2 * rows + rows * D + rows * kKeyBlock + D * kKeyBlock));
+  work.resize(static_cast<size_t>(3 * rows + rows * D + rows * kKeyBlock + D * kKeyBlock));
   float* top = work.data();
   float* total = top + rows;
-  float* acc = total + rows;
+  float* poisoned = total + rows;  // 1 where a visible score was NaN or +inf
+  float* acc = poisoned + rows;
   float* scores = acc + rows * D;
   float* kt = scores + rows * kKeyBlock;
   std::fill_n(top, rows, -std::numeric_limits<float>::infinity());
   std::fill_n(total, rows, 0.0f);
+  std::fill_n(poisoned, rows, 0.0f);
   std::fill_n(acc, rows * D, 0.0f);
   const float* kb = k + b * ks.b + g * ks.h;
   const float* vb = v + b * vs.b + g * vs.h;
@@ -108,33 +110,35 @@ LLMRT_AVX512 void attend_block(const float* q, Strides qs, const float* k, Strid
         const int64_t visible = std::min(nk, pos - k0 + 1);
         float* sr = scores + r * kKeyBlock;
         float block_top = -std::numeric_limits<float>::infinity();
+        __mmask16 seen[4];
         for (int c = 0; c < 4; ++c) {
           const int64_t left = visible - 16 * c;
-          const __mmask16 m = left >= 16 ? static_cast<__mmask16>(0xFFFF)
-                              : left <= 0 ? static_cast<__mmask16>(0)
-                                          : static_cast<__mmask16>((1u << left) - 1);
-          const __m512 x = _mm512_mask_mov_ps(
-              _mm512_set1_ps(-std::numeric_limits<float>::infinity()), m,
-              _mm512_mul_ps(s[i][c], vscale));
+          seen[c] = left >= 16 ? static_cast<__mmask16>(0xFFFF)
+                    : left <= 0 ? static_cast<__mmask16>(0)
+                                : static_cast<__mmask16>((1u << left) - 1);
+          const __m512 x = _mm512_mul_ps(s[i][c], vscale);
           _mm512_storeu_ps(sr + 16 * c, x);
-          if (m != 0) block_top = std::max(block_top, _mm512_mask_reduce_max_ps(m, x));
+          if (seen[c] == 0) continue;
+          // A NaN or +inf score makes the row's softmax NaN, as in torch: remember it (the
+          // exponential below would clamp it away).
+          if (_mm512_mask_cmp_ps_mask(seen[c], x, _mm512_set1_ps(std::numeric_limits<float>::max()),
+                                      _CMP_NLE_UQ) != 0)
+            poisoned[r] = 1.0f;
+          block_top = std::max(block_top, _mm512_mask_reduce_max_ps(seen[c], x));
         }
-        // Online softmax: rescale what came before to the new maximum.
-        const float new_top = std::max(top[r], block_top);
-        // 0 for the first block (every block holds a visible key for every row: key blocks
+        // Online softmax: rescale what came before to the new maximum (carry is 0 for the
+        // first block; every block holds a visible key for every row, since key blocks
         // start at multiples of kKeyBlock, at or before the query block's first position).
-        const float carry = std::isinf(top[r]) ? 0.0f : std::exp(top[r] - new_top);
+        const float new_top = std::max(top[r], block_top);
+        const float carry = top[r] == -std::numeric_limits<float>::infinity()
+                                ? 0.0f
+                                : std::exp(top[r] - new_top);
         const __m512 shift = _mm512_set1_ps(new_top);
         __m512 sum = _mm512_setzero_ps();
         for (int c = 0; c < 4; ++c) {
-          const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sr + 16 * c), shift));
-          // exp512 clamps its input: masked keys (-inf) must give exactly 0.
-          const __m512 p = _mm512_mask_mov_ps(
-              _mm512_setzero_ps(),
-              _mm512_cmp_ps_mask(_mm512_loadu_ps(sr + 16 * c),
-                                 _mm512_set1_ps(-std::numeric_limits<float>::infinity()),
-                                 _CMP_NEQ_OQ),
-              e);
+          // Keys past the row's position (and past the block) weigh exactly 0.
+          const __m512 p = _mm512_maskz_mov_ps(
+              seen[c], exp512(_mm512_sub_ps(_mm512_loadu_ps(sr + 16 * c), shift)));
           _mm512_storeu_ps(sr + 16 * c, p);
           sum = _mm512_add_ps(sum, p);
         }
@@ -170,7 +174,8 @@ LLMRT_AVX512 void attend_block(const float* q, Strides qs, const float* k, Strid
     }
   }
   for (int64_t r = 0; r < rows; ++r) {
-    const __m512 inv = _mm512_set1_ps(1.0f / total[r]);
+    const __m512 inv = _mm512_set1_ps(
+        poisoned[r] != 0.0f ? std::numeric_limits<float>::quiet_NaN() : 1.0f / total[r]);
     float* dst = out + b * os.b + (g * group + r / positions) * os.h + (q0 + r % positions) * os.s;
     for (int c = 0; c < NV; ++c)
       _mm512_storeu_ps(dst + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + 16 * c), inv));
