@@ -40,6 +40,11 @@ LARGE_GEMM_MIN_ROWS = 128
 #: dequantize + GEMM longer (one SmolLM2 layer, 2 threads: 1.7 against 1.9-8 ms at 32 rows,
 #: 3.9 against 2.7-3.4 ms at 64), and short prompts skip dequantizing every weight.
 INTERLEAVED_GEMM_MIN_ROWS = 48
+#: Rows up to which the interleaved integer kernel stays on where the GEMM would run in
+#: float32 (``device.gemm_dtype: float32``, or under ``device.gemm_dtype_min_rows``): it beat
+#: dequantize + float32 GEMM at every size tried below (SmolLM2 prefill, in-process A/B:
+#: 0.82x at 48 tokens, 0.94x at 64, 0.77x at 80, 0.82x at 96), at 6e-3 instead of 1e-4 logits.
+INTERLEAVED_FLOAT32_GEMM_MIN_ROWS = 128
 
 
 def gemm_min_rows(weight: QuantizedWeight) -> int:
@@ -215,7 +220,7 @@ class QuantizedLinear(nn.Module):
         rows = x.numel() // self.in_features
         dtype = self.gemm_input_dtype(rows)
         x = x.to(dtype)
-        if rows >= self.gemm_min_rows:
+        if self.runs_gemm(rows):
             if dtype == torch.float32:
                 dense = torch.ops.llmrt_kernels.gguf_dequantize(
                     self.blocks, self.ggml_type, self.in_features
@@ -231,9 +236,19 @@ class QuantizedLinear(nn.Module):
         )
         return out
 
+    def runs_gemm(self, rows: int) -> bool:
+        """Whether ``rows`` activation rows run dequantize + GEMM (else the in-register
+        kernel)."""
+        if rows < self.gemm_min_rows:
+            return False
+        low = self.gemm_dtype != torch.float32 and rows >= self.gemm_dtype_min_rows
+        return (
+            low or self.weight.layout != "interleaved" or rows >= INTERLEAVED_FLOAT32_GEMM_MIN_ROWS
+        )
+
     def gemm_input_dtype(self, rows: int) -> torch.dtype:
         """The dtype ``rows`` activation rows are multiplied in (what ``x`` is cast to)."""
-        if rows >= max(self.gemm_min_rows, self.gemm_dtype_min_rows):
+        if self.runs_gemm(rows) and rows >= self.gemm_dtype_min_rows:
             return self.gemm_dtype
         return torch.float32
 
@@ -448,8 +463,9 @@ GEMM_DTYPES: tuple[str, ...] = get_args(GemmDtype)
 #: ``gemm_dtype`` says. Why: bfloat16 GEMMs move SmolLM2's logits by up to ~0.5, and the
 #: float32 reference's first answer token to the chat parity prompt leads the runner-up by
 #: 0.08; bfloat16 kept it (by 0.035) or lost it (by 0.004) depending on 1e-7 changes in the
-#: attention's rounding. Short prompts (chat turns) are where the float32 GEMM costs least
-#: (the call's fixed costs dominate); long prompts, where GEMMs dominate, keep the 2x rate.
+#: attention's rounding. Short prompts (chat turns) take the interleaved integer kernel there
+#: (``INTERLEAVED_FLOAT32_GEMM_MIN_ROWS``) or a float32 GEMM; long prompts, where GEMMs
+#: dominate, keep the 2x rate.
 GEMM_DTYPE_MIN_ROWS = 128
 
 

@@ -179,3 +179,30 @@ def test_bfloat16_dequantize_rounds_the_float32_weight(kind: str, layout: str) -
     got = torch.ops.llmrt_kernels.gguf_dequantize_bf16(weight.blocks, weight.kernel_type, 160)
     assert got.dtype == torch.bfloat16 and got.shape == (37, 160)
     assert torch.equal(got, weight.dequantize().to(torch.bfloat16))
+
+
+def test_interleaved_rows_keep_the_integer_kernel_where_a_gemm_would_be_float32() -> None:
+    weight = random_weight("q4_1", rows=40, cols=64, seed=9)
+    linear = QuantizedLinear(weight=weight.interleaved())
+    ggml = QuantizedLinear(weight=weight)
+
+    def path(layer: QuantizedLinear, rows: int) -> str:
+        if not layer.runs_gemm(rows):
+            return "kernel"
+        return "bf16-gemm" if layer.gemm_input_dtype(rows) == torch.bfloat16 else "f32-gemm"
+
+    # float32 GEMMs (the default gemm_dtype) never replace the kernel under 128 rows.
+    assert [path(linear, r) for r in (47, 48, 127, 128)] == ["kernel"] * 3 + ["f32-gemm"]
+    linear.gemm_dtype = torch.bfloat16
+    linear.gemm_dtype_min_rows = 128
+    assert [path(linear, r) for r in (48, 127, 128)] == ["kernel", "kernel", "bf16-gemm"]
+    # The forward really takes the kernel there: bit-equal to the op called directly.
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(10))
+    direct = torch.ops.llmrt_kernels.gguf_linear(x, linear.blocks, linear.ggml_type, 64, None)
+    assert torch.equal(linear(x), direct)
+    # Where bfloat16 GEMMs start lower, they take over from 48 rows (INTERLEAVED_GEMM_MIN_ROWS).
+    linear.gemm_dtype_min_rows = 1
+    assert [path(linear, r) for r in (47, 48)] == ["kernel", "bf16-gemm"]
+    assert not torch.equal(linear(x), direct)
+    # The file's block order keeps its float32 GEMM from 16 rows.
+    assert [path(ggml, r) for r in (15, 16)] == ["kernel", "f32-gemm"]
