@@ -342,7 +342,7 @@ class DeviceSpec:
     rows or more (fewer stay float32: short prompts keep the reference's greedy tokens where
     its top two logits are close). ``weight_layout`` orders the
     blocks of block-quantized weights (``auto``: interleaved for the integer-dot kernels on
-    CPUs with AVX-512 VNNI, whose two-level 8-bit activations keep logits within ~2e-3 of
+    CPUs with AVX-512 VNNI, whose two-level 8-bit activations keep logits within ~1e-2 of
     the float32 reference on SmolLM2; ``ggml``: the file's order, float32 activations).
     ``attention_kernel`` picks what runs causal attention among a prefill's own tokens
     (``auto``: llmrt's C++ kernel on CPUs with AVX-512 for float32 head_dim 16, 32, 64 or 128, else

@@ -5,10 +5,11 @@ tokens on the parity prompts and logits within a stated bound.
 The bound: llmrt's kernels accumulate the same float32 products as the reference in a
 different order, and 30 layers amplify that rounding; measured max |logit error| is about
 1e-4 to 1e-3 against logits of magnitude ~20, so 5e-3 is the bound asserted. The
-interleaved layout's two-level 8-bit activations round each 32-wide block of a decode row
-to 1/65024 of its largest value: measured max |logit error| 5.6e-3 with the 4-bit linears
-interleaved (what ``weight_layout: auto`` does) and 6.2e-3 with every linear, so that
-layout's stated bound is 1e-2 (the greedy tokens must still be equal).
+interleaved layout's two-level 8-bit activations round each 32-wide block of a row to
+1/65024 of its largest value: measured max |logit error| 5.6e-3 with the 4-bit linears
+interleaved (what ``weight_layout: auto`` does) when only decode rows took that kernel, and
+1.03e-2 since prompt rows under 128 take it too (``INTERLEAVED_FLOAT32_GEMM_MIN_ROWS``), so
+that layout's stated bound is 2e-2 (the greedy tokens must still be equal).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from llmrt.weights import load_checkpoint
 from llmrt.weights.package_data import package_file
 
 FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-LOGIT_BOUND = {"ggml": 5e-3, "interleaved": 1e-2}
+LOGIT_BOUND = {"ggml": 5e-3, "interleaved": 2e-2}
 STEPS = 16
 PARITY_TEXTS = [
     "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n",
