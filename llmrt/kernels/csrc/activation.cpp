@@ -31,16 +31,8 @@ using llmrt_kernels::has_avx512;
 using llmrt_kernels::has_avx512_bf16;
 using llmrt_kernels::kRelu;
 using llmrt_kernels::kSilu;
-
-inline __mmask16 tail_mask(int64_t n) {
-  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
-}
-
-LLMRT_AVX512 inline __m512 load16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-LLMRT_AVX512 inline __m512 load16(const c10::BFloat16* p, __mmask16 m) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
+using llmrt_kernels::lanes;
+using llmrt_kernels::load16;
 
 LLMRT_AVX512 inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,f16c,fma"))) inline void store16(
@@ -53,7 +45,7 @@ template <typename In, typename Out>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,f16c,fma"))) void silu_row(
     const In* gate, const In* up, Out* out, int64_t n) {
   for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 m = tail_mask(n - j);
+    const __mmask16 m = lanes(n - j);
     __m512 a = llmrt_kernels::silu512(load16(gate + j, m));
     if (up != nullptr) a = _mm512_mul_ps(a, load16(up + j, m));
     store16(out + j, a, m);

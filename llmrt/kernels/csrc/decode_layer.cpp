@@ -49,6 +49,8 @@ using llmrt_kernels::activate;
 using llmrt_kernels::exp512;
 using llmrt_kernels::has_avx512;
 using llmrt_kernels::kSilu;
+using llmrt_kernels::lanes;
+using llmrt_kernels::load16;
 
 // out = w * (x / sqrt(mean(x^2) + eps)) per row, in float32 as Hugging Face's RMSNorm.
 void rms_norm_rows(const float* x, int64_t rows, int64_t width, const float* w, double eps,
@@ -72,23 +74,6 @@ void rope_head(float* v, const float* cos, const float* sin, int64_t rot) {
     v[c] = a * cos[c] - b * sin[c];
     v[c + half] = b * cos[c + half] + a * sin[c + half];
   }
-}
-
-// 16 cache values as float32 (masked lanes read as zero). The cache stores float32, float16
-// (F16C conversion) or bfloat16 (the upper half of a float32).
-LLMRT_AVX512 inline __m512 load16(const float* p, __mmask16 m) {
-  return _mm512_maskz_loadu_ps(m, p);
-}
-LLMRT_AVX512 inline __m512 load16(const c10::Half* p, __mmask16 m) {
-  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
-}
-LLMRT_AVX512 inline __m512 load16(const c10::BFloat16* p, __mmask16 m) {
-  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
-}
-
-inline __mmask16 lanes(int64_t n) {
-  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
 }
 
 template <typename T>
@@ -123,7 +108,7 @@ LLMRT_AVX512 float exp_shift_sum_avx512(float* s, int64_t n, float top) {
     total = _mm512_add_ps(total, e);
   }
   if (t < n) {
-    const __mmask16 tail = static_cast<__mmask16>((1u << (n - t)) - 1);
+    const __mmask16 tail = lanes(n - t);
     const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(tail, s + t), shift));
     _mm512_mask_storeu_ps(s + t, tail, e);
     total = _mm512_add_ps(total, _mm512_maskz_mov_ps(tail, e));
@@ -135,8 +120,7 @@ LLMRT_AVX512 float exp_shift_sum_avx512(float* s, int64_t n, float top) {
 LLMRT_AVX512 void silu_avx512(const float* g, const float* u, float* a, int64_t n) {
   int64_t j = 0;
   for (; j < n; j += 16) {
-    const __mmask16 m = n - j >= 16 ? static_cast<__mmask16>(0xFFFF)
-                                     : static_cast<__mmask16>((1u << (n - j)) - 1);
+    const __mmask16 m = lanes(n - j);
     const __m512 v = _mm512_maskz_loadu_ps(m, g + j);
     __m512 out = llmrt_kernels::silu512(v);
     if (u != nullptr) out = _mm512_mul_ps(out, _mm512_maskz_loadu_ps(m, u + j));

@@ -112,10 +112,7 @@ LLMRT_AVX512 void attend_block(const float* q, Strides qs, const float* k, Strid
         float block_top = -std::numeric_limits<float>::infinity();
         __mmask16 seen[4];
         for (int c = 0; c < 4; ++c) {
-          const int64_t left = visible - 16 * c;
-          seen[c] = left >= 16 ? static_cast<__mmask16>(0xFFFF)
-                    : left <= 0 ? static_cast<__mmask16>(0)
-                                : static_cast<__mmask16>((1u << left) - 1);
+          seen[c] = llmrt_kernels::lanes(std::max<int64_t>(visible - 16 * c, 0));
           const __m512 x = _mm512_mul_ps(s[i][c], vscale);
           _mm512_storeu_ps(sr + 16 * c, x);
           if (seen[c] == 0) continue;

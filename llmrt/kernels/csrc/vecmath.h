@@ -1,5 +1,9 @@
-// Vector math the kernels share: e^x on 16 float32 lanes and the MLP activations.
+// Vector math the kernels share: 16-lane masks and loads, e^x on 16 float32 lanes, and the
+// MLP activations.
 #pragma once
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
 
 #include <immintrin.h>
 
@@ -27,6 +31,24 @@ inline float activate(float v, int64_t kind) {
     }
     default: return v > 0.0f ? v : 0.0f;
   }
+}
+
+// The first n of 16 lanes (all 16 from n >= 16).
+inline __mmask16 lanes(int64_t n) {
+  return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
+}
+
+// 16 values as float32 (masked lanes read as zero) from float32, float16 (F16C conversion)
+// or bfloat16 (the upper half of a float32).
+LLMRT_AVX512 inline __m512 load16(const float* p, __mmask16 m) {
+  return _mm512_maskz_loadu_ps(m, p);
+}
+LLMRT_AVX512 inline __m512 load16(const c10::Half* p, __mmask16 m) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
+}
+LLMRT_AVX512 inline __m512 load16(const c10::BFloat16* p, __mmask16 m) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
 // e^x for 16 lanes: x = n ln2 + r with |r| <= ln2/2, e^r by its degree-7 Taylor polynomial
