@@ -205,12 +205,13 @@ def test_bfloat16_gemms_round_to_bfloat16_and_leave_decode_rows_alone(kind: str)
 def test_gemms_below_the_bfloat16_row_threshold_stay_float32() -> None:
     from torch import nn
 
-    from llmrt.families.layers import GEMM_DTYPE_MIN_ROWS, select_gemm_dtype
+    from llmrt.families.layers import select_gemm_dtype
 
     layer = frozen_linear(weight=random_weight("q4_1", rows=40, cols=64, seed=6))
     gen = torch.Generator().manual_seed(7)
-    below = torch.randn(GEMM_DTYPE_MIN_ROWS - 1, 64, generator=gen)
-    at = torch.randn(GEMM_DTYPE_MIN_ROWS, 64, generator=gen)
+    # The documented default (README, device.gemm_dtype_min_rows): bfloat16 from 128 rows.
+    below = torch.randn(127, 64, generator=gen)
+    at = torch.randn(128, 64, generator=gen)
     exact_below, exact_at = layer(below), layer(at)
     select_gemm_dtype(nn.Sequential(layer), choice="bfloat16")  # type: ignore[arg-type]
     assert torch.equal(layer(below), exact_below)  # the float32 GEMM, bit for bit
