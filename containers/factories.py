@@ -21,6 +21,7 @@ from llmrt.config import PageTableLayout, TraceConfig
 from llmrt.decode import DecodeRuntime, DecodeRuntimeConfig
 from llmrt.device.base import Device
 from llmrt.device.host_memory import retain_freed_memory
+from llmrt.device.huge_pages import huge_pages_unavailable, place_module_weights
 from llmrt.device.torch import TorchDevice
 from llmrt.errors import CheckpointError, ConfigError, DeviceError, IdentityError
 from llmrt.execution import EagerExecutor, TracedExecutor
@@ -36,7 +37,7 @@ from llmrt.families.prefill_attention import select_attention_kernel
 from llmrt.families.registry import check_family_backend
 from llmrt.kernels.formats import QUANTIZED_FORMATS, dequantized
 from llmrt.kernels.native import require_kernels
-from llmrt.lifecycle import component_logger, emit
+from llmrt.lifecycle import component_logger, emit, object_id
 from llmrt.model_executor import ModelExecutor
 from llmrt.output_reader import OutputReader
 from llmrt.paged_kv_cache import PagedKVCacheManager
@@ -222,6 +223,8 @@ def build_model(
         select_weight_layout(
             model, choice=recipe.device.weight_layout, device=torch.device(device.torch_device)
         )
+        if torch.device(device.torch_device).type == "cpu":
+            place_weights(model=model, enabled=recipe.device.huge_pages, device=device)
         select_decode_kernel(
             model,
             choice=recipe.device.decode_kernel,
@@ -233,6 +236,21 @@ def build_model(
             device=torch.device(device.torch_device),
         )
     return model
+
+
+def place_weights(*, model: CausalLM, enabled: bool, device: Device) -> None:
+    """Put a CPU model's weights on huge pages (``device.huge_pages``) before any kernel
+    borrows them, and log where they are (``weights.placed``)."""
+    why_not = "device.huge_pages is false" if not enabled else huge_pages_unavailable()
+    if why_not is None and not isinstance(model, torch.nn.Module):
+        why_not = f"{type(model).__name__} is not a torch module"
+    fields: dict[str, Any]
+    if why_not is None:
+        fields = place_module_weights(model).log_fields()  # type: ignore[arg-type]
+    else:
+        fields = {"weights_on_huge_pages": f"off ({why_not})"}
+    log = component_logger("model", object_id=object_id(model))
+    emit(log, "weights.placed", device=device.id, **fields)
 
 
 # -- lane scope ------------------------------------------------------------------------------

@@ -42,6 +42,7 @@ class LifecycleEvent(str, enum.Enum):
     SCOPE_OWNED = "scope.owned"
     DEVICE_OPENED = "device.opened"
     DEVICE_CLOSED = "device.closed"
+    WEIGHTS_PLACED = "weights.placed"
     LANE_READY = "lane.ready"
     CONFIG_SEALED = "config.sealed"
     KV_CONFIGURED = "kv.configured"

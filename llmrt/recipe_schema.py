@@ -349,8 +349,11 @@ class DeviceSpec:
     torch's SDPA; ``native``: required; ``sdpa``: torch's).
     ``retain_freed_memory`` keeps freed host memory mapped for reuse (glibc thresholds, see
     ``llmrt.device.host_memory``; applied once per process when a CPU device opens): without
-    it every large prefill temporary page-faults in afresh. ``ttnn`` holds the options the
-    ttnn mesh is opened with.
+    it every large prefill temporary page-faults in afresh. ``huge_pages`` copies a CPU
+    model's weights, once at build, into a mapping advised onto transparent huge pages (see
+    ``llmrt.device.huge_pages``; logged as ``weights.placed``): a decode step streams every
+    weight, and on 4 KiB pages it crosses a page boundary, a TLB miss and a prefetcher
+    restart, every 4 KiB. ``ttnn`` holds the options the ttnn mesh is opened with.
     """
 
     backend: Backend = "torch"
@@ -367,6 +370,7 @@ class DeviceSpec:
     gemm_dtype_min_rows: int = GEMM_DTYPE_MIN_ROWS
     weight_layout: WeightLayoutChoice = "auto"
     retain_freed_memory: bool = True
+    huge_pages: bool = True
     ttnn: TtnnSpec = attrs.Factory(TtnnSpec)
 
     def __attrs_post_init__(self) -> None:
@@ -390,6 +394,7 @@ class DeviceSpec:
         if self.num_threads is not None:
             _positive_int("device.num_threads", self.num_threads)
         _bool("device.retain_freed_memory", self.retain_freed_memory)
+        _bool("device.huge_pages", self.huge_pages)
         _check(isinstance(self.ttnn, TtnnSpec), "device.ttnn", self.ttnn, "must be a ttnn section")
         if self.backend == "torch":
             _check(

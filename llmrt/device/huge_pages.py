@@ -1,0 +1,190 @@
+"""Host weights on transparent huge pages (2 MiB) where the kernel allows them.
+
+Why: a batch-1 decode step streams every weight once (SmolLM2: 96 MB in ~5 ms). On 4 KiB
+pages that stream crosses ~24,000 page boundaries per step: each one a TLB miss, and a point
+where the CPU's stream prefetcher stops and has to learn the stream again. A 2-thread read of
+96 MB on this machine ran 1.5-1.7x faster from huge pages than from 4 KiB pages, and
+SmolLM2's batch-1 step 15% faster (5.32 -> 4.48 ms, in-process A/B, same weights).
+
+Most kernels give huge pages only to mappings advised with ``MADV_HUGEPAGE``
+(``/sys/kernel/mm/transparent_hugepage/enabled``: ``madvise``), and never to memory that was
+touched before the advice. So a model's weights are copied, once at build, into one fresh
+advised mapping (``place_module_weights``); the copy rebinds the tensors in place
+(``Tensor.set_``), so every holder of a weight (a checkpoint shared by lanes, tied modules)
+sees the same placed storage and the old one is freed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import sys
+import threading
+import weakref
+from collections.abc import Iterator
+from pathlib import Path
+
+import attrs
+import torch
+
+#: The x86-64 / arm64 (4 KiB base page) transparent huge page size.
+HUGE_PAGE = 2 << 20
+#: Where Linux reports the system's transparent huge page mode.
+THP_ENABLED = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+#: Each placed storage starts on a cache line (and so on every dtype's alignment).
+ALIGNMENT = 64
+
+_lock = threading.Lock()
+#: [start, end) address ranges of this process's live placements (a range is dropped when its
+#: mapping is freed); a storage inside one is already placed.
+_placed: list[tuple[int, int]] = []
+
+
+def huge_pages_unavailable() -> str | None:
+    """None when an advised anonymous mapping may get huge pages, else why not."""
+    if not sys.platform.startswith("linux"):
+        return f"{sys.platform} has no transparent huge pages"
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return "this Python's mmap has no MADV_HUGEPAGE"
+    try:
+        text = THP_ENABLED.read_text(encoding="ascii")
+    except OSError:
+        return f"transparent huge pages are not configured ({THP_ENABLED} is unreadable)"
+    mode = text[text.find("[") + 1 : text.find("]")] if "[" in text else text.strip()
+    if mode == "never":
+        return f"transparent huge pages are disabled ({THP_ENABLED}: never)"
+    return None
+
+
+def advised_mapping(nbytes: int, *, huge: bool) -> mmap.mmap:
+    """A private anonymous mapping of ``nbytes`` (zero-filled by the kernel on first touch),
+    advised onto huge pages when ``huge`` (a no-op where the kernel refuses the advice)."""
+    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if huge and hasattr(mmap, "MADV_HUGEPAGE"):
+        with contextlib.suppress(OSError):  # an old kernel without THP: plain pages
+            pages.madvise(mmap.MADV_HUGEPAGE)
+    return pages
+
+
+@attrs.frozen(kw_only=True)
+class WeightPlacement:
+    """What ``place_module_weights`` did: ``placed_bytes`` of ``storages`` copied into one
+    advised mapping, ``huge_bytes`` of it on huge pages (from ``/proc/self/smaps``; None where
+    unreadable), and ``skipped`` storages already placed (shared with another lane's model)."""
+
+    placed_bytes: int
+    storages: int
+    skipped: int
+    huge_bytes: int | None
+
+    def log_fields(self) -> dict[str, object]:
+        huge = "unknown" if self.huge_bytes is None else f"{self.huge_bytes >> 20} MiB"
+        return {
+            "weights_placed": f"{self.placed_bytes >> 20} MiB in {self.storages} storages",
+            "weights_on_huge_pages": huge,
+            "weights_shared": self.skipped,
+        }
+
+
+def place_module_weights(module: torch.nn.Module) -> WeightPlacement:
+    """Copy every CPU parameter and buffer storage of ``module`` into one mapping advised onto
+    huge pages and rebind the tensors to it in place (values, shapes, strides and aliasing
+    between tensors of one storage are kept). Storages an earlier call placed are skipped.
+
+    The caller checks ``huge_pages_unavailable()`` first; the module must not be running."""
+    groups = _storage_groups(module)
+    todo = {ptr: group for ptr, group in groups.items() if not _is_placed(ptr)}
+    offsets: dict[int, int] = {}
+    total = 0
+    for ptr, (storage, _) in todo.items():
+        offsets[ptr] = total
+        total += -(-storage.nbytes() // ALIGNMENT) * ALIGNMENT
+    if total == 0:
+        return WeightPlacement(placed_bytes=0, storages=0, skipped=len(groups), huge_bytes=None)
+    pages = advised_mapping(total + HUGE_PAGE, huge=True)
+    whole = torch.frombuffer(pages, dtype=torch.uint8)
+    start = -whole.data_ptr() % HUGE_PAGE  # the first byte on a huge-page boundary
+    arena = whole[start : start + total]
+    target = arena.untyped_storage()
+    base = arena.storage_offset()
+    with torch.inference_mode():
+        for ptr, (storage, tensors) in todo.items():
+            at = offsets[ptr]
+            source = torch.empty(0, dtype=torch.uint8).set_(storage, 0, (storage.nbytes(),), (1,))
+            arena[at : at + storage.nbytes()].copy_(source)
+            for tensor in tensors:
+                item = tensor.element_size()
+                tensor.set_(
+                    target,
+                    (base + at) // item + tensor.storage_offset(),
+                    tensor.size(),
+                    tensor.stride(),
+                )
+    span = (whole.data_ptr(), whole.data_ptr() + whole.numel())
+    with _lock:  # a placed tensor's storage starts where the mapping does
+        _placed.append(span)
+    weakref.finalize(pages, _forget, span)  # unmapped once no tensor holds it
+    return WeightPlacement(
+        placed_bytes=total,
+        storages=len(todo),
+        skipped=len(groups) - len(todo),
+        huge_bytes=_at_most(huge_resident_bytes(arena.data_ptr(), total), total),
+    )
+
+
+def _at_most(value: int | None, bound: int) -> int | None:
+    return None if value is None else min(value, bound)
+
+
+def _module_tensors(module: torch.nn.Module) -> Iterator[torch.Tensor]:
+    for sub in module.modules():
+        for table in (sub._parameters, sub._buffers):
+            for tensor in table.values():
+                if tensor is not None and tensor.device.type == "cpu" and tensor.numel() > 0:
+                    yield tensor
+
+
+def _storage_groups(
+    module: torch.nn.Module,
+) -> dict[int, tuple[torch.UntypedStorage, list[torch.Tensor]]]:
+    """The module's CPU tensors grouped by storage (each tensor object once)."""
+    groups: dict[int, tuple[torch.UntypedStorage, list[torch.Tensor]]] = {}
+    seen: set[int] = set()
+    for tensor in _module_tensors(module):
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        storage = tensor.untyped_storage()
+        groups.setdefault(storage.data_ptr(), (storage, []))[1].append(tensor)
+    return groups
+
+
+def _forget(span: tuple[int, int]) -> None:
+    with _lock:
+        _placed.remove(span)
+
+
+def _is_placed(address: int) -> bool:
+    with _lock:
+        return any(begin <= address < end for begin, end in _placed)
+
+
+def huge_resident_bytes(address: int, length: int) -> int | None:
+    """Bytes of the mappings overlapping [address, address + length) that sit on huge pages
+    (``AnonHugePages`` in ``/proc/self/smaps``), or None where that file is unreadable."""
+    try:
+        text = Path("/proc/self/smaps").read_text(encoding="ascii", errors="replace")
+    except OSError:
+        return None
+    total, inside = 0, False
+    for line in text.splitlines():
+        head = line.split(maxsplit=1)[0] if line else ""
+        if "-" in head and not head.endswith(":"):
+            lo, _, hi = head.partition("-")
+            try:
+                inside = int(lo, 16) < address + length and int(hi, 16) > address
+            except ValueError:
+                inside = False
+        elif inside and head == "AnonHugePages:":
+            total += int(line.split()[1]) * 1024
+    return total

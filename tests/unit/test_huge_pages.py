@@ -1,0 +1,147 @@
+"""``device.huge_pages``: a CPU model's weights copied into one mapping advised onto huge pages.
+
+The contract, stated independently of the code: every parameter and buffer keeps its values,
+shape, strides, dtype, class and ``requires_grad``; tensors that shared a storage still share
+one (a tied weight, a view); the tensor objects themselves are rebound (so a checkpoint that
+holds them sees the move); all of them end up in one mapping that carries the kernel's
+huge-page advice (``hg`` in its ``VmFlags``); a second call moves nothing; the advice is
+refused with a reason when the system disables transparent huge pages.
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmrt.device import huge_pages
+from llmrt.device.huge_pages import huge_pages_unavailable, place_module_weights
+
+linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux THP")
+
+
+def vm_flags(address: int) -> list[str]:
+    """The ``VmFlags`` of the mapping holding ``address`` (from ``/proc/self/smaps``)."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split(maxsplit=1)[0] if line else ""
+        if "-" in head and not head.endswith(":"):
+            lo, _, hi = head.partition("-")
+            inside = int(lo, 16) <= address < int(hi, 16)
+        elif inside and head == "VmFlags:":
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+class Tied(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(300, 64)
+        self.proj = torch.nn.Linear(64, 300, bias=True)
+        self.proj.weight = self.embed.weight  # tied, one Parameter
+        self.proj.bias.requires_grad_(False)
+        table = torch.randn(512, 96)
+        self.register_buffer("rows", table[:100])  # a view at offset 0
+        self.register_buffer("cols", table[:, 32:64])  # a strided view of the same storage
+        self.register_buffer("ints", torch.arange(1000, dtype=torch.int64))
+        with torch.inference_mode():
+            self.register_buffer("frozen", torch.randn(33, 7))  # an inference tensor
+
+
+def snapshot(module: torch.nn.Module) -> dict[str, tuple[torch.Tensor, tuple[int, ...], bool]]:
+    return {
+        name: (t.detach().clone(), t.stride(), t.requires_grad)
+        for name, t in list(module.named_parameters()) + list(module.named_buffers())
+    }
+
+
+@linux_only
+@pytest.mark.skipif(huge_pages_unavailable() is not None, reason=str(huge_pages_unavailable()))
+def test_placement_keeps_every_tensor_and_moves_them_into_one_advised_mapping() -> None:
+    module = Tied()
+    before = snapshot(module)
+    objects = dict(list(module.named_parameters()) + list(module.named_buffers()))
+    old = {name: t.untyped_storage().data_ptr() for name, t in objects.items()}
+    x = torch.randint(0, 300, (5,))
+    expected = module.proj(module.embed(x))
+
+    placement = place_module_weights(module)
+
+    after = dict(list(module.named_parameters()) + list(module.named_buffers()))
+    for name, (value, stride, grad) in before.items():
+        tensor = after[name]
+        assert tensor is objects[name], name  # rebound in place, not replaced
+        assert torch.equal(tensor, value) and tensor.dtype == value.dtype, name
+        assert tensor.stride() == stride and tensor.requires_grad == grad, name
+        assert tensor.untyped_storage().data_ptr() != old[name], name
+    assert isinstance(module.proj.weight, torch.nn.Parameter)
+    assert module.proj.weight is module.embed.weight
+    # The two views of one table still alias: a write through one shows through the other.
+    with torch.no_grad():
+        module.rows[3, 40] = 123.0
+    assert module.cols[3, 8].item() == 123.0
+    # One mapping holds every storage, and it carries the huge-page advice.
+    storages = {t.untyped_storage().data_ptr() for t in after.values()}
+    assert len(storages) == 1
+    assert "hg" in vm_flags(module.embed.weight.data_ptr())
+    # The layout the copy chose: cache-line aligned starts, tensors counted once.
+    assert all(t.data_ptr() % 64 == 0 for t in (module.embed.weight, module.ints, module.frozen))
+    assert placement.storages == 5  # embed/proj weight, proj bias, the table, ints, frozen
+    assert placement.skipped == 0
+    assert placement.placed_bytes >= sum(v[0].nbytes for k, v in before.items() if k != "cols")
+    assert placement.huge_bytes is not None and 0 <= placement.huge_bytes <= placement.placed_bytes
+    assert torch.equal(module.proj(module.embed(x)), expected)
+    # Gradients still flow to a trainable placed parameter.
+    module.proj(module.embed(x)).sum().backward()
+    assert module.embed.weight.grad is not None
+
+
+@linux_only
+@pytest.mark.skipif(huge_pages_unavailable() is not None, reason=str(huge_pages_unavailable()))
+def test_a_second_placement_moves_nothing_and_a_freed_one_is_forgotten() -> None:
+    first = torch.nn.Linear(256, 256)
+    place_module_weights(first)
+    address = first.weight.data_ptr()
+    second = torch.nn.Sequential(first, torch.nn.Linear(256, 8))
+    again = place_module_weights(second)
+    assert first.weight.data_ptr() == address  # the shared part stays where it was
+    assert again.storages == 2 and again.skipped == 1  # only the new layer's weight and bias
+    assert place_module_weights(first).placed_bytes == 0
+    storage = first.weight.untyped_storage().data_ptr()
+    assert huge_pages._is_placed(storage)
+    del first, second
+    gc.collect()
+    assert not huge_pages._is_placed(storage)
+
+
+def test_an_empty_module_places_nothing() -> None:
+    placement = place_module_weights(torch.nn.ReLU())
+    assert (placement.placed_bytes, placement.storages, placement.skipped) == (0, 0, 0)
+
+
+@pytest.mark.parametrize(
+    ("content", "refused"),
+    [
+        ("always [madvise] never\n", False),
+        ("[always] madvise never\n", False),
+        ("always madvise [never]\n", True),
+    ],
+)
+def test_the_system_mode_decides_whether_huge_pages_are_available(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, content: str, refused: bool
+) -> None:
+    monkeypatch.setattr(sys, "platform", "linux")
+    sysfs = tmp_path / "enabled"
+    sysfs.write_text(content)
+    monkeypatch.setattr(huge_pages, "THP_ENABLED", sysfs)
+    why = huge_pages_unavailable()
+    if refused:
+        assert why is not None and "never" in why
+    else:
+        assert why is None
+    monkeypatch.setattr(huge_pages, "THP_ENABLED", tmp_path / "missing")
+    missing = huge_pages_unavailable()
+    assert missing is not None and "missing" in missing
