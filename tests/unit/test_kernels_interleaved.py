@@ -105,6 +105,26 @@ def test_interleaved_linear_is_deterministic_and_row_independent() -> None:
         assert torch.equal(linear(x[r : r + 1])[0], batch[r])
 
 
+@pytest.mark.parametrize("kind", ["q4_0", "q4_1"])
+@pytest.mark.parametrize("cols", [96, 576, 1536])
+@pytest.mark.parametrize("rows", [1, 3, 4, 7, 101])
+def test_one_activation_row_matches_the_batched_rows_bit_for_bit(
+    kind: str, cols: int, rows: int
+) -> None:
+    # One activation row runs its own loop (four weight rows per pass over the prepared
+    # activations, the rest one at a time); its sums must equal, bit for bit, those the
+    # batched tile loop computes for the same row, whatever the row count and the last
+    # group's width (96 columns: a lone group of 3 blocks; 576: 4 groups and one of 2).
+    weight = random_weight(kind, rows=rows, cols=cols, seed=rows + cols).interleaved()
+    linear = QuantizedLinear(weight=weight)
+    x = torch.randn(5, cols)
+    batch = linear(x)
+    for r in range(5):
+        assert torch.equal(linear(x[r : r + 1])[0], batch[r]), r
+    reference = x.double() @ weight.dequantize().double().T
+    assert torch.allclose(batch.double(), reference, rtol=1e-2, atol=1e-2 * cols**0.5)
+
+
 def test_concat_and_select_rows_keep_the_layout() -> None:
     a = random_weight("q4_1", rows=3, cols=96, seed=1)
     b = random_weight("q4_1", rows=4, cols=96, seed=2)
