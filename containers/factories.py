@@ -88,8 +88,11 @@ def open_device(*, recipe: Recipe, ttnn_module: Any = None) -> Device:
         return device
     if spec.num_threads is not None:
         torch.set_num_threads(spec.num_threads)
-    device = TorchDevice(spec.torch_device)
+    no_huge = "device.huge_pages is false" if not spec.huge_pages else huge_pages_unavailable()
+    device = TorchDevice(spec.torch_device, huge_pages=no_huge is None)
     host: dict[str, Any] = {}
+    if device.kind == "cpu":
+        host["kv_huge_pages"] = "advised" if no_huge is None else f"off ({no_huge})"
     if spec.retain_freed_memory and device.kind == "cpu":
         why_not = retain_freed_memory()
         host["freed_memory"] = "retained" if why_not is None else f"released ({why_not})"

@@ -15,7 +15,6 @@ reads copy into pinned host memory.
 from __future__ import annotations
 
 import contextlib
-import mmap
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Generic, TypeVar
 
@@ -31,6 +30,7 @@ from llmrt.device.base import (
     checked_dim_order,
 )
 from llmrt.device.book import DeviceBook, describe_tensor, poison, require_host
+from llmrt.device.huge_pages import advised_mapping
 from llmrt.device.identity import IdentitySet
 from llmrt.errors import ConfigError, DeviceError, TraceStateError
 
@@ -75,6 +75,7 @@ class _Hardware:
     """State shared by a root device and its lanes: the devices and what was deallocated."""
 
     torch_device: torch.device
+    huge_pages: bool = False
     devices: list[TorchDevice] = attrs.Factory(list)
     deallocated: IdentitySet = attrs.Factory(IdentitySet)
 
@@ -84,9 +85,13 @@ class TorchDevice:
 
     ``cuda_warmup_runs`` eager runs precede each CUDA graph capture (torch requires warm-up
     on a side stream), so a CUDA program must tolerate running more than once per capture.
+    ``huge_pages`` advises the large CPU tensors it allocates (KV pools) onto transparent
+    huge pages (``zeroed_host_tensor``); its lanes share the setting.
     """
 
-    def __init__(self, spec: str = "cpu", *, cuda_warmup_runs: int = 1) -> None:
+    def __init__(
+        self, spec: str = "cpu", *, cuda_warmup_runs: int = 1, huge_pages: bool = False
+    ) -> None:
         device = _parse_spec(spec)
         if cuda_warmup_runs < 1:
             raise ConfigError("cuda_warmup_runs", cuda_warmup_runs, "must be >= 1")
@@ -95,7 +100,7 @@ class TorchDevice:
         self._setup(
             device_id=f"{kind}:{index}",
             kind=kind,
-            hardware=_Hardware(torch_device=device),
+            hardware=_Hardware(torch_device=device, huge_pages=huge_pages),
             parent=None,
             cuda_warmup_runs=cuda_warmup_runs,
         )
@@ -182,7 +187,7 @@ class TorchDevice:
         order = checked_dim_order(shape, dim_order)
         stored = [shape[d] for d in order]
         if self._kind == "cpu":
-            storage = zeroed_host_tensor(stored, dtype=dtype)
+            storage = zeroed_host_tensor(stored, dtype=dtype, huge_pages=self._hw.huge_pages)
         else:
             storage = torch.zeros(stored, dtype=dtype, device=self.torch_device)
         # The logical view of the storage: dimension d sits at position order.index(d).
@@ -400,7 +405,9 @@ class TorchDevice:
 LAZY_ZERO_BYTES = 1 << 20
 
 
-def zeroed_host_tensor(shape: Sequence[int], *, dtype: torch.dtype) -> torch.Tensor:
+def zeroed_host_tensor(
+    shape: Sequence[int], *, dtype: torch.dtype, huge_pages: bool = False
+) -> torch.Tensor:
     """A zero-filled CPU tensor whose memory is committed page by page as it is written.
 
     ``torch.zeros`` writes every byte up front, so a KV pool sized for its ceiling costs its
@@ -409,6 +416,11 @@ def zeroed_host_tensor(shape: Sequence[int], *, dtype: torch.dtype) -> torch.Ten
     the blocks actually written (and read), and costs nothing to create. Small tensors keep
     ``torch.zeros`` (a mapping per tensor would waste pages). The mapping lives as long as
     the tensor (``torch.frombuffer`` holds a reference) and is unmapped when it is freed.
+
+    ``huge_pages`` advises the mapping onto transparent huge pages: it then commits 2 MiB at a
+    time, and a decode step's attention, which reads a few KiB per page and head, crosses far
+    fewer TLB entries (SmolLM2 at 1,024 tokens of context: batch-1 step 5.92 -> 5.57 ms,
+    in-process A/B; no change at 128).
     """
     numel = 1
     for size in shape:
@@ -417,7 +429,7 @@ def zeroed_host_tensor(shape: Sequence[int], *, dtype: torch.dtype) -> torch.Ten
     nbytes = numel * itemsize
     if nbytes < LAZY_ZERO_BYTES:
         return torch.zeros(list(shape), dtype=dtype)
-    pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    pages = advised_mapping(nbytes, huge=huge_pages)
     return torch.frombuffer(pages, dtype=dtype, count=numel).view(list(shape))
 
 

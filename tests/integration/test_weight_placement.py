@@ -1,6 +1,7 @@
 """``device.huge_pages`` through the container: each CPU lane's model has its weights placed
 on an advised mapping before its kernels borrow them, the placement is logged
-(``weights.placed``), and greedy tokens and logits are the same as with the setting off."""
+(``weights.placed``), the device advises its KV pools (``device.opened`` says so), and greedy
+tokens and logits are the same as with the setting off."""
 
 from __future__ import annotations
 
@@ -22,6 +23,11 @@ def placed_events(log: Path) -> list[dict[str, Any]]:
     return [e for e in events if e["event"] == "weights.placed"]
 
 
+def root_device_opened(log: Path) -> dict[str, Any]:
+    events = [json.loads(line) for line in log.read_text().splitlines()]
+    return next(e for e in events if e["event"] == "device.opened" and e["device"] == "cpu:0")
+
+
 def model_storages(runtime: Any, lane: int = 0) -> set[int]:
     model = runtime.container.lanes()[lane].model()
     return {
@@ -41,6 +47,7 @@ def test_each_lane_places_its_weights_and_logs_it(build: Any, lifecycle_log: Pat
     placed = build("tiny-llama", overrides=[*TINY, "lanes=2"]).ready()
     events = placed_events(lifecycle_log)
     assert [e["device"] for e in events] == ["cpu:0/lane0", "cpu:0/lane1"]
+    assert root_device_opened(lifecycle_log)["kv_huge_pages"] == "advised"
     assert all("MiB in" in e["weights_placed"] for e in events)
     # Each lane's model is built (its q/k/v fused) from the checkpoint on its own, so each
     # places its own tensors, all of them in one mapping.
@@ -55,6 +62,8 @@ def test_switched_off_the_weights_stay_where_they_were_built(
     plain = build("tiny-llama", overrides=[*TINY, "device.huge_pages=false"]).ready()
     events = placed_events(lifecycle_log)
     assert [e["weights_on_huge_pages"] for e in events] == ["off (device.huge_pages is false)"]
+    opened = root_device_opened(lifecycle_log)
+    assert opened["kv_huge_pages"] == "off (device.huge_pages is false)"
     assert len(model_storages(plain)) > 1
 
 

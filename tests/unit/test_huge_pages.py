@@ -145,3 +145,22 @@ def test_the_system_mode_decides_whether_huge_pages_are_available(
     monkeypatch.setattr(huge_pages, "THP_ENABLED", tmp_path / "missing")
     missing = huge_pages_unavailable()
     assert missing is not None and "missing" in missing
+
+
+@linux_only
+@pytest.mark.parametrize("huge", [True, False])
+def test_a_cpu_device_advises_its_large_allocations_when_asked(huge: bool) -> None:
+    from llmrt.device.torch import LAZY_ZERO_BYTES, TorchDevice
+
+    device = TorchDevice("cpu", huge_pages=huge)
+    lane = device.lanes(2)[1]  # lanes share the setting
+    for owner in (device, lane):
+        pool = owner.allocate(shape=(4, LAZY_ZERO_BYTES // 4), dtype=torch.float32)
+        assert torch.count_nonzero(pool) == 0  # zero-filled, whatever the pages
+        pool[3, -1] = 1.0
+        flags = vm_flags(pool.data_ptr())
+        assert ("hg" in flags) == (huge and huge_pages_unavailable() is None)
+        owner.deallocate(pool)
+        small = owner.allocate(shape=(8,), dtype=torch.float32)  # below the mapping size
+        assert torch.count_nonzero(small) == 0
+        owner.deallocate(small)
