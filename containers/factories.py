@@ -88,7 +88,8 @@ def open_device(*, recipe: Recipe, ttnn_module: Any = None) -> Device:
         return device
     if spec.num_threads is not None:
         torch.set_num_threads(spec.num_threads)
-    no_huge = "device.huge_pages is false" if not spec.huge_pages else huge_pages_unavailable()
+    kv_huge = recipe.kv_cache.huge_pages
+    no_huge = "kv_cache.huge_pages is false" if not kv_huge else huge_pages_unavailable()
     device = TorchDevice(spec.torch_device, huge_pages=no_huge is None)
     host: dict[str, Any] = {}
     if device.kind == "cpu":

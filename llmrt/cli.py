@@ -64,7 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.description = (
         "Generate text for prompts. The run is sized to its prompts: decode slots per lane "
         "(decode.lane_capacity) shrink to the prompt count, so warmup covers only the batches "
-        "the run can form; --set decode.lane_capacity=N keeps N."
+        "the run can form; --set decode.lane_capacity=N keeps N. A run decoding fewer than "
+        "512 tokens in all leaves the weights where they were built instead of moving them "
+        "onto huge pages (a startup cost it would not earn back); --set device.huge_pages=true "
+        "moves them anyway."
     )
     gen.add_argument("--max-new-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
@@ -209,9 +212,7 @@ def build_parser() -> argparse.ArgumentParser:
         "per phase; exit 0 only within tolerance with equal greedy tokens.",
     )
     check.add_argument("target", metavar="RECIPE|DIR", help="recipe name or path, or HF dir")
-    check.add_argument(
-        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE"
-    )
+    check.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     check.add_argument("--steps", type=int, default=32, help="greedy decode steps (default 32)")
     check.add_argument("--tolerance", type=float, default=1e-4)
     check.add_argument(
@@ -370,7 +371,7 @@ def _generate(args: argparse.Namespace) -> int:
     requests = 1 if args.chat is not None else len(args.prompt_ids or args.prompt)
     base = load_recipe(args.recipe, overrides=args.overrides)
     given = {o.split("=", 1)[0].strip() for o in args.overrides}
-    sized = request_overrides(base, requests=requests, given=given)
+    sized = request_overrides(base, requests=requests, given=given, new_tokens=args.max_new_tokens)
     recipe = load_recipe(args.recipe, overrides=[*sized, *args.overrides]) if sized else base
     with LLM.from_recipe(recipe) as llm:
         if args.chat is not None:

@@ -115,12 +115,19 @@ class WarmupConfig:
 
 @attrs.frozen(kw_only=True)
 class PagedKVCacheConfig:
-    """Paged-KV policy. ``num_blocks`` is None until the physical capacity is resolved."""
+    """Paged-KV policy. ``num_blocks`` is None until the physical capacity is resolved.
+
+    ``huge_pages`` advises a CPU pool onto transparent huge pages: it then commits 2 MiB per
+    layer's K or V at a time instead of 4 KiB (a short one-shot run holds ~120 MB more for
+    SmolLM2, and pays ~0.1 s to fault them in), and a decode step's attention crosses fewer
+    TLB entries (SmolLM2 at 1,024 tokens of context: 5.92 -> 5.57 ms per batch-1 step; no
+    change at 128). Off by default: resident memory follows the tokens held."""
 
     block_size: int
     max_num_blocks: int
     num_blocks: int | None = None
     dtype: str = "float32"
+    huge_pages: bool = False
 
     def __attrs_post_init__(self) -> None:
         _positive_int("kv_cache.block_size", self.block_size)
@@ -144,6 +151,12 @@ class PagedKVCacheConfig:
             "kv_cache.dtype",
             self.dtype,
             f"must be one of {tuple(KV_DTYPES)}",
+        )
+        _check(
+            isinstance(self.huge_pages, bool),
+            "kv_cache.huge_pages",
+            self.huge_pages,
+            "must be true or false",
         )
 
     @property

@@ -351,11 +351,10 @@ class DeviceSpec:
     ``llmrt.device.host_memory``; applied once per process when a CPU device opens): without
     it every large prefill temporary page-faults in afresh. ``huge_pages`` copies a CPU
     model's weights, once at build, into a mapping advised onto transparent huge pages (see
-    ``llmrt.device.huge_pages``; logged as ``weights.placed``) and advises the KV pools the
-    same way (``device.opened`` says so): a decode step streams every weight, and on 4 KiB
-    pages it crosses a page boundary, a TLB miss and a prefetcher restart, every 4 KiB. A
-    KV pool then commits 2 MiB at a time instead of 4 KiB. ``ttnn`` holds the options the
-    ttnn mesh is opened with.
+    ``llmrt.device.huge_pages``; logged as ``weights.placed``): a decode step streams every
+    weight, and on 4 KiB pages it crosses a page boundary, a TLB miss and a prefetcher
+    restart, every 4 KiB (``kv_cache.huge_pages`` does the same for the KV pools). ``ttnn``
+    holds the options the ttnn mesh is opened with.
     """
 
     backend: Backend = "torch"

@@ -1,7 +1,8 @@
 """``device.huge_pages`` through the container: each CPU lane's model has its weights placed
 on an advised mapping before its kernels borrow them, the placement is logged
-(``weights.placed``), the device advises its KV pools (``device.opened`` says so), and greedy
-tokens and logits are the same as with the setting off."""
+(``weights.placed``), the device advises its KV pools when ``kv_cache.huge_pages`` asks
+(``device.opened`` says either way), and greedy tokens and logits are the same as with the
+settings off."""
 
 from __future__ import annotations
 
@@ -44,7 +45,7 @@ HUGE = pytest.mark.skipif(
 
 @HUGE
 def test_each_lane_places_its_weights_and_logs_it(build: Any, lifecycle_log: Path) -> None:
-    placed = build("tiny-llama", overrides=[*TINY, "lanes=2"]).ready()
+    placed = build("tiny-llama", overrides=[*TINY, "lanes=2", "kv_cache.huge_pages=true"]).ready()
     events = placed_events(lifecycle_log)
     assert [e["device"] for e in events] == ["cpu:0/lane0", "cpu:0/lane1"]
     assert root_device_opened(lifecycle_log)["kv_huge_pages"] == "advised"
@@ -63,13 +64,13 @@ def test_switched_off_the_weights_stay_where_they_were_built(
     events = placed_events(lifecycle_log)
     assert [e["weights_on_huge_pages"] for e in events] == ["off (device.huge_pages is false)"]
     opened = root_device_opened(lifecycle_log)
-    assert opened["kv_huge_pages"] == "off (device.huge_pages is false)"
+    assert opened["kv_huge_pages"] == "off (kv_cache.huge_pages is false)"  # the default
     assert len(model_storages(plain)) > 1
 
 
 @HUGE
 def test_greedy_tokens_and_logits_are_the_same_placed_or_not(build: Any) -> None:
-    placed = build("tiny-llama", overrides=TINY).ready()
+    placed = build("tiny-llama", overrides=[*TINY, "kv_cache.huge_pages=true"]).ready()
     plain = build("tiny-llama", overrides=[*TINY, "device.huge_pages=false"]).ready()
     got = placed.generate(PROMPTS, steps=6, with_logits=True)
     want = plain.generate(PROMPTS, steps=6, with_logits=True)

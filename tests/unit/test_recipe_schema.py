@@ -96,6 +96,8 @@ RULES: list[tuple[dict[str, Any], str, str]] = [
     ({"device.num_threads": 0}, "device.num_threads", "positive integer"),
     ({"device.linear": "blas"}, "device.linear", "must be one of"),
     ({"device.retain_freed_memory": "yes"}, "device.retain_freed_memory", "true or false"),
+    ({"device.huge_pages": "yes"}, "device.huge_pages", "true or false"),
+    ({"kv_cache.huge_pages": "yes"}, "kv_cache.huge_pages", "true or false"),
     ({"prefill.wave_rules": "loose"}, "prefill.wave_rules", "must be one of"),
     ({"decode.lane_capacity": 8, "decode.batch_sizes": [1, 16]}, "decode.batch_sizes",
      "up to decode.lane_capacity=8"),

@@ -63,3 +63,26 @@ def test_every_bundled_recipe_stays_valid(name: str, requests: int) -> None:
 def test_requests_must_be_positive() -> None:
     with pytest.raises(ValueError, match="positive"):
         request_overrides(load_recipe("tiny-llama", env=NO_ENV), requests=0, given=())
+
+
+@pytest.mark.parametrize(
+    ("requests", "new_tokens", "placed"),
+    [(1, 16, False), (1, 64, False), (4, 127, False), (4, 128, True), (1, 4096, True)],
+)
+def test_a_short_run_leaves_the_weights_off_huge_pages(
+    requests: int, new_tokens: int, placed: bool
+) -> None:
+    # Moving the weights onto huge pages costs a fraction of a second or more at startup and
+    # saves under a millisecond per decode step: a run decoding fewer than 512 tokens in all
+    # skips it.
+    base = load_recipe("smollm2-135m", env=NO_ENV)
+    assert base.device.huge_pages  # type: ignore[attr-defined]
+    extra = request_overrides(base, requests=requests, given=set(), new_tokens=new_tokens)
+    recipe = load_recipe("smollm2-135m", overrides=extra, env=NO_ENV)
+    assert recipe.device.huge_pages is placed  # type: ignore[attr-defined]
+    # Unknown output lengths, or the user's own setting, leave it alone.
+    assert "device.huge_pages=false" not in request_overrides(base, requests=1, given=set())
+    given = {"device.huge_pages"}
+    assert "device.huge_pages=false" not in request_overrides(
+        base, requests=1, given=given, new_tokens=1
+    )
