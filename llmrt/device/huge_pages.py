@@ -140,7 +140,12 @@ def _module_tensors(module: torch.nn.Module) -> Iterator[torch.Tensor]:
     for sub in module.modules():
         for table in (sub._parameters, sub._buffers):
             for tensor in table.values():
-                if tensor is not None and tensor.device.type == "cpu" and tensor.numel() > 0:
+                if (
+                    tensor is not None
+                    and tensor.device.type == "cpu"
+                    and tensor.layout == torch.strided  # sparse tensors have no one storage
+                    and tensor.numel() > 0
+                ):
                     yield tensor
 
 

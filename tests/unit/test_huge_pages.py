@@ -122,6 +122,18 @@ def test_an_empty_module_places_nothing() -> None:
     assert (placement.placed_bytes, placement.storages, placement.skipped) == (0, 0, 0)
 
 
+def test_sparse_and_empty_tensors_stay_where_they_are() -> None:
+    module = torch.nn.Module()
+    sparse = torch.eye(64).to_sparse()
+    empty = torch.empty(0, 5)
+    module.register_buffer("sparse", sparse)
+    module.register_buffer("empty", empty)
+    placement = place_module_weights(module)
+    assert placement.storages == 0
+    assert module.sparse is sparse and torch.equal(module.sparse.to_dense(), torch.eye(64))
+    assert module.empty is empty
+
+
 @pytest.mark.parametrize(
     ("content", "refused"),
     [
