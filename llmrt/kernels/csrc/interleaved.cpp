@@ -250,25 +250,53 @@ LLMRT_VNNI void prepare_row(const float* x, int64_t k, int64_t base, uint8_t* pr
 
 inline __mmask64 byte_mask(int64_t n) { return n >= 64 ? ~0ULL : ((1ULL << n) - 1); }
 
-// One group of 4-bit blocks (quants ``z``; ``dm`` = d in lanes 0-3, m in lanes 4-7) against
-// MT activation rows. Per row: 4 vpdpbusd chained into 256 h + l (no zeroed second
-// accumulator, no add), and the m term as one 256-bit FMA against the prepared sums.
+// One group of 4-bit blocks, unpacked once for every activation row it meets: low and high
+// nibbles, and each dot-product lane's block scale d (``dm`` holds d in lanes 0-3, m in 4-7).
+struct Q4Group {
+  __m512i wl, wh;
+  __m512 dl;
+  __m256 dm;
+};
+
+LLMRT_VNNI inline Q4Group q4_unpack(__m512i z, __m256 dm) {
+  const __m512i low = _mm512_set1_epi8(15);
+  const __m512i lane_block = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  return {_mm512_and_si512(z, low), _mm512_and_si512(_mm512_srli_epi16(z, 4), low),
+          _mm512_permutexvar_ps(lane_block, _mm512_castps256_ps512(dm)), dm};
+}
+
+// A group against one activation row's prepared group (levels ``h0``/``h1`` and ``l0``/``l1``
+// for the low and high nibbles, per-lane ``scale``, block sums ``sx``): 4 vpdpbusd chained
+// into 256 h + l (no zeroed second accumulator, no add), and the m term as one 256-bit FMA.
+LLMRT_VNNI inline void q4_dot(const Q4Group& g, __m512i h0, __m512i h1, __m512i l0, __m512i l1,
+                              __m512 scale, __m256 sx, __m512& acc, __m256& macc) {
+  __m512i iv = _mm512_dpbusd_epi32(_mm512_setzero_si512(), g.wl, h0);
+  iv = _mm512_dpbusd_epi32(iv, g.wh, h1);
+  iv = _mm512_dpbusd_epi32(_mm512_slli_epi32(iv, 8), g.wl, l0);
+  iv = _mm512_dpbusd_epi32(iv, g.wh, l1);
+  acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iv), _mm512_mul_ps(g.dl, scale), acc);
+  macc = _mm256_fmadd_ps(g.dm, sx, macc);
+}
+
+// One group of 4-bit blocks (quants ``z``, ``dm``) against MT activation rows.
 template <int MT>
 LLMRT_VNNI inline void q4_group(const uint8_t* p, int64_t prep_stride, __m512i z, __m256 dm,
                                 __m512* acc, __m256* macc) {
-  const __m512i low = _mm512_set1_epi8(15);
-  const __m512i lane_block = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-  const __m512i wl = _mm512_and_si512(z, low);
-  const __m512i wh = _mm512_and_si512(_mm512_srli_epi16(z, 4), low);
-  const __m512 dl = _mm512_permutexvar_ps(lane_block, _mm512_castps256_ps512(dm));
-  for (int r = 0; r < MT; ++r, p += prep_stride) {
-    __m512i iv = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wl, _mm512_loadu_si512(p));
-    iv = _mm512_dpbusd_epi32(iv, wh, _mm512_loadu_si512(p + 64));
-    iv = _mm512_dpbusd_epi32(_mm512_slli_epi32(iv, 8), wl, _mm512_loadu_si512(p + 128));
-    iv = _mm512_dpbusd_epi32(iv, wh, _mm512_loadu_si512(p + 192));
-    const __m512 s = _mm512_mul_ps(dl, _mm512_loadu_ps(reinterpret_cast<const float*>(p + 256)));
-    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iv), s, acc[r]);
-    macc[r] = _mm256_fmadd_ps(dm, _mm256_loadu_ps(reinterpret_cast<const float*>(p + 320)), macc[r]);
+  const Q4Group g = q4_unpack(z, dm);
+  for (int r = 0; r < MT; ++r, p += prep_stride)
+    q4_dot(g, _mm512_loadu_si512(p), _mm512_loadu_si512(p + 64), _mm512_loadu_si512(p + 128),
+           _mm512_loadu_si512(p + 192), _mm512_loadu_ps(reinterpret_cast<const float*>(p + 256)),
+           _mm256_loadu_ps(reinterpret_cast<const float*>(p + 320)), acc[r], macc[r]);
+}
+
+// d (lanes 0-3) and m (lanes 4-7; Q4_0: -8 d) of a whole group (one load of its scales).
+template <int64_t BASE>
+LLMRT_VNNI inline __m256 full_group_dm(const uint8_t* o) {
+  if constexpr (BASE == kQ4_1) {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 64)));
+  } else {
+    const __m128 d = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(o + 64)));
+    return _mm256_set_m128(_mm_mul_ps(d, _mm_set1_ps(-8.0f)), d);
   }
 }
 
@@ -291,13 +319,11 @@ constexpr int kRowsM1 = 4;
 // than the weights; here they are loaded once per group for R rows. Reading R rows side by
 // side hides the stream from the hardware prefetcher (that alone made SmolLM2's batch-1 step
 // ~25% slower), so the next R rows are prefetched a slice per group, each line once. Each
-// row's arithmetic, in order, is ``q4_group<1>``'s: results are bit-equal to the tile loop.
+// row's arithmetic is ``q4_dot``, as in the tile loop: results are bit-equal to it.
 template <int64_t BASE, int R>
 LLMRT_VNNI void q4_rows_m1(const uint8_t* prep, const uint8_t* row, int64_t row_bytes,
                            int64_t nb, float* y) {
   constexpr int64_t gb = 4 * block_bytes_of(BASE);
-  const __m512i low = _mm512_set1_epi8(15);
-  const __m512i lane_block = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
   const int64_t full = nb / 4, c = nb - 4 * full, groups = full + (c > 0 ? 1 : 0);
   const int64_t per_group = ((R * row_bytes + 63) / 64 + groups - 1) / groups;
   const char* ahead = reinterpret_cast<const char*>(row + R * row_bytes);
@@ -316,29 +342,11 @@ LLMRT_VNNI void q4_rows_m1(const uint8_t* prep, const uint8_t* row, int64_t row_
     const __m256 sx = _mm256_loadu_ps(reinterpret_cast<const float*>(p + 320));
     for (int r = 0; r < R; ++r) {
       const uint8_t* o = row + r * row_bytes + gi * gb;
-      __m512i z;
-      __m256 dm;
-      if (gi < full) {
-        z = _mm512_loadu_si512(o);
-        if constexpr (BASE == kQ4_1) {
-          dm = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 64)));
-        } else {
-          const __m128 d = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(o + 64)));
-          dm = _mm256_set_m128(_mm_mul_ps(d, _mm_set1_ps(-8.0f)), d);
-        }
-      } else {
-        z = _mm512_maskz_loadu_epi8(byte_mask(16 * c), o);
-        dm = group_dm<BASE>(o, c);
-      }
-      const __m512i wl = _mm512_and_si512(z, low);
-      const __m512i wh = _mm512_and_si512(_mm512_srli_epi16(z, 4), low);
-      const __m512 dl = _mm512_permutexvar_ps(lane_block, _mm512_castps256_ps512(dm));
-      __m512i iv = _mm512_dpbusd_epi32(_mm512_setzero_si512(), wl, h0);
-      iv = _mm512_dpbusd_epi32(iv, wh, h1);
-      iv = _mm512_dpbusd_epi32(_mm512_slli_epi32(iv, 8), wl, l0);
-      iv = _mm512_dpbusd_epi32(iv, wh, l1);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iv), _mm512_mul_ps(dl, scale), acc[r]);
-      macc[r] = _mm256_fmadd_ps(dm, sx, macc[r]);
+      const bool whole = gi < full;
+      const __m512i z =
+          whole ? _mm512_loadu_si512(o) : _mm512_maskz_loadu_epi8(byte_mask(16 * c), o);
+      const __m256 dm = whole ? full_group_dm<BASE>(o) : group_dm<BASE>(o, c);
+      q4_dot(q4_unpack(z, dm), h0, h1, l0, l1, scale, sx, acc[r], macc[r]);
     }
   }
   for (int r = 0; r < R; ++r)
@@ -371,14 +379,8 @@ LLMRT_VNNI void q4_tile(const uint8_t* prep, int64_t prep_stride, const uint8_t*
     }
     for (int64_t gi = 0; gi < full; ++gi) {
       const uint8_t* o = row + gi * gb;
-      __m256 dm;
-      if constexpr (BASE == kQ4_1) {
-        dm = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 64)));
-      } else {
-        const __m128 d = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(o + 64)));
-        dm = _mm256_set_m128(_mm_mul_ps(d, _mm_set1_ps(-8.0f)), d);
-      }
-      q4_group<MT>(prep + gi * kGroupPrep, prep_stride, _mm512_loadu_si512(o), dm, acc, macc);
+      q4_group<MT>(prep + gi * kGroupPrep, prep_stride, _mm512_loadu_si512(o),
+                   full_group_dm<BASE>(o), acc, macc);
     }
     if (4 * full < nb) {
       const int64_t c = nb - 4 * full;
