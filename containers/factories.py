@@ -21,7 +21,7 @@ from llmrt.config import PageTableLayout, TraceConfig
 from llmrt.decode import DecodeRuntime, DecodeRuntimeConfig
 from llmrt.device.base import Device
 from llmrt.device.host_memory import retain_freed_memory
-from llmrt.device.huge_pages import huge_pages_unavailable, place_module_weights
+from llmrt.device.huge_pages import huge_pages_refused, place_module_weights
 from llmrt.device.torch import TorchDevice
 from llmrt.errors import CheckpointError, ConfigError, DeviceError, IdentityError
 from llmrt.execution import EagerExecutor, TracedExecutor
@@ -88,8 +88,7 @@ def open_device(*, recipe: Recipe, ttnn_module: Any = None) -> Device:
         return device
     if spec.num_threads is not None:
         torch.set_num_threads(spec.num_threads)
-    kv_huge = recipe.kv_cache.huge_pages
-    no_huge = "kv_cache.huge_pages is false" if not kv_huge else huge_pages_unavailable()
+    no_huge = huge_pages_refused(setting="kv_cache.huge_pages", enabled=recipe.kv_cache.huge_pages)
     device = TorchDevice(spec.torch_device, huge_pages=no_huge is None)
     host: dict[str, Any] = {}
     if device.kind == "cpu":
@@ -245,7 +244,7 @@ def build_model(
 def place_weights(*, model: CausalLM, enabled: bool, device: Device) -> None:
     """Put a CPU model's weights on huge pages (``device.huge_pages``) before any kernel
     borrows them, and log where they are (``weights.placed``)."""
-    why_not = "device.huge_pages is false" if not enabled else huge_pages_unavailable()
+    why_not = huge_pages_refused(setting="device.huge_pages", enabled=enabled)
     if why_not is None and not isinstance(model, torch.nn.Module):
         why_not = f"{type(model).__name__} is not a torch module"
     fields: dict[str, Any]

@@ -17,11 +17,11 @@ sees the same placed storage and the old one is freed.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import mmap
 import sys
 import threading
 import weakref
-from collections.abc import Iterator
 from pathlib import Path
 
 import attrs
@@ -38,6 +38,12 @@ _lock = threading.Lock()
 #: [start, end) address ranges of this process's live placements (a range is dropped when its
 #: mapping is freed); a storage inside one is already placed.
 _placed: list[tuple[int, int]] = []
+
+
+def huge_pages_refused(*, setting: str, enabled: bool) -> str | None:
+    """Why memory governed by recipe field ``setting`` stays off huge pages (None: it goes
+    on them): the field is false, or the system gives none."""
+    return f"{setting} is false" if not enabled else huge_pages_unavailable()
 
 
 def huge_pages_unavailable() -> str | None:
@@ -136,31 +142,19 @@ def _at_most(value: int | None, bound: int) -> int | None:
     return None if value is None else min(value, bound)
 
 
-def _module_tensors(module: torch.nn.Module) -> Iterator[torch.Tensor]:
-    for sub in module.modules():
-        for table in (sub._parameters, sub._buffers):
-            for tensor in table.values():
-                if (
-                    tensor is not None
-                    and tensor.device.type == "cpu"
-                    and tensor.layout == torch.strided  # sparse tensors have no one storage
-                    and tensor.numel() > 0
-                ):
-                    yield tensor
-
-
 def _storage_groups(
     module: torch.nn.Module,
 ) -> dict[int, tuple[torch.UntypedStorage, list[torch.Tensor]]]:
-    """The module's CPU tensors grouped by storage (each tensor object once)."""
+    """The module's CPU tensors (each parameter and buffer once) grouped by storage."""
     groups: dict[int, tuple[torch.UntypedStorage, list[torch.Tensor]]] = {}
-    seen: set[int] = set()
-    for tensor in _module_tensors(module):
-        if id(tensor) in seen:
-            continue
-        seen.add(id(tensor))
-        storage = tensor.untyped_storage()
-        groups.setdefault(storage.data_ptr(), (storage, []))[1].append(tensor)
+    for tensor in itertools.chain(module.parameters(), module.buffers()):
+        if (
+            tensor.device.type == "cpu"
+            and tensor.layout == torch.strided  # sparse tensors have no one storage
+            and tensor.numel() > 0
+        ):
+            storage = tensor.untyped_storage()
+            groups.setdefault(storage.data_ptr(), (storage, []))[1].append(tensor)
     return groups
 
 
