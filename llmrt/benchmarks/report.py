@@ -111,7 +111,8 @@ class Report:
         env = environment()
         print(
             f"torch {env['torch']}, transformers {env['transformers']}, "
-            f"{env['threads']} threads, {env['machine']}, {env['cpus']} CPUs, "
+            f"{env['threads']} threads, {env['machine']}, {env['cpus']} CPUs"
+            f"{' (' + env['cpu_model'] + ')' if env['cpu_model'] else ''}, "
             f"load average {env['load_average_1m']}",
             file=stream,
         )
@@ -137,7 +138,36 @@ def environment() -> dict[str, Any]:
         # Other work on the machine skews every wall time; the 1-minute load says how much.
         "load_average_1m": _load_average(),
         "cpus": os.cpu_count(),
+        # Kernel rates and bandwidth floors differ by CPU model: reports (and the floors in
+        # them) are only comparable between runs on the same one.
+        "cpu_model": cpu_model(),
     }
+
+
+def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str | None:
+    """The CPU's model name with its family and model numbers (a VM may show only "AMD EPYC";
+    the numbers tell Zen 3 from Zen 4), from Linux ``/proc/cpuinfo``; else what ``platform``
+    knows, or None."""
+    fields: dict[str, str] = {}
+    try:
+        with open(cpuinfo, encoding="utf-8", errors="replace") as lines:
+            for line in lines:
+                key, sep, value = line.partition(":")
+                key = key.strip()
+                if not sep:
+                    continue
+                if key == "processor" and fields:
+                    break  # the first CPU's lines are enough
+                if key in ("model name", "cpu family", "model") and value.strip():
+                    fields[key] = value.strip()
+    except OSError:
+        pass
+    name = fields.get("model name")
+    if name is None:
+        return platform.processor() or None
+    if "cpu family" in fields and "model" in fields:
+        return f"{name}, family {fields['cpu family']} model {fields['model']}"
+    return name
 
 
 def _load_average() -> float | None:

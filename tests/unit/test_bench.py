@@ -11,6 +11,7 @@ import json
 import math
 import re
 import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -135,7 +136,7 @@ def test_json_has_the_documented_keys(report: Report) -> None:
     data = json.loads(text)
     assert data["workload"] == report.workload
     assert data["recipe"] == RECIPE
-    assert {"torch", "transformers", "threads", "load_average_1m", "cpus"} <= set(
+    assert {"torch", "transformers", "threads", "load_average_1m", "cpus", "cpu_model"} <= set(
         data["environment"]
     )
     for section, keys in SECTIONS[report.workload].items():
@@ -266,3 +267,25 @@ def test_plot_without_matplotlib_is_a_note(
 def test_planner_cost_is_a_positive_time_per_row() -> None:
     cost = planner_cost(50, seed=0, repeat=1)
     assert math.isfinite(cost) and 0 < cost < 1.0
+
+
+def test_cpu_model_reads_the_model_name_line(tmp_path: Path) -> None:
+    from llmrt.benchmarks.report import cpu_model
+
+    info = tmp_path / "cpuinfo"
+    info.write_text(
+        "processor\t: 0\nvendor_id\t: AuthenticAMD\ncpu family\t: 25\nmodel\t\t: 17\n"
+        "model name\t: AMD EPYC\nflags\t\t: fpu avx512f\n\n"
+        "processor\t: 1\ncpu family\t: 6\nmodel\t\t: 143\nmodel name\t: Other\n"
+    )
+    assert cpu_model(str(info)) == "AMD EPYC, family 25 model 17"
+    info.write_text("processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Platinum 8481C CPU\n")
+    assert cpu_model(str(info)) == "Intel(R) Xeon(R) Platinum 8481C CPU"
+
+
+def test_cpu_model_falls_back_without_cpuinfo(tmp_path: Path) -> None:
+    import platform
+
+    from llmrt.benchmarks.report import cpu_model
+
+    assert cpu_model(str(tmp_path / "absent")) == (platform.processor() or None)
