@@ -23,6 +23,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -146,6 +147,7 @@ def decode(settings: BenchSettings) -> Report:
             _bandwidth_floor(
                 report,
                 model,
+                kv_dtypes=[k.dtype for k in lane.kv_cache.context.keys],
                 step_s=bare["llmrt_b1_loop"],
                 cold_step_s=bare["llmrt_b1"],
                 stream_s=bare["stream_read"],
@@ -173,12 +175,15 @@ def _decode_kernel(model: Any) -> str:
     return "fused" if why is None else f"ops ({why})"
 
 
-def step_bytes(model: Any, *, context: int) -> dict[str, int]:
-    """Bytes one batch-1 decode step must read: linear weights as stored, and the KV context."""
+def step_bytes(
+    model: Any, *, context: int, kv_dtypes: Sequence[torch.dtype] | None = None
+) -> dict[str, int]:
+    """Bytes one batch-1 decode step must read: linear weights as stored, and the KV context
+    in the dtypes the cache holds (``kv_dtypes``, one per layer: the bound cache's, which
+    ``kv_cache.dtype`` sets; the model's own when not given)."""
     meta = model.attention_metadata()
-    kv = sum(
-        2 * context * meta.num_kv_heads * meta.head_dim * dtype.itemsize for dtype in meta.kv_dtypes
-    )
+    dtypes = meta.kv_dtypes if kv_dtypes is None else kv_dtypes
+    kv = sum(2 * context * meta.num_kv_heads * meta.head_dim * dtype.itemsize for dtype in dtypes)
     return {"weights": linear_weight_bytes(model), "kv_context": kv}
 
 
@@ -201,6 +206,7 @@ def _bandwidth_floor(
     report: Report,
     model: Any,
     *,
+    kv_dtypes: Sequence[torch.dtype],
     step_s: float,
     cold_step_s: float,
     stream_s: float,
@@ -213,7 +219,7 @@ def _bandwidth_floor(
     caches a decode loop keeps warm), is reported beside it. The target's
     rate is a read from 4 KiB pages (a plain torch buffer); CPU weights sit on huge pages
     (``device.huge_pages``), so the loop's step is also put against the huge-page read."""
-    read = step_bytes(model, context=DECODE_CONTEXT)
+    read = step_bytes(model, context=DECODE_CONTEXT, kv_dtypes=kv_dtypes)
     total = sum(read.values())
     rate = STREAM_BYTES / stream_s
     floor_s = total / rate

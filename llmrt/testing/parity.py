@@ -56,9 +56,11 @@ def allocate_kv(
     block_size: int,
     fill_seed: int | None = None,
     device: torch.device | str = "cpu",
+    dtype: torch.dtype | None = None,
 ) -> PagedKV:
     """Zeros (or seeded random values, to make "unchanged" checks meaningful) per layer, on
-    ``device`` (random values are drawn on the CPU, so every device gets the same ones)."""
+    ``device`` (random values are drawn on the CPU, so every device gets the same ones), in
+    the model's per-layer KV dtypes or ``dtype`` (what ``kv_cache.dtype`` stores)."""
     meta = model.attention_metadata()
     shape = meta.kv_shape(num_blocks, block_size)
     generator = torch.Generator().manual_seed(fill_seed or 0)
@@ -68,9 +70,10 @@ def allocate_kv(
             return torch.zeros(shape, dtype=dtype, device=device)
         return torch.randn(shape, generator=generator).to(device=device, dtype=dtype)
 
+    dtypes = meta.kv_dtypes if dtype is None else (dtype,) * meta.num_layers
     return PagedKV(
-        keys=[make(d) for d in meta.kv_dtypes],
-        values=[make(d) for d in meta.kv_dtypes],
+        keys=[make(d) for d in dtypes],
+        values=[make(d) for d in dtypes],
         block_size=block_size,
     )
 
@@ -136,7 +139,8 @@ class Harness:
     """Drives an llmrt model over a test-owned paged KV cache and checks it against HF.
 
     ``device`` is where ``model`` lives: the harness places the KV cache and every input
-    there and brings the logits back to the CPU for the comparison.
+    there and brings the logits back to the CPU for the comparison. ``kv_dtype`` is the
+    cache's dtype (the model's own when None), as ``kv_cache.dtype`` sets it for a lane.
     """
 
     def __init__(
@@ -147,8 +151,10 @@ class Harness:
         vocab_size: int,
         seed: int,
         device: torch.device | str = "cpu",
+        kv_dtype: torch.dtype | None = None,
     ) -> None:
         self.hf_model = hf_model
+        self.kv_dtype = kv_dtype
         self.model = model
         self.vocab_size = vocab_size
         self.seed = seed
@@ -176,6 +182,7 @@ class Harness:
             block_size=BLOCK_SIZE,
             fill_seed=fill_seed,
             device=self.device,
+            dtype=self.kv_dtype,
         )
         self.model.set_kv_cache(kv)
         return kv, BlockPool(num_blocks=NUM_BLOCKS, seed=self.seed)

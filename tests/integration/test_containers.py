@@ -219,7 +219,9 @@ def test_smollm2_variants_differ_from_the_default_only_where_named() -> None:
     assert f32["checkpoint"]["weights"] == "float32"
     # bfloat16 GEMMs and block layouts apply to block-quantized weights only.
     assert f32["device"] == {**base["device"], "gemm_dtype": "float32"}
-    assert _same_except(base, f32, {"checkpoint", "device"})
+    # The reference caches keys and values in float32 (the default: float16).
+    assert (base["kv_cache"]["dtype"], f32["kv_cache"]["dtype"]) == ("float16", "float32")
+    assert _same_except(base, f32, {"checkpoint", "device", "kv_cache"})
 
 
 @smollm2

@@ -289,3 +289,17 @@ def test_cpu_model_falls_back_without_cpuinfo(tmp_path: Path) -> None:
     from llmrt.benchmarks.report import cpu_model
 
     assert cpu_model(str(tmp_path / "absent")) == (platform.processor() or None)
+
+
+def test_decode_floor_counts_the_kv_cache_in_the_dtype_it_holds() -> None:
+    """``kv_cache.dtype: float16`` halves the context bytes the floor counts (tiny-llama's
+    model computes in float32: the cache, not the model, says what a step reads)."""
+    settings = BenchSettings(
+        recipe=RECIPE,
+        workload="decode",
+        overrides=("kv_cache.dtype=float16",),
+        **SMALL["decode"],
+    )
+    band = bench_report(settings).results["bandwidth"]
+    # K and V of 128 context tokens, 2 KV heads of 16 dims, 2 layers, 2 bytes each.
+    assert band["kv_context_bytes"] == 2 * 2 * 128 * 2 * 16 * 2

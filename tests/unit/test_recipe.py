@@ -101,7 +101,10 @@ def test_default_recipe_matches_the_brief() -> None:
     assert (recipe.device.backend, recipe.device.kind, recipe.lanes) == ("torch", "cpu", 1)
     # The fastest configuration that keeps the reference's greedy tokens (issue #14).
     assert (recipe.device.gemm_dtype, recipe.device.weight_layout) == ("bfloat16", "auto")
-    assert recipe.kv_cache == PagedKVCacheConfig(block_size=32, max_num_blocks=2048)
+    # float16 keys/values: the same greedy tokens, half the bytes a decode step's attention reads.
+    assert recipe.kv_cache == PagedKVCacheConfig(
+        block_size=32, max_num_blocks=2048, dtype="float16"
+    )
     assert (recipe.prefill.max_chunk_size, recipe.prefill.batched) == (512, True)
     assert (recipe.prefill.max_batch_size, recipe.prefill.seq_len_buckets) == (8, "fine")
     assert (recipe.decode.lane_capacity, recipe.decode.device_sampling) == (16, True)
@@ -124,9 +127,11 @@ def test_variants_differ_from_the_default_only_where_named() -> None:
         "description",
         "checkpoint",
         "device",
+        "kv_cache",
     }
     assert f32["checkpoint"] == {**base["checkpoint"], "weights": "float32"}
     assert f32["device"] == {**base["device"], "gemm_dtype": "float32"}
+    assert f32["kv_cache"] == {**base["kv_cache"], "dtype": "float32"}
     assert compiled.checkpoint.dtype == "bfloat16"
     assert compiled.device.compile == "inductor"
     assert compiled.device.inductor == InductorSpec(freezing=False, operations=("decode",))
