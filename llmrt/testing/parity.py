@@ -65,10 +65,10 @@ def allocate_kv(
     shape = meta.kv_shape(num_blocks, block_size)
     generator = torch.Generator().manual_seed(fill_seed or 0)
 
-    def make(dtype: torch.dtype) -> torch.Tensor:
+    def make(layer_dtype: torch.dtype) -> torch.Tensor:
         if fill_seed is None:
-            return torch.zeros(shape, dtype=dtype, device=device)
-        return torch.randn(shape, generator=generator).to(device=device, dtype=dtype)
+            return torch.zeros(shape, dtype=layer_dtype, device=device)
+        return torch.randn(shape, generator=generator).to(device=device, dtype=layer_dtype)
 
     dtypes = meta.kv_dtypes if dtype is None else (dtype,) * meta.num_layers
     return PagedKV(
