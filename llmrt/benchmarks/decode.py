@@ -175,15 +175,12 @@ def _decode_kernel(model: Any) -> str:
     return "fused" if why is None else f"ops ({why})"
 
 
-def step_bytes(
-    model: Any, *, context: int, kv_dtypes: Sequence[torch.dtype] | None = None
-) -> dict[str, int]:
+def step_bytes(model: Any, *, context: int, kv_dtypes: Sequence[torch.dtype]) -> dict[str, int]:
     """Bytes one batch-1 decode step must read: linear weights as stored, and the KV context
-    in the dtypes the cache holds (``kv_dtypes``, one per layer: the bound cache's, which
-    ``kv_cache.dtype`` sets; the model's own when not given)."""
+    in the dtypes the bound cache holds (``kv_dtypes``, one per layer; ``kv_cache.dtype``
+    sets them, not the model's compute dtype)."""
     meta = model.attention_metadata()
-    dtypes = meta.kv_dtypes if kv_dtypes is None else kv_dtypes
-    kv = sum(2 * context * meta.num_kv_heads * meta.head_dim * dtype.itemsize for dtype in dtypes)
+    kv = sum(2 * context * meta.num_kv_heads * meta.head_dim * d.itemsize for d in kv_dtypes)
     return {"weights": linear_weight_bytes(model), "kv_context": kv}
 
 
