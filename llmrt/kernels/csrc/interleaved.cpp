@@ -278,6 +278,12 @@ LLMRT_VNNI inline void q4_dot(const Q4Group& g, __m512i h0, __m512i h1, __m512i 
   macc = _mm256_fmadd_ps(g.dm, sx, macc);
 }
 
+// A row's result from its accumulators: the integer-dot lanes plus the m term, summed in one
+// fixed order, so the one-row loop and the tile loop give bit-equal outputs.
+LLMRT_VNNI inline float q4_row_sum(__m512 acc, __m256 macc) {
+  return _mm512_reduce_add_ps(_mm512_add_ps(acc, _mm512_zextps256_ps512(macc)));
+}
+
 // One group of 4-bit blocks (quants ``z``, ``dm``) against MT activation rows.
 template <int MT>
 LLMRT_VNNI inline void q4_group(const uint8_t* p, int64_t prep_stride, __m512i z, __m256 dm,
@@ -350,7 +356,7 @@ LLMRT_VNNI void q4_rows_m1(const uint8_t* prep, const uint8_t* row, int64_t row_
     }
   }
   for (int r = 0; r < R; ++r)
-    y[r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], _mm512_zextps256_ps512(macc[r])));
+    y[r] = q4_row_sum(acc[r], macc[r]);
 }
 
 // MT activation rows against weight rows [n0, n1) of a 4-bit kind (whole groups with one
@@ -390,7 +396,7 @@ LLMRT_VNNI void q4_tile(const uint8_t* prep, int64_t prep_stride, const uint8_t*
                    macc);
     }
     for (int r = 0; r < MT; ++r)
-      y[r * ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc[r], _mm512_zextps256_ps512(macc[r])));
+      y[r * ldy + n] = q4_row_sum(acc[r], macc[r]);
   }
 }
 
