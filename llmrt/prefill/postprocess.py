@@ -20,7 +20,7 @@ import torch
 
 from llmrt.device.base import is_device_tensor
 from llmrt.output_reader import OutputReader, PendingRead
-from llmrt.sampling import SamplingTensors, sample
+from llmrt.sampling import SamplingTensors, greedy_argmax, sample
 
 HostOutputs = dict[str, torch.Tensor]
 
@@ -77,7 +77,7 @@ def sample_outputs(
     if path == "logits":
         return raw
     if path == "argmax" or sampling is None:
-        return {"tokens": torch.argmax(raw["logits"], dim=-1)}
+        return {"tokens": greedy_argmax(raw["logits"])}
     result = sample(raw["logits"], sampling, step_offsets=step_offsets, generator=generator)
     out = {"tokens": result.tokens}
     if result.logprobs is not None:

@@ -494,6 +494,35 @@ def test_mismatched_argument_lengths(fresh: Lane) -> None:
     _rejects(fresh, field="step_offsets", row=1, match="got -1", step_offsets=[0, -1, 0])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.complex64])
+def test_non_integer_inputs_are_refused(fresh: Lane, dtype: torch.dtype) -> None:
+    tokens, positions = _start(fresh)
+    match = "must be integer tensors"
+    _rejects(fresh, field="tokens", row=None, match=match, tokens=tokens.to(dtype))
+    _rejects(fresh, field="tokens", row=None, match=match, start_pos=positions.to(dtype))
+    _rejects(fresh, field="tokens", row=None, match=match, page_table=_table().to(dtype))
+    _rejects(fresh, field="step_offsets", row=None, match="must be integers", step_offsets=[0.5] * 3)
+
+
+def test_lists_and_tensors_of_any_integer_dtype_prepare_the_same_step(fresh: Lane) -> None:
+    tokens, positions = _start(fresh)
+    runtime = fresh.executor.decode
+    reference = runtime.prepare(tokens=tokens, start_pos=positions, page_table=_table())
+    for kwargs in (
+        {"tokens": tokens.tolist(), "start_pos": positions.tolist(), "page_table": _table().tolist()},
+        {"tokens": tokens.int(), "start_pos": positions.long(), "page_table": _table().short()},
+    ):
+        got = runtime.prepare(**kwargs)
+        for name in ("tokens", "positions", "page_table", "step_offsets"):
+            want = getattr(reference, name)
+            assert torch.equal(getattr(got, name), want), name
+            assert getattr(got, name).dtype == want.dtype, name
+    cap = reference.signature.batch_size
+    assert reference.tokens.tolist() == tokens.tolist() + [0] * (cap - 3)
+    assert reference.page_table.shape == (cap, fresh.layout.width)
+    assert reference.page_table[3:].eq(-1).all()
+
+
 @pytest.mark.parametrize(
     ("field", "kwargs", "match"),
     [

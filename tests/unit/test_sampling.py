@@ -15,6 +15,7 @@ from llmrt.sampling import (
     SamplingParams,
     SamplingTensors,
     apply_penalties,
+    greedy_argmax,
     gumbel_noise,
     mix_seed,
     sample,
@@ -576,3 +577,32 @@ def test_cuda_graph_replay_with_persistent_buffers_matches_eager() -> None:
         static_noise.copy_(noise)
         graph.replay()
         assert torch.equal(captured.tokens, sample(logits, fresh, noise=noise).tokens)
+
+
+@pytest.mark.parametrize(
+    "rows, expected",
+    [
+        ([[0.0, 2.0, 2.0, 1.0]], [1]),  # ties go to the lowest index
+        ([[1.0, float("nan"), 3.0, float("nan")]], [1]),  # NaN is the largest, first one wins
+        ([[float("-inf")] * 3, [float("inf"), float("inf"), 0.0]], [0, 0]),
+        ([[-3.0, -1.0, -2.0], [5.0, 6.0, 7.0]], [1, 2]),
+    ],
+)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_greedy_argmax_takes_the_first_largest(
+    rows: list[list[float]], expected: list[int], dtype: torch.dtype
+) -> None:
+    tokens = greedy_argmax(torch.tensor(rows, dtype=dtype))
+    assert tokens.dtype == torch.int64
+    assert tokens.tolist() == expected
+
+
+def test_greedy_argmax_agrees_with_torch_on_any_layout() -> None:
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randint(-4, 4, (9, 300), generator=g).float()  # many ties
+    for x in (logits, logits.t(), logits[::2, 1::3], logits[0], logits.view(3, 3, 300)):
+        got = greedy_argmax(x)
+        assert got.shape == x.argmax(dim=-1).shape
+        assert torch.equal(got, x.argmax(dim=-1))
+    grad = torch.randn(4, 6, requires_grad=True)
+    assert torch.equal(greedy_argmax(grad), grad.argmax(dim=-1))
