@@ -501,7 +501,8 @@ def test_non_integer_inputs_are_refused(fresh: Lane, dtype: torch.dtype) -> None
     _rejects(fresh, field="tokens", row=None, match=match, tokens=tokens.to(dtype))
     _rejects(fresh, field="tokens", row=None, match=match, start_pos=positions.to(dtype))
     _rejects(fresh, field="tokens", row=None, match=match, page_table=_table().to(dtype))
-    _rejects(fresh, field="step_offsets", row=None, match="must be integers", step_offsets=[0.5] * 3)
+    offsets = [0.5] * 3
+    _rejects(fresh, field="step_offsets", row=None, match="must be integers", step_offsets=offsets)
 
 
 def test_lists_and_tensors_of_any_integer_dtype_prepare_the_same_step(fresh: Lane) -> None:
@@ -509,7 +510,11 @@ def test_lists_and_tensors_of_any_integer_dtype_prepare_the_same_step(fresh: Lan
     runtime = fresh.executor.decode
     reference = runtime.prepare(tokens=tokens, start_pos=positions, page_table=_table())
     for kwargs in (
-        {"tokens": tokens.tolist(), "start_pos": positions.tolist(), "page_table": _table().tolist()},
+        {
+            "tokens": tokens.tolist(),
+            "start_pos": positions.tolist(),
+            "page_table": _table().tolist(),
+        },
         {"tokens": tokens.int(), "start_pos": positions.long(), "page_table": _table().short()},
     ):
         got = runtime.prepare(**kwargs)
