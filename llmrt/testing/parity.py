@@ -140,7 +140,8 @@ class Harness:
 
     ``device`` is where ``model`` lives: the harness places the KV cache and every input
     there and brings the logits back to the CPU for the comparison. ``kv_dtype`` is the
-    cache's dtype (the model's own when None), as ``kv_cache.dtype`` sets it for a lane.
+    cache's dtype (the model's own when None), as ``kv_cache.dtype`` sets it for a lane;
+    ``block_size`` its tokens per page (small by default: prompts span many pages).
     """
 
     def __init__(
@@ -152,9 +153,11 @@ class Harness:
         seed: int,
         device: torch.device | str = "cpu",
         kv_dtype: torch.dtype | None = None,
+        block_size: int = BLOCK_SIZE,
     ) -> None:
         self.hf_model = hf_model
         self.kv_dtype = kv_dtype
+        self.block_size = block_size
         self.model = model
         self.vocab_size = vocab_size
         self.seed = seed
@@ -179,7 +182,7 @@ class Harness:
         kv = allocate_kv(
             self.model,
             num_blocks=NUM_BLOCKS,
-            block_size=BLOCK_SIZE,
+            block_size=self.block_size,
             fill_seed=fill_seed,
             device=self.device,
             dtype=self.kv_dtype,
@@ -247,7 +250,7 @@ class Harness:
         calls = max(len(s) for s in segments)
         if align == "end":
             segments = [_late(s, calls) for s in segments]
-        rows = [pool.take(math.ceil((len(p) + steps) / BLOCK_SIZE)) for p in prompts]
+        rows = [pool.take(math.ceil((len(p) + steps) / self.block_size)) for p in prompts]
         if pad_row:
             rows.append([])
         table = page_table(rows, width=max(len(r) for r in rows) + 1)
@@ -340,8 +343,8 @@ class Harness:
         first = self.prompt(13, seed=7)
         second = first[:8] + self.prompt(7, seed=8)
         _, pool = self.bind()
-        rows = [pool.take(math.ceil((13 + STEPS) / BLOCK_SIZE))]
-        rows.append(rows[0][:2] + pool.take(math.ceil((15 + STEPS) / BLOCK_SIZE) - 2))
+        rows = [pool.take(math.ceil((13 + STEPS) / self.block_size))]
+        rows.append(rows[0][:2] + pool.take(math.ceil((15 + STEPS) / self.block_size) - 2))
         table = page_table(rows, width=len(rows[1]) + 1)
         head = self.prefill(chunks=[first, []], starts=[0, 0], table=table, pad_to=15)
         tail = self.prefill(chunks=[[], second[8:]], starts=[13, 8], table=table, pad_to=9)

@@ -150,6 +150,40 @@ def test_fused_attention_over_head_dims(
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "rows"),
+    [(2, 2, 16, 3), (6, 2, 64, 3), (6, 2, 64, 1), (8, 2, 16, 3), (10, 2, 32, 1), (8, 1, 128, 3)],
+)
+def test_fused_attention_over_query_groups(
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    rows: int,
+    parity_harness: Any,
+    counted_runs: list[int],
+) -> None:
+    """1, 3, 4, 5 and 8 query heads per KV head: the op scores up to 4 (head_dim 128: 2)
+    query heads per pass over a 16-key block, so 5 and 8 take several passes; 1 row splits
+    each head's keys in parts. Contexts of 9-26 keys on 32-key pages end 16-key blocks
+    mid-way."""
+    model = hf_model(
+        "llama-yarn-biases",
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        hidden_size=16 * heads,  # transformers wants a multiple of the head count
+    )
+    harness = parity_harness(family=family_for_model_type(model.config.model_type), hf_model=model)
+    harness.block_size = 32  # page runs of up to 26 keys: a whole 16-key block and a tail
+    fused, ops, fused_kv, ops_kv = _run_both(harness, rows=rows, pad_row=rows > 1)
+    assert counted_runs
+    for a, b in zip(fused, ops, strict=True):
+        assert a.tokens == b.tokens
+        torch.testing.assert_close(a.logits, b.logits, rtol=0, atol=1e-5)
+    for a, b in zip(fused_kv, ops_kv, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("case", ["llama-yarn-biases", "mistral-window"])
 def test_fused_decode_over_half_precision_kv(
