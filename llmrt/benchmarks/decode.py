@@ -15,7 +15,10 @@ same run and interleaved with the steps (a sum over ``STREAM_BYTES`` with torch'
 from 4 KiB pages for the target and, where the kernel allows, from huge pages as well);
 the step's ratio to it is the headroom a kernel has left. The step put against it is one of
 a decode loop (``LOOP_STEPS`` back to back per sample, as generation runs them); the single
-step timed right after the 1 GiB read is reported beside it.
+step timed right after the 1 GiB read is reported beside it. The cores' clock is sampled the
+same way (dependent adds, one per cycle), and the step reported in core cycles per byte: on
+a shared host a step's cycles per byte move with other tenants' load on the same cores even
+where the clock and the read rate hold still.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from llmrt.benchmarks.timing import Timed, device_sync, interleaved_times, ratio
 from llmrt.compiled_step import DecodeStep
 from llmrt.device.huge_pages import advised_mapping, huge_pages_unavailable
 from llmrt.families.layers import linear_weight_bytes
+from llmrt.kernels.native import kernels_available
 from llmrt.model_executor import ModelExecutor
 from llmrt.recipe import load_recipe
 from llmrt.serving.llm import LLM
@@ -50,6 +54,8 @@ STREAM_BYTES = 1 << 30
 LOOP_STEPS = 8
 #: Target: the batch-1 step within this factor of its bandwidth floor.
 FLOOR_BOUND = 1.3
+#: Dependent adds per core-clock sample (~15-25 ms at 2-3.5 GHz).
+CLOCK_ADDS = 50_000_000
 
 
 def decode(settings: BenchSettings) -> Report:
@@ -126,6 +132,8 @@ def decode(settings: BenchSettings) -> Report:
             calls["stream_read"] = _stream_read(STREAM_BYTES, huge=False)
             if huge_pages_unavailable() is None:
                 calls["stream_read_huge"] = _stream_read(STREAM_BYTES, huge=True)
+            if kernels_available()[0]:
+                calls["core_clock"] = _core_clock(CLOCK_ADDS)
         timings = interleaved_times(
             calls, warmup=WARMUP, repeats=repeats, sync=sync, desc="decode llmrt vs hf"
         )
@@ -152,6 +160,7 @@ def decode(settings: BenchSettings) -> Report:
                 cold_step_s=bare["llmrt_b1"],
                 stream_s=bare["stream_read"],
                 huge_stream_s=bare.get("stream_read_huge"),
+                clock_s=bare.get("core_clock"),
             )
         values = list(ratios.values())
         worst = math.nan if any(math.isnan(v) for v in values) else max(values)
@@ -208,6 +217,7 @@ def _bandwidth_floor(
     cold_step_s: float,
     stream_s: float,
     huge_stream_s: float | None,
+    clock_s: float | None = None,
 ) -> None:
     """The batch-1 step against bytes read / streaming read rate (both from this run).
 
@@ -215,7 +225,10 @@ def _bandwidth_floor(
     as generation runs them); the cold step, timed right after the 1 GiB read (which evicts
     caches a decode loop keeps warm), is reported beside it. The target's
     rate is a read from 4 KiB pages (a plain torch buffer); CPU weights sit on huge pages
-    (``device.huge_pages``), so the loop's step is also put against the huge-page read."""
+    (``device.huge_pages``), so the loop's step is also put against the huge-page read.
+    ``clock_s`` (a ``CLOCK_ADDS`` sample of ``_core_clock``) adds the cores' clock in the same
+    run and the step in core cycles per byte read, which separates a host's clock changes
+    from contention for the cores (the clock holds, the cycles per byte grow)."""
     read = step_bytes(model, context=DECODE_CONTEXT, kv_dtypes=kv_dtypes)
     total = sum(read.values())
     rate = STREAM_BYTES / stream_s
@@ -234,6 +247,10 @@ def _bandwidth_floor(
         huge_floor_s = total / huge_rate
         section["huge_page_stream_read_GBps"] = round(huge_rate / 1e9, 2)
         section["huge_page_floor_s"] = huge_floor_s
+    if clock_s is not None:
+        clock_hz = CLOCK_ADDS / clock_s
+        section["core_clock_GHz"] = round(clock_hz / 1e9, 2)
+        section["step_cycles_per_byte"] = round(step_s * clock_hz / total, 3)
     report.section("bandwidth", rounded(section))
     report.ratio(
         "llmrt_b1_over_bandwidth_floor",
@@ -253,6 +270,18 @@ def _bandwidth_floor(
             ratio(step_s, huge_floor_s),
             label="llmrt batch-1 decode step / floor at the huge-page streaming read rate",
         )
+
+
+def _core_clock(adds: int) -> Timed:
+    """``adds`` dependent adds on every torch thread (``dependent_adds_per_second``, compiled
+    kernels): one per core cycle, so ``adds`` over the sample's time is the slowest core's
+    clock, time lost to other tenants included."""
+    probe = torch.ops.llmrt_kernels.dependent_adds_per_second
+
+    def run() -> None:
+        probe(adds)
+
+    return Timed(run=run)
 
 
 def _bare_decode(

@@ -35,6 +35,7 @@ _SOURCES = (
     _CSRC / "decode_layer.cpp",
     _CSRC / "activation.cpp",
     _CSRC / "prefill_attention.cpp",
+    _CSRC / "clock_probe.cpp",
 )
 #: ``-fopenmp``: ``at::parallel_for`` is an OpenMP pragma in the headers, so without it the
 #: kernels run on one thread. The library links the ``libgomp.so.1`` torch already loaded

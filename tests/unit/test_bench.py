@@ -11,10 +11,12 @@ import json
 import math
 import re
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from llmrt.bench import bench_report
 from llmrt.benchmarks.plot import write_plot
@@ -72,6 +74,8 @@ SECTIONS: dict[str, dict[str, set[str]]] = {
             "floor_s",
             "llmrt_b1_loop_s",
             "llmrt_b1_cold_s",
+            "core_clock_GHz",
+            "step_cycles_per_byte",
         },
         "ratios": {
             "llmrt_b1_over_bandwidth_floor",
@@ -181,6 +185,10 @@ def test_workload_sanity(report: Report) -> None:
         assert band["llmrt_b1_cold_s"] == pytest.approx(r["step_s"]["llmrt_b1"], rel=1e-3)
         floor = ratios["llmrt_b1_over_bandwidth_floor"]
         assert floor == pytest.approx(band["llmrt_b1_loop_s"] / band["floor_s"], rel=2e-2)
+        # The step in core cycles per byte it reads, at the clock measured in the same run.
+        read = band["weight_bytes"] + band["kv_context_bytes"]
+        cycles = band["llmrt_b1_loop_s"] * band["core_clock_GHz"] * 1e9 / read
+        assert band["step_cycles_per_byte"] == pytest.approx(cycles, rel=2e-2)
     else:
         assert r["waves"]["batched_plan_requests"] == 1
         assert r["waves"]["sequential_plan_requests"] == r["config"]["wave_rows"]
@@ -303,3 +311,22 @@ def test_decode_floor_counts_the_kv_cache_in_the_dtype_it_holds() -> None:
     band = bench_report(settings).results["bandwidth"]
     # K and V of 128 context tokens, 2 KV heads of 16 dims, 2 layers, 2 bytes each.
     assert band["kv_context_bytes"] == 2 * 2 * 128 * 2 * 16 * 2
+
+
+def test_the_clock_probe_reads_a_core_clock() -> None:
+    """Dependent adds retire one per cycle: the rate is a CPU clock (0.3-7 GHz; time lost to
+    other tenants only lowers it), the adds really run, and a non-positive count is an
+    error."""
+    from llmrt.kernels.native import kernels_available
+
+    if not kernels_available()[0]:
+        pytest.skip("llmrt's compiled kernels do not load here")
+    probe = torch.ops.llmrt_kernels.dependent_adds_per_second
+    rates = [probe(20_000_000) for _ in range(5)]
+    assert 0.3e9 < max(rates) < 7e9, rates
+    start = time.perf_counter()
+    probe(40_000_000)
+    took = time.perf_counter() - start
+    assert 40_000_000 / took < 7e9  # the adds really ran: no faster than a 7 GHz core
+    with pytest.raises(RuntimeError, match="adds must be positive"):
+        probe(0)
