@@ -952,13 +952,32 @@ void run_stack(const std::vector<LayerSpec>& layers, StepInputs& in, const Ends*
   }
 }
 
+// ``t``'s integer values as int64: ``t``'s own data when it is contiguous int64, else a copy
+// in ``store`` (which must outlive their use). Why: ``to(kLong)`` is three dispatched ATen
+// ops, ~10 us each right after a step has streamed the weights through the caches, for a
+// handful of ids; a step converted its positions twice and its page table once.
+const int64_t* int64_values(const at::Tensor& t, std::vector<int64_t>& store) {
+  TORCH_CHECK(!t.is_floating_point() && !t.is_complex(),
+              "llmrt_kernels.decode_layer: positions, tokens and page tables must be integers");
+  if (t.scalar_type() == at::kLong && t.is_contiguous()) return t.const_data_ptr<int64_t>();
+  const int64_t n = t.numel();
+  store.resize(static_cast<size_t>(n));
+  if (t.scalar_type() == at::kInt && t.is_contiguous()) {
+    std::copy_n(t.const_data_ptr<int32_t>(), n, store.begin());
+  } else {
+    const at::Tensor wide = t.to(at::kLong).contiguous();
+    std::copy_n(wide.const_data_ptr<int64_t>(), n, store.begin());
+  }
+  return store.data();
+}
+
 // Checks the per-step tensors against the layers and fills ``in`` (page table and positions
-// converted to int64 into ``table`` / ``pos``, which must outlive the step).
+// as int64, copied into ``table`` / ``pos`` where they are not, which must outlive the step).
 void prepare_step(const std::vector<LayerSpec>& layers, const at::Tensor& hidden,
                   const std::vector<at::Tensor>& cos, const std::vector<at::Tensor>& sin,
                   const std::vector<at::Tensor>& k, const std::vector<at::Tensor>& v,
-                  const at::Tensor& page_table, const at::Tensor& positions, at::Tensor& table,
-                  at::Tensor& pos, StepInputs& in) {
+                  const at::Tensor& page_table, const at::Tensor& positions,
+                  std::vector<int64_t>& table, std::vector<int64_t>& pos, StepInputs& in) {
   check_float(hidden, "hidden");
   TORCH_CHECK(hidden.dim() == 2 && hidden.is_contiguous(),
               "llmrt_kernels.decode_layer: hidden must be a contiguous [rows, hidden] tensor");
@@ -990,14 +1009,12 @@ void prepare_step(const std::vector<LayerSpec>& layers, const at::Tensor& hidden
   TORCH_CHECK(page_table.dim() == 2 && page_table.size(0) == rows,
               "llmrt_kernels.decode_layer: page_table must be [rows, width]");
   TORCH_CHECK(positions.numel() == rows, "llmrt_kernels.decode_layer: one position per row");
-  table = page_table.to(at::kLong).contiguous();
-  pos = positions.to(at::kLong).contiguous();
   in.h = hidden.mutable_data_ptr<float>();
   in.rows = rows;
   in.width = hidden.size(1);
-  in.pos = pos.const_data_ptr<int64_t>();
-  in.table = table.const_data_ptr<int64_t>();
-  in.table_width = table.size(1);
+  in.pos = int64_values(positions, pos);
+  in.table = int64_values(page_table, table);
+  in.table_width = page_table.size(1);
   in.cos = cos;
   in.sin = sin;
   in.k = k;
@@ -1036,7 +1053,7 @@ void decode_layer(const at::Tensor& hidden, const at::Tensor& attn_norm,
       attn_norm, mlp_norm, qkv, qkv_kind, qkv_bias, o, o_kind, o_bias, up, up_kind, up_bias, down,
       down_kind, down_bias, num_heads, num_kv_heads, head_dim, eps, scale, window, activation,
       gated, residual_multiplier, 0)};
-  at::Tensor table, pos;
+  std::vector<int64_t> table, pos;
   StepInputs in{};
   prepare_step(layers, hidden, {cos}, {sin}, {k_cache}, {v_cache}, page_table, positions, table,
                pos, in);
@@ -1110,11 +1127,10 @@ struct DecodeStack : torch::CustomClassHolder {
     TORCH_CHECK(cos_tables.size() == sin_tables.size(),
                 "llmrt_kernels.DecodeStack: cos and sin lists differ");
     const int64_t rows = tokens.size(0), width = layers[0].attn_norm.numel();
-    const at::Tensor tok = tokens.to(at::kLong).contiguous();
-    const at::Tensor at_pos = positions.to(at::kLong).contiguous();
-    const int64_t* tok_p = tok.const_data_ptr<int64_t>();
-    const int64_t* pos_p = at_pos.const_data_ptr<int64_t>();
-    at::Tensor hidden = at::empty({rows, width}, tok.options().dtype(at::kFloat));
+    std::vector<int64_t> tok_store, pos_store;
+    const int64_t* tok_p = int64_values(tokens, tok_store);
+    const int64_t* pos_p = int64_values(positions, pos_store);
+    at::Tensor hidden = at::empty({rows, width}, tokens.options().dtype(at::kFloat));
     float* h = hidden.mutable_data_ptr<float>();
     const int64_t last_id = e.embed.size(0) - 1;
     for (int64_t r = 0; r < rows; ++r) {
@@ -1156,9 +1172,9 @@ struct DecodeStack : torch::CustomClassHolder {
     }
     at::Tensor logits = at::empty({rows, e.head.size(0)}, hidden.options());
     if (rows == 0) return logits;
-    at::Tensor table, pos;
+    std::vector<int64_t> table, pos;
     StepInputs in{};
-    prepare_step(layers, hidden, cos, sin, k_caches, v_caches, page_table, at_pos, table, pos,
+    prepare_step(layers, hidden, cos, sin, k_caches, v_caches, page_table, positions, table, pos,
                  in);
     run_stack(layers, in, &e, logits.mutable_data_ptr<float>());
     return logits;
@@ -1167,7 +1183,7 @@ struct DecodeStack : torch::CustomClassHolder {
   void run(at::Tensor hidden, std::vector<at::Tensor> cos, std::vector<at::Tensor> sin,
            std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
            at::Tensor page_table, at::Tensor positions) {
-    at::Tensor table, pos;
+    std::vector<int64_t> table, pos;
     StepInputs in{};
     prepare_step(layers, hidden, cos, sin, k_caches, v_caches, page_table, positions, table, pos,
                  in);
