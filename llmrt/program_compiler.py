@@ -7,10 +7,11 @@ equal requests map to one program however they were built.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
-from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from collections.abc import Callable, Hashable, Mapping
+from typing import Any, Protocol, cast
 
 import attrs
 import torch
@@ -79,7 +80,23 @@ PROGRAM_OPERATIONS: frozenset[str] = frozenset(("decode", "prefill"))
 
 
 def signature_key(signature: ProgramSignature) -> str:
-    """Canonical SHA-256 of a signature's material (operation included)."""
+    """Canonical SHA-256 of a signature's material (operation included).
+
+    Hashable signatures (the frozen decode and prefill ones) are keyed once per distinct
+    value: every decode step asks again, and the JSON + SHA-256 cost ~50-90 us there."""
+    try:
+        return _cached_signature_key(type(signature), cast(Hashable, signature))
+    except TypeError:  # an unhashable signature: computed each time
+        return _material_key(signature)
+
+
+@functools.lru_cache(maxsize=4096)
+def _cached_signature_key(kind: type, signature: Hashable) -> str:
+    del kind  # part of the cache key only: equal-valued signatures of two types differ
+    return _material_key(cast(ProgramSignature, signature))
+
+
+def _material_key(signature: ProgramSignature) -> str:
     material = {"operation": signature.operation, **dict(signature.material())}
     blob = json.dumps(material, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(blob.encode()).hexdigest()

@@ -87,6 +87,22 @@ def test_equal_signatures_built_separately_share_a_key() -> None:
     assert signature_key(x) == signature_key(y)
 
 
+def test_unhashable_signatures_are_keyed_by_their_material_too() -> None:
+    class ListSignature:
+        operation = "decode"
+        __hash__ = None  # type: ignore[assignment]
+
+        def __init__(self, width: int) -> None:
+            self.fields = [("batch_size", 8), ("page_table_width", width)]
+
+        def material(self) -> Mapping[str, Any]:
+            return dict(self.fields)
+
+    frozen = DecodeSignature(batch_size=8, page_table_width=64)
+    assert signature_key(ListSignature(64)) == signature_key(frozen)  # type: ignore[arg-type]
+    assert signature_key(ListSignature(32)) != signature_key(frozen)  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize(
     "other",
     [
