@@ -341,3 +341,26 @@ def test_large_cpu_allocation_is_zeroed_lazily_in_its_dim_order() -> None:
     assert float(device.read(t, blocking=True).sum()) == 2.0 * 32 * 64
     device.deallocate(t)
     assert device.stats().live_tensors == 0
+
+
+def test_is_device_tensor_knows_torch_and_backend_tensors_and_nothing_else() -> None:
+    """Torch tensors and objects with a backend tensor's surface (a ``ttnn.Tensor``) are
+    device tensors; plain values and containers are not (they are checked first, before the
+    costly protocol check)."""
+    from llmrt.device.base import is_device_tensor
+
+    class BackendLike:
+        shape = (2, 3)
+        dtype = "bfloat16"
+
+        def storage_type(self) -> str:
+            return "DEVICE"
+
+        def is_allocated(self) -> bool:
+            return True
+
+    assert is_device_tensor(torch.zeros(2))
+    assert is_device_tensor(BackendLike())
+    for plain in (None, True, 3, 2.5, "t", b"t", (torch.zeros(1),), [torch.zeros(1)], {"a": 1}):
+        assert not is_device_tensor(plain), plain
+    assert not is_device_tensor(object())
