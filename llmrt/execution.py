@@ -208,7 +208,7 @@ class TracedExecutor:
         missing: list[str] = []
         compiler = self.trace_compiler.program_compiler
         for signature in signatures:
-            key = compiler.key_for(signature)  # type: ignore[arg-type]
+            key = compiler.key_of(signature)  # type: ignore[arg-type]
             description = signature.describe()  # type: ignore[attr-defined]
             try:
                 artifacts.append(

@@ -7,7 +7,6 @@ equal requests map to one program however they were built.
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import json
 from collections.abc import Callable, Hashable, Mapping
@@ -80,23 +79,7 @@ PROGRAM_OPERATIONS: frozenset[str] = frozenset(("decode", "prefill"))
 
 
 def signature_key(signature: ProgramSignature) -> str:
-    """Canonical SHA-256 of a signature's material (operation included).
-
-    Hashable signatures (the frozen decode and prefill ones) are keyed once per distinct
-    value: every decode step asks again, and the JSON + SHA-256 cost ~50-90 us there."""
-    try:
-        return _cached_signature_key(type(signature), cast(Hashable, signature))
-    except TypeError:  # an unhashable signature: computed each time
-        return _material_key(signature)
-
-
-@functools.lru_cache(maxsize=4096)
-def _cached_signature_key(kind: type, signature: Hashable) -> str:
-    del kind  # part of the cache key only: equal-valued signatures of two types differ
-    return _material_key(cast(ProgramSignature, signature))
-
-
-def _material_key(signature: ProgramSignature) -> str:
+    """Canonical SHA-256 of a signature's material (operation included)."""
     material = {"operation": signature.operation, **dict(signature.material())}
     blob = json.dumps(material, sort_keys=True, separators=(",", ":"), default=str)
     return hashlib.sha256(blob.encode()).hexdigest()
@@ -133,6 +116,7 @@ class ProgramCompiler:
         self.materialize = materialize
         self.lane = lane
         self._programs: dict[str, CompiledProgram] = {}
+        self._keys: dict[tuple[type, Hashable], str] = {}
         self._gate_closed_reason: str | None = None
         self._ledger = ReleaseLedger()
         self._orphans: list[TensorResourceOrphan] = []
@@ -142,6 +126,19 @@ class ProgramCompiler:
     # -- registry ------------------------------------------------------------------------
 
     key_for = staticmethod(signature_key)
+
+    def key_of(self, signature: ProgramSignature) -> str:
+        """``key_for``, remembered per distinct hashable signature (the frozen decode and
+        prefill ones). Why: a decode step's preflight asks on every step, and the JSON +
+        SHA-256 cost ~50-90 us there; an unhashable signature is keyed each time."""
+        try:
+            cached = (type(signature), cast(Hashable, signature))
+            key = self._keys.get(cached)
+        except TypeError:
+            return signature_key(signature)
+        if key is None:
+            key = self._keys[cached] = signature_key(signature)
+        return key
 
     def __contains__(self, key: str) -> bool:
         return key in self._programs

@@ -103,6 +103,26 @@ def test_unhashable_signatures_are_keyed_by_their_material_too() -> None:
     assert signature_key(ListSignature(32)) != signature_key(frozen)  # type: ignore[arg-type]
 
 
+def test_a_compiler_keys_each_distinct_signature_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    import llmrt.program_compiler as pc
+
+    calls: list[object] = []
+    real = pc.signature_key
+
+    def counted(signature: Any) -> str:
+        calls.append(signature)
+        return real(signature)
+
+    monkeypatch.setattr(pc, "signature_key", counted)
+    compiler, _ = _compiler()
+    a = DecodeSignature(batch_size=8, page_table_width=64)
+    b = DecodeSignature(batch_size=8, page_table_width=64)
+    c = DecodeSignature(batch_size=4, page_table_width=64)
+    assert compiler.key_of(a) == compiler.key_of(b) == real(a)
+    assert compiler.key_of(c) == real(c) != real(a)
+    assert len(calls) == 2  # a and c; b is equal to a
+
+
 @pytest.mark.parametrize(
     "other",
     [
