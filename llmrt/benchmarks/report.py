@@ -71,9 +71,17 @@ class Report:
         suffix: str = "x",
         digits: int = 2,
     ) -> None:
-        """Record a ratio (``results["ratios"][key]``) and its target; maybe the headline."""
+        """Record a ratio (``results["ratios"][key]``) and its target; maybe the headline.
+
+        A value printed at ``digits`` that would read as the other side of its target's
+        bound (1.0213 as "1.02x" against <= 1.02) is printed with as many more digits as it
+        takes to read as it is judged."""
         self.results.setdefault("ratios", {})[key] = _finite(value)
-        text = f"{label}: {value:.{digits}f}{suffix}"
+        shown = digits
+        if target is not None and math.isfinite(value):
+            while shown < 6 and target.met(round(value, shown)) != target.met(value):
+                shown += 1
+        text = f"{label}: {value:.{shown}f}{suffix}"
         if target is not None:
             met = target.met(value)
             self.results.setdefault("targets", {})[key] = {

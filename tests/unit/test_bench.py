@@ -262,6 +262,26 @@ def test_report_formats_targets_and_keeps_the_headline_last() -> None:
     assert data["headline_ratio"] == 1.5
 
 
+@pytest.mark.parametrize(
+    ("value", "op", "shown"),
+    [
+        (1.0213, "<=", "1.021x (target <= 1.02: missed)"),  # not "1.02x ... missed"
+        (1.0149, "<=", "1.01x (target <= 1.02: met)"),
+        (1.02, "<=", "1.02x (target <= 1.02: met)"),
+        (1.0199, ">=", "1.0199x (target >= 1.02: missed)"),
+        (1.3004, "<=", "1.3004x (target <= 1.3: missed)"),
+        (1.35, "<=", "1.35x (target <= 1.3: missed)"),
+    ],
+)
+def test_a_ratio_reads_as_the_side_of_its_bound_it_is_judged(
+    value: float, op: str, shown: str
+) -> None:
+    report = Report(workload="w", recipe="r")
+    bound = 1.3 if value > 1.2 else 1.02
+    report.ratio("k", value, label="r", target=Target(op=op, bound=bound))
+    assert report.lines == [f"r: {shown}"]
+
+
 def test_plot_without_matplotlib_is_a_note(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Any
 ) -> None:
