@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import attrs
+import numpy as np
 import torch
 
 from llmrt.decode import DecodeOutput, DecodeOutputLease
@@ -192,14 +193,19 @@ class LaneGroupExecutor:
                 "log-probabilities are not aggregated across data-parallel lanes"
             )
         outputs: list[tuple[int, DecodeOutput | DecodeOutputLease]] = []
+        # Which rows are live, read on the host (a numpy view: ~1 us ops against ~5 us
+        # dispatched torch ops, on every step).
+        mapped: np.ndarray | None = None  # a malformed table is left to the lane's checks
+        if table.dim() == 2 and not (table.is_floating_point() or table.is_complex()):
+            mapped = np.asarray((table.detach().cpu().numpy() >= 0).any(axis=1))
         for lane_index, (lane, t) in enumerate(zip(self.lanes, self._split(tok), strict=True)):
             lo, hi = lane_index * cap, lane_index * cap + t.numel()
-            live = (table[lo:hi] >= 0).any(dim=1).nonzero()
-            if live.numel() == 0:
+            live = np.flatnonzero(mapped[lo:hi]) if mapped is not None else np.arange(hi - lo)
+            if live.size == 0:
                 continue  # no live row on this lane: nothing to run there
             # Trailing padding rows are cut so the lane runs its smallest decode batch
             # holding the live ones; their outputs come back as zeros.
-            hi = lo + int(live[-1, 0]) + 1
+            hi = lo + int(live[-1]) + 1
             t = t[: hi - lo]
             outputs.append(
                 (

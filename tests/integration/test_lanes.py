@@ -213,3 +213,25 @@ def test_a_slot_outside_every_lane_is_rejected(two_lanes: Runtime) -> None:
 
     with pytest.raises(RequestError, match=r"row 3: slots: slot out of range \[0, 8\), got 8"):
         two_lanes.group.prefill_forward(rows=rows)
+
+
+@pytest.mark.parametrize(
+    ("table", "match"),
+    [
+        (torch.zeros(2, dtype=torch.int32), r"page_table: must be \[2, width\]"),
+        (torch.zeros(2, 4, dtype=torch.bfloat16), "must be integer tensors"),
+        (torch.zeros(2, 4, dtype=torch.float32), "must be integer tensors"),
+    ],
+)
+def test_a_malformed_page_table_is_refused_by_name_through_the_group(
+    two_lanes: Runtime, table: torch.Tensor, match: str
+) -> None:
+    """The group reads which rows are live from the table; one it cannot read that way goes
+    to the lane, whose checks name the problem (no stray numpy or index error)."""
+    with pytest.raises(RequestError, match=match):
+        two_lanes.group.decode_forward(
+            tokens=torch.ones(2, dtype=torch.int64),
+            start_pos=torch.zeros(2, dtype=torch.int32),
+            page_table=table,
+            sampling_params=[GREEDY, GREEDY],
+        )
