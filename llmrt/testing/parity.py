@@ -340,14 +340,24 @@ class Harness:
 
     def check_shared_prefix_blocks(self) -> None:
         """A second request reuses the first one's cached blocks and prefills only its suffix."""
+        prefix = 8  # tokens the two requests share: whole blocks of the first one
+        if prefix % self.block_size:
+            raise ValueError(
+                f"block_size {self.block_size} does not divide the {prefix}-token prefix"
+            )
+        shared = prefix // self.block_size
         first = self.prompt(13, seed=7)
-        second = first[:8] + self.prompt(7, seed=8)
+        second = first[:prefix] + self.prompt(7, seed=8)
         _, pool = self.bind()
         rows = [pool.take(math.ceil((13 + STEPS) / self.block_size))]
-        rows.append(rows[0][:2] + pool.take(math.ceil((15 + STEPS) / self.block_size) - 2))
+        rows.append(
+            rows[0][:shared] + pool.take(math.ceil((15 + STEPS) / self.block_size) - shared)
+        )
         table = page_table(rows, width=len(rows[1]) + 1)
         head = self.prefill(chunks=[first, []], starts=[0, 0], table=table, pad_to=15)
-        tail = self.prefill(chunks=[[], second[8:]], starts=[13, 8], table=table, pad_to=9)
+        tail = self.prefill(
+            chunks=[[], second[prefix:]], starts=[13, prefix], table=table, pad_to=9
+        )
         history = [[head[0]], [tail[1]]]
         tokens = [[int(head[0].argmax())], [int(tail[1].argmax())]]
         for step in range(1, STEPS):
