@@ -19,7 +19,7 @@ import attrs
 import numpy as np
 import torch
 
-from llmrt.checks import first_outside
+from llmrt.checks import INTEGER_KINDS, first_outside, host_array
 from llmrt.compiled_step import DecodeStep, StepCompiler
 from llmrt.config import PageTableLayout
 from llmrt.device.base import Device
@@ -143,19 +143,6 @@ class DecodeSignature:
         return f"decode[b{self.batch_size} w{self.page_table_width}]"
 
 
-#: numpy dtype kinds a step's token ids, positions, page table and step offsets may have.
-_INTEGER_KINDS = "iub"
-
-
-def _host_array(value: Any) -> np.ndarray:
-    """A numpy view of a host tensor (a copy of a device one), or an array of a sequence."""
-    if isinstance(value, torch.Tensor):
-        host = value.detach().cpu()
-        # numpy has no bfloat16 (or float8): such a tensor is checked, and refused, as float32.
-        return (host.float() if host.is_floating_point() else host).numpy()
-    return np.asarray(value)
-
-
 @attrs.frozen(kw_only=True, eq=False)
 class PreparedDecode:
     """Normalized host inputs of one decode step, padded to its physical batch size."""
@@ -265,9 +252,9 @@ class DecodeRuntime:
         numpy against ~4 us as a torch op (10+ us right after a step has streamed the
         weights through the caches): 0.6 ms of a 20 ms batch-8 step as torch ops."""
         cfg = self.config
-        tok = _host_array(tokens).reshape(-1)
-        pos = _host_array(start_pos).reshape(-1)
-        table = _host_array(page_table)
+        tok = host_array(tokens).reshape(-1)
+        pos = host_array(start_pos).reshape(-1)
+        table = host_array(page_table)
         rows = tok.size
         if rows == 0:
             raise RequestError("tokens", "decode needs at least one row")
@@ -287,7 +274,7 @@ class DecodeRuntime:
                 f"width {table.shape[1]} exceeds the layout's decode width {cfg.layout.width}",
                 value=int(table.shape[1]),
             )
-        if not all(a.dtype.kind in _INTEGER_KINDS for a in (tok, pos, table)):
+        if not all(a.dtype.kind in INTEGER_KINDS for a in (tok, pos, table)):
             raise RequestError("tokens", "tokens, start_pos and page_table must be integer tensors")
         self._validate_rows(tok, pos, table)
         cap, width = cfg.padded_batch(rows), cfg.layout.width
@@ -299,12 +286,12 @@ class DecodeRuntime:
         norm_pos[:rows] = pos
         offsets = np.zeros(cap, dtype=np.int64)
         if step_offsets is not None:
-            given = _host_array(step_offsets).reshape(-1)
+            given = host_array(step_offsets).reshape(-1)
             if given.size != rows:
                 raise RequestError(
                     "step_offsets", f"has {given.size} entries for {rows} token rows"
                 )
-            if given.dtype.kind not in _INTEGER_KINDS:
+            if given.dtype.kind not in INTEGER_KINDS:
                 raise RequestError("step_offsets", "must be integers", value=str(given.dtype))
             negative = np.flatnonzero(given < 0)
             if negative.size:
@@ -341,15 +328,14 @@ class DecodeRuntime:
             ),
         )
 
-    def _validate_rows(self, tok: np.ndarray, pos: np.ndarray, table: np.ndarray) -> None:
+    def _validate_rows(self, tok_a: np.ndarray, pos_a: np.ndarray, table_a: np.ndarray) -> None:
         cfg = self.config
         bs = cfg.layout.block_size
-        tok_a, pos_a, table_a = tok, pos, table
         bad_tok = first_outside(tok_a, low=0, high=cfg.vocab_size)
         if bad_tok is not None:
             (r,) = bad_tok
             raise RequestError(
-                "tokens", f"token id out of range [0, {cfg.vocab_size})", row=r, value=int(tok[r])
+                "tokens", f"token id out of range [0, {cfg.vocab_size})", row=r, value=int(tok_a[r])
             )
         bad_pos = first_outside(pos_a, low=0, high=cfg.layout.max_sequence_length)
         if bad_pos is not None:
@@ -358,7 +344,7 @@ class DecodeRuntime:
                 "start_pos",
                 f"position out of range [0, {cfg.layout.max_sequence_length})",
                 row=r,
-                value=int(pos[r]),
+                value=int(pos_a[r]),
             )
         bad_blk = first_outside(table_a, low=-1, high=cfg.layout.num_blocks)
         if bad_blk is not None:
@@ -367,7 +353,7 @@ class DecodeRuntime:
                 "page_table",
                 f"block id at column {c} out of range [0, {cfg.layout.num_blocks}) (or -1 to skip)",
                 row=r,
-                value=int(table[r, c]),
+                value=int(table_a[r, c]),
             )
         needed = pos_a.astype(np.int64) // bs
         missing = np.flatnonzero(needed >= table_a.shape[1])
@@ -375,7 +361,7 @@ class DecodeRuntime:
             r = int(missing[0])
             raise RequestError(
                 "page_table",
-                f"has no column for position {int(pos[r])} (block {int(needed[r])})",
+                f"has no column for position {int(pos_a[r])} (block {int(needed[r])})",
                 row=r,
             )
         current = table_a[np.arange(table_a.shape[0]), needed]
@@ -385,7 +371,7 @@ class DecodeRuntime:
         if unmapped.size:
             r = int(unmapped[0])
             raise RequestError(
-                "page_table", f"block for position {int(pos[r])} is -1 (unmapped)", row=r
+                "page_table", f"block for position {int(pos_a[r])} is -1 (unmapped)", row=r
             )
 
     def _classify(

@@ -17,6 +17,7 @@ import attrs
 import numpy as np
 import torch
 
+from llmrt.checks import INTEGER_KINDS, host_array
 from llmrt.decode import DecodeOutput, DecodeOutputLease
 from llmrt.errors import CleanupError, IdentityError, RequestError, UnsupportedError
 from llmrt.model_executor import ModelExecutor
@@ -193,11 +194,12 @@ class LaneGroupExecutor:
                 "log-probabilities are not aggregated across data-parallel lanes"
             )
         outputs: list[tuple[int, DecodeOutput | DecodeOutputLease]] = []
-        # Which rows are live, read on the host (a numpy view: ~1 us ops against ~5 us
-        # dispatched torch ops, on every step).
-        mapped: np.ndarray | None = None  # a malformed table is left to the lane's checks
-        if table.dim() == 2 and not (table.is_floating_point() or table.is_complex()):
-            mapped = np.asarray((table.detach().cpu().numpy() >= 0).any(axis=1))
+        # Which rows are live, read on the host (``host_array``, on every step); a table not
+        # 2-D or not integers is left to the lane's checks, which name the problem.
+        host_table = host_array(table)
+        mapped: np.ndarray | None = None
+        if host_table.ndim == 2 and host_table.dtype.kind in INTEGER_KINDS:
+            mapped = np.asarray((host_table >= 0).any(axis=1))
         for lane_index, (lane, t) in enumerate(zip(self.lanes, self._split(tok), strict=True)):
             lo, hi = lane_index * cap, lane_index * cap + t.numel()
             live = np.flatnonzero(mapped[lo:hi]) if mapped is not None else np.arange(hi - lo)
