@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import statistics
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -121,6 +122,7 @@ def decode(settings: BenchSettings) -> Report:
                 table=dev_table[:b],
             )
             calls[f"hf_b{b}"] = hf_decode_call(hf, context=context[:b].to(device))
+        clock_rates: list[float] = []  # the probe's own readings, one per sample
         calls["llmrt_b1_loop"] = _bare_decode(
             lane.decode.model_step,
             tokens=step_tokens[:1],
@@ -133,7 +135,7 @@ def decode(settings: BenchSettings) -> Report:
             if huge_pages_unavailable() is None:
                 calls["stream_read_huge"] = _stream_read(STREAM_BYTES, huge=True)
             if kernels_available()[0]:
-                calls["core_clock"] = _core_clock(CLOCK_ADDS)
+                calls["core_clock"] = _core_clock(CLOCK_ADDS, rates=clock_rates)
         timings = interleaved_times(
             calls, warmup=WARMUP, repeats=repeats, sync=sync, desc="decode llmrt vs hf"
         )
@@ -160,7 +162,7 @@ def decode(settings: BenchSettings) -> Report:
                 cold_step_s=bare["llmrt_b1"],
                 stream_s=bare["stream_read"],
                 huge_stream_s=bare.get("stream_read_huge"),
-                clock_s=bare.get("core_clock"),
+                clock_hz=statistics.median(clock_rates) if clock_rates else None,
             )
         values = list(ratios.values())
         worst = math.nan if any(math.isnan(v) for v in values) else max(values)
@@ -217,7 +219,7 @@ def _bandwidth_floor(
     cold_step_s: float,
     stream_s: float,
     huge_stream_s: float | None,
-    clock_s: float | None = None,
+    clock_hz: float | None = None,
 ) -> None:
     """The batch-1 step against bytes read / streaming read rate (both from this run).
 
@@ -226,7 +228,7 @@ def _bandwidth_floor(
     caches a decode loop keeps warm), is reported beside it. The target's
     rate is a read from 4 KiB pages (a plain torch buffer); CPU weights sit on huge pages
     (``device.huge_pages``), so the loop's step is also put against the huge-page read.
-    ``clock_s`` (a ``CLOCK_ADDS`` sample of ``_core_clock``) adds the cores' clock in the same
+    ``clock_hz`` (the median of ``_core_clock``'s readings) adds the cores' clock in the same
     run and the step in core cycles per byte read, which separates a host's clock changes
     from contention for the cores (the clock holds, the cycles per byte grow)."""
     read = step_bytes(model, context=DECODE_CONTEXT, kv_dtypes=kv_dtypes)
@@ -247,8 +249,7 @@ def _bandwidth_floor(
         huge_floor_s = total / huge_rate
         section["huge_page_stream_read_GBps"] = round(huge_rate / 1e9, 2)
         section["huge_page_floor_s"] = huge_floor_s
-    if clock_s is not None:
-        clock_hz = CLOCK_ADDS / clock_s
+    if clock_hz is not None:
         section["core_clock_GHz"] = round(clock_hz / 1e9, 2)
         section["step_cycles_per_byte"] = round(step_s * clock_hz / total, 3)
     report.section("bandwidth", rounded(section))
@@ -272,14 +273,14 @@ def _bandwidth_floor(
         )
 
 
-def _core_clock(adds: int) -> Timed:
+def _core_clock(adds: int, *, rates: list[float]) -> Timed:
     """``adds`` dependent adds on every torch thread (``dependent_adds_per_second``, compiled
-    kernels): one per core cycle, so ``adds`` over the sample's time is the slowest core's
-    clock, time lost to other tenants included."""
+    kernels), timed on each thread: one add per core cycle, so each sample appends the
+    slowest core's clock to ``rates``, time lost to other tenants included."""
     probe = torch.ops.llmrt_kernels.dependent_adds_per_second
 
     def run() -> None:
-        probe(adds)
+        rates.append(float(probe(adds)))
 
     return Timed(run=run)
 
