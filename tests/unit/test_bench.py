@@ -343,10 +343,12 @@ def test_the_clock_probe_reads_a_core_clock() -> None:
         pytest.skip("llmrt's compiled kernels do not load here")
     probe = torch.ops.llmrt_kernels.dependent_adds_per_second
     rates = [probe(20_000_000) for _ in range(5)]
-    assert 0.3e9 < max(rates) < 7e9, rates
+    assert 0.3e9 < max(rates) < 6.5e9, rates
     start = time.perf_counter()
     probe(40_000_000)
     took = time.perf_counter() - start
-    assert 40_000_000 / took < 7e9  # the adds really ran: no faster than a 7 GHz core
+    # The adds really ran, one per cycle: no faster than a 6.5 GHz core (a chain of immediate
+    # adds, which Intel cores fold at rename, read 4.8-7.6 "GHz" on a 2.8 GHz Emerald Rapids).
+    assert 40_000_000 / took < 6.5e9
     with pytest.raises(RuntimeError, match="adds must be positive"):
         probe(0)
