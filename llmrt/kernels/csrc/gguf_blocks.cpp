@@ -28,6 +28,7 @@
 
 #include "blocks.h"
 #include "cpu.h"
+#include "prefetch.h"
 #include "linear.h"
 #include "tiles.h"
 
@@ -127,8 +128,10 @@ LLMRT_AVX512 void linear_rows_m1_avx512(const float* x, const uint8_t* w, int64_
                                         int64_t k, float* y, int64_t n0, int64_t n1) {
   constexpr int64_t bb = block_bytes_of(KIND);
   const int64_t nb = k / kBlock;
+  llmrt_kernels::AheadPrefetch ahead(w + n0 * row_bytes, w + n1 * row_bytes);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * row_bytes;
+    ahead.upto(row + row_bytes);
     __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
     __m512 a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
     int64_t b = 0;

@@ -36,6 +36,7 @@
 
 #include "blocks.h"
 #include "cpu.h"
+#include "prefetch.h"
 #include "linear.h"
 #include "tiles.h"
 
@@ -324,15 +325,14 @@ constexpr int kRowsM1 = 4;
 // a group's prepared activations (five vectors) again for every weight row, more load traffic
 // than the weights; here they are loaded once per group for R rows. Reading R rows side by
 // side hides the stream from the hardware prefetcher (that alone made SmolLM2's batch-1 step
-// ~25% slower), so the next R rows are prefetched a slice per group, each line once. Each
-// row's arithmetic is ``q4_dot``, as in the tile loop: results are bit-equal to it.
+// ~25% slower), so ``pf`` (the thread's chunk) is kept ``kAheadBytes`` ahead, a slice per
+// group. Each row's arithmetic is ``q4_dot``, as in the tile loop: results are bit-equal to it.
 template <int64_t BASE, int R>
 LLMRT_VNNI void q4_rows_m1(const uint8_t* prep, const uint8_t* row, int64_t row_bytes,
-                           int64_t nb, float* y) {
+                           int64_t nb, float* y, llmrt_kernels::AheadPrefetch& pf) {
   constexpr int64_t gb = 4 * block_bytes_of(BASE);
   const int64_t full = nb / 4, c = nb - 4 * full, groups = full + (c > 0 ? 1 : 0);
-  const int64_t per_group = ((R * row_bytes + 63) / 64 + groups - 1) / groups;
-  const char* ahead = reinterpret_cast<const char*>(row + R * row_bytes);
+  const int64_t slice = R * row_bytes / groups;
   __m512 acc[R];
   __m256 macc[R];
   for (int r = 0; r < R; ++r) {
@@ -340,7 +340,7 @@ LLMRT_VNNI void q4_rows_m1(const uint8_t* prep, const uint8_t* row, int64_t row_
     macc[r] = _mm256_setzero_ps();
   }
   for (int64_t gi = 0; gi < groups; ++gi) {
-    for (int64_t i = 0; i < per_group; ++i, ahead += 64) _mm_prefetch(ahead, _MM_HINT_T0);
+    pf.upto(row + slice * (gi + 1));
     const uint8_t* p = prep + gi * kGroupPrep;
     const __m512i h0 = _mm512_loadu_si512(p), h1 = _mm512_loadu_si512(p + 64);
     const __m512i l0 = _mm512_loadu_si512(p + 128), l1 = _mm512_loadu_si512(p + 192);
@@ -367,10 +367,11 @@ LLMRT_VNNI void q4_tile(const uint8_t* prep, int64_t prep_stride, const uint8_t*
                         int64_t row_bytes, int64_t nb, float* y, int64_t ldy, int64_t n0,
                         int64_t n1) {
   if constexpr (MT == 1) {
+    llmrt_kernels::AheadPrefetch pf(w + n0 * row_bytes, w + n1 * row_bytes);
     int64_t n = n0;
     for (; n + kRowsM1 <= n1; n += kRowsM1)
-      q4_rows_m1<BASE, kRowsM1>(prep, w + n * row_bytes, row_bytes, nb, y + n);
-    for (; n < n1; ++n) q4_rows_m1<BASE, 1>(prep, w + n * row_bytes, row_bytes, nb, y + n);
+      q4_rows_m1<BASE, kRowsM1>(prep, w + n * row_bytes, row_bytes, nb, y + n, pf);
+    for (; n < n1; ++n) q4_rows_m1<BASE, 1>(prep, w + n * row_bytes, row_bytes, nb, y + n, pf);
     return;
   }
   constexpr int64_t gb = 4 * block_bytes_of(BASE);
@@ -406,8 +407,10 @@ LLMRT_VNNI void q8_tile(const uint8_t* prep, int64_t prep_stride, const uint8_t*
                         int64_t n1) {
   const __m512i lane_block = _mm512_setr_epi32(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
   const int64_t ng = (nb + 1) / 2;
+  llmrt_kernels::AheadPrefetch pf(w + n0 * row_bytes, w + n1 * row_bytes);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * row_bytes;
+    if constexpr (MT == 1) pf.upto(row + row_bytes);
     __m512 acc[MT];
     for (int r = 0; r < MT; ++r) acc[r] = _mm512_setzero_ps();
     for (int64_t gi = 0; gi < ng; ++gi) {
@@ -493,6 +496,10 @@ void interleaved_range(const float* x, int64_t rows_m, const uint8_t* w, int64_t
     return;
   }
   const VnniTile tile{base, prep, interleaved_prep_bytes(base, k), w, row_bytes, k / kBlock, y, n};
+  if (rows_m == 1) {  // one pass over the whole chunk, so its prefetch runs ahead across it
+    tile.run<1>(0, n0, n1);
+    return;
+  }
   llmrt_kernels::run_tiles(tile, rows_m, n0, n1, 16);
 }
 
