@@ -6,14 +6,18 @@ configuration. Relative L2 error of the last-position logits, measured on this m
 
 | prompt | llmrt bf16 vs f32 | transformers bf16 vs f32 | llmrt bf16 vs transformers bf16 |
 | --- | --- | --- | --- |
-| "The capital of France is" (5 tokens) | 0.058 | 0.048 | 0.017 |
+| "The capital of France is" (5 tokens, EPYC) | 0.058 | 0.048 | 0.017 |
 | a 34-token chat prompt | 0.005 | 0.005 | 0.006 |
 
 Greedy tokens were identical in all three. bf16 rounding alone moves the logits by up to ~6%
 of their norm on a short prompt, so the float32 bound is relative to what transformers' own
 bf16 shows; against transformers in bf16 (the same arithmetic, in another order) the bound is
-absolute. A wrong kernel (a missing norm, a transposed or mis-strided weight, RoPE on the
-wrong half) moves logits by tens of percent: the LM head's rows shifted by one gives 1.21.
+absolute, or transformers' own bf16 error where that is larger: on a 2-core Emerald Rapids
+the short prompt measured llmrt bf16 vs f32 0.017, transformers bf16 vs f32 0.071 and llmrt
+vs transformers bf16 0.063 (two bf16 computations differ by as much as one differs from
+float32; the table's numbers are from a 2-core EPYC). A wrong kernel (a missing norm, a
+transposed or mis-strided weight, RoPE on the wrong half) moves logits by tens of percent:
+the LM head's rows shifted by one gives 1.21.
 """
 
 from __future__ import annotations
@@ -49,7 +53,8 @@ OVERRIDES = {
     "warmup.prefill_batch_sizes": [1],
     "trace.mode": "none",
 }
-#: llmrt bf16 vs transformers bf16 (measured 0.006-0.017).
+#: llmrt bf16 vs transformers bf16 (measured 0.006-0.017 on the EPYC, 0.063 where
+#: transformers' own bf16 error is 0.071; the bound is the larger of this and that error).
 MAX_ERROR_VS_TRANSFORMERS_BF16 = 0.04
 #: llmrt bf16's error vs float32 may exceed transformers' bf16 error vs float32 by this factor.
 MAX_ERROR_FACTOR_VS_FLOAT32 = 1.5
@@ -152,7 +157,11 @@ def test_bf16_greedy_tokens_agree_with_float32(runs: Mapping[str, Run]) -> None:
 
 def test_bf16_matches_transformers_in_bf16(runs: Mapping[str, Run]) -> None:
     error = relative_error(runs["bf16"].logits, runs["hf_bf16"].logits)
-    assert error < MAX_ERROR_VS_TRANSFORMERS_BF16, f"llmrt vs transformers bf16 {error:.4f}"
+    rounding = relative_error(runs["hf_bf16"].logits, runs["f32"].logits)
+    bound = max(MAX_ERROR_VS_TRANSFORMERS_BF16, rounding)
+    assert error < bound, (
+        f"llmrt vs transformers bf16 {error:.4f}; transformers bf16 vs float32 {rounding:.4f}"
+    )
     assert runs["bf16"].tokens == runs["hf_bf16"].tokens
 
 
@@ -160,8 +169,10 @@ def test_the_bounds_catch_a_wrong_kernel(runs: Mapping[str, Run]) -> None:
     """The tolerances are tight enough: logits from a broken kernel (the LM head's rows
     shifted, as a transposed or mis-strided weight would) lie far outside both."""
     broken = runs["bf16"].logits.roll(1)
-    assert relative_error(broken, runs["hf_bf16"].logits) > 4 * MAX_ERROR_VS_TRANSFORMERS_BF16
     rounding = relative_error(runs["hf_bf16"].logits, runs["f32"].logits)
+    assert relative_error(broken, runs["hf_bf16"].logits) > 4 * max(
+        MAX_ERROR_VS_TRANSFORMERS_BF16, rounding
+    )
     assert relative_error(broken, runs["f32"].logits) > 4 * (
         MAX_ERROR_FACTOR_VS_FLOAT32 * rounding + 0.005
     )
