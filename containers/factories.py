@@ -29,6 +29,7 @@ from llmrt.families.base import CausalLM, Family
 from llmrt.families.fused_decode import select_decode_kernel
 from llmrt.families.layers import (
     apply_weight_format,
+    resolve_gemm_dtype,
     select_gemm_dtype,
     select_linear_kernel,
     select_weight_layout,
@@ -217,17 +218,23 @@ def build_model(
             device=torch.device(device.torch_device),
             dtype=dtype,
         )
-        if recipe.device.gemm_dtype != "float32":
-            select_gemm_dtype(
-                model,
-                choice=recipe.device.gemm_dtype,
-                min_rows=recipe.device.gemm_dtype_min_rows,
-            )
+        gemm_dtype, gemm_why = resolve_gemm_dtype(
+            recipe.device.gemm_dtype,
+            device=torch.device(device.torch_device),
+            quantized=recipe.checkpoint.weight_format in QUANTIZED_FORMATS,
+        )
+        if gemm_dtype != "float32":
+            select_gemm_dtype(model, choice=gemm_dtype, min_rows=recipe.device.gemm_dtype_min_rows)
         select_weight_layout(
             model, choice=recipe.device.weight_layout, device=torch.device(device.torch_device)
         )
         if torch.device(device.torch_device).type == "cpu":
-            place_weights(model=model, enabled=recipe.device.huge_pages, device=device)
+            place_weights(
+                model=model,
+                enabled=recipe.device.huge_pages,
+                device=device,
+                gemm_dtype=f"{gemm_dtype} ({gemm_why})",
+            )
         select_decode_kernel(
             model,
             choice=recipe.device.decode_kernel,
@@ -241,9 +248,12 @@ def build_model(
     return model
 
 
-def place_weights(*, model: CausalLM, enabled: bool, device: Device) -> None:
+def place_weights(
+    *, model: CausalLM, enabled: bool, device: Device, gemm_dtype: str | None = None
+) -> None:
     """Put a CPU model's weights on huge pages (``device.huge_pages``) before any kernel
-    borrows them, and log where they are (``weights.placed``)."""
+    borrows them, and log where they are (``weights.placed``, with the GEMM dtype the
+    recipe's ``device.gemm_dtype`` resolved to, and why, when given)."""
     why_not = huge_pages_refused(setting="device.huge_pages", enabled=enabled)
     if why_not is None and not isinstance(model, torch.nn.Module):
         why_not = f"{type(model).__name__} is not a torch module"
@@ -252,6 +262,8 @@ def place_weights(*, model: CausalLM, enabled: bool, device: Device) -> None:
         fields = place_module_weights(model).log_fields()  # type: ignore[arg-type]
     else:
         fields = {"weights_on_huge_pages": f"off ({why_not})"}
+    if gemm_dtype is not None:
+        fields["gemm_dtype"] = gemm_dtype
     log = component_logger("model", object_id=object_id(model))
     emit(log, "weights.placed", device=device.id, **fields)
 

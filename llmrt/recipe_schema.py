@@ -28,7 +28,7 @@ from llmrt.families.declared import DeclaredParts, declared_family, parse_parts
 from llmrt.families.fused_decode import DecodeKernel
 from llmrt.families.layers import (
     GEMM_DTYPE_MIN_ROWS,
-    GemmDtype,
+    GemmDtypeChoice,
     LinearKernelChoice,
     WeightLayoutChoice,
 )
@@ -337,13 +337,16 @@ class DeviceSpec:
     ``decode_kernel`` picks how CPU decode steps run (``auto``: one fused C++ op per decoder
     layer where the layer's parts allow it; ``fused``: required; ``ops``: torch ops).
     ``gemm_dtype`` is the dtype GEMMs over block-quantized weights (prefill, large decode
-    batches) multiply in: ``float32``, or ``bfloat16`` (twice the rate, logits within ~0.5
-    instead of 5e-3 of the float32 reference on SmolLM2) for GEMMs of ``gemm_dtype_min_rows``
-    rows or more (fewer stay float32: short prompts keep the reference's greedy tokens where
-    its top two logits are close). ``weight_layout`` orders the
-    blocks of block-quantized weights (``auto``: interleaved for the integer-dot kernels on
-    CPUs with AVX-512 VNNI, whose two-level 8-bit activations keep logits within ~1e-2 of
-    the float32 reference on SmolLM2; ``ggml``: the file's order, float32 activations).
+    batches) multiply in: ``float32``, or ``bfloat16`` (twice the rate on AMD Zen 4 or AMX
+    CPUs, slower than float32 on Intel without AMX; logits within ~0.5 instead of 5e-3 of the
+    float32 reference on SmolLM2) for GEMMs of ``gemm_dtype_min_rows`` rows or more (fewer
+    stay float32: short prompts keep the reference's greedy tokens where its top two logits
+    are close); ``auto``: ``bfloat16`` on CPUs where it is faster, else ``float32``
+    (``llmrt.families.layers.resolve_gemm_dtype``; logged as ``weights.placed``).
+    ``weight_layout`` orders the blocks of block-quantized weights (``auto``: interleaved for
+    the integer-dot kernels on CPUs with AVX-512 VNNI, whose two-level 8-bit activations keep
+    logits within ~1e-2 of the float32 reference on SmolLM2; ``ggml``: the file's order, float32
+    activations).
     ``attention_kernel`` picks what runs causal attention among a prefill's own tokens
     (``auto``: llmrt's C++ kernel on CPUs with AVX-512 for float32 head_dim 16, 32, 64 or 128, else
     torch's SDPA; ``native``: required; ``sdpa``: torch's).
@@ -367,7 +370,7 @@ class DeviceSpec:
     linear: LinearKernelChoice = "auto"
     decode_kernel: DecodeKernel = "auto"
     attention_kernel: AttentionKernel = "auto"
-    gemm_dtype: GemmDtype = "float32"
+    gemm_dtype: GemmDtypeChoice = "float32"
     gemm_dtype_min_rows: int = GEMM_DTYPE_MIN_ROWS
     weight_layout: WeightLayoutChoice = "auto"
     retain_freed_memory: bool = True
@@ -379,7 +382,7 @@ class DeviceSpec:
         _one_of("device.linear", self.linear, LinearKernelChoice)
         _one_of("device.decode_kernel", self.decode_kernel, DecodeKernel)
         _one_of("device.attention_kernel", self.attention_kernel, AttentionKernel)
-        _one_of("device.gemm_dtype", self.gemm_dtype, GemmDtype)
+        _one_of("device.gemm_dtype", self.gemm_dtype, GemmDtypeChoice)
         _positive_int("device.gemm_dtype_min_rows", self.gemm_dtype_min_rows)
         _one_of("device.weight_layout", self.weight_layout, WeightLayoutChoice)
         if self.kind is not None:
@@ -846,7 +849,7 @@ class Recipe:
                 f"device.kind=cpu); this recipe runs on {where}",
             )
         _check(
-            self.device.gemm_dtype == "float32"
+            self.device.gemm_dtype in ("float32", "auto")
             or self.checkpoint.weight_format in QUANTIZED_FORMATS,
             "device.gemm_dtype",
             self.device.gemm_dtype,

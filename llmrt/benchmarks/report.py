@@ -14,6 +14,8 @@ from typing import Any, TextIO
 import attrs
 import torch
 
+from llmrt.device.cpu_features import CPUINFO, read_cpu_features
+
 _COMPARE: Mapping[str, Callable[[float, float], bool]] = {
     "<=": operator.le,
     ">=": operator.ge,
@@ -152,30 +154,16 @@ def environment() -> dict[str, Any]:
     }
 
 
-def cpu_model(cpuinfo: str = "/proc/cpuinfo") -> str | None:
+def cpu_model(cpuinfo: str = CPUINFO) -> str | None:
     """The CPU's model name with its family and model numbers (a VM may show only "AMD EPYC";
     the numbers tell Zen 3 from Zen 4), from Linux ``/proc/cpuinfo``; else what ``platform``
     knows, or None."""
-    fields: dict[str, str] = {}
-    try:
-        with open(cpuinfo, encoding="utf-8", errors="replace") as lines:
-            for line in lines:
-                key, sep, value = line.partition(":")
-                key = key.strip()
-                if not sep:
-                    continue
-                if key == "processor" and fields:
-                    break  # the first CPU's lines are enough
-                if key in ("model name", "cpu family", "model") and value.strip():
-                    fields[key] = value.strip()
-    except OSError:
-        pass
-    name = fields.get("model name")
-    if name is None:
+    cpu = read_cpu_features(cpuinfo)
+    if not cpu.model_name:
         return platform.processor() or None
-    if "cpu family" in fields and "model" in fields:
-        return f"{name}, family {fields['cpu family']} model {fields['model']}"
-    return name
+    if cpu.family and cpu.model:
+        return f"{cpu.model_name}, family {cpu.family} model {cpu.model}"
+    return cpu.model_name
 
 
 def _load_average() -> float | None:

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmrt.device.cpu_features import CpuFeatures, bfloat16_gemm_advantage, read_cpu_features
 from llmrt.errors import ConfigError
 from llmrt.families.base import CausalLM
 from llmrt.kernels.formats import (
@@ -457,9 +458,13 @@ def select_weight_layout(model: CausalLM, *, choice: str, device: torch.device) 
 #: ``GEMM_DTYPE_MIN_ROWS`` rows: prefill, large batches) multiply in. ``bfloat16`` rounds
 #: the activations and the dequantized weight to bfloat16 and accumulates in float32
 #: (oneDNN, AVX-512 BF16 dot products: about 2x the float32 GEMM rate on a 2-core EPYC,
-#: 400 against 200 GFLOPS).
+#: 400 against 200 GFLOPS, but 0.6x on an Emerald Rapids without AMX). ``auto`` is
+#: ``bfloat16`` where the CPU multiplies bfloat16 faster (``bfloat16_gemm_advantage``) and
+#: the weights are block-quantized, else ``float32``.
 GemmDtype = Literal["float32", "bfloat16"]
 GEMM_DTYPES: tuple[str, ...] = get_args(GemmDtype)
+GemmDtypeChoice = Literal["auto", "float32", "bfloat16"]
+GEMM_DTYPE_CHOICES: tuple[str, ...] = get_args(GemmDtypeChoice)
 #: ``device.gemm_dtype_min_rows``: GEMMs of fewer activation rows stay float32 whatever
 #: ``gemm_dtype`` says. Why: bfloat16 GEMMs move SmolLM2's logits by up to ~0.5, and the
 #: float32 reference's first answer token to the chat parity prompt leads the runner-up by
@@ -468,6 +473,27 @@ GEMM_DTYPES: tuple[str, ...] = get_args(GemmDtype)
 #: (``INTERLEAVED_FLOAT32_GEMM_MIN_ROWS``) or a float32 GEMM; long prompts, where GEMMs
 #: dominate, keep the 2x rate.
 GEMM_DTYPE_MIN_ROWS = 128
+
+
+def resolve_gemm_dtype(
+    choice: str, *, device: torch.device, quantized: bool, cpu: CpuFeatures | None = None
+) -> tuple[GemmDtype, str]:
+    """The dtype ``choice`` means for a model on ``device`` (``quantized``: whether it has
+    block-quantized linears), and why. ``auto``: ``bfloat16`` on a CPU that multiplies it
+    faster than float32 (``cpu``, read from ``/proc/cpuinfo`` when not given), ``float32``
+    elsewhere; block-quantized weights run on CPUs only."""
+    if choice not in GEMM_DTYPE_CHOICES:
+        raise ConfigError("device.gemm_dtype", choice, f"must be one of {list(GEMM_DTYPE_CHOICES)}")
+    if choice != "auto":
+        return ("bfloat16" if choice == "bfloat16" else "float32"), "asked for"
+    if not quantized:
+        return "float32", "no block-quantized weights (float weights keep their dtype)"
+    if device.type != "cpu":
+        return "float32", f"block-quantized GEMMs run on the CPU, not {device.type}"
+    why = bfloat16_gemm_advantage(cpu if cpu is not None else read_cpu_features())
+    if why is None:
+        return "float32", "this CPU multiplies bfloat16 no faster than float32"
+    return "bfloat16", why
 
 
 def select_gemm_dtype(model: CausalLM, *, choice: str, min_rows: int = GEMM_DTYPE_MIN_ROWS) -> int:

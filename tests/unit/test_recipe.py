@@ -100,7 +100,8 @@ def test_default_recipe_matches_the_brief() -> None:
     assert recipe.tokenizer.source == "checkpoint"
     assert (recipe.device.backend, recipe.device.kind, recipe.lanes) == ("torch", "cpu", 1)
     # The fastest configuration that keeps the reference's greedy tokens (issue #14).
-    assert (recipe.device.gemm_dtype, recipe.device.weight_layout) == ("bfloat16", "auto")
+    # bfloat16 GEMMs only where the CPU multiplies them faster (resolve_gemm_dtype).
+    assert (recipe.device.gemm_dtype, recipe.device.weight_layout) == ("auto", "auto")
     # float16 keys/values: the same greedy tokens, half the bytes a decode step's attention reads.
     assert recipe.kv_cache == PagedKVCacheConfig(
         block_size=32, max_num_blocks=2048, dtype="float16"

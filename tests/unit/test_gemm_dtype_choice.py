@@ -1,0 +1,87 @@
+"""``device.gemm_dtype: auto``: bfloat16 GEMMs only where the CPU multiplies bfloat16 faster
+than float32 (AMX-BF16, or AMD with AVX-512 BF16), float32 elsewhere and for float weights;
+the CPU is read from ``/proc/cpuinfo``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from llmrt.device.cpu_features import CpuFeatures, bfloat16_gemm_advantage, read_cpu_features
+from llmrt.errors import ConfigError
+from llmrt.families.layers import resolve_gemm_dtype
+
+CPU = torch.device("cpu")
+ZEN4 = CpuFeatures(vendor="AuthenticAMD", flags=frozenset({"avx512f", "avx512_bf16"}))
+ZEN3 = CpuFeatures(vendor="AuthenticAMD", flags=frozenset({"avx2", "fma"}))
+EMERALD_RAPIDS_VM = CpuFeatures(
+    vendor="GenuineIntel", flags=frozenset({"avx512f", "avx512_bf16", "avx512_vnni"})
+)
+SAPPHIRE_RAPIDS_AMX = CpuFeatures(
+    vendor="GenuineIntel", flags=frozenset({"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"})
+)
+
+CPUINFO = """processor\t: 0
+vendor_id\t: GenuineIntel
+cpu family\t: 6
+model\t\t: 207
+model name\t: Intel(R) Xeon(R) Processor
+flags\t\t: fpu sse avx512f avx512_bf16 avx512_vnni
+
+processor\t: 1
+vendor_id\t: AuthenticAMD
+flags\t\t: amx_bf16
+"""
+
+
+def test_cpuinfo_is_read_from_its_first_cpu(tmp_path: Path) -> None:
+    info = tmp_path / "cpuinfo"
+    info.write_text(CPUINFO)
+    cpu = read_cpu_features(str(info))
+    assert (cpu.vendor, cpu.family, cpu.model) == ("GenuineIntel", "6", "207")
+    assert cpu.model_name == "Intel(R) Xeon(R) Processor"
+    assert {"avx512_bf16", "avx512_vnni"} <= cpu.flags and "amx_bf16" not in cpu.flags
+
+
+def test_an_unreadable_cpuinfo_reads_as_nothing_known(tmp_path: Path) -> None:
+    cpu = read_cpu_features(str(tmp_path / "missing"))
+    assert cpu == CpuFeatures()
+    assert bfloat16_gemm_advantage(cpu) is None
+
+
+@pytest.mark.parametrize(
+    ("cpu", "expected"),
+    [
+        (ZEN4, "bfloat16"),
+        (SAPPHIRE_RAPIDS_AMX, "bfloat16"),
+        (EMERALD_RAPIDS_VM, "float32"),  # AVX-512 BF16 without AMX: 0.6x float32's rate
+        (ZEN3, "float32"),
+        (CpuFeatures(), "float32"),
+    ],
+    ids=["zen4", "amx", "intel-no-amx", "no-bf16", "unknown"],
+)
+def test_auto_picks_bfloat16_where_the_cpu_multiplies_it_faster(
+    cpu: CpuFeatures, expected: str
+) -> None:
+    dtype, why = resolve_gemm_dtype("auto", device=CPU, quantized=True, cpu=cpu)
+    assert dtype == expected
+    assert why  # the reason is logged with the choice
+
+
+def test_auto_is_float32_without_block_quantized_weights_or_off_the_cpu() -> None:
+    assert resolve_gemm_dtype("auto", device=CPU, quantized=False, cpu=ZEN4)[0] == "float32"
+    cuda = torch.device("cuda")
+    assert resolve_gemm_dtype("auto", device=cuda, quantized=True, cpu=ZEN4)[0] == "float32"
+
+
+@pytest.mark.parametrize("choice", ["float32", "bfloat16"])
+def test_an_explicit_choice_stands_on_any_cpu(choice: str) -> None:
+    for cpu in (ZEN4, EMERALD_RAPIDS_VM):
+        assert resolve_gemm_dtype(choice, device=CPU, quantized=True, cpu=cpu)[0] == choice
+
+
+def test_an_unknown_choice_is_refused_by_field_name() -> None:
+    with pytest.raises(ConfigError, match=r"device\.gemm_dtype.*must be one of"):
+        resolve_gemm_dtype("float16", device=CPU, quantized=True, cpu=ZEN4)
