@@ -212,23 +212,22 @@ def build_model(
     )
     apply_weight_format(model, weights=recipe.checkpoint.weight_format, field="checkpoint.weights")
     if recipe.device.backend == "torch":
+        torch_device = torch.device(device.torch_device)
         select_linear_kernel(
             model,
             choice=recipe.device.linear,
-            device=torch.device(device.torch_device),
+            device=torch_device,
             dtype=dtype,
         )
         gemm_dtype, gemm_why = resolve_gemm_dtype(
             recipe.device.gemm_dtype,
-            device=torch.device(device.torch_device),
+            device=torch_device,
             quantized=recipe.checkpoint.weight_format in QUANTIZED_FORMATS,
         )
         if gemm_dtype != "float32":
             select_gemm_dtype(model, choice=gemm_dtype, min_rows=recipe.device.gemm_dtype_min_rows)
-        select_weight_layout(
-            model, choice=recipe.device.weight_layout, device=torch.device(device.torch_device)
-        )
-        if torch.device(device.torch_device).type == "cpu":
+        select_weight_layout(model, choice=recipe.device.weight_layout, device=torch_device)
+        if torch_device.type == "cpu":
             place_weights(
                 model=model,
                 enabled=recipe.device.huge_pages,
@@ -238,12 +237,12 @@ def build_model(
         select_decode_kernel(
             model,
             choice=recipe.device.decode_kernel,
-            device=torch.device(device.torch_device),
+            device=torch_device,
         )
         select_attention_kernel(
             model,
             choice=recipe.device.attention_kernel,
-            device=torch.device(device.torch_device),
+            device=torch_device,
         )
     return model
 
