@@ -348,7 +348,10 @@ def build_prefill(
         bucket_step=recipe.prefill.fine_step,
         device_sampling_enabled=recipe.decode.device_sampling,
         wave_batch_sizes=tuple(sorted({1, *recipe.warmup.prefill_batch_sizes})),
-        max_wave_seq_len=min(recipe.warmup.prefill_seq_lens),
+        # Ragged waves run eagerly, at whatever length their longest row pads to.
+        max_wave_seq_len=(
+            None if recipe.wave_rules == "ragged" else min(recipe.warmup.prefill_seq_lens)
+        ),
         wave_rules=recipe.wave_rules,
         lane=lane,
     )

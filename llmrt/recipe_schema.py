@@ -504,9 +504,11 @@ class PrefillSpec:
     (multiples of ``fine_step``: less padding, more programs); both cap at
     ``max_chunk_size``, since longer prefills are chunked. ``wave_rules`` is ``spec`` (a
     bucket with a prefix-cached prompt, or more prompts than the largest wave, runs row
-    by row) or ``packed`` (cached prompts join waves; a large bucket becomes several
-    waves); None picks packed for the torch backend and spec for ttnn, whose batched
-    prefill takes one start offset for the whole wave.
+    by row), ``packed`` (cached prompts join waves; a large bucket becomes several
+    waves) or ``ragged`` (``packed``, and prompts of any lengths within a chunk share a
+    wave, whose real tokens the model runs packed: eager torch prefill only); None picks
+    ragged for eager prefill on the CPU, packed for other torch prefill and spec for
+    ttnn, whose batched prefill takes one start offset for the whole wave.
     """
 
     max_chunk_size: int = 512
@@ -650,10 +652,23 @@ class Recipe:
         return (*(1 << i for i in range(cap.bit_length()) if 1 << i < cap), cap)
 
     @property
+    def prefill_runs_eagerly(self) -> bool:
+        """Whether prefill steps run as eager torch ops (not captured, not compiled): shapes
+        may then follow each wave (``prefill.wave_rules: ragged``)."""
+        compiled = (
+            self.device.compile == "inductor" and "prefill" in self.device.inductor.operations
+        )
+        return self.device.backend == "torch" and not compiled and not self.trace.prefill_enabled
+
+    @property
     def wave_rules(self) -> WaveRules:
-        """The prefill wave rules in force (``prefill.wave_rules``, None resolved)."""
+        """The prefill wave rules in force (``prefill.wave_rules``, None resolved): ``ragged``
+        for eager prefill on the CPU, ``packed`` for other torch prefill, ``spec`` for ttnn."""
         if self.prefill.wave_rules is None:
-            return "packed" if self.device.backend == "torch" else "spec"
+            if self.device.backend != "torch":
+                return "spec"
+            eager_cpu = self.prefill_runs_eagerly and self.device.torch_device == "cpu"
+            return "ragged" if eager_cpu else "packed"
         return self.prefill.wave_rules
 
     @property
@@ -865,10 +880,19 @@ class Recipe:
             f"{self.checkpoint.weight_format} (use int8, int4 or gguf-native, or auto)",
         )
         _check(
-            self.device.backend == "torch" or self.prefill.wave_rules != "packed",
+            self.device.backend == "torch" or self.prefill.wave_rules not in ("packed", "ragged"),
             "prefill.wave_rules",
             self.prefill.wave_rules,
-            "packed needs device.backend=torch (a ttnn wave has one start offset)",
+            f"{self.prefill.wave_rules} needs device.backend=torch (a ttnn wave has one start "
+            "offset)",
+        )
+        _check(
+            self.prefill.wave_rules != "ragged" or self.prefill_runs_eagerly,
+            "prefill.wave_rules",
+            self.prefill.wave_rules,
+            "ragged needs eager prefill steps (trace.mode=all captures, and device.compile="
+            "inductor with prefill in device.inductor.operations compiles, one fixed shape "
+            "per wave; use packed)",
         )
         mesh = self.device.mesh_shape
         if self.device.backend == "ttnn":

@@ -105,7 +105,7 @@ class WarmupCoordinatorConfig:
                     coverage.append(PrefillCoverage(seq_len=n, batch_size=1, variant="chunked"))
                 if policy.max_wave_seq_len is None or n <= policy.max_wave_seq_len:
                     variants = ["regular"]
-                    if policy.wave_rules == "packed" and cached_fits:
+                    if policy.wave_rules != "spec" and cached_fits:
                         variants.append("chunked")
                     coverage.extend(
                         PrefillCoverage(seq_len=n, batch_size=b, variant=variant)

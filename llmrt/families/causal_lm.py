@@ -34,7 +34,8 @@ class Backbone(Protocol):
         plan: PrefillPlan | DecodePlan,
         kv: BoundKV,
     ) -> torch.Tensor:
-        """``tokens``/``positions`` ``[B, S]`` -> ``[B, S, hidden]``; writes K/V via ``plan``."""
+        """``tokens``/``positions`` ``[B, S]`` -> ``[B, S, hidden]``; writes K/V via ``plan``
+        (a packed prefill passes ``[1, T]``, its real tokens)."""
         ...
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -62,6 +63,11 @@ class PagedCausalLM(nn.Module):
     """
 
     supports_batched_prefill_outputs: bool = True
+    #: Eager prefill runs its layers on the real tokens only, packed back to back
+    #: (``PackedTokens``): padding costs nothing in the linears, so a wave may hold prompts
+    #: of any lengths (``prefill.wave_rules: ragged``). False keeps the padded rows (tests
+    #: compare the two). Compiled and captured steps never pack (their shapes are static).
+    pack_prefill: bool = True
     backbone: Backbone
 
     def __init__(self, *, config: ModelConfig, backbone: nn.Module) -> None:
@@ -119,7 +125,17 @@ class PagedCausalLM(nn.Module):
                 page_table=page_table,
                 block_size=kv.block_size,
                 chunk_len=chunk,
+                pack=self.pack_prefill,
             )
+            packed = plan.packed
+            if packed is not None:
+                hidden = self.backbone.hidden_states(
+                    tokens=packed.pack(tokens.to(packed.flat_index.device)),
+                    positions=packed.pack(plan.positions),
+                    plan=plan,
+                    kv=kv,
+                )
+                return self.backbone.logits(hidden[0, packed.last_tokens(last_token_index)])
             hidden = self.backbone.hidden_states(
                 tokens=tokens, positions=plan.positions, plan=plan, kv=kv
             )

@@ -22,11 +22,16 @@ from typing import Literal, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from llmrt.families.prefill_attention import native_causal_attention, native_usable
+from llmrt.families.prefill_attention import (
+    native_causal_attention,
+    native_usable,
+    native_varlen_attention,
+)
 
 __all__ = [
     "TOKEN_MAJOR",
     "DecodePlan",
+    "PackedTokens",
     "PagedReads",
     "PrefillPlan",
     "WritePlan",
@@ -144,6 +149,51 @@ class PagedReads(NamedTuple):
     mask: torch.Tensor
 
 
+class PackedTokens(NamedTuple):
+    """A padded prefill's real tokens packed back to back: ``[B, S]`` -> ``[1, T]``.
+
+    Why: rows of a wave differ in length, and every per-token op (the linears above all)
+    costs the same on a padding token as on a real one; packed, a wave of prompts of 16 to
+    512 tokens multiplies only its real tokens, in one GEMM per linear. Attention takes the
+    rows apart again (``varlen_causal_attention``, or the padded path for what it does not
+    cover).
+
+    ``flat_index`` ``[T]``: each real token's place in the flattened ``[B * S]`` rows (row-major);
+    ``starts`` (CPU int64 ``[B + 1]``): where each row's tokens begin in the packed order;
+    ``offsets``/``lens``: each row's first position (its cached prefix) and token count;
+    ``writes``: the KV write plan per packed token; ``page_table``: the rows' ``[B, W]`` table.
+    """
+
+    flat_index: torch.Tensor
+    starts: torch.Tensor
+    offsets: tuple[int, ...]
+    lens: tuple[int, ...]
+    rows: int
+    length: int
+    writes: WritePlan
+    page_table: torch.Tensor
+
+    @property
+    def tokens(self) -> int:
+        return int(self.flat_index.numel())
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        """``[B, S, ...]`` -> ``[1, T, ...]`` (the real tokens, in order)."""
+        return x.flatten(0, 1).index_select(0, self.flat_index).unsqueeze(0)
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        """``[1, T, ...]`` -> ``[B, S, ...]`` with zeros at the padding."""
+        flat = x.new_zeros((self.rows * self.length, *x.shape[2:]))
+        flat.index_copy_(0, self.flat_index, x[0])
+        return flat.view(self.rows, self.length, *x.shape[2:])
+
+    def last_tokens(self, last_token_index: torch.Tensor) -> torch.Tensor:
+        """Packed index of each row's ``last_token_index`` token (padding rows: clamped)."""
+        last = last_token_index.to(device=self.flat_index.device, dtype=torch.long)
+        first = self.starts[:-1].to(self.flat_index.device)
+        return (first + last.clamp(min=0)).clamp(0, max(self.tokens - 1, 0))
+
+
 class PrefillPlan(NamedTuple):
     """Per-forward prefill routing shared by every layer.
 
@@ -151,13 +201,15 @@ class PrefillPlan(NamedTuple):
     chunk itself (no page reads). ``split is None``: every row reads its context
     back through the page table (``cached``). Otherwise ``split`` holds the row
     indices of the fresh and of the cached group, and ``cached`` covers the
-    cached group only.
+    cached group only. ``packed``: the layers run on the real tokens only
+    (``PackedTokens``; hidden states ``[1, T, hidden]``), else on the padded rows.
     """
 
     writes: WritePlan
     positions: torch.Tensor
     cached: PagedReads | None
     split: tuple[torch.Tensor, torch.Tensor] | None
+    packed: PackedTokens | None = None
 
     @property
     def mode(self) -> Literal["fresh", "cached", "split"]:
@@ -183,8 +235,10 @@ def plan_prefill(
     block_size: int,
     chunk_len: int,
     allow_sync: bool | None = None,
+    pack: bool = False,
 ) -> PrefillPlan:
-    """Plan a prefill chunk of ``chunk_len`` padded tokens per row (see ``PrefillPlan``)."""
+    """Plan a prefill chunk of ``chunk_len`` padded tokens per row (see ``PrefillPlan``);
+    ``pack``: pack the real tokens where host reads are allowed (``PackedTokens``)."""
     device = page_table.device
     sync = host_sync_allowed(device) if allow_sync is None else allow_sync
     rows, width = page_table.shape
@@ -208,8 +262,15 @@ def plan_prefill(
     starts = start_pos.tolist()
     ends = (start_pos.long() + seq_lens.long()).tolist()
     cached = [row for row in range(rows) if starts[row] != 0]
+    packed = (
+        _packed(valid=valid, starts=starts, ends=ends, writes=writes, page_table=page_table)
+        if pack
+        else None
+    )
     if not cached:
-        return PrefillPlan(writes=writes, positions=positions, cached=None, split=None)
+        return PrefillPlan(
+            writes=writes, positions=positions, cached=None, split=None, packed=packed
+        )
     blocks = max(-(-max(ends[row], starts[row] + 1) // block_size) for row in cached)
     blocks = max(1, min(width, blocks))
     if len(cached) == rows:
@@ -217,7 +278,9 @@ def plan_prefill(
             table=page_table[:, :blocks],
             mask=_causal_mask(positions=positions, length=blocks * block_size),
         )
-        return PrefillPlan(writes=writes, positions=positions, cached=reads, split=None)
+        return PrefillPlan(
+            writes=writes, positions=positions, cached=reads, split=None, packed=packed
+        )
     fresh = [row for row in range(rows) if starts[row] == 0]
     fresh_rows = torch.tensor(fresh, dtype=torch.long, device=device)
     cached_rows = torch.tensor(cached, dtype=torch.long, device=device)
@@ -228,7 +291,47 @@ def plan_prefill(
         ),
     )
     return PrefillPlan(
-        writes=writes, positions=positions, cached=reads, split=(fresh_rows, cached_rows)
+        writes=writes,
+        positions=positions,
+        cached=reads,
+        split=(fresh_rows, cached_rows),
+        packed=packed,
+    )
+
+
+def _packed(
+    *,
+    valid: torch.Tensor,
+    starts: list[int],
+    ends: list[int],
+    writes: WritePlan,
+    page_table: torch.Tensor,
+) -> PackedTokens:
+    """The real tokens of ``valid`` ``[B, S]`` and their share of ``writes``."""
+    rows, length = valid.shape
+    flat_valid = valid.flatten()
+    index = flat_valid.nonzero().flatten()
+    lens = [max(0, min(e - s, length)) for s, e in zip(starts, ends, strict=True)]
+    bounds = torch.tensor([0, *lens], dtype=torch.long).cumsum(0)
+    # Each padded slot's packed position (padding: 0, never read for a kept write).
+    packed_of = torch.zeros(rows * length, dtype=torch.long, device=index.device)
+    packed_of[index] = torch.arange(index.numel(), device=index.device)
+    token_writes = WritePlan(
+        block=writes.block.index_select(0, index),
+        offset=writes.offset.index_select(0, index),
+        source=packed_of.index_select(0, writes.source.index_select(0, index)),
+        any_write=writes.any_write,
+        any_write_host=writes.any_write_host,
+    )
+    return PackedTokens(
+        flat_index=index,
+        starts=bounds,
+        offsets=tuple(starts),
+        lens=tuple(lens),
+        rows=rows,
+        length=length,
+        writes=token_writes,
+        page_table=page_table,
     )
 
 
@@ -286,8 +389,28 @@ def attend(
     ``native_causal`` runs attention among the step's own tokens with llmrt's C++ kernel
     where the call allows it (``prefill_attention``), else torch's SDPA.
     """
+    if isinstance(plan, PrefillPlan) and plan.packed is not None:
+        return _attend_packed(
+            q, k, v, k_cache, v_cache, plan, plan.packed, scale, window, softcap, native_causal
+        )
     write_kv(cache=k_cache, new=k, plan=plan.writes)
     write_kv(cache=v_cache, new=v, plan=plan.writes)
+    return _attend_written(q, k, v, k_cache, v_cache, plan, scale, window, softcap, native_causal)
+
+
+def _attend_written(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: PrefillPlan | DecodePlan,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+    native_causal: bool,
+) -> torch.Tensor:
+    """``attend`` over padded rows once this step's K/V are in the pages."""
     query = q.transpose(1, 2)
     if window is not None or softcap is not None:
         out = _attend_masked(query, k, v, k_cache, v_cache, plan, scale, window, softcap)
@@ -309,6 +432,80 @@ def attend(
         )
         out[cached] = _paged(query.index_select(0, cached), k_cache, v_cache, plan.cached, scale)
     return out.transpose(1, 2).flatten(2)
+
+
+def _attend_packed(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: PrefillPlan,
+    packed: PackedTokens,
+    scale: float,
+    window: int | None,
+    softcap: float | None,
+    native_causal: bool,
+) -> torch.Tensor:
+    """``attend`` on packed tokens (``[1, T, heads, D]`` in, ``[1, T, heads * D]`` out).
+
+    Plain causal attention in float32 on the CPU takes the varlen kernel: a row with a
+    cached prefix reads its keys back from the pages (as the padded path does), the others
+    use this step's keys as they are. Anything else runs the padded path on the rows
+    unpacked, so every model keeps its exact attention.
+    """
+    write_kv(cache=k_cache, new=k, plan=packed.writes)
+    write_kv(cache=v_cache, new=v, plan=packed.writes)
+    if window is None and softcap is None and native_causal and native_usable(q, k, v):
+        keys, values, key_starts = _packed_keys(k[0], v[0], k_cache, v_cache, packed)
+        out = native_varlen_attention(q[0], keys, values, packed.starts, key_starts, scale)
+        return out.flatten(1).unsqueeze(0)
+    padded = _attend_written(
+        packed.unpack(q),
+        packed.unpack(k),
+        packed.unpack(v),
+        k_cache,
+        v_cache,
+        plan,
+        scale,
+        window,
+        softcap,
+        native_causal,
+    )
+    return packed.pack(padded)
+
+
+def _packed_keys(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    packed: PackedTokens,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each row's keys and values ``[Tk, Hkv, D]`` back to back, and where each row's begin:
+    this step's own (``k``/``v`` ``[T, Hkv, D]``) for a row without a cached prefix, else its
+    prefix and this step's tokens read from the pages."""
+    if not any(packed.offsets):
+        return k, v, packed.starts
+    block_size = k_cache.shape[2]
+    key_parts: list[torch.Tensor] = []
+    value_parts: list[torch.Tensor] = []
+    counts: list[int] = []
+    bounds = packed.starts.tolist()
+    for row, (offset, n) in enumerate(zip(packed.offsets, packed.lens, strict=True)):
+        if offset == 0 or n == 0:
+            key_parts.append(k[bounds[row] : bounds[row + 1]])
+            value_parts.append(v[bounds[row] : bounds[row + 1]])
+            counts.append(bounds[row + 1] - bounds[row])
+            continue
+        total = offset + n
+        table = packed.page_table[row : row + 1, : -(-total // block_size)]
+        for parts, cache in ((key_parts, k_cache), (value_parts, v_cache)):
+            context = gather_context(cache=cache, page_table=table)[0, :, :total]
+            parts.append(context.transpose(0, 1).to(k.dtype))
+        counts.append(total)
+    starts = torch.tensor([0, *counts], dtype=torch.long).cumsum(0)
+    return torch.cat(key_parts), torch.cat(value_parts), starts
 
 
 def _attend_masked(

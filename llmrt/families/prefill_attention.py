@@ -43,6 +43,23 @@ def native_causal_attention(
     return out
 
 
+def native_varlen_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_starts: torch.Tensor,
+    k_starts: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Packed ragged sequences: ``q`` ``[T, H, D]``, ``k``/``v`` ``[Tk, Hkv, D]``, sequence b's
+    rows from ``q_starts[b]``/``k_starts[b]`` (CPU int64 ``[B + 1]``); each sequence's queries
+    are its last keys. Returns ``[T, H, D]``."""
+    out: torch.Tensor = torch.ops.llmrt_kernels.varlen_causal_attention(
+        q, k, v, q_starts, k_starts, scale
+    )
+    return out
+
+
 def select_attention_kernel(model: object, *, choice: str, device: torch.device) -> str | None:
     """Point every attention of ``model`` (the modules with a ``native_causal`` flag) at
     ``choice``; returns why the native kernel is not used (None when it is). ``native``

@@ -56,7 +56,8 @@ class PrefillRuntimeConfig:
         """``wave_batch_sizes`` / ``max_wave_seq_len``: the padded waves warmup covers (the
         configured warmup batch sizes at the shortest warmup length), so the planner never
         forms a wave whose program was not compiled before the compile gate closed.
-        ``wave_rules``: the spec's or ``packed`` (cached rows in waves, large buckets split)."""
+        ``wave_rules``: the spec's, ``packed`` (cached rows in waves, large buckets split) or
+        ``ragged`` (``packed``, rows of any lengths in one wave)."""
         if output_reader.borrowed_device is not device:
             raise IdentityError(
                 "prefill output reader uses the lane device", output_reader.borrowed_device, device

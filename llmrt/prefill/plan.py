@@ -15,6 +15,9 @@ allowed wave, runs sequentially as a whole, and cached rows are chunked requests
 cached rows whose new tokens fit one chunk join waves like any other row, and split a
 large bucket into several full waves: prompts sharing a cached prefix, or many short
 prompts arriving together, are then prefilled a wave at a time instead of row by row.
+``ragged`` rules (eager torch prefill, which packs a wave's real tokens and so pays
+nothing for padding in its linears) put every row whose new tokens fit one chunk into
+waves in source order, whatever its length: a wave is padded to its longest row.
 
 Slots are lane-local: routing rows to lanes happens above, in the lane group.
 Tensors in a plan are CPU tensors owned by the plan; treat them as read-only
@@ -25,7 +28,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from typing import Literal, NamedTuple, TypeGuard
+from typing import Literal, NamedTuple, TypeGuard, get_args
 
 import attrs
 import torch
@@ -51,7 +54,9 @@ RequestKind = Literal["single", "batched", "chunked"]
 
 #: ``spec``: the Common runtime's wave rules. ``packed``: cached rows join waves and a
 #: bucket larger than the largest wave is split into full waves (see the module doc).
-WaveRules = Literal["spec", "packed"]
+#: ``ragged``: ``packed``, and rows of any lengths within one chunk share a wave (for
+#: models that run a wave's real tokens only: eager torch prefill, ``PackedTokens``).
+WaveRules = Literal["spec", "packed", "ragged"]
 
 #: Why a row was planned as its own request although its bucket held several rows.
 SequentialReason = Literal[
@@ -143,10 +148,10 @@ class PrefillPlanPolicy:
             value = getattr(self, name)
             _require(isinstance(value, bool), f"prefill_plan.{name}", value, "must be a bool")
         _require(
-            self.wave_rules in ("spec", "packed"),
+            self.wave_rules in get_args(WaveRules),
             "prefill_plan.wave_rules",
             self.wave_rules,
-            "must be spec or packed",
+            f"must be one of {list(get_args(WaveRules))}",
         )
         _require(
             len(self.wave_batch_sizes) > 0
@@ -362,7 +367,8 @@ def plan_prefill(
     eligible bucket becomes one wave (under ``packed`` rules, a bucket larger than the
     largest wave becomes several) padded to the next size in ``wave_batch_sizes``; any
     other bucket becomes one request per row. Requests come in increasing bucket
-    length, rows in increasing source row.
+    length, rows in increasing source row. Under ``ragged`` rules the waves take rows of
+    any lengths within one chunk, in source order (``_ragged_groups``).
     """
     valid = _validated(rows, policy)
     global_reason = _global_sequential_reason(policy, sampling_params_given, env)
@@ -371,16 +377,19 @@ def plan_prefill(
         buckets.setdefault(_bucket_len(row, policy), []).append(row)
 
     requests: list[PrefillRequest] = []
-    groups = [
-        (seq, group)
-        for seq in sorted(buckets)
-        for group in _wave_groups(
-            sorted(buckets[seq], key=lambda r: r.source_row),
-            seq=seq,
-            policy=policy,
-            split=global_reason is None,
-        )
-    ]
+    if policy.wave_rules == "ragged" and global_reason is None:
+        groups = _ragged_groups(valid, buckets=buckets, policy=policy)
+    else:
+        groups = [
+            (seq, group)
+            for seq in sorted(buckets)
+            for group in _wave_groups(
+                sorted(buckets[seq], key=lambda r: r.source_row),
+                seq=seq,
+                policy=policy,
+                split=global_reason is None,
+            )
+        ]
     for seq, members in groups:
         if len(members) == 1:
             requests.extend(_sequential(members, seq=seq, policy=policy, reason=None))
@@ -417,6 +426,28 @@ def _wave_groups(
         return [members]
     size = sizes[-1]
     return [members[i : i + size] for i in range(0, len(members), size)]
+
+
+def _ragged_groups(
+    rows: list[_Row], *, buckets: Mapping[int, list[_Row]], policy: PrefillPlanPolicy
+) -> list[tuple[int, list[_Row]]]:
+    """``ragged`` rules: rows whose new tokens fit one chunk, in source order, as waves of the
+    largest allowed size, each padded to its longest row; then each longer row on its own."""
+    size = policy.max_chunk_size
+    fits = sorted((r for r in rows if r.prompt_len - r.cached <= size), key=lambda r: r.source_row)
+    sizes = policy.wave_sizes_at(size)
+    wave = sizes[-1] if sizes else 1
+    groups = [
+        (max(_bucket_len(r, policy) for r in members), members)
+        for members in (fits[i : i + wave] for i in range(0, len(fits), wave))
+    ]
+    groups.extend(
+        (seq, [r])
+        for seq in sorted(buckets)
+        if seq > size
+        for r in sorted(buckets[seq], key=lambda r: r.source_row)
+    )
+    return groups
 
 
 def padded_batch_size(active: int, *, sizes: Sequence[int] = PREFILL_BATCH_SIZES) -> int | None:

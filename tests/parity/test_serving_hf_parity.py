@@ -46,6 +46,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "two-lanes": {"lanes": 2},
     "batched-prefill-off": {"prefill.batched": False},
     "spec-wave-rules": {"prefill.wave_rules": "spec"},
+    "packed-wave-rules": {"prefill.wave_rules": "packed"},
     "scheduler-chunks-48-tokens": {"serving.max_num_batched_tokens": 48},
     "two-lanes-trace-all-chunk-32-unbatched-no-cache": {
         "lanes": 2,

@@ -250,3 +250,110 @@ def test_compiled_bf16_decode_uses_the_reduction_form_and_matches(token_major: b
     assert calls == ["reduced"]
     torch.testing.assert_close(compiled.float(), eager.float(), atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(caches[2], caches[0])  # the same K/V written both ways
+
+
+# --- packed prefill: the real tokens only ------------------------------------------------
+
+
+@LAYOUTS
+@pytest.mark.parametrize("route", ["varlen", "sdpa", "window"])
+@pytest.mark.parametrize("case", sorted(PREFILL_CASES))
+def test_packed_prefill_matches_the_naive_reference(
+    case: str, route: str, token_major: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Packed tokens (``plan_prefill(pack=True)``) give every real token the naive result
+    and write the same pages, through the varlen kernel or (other attention) the padded path."""
+    if route == "varlen":
+        from llmrt.kernels.native import load_kernels
+
+        load_kernels()
+        if not bool(torch.ops.llmrt_kernels.causal_attention_supported(16)):
+            pytest.skip("the native attention kernels need AVX-512")
+    starts, lens, chunk, _ = PREFILL_CASES[case]
+    dim = 16  # a head_dim the native kernels take
+    gen = torch.Generator().manual_seed(4)
+    table = _table([[17, 2, 9, 21], [5, 11, 0, 14], [8, 3, 19, 6]], width=5)
+    k_cache = torch.randn((N, HKV, BS, dim), generator=gen)
+    v_cache = torch.randn((N, HKV, BS, dim), generator=gen)
+    if token_major:
+        k_cache = k_cache.permute(0, 2, 1, 3).contiguous().permute(TOKEN_MAJOR)
+        v_cache = v_cache.permute(0, 2, 1, 3).contiguous().permute(TOKEN_MAJOR)
+    q = torch.randn((3, chunk, HQ, dim), generator=gen)
+    k = torch.randn((3, chunk, HKV, dim), generator=gen)
+    v = torch.randn((3, chunk, HKV, dim), generator=gen)
+    want_k = _naive_write(k_cache, k, table, starts, lens)
+    want_v = _naive_write(v_cache, v, table, starts, lens)
+    plan = plan_prefill(
+        start_pos=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(lens, dtype=torch.int32),
+        page_table=table,
+        block_size=BS,
+        chunk_len=chunk,
+        pack=True,
+    )
+    packed = plan.packed
+    assert packed is not None and packed.tokens == sum(lens)
+    assert packed.starts.tolist() == [0, lens[0], lens[0] + lens[1], sum(lens)]
+    calls: list[int] = []
+    kernel = paged_attention.native_varlen_attention
+
+    def counted(*args: Any) -> torch.Tensor:
+        calls.append(1)
+        return kernel(*args)
+
+    monkeypatch.setattr(paged_attention, "native_varlen_attention", counted)
+    window = chunk + max(starts) + 1 if route == "window" else None  # covers every key
+    out = attend(
+        q=packed.pack(q),
+        k=packed.pack(k),
+        v=packed.pack(v),
+        k_cache=k_cache,
+        v_cache=v_cache,
+        plan=plan,
+        scale=dim**-0.5,
+        window=window,
+        native_causal=route == "varlen",
+    )
+    assert out.shape == (1, sum(lens), HQ * dim)
+    assert len(calls) == (route == "varlen")
+    assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
+    rows = packed.unpack(out)
+    for row in range(3):
+        for i in range(lens[row]):
+            pos = starts[row] + i
+            keys = torch.stack([want_k[table[row, p // BS], :, p % BS] for p in range(pos + 1)])
+            values = torch.stack([want_v[table[row, p // BS], :, p % BS] for p in range(pos + 1)])
+            group = HQ // HKV
+            scores = torch.einsum("hd,phd->hp", q[row, i], keys.repeat_interleave(group, 1))
+            weights = torch.softmax(scores * dim**-0.5, dim=-1)
+            want = torch.einsum("hp,phd->hd", weights, values.repeat_interleave(group, 1))
+            torch.testing.assert_close(rows[row, i].view(HQ, dim), want, atol=1e-5, rtol=1e-5)
+
+
+def test_packed_tokens_pack_unpack_and_last_tokens() -> None:
+    plan = plan_prefill(
+        start_pos=torch.tensor([0, 4, 0], dtype=torch.int32),
+        seq_lens=torch.tensor([3, 0, 5], dtype=torch.int32),  # row 1: a padding row
+        page_table=_table([[1, 2], [3, 4], [5, 6]], width=2),
+        block_size=BS,
+        chunk_len=6,
+        pack=True,
+    )
+    packed = plan.packed
+    assert packed is not None
+    x = torch.arange(18.0).view(3, 6, 1)
+    assert packed.pack(x).flatten().tolist() == [0, 1, 2, 12, 13, 14, 15, 16]
+    back = packed.unpack(packed.pack(x))
+    assert back.flatten().tolist() == [0, 1, 2, 0, 0, 0] + [0] * 6 + [12, 13, 14, 15, 16, 0]
+    # Last token of each row in packed order; the padding row's clamps inside the tokens.
+    assert packed.last_tokens(torch.tensor([2, 0, 4])).tolist() == [2, 3, 7]
+    no_pack = plan_prefill(
+        start_pos=torch.tensor([0], dtype=torch.int32),
+        seq_lens=torch.tensor([3], dtype=torch.int32),
+        page_table=_table([[1]], width=1),
+        block_size=BS,
+        chunk_len=4,
+        pack=True,
+        allow_sync=False,  # captured or compiled: shapes stay padded
+    )
+    assert no_pack.packed is None

@@ -177,3 +177,80 @@ def test_attend_routes_fresh_rows_to_the_kernel_with_the_same_result(
         torch.testing.assert_close(
             outs[1][row, :length], outs[0][row, :length], atol=1e-5, rtol=1e-5
         )
+
+
+# --- varlen_causal_attention: ragged sequences packed back to back ----------------------
+
+varlen = torch.ops.llmrt_kernels.varlen_causal_attention
+
+
+def ragged_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """One sequence, ``q`` ``[n, H, D]``, ``k``/``v`` ``[m, Hkv, D]``: query i is key
+    m - n + i and sees keys 0..m - n + i, float64."""
+    n, m = q.shape[0], k.shape[0]
+    group = q.shape[1] // k.shape[1]
+    keys = k.double().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, m, D]
+    values = v.double().repeat_interleave(group, dim=1).transpose(0, 1)
+    scores = (q.double().transpose(0, 1) @ keys.transpose(-1, -2)) * scale  # [H, n, m]
+    hidden = torch.arange(m)[None, :] > (m - n + torch.arange(n))[:, None]
+    weights = torch.softmax(scores.masked_fill(hidden, float("-inf")), dim=-1)
+    return (weights @ values).transpose(0, 1)
+
+
+def starts_of(counts: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *counts], dtype=torch.long).cumsum(0)
+
+
+@pytest.mark.parametrize(
+    ("shapes", "heads", "kv_heads", "dim"),
+    [
+        # (queries, keys) per sequence: fresh rows (queries == keys), rows with a cached
+        # prefix of whole and of partial key blocks, an empty row and a one-token row.
+        ([(5, 5), (40, 104), (1, 33), (70, 70), (0, 12), (130, 200)], 9, 3, 64),
+        ([(64, 64), (33, 97)], 4, 4, 128),
+        ([(1, 1)], 2, 1, 16),
+    ],
+)
+def test_varlen_matches_the_float64_reference_per_sequence(
+    shapes: list[tuple[int, int]], heads: int, kv_heads: int, dim: int
+) -> None:
+    gen = torch.Generator().manual_seed(len(shapes))
+    qs = [torch.randn(n, heads, dim, generator=gen) * 2 for n, _ in shapes]
+    ks = [torch.randn(m, kv_heads, dim, generator=gen) * 2 for _, m in shapes]
+    vs = [torch.randn(m, kv_heads, dim, generator=gen) for _, m in shapes]
+    q_starts, k_starts = starts_of([n for n, _ in shapes]), starts_of([m for _, m in shapes])
+    scale = dim**-0.5
+    got = varlen(torch.cat(qs), torch.cat(ks), torch.cat(vs), q_starts, k_starts, scale)
+    assert got.shape == (sum(n for n, _ in shapes), heads, dim)
+    for i, (q, k, v) in enumerate(zip(qs, ks, vs, strict=True)):
+        part = got[q_starts[i] : q_starts[i + 1]]
+        torch.testing.assert_close(
+            part.double(), ragged_reference(q, k, v, scale), atol=2e-5, rtol=1e-5
+        )
+
+
+def test_varlen_fresh_rows_equal_the_padded_kernel() -> None:
+    """Packed rows without a prefix give the padded kernel's numbers on their tokens."""
+    q, k, v = qkv(3, 9, 3, 96, 64, seed=11)
+    lens = [96, 17, 50]
+    padded = op(q, k, v, 0.125)
+    pack = lambda t: torch.cat([t[b, :, :n].transpose(0, 1) for b, n in enumerate(lens)])  # noqa: E731
+    starts = starts_of(lens)
+    got = varlen(pack(q), pack(k), pack(v), starts, starts, 0.125)
+    torch.testing.assert_close(got, pack(padded), atol=1e-6, rtol=1e-6)
+
+
+def test_varlen_bad_inputs_name_the_problem() -> None:
+    q, k, v = torch.randn(10, 4, 16), torch.randn(12, 2, 16), torch.randn(12, 2, 16)
+    with pytest.raises(RuntimeError, match="starts must run from 0 to the row counts"):
+        varlen(q, k, v, starts_of([9]), starts_of([12]), 0.25)
+    with pytest.raises(RuntimeError, match=r"sequence 1 has 6 queries and 2 keys"):
+        varlen(q, k, v, starts_of([4, 6]), starts_of([10, 2]), 0.25)
+    with pytest.raises(RuntimeError, match="int64 CPU vectors of one length"):
+        varlen(q, k, v, starts_of([10]).int(), starts_of([12]), 0.25)
+    with pytest.raises(RuntimeError, match=r"\[tokens, heads, head_dim\]"):
+        varlen(q[None], k, v, starts_of([10]), starts_of([12]), 0.25)
+    with pytest.raises(RuntimeError, match="float32 on the CPU"):
+        varlen(q.double(), k, v, starts_of([10]), starts_of([12]), 0.25)

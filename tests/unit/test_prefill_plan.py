@@ -126,7 +126,7 @@ def check_request(
         assert padded <= min(policy.max_batch_size, policy.lane_capacity)
         assert padded * req.padded_seq_len < BATCHED_PREFILL_TOKEN_LIMIT
         assert req.padded_seq_len <= policy.max_chunk_size
-        assert policy.wave_rules == "packed" or all(r.cached_tokens == 0 for r in rows)
+        assert policy.wave_rules != "spec" or all(r.cached_tokens == 0 for r in rows)
     else:
         assert active == padded == 1
         long_or_cached = rows[0].cached_tokens > 0 or req.seq_lens[0] > policy.max_chunk_size
@@ -215,7 +215,9 @@ def expected_layout(
 
     Spec rules: a whole bucket is one wave or runs row by row. Packed rules: cached rows
     count like any other, and a bucket larger than the largest allowed wave is cut into
-    waves of that size first.
+    waves of that size first. Ragged rules: every row whose new tokens fit one chunk, in
+    source order, cut into waves of the largest size allowed at the chunk length (a wave of
+    one row runs alone); longer rows then run alone, shortest bucket first.
     """
 
     def bucket(row: PrefillRow) -> int:
@@ -230,8 +232,32 @@ def expected_layout(
         or env.get("DISABLE_BATCHED_PREFILL", "").lower() in ("1", "true", "yes")
         or (sampling_params_given and not policy.model_extracts_batched_outputs)
     )
-    packed = policy.wave_rules == "packed"
+    packed = policy.wave_rules != "spec"
     groups: list[tuple[int, list[PrefillRow]]] = []
+    if policy.wave_rules == "ragged" and not off:
+        chunk = policy.max_chunk_size
+        fits = sorted(
+            (r for r in rows if len(r.tokens) - r.cached_tokens <= chunk),
+            key=lambda r: r.source_row,
+        )
+        largest = max(
+            (
+                b
+                for b in policy.wave_batch_sizes
+                if 1 < b <= min(policy.max_batch_size, policy.lane_capacity)
+                and b * chunk < 128 * 1024
+            ),
+            default=1,
+        )
+        longer = sorted(
+            (r for r in rows if len(r.tokens) - r.cached_tokens > chunk),
+            key=lambda r: (bucket(r), r.source_row),
+        )
+        groups = [
+            (max(bucket(r) for r in fits[i : i + largest]), fits[i : i + largest])
+            for i in range(0, len(fits), largest)
+        ] + [(bucket(r), [r]) for r in longer]
+        rows = []  # grouped already
     for seq, group in itertools.groupby(
         sorted(rows, key=lambda r: (bucket(r), r.source_row)), key=bucket
     ):
@@ -304,7 +330,7 @@ def scenarios(draw: st.DrawFn) -> tuple[PrefillPlanPolicy, list[PrefillRow], boo
         model_extracts_batched_outputs=draw(st.booleans()),
         bucket_kind=draw(st.sampled_from(["tile", "fine"])),
         bucket_step=draw(st.sampled_from([8, 16, 32])),
-        wave_rules=draw(st.sampled_from(["spec", "packed"])),
+        wave_rules=draw(st.sampled_from(["spec", "packed", "ragged"])),
     )
     rows = []
     offset = 0
@@ -517,6 +543,40 @@ def test_packed_rules_split_a_large_bucket_into_full_waves() -> None:
     check_plan(plan, rows, policy)
     spec = plan_prefill(rows=rows, policy=make_policy(max_batch_size=8), env=NO_ENV)
     assert {r.sequential_reason for r in spec.requests} == {"max_batch_size"}
+
+
+def test_ragged_rules_put_rows_of_any_length_in_one_wave_in_source_order() -> None:
+    policy = make_policy(wave_rules="ragged", max_batch_size=4)
+    # New lengths 3, 30, 17, 9, 20 (row 4 is cached): one wave of four, padded to the longest
+    # of them; the fifth row alone; the 70-token row in chunks.
+    rows = make_rows([3, 30, 17, 9, 28, 70], policy=policy, cached=[0, 0, 0, 0, 8, 0])
+    plan = plan_prefill(rows=rows, policy=policy, env=NO_ENV)
+    assert kinds(plan) == [
+        ("batched", (0, 1, 2, 3), 4),
+        ("chunked", (4,), 1),
+        ("chunked", (5,), 1),
+    ]
+    wave = plan.requests[0]
+    assert wave.padded_seq_len == policy.buckets.pad(30) == 32
+    assert wave.seq_lens == (3, 30, 17, 9)
+    assert wave.chunks[0].seq_lens.tolist() == [3, 30, 17, 9]
+    check_plan(plan, rows, policy)
+    # The same rows under packed rules: one wave per padded length at most.
+    packed = plan_prefill(rows=rows, policy=make_policy(wave_rules="packed"), env=NO_ENV)
+    waves = [r for r in packed.requests if r.kind == "batched"]
+    assert waves and all(len(set(map(policy.buckets.pad, r.seq_lens))) == 1 for r in waves)
+
+
+def test_ragged_rules_keep_the_global_fallbacks() -> None:
+    policy = make_policy(wave_rules="ragged", batching_enabled=False)
+    rows = make_rows([3, 30, 17], policy=policy)
+    plan = plan_prefill(rows=rows, policy=policy, env=NO_ENV)
+    assert kinds(plan) == [("single", (i,), 1) for i in (0, 2, 1)]
+    assert {r.sequential_reason for r in plan.requests} <= {"disabled", None}
+    one = make_policy(wave_rules="ragged", max_batch_size=1)
+    assert kinds(plan_prefill(rows=rows, policy=one, env=NO_ENV)) == [
+        ("single", (i,), 1) for i in range(3)
+    ]
 
 
 def test_packed_rules_keep_the_spec_fallbacks_where_no_wave_is_allowed() -> None:

@@ -105,6 +105,8 @@ RULES: list[tuple[dict[str, Any], str, str]] = [
      "increasing"),
     ({"device.backend": "ttnn", "prefill.wave_rules": "packed"}, "prefill.wave_rules",
      "needs device.backend=torch"),
+    ({"device.backend": "ttnn", "prefill.wave_rules": "ragged"}, "prefill.wave_rules",
+     "needs device.backend=torch"),
     ({"device.kind": "cuda", "device.linear": "onednn"}, "device.linear", "cpu kernel"),
     ({"device.backend": "ttnn", "device.linear": "aten"}, "device.linear", "only used with"),
     ({"device.decode_kernel": "fast"}, "device.decode_kernel", "must be one of"),
@@ -330,10 +332,32 @@ def test_builtin_families_are_registered_entry_points() -> None:
     assert {"auto", "llama", "gpt2"} <= set(recipe_schema.registered_families())
 
 
-def test_wave_rules_default_to_packed_on_torch_and_spec_on_ttnn() -> None:
-    assert build().wave_rules == "packed"
+def test_wave_rules_default_to_ragged_for_eager_cpu_prefill_packed_elsewhere_on_torch() -> None:
+    assert build().prefill_runs_eagerly and build().wave_rules == "ragged"
+    assert build(**{"trace.mode": "decode_only"}).wave_rules == "ragged"
+    # Captured or compiled prefill steps have fixed shapes: one padded length per wave.
+    assert build(**{"trace.mode": "all"}).wave_rules == "packed"
+    assert build(**{"device.compile": "inductor"}).wave_rules == "packed"
+    decode_only = build(**{"device.compile": "inductor", "device.inductor.operations": ["decode"]})
+    assert decode_only.wave_rules == "ragged"
+    assert build(**{"device.kind": "cuda"}).wave_rules == "packed"
+    assert build(**{"device.kind": "cuda", "prefill.wave_rules": "ragged"}).wave_rules == "ragged"
     assert build(**TT).wave_rules == "spec"
     assert build(**{"prefill.wave_rules": "spec"}).wave_rules == "spec"
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"trace.mode": "all"},
+        {"device.compile": "inductor"},
+        {"device.compile": "inductor", "device.inductor.operations": ["prefill"]},
+    ],
+)
+def test_ragged_wave_rules_need_eager_prefill_steps(overrides: dict[str, Any]) -> None:
+    with pytest.raises(ConfigError, match="ragged needs eager prefill steps") as err:
+        build(**overrides, **{"prefill.wave_rules": "ragged"})
+    assert err.value.field == "prefill.wave_rules"
 
 
 def test_decode_batch_sizes_default_to_powers_of_two_on_torch_and_the_capacity_on_ttnn() -> None:

@@ -1,4 +1,6 @@
-// Causal grouped-query attention over a prefill's own tokens (no cached prefix), float32.
+// Causal grouped-query attention over a prefill's tokens, float32: padded rows with no cached
+// prefix (``causal_attention``), or ragged sequences packed back to back whose keys may start
+// with a cached prefix (``varlen_causal_attention``).
 //
 // Why: torch's CPU flash attention ran SmolLM2's 512-token layer (9 query heads over 3 KV
 // heads, head_dim 64) at ~70 GFLOPS, a quarter of its share of a 512-token prefill. Here a
@@ -11,7 +13,8 @@
 // enable_gqa=True)`` with q ``[B, H, S, D]`` and k, v ``[B, Hkv, S, D]``: position i attends
 // to keys 0..i; query head h reads KV head h / (H / Hkv). The output is ``[B, H, S, D]``
 // viewed over a ``[B, S, H, D]`` buffer, so the caller's ``transpose(1, 2).flatten(2)`` is
-// free.
+// free. The packed form is flash attention's varlen one: per sequence, the queries are its
+// last keys (bottom-right causal alignment).
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -49,13 +52,27 @@ struct Strides {
 
 Strides strides_of(const at::Tensor& t) { return {t.stride(0), t.stride(1), t.stride(2)}; }
 
-// One task: KV head ``g`` of batch row ``b``, query positions [q0, q1), all ``group`` query
-// heads of the KV head. ``NV``: 16-float vectors per head (head_dim / 16).
+// One sequence's tensors for one task: ``q``/``o`` at its query 0, head 0; ``k``/``v`` at its
+// key 0, KV head 0 (``h``: head stride, ``s``: position stride). Its queries sit at positions
+// ``offset``, ``offset + 1``, ... among its keys (``offset``: keys cached before them), so query
+// i sees keys 0..offset + i.
+struct Segment {
+  const float* q;
+  int64_t qh, qs;
+  const float* k;
+  int64_t kh, ks;
+  const float* v;
+  int64_t vh, vs;
+  float* o;
+  int64_t oh, os;
+  int64_t offset;
+};
+
+// One task: KV head ``g`` of sequence ``seg``, its queries [q0, q1), all ``group`` query heads
+// of the KV head. ``NV``: 16-float vectors per head (head_dim / 16).
 template <int NV>
-LLMRT_AVX512 void attend_block(const float* q, Strides qs, const float* k, Strides ks,
-                               const float* v, Strides vs, float* out, Strides os, int64_t b,
-                               int64_t g, int64_t group, int64_t q0, int64_t q1, float scale,
-                               std::vector<float>& work) {
+LLMRT_AVX512 void attend_block(const Segment& seg, int64_t g, int64_t group, int64_t q0,
+                               int64_t q1, float scale, std::vector<float>& work) {
   constexpr int64_t D = 16 * NV;
   const int64_t positions = q1 - q0, rows = group * positions;
   // Per row r = j * positions + i (head g * group + j, position q0 + i): running max and sum,
@@ -71,17 +88,18 @@ LLMRT_AVX512 void attend_block(const float* q, Strides qs, const float* k, Strid
   std::fill_n(total, rows, 0.0f);
   std::fill_n(poisoned, rows, 0.0f);
   std::fill_n(acc, rows * D, 0.0f);
-  const float* kb = k + b * ks.b + g * ks.h;
-  const float* vb = v + b * vs.b + g * vs.h;
+  const float* kb = seg.k + g * seg.kh;
+  const float* vb = seg.v + g * seg.vh;
   const auto qrow = [&](int64_t r) {
-    return q + b * qs.b + (g * group + r / positions) * qs.h + (q0 + r % positions) * qs.s;
+    return seg.q + (g * group + r / positions) * seg.qh + (q0 + r % positions) * seg.qs;
   };
-  for (int64_t k0 = 0; k0 < q1; k0 += kKeyBlock) {
-    const int64_t nk = std::min(kKeyBlock, q1 - k0);
+  const int64_t keys = seg.offset + q1;  // the last query's keys
+  for (int64_t k0 = 0; k0 < keys; k0 += kKeyBlock) {
+    const int64_t nk = std::min(kKeyBlock, keys - k0);
     // K^T of the block, zero-padded to kKeyBlock columns.
     for (int64_t d = 0; d < D; ++d)
       for (int64_t t = 0; t < kKeyBlock; ++t)
-        kt[d * kKeyBlock + t] = t < nk ? kb[(k0 + t) * ks.s + d] : 0.0f;
+        kt[d * kKeyBlock + t] = t < nk ? kb[(k0 + t) * seg.ks + d] : 0.0f;
     // Scores: kKeyBlock keys (four vectors) for kTileRows rows at a time.
     for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
       const int tr = static_cast<int>(std::min<int64_t>(kTileRows, rows - r0));
@@ -105,7 +123,7 @@ LLMRT_AVX512 void attend_block(const float* q, Strides qs, const float* k, Strid
       }
       const __m512 vscale = _mm512_set1_ps(scale);
       for (int i = 0; i < tr; ++i) {
-        const int64_t r = r0 + i, pos = q0 + r % positions;
+        const int64_t r = r0 + i, pos = seg.offset + q0 + r % positions;
         // Keys past the row's position (and past the block) are masked.
         const int64_t visible = std::min(nk, pos - k0 + 1);
         float* sr = scores + r * kKeyBlock;
@@ -124,8 +142,8 @@ LLMRT_AVX512 void attend_block(const float* q, Strides qs, const float* k, Strid
           block_top = std::max(block_top, _mm512_mask_reduce_max_ps(seen[c], x));
         }
         // Online softmax: rescale what came before to the new maximum (carry is 0 for the
-        // first block; every block holds a visible key for every row, since key blocks
-        // start at multiples of kKeyBlock, at or before the query block's first position).
+        // first block, which holds key 0, visible to every row; a later block may hold none
+        // of a row's keys: its maximum stays, carry is 1 and every weight 0).
         const float new_top = std::max(top[r], block_top);
         const float carry = top[r] == -std::numeric_limits<float>::infinity()
                                 ? 0.0f
@@ -158,7 +176,7 @@ LLMRT_AVX512 void attend_block(const float* q, Strides qs, const float* k, Strid
         for (int c = 0; c < NV; ++c)
           o[i][c] = i < tr ? _mm512_loadu_ps(acc + (r0 + i) * D + 16 * c) : _mm512_setzero_ps();
       for (int64_t t = 0; t < nk; ++t) {
-        const float* vt = vb + (k0 + t) * vs.s;
+        const float* vt = vb + (k0 + t) * seg.vs;
         __m512 vv[NV];
         for (int c = 0; c < NV; ++c) vv[c] = _mm512_loadu_ps(vt + 16 * c);
         for (int i = 0; i < kPvRows; ++i) {
@@ -173,7 +191,7 @@ LLMRT_AVX512 void attend_block(const float* q, Strides qs, const float* k, Strid
   for (int64_t r = 0; r < rows; ++r) {
     const __m512 inv = _mm512_set1_ps(
         poisoned[r] != 0.0f ? std::numeric_limits<float>::quiet_NaN() : 1.0f / total[r]);
-    float* dst = out + b * os.b + (g * group + r / positions) * os.h + (q0 + r % positions) * os.s;
+    float* dst = seg.o + (g * group + r / positions) * seg.oh + (q0 + r % positions) * seg.os;
     for (int c = 0; c < NV; ++c)
       _mm512_storeu_ps(dst + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + 16 * c), inv));
   }
@@ -185,64 +203,138 @@ bool causal_attention_supported(int64_t head_dim) {
   return has_avx512() && supported_head_dim(head_dim);
 }
 
+// One task: query block [q0, q1) of KV head ``g`` of segment ``seg``.
+struct Task {
+  int64_t seg, g, q0, q1;
+};
+
+// Runs ``tasks`` (heaviest first: they read the most keys, so the team ends together) over
+// the thread team, each thread with its own work buffer.
+void run_tasks(const std::vector<Segment>& segments, std::vector<Task>& tasks, int64_t dim,
+               int64_t group, float scale) {
+  std::stable_sort(tasks.begin(), tasks.end(), [&](const Task& a, const Task& b) {
+    return segments[a.seg].offset + a.q1 > segments[b.seg].offset + b.q1;
+  });
+  const auto run = [&](const Task& t, std::vector<float>& work) {
+    const Segment& seg = segments[t.seg];
+    switch (dim) {
+      case 16: attend_block<1>(seg, t.g, group, t.q0, t.q1, scale, work); break;
+      case 32: attend_block<2>(seg, t.g, group, t.q0, t.q1, scale, work); break;
+      case 64: attend_block<4>(seg, t.g, group, t.q0, t.q1, scale, work); break;
+      default: attend_block<8>(seg, t.g, group, t.q0, t.q1, scale, work); break;
+    }
+  };
+  const int64_t n = static_cast<int64_t>(tasks.size());
+  const int nt = std::max(1, at::get_num_threads());
+  if (nt == 1 || n <= 1 || at::in_parallel_region()) {
+    std::vector<float> work;
+    for (const Task& t : tasks) run(t, work);
+    return;
+  }
+#pragma omp parallel num_threads(nt)
+  {
+    std::vector<float> work;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n; ++i) run(tasks[i], work);
+  }
+}
+
+// Every query block of every KV head of ``segments`` (``lens``: queries per segment).
+std::vector<Task> tasks_of(const std::vector<int64_t>& lens, int64_t kv_heads) {
+  std::vector<Task> tasks;
+  for (int64_t s = 0; s < static_cast<int64_t>(lens.size()); ++s)
+    for (int64_t q0 = 0; q0 < lens[s]; q0 += kQueryBlock)
+      for (int64_t g = 0; g < kv_heads; ++g)
+        tasks.push_back({s, g, q0, std::min(lens[s], q0 + kQueryBlock)});
+  return tasks;
+}
+
+void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t rank,
+                  const char* op, const char* shapes) {
+  for (const auto* t : {&q, &k, &v}) {
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat, "llmrt_kernels.", op,
+                ": q, k and v must be float32 on the CPU");
+    TORCH_CHECK(t->dim() == rank, "llmrt_kernels.", op, ": q, k and v must be ", shapes);
+  }
+  const int64_t dim = q.size(-1), heads = q.size(-2 - (rank == 4)), kv_heads = k.size(-2 - (rank == 4));
+  TORCH_CHECK(k.sizes() == v.sizes() && k.size(-1) == dim, "llmrt_kernels.", op,
+              ": k and v must have one shape, with q's head_dim");
+  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "llmrt_kernels.", op, ": query heads (",
+              heads, ") must be a multiple of KV heads (", kv_heads, ")");
+  TORCH_CHECK(causal_attention_supported(dim), "llmrt_kernels.", op,
+              ": needs AVX-512 and head_dim 16, 32, 64 or 128 (got ", dim, ")");
+}
+
 at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                             double scale) {
-  for (const auto* t : {&q, &k, &v}) {
-    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kFloat,
-                "llmrt_kernels.causal_attention: q, k and v must be float32 on the CPU");
-    TORCH_CHECK(t->dim() == 4, "llmrt_kernels.causal_attention: q, k and v must be [B, H, S, D]");
-  }
+  check_inputs(q, k, v, 4, "causal_attention", "[B, H, S, D]");
   const int64_t batch = q.size(0), heads = q.size(1), len = q.size(2), dim = q.size(3);
   const int64_t kv_heads = k.size(1);
-  TORCH_CHECK(k.sizes() == v.sizes() && k.size(0) == batch && k.size(2) == len &&
-                  k.size(3) == dim,
+  TORCH_CHECK(k.size(0) == batch && k.size(2) == len,
               "llmrt_kernels.causal_attention: k and v must be [B, Hkv, S, D] like q's B, S, D");
-  TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0,
-              "llmrt_kernels.causal_attention: query heads (", heads,
-              ") must be a multiple of KV heads (", kv_heads, ")");
-  TORCH_CHECK(causal_attention_supported(dim),
-              "llmrt_kernels.causal_attention: needs AVX-512 and head_dim 16, 32, 64 or 128 (got ",
-              dim, ")");
   const at::Tensor qc = q.stride(3) == 1 ? q : q.contiguous();
   const at::Tensor kc = k.stride(3) == 1 ? k : k.contiguous();
   const at::Tensor vc = v.stride(3) == 1 ? v : v.contiguous();
   // [B, S, H, D] storage, returned as its [B, H, S, D] view.
   at::Tensor out = at::empty({batch, len, heads, dim}, q.options()).transpose(1, 2);
   if (out.numel() == 0) return out;
-  const int64_t group = heads / kv_heads;
-  const int64_t qblocks = (len + kQueryBlock - 1) / kQueryBlock;
-  const int64_t tasks = batch * kv_heads * qblocks;
   const float* qp = qc.const_data_ptr<float>();
   const float* kp = kc.const_data_ptr<float>();
   const float* vp = vc.const_data_ptr<float>();
   float* op = out.mutable_data_ptr<float>();
   const Strides qs = strides_of(qc), ks = strides_of(kc), vs = strides_of(vc), os = strides_of(out);
-  const float fscale = static_cast<float>(scale);
-  // Task i: query block qblocks - 1 - i / (batch * kv_heads) (latest first: they read the
-  // most keys, so the team ends together), of KV head and batch row i % (batch * kv_heads).
-  const auto run = [&](int64_t i, std::vector<float>& work) {
-    const int64_t qb = qblocks - 1 - i / (batch * kv_heads), rest = i % (batch * kv_heads);
-    const int64_t g = rest % kv_heads, b = rest / kv_heads;
-    const int64_t q0 = qb * kQueryBlock, q1 = std::min(len, q0 + kQueryBlock);
-    switch (dim) {
-      case 16: attend_block<1>(qp, qs, kp, ks, vp, vs, op, os, b, g, group, q0, q1, fscale, work); break;
-      case 32: attend_block<2>(qp, qs, kp, ks, vp, vs, op, os, b, g, group, q0, q1, fscale, work); break;
-      case 64: attend_block<4>(qp, qs, kp, ks, vp, vs, op, os, b, g, group, q0, q1, fscale, work); break;
-      default: attend_block<8>(qp, qs, kp, ks, vp, vs, op, os, b, g, group, q0, q1, fscale, work); break;
-    }
-  };
-  const int nt = std::max(1, at::get_num_threads());
-  if (nt == 1 || tasks == 1 || at::in_parallel_region()) {
-    std::vector<float> work;
-    for (int64_t i = 0; i < tasks; ++i) run(i, work);
-    return out;
+  std::vector<Segment> segments;
+  for (int64_t b = 0; b < batch; ++b)
+    segments.push_back({qp + b * qs.b, qs.h, qs.s, kp + b * ks.b, ks.h, ks.s, vp + b * vs.b, vs.h,
+                        vs.s, op + b * os.b, os.h, os.s, 0});
+  std::vector<Task> tasks = tasks_of(std::vector<int64_t>(batch, len), kv_heads);
+  run_tasks(segments, tasks, dim, heads / kv_heads, static_cast<float>(scale));
+  return out;
+}
+
+// Ragged sequences packed back to back (no padding): q ``[T, H, D]``, k and v ``[Tk, Hkv, D]``;
+// sequence b's queries are rows q_starts[b]..q_starts[b + 1] of q and its keys rows
+// k_starts[b]..k_starts[b + 1] of k and v, the queries being its last keys (query i of a
+// sequence with n queries and m keys sees keys 0..m - n + i). Returns ``[T, H, D]``.
+at::Tensor varlen_causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                   const at::Tensor& q_starts, const at::Tensor& k_starts,
+                                   double scale) {
+  check_inputs(q, k, v, 3, "varlen_causal_attention", "[tokens, heads, head_dim]");
+  for (const auto* t : {&q_starts, &k_starts})
+    TORCH_CHECK(t->device().is_cpu() && t->scalar_type() == at::kLong && t->dim() == 1 &&
+                    t->numel() == q_starts.numel() && t->numel() >= 1,
+                "llmrt_kernels.varlen_causal_attention: q_starts and k_starts must be int64 "
+                "CPU vectors of one length (sequences + 1)");
+  const int64_t heads = q.size(1), dim = q.size(2), kv_heads = k.size(1);
+  const at::Tensor qc = q.is_contiguous() ? q : q.contiguous();
+  const at::Tensor kc = k.is_contiguous() ? k : k.contiguous();
+  const at::Tensor vc = v.is_contiguous() ? v : v.contiguous();
+  const at::Tensor qst = q_starts.contiguous(), kst = k_starts.contiguous();
+  const int64_t* qb = qst.const_data_ptr<int64_t>();
+  const int64_t* kb = kst.const_data_ptr<int64_t>();
+  const int64_t n = q_starts.numel() - 1;
+  TORCH_CHECK(qb[0] == 0 && kb[0] == 0 && qb[n] == q.size(0) && kb[n] == k.size(0),
+              "llmrt_kernels.varlen_causal_attention: starts must run from 0 to the row counts (",
+              q.size(0), " queries, ", k.size(0), " keys)");
+  at::Tensor out = at::empty(qc.sizes(), q.options());
+  const float* qp = qc.const_data_ptr<float>();
+  const float* kp = kc.const_data_ptr<float>();
+  const float* vp = vc.const_data_ptr<float>();
+  float* op = out.mutable_data_ptr<float>();
+  std::vector<Segment> segments;
+  std::vector<int64_t> lens;
+  for (int64_t b = 0; b < n; ++b) {
+    const int64_t nq = qb[b + 1] - qb[b], nk = kb[b + 1] - kb[b];
+    TORCH_CHECK(nq >= 0 && nk >= nq,
+                "llmrt_kernels.varlen_causal_attention: sequence ", b, " has ", nq,
+                " queries and ", nk, " keys (needs 0 <= queries <= keys)");
+    segments.push_back({qp + qb[b] * heads * dim, dim, heads * dim, kp + kb[b] * kv_heads * dim,
+                        dim, kv_heads * dim, vp + kb[b] * kv_heads * dim, dim, kv_heads * dim,
+                        op + qb[b] * heads * dim, dim, heads * dim, nk - nq});
+    lens.push_back(nq);
   }
-#pragma omp parallel num_threads(nt)
-  {
-    std::vector<float> work;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < tasks; ++i) run(i, work);
-  }
+  std::vector<Task> tasks = tasks_of(lens, kv_heads);
+  run_tasks(segments, tasks, dim, heads / kv_heads, static_cast<float>(scale));
   return out;
 }
 
@@ -254,7 +346,13 @@ bool causal_attention_supported_op(int64_t head_dim) {
 
 TORCH_LIBRARY_FRAGMENT(llmrt_kernels, m) {
   m.def("causal_attention(Tensor q, Tensor k, Tensor v, float scale) -> Tensor");
+  m.def(
+      "varlen_causal_attention(Tensor q, Tensor k, Tensor v, Tensor q_starts, Tensor k_starts, "
+      "float scale) -> Tensor");
   m.def("causal_attention_supported(int head_dim) -> bool", &causal_attention_supported_op);
 }
 
-TORCH_LIBRARY_IMPL(llmrt_kernels, CPU, m) { m.impl("causal_attention", &causal_attention); }
+TORCH_LIBRARY_IMPL(llmrt_kernels, CPU, m) {
+  m.impl("causal_attention", &causal_attention);
+  m.impl("varlen_causal_attention", &varlen_causal_attention);
+}
