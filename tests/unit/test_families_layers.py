@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 
+from llmrt.device.cpu_features import CpuFeatures
 from llmrt.errors import ConfigError
 from llmrt.families.layers import (
     FrozenLinear,
@@ -63,10 +64,16 @@ def test_onednn_runs_under_torch_compile_as_an_opaque_op() -> None:
     torch.testing.assert_close(compiled(x), layer(x))
 
 
-def test_auto_picks_onednn_for_float32_on_cpu_only() -> None:
-    fp32 = resolve_linear_kernel("auto", device=CPU, dtype=torch.float32)
+def test_auto_picks_onednn_for_float32_on_a_non_intel_cpu_only() -> None:
+    amd, intel = CpuFeatures(vendor="AuthenticAMD"), CpuFeatures(vendor="GenuineIntel")
+    fp32 = resolve_linear_kernel("auto", device=CPU, dtype=torch.float32, cpu=amd)
     assert fp32 == ("onednn" if onednn_linear_available() else "aten")
-    assert resolve_linear_kernel("auto", device=CPU, dtype=torch.bfloat16) == "aten"
+    # MKL's sgemm is Intel's own: at least as fast as oneDNN there.
+    assert resolve_linear_kernel("auto", device=CPU, dtype=torch.float32, cpu=intel) == "aten"
+    assert resolve_linear_kernel("auto", device=CPU, dtype=torch.bfloat16, cpu=amd) == "aten"
+    if onednn_linear_available():
+        asked = resolve_linear_kernel("onednn", device=CPU, dtype=torch.float32, cpu=intel)
+        assert asked == "onednn"
     cuda = torch.device("cuda", 0)
     assert resolve_linear_kernel("auto", device=cuda, dtype=torch.float32) == "aten"
     assert resolve_linear_kernel("aten", device=CPU, dtype=torch.float32) == "aten"
