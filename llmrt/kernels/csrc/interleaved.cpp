@@ -285,6 +285,37 @@ LLMRT_VNNI inline float q4_row_sum(__m512 acc, __m256 macc) {
   return _mm512_reduce_add_ps(_mm512_add_ps(acc, _mm512_zextps256_ps512(macc)));
 }
 
+// Eight rows' results at once (the tile loop at eight activation rows): each row's
+// integer-dot lanes plus its m term summed in a shuffle tree shared by the eight, instead of
+// eight separate horizontal reductions (~24 vector ops for eight sums against ~72; SmolLM2's
+// linears at 16 rows 4-6% faster). Each row's lanes pair up as in ``q4_row_sum``'s
+// reduction (halves, quarters, then lanes 0+2 and 1+3), so results stay bit-equal to it.
+LLMRT_VNNI inline void q4_row_sums8(const __m512* acc, const __m256* macc, float* out) {
+  __m512 a[8];
+  for (int r = 0; r < 8; ++r) a[r] = _mm512_add_ps(acc[r], _mm512_zextps256_ps512(macc[r]));
+  // 256-bit halves: rows (2i, 2i + 1) -> 8 partial sums each.
+  __m512 b[4];
+  for (int i = 0; i < 4; ++i)
+    b[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44),
+                         _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xEE));
+  // 128-bit quarters: b[2j], b[2j + 1] -> rows 4j..4j+3, 4 partial sums each.
+  __m512 c[2];
+  for (int j = 0; j < 2; ++j)
+    c[j] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * j], b[2 * j + 1], 0x88),
+                         _mm512_shuffle_f32x4(b[2 * j], b[2 * j + 1], 0xDD));
+  // Within 128-bit lanes: lane k holds row k (k = 0..3 from c[0]) then row k + 4 (c[1]).
+  const __m512 d = _mm512_add_ps(_mm512_shuffle_ps(c[0], c[1], 0x44),
+                                 _mm512_shuffle_ps(c[0], c[1], 0xEE));
+  const __m512 e = _mm512_add_ps(_mm512_shuffle_ps(d, d, 0x88), _mm512_shuffle_ps(d, d, 0xDD));
+  // e's 128-bit lane k: [row k, row k + 4, row k, row k + 4].
+  alignas(64) float t[16];
+  _mm512_store_ps(t, e);
+  for (int k = 0; k < 4; ++k) {
+    out[k] = t[4 * k];
+    out[k + 4] = t[4 * k + 1];
+  }
+}
+
 // One group of 4-bit blocks (quants ``z``, ``dm``) against MT activation rows.
 template <int MT>
 LLMRT_VNNI inline void q4_group(const uint8_t* p, int64_t prep_stride, __m512i z, __m256 dm,
@@ -396,8 +427,13 @@ LLMRT_VNNI void q4_tile(const uint8_t* prep, int64_t prep_stride, const uint8_t*
                    _mm512_maskz_loadu_epi8(byte_mask(16 * c), o), group_dm<BASE>(o, c), acc,
                    macc);
     }
-    for (int r = 0; r < MT; ++r)
-      y[r * ldy + n] = q4_row_sum(acc[r], macc[r]);
+    if constexpr (MT == 8) {
+      float sums[8];
+      q4_row_sums8(acc, macc, sums);
+      for (int r = 0; r < 8; ++r) y[r * ldy + n] = sums[r];
+    } else {
+      for (int r = 0; r < MT; ++r) y[r * ldy + n] = q4_row_sum(acc[r], macc[r]);
+    }
   }
 }
 
