@@ -347,9 +347,9 @@ class DeviceSpec:
     the integer-dot kernels on CPUs with AVX-512 VNNI, whose two-level 8-bit activations keep
     logits within ~1e-2 of the float32 reference on SmolLM2; ``ggml``: the file's order, float32
     activations).
-    ``attention_kernel`` picks what runs causal attention among a prefill's own tokens
-    (``auto``: llmrt's C++ kernel on CPUs with AVX-512 for float32 head_dim 16, 32, 64 or 128, else
-    torch's SDPA; ``native``: required; ``sdpa``: torch's).
+    ``attention_kernel`` picks what runs a prefill's causal attention and RoPE (``auto``:
+    llmrt's C++ kernels on CPUs with AVX-512 for float32 head_dim 16, 32, 64 or 128, else
+    torch's SDPA and ops; ``native``: required; ``sdpa``: torch's).
     ``retain_freed_memory`` keeps freed host memory mapped for reuse (glibc thresholds, see
     ``llmrt.device.host_memory``; applied once per process when a CPU device opens): without
     it every large prefill temporary page-faults in afresh. ``huge_pages`` copies a CPU

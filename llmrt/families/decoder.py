@@ -344,7 +344,7 @@ class Attention(nn.Module):
         self.window = window
         kv = spec.num_kv_heads * spec.head_dim
         self.split_sizes = (spec.num_heads * spec.head_dim, kv, kv)
-        #: Causal attention among a prefill's own tokens by llmrt's C++ kernel
+        #: Causal attention among a prefill's own tokens, and RoPE, by llmrt's C++ kernels
         #: (``device.attention_kernel``; ``select_attention_kernel`` sets it).
         self.native_causal = False
 
@@ -366,8 +366,8 @@ class Attention(nn.Module):
         if not self.norm_over_proj and self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
-            q = apply_rope(q, cos=rope[0], sin=rope[1])
-            k = apply_rope(k, cos=rope[0], sin=rope[1])
+            q = apply_rope(q, cos=rope[0], sin=rope[1], native=self.native_causal)
+            k = apply_rope(k, cos=rope[0], sin=rope[1], native=self.native_causal)
         out = attend(
             q=q,
             k=k,

@@ -1,11 +1,13 @@
-"""Which kernel runs causal attention over a prefill's own tokens (``device.attention_kernel``).
+"""Which kernels run a prefill's causal attention and RoPE (``device.attention_kernel``).
 
-``native`` is ``llmrt_kernels.causal_attention``: float32 flash-style attention in C++ where
-each task holds one KV head's whole query group (see ``csrc/prefill_attention.cpp``); ``sdpa``
-is torch's ``scaled_dot_product_attention``. ``auto`` takes the native kernel on the CPU
-where the kernels load and the CPU has AVX-512. Either way a call the native kernel does not
-cover (not float32, another head_dim, under ``torch.compile``) runs SDPA; sliding windows,
-soft-capping and cached prefixes take the masked paths in ``paged_attention`` as before.
+``native`` is ``llmrt_kernels.causal_attention`` (padded rows) and ``varlen_causal_attention``
+(a packed wave, cached prefixes included): float32 flash-style attention in C++ where each
+task holds one KV head's whole query group (see ``csrc/prefill_attention.cpp``), and
+``llmrt_kernels.rope`` for the rotary embedding; ``sdpa`` is torch's
+``scaled_dot_product_attention`` and torch's RoPE ops. ``auto`` takes the native kernels on
+the CPU where they load and the CPU has AVX-512. Either way a call the native kernels do not
+cover (not float32, another head_dim, under ``torch.compile``) runs torch's; sliding windows
+and soft-capping take the masked paths in ``paged_attention`` as before.
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ _SOURCES = (
     _CSRC / "decode_layer.cpp",
     _CSRC / "activation.cpp",
     _CSRC / "prefill_attention.cpp",
+    _CSRC / "rope.cpp",
     _CSRC / "clock_probe.cpp",
 )
 #: ``-fopenmp``: ``at::parallel_for`` is an OpenMP pragma in the headers, so without it the
