@@ -199,6 +199,14 @@ class Norm(nn.Module):
                 return F.layer_norm(x, width, self.weight, self.bias, self.eps)
             out = F.layer_norm(x, width, None, None, self.eps) * self.weight
             return out if self.bias is None else out + self.bias
+        if (
+            self.kind == "rms"
+            and x.dtype == self.weight.dtype == torch.float32
+            and self.weight.shape == width
+        ):
+            # One op instead of two passes: torch's kernel multiplies the normalised value by
+            # the weight last, as below, so the result is bit-equal (checked by a test).
+            return F.rms_norm(x, width, weight=self.weight, eps=self.eps)
         normed = F.rms_norm(x.float(), width, eps=self.eps)
         if self.kind == "rms_one_plus":
             return (normed * (1.0 + self.weight.float())).to(x.dtype)
