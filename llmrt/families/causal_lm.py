@@ -65,8 +65,9 @@ class PagedCausalLM(nn.Module):
     supports_batched_prefill_outputs: bool = True
     #: Eager prefill runs its layers on the real tokens only, packed back to back
     #: (``PackedTokens``): padding costs nothing in the linears, so a wave may hold prompts
-    #: of any lengths (``prefill.wave_rules: ragged``). False keeps the padded rows (tests
-    #: compare the two). Compiled and captured steps never pack (their shapes are static).
+    #: of any lengths (``prefill.wave_rules: ragged``). False keeps the padded rows (the
+    #: architecture parity tests compare the two). Compiled and captured steps never pack
+    #: (no host reads there; their shapes are static).
     pack_prefill: bool = True
     backbone: Backbone
 

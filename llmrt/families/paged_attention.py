@@ -188,10 +188,15 @@ class PackedTokens(NamedTuple):
         return flat.view(self.rows, self.length, *x.shape[2:])
 
     def last_tokens(self, last_token_index: torch.Tensor) -> torch.Tensor:
-        """Packed index of each row's ``last_token_index`` token (padding rows: clamped)."""
-        last = last_token_index.to(device=self.flat_index.device, dtype=torch.long)
-        first = self.starts[:-1].to(self.flat_index.device)
-        return (first + last.clamp(min=0)).clamp(0, max(self.tokens - 1, 0))
+        """Packed index of each row's ``last_token_index`` token, kept inside the row's own
+        tokens as the padded path keeps it inside its row (a padding row reads token 0 of
+        the next row or the last one: its logits are never used)."""
+        device = self.flat_index.device
+        last = last_token_index.to(device=device, dtype=torch.long)
+        first = self.starts[:-1].to(device)
+        lens = (self.starts[1:] - self.starts[:-1]).to(device)
+        inside = torch.minimum(last.clamp(min=0), (lens - 1).clamp(min=0))
+        return (first + inside).clamp(0, max(self.tokens - 1, 0))
 
 
 class PrefillPlan(NamedTuple):
@@ -264,8 +269,8 @@ def plan_prefill(
     cached = [row for row in range(rows) if starts[row] != 0]
     packed = (
         _packed(valid=valid, starts=starts, ends=ends, writes=writes, page_table=page_table)
-        if pack
-        else None
+        if pack and any(e > s for s, e in zip(starts, ends, strict=True))
+        else None  # nothing to pack: padding rows only
     )
     if not cached:
         return PrefillPlan(

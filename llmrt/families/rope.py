@@ -312,7 +312,7 @@ def apply_rope(
     ``native`` (the kernels are loaded): a float32 CPU call over the full head_dim takes
     ``llmrt_kernels.rope``, one pass instead of torch's five, with equal results.
     """
-    if native and _native_rope_usable(x, cos):
+    if native and _native_rope_usable(x, cos, sin):
         lead = x.shape[:-2]
         out: torch.Tensor = torch.ops.llmrt_kernels.rope(
             x.flatten(0, -3), cos.reshape(-1, cos.shape[-1]), sin.reshape(-1, sin.shape[-1])
@@ -327,11 +327,13 @@ def apply_rope(
     return x * cos + turned * sin
 
 
-def _native_rope_usable(x: torch.Tensor, cos: torch.Tensor) -> bool:
+def _native_rope_usable(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     return (
         x.device.type == "cpu"
-        and x.dtype == cos.dtype == torch.float32
+        and x.dtype == cos.dtype == sin.dtype == torch.float32
         and x.dim() >= 3
+        and x.stride(-1) == 1
+        and cos.shape == sin.shape
         and cos.shape[-1] == x.shape[-1]
         and cos.shape[:-2] == x.shape[:-2]
         and cos.shape[-2] == 1

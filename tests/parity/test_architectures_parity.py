@@ -29,7 +29,7 @@ from llmrt.families.registry import family_for_model_type
 from llmrt.recipe import load_recipe
 from llmrt.sampling_params import SamplingParams
 from llmrt.serving.llm import LLM
-from llmrt.testing.parity import hf_greedy
+from llmrt.testing.parity import hf_greedy, page_table
 from llmrt.weights.checkpoint import Checkpoint
 
 COMMON: dict[str, Any] = {
@@ -202,6 +202,39 @@ def test_capture_safe_path_matches_transformers(
     model = hf_model(case)
     harness = parity_harness(family=family_for_model_type(model.config.model_type), hf_model=model)
     harness.check_capture_safe(monkeypatch)
+
+
+@pytest.mark.parametrize("case", _cases(default=REPRESENTATIVE))
+def test_padded_prefill_matches_transformers_and_the_packed_one(
+    case: str, parity_harness: Any
+) -> None:
+    """An eager prefill packs its real tokens (``pack_prefill``); with packing off the
+    layers run the padded rows. Both match transformers, and on a ragged call with a padding
+    row and a cached-prefix row they agree with each other on every row's logits and on
+    what they write into the pages."""
+    model = hf_model(case)
+    family = family_for_model_type(model.config.model_type)
+    harness = parity_harness(family=family, hf_model=model)
+    prompts = [harness.prompt(n, seed=40 + n) for n in (13, 6, 11)]
+    cuts = [[5, 8], [], [6]]
+    harness.model.pack_prefill = False
+    harness.assert_parity(prompts, harness.greedy(prompts, cuts=cuts, align="end", pad_row=True))
+    results = {}
+    for packed in (False, True):
+        harness.model.pack_prefill = packed
+        kv, pool = harness.bind(fill_seed=3)
+        blocks = [pool.take(4) for _ in range(3)]
+        table = page_table(blocks, width=4)
+        first = harness.prefill(chunks=[prompts[2][:8]], starts=[0], table=table[2:3])
+        rows = [prompts[0], [], prompts[2][8:]]  # fresh, padding, cached prefix of 8
+        table[1] = -1
+        logits = harness.prefill(chunks=rows, starts=[0, 0, 8], table=table, pad_to=16)
+        results[packed] = (first, logits[[0, 2]], kv.snapshot())
+    (first_p, logits_p, pages_p), (first_k, logits_k, pages_k) = results[False], results[True]
+    torch.testing.assert_close(first_k, first_p, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(logits_k, logits_p, atol=1e-5, rtol=1e-5)
+    for a, b in zip(pages_k, pages_p, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("case", _cases(default=REPRESENTATIVE))

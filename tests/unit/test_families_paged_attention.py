@@ -347,6 +347,17 @@ def test_packed_tokens_pack_unpack_and_last_tokens() -> None:
     assert back.flatten().tolist() == [0, 1, 2, 0, 0, 0] + [0] * 6 + [12, 13, 14, 15, 16, 0]
     # Last token of each row in packed order; the padding row's clamps inside the tokens.
     assert packed.last_tokens(torch.tensor([2, 0, 4])).tolist() == [2, 3, 7]
+    # An index past a row's tokens stays in that row (the padded path keeps it in the row).
+    assert packed.last_tokens(torch.tensor([5, 0, 9])).tolist() == [2, 3, 7]
+    only_padding = plan_prefill(
+        start_pos=torch.tensor([0, 0], dtype=torch.int32),
+        seq_lens=torch.tensor([0, 0], dtype=torch.int32),
+        page_table=_table([[1], [2]], width=1),
+        block_size=BS,
+        chunk_len=4,
+        pack=True,
+    )
+    assert only_padding.packed is None  # nothing to pack: the padded path runs
     no_pack = plan_prefill(
         start_pos=torch.tensor([0], dtype=torch.int32),
         seq_lens=torch.tensor([3], dtype=torch.int32),

@@ -95,8 +95,10 @@ def test_linear_on_interleaved_blocks_is_within_the_two_level_bound(
     assert float(error.max()) < float(one_level.max()) / 16
 
 
-def test_interleaved_linear_is_deterministic_and_row_independent() -> None:
-    weight = random_weight("q4_1", rows=100, cols=576, seed=7).interleaved()
+@pytest.mark.parametrize("kind", ["q4_0", "q4_1"])
+def test_interleaved_linear_is_deterministic_and_row_independent(kind: str) -> None:
+    # 12 rows: a tile of eight (its sums from one shuffle tree) and one of four.
+    weight = random_weight(kind, rows=100, cols=576, seed=7).interleaved()
     linear = QuantizedLinear(weight=weight)
     x = torch.randn(12, 576)
     batch = linear(x)

@@ -68,7 +68,23 @@ def test_apply_rope_takes_the_kernel_only_where_it_covers_the_call(
     want = apply_rope(partial, cos=cos, sin=sin)
     assert torch.equal(apply_rope(partial, cos=cos, sin=sin, native=True), want)
     assert len(calls) == 1
-    assert not rope_module._native_rope_usable(x.double(), cos)
+    assert not rope_module._native_rope_usable(x.double(), cos, sin)
+    assert not rope_module._native_rope_usable(x, cos, sin[..., :16])
+    assert not rope_module._native_rope_usable(x.transpose(-1, -2), cos, sin)
+
+
+@pytest.mark.parametrize("dim", [64, 24])
+def test_the_op_rotates_by_each_half_of_its_own_tables(dim: int) -> None:
+    """Tables whose halves differ (``rope_lookup`` repeats one half): the op must read
+    ``cos``/``sin`` at each output channel's own index."""
+    gen = torch.Generator().manual_seed(dim)
+    x = torch.randn(7, 3, dim, generator=gen)
+    cos = torch.randn(7, dim, generator=gen)
+    sin = torch.randn(7, dim, generator=gen)
+    half = dim // 2
+    turned = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    want = x * cos[:, None] + turned * sin[:, None]
+    assert torch.equal(op(x, cos, sin), want)
 
 
 def test_bad_inputs_name_the_problem() -> None:

@@ -22,8 +22,10 @@
 #include "cpu.h"
 #include "vecmath.h"
 
-// torch rounds the two products before their sum: keep the compiler from fusing them.
+// torch rounds the two products before their sum: keep the compiler from fusing them (GCC's
+// pragma; the standard one for compilers that honour it).
 #pragma GCC optimize("fp-contract=off")
+#pragma STDC FP_CONTRACT OFF
 
 namespace {
 
