@@ -24,12 +24,12 @@ HQ, HKV, D = 4, 2, 8
 SCALE = D**-0.5
 
 
-def _cache(seed: int, *, token_major: bool = False) -> torch.Tensor:
-    """A random ``[N, HKV, BS, D]`` cache, stored row-major or token-major (``TOKEN_MAJOR``)."""
+def _cache(seed: int, *, token_major: bool = False, dim: int = D) -> torch.Tensor:
+    """A random ``[N, HKV, BS, dim]`` cache, stored row-major or token-major (``TOKEN_MAJOR``)."""
     gen = torch.Generator().manual_seed(seed)
     if token_major:
-        return torch.randn((N, BS, HKV, D), generator=gen).permute(TOKEN_MAJOR)
-    return torch.randn((N, HKV, BS, D), generator=gen)
+        return torch.randn((N, BS, HKV, dim), generator=gen).permute(TOKEN_MAJOR)
+    return torch.randn((N, HKV, BS, dim), generator=gen)
 
 
 LAYOUTS = pytest.mark.parametrize("token_major", [False, True], ids=["row-major", "token-major"])
@@ -56,13 +56,13 @@ def _naive_attention(
     pos: int,
     row: int,
 ) -> torch.Tensor:
-    """``q`` ``[HQ, D]`` attending to positions ``0..pos`` of ``row`` (GQA: head h -> h // 2)."""
+    """``q`` ``[HQ, dim]`` attending to positions ``0..pos`` of ``row`` (GQA: head h -> h // 2)."""
     keys = torch.stack([k_cache[table[row, p // BS], :, p % BS] for p in range(pos + 1)])
     values = torch.stack([v_cache[table[row, p // BS], :, p % BS] for p in range(pos + 1)])
-    out = torch.empty(HQ, D)
+    out = torch.empty(HQ, q.shape[-1])
     for h in range(HQ):
         kv_head = h // (HQ // HKV)
-        weights = torch.softmax(keys[:, kv_head] @ q[h] * SCALE, dim=0)
+        weights = torch.softmax(keys[:, kv_head] @ q[h] * q.shape[-1] ** -0.5, dim=0)
         out[h] = weights @ values[:, kv_head]
     return out
 
@@ -273,11 +273,8 @@ def test_packed_prefill_matches_the_naive_reference(
     dim = 16  # a head_dim the native kernels take
     gen = torch.Generator().manual_seed(4)
     table = _table([[17, 2, 9, 21], [5, 11, 0, 14], [8, 3, 19, 6]], width=5)
-    k_cache = torch.randn((N, HKV, BS, dim), generator=gen)
-    v_cache = torch.randn((N, HKV, BS, dim), generator=gen)
-    if token_major:
-        k_cache = k_cache.permute(0, 2, 1, 3).contiguous().permute(TOKEN_MAJOR)
-        v_cache = v_cache.permute(0, 2, 1, 3).contiguous().permute(TOKEN_MAJOR)
+    k_cache = _cache(5, token_major=token_major, dim=dim)
+    v_cache = _cache(6, token_major=token_major, dim=dim)
     q = torch.randn((3, chunk, HQ, dim), generator=gen)
     k = torch.randn((3, chunk, HKV, dim), generator=gen)
     v = torch.randn((3, chunk, HKV, dim), generator=gen)
@@ -320,13 +317,7 @@ def test_packed_prefill_matches_the_naive_reference(
     rows = packed.unpack(out)
     for row in range(3):
         for i in range(lens[row]):
-            pos = starts[row] + i
-            keys = torch.stack([want_k[table[row, p // BS], :, p % BS] for p in range(pos + 1)])
-            values = torch.stack([want_v[table[row, p // BS], :, p % BS] for p in range(pos + 1)])
-            group = HQ // HKV
-            scores = torch.einsum("hd,phd->hp", q[row, i], keys.repeat_interleave(group, 1))
-            weights = torch.softmax(scores * dim**-0.5, dim=-1)
-            want = torch.einsum("hp,phd->hd", weights, values.repeat_interleave(group, 1))
+            want = _naive_attention(q[row, i], want_k, want_v, table, starts[row] + i, row)
             torch.testing.assert_close(rows[row, i].view(HQ, dim), want, atol=1e-5, rtol=1e-5)
 
 
