@@ -182,7 +182,10 @@ def test_bfloat16_gemms_round_to_bfloat16_and_leave_decode_rows_alone(kind: str)
     from llmrt.families.layers import select_gemm_dtype
 
     weight = random_weight(kind, rows=40, cols=64, seed=4)
-    layer = frozen_linear(weight=weight, bias=torch.randn(40))
+    # A seeded bias: the bound below has no term for the bias's own bfloat16 rounding, and
+    # the global generator's draw (which depends on the tests run before) broke it ~1%.
+    bias = torch.randn(40, generator=torch.Generator().manual_seed(6))
+    layer = frozen_linear(weight=weight, bias=bias)
     model = nn.Sequential(layer)
     x = torch.randn(GEMM_MIN_ROWS, 64, generator=torch.Generator().manual_seed(5))
     exact, decode = layer(x), layer(x[:1])
