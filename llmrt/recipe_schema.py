@@ -343,10 +343,10 @@ class DeviceSpec:
     stay float32: short prompts keep the reference's greedy tokens where its top two logits
     are close); ``auto``: ``bfloat16`` on CPUs where it is faster, else ``float32``
     (``llmrt.families.layers.resolve_gemm_dtype``; logged as ``weights.placed``).
-    ``weight_layout`` orders the blocks of block-quantized weights (``auto``: interleaved for
-    the integer-dot kernels on CPUs with AVX-512 VNNI, whose two-level 8-bit activations keep
-    logits within ~1e-2 of the float32 reference on SmolLM2; ``ggml``: the file's order, float32
-    activations).
+    ``weight_layout`` orders the blocks of block-quantized weights (``auto``: Q4 blocks, and
+    Q8_0 on Intel CPUs, interleaved for the integer-dot kernels on CPUs with AVX-512 VNNI, whose
+    two-level 8-bit activations keep logits within ~1e-2 of the float32 reference on SmolLM2;
+    ``ggml``: the file's order, float32 activations).
     ``attention_kernel`` picks what runs a prefill's causal attention and RoPE (``auto``:
     llmrt's C++ kernels on CPUs with AVX-512 for float32 head_dim 16, 32, 64 or 128, else
     torch's SDPA and ops; ``native``: required; ``sdpa``: torch's).

@@ -274,6 +274,17 @@ class QuantizedEmbedding(nn.Module):
         self.register_buffer("blocks", weight.blocks, persistent=False)
         self.ggml_type = weight.kernel_type
 
+    def use_weight(self, weight: QuantizedWeight) -> None:
+        """Look rows up in ``weight`` instead (the same table in another layout)."""
+        if weight.shape != self.weight.shape or weight.kind != self.weight.kind:
+            raise ValueError(
+                f"{weight.kind} {weight.shape} does not replace {self.weight.kind} "
+                f"{self.weight.shape}"
+            )
+        self.weight = weight
+        self.blocks = weight.blocks
+        self.ggml_type = weight.kernel_type
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.blocks.index_select(0, ids.reshape(-1))
         dense: torch.Tensor = torch.ops.llmrt_kernels.gguf_dequantize(
@@ -429,15 +440,29 @@ def use_linear_kernel(module: nn.Module, *, kernel: LinearKernel) -> int:
 #: asks for it (and, on a CPU without VNNI, runs a slow portable loop).
 WeightLayoutChoice = Literal["auto", "ggml", "interleaved"]
 WEIGHT_LAYOUT_CHOICES: tuple[str, ...] = get_args(WeightLayoutChoice)
-#: Block kinds ``auto`` interleaves: Q8_0 kept ggml's order (its integer kernel was no
-#: faster at one row and slower at 3-8 rows than the float32 one, measured the same way).
+#: Block kinds ``auto`` interleaves on every CPU with AVX-512 VNNI.
 AUTO_INTERLEAVED_KINDS: tuple[str, ...] = ("q4_0", "q4_1")
 
 
-def select_weight_layout(model: CausalLM, *, choice: str, device: torch.device) -> int:
-    """Put the block-quantized linears of ``model`` in the layout ``choice`` means;
-    returns how many changed. Interleaving copies each weight once; the ggml blocks are
-    released when nothing else holds them."""
+def auto_interleaved_kinds(cpu: CpuFeatures | None = None) -> tuple[str, ...]:
+    """The block kinds ``auto`` interleaves on ``cpu`` (read from ``/proc/cpuinfo`` when not
+    given): Q4_0 and Q4_1 everywhere, Q8_0 too on Intel's CPUs.
+
+    Why Q8_0 only there: on a 2-core Emerald Rapids its integer kernel made SmolLM2's batch-1
+    step (whose tied Q8_0 LM head is 30 of the 99 MB a step reads) 0.89-0.95x as long
+    (in-process A/B, medians), as fast at 4-8 rows and 0.96x at 15; on a 2-core EPYC it was
+    no faster at one row and slower at 3-8 rows than the float32 kernel."""
+    vendor = (cpu if cpu is not None else read_cpu_features()).vendor
+    return (*AUTO_INTERLEAVED_KINDS, "q8_0") if vendor == "GenuineIntel" else AUTO_INTERLEAVED_KINDS
+
+
+def select_weight_layout(
+    model: CausalLM, *, choice: str, device: torch.device, cpu: CpuFeatures | None = None
+) -> int:
+    """Put the block-quantized linears of ``model`` in the layout ``choice`` means (``auto``:
+    ``auto_interleaved_kinds(cpu)``); returns how many linears changed. Interleaving copies
+    each weight once; an embedding tied to an interleaved LM head looks its rows up in the
+    same copy, so the ggml blocks are released when nothing else holds them."""
     field = "device.weight_layout"
     if choice not in WEIGHT_LAYOUT_CHOICES:
         raise ConfigError(field, choice, f"must be one of {list(WEIGHT_LAYOUT_CHOICES)}")
@@ -449,14 +474,24 @@ def select_weight_layout(model: CausalLM, *, choice: str, device: torch.device) 
         return 0
     if choice == "auto" and not int8_dot_supported():
         return 0
+    kinds = auto_interleaved_kinds(cpu) if choice == "auto" else None
+    # id of a replaced ggml weight -> (that weight, kept alive so the id stays its own; the
+    # interleaved copy every module that shared it moves to).
+    replaced: dict[int, tuple[QuantizedWeight, QuantizedWeight]] = {}
     changed = 0
     for module in model.modules():
         if not isinstance(module, QuantizedLinear) or module.weight.layout == "interleaved":
             continue
-        if choice == "auto" and module.weight.kind not in AUTO_INTERLEAVED_KINDS:
+        if kinds is not None and module.weight.kind not in kinds:
             continue
-        module.use_weight(module.weight.interleaved())
+        old = module.weight
+        if id(old) not in replaced:
+            replaced[id(old)] = (old, old.interleaved())
+        module.use_weight(replaced[id(old)][1])
         changed += 1
+    for module in model.modules():
+        if isinstance(module, QuantizedEmbedding) and id(module.weight) in replaced:
+            module.use_weight(replaced[id(module.weight)][1])
     if changed:
         _forget_fused_decode(model)
     return changed

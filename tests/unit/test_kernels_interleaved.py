@@ -14,10 +14,12 @@ import pytest
 import torch
 from test_kernels_gguf_blocks import KINDS, random_weight, reference
 
+from llmrt.device.cpu_features import CpuFeatures
 from llmrt.errors import ConfigError
 from llmrt.families.layers import (
-    AUTO_INTERLEAVED_KINDS,
+    QuantizedEmbedding,
     QuantizedLinear,
+    auto_interleaved_kinds,
     select_weight_layout,
 )
 from llmrt.kernels.formats import BLOCK_BYTES, QuantizedWeight, concat_rows
@@ -160,24 +162,64 @@ def _layouts(model: _Model) -> dict[str, str]:
     return {name: m.weight.layout for name, m in model.named_children()}
 
 
-def test_weight_layout_choices() -> None:
-    cpu = torch.device("cpu")
+AMD, INTEL = CpuFeatures(vendor="AuthenticAMD"), CpuFeatures(vendor="GenuineIntel")
+
+
+def test_auto_interleaves_q8_0_only_on_intel() -> None:
+    assert auto_interleaved_kinds(AMD) == ("q4_0", "q4_1")
+    assert auto_interleaved_kinds(INTEL) == ("q4_0", "q4_1", "q8_0")
+    assert auto_interleaved_kinds(CpuFeatures()) == ("q4_0", "q4_1")
+
+
+@pytest.mark.parametrize("cpu", [AMD, INTEL], ids=["amd", "intel"])
+def test_weight_layout_choices(cpu: CpuFeatures) -> None:
+    device = torch.device("cpu")
     model = _Model()
     before = {name: m.weight.dequantize() for name, m in model.named_children()}
-    assert select_weight_layout(model, choice="ggml", device=cpu) == 0  # type: ignore[arg-type]
+    assert select_weight_layout(model, choice="ggml", device=device, cpu=cpu) == 0  # type: ignore[arg-type]
     assert set(_layouts(model).values()) == {"ggml"}
-    changed = select_weight_layout(model, choice="auto", device=cpu)  # type: ignore[arg-type]
+    changed = select_weight_layout(model, choice="auto", device=device, cpu=cpu)  # type: ignore[arg-type]
     if int8_dot_supported():
-        assert AUTO_INTERLEAVED_KINDS == ("q4_0", "q4_1")
-        assert changed == 2
-        assert _layouts(model) == {"a": "interleaved", "b": "interleaved", "c": "ggml"}
+        q8 = "interleaved" if cpu is INTEL else "ggml"
+        assert changed == (3 if cpu is INTEL else 2)
+        assert _layouts(model) == {"a": "interleaved", "b": "interleaved", "c": q8}
         assert model.a.ggml_type == 3 + 256 and model.a.blocks is model.a.weight.blocks
     else:
         assert changed == 0
-    assert select_weight_layout(model, choice="interleaved", device=cpu) >= 1  # type: ignore[arg-type]
+    select_weight_layout(model, choice="interleaved", device=device, cpu=cpu)  # type: ignore[arg-type]
     assert set(_layouts(model).values()) == {"interleaved"}
     for name, m in model.named_children():
         assert torch.equal(m.weight.dequantize(), before[name])
+
+
+class _Tied(torch.nn.Module):
+    """An embedding and LM head over one Q8_0 table (tied word embeddings)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        table = random_weight("q8_0", rows=50, cols=96, seed=4)
+        self.embed = QuantizedEmbedding(weight=table)
+        self.head = QuantizedLinear(weight=table)
+
+
+@pytest.mark.parametrize("choice", ["auto", "interleaved"])
+def test_a_tied_embedding_follows_its_head_into_one_copy(choice: str) -> None:
+    model = _Tied()
+    ids = torch.tensor([0, 7, 49, 7])
+    rows = model.embed(ids)
+    ggml_blocks = model.embed.blocks
+    changed = select_weight_layout(model, choice=choice, device=torch.device("cpu"), cpu=INTEL)  # type: ignore[arg-type]
+    if choice == "auto" and not int8_dot_supported():
+        assert changed == 0
+        return
+    assert changed == 1
+    assert model.head.weight.layout == "interleaved"
+    assert model.embed.weight is model.head.weight  # one interleaved copy, shared
+    assert model.embed.blocks is model.head.blocks and model.embed.blocks is not ggml_blocks
+    assert model.embed.ggml_type == 8 + 256
+    assert torch.equal(model.embed(ids), rows)  # the same rows, bit for bit
+    with pytest.raises(ValueError, match="does not replace"):
+        model.embed.use_weight(random_weight("q8_0", rows=49, cols=96, seed=4))
 
 
 def test_weight_layout_errors_name_the_field() -> None:
