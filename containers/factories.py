@@ -233,6 +233,7 @@ def build_model(
                 enabled=recipe.device.huge_pages,
                 device=device,
                 gemm_dtype=f"{gemm_dtype} ({gemm_why})",
+                checkpoint=checkpoint,
             )
         select_decode_kernel(
             model,
@@ -248,11 +249,18 @@ def build_model(
 
 
 def place_weights(
-    *, model: CausalLM, enabled: bool, device: Device, gemm_dtype: str | None = None
+    *,
+    model: CausalLM,
+    enabled: bool,
+    device: Device,
+    gemm_dtype: str | None = None,
+    checkpoint: Checkpoint | None = None,
 ) -> None:
     """Put a CPU model's weights on huge pages (``device.huge_pages``) before any kernel
-    borrows them, and log where they are (``weights.placed``, with the GEMM dtype the
-    recipe's ``device.gemm_dtype`` resolved to, and why, when given)."""
+    borrows them, give back the resident pages of ``checkpoint``'s file mappings (the model
+    holds its own copies now; anything it still reads there faults back in), and log where
+    they are (``weights.placed``, with the GEMM dtype the recipe's ``device.gemm_dtype``
+    resolved to, and why, when given)."""
     why_not = huge_pages_refused(setting="device.huge_pages", enabled=enabled)
     if why_not is None and not isinstance(model, torch.nn.Module):
         why_not = f"{type(model).__name__} is not a torch module"
@@ -263,6 +271,11 @@ def place_weights(
         fields = {"weights_on_huge_pages": f"off ({why_not})"}
     if gemm_dtype is not None:
         fields["gemm_dtype"] = gemm_dtype
+    if checkpoint is not None and checkpoint.mappings:
+        release = checkpoint.release_mapped_pages()
+        fields["checkpoint_pages_released"] = (
+            release.released_bytes if release.skipped is None else f"0 ({release.skipped})"
+        )
     log = component_logger("model", object_id=object_id(model))
     emit(log, "weights.placed", device=device.id, **fields)
 

@@ -10,6 +10,7 @@ a missing or mis-shaped tensor is a `CheckpointError` naming it, never a partial
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
@@ -22,6 +23,7 @@ from llmrt.errors import CheckpointError, ConfigError, LLMRTError
 from llmrt.kernels.formats import CheckpointTensor, QuantizedWeight
 from llmrt.weights.cache import default_cache_dir
 from llmrt.weights.gguf import load_gguf, read_gguf_config
+from llmrt.weights.mapped_pages import PageRelease, release_clean_pages
 from llmrt.weights.package_data import package_file
 from llmrt.weights.random import random_config, random_tensors
 from llmrt.weights.safetensors_dir import read_safetensors_dir
@@ -72,6 +74,19 @@ class Checkpoint:
     hf_config: dict[str, Any] = attrs.field(validator=_has_model_type)
     tensors: dict[str, CheckpointTensor] = attrs.field(validator=_float32_cpu)
     tokenizer: Tokenizer | None
+    #: File mappings tensors view (a GGUF's quantized blocks), for ``release_mapped_pages``.
+    mappings: tuple[mmap.mmap, ...] = ()
+
+    def release_mapped_pages(self) -> PageRelease:
+        """Give back the resident pages of the file mappings (``mapped_pages``): for a caller
+        whose model copied its weights out; a tensor read later faults its bytes back in."""
+        released, skipped = 0, []
+        for mapping in self.mappings:
+            done = release_clean_pages(mapping)
+            released += done.released_bytes
+            if done.skipped is not None:
+                skipped.append(done.skipped)
+        return PageRelease(released_bytes=released, skipped="; ".join(skipped) or None)
 
 
 def load_checkpoint(
@@ -117,6 +132,7 @@ def load_checkpoint(
             model_types=model_types,
             tensor_init=tensor_init,
         )
+    mappings: tuple[mmap.mmap, ...] = ()
     if format == "safetensors":
         _forbid(format, package=package, file=file, model=model)
         if path is None:
@@ -133,6 +149,7 @@ def load_checkpoint(
         loaded = load_gguf(path=gguf_path, cache_dir=cache_root, keep_quantized=keep_quantized)
         source = f"gguf:{gguf_path}"
         hf_config, tensors, tokenizer = loaded.hf_config, loaded.tensors, loaded.tokenizer
+        mappings = (loaded.mapping,) if loaded.mapping is not None else ()
     else:
         raise ConfigError(
             "checkpoint.format", format, "must be one of 'random', 'safetensors', 'gguf'"
@@ -143,7 +160,9 @@ def load_checkpoint(
         if rename is not None:
             tensors = dict(rename(tensors, expected={**expected.required, **expected.optional}))
         tensors = _conform(tensors, expected=expected, source=source)
-    return Checkpoint(source=source, hf_config=hf_config, tensors=tensors, tokenizer=tokenizer)
+    return Checkpoint(
+        source=source, hf_config=hf_config, tensors=tensors, tokenizer=tokenizer, mappings=mappings
+    )
 
 
 def gguf_config(

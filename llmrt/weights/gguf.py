@@ -19,6 +19,7 @@ the file's mapping (no copy; pages come from the page cache as the kernels touch
 from __future__ import annotations
 
 import logging
+import mmap
 from collections.abc import Mapping
 from math import prod
 from pathlib import Path
@@ -51,6 +52,8 @@ class GGUFContents:
     hf_config: dict[str, Any]
     tensors: dict[str, CheckpointTensor]
     tokenizer: Tokenizer | None
+    #: The file's mapping, when tensors (``keep_quantized`` blocks) may view it.
+    mapping: mmap.mmap | None = None
 
 
 def load_gguf(*, path: Path, cache_dir: Path, keep_quantized: bool = False) -> GGUFContents:
@@ -147,7 +150,12 @@ def read_gguf(path: Path, *, keep_quantized: bool = False) -> GGUFContents:
         converted = architecture.convert(tensor.name, values, hf_config)
         array = np.ascontiguousarray(converted, dtype=np.float32)
         tensors[hf_name] = torch.from_numpy(array if array.flags.writeable else array.copy())
-    return GGUFContents(hf_config=hf_config, tensors=tensors, tokenizer=tokenizer)
+    return GGUFContents(
+        hf_config=hf_config,
+        tensors=tensors,
+        tokenizer=tokenizer,
+        mapping=reader.mapping if keep_quantized else None,
+    )
 
 
 def _quantized(

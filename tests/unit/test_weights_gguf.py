@@ -707,3 +707,24 @@ def test_keep_quantized_keeps_blocks_in_hugging_face_row_order(
             assert torch.equal(tensor.dequantize(), dense.tensors[name]), name
         else:
             assert torch.equal(tensor, dense.tensors[name]), name
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").is_file(), reason="needs /proc/self/smaps")
+def test_a_quantized_checkpoint_gives_its_mapped_pages_back(
+    tmp_path: Path, bpe_meta: dict[str, Any]
+) -> None:
+    """Blocks kept quantized view the file's mapping; once read, its pages can be given back
+    (a model that copied them out) and the blocks still read the same bytes."""
+    model = tiny_llama(len(bpe_meta["tokens"]))
+    path = write_llama_gguf(tmp_path / "q.gguf", model, bpe_meta, quantized=("ffn_up",))
+    assert load(path).mappings == ()  # the float path copies everything out of the file
+    native = load(path, keep_quantized=True)
+    assert len(native.mappings) == 1
+    before = {
+        n: t.dequantize() for n, t in native.tensors.items() if isinstance(t, QuantizedWeight)
+    }
+    release = native.release_mapped_pages()
+    assert release.skipped is None and release.released_bytes > 0
+    for name, weight in before.items():
+        tensor = native.tensors[name]
+        assert isinstance(tensor, QuantizedWeight) and torch.equal(tensor.dequantize(), weight)
