@@ -473,6 +473,9 @@ class DecoderBackbone(nn.Module):
         self.fused_decode = True
         self._fused: FusedDecode | None = None
         self._not_fused: str | None = None
+        #: The fused plan ``CausalLM.decode_forward`` may call straight (``step_bound``) while
+        #: it holds the model's KV binding: set by a fused step whose logits need no scaling.
+        self.decode_fast: FusedDecode | None = None
 
     def fused_decode_status(self) -> str | None:
         """None when CPU decode steps run fused (after the first), else why they do not."""
@@ -483,8 +486,17 @@ class DecoderBackbone(nn.Module):
 
     def forget_fused_decode(self) -> None:
         """Drop the fused op arguments (rebuilt on next use) after layers were replaced."""
+        self.release_fused_cache()
         self._fused = None
         self._not_fused = None
+
+    def release_fused_cache(self) -> None:
+        """Make the fused op let go of the KV caches and RoPE tables it borrowed (the KV
+        cache was unbound or replaced, the tables resized); the next fused step binds again."""
+        self.decode_fast = None
+        fused = getattr(self, "_fused", None)  # reserve_positions runs before __init__ sets it
+        if fused is not None:
+            fused.release()
 
     def _fused_plan(self) -> FusedDecode | None:
         """The fused op arguments, built on first use (after any weight-format change)."""
@@ -518,6 +530,7 @@ class DecoderBackbone(nn.Module):
             self.register_buffer(cos_name, cos, persistent=False)
             self.register_buffer(sin_name, sin, persistent=False)
         self._rope_rows = rows
+        self.release_fused_cache()
 
     def device(self) -> torch.device:
         """The device the weights live on."""
@@ -604,6 +617,8 @@ class DecoderBackbone(nn.Module):
             ropes=self._rope_caches(),
             kv=kv,
         )
+        if self.spec.logit_scale == 1.0 and self.spec.final_softcap is None:
+            self.decode_fast = fused
         return self._scaled_logits(logits)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -21,7 +21,7 @@ import torch
 
 from llmrt.errors import ConfigError
 from llmrt.families.layers import ACTIVATIONS, FrozenLinear, QuantizedEmbedding, QuantizedLinear
-from llmrt.kernels.native import kernels_available
+from llmrt.kernels.native import kernels_available, python_entry
 
 if TYPE_CHECKING:
     from llmrt.families.decoder import DecoderBackbone, DecoderLayer, Norm
@@ -191,6 +191,11 @@ class FusedDecode:
         self._stack.set_ends(*ends)
         #: Steps with this many rows or more run the torch ops instead.
         self.max_rows = max_rows
+        #: The KV binding and RoPE tables the stack holds (borrowed) since ``bind``.
+        self._bound: tuple[BoundKV, tuple[torch.Tensor, ...]] | None = None
+        entry = python_entry()
+        self._entry = entry.decode_step if entry is not None else None
+        self._address = int(self._stack.address())
 
     @classmethod
     def build(cls, backbone: DecoderBackbone) -> FusedDecode:
@@ -224,17 +229,51 @@ class FusedDecode:
     ) -> torch.Tensor:
         """Token ids ``[B]`` at ``positions`` ``[B]`` (negative: a padding row that writes
         nothing) through the whole model, RoPE read from the ``ropes`` cos/sin caches;
-        returns float32 logits ``[B, vocab]`` (before any logit scale or soft-cap)."""
-        logits: torch.Tensor = self._stack.step(
-            tokens,
-            positions,
-            page_table,
+        returns float32 logits ``[B, vocab]`` (before any logit scale or soft-cap). Binds
+        ``kv`` and ``ropes`` first when the stack holds others (or none)."""
+        tables = tuple(t for pair in ropes for t in pair)
+        bound = self._bound
+        if bound is None or bound[0] is not kv or not _same(bound[1], tables):
+            self.bind(kv=kv, ropes=ropes)
+        return self.step_bound(tokens=tokens, positions=positions, page_table=page_table)
+
+    def bind(self, *, kv: BoundKV, ropes: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        """Hold (borrow) ``kv``'s caches and the RoPE tables for ``step_bound``, until
+        ``release`` or the next ``bind``."""
+        self._stack.bind_cache(
             [cos for cos, _ in ropes],
             [sin for _, sin in ropes],
             list(kv.keys),
             list(kv.values),
         )
+        self._bound = (kv, tuple(t for pair in ropes for t in pair))
+
+    def release(self) -> None:
+        """Drop the borrowed caches and tables (a KV cache unbound, RoPE tables resized)."""
+        self._stack.release_cache()
+        self._bound = None
+
+    @property
+    def bound_kv(self) -> BoundKV | None:
+        """The KV binding ``step_bound`` reads, if any."""
+        return self._bound[0] if self._bound is not None else None
+
+    def step_bound(
+        self, *, tokens: torch.Tensor, positions: torch.Tensor, page_table: torch.Tensor
+    ) -> torch.Tensor:
+        """``step`` over what ``bind`` bound, through the library's Python entry where it
+        imports (``python_entry.cpp`` says why), else the TorchScript method."""
+        if self._bound is None:
+            raise RuntimeError("FusedDecode.step_bound before bind")
+        if self._entry is not None:
+            logits: torch.Tensor = self._entry(self._address, tokens, positions, page_table)
+        else:
+            logits = self._stack.step_bound(tokens, positions, page_table)
         return logits
+
+
+def _same(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
 
 
 #: KV cache dtypes the op reads and writes (converted to and from float32 in registers).

@@ -16,10 +16,12 @@ from __future__ import annotations
 import contextlib
 import functools
 import hashlib
+import importlib.util
 import os
 import shutil
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import torch
 
@@ -37,6 +39,7 @@ _SOURCES = (
     _CSRC / "prefill_attention.cpp",
     _CSRC / "rope.cpp",
     _CSRC / "clock_probe.cpp",
+    _CSRC / "python_entry.cpp",
 )
 #: ``-fopenmp``: ``at::parallel_for`` is an OpenMP pragma in the headers, so without it the
 #: kernels run on one thread. The library links the ``libgomp.so.1`` torch already loaded
@@ -136,6 +139,22 @@ def kernels_available() -> tuple[bool, str]:
     except KernelUnavailableError as exc:
         return False, str(exc)
     return True, ""
+
+
+@functools.cache
+def python_entry() -> ModuleType | None:
+    """The library imported as a Python extension module (``python_entry.cpp``: entries
+    that skip the TorchScript call path), or None when it does not import."""
+    library = load_kernels() / f"{LIBRARY}.so"
+    spec = importlib.util.spec_from_file_location(LIBRARY, library)
+    if spec is None or spec.loader is None:
+        return None
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except ImportError:
+        return None
+    return module
 
 
 @functools.cache

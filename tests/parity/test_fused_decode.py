@@ -252,6 +252,66 @@ def test_ops_choice_turns_the_fused_path_off(parity_harness: Any, counted_runs: 
         select_decode_kernel(harness.model, choice="fast", device=torch.device("cpu"))
 
 
+def _decode(harness: Any) -> torch.Tensor:
+    """One decode step of two rows at positions 3 and 5 over blocks 1 and 2 of the bound cache."""
+    table = torch.tensor([[1, 0], [2, 0]], dtype=torch.int32)
+    return harness.model.decode_forward(
+        tokens=torch.tensor([4, 9]),
+        positions=torch.tensor([3, 5], dtype=torch.int32),
+        page_table=table,
+    ).clone()
+
+
+def test_the_bound_step_reads_the_binding_of_the_moment(parity_harness: Any) -> None:
+    """A fused step borrows the model's KV caches and RoPE tables once; a new KV binding,
+    resized RoPE tables or an unbound cache make it let go (no stale reads, nothing held)."""
+    harness = _build("llama-yarn-biases", parity_harness)
+    model, backbone = harness.model, harness.model.backbone
+    harness.bind(fill_seed=1)
+    first = _decode(harness)
+    fused = backbone._fused_plan()
+    assert backbone.decode_fast is fused and fused.bound_kv is model._kv
+    assert fused._stack.has_cache()
+    assert fused._entry is not None  # the library imports as a Python module too
+    # Another cache (other noise): the bound step reads it, as the ops do.
+    harness.bind(fill_seed=2)
+    assert backbone.decode_fast is None and not fused._stack.has_cache()
+    again = _decode(harness)
+    assert backbone.decode_fast is fused and fused.bound_kv is model._kv
+    harness.bind(fill_seed=2)
+    backbone.fused_decode = False
+    ops = _decode(harness)
+    backbone.fused_decode = True
+    torch.testing.assert_close(again, ops, rtol=0, atol=1e-5)
+    assert not torch.allclose(first, again, atol=1e-3)  # it did not read the first cache
+    # Resized RoPE tables are new tensors: the stack lets go of the old ones.
+    harness.bind(fill_seed=2)
+    _decode(harness)
+    backbone.reserve_positions(backbone._rope_rows // 2)
+    assert backbone.decode_fast is None and not fused._stack.has_cache()
+    torch.testing.assert_close(_decode(harness), ops, rtol=0, atol=1e-5)
+    # Unbound: nothing of the cache stays borrowed.
+    model.set_kv_cache(None)
+    assert backbone.decode_fast is None and fused.bound_kv is None
+    assert not fused._stack.has_cache()
+
+
+def test_the_bound_step_refuses_to_run_unbound(parity_harness: Any) -> None:
+    harness = _build("llama-yarn-biases", parity_harness)
+    fused = harness.model.backbone._fused_plan()
+    rows = {
+        "tokens": torch.tensor([4]),
+        "positions": torch.tensor([3]),
+        "page_table": torch.tensor([[1]]),
+    }
+    with pytest.raises(RuntimeError, match="before bind"):
+        fused.step_bound(**rows)
+    with pytest.raises(RuntimeError, match="needs bind_cache first"):
+        fused._stack.step_bound(rows["tokens"], rows["positions"], rows["page_table"])
+    with pytest.raises(RuntimeError, match="one K and one V cache per layer"):
+        fused._stack.bind_cache([], [], [], [])
+
+
 def test_batches_from_the_gemm_threshold_use_the_ops(
     parity_harness: Any, counted_runs: list[int]
 ) -> None:

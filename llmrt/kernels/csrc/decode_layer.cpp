@@ -1206,6 +1206,46 @@ struct DecodeStack : torch::CustomClassHolder {
     return logits;
   }
 
+  // The RoPE tables and KV caches ``step_bound`` reads (borrowed until ``release_cache``),
+  // bound once per KV cache instead of passed (and converted) on every step.
+  std::vector<at::Tensor> bound_cos, bound_sin, bound_k, bound_v;
+  bool bound = false;
+
+  void bind_cache(std::vector<at::Tensor> cos_tables, std::vector<at::Tensor> sin_tables,
+                  std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches) {
+    TORCH_CHECK(k_caches.size() == layers.size() && v_caches.size() == layers.size(),
+                "llmrt_kernels.DecodeStack: bind_cache needs one K and one V cache per layer (",
+                layers.size(), "), got ", k_caches.size(), " and ", v_caches.size());
+    TORCH_CHECK(cos_tables.size() == sin_tables.size(),
+                "llmrt_kernels.DecodeStack: cos and sin lists differ");
+    bound_cos = std::move(cos_tables);
+    bound_sin = std::move(sin_tables);
+    bound_k = std::move(k_caches);
+    bound_v = std::move(v_caches);
+    bound = true;
+  }
+
+  void release_cache() {
+    bound_cos.clear();
+    bound_sin.clear();
+    bound_k.clear();
+    bound_v.clear();
+    bound = false;
+  }
+
+  bool has_cache() const { return bound; }
+
+  // ``step`` over the bound tables and caches (every per-step check still runs).
+  at::Tensor step_bound(at::Tensor tokens, at::Tensor positions, at::Tensor page_table) {
+    TORCH_CHECK(bound, "llmrt_kernels.DecodeStack: step_bound needs bind_cache first");
+    return step(std::move(tokens), std::move(positions), std::move(page_table), bound_cos,
+                bound_sin, bound_k, bound_v);
+  }
+
+  // This object's address, for the Python entry's ``decode_step`` (python_entry.cpp; the
+  // caller keeps the object alive while it uses the address).
+  int64_t address() { return reinterpret_cast<int64_t>(this); }
+
   void run(at::Tensor hidden, std::vector<at::Tensor> cos, std::vector<at::Tensor> sin,
            std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches,
            at::Tensor page_table, at::Tensor positions) {
@@ -1234,7 +1274,22 @@ TORCH_LIBRARY_FRAGMENT(llmrt_kernels, m) {
       .def("set_ends", &DecodeStack::set_ends)
       .def("has_ends", &DecodeStack::has_ends)
       .def("step", &DecodeStack::step)
+      .def("bind_cache", &DecodeStack::bind_cache)
+      .def("release_cache", &DecodeStack::release_cache)
+      .def("has_cache", &DecodeStack::has_cache)
+      .def("step_bound", &DecodeStack::step_bound)
+      .def("address", &DecodeStack::address)
       .def("run", &DecodeStack::run);
 }
 
 TORCH_LIBRARY_IMPL(llmrt_kernels, CPU, m) { m.impl("decode_layer", &decode_layer); }
+
+namespace llmrt_kernels {
+
+at::Tensor decode_step_at(int64_t address, const at::Tensor& tokens, const at::Tensor& positions,
+                          const at::Tensor& page_table) {
+  TORCH_CHECK(address != 0, "llmrt_kernels: decode_step needs a DecodeStack's address");
+  return reinterpret_cast<DecodeStack*>(address)->step_bound(tokens, positions, page_table);
+}
+
+}  // namespace llmrt_kernels
