@@ -16,6 +16,9 @@ at::Tensor decode_step_at(int64_t address, const at::Tensor& tokens, const at::T
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "llmrt kernels: direct Python entries";
+  // The GIL is released for the step (as a torch op call does): a server's other threads
+  // keep running while a lane steps.
   m.def("decode_step", &llmrt_kernels::decode_step_at,
-        "DecodeStack.step_bound of the stack at `address` (see DecodeStack.address)");
+        "DecodeStack.step_bound of the stack at `address` (see DecodeStack.address)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
 }
