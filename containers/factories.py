@@ -265,18 +265,20 @@ def place_weights(
     if why_not is None and not isinstance(model, torch.nn.Module):
         why_not = f"{type(model).__name__} is not a torch module"
     fields: dict[str, Any]
-    mapped = checkpoint.mappings if checkpoint is not None else ()
+    release = (
+        checkpoint.release_mapped_pages if checkpoint is not None and checkpoint.mappings else None
+    )
     # Before the placement too, so its copy is not made beside the file's pages; what it
     # reads there again (views the model still holds, e.g. norms) goes back after it.
-    released = [checkpoint.release_mapped_pages()] if checkpoint is not None and mapped else []
+    released = [release()] if release is not None else []
     if why_not is None:
         fields = place_module_weights(model).log_fields()  # type: ignore[arg-type]
     else:
         fields = {"weights_on_huge_pages": f"off ({why_not})"}
     if gemm_dtype is not None:
         fields["gemm_dtype"] = gemm_dtype
-    if checkpoint is not None and mapped:
-        released.append(checkpoint.release_mapped_pages())
+    if release is not None:
+        released.append(release())
         skipped = [r.skipped for r in released if r.skipped is not None]
         fields["checkpoint_pages_released"] = (
             f"0 ({skipped[0]})" if skipped else sum(r.released_bytes for r in released)

@@ -231,9 +231,8 @@ class FusedDecode:
         nothing) through the whole model, RoPE read from the ``ropes`` cos/sin caches;
         returns float32 logits ``[B, vocab]`` (before any logit scale or soft-cap). Binds
         ``kv`` and ``ropes`` first when the stack holds others (or none)."""
-        tables = tuple(t for pair in ropes for t in pair)
         bound = self._bound
-        if bound is None or bound[0] is not kv or not _same(bound[1], tables):
+        if bound is None or bound[0] is not kv or not _same(bound[1], _tables(ropes)):
             self.bind(kv=kv, ropes=ropes)
         return self.step_bound(tokens=tokens, positions=positions, page_table=page_table)
 
@@ -246,7 +245,7 @@ class FusedDecode:
             list(kv.keys),
             list(kv.values),
         )
-        self._bound = (kv, tuple(t for pair in ropes for t in pair))
+        self._bound = (kv, _tables(ropes))
 
     def release(self) -> None:
         """Drop the borrowed caches and tables (a KV cache unbound, RoPE tables resized)."""
@@ -270,6 +269,10 @@ class FusedDecode:
         else:
             logits = self._stack.step_bound(tokens, positions, page_table)
         return logits
+
+
+def _tables(ropes: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, ...]:
+    return tuple(t for pair in ropes for t in pair)
 
 
 def _same(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> bool:

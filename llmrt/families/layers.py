@@ -170,7 +170,32 @@ def _matmul(
     return F.linear(x, weight, bias)
 
 
-class QuantizedLinear(nn.Module):
+class _BlockWeightModule(nn.Module):
+    """A module over one ``QuantizedWeight``: its blocks as a buffer and their kernel type
+    code, swappable for the same matrix in another layout (``use_weight``)."""
+
+    def __init__(self, *, weight: QuantizedWeight) -> None:
+        super().__init__()
+        load_kernels()
+        self.weight = weight
+        self.blocks: torch.Tensor
+        self.register_buffer("blocks", weight.blocks, persistent=False)
+        #: The kernel ops' type code for ``blocks`` (ggml type id, + layout).
+        self.ggml_type = weight.kernel_type
+
+    def use_weight(self, weight: QuantizedWeight) -> None:
+        """Read ``weight`` instead (the same matrix in another layout)."""
+        if weight.shape != self.weight.shape or weight.kind != self.weight.kind:
+            raise ValueError(
+                f"{weight.kind} {weight.shape} does not replace {self.weight.kind} "
+                f"{self.weight.shape}"
+            )
+        self.weight = weight
+        self.blocks = weight.blocks
+        self.ggml_type = weight.kernel_type
+
+
+class QuantizedLinear(_BlockWeightModule):
     """``y = x W^T + b`` with ``W`` kept in ggml blocks (float32 activations and output).
 
     Few rows (decode) run the in-register kernel, which reads the blocks once per call;
@@ -179,14 +204,8 @@ class QuantizedLinear(nn.Module):
     """
 
     def __init__(self, *, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> None:
-        super().__init__()
-        load_kernels()
-        self.weight = weight
-        self.blocks: torch.Tensor
-        self.register_buffer("blocks", weight.blocks, persistent=False)
+        super().__init__(weight=weight)
         self.bias = None if bias is None else _parameter(bias)
-        #: The kernel ops' type code for ``blocks`` (ggml type id, + layout).
-        self.ggml_type = weight.kernel_type
         self.kernel: LinearKernel = "aten"
         #: The dtype GEMM calls of ``gemm_dtype_min_rows`` rows or more multiply in
         #: (``device.gemm_dtype``); smaller GEMMs stay float32.
@@ -204,14 +223,7 @@ class QuantizedLinear(nn.Module):
 
     def use_weight(self, weight: QuantizedWeight) -> None:
         """Run on ``weight`` instead (the same matrix in another layout)."""
-        if weight.shape != self.weight.shape or weight.kind != self.weight.kind:
-            raise ValueError(
-                f"{weight.kind} {weight.shape} does not replace {self.weight.kind} "
-                f"{self.weight.shape}"
-            )
-        self.weight = weight
-        self.blocks = weight.blocks
-        self.ggml_type = weight.kernel_type
+        super().use_weight(weight)
         self.gemm_min_rows = gemm_min_rows(weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -263,27 +275,8 @@ class QuantizedLinear(nn.Module):
         )
 
 
-class QuantizedEmbedding(nn.Module):
+class QuantizedEmbedding(_BlockWeightModule):
     """Token embedding over a ggml-block table: the looked-up rows are dequantized."""
-
-    def __init__(self, *, weight: QuantizedWeight) -> None:
-        super().__init__()
-        load_kernels()
-        self.weight = weight
-        self.blocks: torch.Tensor
-        self.register_buffer("blocks", weight.blocks, persistent=False)
-        self.ggml_type = weight.kernel_type
-
-    def use_weight(self, weight: QuantizedWeight) -> None:
-        """Look rows up in ``weight`` instead (the same table in another layout)."""
-        if weight.shape != self.weight.shape or weight.kind != self.weight.kind:
-            raise ValueError(
-                f"{weight.kind} {weight.shape} does not replace {self.weight.kind} "
-                f"{self.weight.shape}"
-            )
-        self.weight = weight
-        self.blocks = weight.blocks
-        self.ggml_type = weight.kernel_type
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.blocks.index_select(0, ids.reshape(-1))
