@@ -41,11 +41,12 @@ LARGE_GEMM_MIN_ROWS = 128
 #: dequantize + GEMM longer (one SmolLM2 layer, 2 threads: 1.7 against 1.9-8 ms at 32 rows,
 #: 3.9 against 2.7-3.4 ms at 64), and short prompts skip dequantizing every weight.
 INTERLEAVED_GEMM_MIN_ROWS = 48
-#: Rows up to which the interleaved integer kernel stays on where the GEMM would run in
-#: float32 (``device.gemm_dtype: float32``, or under ``device.gemm_dtype_min_rows``): it beat
-#: dequantize + float32 GEMM at every size tried below (SmolLM2 prefill, in-process A/B:
-#: 0.82x at 48 tokens, 0.94x at 64, 0.77x at 80, 0.82x at 96); SmolLM2's parity logits then
-#: move by up to 1.03e-2 instead of 5.6e-3 (decode rows only), against 0.5 for bfloat16.
+#: Rows from which interleaved blocks run a float32 GEMM where the CPU has no integer
+#: kernels (``int8_dot_supported``). With them, a float32-mode linear never dequantizes:
+#: from 16 rows the kernels run an integer GEMM (``interleaved_gemm.cpp``), which beat
+#: dequantize + MKL sgemm at every size and shape tried (SmolLM2's linears at 16-512 rows,
+#: 2 threads, medians of alternated runs: 1.1-2.5x), with the decode kernels' numerics (two
+#: 8-bit activation levels; SmolLM2's parity logits within ~1e-2 of the float32 reference).
 INTERLEAVED_FLOAT32_GEMM_MIN_ROWS = 128
 
 
@@ -257,10 +258,11 @@ class QuantizedLinear(_BlockWeightModule):
         kernel)."""
         if rows < self.gemm_min_rows:
             return False
-        low = self.gemm_dtype != torch.float32 and rows >= self.gemm_dtype_min_rows
-        return (
-            low or self.weight.layout != "interleaved" or rows >= INTERLEAVED_FLOAT32_GEMM_MIN_ROWS
-        )
+        if self.gemm_dtype != torch.float32 and rows >= self.gemm_dtype_min_rows:
+            return True
+        if self.weight.layout != "interleaved":
+            return True
+        return not int8_dot_supported() and rows >= INTERLEAVED_FLOAT32_GEMM_MIN_ROWS
 
     def gemm_input_dtype(self, rows: int) -> torch.dtype:
         """The dtype ``rows`` activation rows are multiplied in (what ``x`` is cast to)."""

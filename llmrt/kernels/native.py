@@ -34,6 +34,7 @@ _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = (
     _CSRC / "gguf_blocks.cpp",
     _CSRC / "interleaved.cpp",
+    _CSRC / "interleaved_gemm.cpp",
     _CSRC / "decode_layer.cpp",
     _CSRC / "activation.cpp",
     _CSRC / "prefill_attention.cpp",
@@ -160,7 +161,7 @@ def python_entry() -> ModuleType | None:
 @functools.cache
 def int8_dot_supported() -> bool:
     """Whether this CPU runs the interleaved layout's integer-dot kernels (AVX-512 VNNI);
-    False too when the kernels do not load."""
+    False too when the kernels do not load (asked once per process)."""
     if not kernels_available()[0]:
         return False
     return bool(torch.ops.llmrt_kernels.int8_dot_supported())

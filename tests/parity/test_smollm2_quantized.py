@@ -8,8 +8,9 @@ different order, and 30 layers amplify that rounding; measured max |logit error|
 interleaved layout's two-level 8-bit activations round each 32-wide block of a row to
 1/65024 of its largest value: measured max |logit error| 5.6e-3 with the 4-bit linears
 interleaved (what ``weight_layout: auto`` does) when only decode rows took that kernel, and
-1.03e-2 since prompt rows under 128 take it too (``INTERLEAVED_FLOAT32_GEMM_MIN_ROWS``), so
-that layout's stated bound is 2e-2 (the greedy tokens must still be equal).
+1.03e-2 since prompt rows take it too (under 128 rows at first, at every length since the
+integer GEMM: unchanged), so that layout's stated bound is 2e-2 (the greedy tokens must
+still be equal).
 """
 
 from __future__ import annotations

@@ -77,7 +77,9 @@ def test_interleave_follows_the_layout_and_dequantizes_exactly(kind: str, cols: 
 
 
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 17, 33])
+# 1-15 rows: the tile loop; from 16 the integer GEMM (6-row tiles, so 17 and 33 end in a
+# partial tile); 70 output rows end in a partial panel of 32 columns.
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 15, 16, 17, 33, 130])
 @pytest.mark.parametrize("cols", [96, 160, 576])
 def test_linear_on_interleaved_blocks_is_within_the_two_level_bound(
     kind: str, rows: int, cols: int
@@ -127,6 +129,22 @@ def test_one_activation_row_matches_the_batched_rows_bit_for_bit(
         assert torch.equal(linear(x[r : r + 1])[0], batch[r]), r
     reference = x.double() @ weight.dequantize().double().T
     assert torch.allclose(batch.double(), reference, rtol=1e-2, atol=1e-2 * cols**0.5)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_many_rows_span_row_chunks_and_panels_within_the_bound(kind: str) -> None:
+    # 300 rows of 1536 features prepare in chunks (a chunk's two levels stay under 768 KB:
+    # 246 rows here), and 33 output rows are a whole panel and one column of the next.
+    weight = random_weight(kind, rows=33, cols=1536, seed=5)
+    w64 = reference(weight)
+    x = torch.randn(300, 1536, generator=torch.Generator().manual_seed(5))
+    x[7, 100] = 60.0
+    got = QuantizedLinear(weight=weight.interleaved())(x).double()
+    error = (got - x.double() @ w64.T).abs()
+    assert bool((error <= two_level_bound(x, w64)).all())
+    if int8_dot_supported():  # the integer GEMM's rows are independent of their neighbours
+        tail = QuantizedLinear(weight=weight.interleaved())(x[250:290]).double()
+        assert torch.equal(tail, got[250:290])
 
 
 def test_concat_and_select_rows_keep_the_layout() -> None:
@@ -255,8 +273,10 @@ def test_interleaved_rows_keep_the_integer_kernel_where_a_gemm_would_be_float32(
             return "kernel"
         return "bf16-gemm" if layer.gemm_input_dtype(rows) == torch.bfloat16 else "f32-gemm"
 
-    # float32 GEMMs (the default gemm_dtype) never replace the kernel under 128 rows.
-    assert [path(linear, r) for r in (47, 48, 127, 128)] == ["kernel"] * 3 + ["f32-gemm"]
+    # float32 GEMMs (the default gemm_dtype) never replace the kernels under 128 rows, nor
+    # at any size where the CPU runs them (from 16 rows they run an integer GEMM).
+    big = "kernel" if int8_dot_supported() else "f32-gemm"
+    assert [path(linear, r) for r in (47, 48, 127, 128, 4096)] == ["kernel"] * 3 + [big] * 2
     linear.gemm_dtype = torch.bfloat16
     linear.gemm_dtype_min_rows = 128
     assert [path(linear, r) for r in (48, 127, 128)] == ["kernel", "kernel", "bf16-gemm"]

@@ -6,18 +6,7 @@
 // 64 products per instruction) needs the activations as integers and the blocks in a
 // layout where one 64-byte load holds whole blocks' quants.
 //
-// Layout (same bytes per block as ggml, rows stay independent): a row is groups of G blocks
-// (G = 4 for Q4_0/Q4_1, 2 for Q8_0; the last group holds the c <= G blocks left):
-//   4-bit: c*16 bytes of quants (block i's ggml qs at 16*i), c fp16 d, (Q4_1) c fp16 m
-//   Q8_0:  c*32 bytes of quants stored as q + 128 (unsigned), c fp16 d
-// Kind codes are the ggml type id plus kInterleaved.
-//
-// Activations: each 32-wide block of a row of x is split into two int8 levels,
-// x ~= dx * (h + l / 256) with dx = max|x| / 127, h = round(x / dx), l = round(256 * residual),
-// which keeps ~16 bits of each block (error at most dx / 512, or dx / 256 where a residual
-// rounds to +-128 and is clamped): products are exact integers and the only rounding left is
-// the float32 scaling per block. One 8-bit level (llama.cpp's Q8_1 activations) moved
-// SmolLM2's logits by 0.4 in simulation; two levels move them by 6e-3 (float32: 1e-4).
+// The layout and the activations' two levels: interleaved_layout.h.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -37,31 +26,25 @@
 #include "blocks.h"
 #include "cpu.h"
 #include "prefetch.h"
+#include "interleaved_layout.h"
 #include "linear.h"
 #include "tiles.h"
 
-#define LLMRT_VNNI \
-  __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,f16c,fma")))
-
 namespace {
 
+using llmrt_kernels::block_at;
 using llmrt_kernels::block_bytes_of;
+using llmrt_kernels::BlockRef;
+using llmrt_kernels::group_of;
 using llmrt_kernels::half_at;
 using llmrt_kernels::kBlock;
 using llmrt_kernels::kQ4_0;
 using llmrt_kernels::kQ4_1;
 using llmrt_kernels::kQ8_0;
+using llmrt_kernels::quant_bytes;
+using llmrt_kernels::two_level_block;
 
-bool has_vnni() {
-  static const bool ok = llmrt_kernels::has_avx512() &&
-                         __builtin_cpu_supports("avx512vnni") &&
-                         __builtin_cpu_supports("avx512dq");
-  return ok;
-}
-
-constexpr int64_t group_of(int64_t base) { return base == kQ8_0 ? 2 : 4; }
-constexpr int64_t quant_bytes(int64_t base) { return base == kQ8_0 ? 32 : 16; }
-
+using llmrt_kernels::has_vnni;
 
 // ---- layout ------------------------------------------------------------------------------
 
@@ -83,21 +66,6 @@ void interleave_row(const uint8_t* src, uint8_t* dst, int64_t base, int64_t nb) 
       }
     }
   }
-}
-
-// Block b's d, m (Q4_0: -8 d) and quants, in a row of the interleaved layout.
-struct BlockRef {
-  float d, m;
-  const uint8_t* q;
-};
-
-inline BlockRef block_at(const uint8_t* row, int64_t base, int64_t nb, int64_t b) {
-  const int64_t g = group_of(base), b0 = b - b % g, c = std::min(g, nb - b0), i = b - b0;
-  const uint8_t* o = row + b0 * block_bytes_of(base);
-  const int64_t qb = quant_bytes(base);
-  const float d = half_at(o + qb * c + 2 * i);
-  const float m = base == kQ4_1 ? half_at(o + 18 * c + 2 * i) : (base == kQ4_0 ? -8.0f * d : 0.0f);
-  return {d, m, o + qb * i};
 }
 
 void dequant_rows(const uint8_t* w, int64_t row_bytes, int64_t base, int64_t k, float* out,
@@ -204,37 +172,18 @@ constexpr int64_t kGroupPrep = 2 * 128 + 64 + 64;
 LLMRT_VNNI void prepare_row(const float* x, int64_t k, int64_t base, uint8_t* prep) {
   const int64_t nb = k / kBlock, g = group_of(base), ng = (nb + g - 1) / g;
   std::memset(prep, 0, ng * kGroupPrep);
-  const __m512 inv256 = _mm512_set1_ps(256.0f);
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t gi = b / g, i = b % g;
     uint8_t* p = prep + gi * kGroupPrep;
     int8_t* h = reinterpret_cast<int8_t*>(p);
     int8_t* l = reinterpret_cast<int8_t*>(p + 128);
     float* scale = reinterpret_cast<float*>(p + 256);
-    const __m512 x0 = _mm512_loadu_ps(x + b * kBlock);
-    const __m512 x1 = _mm512_loadu_ps(x + b * kBlock + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
-    const float dx = amax / 127.0f;
-    const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
     const int64_t off0 = base == kQ8_0 ? 32 * i : 16 * i;
     const int64_t off1 = base == kQ8_0 ? 32 * i + 16 : 64 + 16 * i;
-    int32_t sum_h = 0, sum_l = 0;
-    const __m512 xs[2] = {x0, x1};
-    const int64_t offs[2] = {off0, off1};
-    for (int half = 0; half < 2; ++half) {
-      const __m512 v = _mm512_mul_ps(xs[half], inv);
-      const __m512 hv = _mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-      const __m512 lv = _mm512_min_ps(
-          _mm512_max_ps(_mm512_roundscale_ps(_mm512_mul_ps(_mm512_sub_ps(v, hv), inv256),
-                                             _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
-                        _mm512_set1_ps(-127.0f)),
-          _mm512_set1_ps(127.0f));
-      const __m512i hi = _mm512_cvtps_epi32(hv), li = _mm512_cvtps_epi32(lv);
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(h + offs[half]), _mm512_cvtsepi32_epi8(hi));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(l + offs[half]), _mm512_cvtsepi32_epi8(li));
-      sum_h += _mm512_reduce_add_epi32(hi);
-      sum_l += _mm512_reduce_add_epi32(li);
-    }
+    const llmrt_kernels::TwoLevel two =
+        two_level_block(x + b * kBlock, h + off0, l + off0, h + off1, l + off1);
+    const float dx = two.dx;
+    const int32_t sum_h = two.sum_h, sum_l = two.sum_l;
     const int64_t lanes = 16 / g;
     for (int64_t t = 0; t < lanes; ++t) scale[lanes * i + t] = dx / 256.0f;
     if (base == kQ8_0) {
