@@ -205,15 +205,18 @@ def test_fused_decode_over_half_precision_kv(
 
 @pytest.mark.parametrize("layout", ["ggml", "interleaved"])
 @pytest.mark.parametrize("weights", ["int4", "int8"])
+@pytest.mark.parametrize("rows", [3, 17])
 def test_fused_decode_over_block_quantized_weights(
-    weights: str, layout: str, parity_harness: Any, counted_runs: list[int]
+    weights: str, layout: str, rows: int, parity_harness: Any, counted_runs: list[int]
 ) -> None:
+    # 17 prompts and a padding row: interleaved linears of 16 rows or more run the integer
+    # GEMM, split across the team by panels of output columns (the ops path: one call).
     harness = _build("llama-yarn-biases", parity_harness, weights=weights)
     select_weight_layout(harness.model, choice=layout, device=torch.device("cpu"))
     linears = [m for m in harness.model.modules() if isinstance(m, QuantizedLinear)]
     assert linears and {m.weight.layout for m in linears} == {layout}
-    fused, ops, fused_kv, ops_kv = _run_both(harness)
-    assert counted_runs
+    fused, ops, fused_kv, ops_kv = _run_both(harness, rows=rows)
+    assert counted_runs and max(counted_runs) == rows + 1
     # Interleaved: both paths run the same integer kernels, but a float32 summation-order
     # difference upstream (1e-5) can move an activation across an 8-bit rounding boundary,
     # a step of 1/65024 of its block's largest value (measured 1.5e-4 on logits, 1.7e-4 on K/V).

@@ -94,6 +94,12 @@ def test_linear_on_interleaved_blocks_is_within_the_two_level_bound(
     got = linear(x).double()
     error = (got - x.double() @ w64.T).abs()
     assert bool((error <= two_level_bound(x, w64)).all())
+    if rows >= 16 and int8_dot_supported():
+        # The integer GEMM quantizes each row as the one-row loop does: the two differ only
+        # in float32 summation order (a loose pack or scale would show far above that).
+        alone = torch.cat([linear(x[r : r + 1]) for r in range(rows)]).double()
+        sums = x.double().abs() @ w64.abs().T
+        assert bool(((got - alone).abs() <= 1e-5 * sums + 1e-6).all())
     # One 8-bit level would be off by up to 256 times more: the second level is there.
     one_level = (two_level_bound(x, w64) - 1e-5 * (x.double().abs() @ w64.abs().T)) * 256
     assert float(error.max()) < float(one_level.max()) / 16
@@ -133,8 +139,8 @@ def test_one_activation_row_matches_the_batched_rows_bit_for_bit(
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_many_rows_span_row_chunks_and_panels_within_the_bound(kind: str) -> None:
-    # 300 rows of 1536 features prepare in chunks (a chunk's two levels stay under 768 KB:
-    # 246 rows here), and 33 output rows are a whole panel and one column of the next.
+    # 300 rows of 1536 features prepare in chunks (a chunk's prepared rows stay under
+    # 768 KB: 222 rows here), and 33 output rows are a whole panel and one column of the next.
     weight = random_weight(kind, rows=33, cols=1536, seed=5)
     w64 = reference(weight)
     x = torch.randn(300, 1536, generator=torch.Generator().manual_seed(5))

@@ -513,18 +513,15 @@ const uint8_t* prepare_x(const Team& team, const Stream& st, const float* x, int
                          int64_t kind, int64_t k) {
   if (llmrt_kernels::linear_prep_bytes(kind, k) == 0) return nullptr;
   if (st.own) {
-    llmrt_kernels::linear_prepare(x, 0, rows, kind, k, st.prep);
+    llmrt_kernels::linear_prepare(x, 0, rows, rows, kind, k, st.prep);
     return st.prep;
   }
   int64_t a, b;
   team.split(rows, a, b);
-  llmrt_kernels::linear_prepare(x, a, b, kind, k, st.prep);
+  llmrt_kernels::linear_prepare(x, a, b, rows, kind, k, st.prep);
   team_barrier(team);
   return st.prep;
 }
-
-// Weight rows a chunk of a linear is made of (the kernels' tile loop walks 16 at a time).
-constexpr int64_t kChunkUnit = 16;
 
 // One linear by the whole team, output columns taken in chunks (``bias``, when given, added
 // to them); the caller puts a barrier after it.
@@ -532,7 +529,10 @@ void team_linear(Team& team, const Stream& st, const float* x, int64_t rows, con
                  int64_t kind, int64_t k, float* y, const float* bias = nullptr) {
   const uint8_t* prep = prepare_x(team, st, x, rows, kind, k);
   const int64_t n = w.size(0);
-  for_chunks(team, n, kChunkUnit, [&](int64_t a, int64_t b) {
+  // Weight rows a chunk is made of: what the kernel walks at a time (the tile loop 16, the
+  // integer GEMM's panels 32).
+  const int64_t unit = llmrt_kernels::linear_chunk_unit(kind, rows);
+  for_chunks(team, n, unit, [&](int64_t a, int64_t b) {
     llmrt_kernels::linear_range(x, rows, w, kind, k, prep, y, a, b);
     if (bias != nullptr)
       for (int64_t r = 0; r < rows; ++r)
@@ -774,7 +774,8 @@ void team_residual(const Team& team, const Stream& st, int64_t rows, int64_t wid
 void team_mlp_up(Team& team, const Stream& st, const LayerSpec& s, int64_t rows, int64_t width,
                  Scratch& sc) {
   const uint8_t* prep = prepare_x(team, st, st.normed, rows, s.up_kind, width);
-  for_chunks(team, s.inter, kChunkUnit, [&](int64_t a, int64_t b) {
+  const int64_t unit = llmrt_kernels::linear_chunk_unit(s.up_kind, rows);
+  for_chunks(team, s.inter, unit, [&](int64_t a, int64_t b) {
     llmrt_kernels::linear_range(st.normed, rows, s.up, s.up_kind, width, prep, sc.up, a, b);
     if (s.gated)
       llmrt_kernels::linear_range(st.normed, rows, s.up, s.up_kind, width, prep, sc.up,

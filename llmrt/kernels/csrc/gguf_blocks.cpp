@@ -332,19 +332,28 @@ void linear_into(const float* x, int64_t rows_m, const at::Tensor& w, int64_t ki
   if (static_cast<int64_t>(scratch.size()) < prep_bytes)
     scratch.resize(static_cast<size_t>(prep_bytes));
   uint8_t* prep = scratch.data();
-  linear_prepare(x, 0, rows_m, kind, k, prep);
+  linear_prepare(x, 0, rows_m, rows_m, kind, k, prep);
   at::parallel_for(0, n, grain_for(n, rows_m), [&](int64_t n0, int64_t n1) {
     linear_range(x, rows_m, w, kind, k, prep, y, n0, n1);
   });
 }
 
 int64_t linear_prep_bytes(int64_t kind, int64_t k) {
-  return (kind & kInterleaved) ? interleaved_prep_bytes(kind & ~kInterleaved, k) : 0;
+  if (!(kind & kInterleaved)) return 0;
+  const int64_t tiles = interleaved_prep_bytes(kind & ~kInterleaved, k);
+  return tiles == 0 ? 0 : std::max(tiles, interleaved_gemm_prep_bytes(k));
 }
 
-void linear_prepare(const float* x, int64_t r0, int64_t r1, int64_t kind, int64_t k,
+void linear_prepare(const float* x, int64_t r0, int64_t r1, int64_t rows, int64_t kind, int64_t k,
                     uint8_t* prep) {
-  if (kind & kInterleaved) interleaved_prepare(x, r0, r1, kind & ~kInterleaved, k, prep);
+  if (takes_integer_gemm(kind, rows))
+    interleaved_gemm_prepare(x, r0, r1, k, prep);
+  else if (kind & kInterleaved)
+    interleaved_prepare(x, r0, r1, kind & ~kInterleaved, k, prep);
+}
+
+int64_t linear_chunk_unit(int64_t kind, int64_t rows) {
+  return takes_integer_gemm(kind, rows) ? 32 : 16;
 }
 
 void linear_range(const float* x, int64_t rows_m, const at::Tensor& w, int64_t kind, int64_t k,
@@ -362,6 +371,10 @@ void linear_range(const float* x, int64_t rows_m, const at::Tensor& w, int64_t k
   }
   const uint8_t* wp = w.const_data_ptr<uint8_t>();
   const int64_t rb = w.size(1);
+  if (takes_integer_gemm(kind, rows_m)) {
+    interleaved_gemm_range(prep, rows_m, wp, rb, kind & ~kInterleaved, k, y, n, n0, n1);
+    return;
+  }
   if (kind & kInterleaved) {
     interleaved_range(x, rows_m, wp, rb, kind & ~kInterleaved, k, prep, y, n, n0, n1);
     return;

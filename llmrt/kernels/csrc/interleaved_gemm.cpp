@@ -38,7 +38,6 @@
 
 namespace {
 
-using llmrt_kernels::block_at;
 using llmrt_kernels::kBlock;
 using llmrt_kernels::kQ8_0;
 
@@ -55,61 +54,110 @@ constexpr int64_t kPanelBlock = 8 * kVecs * 64 + 2 * kCols * 4;
 // 165 GMAC/s at 512).
 constexpr int64_t kChunkBytes = 768 << 10;
 
-// A call's activation rows, two levels in natural order: ``h``/``l`` [rows, k] int8, ``scale``
-// [rows, nb] dx / 256 and ``sum`` [rows, nb] the block's sum of x as the levels represent it.
+// A call's activation rows, prepared: row r at ``rows + r * stride`` holds its two levels in
+// natural order (h, then l: k int8 each), then per block dx / 256 and the block's sum of x as
+// the levels represent it (nb floats each).
 struct Levels {
-  const int8_t* h;
-  const int8_t* l;
-  const float* scale;
-  const float* sum;
-  int64_t k, nb;
+  const uint8_t* rows;
+  int64_t stride, k, nb;
 };
 
-LLMRT_VNNI void prepare_rows(const float* x, int64_t r0, int64_t r1, int64_t k, int8_t* h,
-                             int8_t* l, float* scale, float* sum) {
-  const int64_t nb = k / kBlock;
-  for (int64_t r = r0; r < r1; ++r)
+constexpr int64_t levels_stride(int64_t k) { return 2 * k + 8 * (k / kBlock); }
+
+LLMRT_VNNI void prepare_rows(const float* x, int64_t r0, int64_t r1, int64_t k, uint8_t* out) {
+  const int64_t nb = k / kBlock, stride = levels_stride(k);
+  for (int64_t r = r0; r < r1; ++r) {
+    int8_t* h = reinterpret_cast<int8_t*>(out + r * stride);
+    int8_t* l = h + k;
+    float* scale = reinterpret_cast<float*>(l + k);
+    float* sum = scale + nb;
     for (int64_t b = 0; b < nb; ++b) {
-      const int64_t at = r * k + b * kBlock;
-      const llmrt_kernels::TwoLevel two =
-          llmrt_kernels::two_level_block(x + at, h + at, l + at, h + at + 16, l + at + 16);
-      scale[r * nb + b] = two.dx / 256.0f;
-      sum[r * nb + b] =
-          two.dx * (static_cast<float>(two.sum_h) + static_cast<float>(two.sum_l) / 256.0f);
+      const int64_t at = b * kBlock;
+      const llmrt_kernels::TwoLevel two = llmrt_kernels::two_level_block(
+          x + r * k + at, h + at, l + at, h + at + 16, l + at + 16);
+      scale[b] = two.dx / 256.0f;
+      sum[b] = two.dx * (static_cast<float>(two.sum_h) + static_cast<float>(two.sum_l) / 256.0f);
     }
+  }
+}
+
+// Sixteen 128-bit rows (``x[j]``: column j's four k/4 steps, one dword each) transposed into
+// four vectors (``out[s]``: step s of the 16 columns) and stored at ``out[s * stride]``.
+LLMRT_VNNI inline void transpose_steps(const __m512i z[4], uint8_t* out, int64_t stride) {
+  // In each 128-bit lane L, registers a = 0..3 hold columns 4a + L: a 4x4 dword transpose per
+  // lane puts step s of those columns in one register, and vpermd orders them 0..15.
+  const __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
+  const __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  const __m512i u[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2),
+                        _mm512_unpacklo_epi64(t1, t3), _mm512_unpackhi_epi64(t1, t3)};
+  for (int s = 0; s < 4; ++s)
+    _mm512_storeu_si512(out + s * stride, _mm512_permutexvar_epi32(order, u[s]));
+}
+
+// Four 128-bit rows in one vector (lane L: ``rows[L]``).
+LLMRT_VNNI inline __m512i lanes4(const uint8_t* const* rows, int64_t offset) {
+  const __m512i v = _mm512_castsi128_si512(
+      _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[0] + offset)));
+  const __m512i v1 = _mm512_inserti32x4(
+      v, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[1] + offset)), 1);
+  const __m512i v2 = _mm512_inserti32x4(
+      v1, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[2] + offset)), 2);
+  return _mm512_inserti32x4(v2, _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[3] + offset)),
+                            3);
 }
 
 // Weight rows [n0, n0 + cols) (cols <= kCols; the rest of the panel is zero) unpacked into
-// ``out`` (nb * kPanelBlock bytes).
+// ``out`` (nb * kPanelBlock bytes): per block and 16 columns, the quants are gathered four
+// columns to a vector and transposed (~0.13 instructions per weight; one column at a time
+// with scalar stores took ~0.4, which at 16 rows cost as much as the products).
 LLMRT_VNNI void pack_panel(const uint8_t* w, int64_t row_bytes, int64_t base, int64_t nb,
                            int64_t n0, int64_t cols, uint8_t* out) {
-  const __m128i low = _mm_set1_epi8(15);
+  alignas(64) static const uint8_t zeros[64] = {};
+  const int64_t g = llmrt_kernels::group_of(base), qb = llmrt_kernels::quant_bytes(base);
+  const int64_t bb = llmrt_kernels::block_bytes_of(base);
+  const __m512i low = _mm512_set1_epi8(15);
   for (int64_t b = 0; b < nb; ++b) {
+    const int64_t b0 = b - b % g, c = std::min(g, nb - b0), i = b - b0;
     uint8_t* o = out + b * kPanelBlock;
-    uint32_t* q = reinterpret_cast<uint32_t*>(o);
     float* d = reinterpret_cast<float*>(o + 8 * kVecs * 64);
-    float* m = d + kCols;
-    for (int64_t j = 0; j < kCols; ++j) {
-      alignas(32) uint32_t steps[8] = {};
-      float dj = 0.0f, mj = 0.0f;
-      if (j < cols) {
-        const llmrt_kernels::BlockRef ref = block_at(w + (n0 + j) * row_bytes, base, nb, b);
+    for (int v = 0; v < kVecs; ++v) {
+      const uint8_t* q[16];
+      alignas(32) uint16_t dh[16], mh[16];
+      for (int j = 0; j < 16; ++j) {
+        const int64_t col = 16 * v + j;
+        if (col >= cols) {
+          q[j] = zeros;
+          dh[j] = mh[j] = 0;
+          continue;
+        }
+        const uint8_t* grp = w + (n0 + col) * row_bytes + b0 * bb;
+        q[j] = grp + qb * i;
+        std::memcpy(&dh[j], grp + qb * c + 2 * i, 2);
+        if (base == llmrt_kernels::kQ4_1) std::memcpy(&mh[j], grp + 18 * c + 2 * i, 2);
+      }
+      __m512i lo[4], hi[4];
+      for (int a = 0; a < 4; ++a) {
+        const uint8_t* rows[4] = {q[4 * a], q[4 * a + 1], q[4 * a + 2], q[4 * a + 3]};
+        const __m512i z = lanes4(rows, 0);
         if (base == kQ8_0) {
-          std::memcpy(steps, ref.q, 32);
-          dj = ref.d;
-          mj = -128.0f * ref.d;
+          lo[a] = z;                   // bytes 0-15: steps 0-3
+          hi[a] = lanes4(rows, 16);    // bytes 16-31: steps 4-7
         } else {
-          const __m128i z = _mm_loadu_si128(reinterpret_cast<const __m128i*>(ref.q));
-          _mm_store_si128(reinterpret_cast<__m128i*>(steps), _mm_and_si128(z, low));
-          _mm_store_si128(reinterpret_cast<__m128i*>(steps + 4),
-                          _mm_and_si128(_mm_srli_epi16(z, 4), low));
-          dj = ref.d;
-          mj = ref.m;
+          lo[a] = _mm512_and_si512(z, low);                         // elements 0-15
+          hi[a] = _mm512_and_si512(_mm512_srli_epi16(z, 4), low);   // elements 16-31
         }
       }
-      for (int s = 0; s < 8; ++s) q[s * kCols + j] = steps[s];
-      d[j] = dj;
-      m[j] = mj;
+      transpose_steps(lo, o + v * 64, kVecs * 64);
+      transpose_steps(hi, o + (4 * kVecs + v) * 64, kVecs * 64);
+      const __m512 dv = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(dh)));
+      __m512 mv;
+      if (base == llmrt_kernels::kQ4_1)
+        mv = _mm512_cvtph_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(mh)));
+      else
+        mv = _mm512_mul_ps(dv, _mm512_set1_ps(base == kQ8_0 ? -128.0f : -8.0f));
+      _mm512_storeu_ps(d + 16 * v, dv);
+      _mm512_storeu_ps(d + kCols + 16 * v, mv);
     }
   }
 }
@@ -127,7 +175,7 @@ LLMRT_VNNI void micro_tile(const uint8_t* panel, const Levels& a, int64_t r0, fl
     for (int r = 0; r < R; ++r)
       for (int c = 0; c < kVecs; ++c) acc[r][c] = _mm512_setzero_si512();
     for (int level = 0; level < 2; ++level) {
-      const int8_t* xs = (level == 0 ? a.h : a.l) + r0 * a.k + b * kBlock;
+      const uint8_t* xs = a.rows + r0 * a.stride + level * a.k + b * kBlock;
       if (level == 1)
         for (int r = 0; r < R; ++r)
           for (int c = 0; c < kVecs; ++c) acc[r][c] = _mm512_slli_epi32(acc[r][c], 8);
@@ -136,7 +184,7 @@ LLMRT_VNNI void micro_tile(const uint8_t* panel, const Levels& a, int64_t r0, fl
         for (int c = 0; c < kVecs; ++c) wv[c] = _mm512_loadu_si512(o + (s * kVecs + c) * 64);
         for (int r = 0; r < R; ++r) {
           int32_t four;
-          std::memcpy(&four, xs + r * a.k + 4 * s, 4);
+          std::memcpy(&four, xs + r * a.stride + 4 * s, 4);
           const __m512i xv = _mm512_set1_epi32(four);
           for (int c = 0; c < kVecs; ++c) acc[r][c] = _mm512_dpbusd_epi32(acc[r][c], wv[c], xv);
         }
@@ -144,8 +192,9 @@ LLMRT_VNNI void micro_tile(const uint8_t* panel, const Levels& a, int64_t r0, fl
     }
     const float* d = reinterpret_cast<const float*>(o + 8 * kVecs * 64);
     for (int r = 0; r < R; ++r) {
-      const __m512 dx = _mm512_set1_ps(a.scale[(r0 + r) * a.nb + b]);
-      const __m512 sx = _mm512_set1_ps(a.sum[(r0 + r) * a.nb + b]);
+      const float* scales = reinterpret_cast<const float*>(a.rows + (r0 + r) * a.stride + 2 * a.k);
+      const __m512 dx = _mm512_set1_ps(scales[b]);
+      const __m512 sx = _mm512_set1_ps(scales[a.nb + b]);
       for (int c = 0; c < kVecs; ++c) {
         f[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][c]),
                                   _mm512_mul_ps(_mm512_loadu_ps(d + 16 * c), dx), f[r][c]);
@@ -170,56 +219,83 @@ void run_tile(int64_t rows, const uint8_t* panel, const Levels& a, int64_t r0, f
 }
 static_assert(kRows == 6, "run_tile's cases cover 1..kRows");
 
+// Output columns [n0, n1) for every prepared row, panel by panel (``panel``: this thread's
+// buffer of nb * kPanelBlock bytes).
+void panels_range(const Levels& a, int64_t rows, const uint8_t* w, int64_t row_bytes,
+                  int64_t base, float* y, int64_t n, int64_t n0, int64_t n1, uint8_t* panel) {
+  alignas(64) float edge[kRows * kCols];
+  for (int64_t c0 = n0; c0 < n1; c0 += kCols) {
+    const int64_t cols = std::min<int64_t>(kCols, n1 - c0);
+    pack_panel(w, row_bytes, base, a.nb, c0, cols, panel);
+    for (int64_t r = 0; r < rows; r += kRows) {
+      const int64_t tile = std::min<int64_t>(kRows, rows - r);
+      if (cols == kCols) {
+        run_tile(tile, panel, a, r, y + r * n + c0, n);
+      } else {
+        run_tile(tile, panel, a, r, edge, kCols);
+        for (int64_t i = 0; i < tile; ++i)
+          std::memcpy(y + (r + i) * n + c0, edge + i * kCols, cols * sizeof(float));
+      }
+    }
+  }
+}
+
+// This thread's panel buffer, at least ``bytes`` long.
+uint8_t* panel_buffer(int64_t bytes) {
+  thread_local std::vector<uint8_t> buffer;
+  if (static_cast<int64_t>(buffer.size()) < bytes) buffer.resize(static_cast<size_t>(bytes));
+  return buffer.data();
+}
+
 }  // namespace
 
 namespace llmrt_kernels {
+
+bool takes_integer_gemm(int64_t kind, int64_t rows) {
+  return (kind & kInterleaved) && rows >= kInterleavedGemmMinRows && has_vnni();
+}
+
+int64_t interleaved_gemm_prep_bytes(int64_t k) { return levels_stride(k); }
+
+void interleaved_gemm_prepare(const float* x, int64_t r0, int64_t r1, int64_t k, uint8_t* prep) {
+  prepare_rows(x, r0, r1, k, prep);
+}
+
+void interleaved_gemm_range(const uint8_t* prep, int64_t rows, const uint8_t* w,
+                            int64_t row_bytes, int64_t base, int64_t k, float* y, int64_t n,
+                            int64_t n0, int64_t n1) {
+  if (rows <= 0 || n0 >= n1) return;
+  const Levels a{prep, levels_stride(k), k, k / kBlock};
+  panels_range(a, rows, w, row_bytes, base, y, n, n0, n1, panel_buffer(a.nb * kPanelBlock));
+}
 
 bool interleaved_gemm(const float* x, int64_t rows_m, const uint8_t* w, int64_t row_bytes,
                       int64_t base, int64_t k, float* y, int64_t n) {
   if (!has_vnni()) return false;
   if (rows_m <= 0 || n <= 0) return true;
-  const int64_t nb = k / kBlock;
-  const int64_t chunk =
-      std::max<int64_t>(kRows, kChunkBytes / (2 * k) / kRows * kRows);
-  const int64_t prep_rows = std::min(rows_m, chunk);
+  const int64_t stride = levels_stride(k);
+  const int64_t chunk = std::max<int64_t>(kRows, kChunkBytes / stride / kRows * kRows);
   // The caller's scratch (a thread_local named inside a lambda would be each worker's own).
-  thread_local std::vector<int8_t> levels;
-  thread_local std::vector<float> scales;
-  levels.resize(static_cast<size_t>(2 * prep_rows * k));
-  scales.resize(static_cast<size_t>(2 * prep_rows * nb));
+  thread_local std::vector<uint8_t> levels;
+  levels.resize(static_cast<size_t>(std::min(rows_m, chunk) * stride));
   const int64_t panels = (n + kCols - 1) / kCols;
   for (int64_t c0 = 0; c0 < rows_m; c0 += chunk) {
     const int64_t rows = std::min(chunk, rows_m - c0);
-    int8_t* h = levels.data();
-    int8_t* l = h + rows * k;
-    float* scale = scales.data();
-    float* sum = scale + rows * nb;
     const float* xc = x + c0 * k;
+    uint8_t* prep = levels.data();
     at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
-      prepare_rows(xc, r0, r1, k, h, l, scale, sum);
+      prepare_rows(xc, r0, r1, k, prep);
     });
-    const Levels a{h, l, scale, sum, k, nb};
+    const Levels a{prep, stride, k, k / kBlock};
     float* yc = y + c0 * n;
     // Panels from a shared counter: a core that runs slower (another tenant's time slice)
     // takes fewer instead of holding the other at the end.
     std::atomic<int64_t> next{0};
     at::parallel_for(0, panels, 1, [&](int64_t, int64_t) {
-      std::vector<uint8_t> panel(static_cast<size_t>(nb * kPanelBlock));
-      alignas(64) float edge[kRows * kCols];
-      for (int64_t p = next.fetch_add(1); p < panels; p = next.fetch_add(1)) {
-        const int64_t n0 = p * kCols, cols = std::min<int64_t>(kCols, n - n0);
-        pack_panel(w, row_bytes, base, nb, n0, cols, panel.data());
-        for (int64_t r = 0; r < rows; r += kRows) {
-          const int64_t tile = std::min<int64_t>(kRows, rows - r);
-          if (cols == kCols) {
-            run_tile(tile, panel.data(), a, r, yc + r * n + n0, n);
-          } else {
-            run_tile(tile, panel.data(), a, r, edge, kCols);
-            for (int64_t i = 0; i < tile; ++i)
-              std::memcpy(yc + (r + i) * n + n0, edge + i * kCols, cols * sizeof(float));
-          }
-        }
-      }
+      uint8_t* panel = panel_buffer(a.nb * kPanelBlock);
+      for (int64_t p = next.fetch_add(1); p < panels; p = next.fetch_add(1))
+        panels_range(a, rows, w, row_bytes, base, yc, n, p * kCols,
+                     std::min(n, (p + 1) * kCols), panel);
     });
   }
   return true;

@@ -22,9 +22,12 @@ void linear_into(const float* x, int64_t rows_m, const at::Tensor& w, int64_t ki
 // A linear split across a team of threads: each row of x prepared once (``linear_prepare``
 // over disjoint row ranges into ``prep``, ``linear_prep_bytes`` per row; nothing for kinds
 // that read float32 x directly), then each thread computes its own output columns.
+// ``rows`` is the linear's whole row count (it picks the kernel, and so the prepared form);
+// ``linear_chunk_unit`` is the column granule a team should split the linear's output in.
 int64_t linear_prep_bytes(int64_t kind, int64_t k);
-void linear_prepare(const float* x, int64_t r0, int64_t r1, int64_t kind, int64_t k,
+void linear_prepare(const float* x, int64_t r0, int64_t r1, int64_t rows, int64_t kind, int64_t k,
                     uint8_t* prep);
+int64_t linear_chunk_unit(int64_t kind, int64_t rows);
 void linear_range(const float* x, int64_t rows_m, const at::Tensor& w, int64_t kind, int64_t k,
                   const uint8_t* prep, float* y, int64_t n0, int64_t n1);
 
@@ -44,9 +47,19 @@ void interleaved_range(const float* x, int64_t rows_m, const uint8_t* w, int64_t
 // this CPU has no integer kernels.
 bool interleaved_gemm(const float* x, int64_t rows_m, const uint8_t* w, int64_t row_bytes,
                       int64_t base, int64_t k, float* y, int64_t n);
-// Activation rows from which ``linear_into`` takes ``interleaved_gemm`` over the tile loop
-// (SmolLM2's linears, 2 threads: as fast at 16 rows, 1.4-1.8x at 32, 1.7-2.8x from 64).
+// The same GEMM split across a team (a decode step of many rows): rows prepared once
+// (``interleaved_gemm_prepare`` over disjoint row ranges, ``interleaved_gemm_prep_bytes`` per
+// row), then each thread's output columns [n0, n1).
+int64_t interleaved_gemm_prep_bytes(int64_t k);
+void interleaved_gemm_prepare(const float* x, int64_t r0, int64_t r1, int64_t k, uint8_t* prep);
+void interleaved_gemm_range(const uint8_t* prep, int64_t rows, const uint8_t* w,
+                            int64_t row_bytes, int64_t base, int64_t k, float* y, int64_t n,
+                            int64_t n0, int64_t n1);
+// Activation rows from which interleaved blocks take the integer GEMM over the tile loop
+// (SmolLM2's linears, 2 threads: 1.3-1.6x at 16 rows, 1.4-1.8x at 32, 1.7-2.8x from 64).
 constexpr int64_t kInterleavedGemmMinRows = 16;
+// Whether ``rows`` activation rows of a linear of ``kind`` run the integer GEMM.
+bool takes_integer_gemm(int64_t kind, int64_t rows);
 // bfloat16 bits of the dequantized weight; false (nothing written) where this CPU or kind
 // has no direct path.
 bool interleaved_dequantize_bf16(const uint8_t* w, int64_t row_bytes, int64_t base, int64_t k,
