@@ -1,5 +1,7 @@
 """Dependency-injection containers (installed as ``llmrt.containers``)."""
 
+# di_import first: it imports dependency_injector without its web-framework probes.
+from . import di_import  # noqa: F401
 from .ownership import Borrowed, Owned
 from .runtime import (
     DeviceContainer,

@@ -186,10 +186,13 @@ def test_fused_attention_over_query_groups(
 
 @pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("case", ["llama-yarn-biases", "mistral-window"])
+@pytest.mark.parametrize("block_size", [4, 32])
 def test_fused_decode_over_half_precision_kv(
-    case: str, kv_dtype: torch.dtype, parity_harness: Any, counted_runs: list[int]
+    case: str, kv_dtype: torch.dtype, block_size: int, parity_harness: Any, counted_runs: list[int]
 ) -> None:
+    # 32-key pages (the default recipe's): long runs of keys within a page, as served.
     harness = _build(case, parity_harness)
+    harness.block_size = block_size
     fused, ops, fused_kv, ops_kv = _run_both(harness, kv_dtype)
     assert counted_runs
     # Logits: the float32 summation-order differences (1e-5 with a float32 cache) pass through
