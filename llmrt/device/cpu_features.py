@@ -8,9 +8,16 @@ later, but only some of those multiply bfloat16 faster than float32 (see
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import platform
+import sys
+
 import attrs
 
 CPUINFO = "/proc/cpuinfo"
+#: The flags of Intel's AMX tiles, usable only once Linux grants the process their state.
+AMX_FLAGS = frozenset({"amx_tile", "amx_bf16", "amx_int8", "amx_fp16"})
 
 
 @attrs.frozen(kw_only=True)
@@ -49,6 +56,32 @@ def read_cpu_features(cpuinfo: str = CPUINFO) -> CpuFeatures:
         model=fields.get("model", ""),
         flags=frozenset(fields.get("flags", "").split()),
     )
+
+
+@functools.cache
+def amx_permitted() -> bool:
+    """Whether Linux grants this process AMX tile data (``arch_prctl(ARCH_REQ_XCOMP_PERM,
+    XFEATURE_XTILEDATA)``, the request oneDNN makes too). Why: a kernel, VM or sandbox may
+    list the AMX flags and still refuse, and then oneDNN's bfloat16 GEMMs fall back to
+    AVX-512, slower than float32 on Intel (llama.cpp's own AMX build faulted on such a VM).
+    False off Linux x86-64."""
+    if sys.platform != "linux" or platform.machine() != "x86_64":
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        sys_arch_prctl, req_xcomp_perm, xfeature_xtiledata = 158, 0x1023, 18
+        return int(libc.syscall(sys_arch_prctl, req_xcomp_perm, xfeature_xtiledata)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def usable_cpu_features(cpuinfo: str = CPUINFO) -> CpuFeatures:
+    """``read_cpu_features`` less the AMX flags where the kernel does not grant AMX state
+    (``amx_permitted``): what this process can actually run."""
+    features = read_cpu_features(cpuinfo)
+    if features.flags & AMX_FLAGS and not amx_permitted():
+        return attrs.evolve(features, flags=features.flags - AMX_FLAGS)
+    return features
 
 
 def bfloat16_gemm_advantage(features: CpuFeatures) -> str | None:

@@ -14,7 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from llmrt.device.cpu_features import CpuFeatures, bfloat16_gemm_advantage, read_cpu_features
+from llmrt.device.cpu_features import (
+    CpuFeatures,
+    bfloat16_gemm_advantage,
+    read_cpu_features,
+    usable_cpu_features,
+)
 from llmrt.errors import ConfigError
 from llmrt.families.base import CausalLM
 from llmrt.kernels.formats import (
@@ -528,7 +533,7 @@ def resolve_gemm_dtype(
         return "float32", "no block-quantized weights (float weights keep their dtype)"
     if device.type != "cpu":
         return "float32", f"block-quantized GEMMs run on the CPU, not {device.type}"
-    why = bfloat16_gemm_advantage(cpu if cpu is not None else read_cpu_features())
+    why = bfloat16_gemm_advantage(cpu if cpu is not None else usable_cpu_features())
     if why is None:
         return "float32", "this CPU multiplies bfloat16 no faster than float32"
     return "bfloat16", why

@@ -85,3 +85,27 @@ def test_an_explicit_choice_stands_on_any_cpu(choice: str) -> None:
 def test_an_unknown_choice_is_refused_by_field_name() -> None:
     with pytest.raises(ConfigError, match=r"device\.gemm_dtype.*must be one of"):
         resolve_gemm_dtype("float16", device=CPU, quantized=True, cpu=ZEN4)
+
+
+AMX_CPUINFO = """processor\t: 0
+vendor_id\t: GenuineIntel
+flags\t\t: avx512f avx512_bf16 amx_tile amx_bf16 amx_int8
+"""
+
+
+@pytest.mark.parametrize("granted", [True, False])
+def test_amx_flags_count_only_where_the_kernel_grants_the_tiles(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, granted: bool
+) -> None:
+    # A VM can list AMX and refuse its state: then bfloat16 GEMMs run on AVX-512 (slower than
+    # float32 on Intel), so the usable features drop the flags and auto stays float32.
+    from llmrt.device import cpu_features
+
+    info = tmp_path / "cpuinfo"
+    info.write_text(AMX_CPUINFO)
+    monkeypatch.setattr(cpu_features, "amx_permitted", lambda: granted)
+    usable = cpu_features.usable_cpu_features(str(info))
+    assert ("amx_bf16" in usable.flags) is granted
+    assert "avx512_bf16" in usable.flags
+    assert bfloat16_gemm_advantage(usable) == ("AMX bfloat16 tiles" if granted else None)
+    assert "amx_bf16" in read_cpu_features(str(info)).flags  # the file's word is unchanged
