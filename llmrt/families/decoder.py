@@ -28,6 +28,8 @@ from llmrt.families.layers import (
     frozen_embedding,
     frozen_linear,
     native_mlp_activation,
+    native_rms_norm,
+    native_rms_norm_usable,
 )
 from llmrt.families.paged_attention import DecodePlan, PrefillPlan, attend, host_sync_allowed
 from llmrt.families.parts import (
@@ -205,7 +207,11 @@ class Norm(nn.Module):
             and self.weight.shape == width
         ):
             # One op instead of two passes: torch's kernel multiplies the normalised value by
-            # the weight last, as below, so the result is bit-equal (checked by a test).
+            # the weight last, as below, so the result is bit-equal (checked by a test). On
+            # the CPU the native op does the same in one pass per row, rows split across
+            # threads (torch's took ~0.7 ms per 1000 SmolLM2 rows, on one thread).
+            if native_rms_norm_usable(x, self.weight):
+                return native_rms_norm(x, self.weight, self.eps)
             return F.rms_norm(x, width, weight=self.weight, eps=self.eps)
         normed = F.rms_norm(x.float(), width, eps=self.eps)
         if self.kind == "rms_one_plus":

@@ -29,7 +29,7 @@ from llmrt.kernels.formats import (
     concat_rows,
     quantize,
 )
-from llmrt.kernels.native import int8_dot_supported, load_kernels
+from llmrt.kernels.native import int8_dot_supported, kernels_loaded, load_kernels
 
 #: A checkpoint weight as the layer factories take it: float, or kept in ggml blocks.
 Weight = CheckpointTensor
@@ -88,6 +88,25 @@ def native_mlp_activation(
     out: torch.Tensor = torch.ops.llmrt_kernels.mlp_activation(
         y, ACTIVATIONS[activation], gated, dtype
     )
+    return out
+
+
+def native_rms_norm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether ``native_rms_norm`` takes this call: float32 on the CPU, one weight row, not
+    under torch.compile (inductor fuses the torch form itself), kernels loaded."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype == weight.dtype == torch.float32
+        and weight.dim() == 1
+        and not torch.compiler.is_compiling()
+        and kernels_loaded()
+    )
+
+
+def native_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``weight * (x / sqrt(mean(x^2) + eps))`` over the last dim in one C++ pass per row, rows
+    split across threads (``rms_norm.cpp``); torch's float32 result to ~1e-7 relative."""
+    out: torch.Tensor = torch.ops.llmrt_kernels.rms_norm(x, weight, eps)
     return out
 
 

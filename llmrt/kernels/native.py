@@ -39,6 +39,7 @@ _SOURCES = (
     _CSRC / "activation.cpp",
     _CSRC / "prefill_attention.cpp",
     _CSRC / "rope.cpp",
+    _CSRC / "rms_norm.cpp",
     _CSRC / "clock_probe.cpp",
     _CSRC / "python_entry.cpp",
 )
@@ -143,6 +144,12 @@ def kernels_available() -> tuple[bool, str]:
 
 
 @functools.cache
+def kernels_loaded() -> bool:
+    """``kernels_available()[0]``, asked once per process (for checks on hot paths)."""
+    return kernels_available()[0]
+
+
+@functools.cache
 def python_entry() -> ModuleType | None:
     """The library imported as a Python extension module (``python_entry.cpp``: entries
     that skip the TorchScript call path), or None when it does not import."""
@@ -208,6 +215,10 @@ def _register_fakes() -> None:
     @torch.library.register_fake(f"{LIBRARY}::gguf_dequantize_bf16")
     def _dequantize_bf16_fake(blocks: torch.Tensor, kind: int, in_features: int) -> torch.Tensor:
         return blocks.new_empty((blocks.shape[0], in_features), dtype=torch.bfloat16)
+
+    @torch.library.register_fake(f"{LIBRARY}::rms_norm")
+    def _rms_norm_fake(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return torch.empty_like(x, memory_format=torch.contiguous_format)
 
     @torch.library.register_fake(f"{LIBRARY}::gguf_interleave")
     def _interleave_fake(blocks: torch.Tensor, kind: int, in_features: int) -> torch.Tensor:
