@@ -35,7 +35,7 @@ def placed_gemm_dtypes(log: Path) -> list[str]:
 def test_auto_follows_the_cpu(
     build: Any, lifecycle_log: Path, monkeypatch: pytest.MonkeyPatch, cpu: CpuFeatures, dtype: str
 ) -> None:
-    monkeypatch.setattr("llmrt.families.layers.read_cpu_features", lambda: cpu)
+    monkeypatch.setattr("llmrt.families.layers.usable_cpu_features", lambda: cpu)
     runtime = build(
         "tiny-llama", overrides=[*TINY, "checkpoint.weights=int4", "device.gemm_dtype=auto"]
     ).ready()
