@@ -169,7 +169,7 @@ def python_entry() -> ModuleType | None:
 def int8_dot_supported() -> bool:
     """Whether this CPU runs the interleaved layout's integer-dot kernels (AVX-512 VNNI);
     False too when the kernels do not load (asked once per process)."""
-    if not kernels_available()[0]:
+    if not kernels_loaded():
         return False
     return bool(torch.ops.llmrt_kernels.int8_dot_supported())
 

@@ -41,6 +41,7 @@
 
 #include "cpu.h"
 #include "linear.h"
+#include "rms_norm.h"
 #include "vecmath.h"
 
 namespace {
@@ -51,19 +52,7 @@ using llmrt_kernels::has_avx512;
 using llmrt_kernels::kSilu;
 using llmrt_kernels::lanes;
 using llmrt_kernels::load16;
-
-// out = w * (x / sqrt(mean(x^2) + eps)) per row, in float32 as Hugging Face's RMSNorm.
-void rms_norm_rows(const float* x, int64_t rows, int64_t width, const float* w, double eps,
-                   float* out) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = x + r * width;
-    float ss = 0.0f;
-    for (int64_t j = 0; j < width; ++j) ss += xr[j] * xr[j];
-    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(width) + static_cast<float>(eps));
-    float* o = out + r * width;
-    for (int64_t j = 0; j < width; ++j) o[j] = w[j] * (xr[j] * inv);
-  }
-}
+using llmrt_kernels::rms_norm_rows;
 
 // Rotate the leading ``rot`` channels of one head by the row's tables (rotate-half convention).
 void rope_head(float* v, const float* cos, const float* sin, int64_t rot) {

@@ -322,10 +322,11 @@ void linear_into(const float* x, int64_t rows_m, const at::Tensor& w, int64_t ki
                  float* y) {
   const int64_t n = w.size(0);
   if (rows_m <= 0 || n <= 0) return;
-  if ((kind & kInterleaved) && rows_m >= kInterleavedGemmMinRows &&
-      interleaved_gemm(x, rows_m, w.const_data_ptr<uint8_t>(), w.size(1), kind & ~kInterleaved,
-                       k, y, n))
+  if (takes_integer_gemm(kind, rows_m)) {  // its own row chunks and panel scheduling
+    interleaved_gemm(x, rows_m, w.const_data_ptr<uint8_t>(), w.size(1), kind & ~kInterleaved, k,
+                     y, n);
     return;
+  }
   // The caller's scratch (a thread_local named inside the lambda would be each worker's own).
   thread_local std::vector<uint8_t> scratch;
   const int64_t prep_bytes = rows_m * linear_prep_bytes(kind, k);

@@ -114,11 +114,8 @@ LLMRT_VNNI inline __m512i lanes4(const uint8_t* const* rows, int64_t offset) {
 LLMRT_VNNI void pack_panel(const uint8_t* w, int64_t row_bytes, int64_t base, int64_t nb,
                            int64_t n0, int64_t cols, uint8_t* out) {
   alignas(64) static const uint8_t zeros[64] = {};
-  const int64_t g = llmrt_kernels::group_of(base), qb = llmrt_kernels::quant_bytes(base);
-  const int64_t bb = llmrt_kernels::block_bytes_of(base);
   const __m512i low = _mm512_set1_epi8(15);
   for (int64_t b = 0; b < nb; ++b) {
-    const int64_t b0 = b - b % g, c = std::min(g, nb - b0), i = b - b0;
     uint8_t* o = out + b * kPanelBlock;
     float* d = reinterpret_cast<float*>(o + 8 * kVecs * 64);
     for (int v = 0; v < kVecs; ++v) {
@@ -131,10 +128,11 @@ LLMRT_VNNI void pack_panel(const uint8_t* w, int64_t row_bytes, int64_t base, in
           dh[j] = mh[j] = 0;
           continue;
         }
-        const uint8_t* grp = w + (n0 + col) * row_bytes + b0 * bb;
-        q[j] = grp + qb * i;
-        std::memcpy(&dh[j], grp + qb * c + 2 * i, 2);
-        if (base == llmrt_kernels::kQ4_1) std::memcpy(&mh[j], grp + 18 * c + 2 * i, 2);
+        const llmrt_kernels::BlockBytes at =
+            llmrt_kernels::block_bytes_at(w + (n0 + col) * row_bytes, base, nb, b);
+        q[j] = at.q;
+        std::memcpy(&dh[j], at.d, 2);
+        if (at.m != nullptr) std::memcpy(&mh[j], at.m, 2);
       }
       __m512i lo[4], hi[4];
       for (int a = 0; a < 4; ++a) {
@@ -269,10 +267,9 @@ void interleaved_gemm_range(const uint8_t* prep, int64_t rows, const uint8_t* w,
   panels_range(a, rows, w, row_bytes, base, y, n, n0, n1, panel_buffer(a.nb * kPanelBlock));
 }
 
-bool interleaved_gemm(const float* x, int64_t rows_m, const uint8_t* w, int64_t row_bytes,
+void interleaved_gemm(const float* x, int64_t rows_m, const uint8_t* w, int64_t row_bytes,
                       int64_t base, int64_t k, float* y, int64_t n) {
-  if (!has_vnni()) return false;
-  if (rows_m <= 0 || n <= 0) return true;
+  if (rows_m <= 0 || n <= 0) return;
   const int64_t stride = levels_stride(k);
   const int64_t chunk = std::max<int64_t>(kRows, kChunkBytes / stride / kRows * kRows);
   // The caller's scratch (a thread_local named inside a lambda would be each worker's own).
@@ -298,7 +295,6 @@ bool interleaved_gemm(const float* x, int64_t rows_m, const uint8_t* w, int64_t 
                      std::min(n, (p + 1) * kCols), panel);
     });
   }
-  return true;
 }
 
 }  // namespace llmrt_kernels

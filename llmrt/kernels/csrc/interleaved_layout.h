@@ -38,6 +38,21 @@ inline bool has_vnni() {
 constexpr int64_t group_of(int64_t base) { return base == kQ8_0 ? 2 : 4; }
 constexpr int64_t quant_bytes(int64_t base) { return base == kQ8_0 ? 32 : 16; }
 
+// Where block b of a row of the interleaved layout keeps its quants, fp16 d and (Q4_1) fp16
+// m (nullptr for the other kinds).
+struct BlockBytes {
+  const uint8_t* q;
+  const uint8_t* d;
+  const uint8_t* m;
+};
+
+inline BlockBytes block_bytes_at(const uint8_t* row, int64_t base, int64_t nb, int64_t b) {
+  const int64_t g = group_of(base), b0 = b - b % g, c = std::min(g, nb - b0), i = b - b0;
+  const uint8_t* o = row + b0 * block_bytes_of(base);
+  const int64_t qb = quant_bytes(base);
+  return {o + qb * i, o + qb * c + 2 * i, base == kQ4_1 ? o + 18 * c + 2 * i : nullptr};
+}
+
 // Block b's d, m (Q4_0: -8 d; Q8_0: 0, its quants carry +128) and quants, in a row of the
 // interleaved layout.
 struct BlockRef {
@@ -46,12 +61,10 @@ struct BlockRef {
 };
 
 inline BlockRef block_at(const uint8_t* row, int64_t base, int64_t nb, int64_t b) {
-  const int64_t g = group_of(base), b0 = b - b % g, c = std::min(g, nb - b0), i = b - b0;
-  const uint8_t* o = row + b0 * block_bytes_of(base);
-  const int64_t qb = quant_bytes(base);
-  const float d = half_at(o + qb * c + 2 * i);
-  const float m = base == kQ4_1 ? half_at(o + 18 * c + 2 * i) : (base == kQ4_0 ? -8.0f * d : 0.0f);
-  return {d, m, o + qb * i};
+  const BlockBytes at = block_bytes_at(row, base, nb, b);
+  const float d = half_at(at.d);
+  const float m = at.m != nullptr ? half_at(at.m) : (base == kQ4_0 ? -8.0f * d : 0.0f);
+  return {d, m, at.q};
 }
 
 // One 32-wide block of activations ``x`` as two int8 levels: elements 0-15 to ``h0``/``l0``,

@@ -43,9 +43,9 @@ void interleaved_range(const float* x, int64_t rows_m, const uint8_t* w, int64_t
                        int64_t base, int64_t k, const uint8_t* prep, float* y, int64_t n,
                        int64_t n0, int64_t n1);
 // Many activation rows against an interleaved block weight (interleaved_gemm.cpp): y[m, n]
-// for rows_m rows, parallel over panels of output columns; false (nothing written) where
-// this CPU has no integer kernels.
-bool interleaved_gemm(const float* x, int64_t rows_m, const uint8_t* w, int64_t row_bytes,
+// for rows_m rows, parallel over panels of output columns; only where
+// ``takes_integer_gemm`` says so.
+void interleaved_gemm(const float* x, int64_t rows_m, const uint8_t* w, int64_t row_bytes,
                       int64_t base, int64_t k, float* y, int64_t n);
 // The same GEMM split across a team (a decode step of many rows): rows prepared once
 // (``interleaved_gemm_prepare`` over disjoint row ranges, ``interleaved_gemm_prep_bytes`` per

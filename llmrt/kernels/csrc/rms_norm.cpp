@@ -19,6 +19,7 @@
 #include <cstdint>
 
 #include "cpu.h"
+#include "rms_norm.h"
 #include "vecmath.h"
 
 namespace {
@@ -45,17 +46,6 @@ LLMRT_AVX512 void rms_rows_avx512(const float* x, const float* w, float* y, int6
   }
 }
 
-void rms_rows_scalar(const float* x, const float* w, float* y, int64_t width, float eps,
-                     int64_t r0, int64_t r1) {
-  for (int64_t r = r0; r < r1; ++r) {
-    const float* xr = x + r * width;
-    float ss = 0.0f;
-    for (int64_t j = 0; j < width; ++j) ss += xr[j] * xr[j];
-    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(width) + eps);
-    for (int64_t j = 0; j < width; ++j) y[r * width + j] = w[j] * (xr[j] * inv);
-  }
-}
-
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat,
               "llmrt_kernels.rms_norm: x must be float32 on the CPU");
@@ -77,7 +67,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
     if (simd)
       rms_rows_avx512(xp, wp, yp, width, e, r0, r1);
     else
-      rms_rows_scalar(xp, wp, yp, width, e, r0, r1);
+      llmrt_kernels::rms_norm_rows(xp + r0 * width, r1 - r0, width, wp, eps, yp + r0 * width);
   });
   return y;
 }
