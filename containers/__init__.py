@@ -1,4 +1,9 @@
-"""Dependency-injection containers (installed as ``llmrt.containers``)."""
+"""Dependency-injection containers (installed as ``llmrt.containers``): recipe -> device,
+model, lanes and runtime, in owned scopes.
+
+May import the recipe, the runtime core and everything below; never ``serving``,
+``vllm``, ``server``, ``cli``, ``benchmarks`` or ``testing``.
+"""
 
 # di_import first: it imports dependency_injector without its web-framework probes.
 from . import di_import  # noqa: F401

@@ -16,15 +16,11 @@ from typing import Any
 
 import torch
 
-from llmrt.compiled_step import CompileOptions, StepCompiler
-from llmrt.config import PageTableLayout, TraceConfig
-from llmrt.decode import DecodeRuntime, DecodeRuntimeConfig
 from llmrt.device.base import Device
 from llmrt.device.host_memory import retain_freed_memory
 from llmrt.device.huge_pages import huge_pages_refused, place_module_weights
 from llmrt.device.torch import TorchDevice
 from llmrt.errors import CheckpointError, ConfigError, DeviceError, IdentityError
-from llmrt.execution import EagerExecutor, TracedExecutor
 from llmrt.families.base import CausalLM, Family
 from llmrt.families.fused_decode import select_decode_kernel
 from llmrt.families.layers import (
@@ -38,16 +34,20 @@ from llmrt.families.prefill_attention import select_attention_kernel
 from llmrt.families.registry import check_family_backend
 from llmrt.kernels.formats import QUANTIZED_FORMATS, dequantized
 from llmrt.kernels.native import require_kernels
-from llmrt.lifecycle import component_logger, emit, object_id
-from llmrt.model_executor import ModelExecutor
-from llmrt.output_reader import OutputReader
-from llmrt.paged_kv_cache import PagedKVCacheManager
-from llmrt.prefill.config import PrefillRuntimeConfig
-from llmrt.prefill.runtime import PrefillRuntime
-from llmrt.program_compiler import PROGRAM_OPERATIONS, ProgramCompiler
-from llmrt.recipe import Recipe
-from llmrt.trace_compiler import TraceCompiler
-from llmrt.warmup import CaptureBarrier, WarmupCoordinator, WarmupCoordinatorConfig
+from llmrt.lifecycle.events import component_logger, emit, object_id
+from llmrt.recipe.loader import Recipe
+from llmrt.runtime.compiled_step import StepCompiler
+from llmrt.runtime.config import PageTableLayout, TraceConfig
+from llmrt.runtime.decode import DecodeRuntime, DecodeRuntimeConfig
+from llmrt.runtime.execution import EagerExecutor, TracedExecutor
+from llmrt.runtime.model_executor import ModelExecutor
+from llmrt.runtime.output_reader import OutputReader
+from llmrt.runtime.paged_kv_cache import PagedKVCacheManager
+from llmrt.runtime.prefill.config import PrefillRuntimeConfig
+from llmrt.runtime.prefill.runtime import PrefillRuntime
+from llmrt.runtime.program_compiler import PROGRAM_OPERATIONS, ProgramCompiler
+from llmrt.runtime.trace_compiler import TraceCompiler
+from llmrt.runtime.warmup import CaptureBarrier, WarmupCoordinator, WarmupCoordinatorConfig
 from llmrt.weights.checkpoint import Checkpoint, gguf_config, load_checkpoint
 from llmrt.weights.tokenizer import Tokenizer, byte_tokenizer
 
@@ -292,7 +292,7 @@ def place_weights(
 
 def build_step_compiler(*, recipe: Recipe, lane: int) -> StepCompiler:
     """The lane's step source: the model's forwards, or compiled ones (``device.compile``)."""
-    return StepCompiler(options=CompileOptions.from_device(recipe.device), lane=lane)
+    return StepCompiler(options=recipe.device.compile_options(), lane=lane)
 
 
 def resolve_num_blocks(*, recipe: Recipe, model: CausalLM) -> int:

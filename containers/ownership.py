@@ -3,9 +3,10 @@
 Factories build objects and know nothing about scopes. Each provider whose object has a
 lifetime is an :class:`Owned` provider declared with ``.owned_by(scope, name, close=...)``:
 when it first yields an object (built by its factory, or injected by an override the
-dependency-injector way), it records that object in its :class:`~llmrt.scope.LifetimeScope`
-with the teardown ``close(obj)`` returns. So an override is torn down exactly like the
-default it replaces, at its own place in the reverse creation order.
+dependency-injector way), it records that object in its
+:class:`~llmrt.lifecycle.scope.LifetimeScope` with the teardown ``close(obj)`` returns. So an
+override is torn down exactly like the default it replaces, at its own place in the reverse
+creation order.
 
 An override whose object the caller owns is declared with :class:`Borrowed`
 (``provider.override(Borrowed(device))``): the scope records it as borrowed
@@ -30,7 +31,7 @@ import attrs
 from dependency_injector import providers
 
 from llmrt.errors import ContainerStateError
-from llmrt.scope import LifetimeScope
+from llmrt.lifecycle.scope import LifetimeScope
 
 T = TypeVar("T")
 

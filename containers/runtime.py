@@ -10,7 +10,7 @@ coordinator, model executor — in the spec's construction order) and
 Ownership is declared here, not in the factories: every provider whose object has a
 lifetime is an :class:`~containers.ownership.Owned` provider, so whatever it yields — built by
 its factory or injected by an override — is recorded in its scope's
-:class:`~llmrt.scope.LifetimeScope` as it is created, and :func:`close_runtime` (the root
+:class:`~llmrt.lifecycle.scope.LifetimeScope` as it is created, and :func:`close_runtime` (the root
 scope's ``close``) tears everything down in exact reverse creation order across scopes. The
 lane components the model executor cleans up in the spec's eight steps are governed by it:
 their own scope entries become no-ops once the executor exists.
@@ -43,12 +43,12 @@ from dependency_injector import containers, providers
 from llmrt.device.base import Device
 from llmrt.errors import ContainerStateError
 from llmrt.families.base import Family
-from llmrt.lane_group import LaneGroupExecutor
-from llmrt.recipe import Recipe
-from llmrt.scope import LifetimeScope
-from llmrt.startup import StartupSequence
-from llmrt.trace_compiler import TraceCompiler
-from llmrt.warmup import CaptureBarrier
+from llmrt.lifecycle.scope import LifetimeScope
+from llmrt.recipe.loader import Recipe
+from llmrt.runtime.lane_group import LaneGroupExecutor
+from llmrt.runtime.startup import StartupSequence
+from llmrt.runtime.trace_compiler import TraceCompiler
+from llmrt.runtime.warmup import CaptureBarrier
 from llmrt.weights.checkpoint import Checkpoint
 
 from . import factories as f
@@ -322,7 +322,7 @@ def start_runtime(
     """Build (if needed) and start ``container``'s runtime; returns the serving-ready lane group.
 
     The one startup sequence every front end uses: ``container.startup().run(num_blocks=...)``
-    (see :class:`llmrt.startup.StartupSequence` for the phases and their order). The caller
+    (see :class:`llmrt.runtime.startup.StartupSequence` for the phases and their order). The caller
     still owns the container: on failure, close it with ``close_runtime(container, primary=exc)``.
     """
     return container.startup().run(num_blocks=num_blocks)

@@ -4,7 +4,7 @@
 and the runtime modules underneath are importable for model authors and tests.
 """
 
-from llmrt.sampling_params import SamplingParams
+from llmrt.sampling.params import SamplingParams
 
 __version__ = "0.1.0"
 

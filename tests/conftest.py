@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from llmrt.lifecycle import reset_logging
+from llmrt.lifecycle.events import reset_logging
 
 #: ``pytester`` runs inline test files (the plugin's own tests use it).
 pytest_plugins = ("pytester",)
@@ -26,7 +26,7 @@ def inductor_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[
     """A private inductor cache for one test; the process-wide setting is restored after."""
     from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
-    from llmrt.compiled_step import INDUCTOR_CACHE_ENV
+    from llmrt.runtime.compiled_step import INDUCTOR_CACHE_ENV
 
     cache = tmp_path / "inductor"
     monkeypatch.setenv(INDUCTOR_CACHE_ENV, str(cache))

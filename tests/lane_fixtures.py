@@ -19,24 +19,24 @@ import attrs
 import pytest
 import torch
 
-from llmrt.config import PagedKVCacheConfig, PageTableLayout, TraceConfig, WarmupConfig
-from llmrt.decode import DecodeRuntime, DecodeRuntimeConfig
 from llmrt.device.base import Device
 from llmrt.device.torch import TorchDevice
-from llmrt.execution import EagerExecutor, TracedExecutor
 from llmrt.families.base import CausalLM
 from llmrt.families.registry import get_family
-from llmrt.model_executor import ModelExecutor
-from llmrt.output_reader import OutputReader
-from llmrt.paged_kv_cache import PagedKVCacheContext, PagedKVCacheManager
-from llmrt.prefill.config import PrefillRuntimeConfig
-from llmrt.prefill.plan import PrefillRow, WaveRules
-from llmrt.prefill.result_collector import PrefillOutput
-from llmrt.prefill.runtime import PrefillRuntime, TokenHistory
-from llmrt.program_compiler import ProgramCompiler
-from llmrt.sampling_params import SamplingParams
-from llmrt.trace_compiler import TraceCompiler
-from llmrt.warmup import CaptureBarrier, WarmupCoordinator, WarmupCoordinatorConfig
+from llmrt.runtime.config import PagedKVCacheConfig, PageTableLayout, TraceConfig, WarmupConfig
+from llmrt.runtime.decode import DecodeRuntime, DecodeRuntimeConfig
+from llmrt.runtime.execution import EagerExecutor, TracedExecutor
+from llmrt.runtime.model_executor import ModelExecutor
+from llmrt.runtime.output_reader import OutputReader
+from llmrt.runtime.paged_kv_cache import PagedKVCacheContext, PagedKVCacheManager
+from llmrt.runtime.prefill.config import PrefillRuntimeConfig
+from llmrt.runtime.prefill.plan import PrefillRow, WaveRules
+from llmrt.runtime.prefill.result_collector import PrefillOutput
+from llmrt.runtime.prefill.runtime import PrefillRuntime, TokenHistory
+from llmrt.runtime.program_compiler import ProgramCompiler
+from llmrt.runtime.trace_compiler import TraceCompiler
+from llmrt.runtime.warmup import CaptureBarrier, WarmupCoordinator, WarmupCoordinatorConfig
+from llmrt.sampling.params import SamplingParams
 
 #: A tiny GQA Llama (HF ``config.json`` form): 2 layers, 4 query heads over 2 KV heads.
 TINY_LLAMA: Mapping[str, Any] = {

@@ -6,4 +6,6 @@ targets), ``timing`` (interleaved medians, percentiles, progress bars), ``sizing
 Hugging Face transformers baseline on the same weights), ``serving`` (``mixed``,
 ``shared-prefix``), ``decode``, ``prefill``, ``lanes`` (helpers the step workloads share)
 and ``plot`` (optional latency plot).
+
+Beside ``testing``, below ``cli``: may import every package except those two.
 """

@@ -38,12 +38,12 @@ from llmrt.benchmarks.report import Report, Target
 from llmrt.benchmarks.settings import BenchSettings
 from llmrt.benchmarks.sizing import sized_recipe
 from llmrt.benchmarks.timing import Timed, device_sync, interleaved_times, ratio, rounded
-from llmrt.compiled_step import DecodeStep
 from llmrt.device.huge_pages import advised_mapping, huge_pages_unavailable
 from llmrt.families.layers import linear_weight_bytes
 from llmrt.kernels.native import kernels_available
-from llmrt.model_executor import ModelExecutor
-from llmrt.recipe import load_recipe
+from llmrt.recipe.loader import load_recipe
+from llmrt.runtime.compiled_step import DecodeStep
+from llmrt.runtime.model_executor import ModelExecutor
 from llmrt.serving.llm import LLM
 
 DECODE_CONTEXT = 128

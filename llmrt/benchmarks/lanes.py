@@ -8,8 +8,8 @@ import torch
 
 from llmrt.benchmarks.prompts import random_prompts, token_pool
 from llmrt.errors import ConfigError
-from llmrt.model_executor import ModelExecutor
-from llmrt.sampling_params import SamplingParams
+from llmrt.runtime.model_executor import ModelExecutor
+from llmrt.sampling.params import SamplingParams
 from llmrt.serving.llm import LLM
 
 WARMUP = 3

@@ -38,7 +38,7 @@ from typing import Any
 import attrs
 
 from llmrt.errors import ConfigError, UnsupportedError
-from llmrt.recipe import Recipe
+from llmrt.recipe.loader import Recipe
 
 DIR_ENV = "LLMRT_LLAMACPP_DIR"
 BENCH_ENV = "LLMRT_LLAMACPP_BENCH"

@@ -22,7 +22,7 @@ from llmrt.benchmarks.report import Report, Target
 from llmrt.benchmarks.settings import BenchSettings
 from llmrt.benchmarks.timing import progress, ratio, rounded
 from llmrt.errors import ConfigError
-from llmrt.recipe import load_recipe
+from llmrt.recipe.loader import load_recipe
 
 ONESHOT_REPEATS = 3
 ONESHOT_NEW_TOKENS = 16

@@ -31,15 +31,15 @@ from llmrt.benchmarks.timing import (
     ratio,
     rounded,
 )
-from llmrt.config import PREFILL_BATCH_SIZES
-from llmrt.prefill.buckets import SeqLenBuckets
-from llmrt.prefill.plan import (
+from llmrt.recipe.loader import load_recipe
+from llmrt.runtime.config import PREFILL_BATCH_SIZES
+from llmrt.runtime.prefill.buckets import SeqLenBuckets
+from llmrt.runtime.prefill.plan import (
     DISABLE_BATCHED_PREFILL_ENV,
     PrefillPlanPolicy,
     PrefillRow,
     plan_prefill,
 )
-from llmrt.recipe import load_recipe
 from llmrt.serving.llm import LLM
 
 PREFILL_LONG = 512

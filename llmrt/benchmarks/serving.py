@@ -27,7 +27,7 @@ from llmrt.benchmarks.settings import BenchSettings
 from llmrt.benchmarks.sizing import sized_recipe
 from llmrt.benchmarks.timing import mean, percentile, progress, ratio, rounded
 from llmrt.errors import ConfigError
-from llmrt.sampling_params import SamplingParams
+from llmrt.sampling.params import SamplingParams
 from llmrt.serving.llm import LLM
 
 MIXED_PROMPTS = 32

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 import attrs
 
-from llmrt.recipe import Recipe, load_recipe
+from llmrt.recipe.loader import Recipe, load_recipe
 
 
 @attrs.frozen(kw_only=True)

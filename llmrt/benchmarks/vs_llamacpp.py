@@ -49,7 +49,7 @@ from llmrt.benchmarks.settings import BenchSettings
 from llmrt.benchmarks.sizing import sized_recipe
 from llmrt.benchmarks.timing import progress, ratio, rounded
 from llmrt.errors import LLMRTError
-from llmrt.recipe import Recipe
+from llmrt.recipe.loader import Recipe
 from llmrt.serving.llm import LLM
 
 ITL_PROMPT_LEN = 16

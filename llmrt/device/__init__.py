@@ -1,4 +1,8 @@
-"""The device port (``base``) and its torch backend (``torch``)."""
+"""The device port (``base``) and its backends: torch (``torch``) and Tenstorrent ttnn
+(``ttnn``), with host facts they read (``cpu_features``, ``host_memory``, ``huge_pages``).
+
+May import only ``errors``: the runtime, families and recipes build on it.
+"""
 
 from llmrt.device.base import Device, DeviceKind, DeviceStats, DeviceTensor, Event, Trace
 from llmrt.device.identity import IdentitySet

@@ -19,11 +19,11 @@ import torch
 from llmrt.families.base import ModelConfig
 from llmrt.families.causal_lm import PagedCausalLM
 from llmrt.families.decoder import TensorInit, TensorNames, TensorPlan, build_decoder, tensor_plan
+from llmrt.families.gguf_architecture import GGUFArchitecture
 from llmrt.families.hfconfig import HFConfig
 from llmrt.families.parts import DecoderSpec
 from llmrt.families.tensors import check_tensors
 from llmrt.kernels.formats import CheckpointTensor
-from llmrt.weights.gguf_architecture import GGUFArchitecture
 
 Tensors = Mapping[str, CheckpointTensor]
 SpecReader = Callable[[HFConfig, torch.dtype], tuple[DecoderSpec, TensorNames]]

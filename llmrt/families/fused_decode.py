@@ -15,17 +15,52 @@ first part that is not. Prefill, CUDA, compiled steps and CUDA-graph captures ne
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Literal, NamedTuple, get_args
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol, get_args
 
 import torch
 
 from llmrt.errors import ConfigError
-from llmrt.families.layers import ACTIVATIONS, FrozenLinear, QuantizedEmbedding, QuantizedLinear
+from llmrt.families.decoder_layers import MLP, DecoderLayer, Norm
+from llmrt.families.layers import (
+    ACTIVATIONS,
+    Embedding,
+    FrozenLinear,
+    Linear,
+    QuantizedEmbedding,
+    QuantizedLinear,
+)
+from llmrt.families.parts import DecoderSpec
 from llmrt.kernels.native import kernels_available, python_entry
 
 if TYPE_CHECKING:
-    from llmrt.families.decoder import DecoderBackbone, DecoderLayer, Norm
     from llmrt.families.kvbinding import BoundKV
+
+
+class FusableBackbone(Protocol):
+    """What the fused step reads of a backbone; ``decoder.DecoderBackbone`` implements it.
+
+    Declared here so the step depends on the decoder's layer modules only, and the backbone
+    (which builds the step) on the step: no import cycle.
+    """
+
+    @property
+    def spec(self) -> DecoderSpec: ...
+
+    @property
+    def embed_tokens(self) -> Embedding: ...
+
+    @property
+    def embed_positions(self) -> Embedding | None: ...
+
+    @property
+    def layers(self) -> Iterable[torch.nn.Module]: ...
+
+    @property
+    def norm(self) -> Norm | None: ...
+
+    @property
+    def lm_head(self) -> Linear: ...
 
 #: ``device.decode_kernel``: ``auto`` runs CPU decode steps fused where every layer's parts
 #: allow it, ``fused`` requires it (a ``ConfigError`` at build says which part does not),
@@ -92,8 +127,6 @@ class StackLayer(NamedTuple):
 
 def fused_layer_args(layer: DecoderLayer) -> StackLayer:
     """The stack's arguments for ``layer`` (weights borrowed), or ``NotFusable``."""
-    from llmrt.families.decoder import MLP
-
     attention = layer.attention
     if layer.parallel:
         raise NotFusable("parallel attention + MLP residual")
@@ -150,7 +183,7 @@ class StackEnds(NamedTuple):
     head_bias: torch.Tensor | None
 
 
-def fused_ends_args(backbone: DecoderBackbone) -> StackEnds:
+def fused_ends_args(backbone: FusableBackbone) -> StackEnds:
     """The embedding and final norm + LM head arguments, or ``NotFusable``."""
     if backbone.embed_positions is not None:
         raise NotFusable("embed_positions: learned position embeddings")
@@ -198,7 +231,7 @@ class FusedDecode:
         self._address = int(self._stack.address())
 
     @classmethod
-    def build(cls, backbone: DecoderBackbone) -> FusedDecode:
+    def build(cls, backbone: FusableBackbone) -> FusedDecode:
         """Every part's arguments, or ``NotFusable`` naming the first part that is not."""
         ok, why = kernels_available()
         if not ok:

@@ -18,10 +18,10 @@ from llmrt.errors import CheckpointError
 from llmrt.families import hfparts
 from llmrt.families.decoder import TensorNames
 from llmrt.families.decoder_family import DecoderFamily
+from llmrt.families.gguf_architecture import GGUFArchitecture, metadata_field, token_ids, vocab_size
 from llmrt.families.hfconfig import HFConfig
 from llmrt.families.parts import DecoderSpec, LayerSpec, MLPSpec, NormSpec
 from llmrt.kernels.formats import CheckpointTensor
-from llmrt.weights.gguf_architecture import GGUFArchitecture, metadata_field, token_ids, vocab_size
 
 MODEL_TYPES: tuple[str, ...] = ("gpt2",)
 REQUIRED_KEYS: tuple[str, ...] = ("vocab_size", "n_embd", "n_layer", "n_head", "n_positions")

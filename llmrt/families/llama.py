@@ -19,6 +19,14 @@ from llmrt.errors import CheckpointError
 from llmrt.families import hfparts
 from llmrt.families.decoder import TensorNames
 from llmrt.families.decoder_family import DecoderFamily
+from llmrt.families.gguf_architecture import (
+    GGUFArchitecture,
+    metadata_field,
+    reject_rope_scaling,
+    token_ids,
+    unpermute_rotary,
+    vocab_size,
+)
 from llmrt.families.hfconfig import HFConfig
 from llmrt.families.parts import (
     DecoderSpec,
@@ -28,14 +36,6 @@ from llmrt.families.parts import (
     NormSpec,
 )
 from llmrt.kernels.formats import CheckpointTensor
-from llmrt.weights.gguf_architecture import (
-    GGUFArchitecture,
-    metadata_field,
-    reject_rope_scaling,
-    token_ids,
-    unpermute_rotary,
-    vocab_size,
-)
 
 MODEL_TYPES: tuple[str, ...] = (
     "llama",

@@ -26,7 +26,7 @@ from types import ModuleType
 import torch
 
 from llmrt.errors import ConfigError, LLMRTError
-from llmrt.weights.cache import default_cache_dir
+from llmrt.paths import default_cache_dir
 
 LIBRARY = "llmrt_kernels"
 _CSRC = Path(__file__).parent / "csrc"

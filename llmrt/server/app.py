@@ -25,7 +25,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmrt.errors import LLMRTError, RequestError, UnsupportedError
-from llmrt.sampling_params import SamplingParams
+from llmrt.sampling.params import SamplingParams
 from llmrt.server.engine_loop import (
     EngineLoop,
     EngineUnavailable,

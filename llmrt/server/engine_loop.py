@@ -20,7 +20,7 @@ from typing import Any
 import attrs
 
 from llmrt.errors import LLMRTError
-from llmrt.sampling_params import SamplingParams
+from llmrt.sampling.params import SamplingParams
 from llmrt.server.metrics import ServerMetrics
 from llmrt.serving.engine import Engine, TokenEvent
 from llmrt.serving.request import Request

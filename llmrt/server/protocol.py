@@ -1,5 +1,5 @@
 """OpenAI request shapes (pydantic, strict) and how their sampling fields map onto
-:class:`~llmrt.sampling_params.SamplingParams`.
+:class:`~llmrt.sampling.params.SamplingParams`.
 
 Unknown fields and wrong types are refused (HTTP 400 naming the field), as OpenAI does;
 vLLM's extensions ``top_k``, ``min_p``, ``repetition_penalty``, ``stop_token_ids`` and
@@ -13,7 +13,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from llmrt.errors import RequestError
-from llmrt.sampling_params import SamplingParams
+from llmrt.sampling.params import SamplingParams
 
 #: The ``max_tokens`` default of ``/v1/completions`` (OpenAI's legacy default).
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16

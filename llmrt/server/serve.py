@@ -21,7 +21,7 @@ from collections.abc import Callable, Generator, Sequence
 import uvicorn
 from fastapi import FastAPI
 
-from llmrt.recipe import load_recipe
+from llmrt.recipe.loader import load_recipe
 from llmrt.server.app import ServerState, create_app
 from llmrt.serving.llm import LLM
 

@@ -18,12 +18,12 @@ import attrs
 import numpy as np
 import torch
 
-from llmrt.decode import DecodeOutput
 from llmrt.errors import RequestError, UnsupportedError
-from llmrt.lane_group import LaneGroupExecutor
-from llmrt.prefill.plan import PrefillRow
-from llmrt.prefill.result_collector import PrefillOutput
-from llmrt.sampling_params import SamplingParams
+from llmrt.runtime.decode import DecodeOutput
+from llmrt.runtime.lane_group import LaneGroupExecutor
+from llmrt.runtime.prefill.plan import PrefillRow
+from llmrt.runtime.prefill.result_collector import PrefillOutput
+from llmrt.sampling.params import SamplingParams
 from llmrt.serving.block_pool import BlockAllocator
 from llmrt.serving.request import Request, RequestStatus
 from llmrt.serving.scheduler import PrefillWork, Scheduler, SchedulerConfig

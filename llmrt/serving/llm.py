@@ -8,8 +8,8 @@ from typing import Any
 import attrs
 
 from llmrt.errors import RequestError
-from llmrt.recipe import Overrides, Recipe, load_recipe
-from llmrt.sampling_params import SamplingParams
+from llmrt.recipe.loader import Overrides, Recipe, load_recipe
+from llmrt.sampling.params import SamplingParams
 from llmrt.serving.engine import Engine, EngineStats, TokenEvent
 from llmrt.serving.request import Request
 from llmrt.weights.tokenizer import Tokenizer

@@ -6,7 +6,7 @@ import enum
 
 import attrs
 
-from llmrt.sampling_params import SamplingParams
+from llmrt.sampling.params import SamplingParams
 
 
 class RequestStatus(enum.Enum):

@@ -6,7 +6,7 @@ non-contiguous block ids, so any page-table mistake shows up as a mismatch. The 
 live on any torch device (``Harness(device=...)``): inputs and the KV cache are placed there,
 logits come back to the CPU, and transformers runs on the CPU in float32. It serves
 the project's parity tests, the ``parity_harness`` fixture of the pytest plugin
-(``llmrt.testing.plugin``) and ``llmrt check`` (``llmrt.check``). transformers is only
+(``llmrt.testing.plugin``) and ``llmrt check`` (``llmrt.cli.check``). transformers is only
 needed for the reference runs (``hf_greedy``); nothing here imports it.
 """
 

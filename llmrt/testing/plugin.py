@@ -9,7 +9,7 @@ tests of a family, a recipe or the runtime itself.
 - ``faulty_device(fail=..., inner=None)``: a ``FaultyDevice`` over a CPU ``TorchDevice``
   (or ``inner``) that fails the Nth call of the named operations.
 - ``lifecycle_log``: the structured lifecycle log written to a JSON-lines file for the
-  test; at teardown ``llmrt.audit.check`` runs over it and the test fails on a violation.
+  test; at teardown ``llmrt.lifecycle.audit.check`` runs over it and the test fails on a violation.
 - ``parity_harness(family=..., hf_model=..., device="cpu")``: the transformers parity
   harness (``llmrt.testing.parity.Harness``) over a family's model built on ``device`` from
   ``hf_model``'s weights.
@@ -33,7 +33,7 @@ from llmrt.testing.devices import TORCH_DEVICES, require_device
 if TYPE_CHECKING:
     from llmrt.device.base import Device
     from llmrt.families.base import Family
-    from llmrt.recipe import Overrides
+    from llmrt.recipe.loader import Overrides
     from llmrt.testing.faulty_device import FaultyDevice
     from llmrt.testing.parity import Harness
 
@@ -57,7 +57,7 @@ def _runtime_factory() -> Iterator[Callable[..., Any]]:
     from dependency_injector import providers as di
 
     from llmrt.containers import RuntimeContainer, close_runtime
-    from llmrt.recipe import load_recipe
+    from llmrt.recipe.loader import load_recipe
 
     built: list[Any] = []
 
@@ -130,8 +130,8 @@ def faulty_device() -> Callable[..., FaultyDevice]:
 @pytest.fixture
 def lifecycle_log(tmp_path: Path) -> Iterator[Path]:
     """The lifecycle log of this test (JSON lines), audited at teardown."""
-    from llmrt.audit import check, read_events
-    from llmrt.lifecycle import configure_logging, reset_logging
+    from llmrt.lifecycle.audit import check, read_events
+    from llmrt.lifecycle.events import configure_logging, reset_logging
 
     path = tmp_path / "lifecycle.jsonl"
     configure_logging(level="error", audit_path=path, console=False, audit_level="debug")

@@ -1,6 +1,10 @@
-"""Checkpoint loading (random, safetensors directories, GGUF) and tokenizers."""
+"""Checkpoint loading (random, safetensors directories, GGUF), the converted-checkpoint
+cache, and tokenizers.
 
-from llmrt.weights.cache import default_cache_dir
+May import ``families`` (the registry names GGUF architectures), ``kernels`` (weight
+formats), ``device``, ``errors``, ``paths``; never the runtime core or anything above.
+"""
+
 from llmrt.weights.checkpoint import Checkpoint, CheckpointFormat, load_checkpoint
 from llmrt.weights.tokenizer import (
     BYTE_BOS_TOKEN_ID,
@@ -21,7 +25,6 @@ __all__ = [
     "DetokenizerStream",
     "Tokenizer",
     "byte_tokenizer",
-    "default_cache_dir",
     "load_checkpoint",
     "load_tokenizer",
 ]

@@ -20,7 +20,6 @@ import json
 import logging
 import os
 import re
-import sys
 import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -31,27 +30,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-CACHE_DIR_ENV = "LLMRT_CACHE_DIR"
 ENTRY_FORMAT = 1
 
 _CHUNK = 8 << 20
 _DIGEST = re.compile(r"[0-9a-f]{64}")
 _log = logging.getLogger(__name__)
-
-
-def default_cache_dir() -> Path:
-    """`$LLMRT_CACHE_DIR`, else the user cache dir for llmrt by platform convention."""
-    configured = os.environ.get(CACHE_DIR_ENV)
-    if configured:
-        return Path(configured).expanduser()
-    home = Path.home()
-    if sys.platform == "win32":
-        base = os.environ.get("LOCALAPPDATA")
-        return (Path(base) if base else home / "AppData" / "Local") / "llmrt" / "Cache"
-    if sys.platform == "darwin":
-        return home / "Library" / "Caches" / "llmrt"
-    xdg = os.environ.get("XDG_CACHE_HOME")
-    return (Path(xdg) if xdg else home / ".cache") / "llmrt"
 
 
 def file_digest(path: Path, *, cache_dir: Path) -> str:

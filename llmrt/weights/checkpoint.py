@@ -21,7 +21,7 @@ import torch
 
 from llmrt.errors import CheckpointError, ConfigError, LLMRTError
 from llmrt.kernels.formats import CheckpointTensor, QuantizedWeight
-from llmrt.weights.cache import default_cache_dir
+from llmrt.paths import default_cache_dir
 from llmrt.weights.gguf import load_gguf, read_gguf_config
 from llmrt.weights.mapped_pages import PageRelease, release_clean_pages
 from llmrt.weights.package_data import package_file

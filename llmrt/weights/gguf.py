@@ -32,9 +32,9 @@ import torch
 
 from llmrt.errors import CheckpointError
 from llmrt.families import registry
+from llmrt.families.gguf_architecture import GGUFArchitecture
 from llmrt.kernels.formats import CheckpointTensor, QuantizedWeight, block_kind_of, from_gguf_bytes
 from llmrt.weights.cache import CachedCheckpoint, CacheEntry, file_digest
-from llmrt.weights.gguf_architecture import GGUFArchitecture
 from llmrt.weights.gguf_file import GGUFTensor, open_gguf
 from llmrt.weights.gguf_tokenizer import gguf_tokenizer
 from llmrt.weights.tokenizer import Tokenizer

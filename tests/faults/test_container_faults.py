@@ -20,13 +20,13 @@ import torch
 from dependency_injector import providers
 from llmrt.containers import RuntimeContainer, close_runtime
 
-from llmrt.audit import check
 from llmrt.device.torch import TorchDevice
 from llmrt.errors import CleanupError
-from llmrt.lifecycle import configure_logging, reset_logging
-from llmrt.prefill.plan import PrefillRow
-from llmrt.recipe import Recipe, load_recipe
-from llmrt.sampling_params import SamplingParams
+from llmrt.lifecycle.audit import check
+from llmrt.lifecycle.events import configure_logging, reset_logging
+from llmrt.recipe.loader import Recipe, load_recipe
+from llmrt.runtime.prefill.plan import PrefillRow
+from llmrt.sampling.params import SamplingParams
 from llmrt.testing import FaultyDevice, InjectedFault
 
 #: The smallest tiny-llama that still allocates KV, compiles, captures a decode trace,

@@ -22,10 +22,10 @@ from lane_fixtures import (  # noqa: F401 (single_torch_thread: autouse)
     written_mask,
 )
 
-from llmrt.decode import DecodeOutput, DecodeOutputLease
 from llmrt.device.torch import TorchDevice
 from llmrt.errors import CleanupError, DeviceError
 from llmrt.families.base import CausalLM
+from llmrt.runtime.decode import DecodeOutput, DecodeOutputLease
 from llmrt.testing import FaultyDevice, InjectedFault
 
 BS = 4

@@ -25,10 +25,10 @@ from structlog.testing import capture_logs
 from llmrt.device.torch import TorchDevice
 from llmrt.errors import CleanupError, TraceStateError
 from llmrt.families.base import CausalLM
-from llmrt.tensor_resources import iter_tensors
+from llmrt.runtime.tensor_resources import iter_tensors
+from llmrt.runtime.trace_compiler import ArtifactState, TraceArtifact
+from llmrt.runtime.warmup import CaptureBarrier
 from llmrt.testing import FaultyDevice, InjectedFault
-from llmrt.trace_compiler import ArtifactState, TraceArtifact
-from llmrt.warmup import CaptureBarrier
 
 DECODE_INPUTS = 3  # tokens, positions, page_table
 PREFILL_INPUTS = 5  # tokens, start_pos, seq_lens, page_table, last_token_index

@@ -26,11 +26,11 @@ import pytest
 import torch
 from llmrt.containers import RuntimeContainer, close_runtime, start_runtime
 
-from llmrt.decode import DecodeOutput
-from llmrt.lane_group import LaneGroupExecutor
-from llmrt.prefill.plan import PrefillRow
-from llmrt.recipe import Overrides
-from llmrt.sampling_params import SamplingParams
+from llmrt.recipe.loader import Overrides
+from llmrt.runtime.decode import DecodeOutput
+from llmrt.runtime.lane_group import LaneGroupExecutor
+from llmrt.runtime.prefill.plan import PrefillRow
+from llmrt.sampling.params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0)
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 from test_teardown import SPEC_LANE_CLEANUP  # the spec's order, written out once
 
-from llmrt.audit import check
-from llmrt.cli import main
+from llmrt.cli.main import main
+from llmrt.lifecycle.audit import check
 
 
 @pytest.fixture(scope="module", autouse=True)

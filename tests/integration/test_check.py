@@ -8,7 +8,7 @@ import attrs
 import pytest
 import torch
 
-from llmrt.cli import main
+from llmrt.cli.main import main
 from llmrt.families import llama, registry
 from llmrt.families.hfconfig import HFConfig
 
@@ -41,7 +41,7 @@ def test_check_fails_on_a_broken_part(capsys: pytest.CaptureFixture[str]) -> Non
 
 def test_check_a_hugging_face_directory(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
     """``family: auto`` from a local directory saved by transformers (here Qwen3)."""
-    from llmrt.check import reference_model
+    from llmrt.cli.check import reference_model
 
     hf = reference_model(
         config={

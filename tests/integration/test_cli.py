@@ -1,4 +1,4 @@
-"""The ``llmrt`` command, mostly in-process through ``llmrt.cli.main``."""
+"""The ``llmrt`` command, mostly in-process through ``llmrt.cli.main.main``."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import pytest
 import torch
 import yaml
 
-from llmrt.cli import main
-from llmrt.sampling_params import SamplingParams
+from llmrt.cli.main import main
+from llmrt.sampling.params import SamplingParams
 from llmrt.serving.llm import LLM
 
 
@@ -187,7 +187,7 @@ def test_help_works_for_every_subcommand(
 
 
 def test_every_subcommand_is_covered_by_the_help_test() -> None:
-    from llmrt.cli import build_parser
+    from llmrt.cli.main import build_parser
 
     def walk(parser: object, prefix: list[str]) -> Iterator[list[str]]:
         yield prefix
@@ -204,7 +204,7 @@ def _llmrt_command() -> list[str]:
     return (
         [script]
         if script
-        else [sys.executable, "-c", "import sys; from llmrt.cli import main; sys.exit(main())"]
+        else [sys.executable, "-c", "import sys; from llmrt.cli.main import main; sys.exit(main())"]
     )
 
 
@@ -291,7 +291,7 @@ _CONSOLE = (
     "import atexit, sys\n"
     "atexit.register(lambda: print('exit handler ran', file=sys.stderr))\n"
     "sys.argv = ['llmrt', *sys.argv[1:]]\n"
-    "from llmrt.cli import console_main\n"
+    "from llmrt.cli.main import console_main\n"
     "console_main()\n"
     "print('not reached')\n"
 )

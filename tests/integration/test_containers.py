@@ -17,13 +17,13 @@ from structlog.testing import capture_logs
 from llmrt.device.base import Device
 from llmrt.device.cpu_features import read_cpu_features
 from llmrt.errors import IdentityError
-from llmrt.execution import EagerExecutor
 from llmrt.families.layers import FrozenLinear, QuantizedLinear, onednn_linear_available
-from llmrt.lifecycle import object_id
-from llmrt.prefill.plan import PrefillRow
-from llmrt.program_compiler import ProgramCompiler
-from llmrt.recipe import list_recipes, load_recipe, recipe_to_dict
-from llmrt.sampling_params import SamplingParams
+from llmrt.lifecycle.events import object_id
+from llmrt.recipe.loader import list_recipes, load_recipe, recipe_to_dict
+from llmrt.runtime.execution import EagerExecutor
+from llmrt.runtime.prefill.plan import PrefillRow
+from llmrt.runtime.program_compiler import ProgramCompiler
+from llmrt.sampling.params import SamplingParams
 from llmrt.weights.mapped_pages import mapping_address, mapping_usage
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -17,7 +17,7 @@ def _blocks(language: str) -> list[str]:
 
 
 def test_the_guide_example_runs_end_to_end(tmp_path: Path, parity_harness: Any) -> None:
-    from llmrt.recipe import load_recipe
+    from llmrt.recipe.loader import load_recipe
 
     recipe_yaml, _ = _blocks("yaml")
     recipe_path = tmp_path / "tiny-qwen2-moe.yaml"
@@ -43,7 +43,7 @@ def test_the_guide_example_runs_end_to_end(tmp_path: Path, parity_harness: Any) 
 def test_the_guide_recipe_is_rejected_without_its_family(tmp_path: Path) -> None:
     """Validation happens before any weight: an unregistered family is named."""
     from llmrt.errors import RecipeError
-    from llmrt.recipe import load_recipe
+    from llmrt.recipe.loader import load_recipe
 
     recipe_yaml, _ = _blocks("yaml")
     path = tmp_path / "r.yaml"
@@ -55,9 +55,9 @@ def test_the_guide_recipe_is_rejected_without_its_family(tmp_path: Path) -> None
 def test_the_guide_parts_recipe_needs_no_family_and_passes_check(tmp_path: Path) -> None:
     """Section 7: the same Qwen2-MoE declared in the recipe, with no family registered,
     validates and matches transformers under ``llmrt check``."""
-    from llmrt.check import check_target
+    from llmrt.cli.check import check_target
     from llmrt.families import registry
-    from llmrt.recipe import load_recipe
+    from llmrt.recipe.loader import load_recipe
 
     _, parts_yaml = _blocks("yaml")
     path = tmp_path / "tiny-qwen2-moe-parts.yaml"

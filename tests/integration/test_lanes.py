@@ -9,12 +9,12 @@ import attrs
 import pytest
 import torch
 
-from llmrt.decode import DecodeOutput
 from llmrt.errors import CompileGateClosed, RequestError, UnsupportedError
-from llmrt.lane_group import LaneGroupHost, LaneGroupLease
-from llmrt.model_executor import ModelExecutor
-from llmrt.prefill.plan import PrefillRow
-from llmrt.sampling_params import SamplingParams
+from llmrt.runtime.decode import DecodeOutput
+from llmrt.runtime.lane_group import LaneGroupHost, LaneGroupLease
+from llmrt.runtime.model_executor import ModelExecutor
+from llmrt.runtime.prefill.plan import PrefillRow
+from llmrt.sampling.params import SamplingParams
 from llmrt.testing.devices import recipe_overrides
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -14,7 +14,7 @@ from structlog.testing import capture_logs
 from llmrt.device.torch import TorchDevice
 from llmrt.errors import ContainerStateError
 from llmrt.families.registry import get_family
-from llmrt.paged_kv_cache import KVCacheState, PagedKVCacheManager
+from llmrt.runtime.paged_kv_cache import KVCacheState, PagedKVCacheManager
 from llmrt.testing import FaultyDevice
 
 Runtime = Any  # conftest's Runtime

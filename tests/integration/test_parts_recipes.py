@@ -13,8 +13,8 @@ import pytest
 import torch
 import yaml
 
-from llmrt.check import reference_model
-from llmrt.cli import main
+from llmrt.cli.check import reference_model
+from llmrt.cli.main import main
 
 transformers = pytest.importorskip("transformers")
 

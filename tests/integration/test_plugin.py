@@ -41,7 +41,7 @@ def test_faulty_device_fails_the_chosen_call(faulty_device: Any) -> None:
 def test_lifecycle_log_fails_a_test_that_breaks_the_contract(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
         """
-        from llmrt.lifecycle import component_logger, emit
+        from llmrt.lifecycle.events import component_logger, emit
 
         def test_releases_what_it_never_allocated(lifecycle_log):
             emit(component_logger("kv_cache", object_id="KV@0x1"), "kv.released")

@@ -20,15 +20,15 @@ from typing import Any
 import pytest
 import torch
 
-from llmrt.decode import DecodeOutput
-from llmrt.paged_kv_cache import KVCacheState
-from llmrt.prefill.plan import PrefillRow
-from llmrt.prefill.result_collector import PrefillOutput
-from llmrt.sampling_params import SamplingParams
+from llmrt.runtime.decode import DecodeOutput
+from llmrt.runtime.paged_kv_cache import KVCacheState
+from llmrt.runtime.prefill.plan import PrefillRow
+from llmrt.runtime.prefill.result_collector import PrefillOutput
+from llmrt.runtime.trace_compiler import ArtifactState
+from llmrt.sampling.params import SamplingParams
 from llmrt.serving.engine import Engine
 from llmrt.serving.llm import LLM
 from llmrt.serving.request import Request, RequestStatus
-from llmrt.trace_compiler import ArtifactState
 from llmrt.weights.tokenizer import BYTE_EOS_TOKEN_ID, byte_tokenizer
 
 BLOCK_SIZE = 16

@@ -28,7 +28,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from llmrt.sampling_params import SamplingParams
+from llmrt.sampling.params import SamplingParams
 from llmrt.server.serve import BackgroundServer
 from llmrt.serving.llm import LLM
 
@@ -488,8 +488,8 @@ def test_unknown_route_and_api_key(server: BackgroundServer) -> None:
 
 
 def test_bench_server_drives_a_running_server_against_offline(server: BackgroundServer) -> None:
-    from llmrt.bench import bench_report
     from llmrt.benchmarks.settings import BenchSettings
+    from llmrt.cli.bench import bench_report
 
     settings = BenchSettings(recipe=RECIPE, server=server.url, num_prompts=4, max_new_tokens=4)
     report = bench_report(settings).to_json()

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from llmrt.errors import RequestError, UnsupportedError
-from llmrt.paged_kv_cache import KVCacheState
-from llmrt.sampling_params import SamplingParams
+from llmrt.runtime.paged_kv_cache import KVCacheState
+from llmrt.runtime.trace_compiler import ArtifactState
+from llmrt.sampling.params import SamplingParams
 from llmrt.serving.llm import LLM
-from llmrt.trace_compiler import ArtifactState
 
 EOS = 257  # the byte tokenizer's </s>
 PROMPTS: list[str | list[int]] = [

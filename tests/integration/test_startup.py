@@ -10,8 +10,8 @@ from llmrt.containers import RuntimeContainer, close_runtime
 from structlog.testing import capture_logs
 
 from llmrt.errors import ConfigError, KVCacheStateError
-from llmrt.recipe import load_recipe
-from llmrt.startup import StartupPhase, StartupSequence
+from llmrt.recipe.loader import load_recipe
+from llmrt.runtime.startup import StartupPhase, StartupSequence
 
 Runtime = Any  # conftest's Runtime
 
@@ -64,7 +64,7 @@ def test_phases_out_of_order_raise_and_finished_phases_are_no_ops(
 
 def test_llm_and_the_vllm_adapter_start_through_the_container_sequence() -> None:
     from llmrt import LLM
-    from llmrt.vllm_adapter import VLLMAdapter
+    from llmrt.vllm.adapter import VLLMAdapter
 
     with LLM.from_recipe("tiny-llama") as llm:
         assert llm.container.startup().phase is StartupPhase.ACTIVE

@@ -18,13 +18,13 @@ from dependency_injector import containers, providers
 from llmrt.containers import Owned
 from structlog.testing import capture_logs
 
-from llmrt.audit import check
 from llmrt.errors import CleanupError, KVCacheStateError
-from llmrt.lane_group import LaneGroupLease
-from llmrt.lifecycle import configure_logging
-from llmrt.paged_kv_cache import KVCacheState
-from llmrt.sampling_params import SamplingParams
-from llmrt.scope import LifetimeScope
+from llmrt.lifecycle.audit import check
+from llmrt.lifecycle.events import configure_logging
+from llmrt.lifecycle.scope import LifetimeScope
+from llmrt.runtime.lane_group import LaneGroupLease
+from llmrt.runtime.paged_kv_cache import KVCacheState
+from llmrt.sampling.params import SamplingParams
 from llmrt.testing import FaultyDevice, InjectedFault
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -15,10 +15,10 @@ from dependency_injector import providers
 from llmrt.containers import RuntimeContainer
 from structlog.testing import capture_logs
 
-from llmrt.audit import check
 from llmrt.errors import DeviceError
-from llmrt.recipe import Overrides, load_recipe
-from llmrt.sampling_params import SamplingParams
+from llmrt.lifecycle.audit import check
+from llmrt.recipe.loader import Overrides, load_recipe
+from llmrt.sampling.params import SamplingParams
 from llmrt.serving.llm import LLM
 from llmrt.testing.fake_ttnn import FakeTtnn, TtnnRuleViolation
 from llmrt.testing.ttnn_toy_model import ToyTtnnModel

@@ -16,10 +16,10 @@ import torch
 
 from llmrt.device.torch import TorchDevice
 from llmrt.errors import ConfigError, KVCacheStateError, RequestError
-from llmrt.paged_kv_cache import KVCacheState, PagedKVCacheContext
-from llmrt.sampling_params import SamplingParams
+from llmrt.runtime.paged_kv_cache import KVCacheState, PagedKVCacheContext
+from llmrt.sampling.params import SamplingParams
 from llmrt.testing import FaultyDevice
-from llmrt.vllm_adapter import VLLMAdapter, VLLMDecodeOutput
+from llmrt.vllm.adapter import VLLMAdapter, VLLMDecodeOutput
 
 GREEDY = SamplingParams(temperature=0.0)
 Runtime = Any  # conftest's Runtime

@@ -40,11 +40,11 @@ import torch
 from dependency_injector import providers
 from llmrt.containers import RuntimeContainer
 
-from llmrt.recipe import load_recipe
-from llmrt.sampling_params import SamplingParams
+from llmrt.recipe.loader import load_recipe
+from llmrt.sampling.params import SamplingParams
 from llmrt.serving.llm import LLM
 from llmrt.testing.fake_ttnn import FakeTtnn
-from llmrt.vllm_adapter import VLLMAdapter
+from llmrt.vllm.adapter import VLLMAdapter
 
 MAX_NUM_SEQS = 4  # == the recipes' decode.lane_capacity
 BLOCK_SIZE = 16

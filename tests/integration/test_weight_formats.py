@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from llmrt.families.layers import FrozenLinear, QuantizedLinear
-from llmrt.sampling_params import SamplingParams
+from llmrt.sampling.params import SamplingParams
 from llmrt.serving.llm import LLM
 
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

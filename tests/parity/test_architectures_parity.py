@@ -26,8 +26,8 @@ import yaml
 from family_checks import perturb
 
 from llmrt.families.registry import family_for_model_type
-from llmrt.recipe import load_recipe
-from llmrt.sampling_params import SamplingParams
+from llmrt.recipe.loader import load_recipe
+from llmrt.sampling.params import SamplingParams
 from llmrt.serving.llm import LLM
 from llmrt.testing.parity import hf_greedy, page_table
 from llmrt.weights.checkpoint import Checkpoint

@@ -34,8 +34,8 @@ import torch
 from conftest import NEEDS_SMOLLM2
 
 from llmrt.benchmarks.hf import cache_argument
-from llmrt.prefill.plan import PrefillRow
-from llmrt.sampling_params import SamplingParams
+from llmrt.runtime.prefill.plan import PrefillRow
+from llmrt.sampling.params import SamplingParams
 from llmrt.serving.llm import LLM
 from llmrt.weights.checkpoint import Checkpoint
 

@@ -27,9 +27,9 @@ from lane_fixtures import (  # noqa: F401 (single_torch_thread: autouse)
 )
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from llmrt.decode import DecodeOutput, DecodeOutputLease
 from llmrt.families.registry import get_family
-from llmrt.sampling_params import SamplingParams
+from llmrt.runtime.decode import DecodeOutput, DecodeOutputLease
+from llmrt.sampling.params import SamplingParams
 
 STEPS = 32
 TOL = 1e-4

@@ -563,7 +563,7 @@ def test_a_step_is_embedding_layers_norm_and_head(rows: int, embed_kind: str) ->
 
 
 def test_recipes_choose_the_decode_kernel_through_the_container(counted_runs: list[int]) -> None:
-    from llmrt.sampling_params import SamplingParams
+    from llmrt.sampling.params import SamplingParams
     from llmrt.serving.llm import LLM
 
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)

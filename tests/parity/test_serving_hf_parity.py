@@ -18,7 +18,7 @@ import torch
 import transformers
 
 from llmrt.kernels.formats import dequantized
-from llmrt.sampling_params import SamplingParams
+from llmrt.sampling.params import SamplingParams
 from llmrt.serving.llm import LLM
 from llmrt.testing.devices import recipe_overrides
 from llmrt.weights.checkpoint import Checkpoint

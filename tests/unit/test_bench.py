@@ -18,12 +18,12 @@ from typing import Any
 import pytest
 import torch
 
-from llmrt.bench import bench_report
 from llmrt.benchmarks.plot import write_plot
 from llmrt.benchmarks.prefill import planner_cost
 from llmrt.benchmarks.report import Report, Target
 from llmrt.benchmarks.settings import BenchSettings
-from llmrt.cli import main
+from llmrt.cli.bench import bench_report
+from llmrt.cli.main import main
 
 pytest.importorskip("transformers")
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from llmrt.bench import bench_report
 from llmrt.benchmarks import vs_llamacpp
 from llmrt.benchmarks.llamacpp import BENCH_ENV, DIR_ENV, SERVER_ENV, LlamaCpp
 from llmrt.benchmarks.settings import BenchSettings
+from llmrt.cli.bench import bench_report
 from llmrt.errors import ConfigError
 
 FAKES = Path(__file__).resolve().parent.parent / "fakes"

@@ -11,10 +11,10 @@ from pathlib import Path
 import attrs
 import pytest
 
-from llmrt.bench import bench_report
 from llmrt.benchmarks import oneshot as oneshot_module
 from llmrt.benchmarks.processes import run_process
 from llmrt.benchmarks.settings import BenchSettings
+from llmrt.cli.bench import bench_report
 from llmrt.errors import ConfigError
 
 PY = sys.executable

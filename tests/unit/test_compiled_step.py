@@ -24,17 +24,17 @@ import torch
 from lane_fixtures import single_torch_thread, tiny_llama  # noqa: F401  (autouse fixture)
 from structlog.testing import capture_logs
 
-from llmrt.compiled_step import (
+from llmrt.device.torch import TorchDevice
+from llmrt.errors import ConfigError, KVCacheStateError
+from llmrt.recipe.schema import DeviceSpec, InductorSpec
+from llmrt.runtime.compiled_step import (
     INDUCTOR_CACHE_ENV,
     CompiledDecode,
     CompileOptions,
     StepCompiler,
 )
-from llmrt.device.torch import TorchDevice
-from llmrt.errors import ConfigError, KVCacheStateError
-from llmrt.program_compiler import ProgramCompiler
-from llmrt.recipe_schema import DeviceSpec, InductorSpec
-from llmrt.sampling_params import SamplingParams
+from llmrt.runtime.program_compiler import ProgramCompiler
+from llmrt.sampling.params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10)
 #: Small tiny-llama coverage: one prefill length per variant and the decode batch.
@@ -79,13 +79,13 @@ def test_options_follow_the_recipe_device_section() -> None:
         compile="inductor",
         inductor=InductorSpec(freezing=True, max_autotune=True, mode="max-autotune-no-cudagraphs"),
     )
-    options = CompileOptions.from_device(spec)
+    options = spec.compile_options()
     assert (options.mode, options.freezing, options.max_autotune) == ("inductor", True, True)
     assert options.inductor_mode == "max-autotune-no-cudagraphs"
     patches = options.inductor_options()
     assert patches["freezing"] is True and patches["max_autotune"] is True
     assert patches["coordinate_descent_tuning"] is True  # merged from the torch.compile mode
-    assert CompileOptions.from_device(DeviceSpec()).mode == "eager"
+    assert DeviceSpec().compile_options().mode == "eager"
     assert CompileOptions().inductor_options() == {"freezing": False}
 
 
@@ -132,7 +132,7 @@ def test_only_the_listed_operations_are_compiled() -> None:
     assert (steps.compiles("decode"), steps.compiles("prefill")) == (True, False)
     assert [s.operation for s in steps._steps] == ["decode"]
     spec = DeviceSpec(compile="inductor", inductor=InductorSpec(operations=("prefill",)))
-    assert CompileOptions.from_device(spec).operations == ("prefill",)
+    assert spec.compile_options().operations == ("prefill",)
     with pytest.raises(ConfigError, match=r"device\.inductor\.operations"):
         CompileOptions(mode="inductor", operations=("decode", "sample"))
     steps.close()

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from llmrt.config import PagedKVCacheConfig, PageTableLayout, TraceConfig, WarmupConfig
 from llmrt.errors import ConfigError
+from llmrt.runtime.config import PagedKVCacheConfig, PageTableLayout, TraceConfig, WarmupConfig
 
 
 @pytest.mark.parametrize(

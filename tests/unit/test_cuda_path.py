@@ -24,13 +24,13 @@ from lane_fixtures import (  # noqa: F401 (single_torch_thread: autouse)
     single_torch_thread,
 )
 
-import llmrt.decode
-import llmrt.prefill.runtime
-from llmrt.decode import DecodeOutput, DecodeRuntime
+import llmrt.runtime.decode
+import llmrt.runtime.prefill.runtime
 from llmrt.errors import DeviceError
-from llmrt.prefill.runtime import PrefillRuntime
-from llmrt.sampling import SamplingTensors, device_generator, sample
-from llmrt.sampling_params import SamplingParams
+from llmrt.runtime.decode import DecodeOutput, DecodeRuntime
+from llmrt.runtime.prefill.runtime import PrefillRuntime
+from llmrt.sampling.params import SamplingParams
+from llmrt.sampling.sampler import SamplingTensors, device_generator, sample
 
 BS = 4
 LENS = (9, 5)
@@ -101,8 +101,8 @@ def test_sampled_steps_refuse_a_generator_off_the_lane_device(
     def misplaced(device: Any, *, seed: int = 0) -> Any:
         return _PlacedOn("cuda:0")
 
-    monkeypatch.setattr(llmrt.decode, "device_generator", misplaced)
-    monkeypatch.setattr(llmrt.prefill.runtime, "device_generator", misplaced)
+    monkeypatch.setattr(llmrt.runtime.decode, "device_generator", misplaced)
+    monkeypatch.setattr(llmrt.runtime.prefill.runtime, "device_generator", misplaced)
     lane = build_lane(block_size=BS, num_blocks=48, max_chunk=16, lane_capacity=4)
     try:
         match = r"generator is on cuda:0 but the noise is drawn on cpu"

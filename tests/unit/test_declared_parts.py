@@ -20,7 +20,7 @@ from llmrt.families import gemma, llama
 from llmrt.families.declared import parse_parts
 from llmrt.families.decoder import TensorNames
 from llmrt.families.hfconfig import HFConfig
-from llmrt.recipe import load_recipe
+from llmrt.recipe.loader import load_recipe
 
 LLAMA_PARTS: dict[str, Any] = {
     "norm": {"kind": "rms"},

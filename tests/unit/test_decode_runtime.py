@@ -24,9 +24,9 @@ from lane_fixtures import (  # noqa: F401 (single_torch_thread: autouse)
     single_torch_thread,
 )
 
-from llmrt.decode import DecodeOutput, DecodeOutputLease, DecodeRuntimeConfig
 from llmrt.errors import ConfigError, RequestError
-from llmrt.sampling_params import SamplingParams
+from llmrt.runtime.decode import DecodeOutput, DecodeOutputLease, DecodeRuntimeConfig
+from llmrt.sampling.params import SamplingParams
 
 CAPACITY = 4
 BS = 4

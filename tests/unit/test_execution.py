@@ -22,14 +22,14 @@ from lane_fixtures import (  # noqa: F401 (single_torch_thread: autouse)
     tiny_llama,
 )
 
-from llmrt.config import TraceConfig
 from llmrt.device.torch import TorchDevice
 from llmrt.errors import CompileGateClosed, IdentityError, TraceCoverageError
-from llmrt.execution import TracedExecutor
 from llmrt.families.base import CausalLM
-from llmrt.program_compiler import ProgramCompiler
-from llmrt.sampling_params import SamplingParams
-from llmrt.trace_compiler import TraceCompiler
+from llmrt.runtime.config import TraceConfig
+from llmrt.runtime.execution import TracedExecutor
+from llmrt.runtime.program_compiler import ProgramCompiler
+from llmrt.runtime.trace_compiler import TraceCompiler
+from llmrt.sampling.params import SamplingParams
 
 BS = 4
 NUM_BLOCKS = 64

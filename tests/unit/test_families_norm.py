@@ -1,4 +1,4 @@
-"""``decoder.Norm``: an RMSNorm in float32 takes the native one-pass op on the CPU (within
+"""``decoder_layers.Norm``: an RMSNorm in float32 takes the native one-pass op on the CPU (within
 float32 rounding of the exact value) and otherwise torch's one-op form with the weight, which
 gives what the two-pass form (HF's: normalise, then multiply by the weight) gives, bit for bit.
 """
@@ -9,8 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmrt.families import decoder
-from llmrt.families.decoder import Norm
+from llmrt.families import decoder_layers
+from llmrt.families.decoder_layers import Norm
 from llmrt.families.parts import NormSpec
 from llmrt.kernels.native import kernels_loaded
 
@@ -55,7 +55,7 @@ def test_the_cpu_takes_the_native_op_where_kernels_load() -> None:
 def test_without_the_native_op_the_torch_form_equals_the_two_pass_form(
     shape: tuple[int, ...], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(decoder, "native_rms_norm_usable", lambda x, w: False)
+    monkeypatch.setattr(decoder_layers, "native_rms_norm_usable", lambda x, w: False)
     x, w = _inputs(shape)
     norm = Norm(spec=NormSpec(kind="rms", eps=1e-5), weight=w, bias=None)
     want = w * F.rms_norm(x, (shape[-1],), eps=1e-5)

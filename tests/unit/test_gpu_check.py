@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from llmrt.benchmarks.settings import BenchSettings
-from llmrt.cli import build_parser
-from llmrt.recipe import load_recipe
+from llmrt.cli.main import build_parser
+from llmrt.recipe.loader import load_recipe
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.sh"
 FIVE_MINUTES = 300

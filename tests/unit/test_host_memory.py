@@ -26,7 +26,7 @@ PROBE = textwrap.dedent(
     import torch
     from llmrt.containers import factories
     from llmrt.device.host_memory import freed_memory_retained
-    from llmrt.recipe import load_recipe
+    from llmrt.recipe.loader import load_recipe
 
     recipe = load_recipe(
         "smollm2-135m", overrides=[f"device.retain_freed_memory={sys.argv[1]}"]

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from llmrt.families.decoder import MLP
+from llmrt.families.decoder_layers import MLP
 from llmrt.families.layers import ACTIVATIONS, frozen_linear
 from llmrt.kernels.formats import quantize
 from llmrt.kernels.native import load_kernels

@@ -17,7 +17,7 @@ SCRIPT = textwrap.dedent(
     with LLM.from_recipe("tiny-llama") as llm:
         out = llm.generate("hi", llmrt.SamplingParams(temperature=0.0, max_tokens=2))
     assert not structlog.is_configured(), "building an LLM configured structlog"
-    from llmrt.lifecycle import component_logger, emit
+    from llmrt.lifecycle.events import component_logger, emit
     emit(component_logger("scope", lane=0), "cleanup.failed", step="probe", error="boom")
     emit(component_logger("scope", lane=0), "kv.allocated", layers=2)
     """

@@ -11,7 +11,7 @@ import structlog
 from structlog.testing import capture_logs
 
 from llmrt.errors import ConfigError
-from llmrt.lifecycle import (
+from llmrt.lifecycle.events import (
     CATALOGUE,
     EVENT_LEVELS,
     LifecycleEvent,

@@ -11,7 +11,7 @@ from structlog.testing import capture_logs
 
 from llmrt.device.torch import TorchDevice
 from llmrt.errors import DeviceError
-from llmrt.output_reader import OutputReader, PendingRead
+from llmrt.runtime.output_reader import OutputReader, PendingRead
 from llmrt.testing import FaultyDevice
 
 

@@ -11,11 +11,11 @@ import pytest
 import torch
 from lane_fixtures import single_torch_thread, tiny_llama  # noqa: F401 (autouse)
 
-from llmrt.config import PagedKVCacheConfig
 from llmrt.device.torch import TorchDevice
 from llmrt.errors import ConfigError, KVCacheStateError
 from llmrt.families.base import CausalLM
-from llmrt.paged_kv_cache import KVCacheState, PagedKVCacheManager
+from llmrt.runtime.config import PagedKVCacheConfig
+from llmrt.runtime.paged_kv_cache import KVCacheState, PagedKVCacheManager
 from llmrt.testing import FaultyDevice, InjectedFault
 
 

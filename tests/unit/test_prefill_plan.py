@@ -21,10 +21,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llmrt.config import PREFILL_BATCH_SIZES, PageTableLayout
 from llmrt.errors import ConfigError, RequestError
-from llmrt.prefill.buckets import SeqLenBuckets
-from llmrt.prefill.plan import (
+from llmrt.runtime.config import PREFILL_BATCH_SIZES, PageTableLayout
+from llmrt.runtime.prefill.buckets import SeqLenBuckets
+from llmrt.runtime.prefill.plan import (
     BATCHED_PREFILL_TOKEN_LIMIT,
     CHUNKED_TABLE_FILLER,
     SKIP_BLOCK,

@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from llmrt.errors import ConfigError, RequestError
-from llmrt.prefill.buckets import SeqLenBuckets
+from llmrt.runtime.prefill.buckets import SeqLenBuckets
 
 
 @pytest.mark.parametrize(

@@ -30,11 +30,11 @@ from lane_fixtures import (  # noqa: F401 (single_torch_thread: autouse)
 )
 
 from llmrt.errors import KVCacheStateError, RequestError
-from llmrt.paged_kv_cache import PagedKVCacheManager
-from llmrt.prefill.plan import PrefillRow
-from llmrt.prefill.result_collector import PrefillOutput
-from llmrt.prefill.runtime import PrefillRuntime
-from llmrt.sampling_params import SamplingParams
+from llmrt.runtime.paged_kv_cache import PagedKVCacheManager
+from llmrt.runtime.prefill.plan import PrefillRow
+from llmrt.runtime.prefill.result_collector import PrefillOutput
+from llmrt.runtime.prefill.runtime import PrefillRuntime
+from llmrt.sampling.params import SamplingParams
 
 TOL = 1e-4
 BS = 4

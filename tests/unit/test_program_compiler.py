@@ -15,11 +15,11 @@ import torch
 from lane_fixtures import single_torch_thread  # noqa: F401 (autouse)
 from structlog.testing import capture_logs
 
-from llmrt.decode import DecodeSignature
 from llmrt.device.torch import TorchDevice
 from llmrt.errors import CompileGateClosed, KVCacheStateError
-from llmrt.prefill.signatures import PrefillSignature
-from llmrt.program_compiler import ProgramCompiler, TensorContract, signature_key
+from llmrt.runtime.decode import DecodeSignature
+from llmrt.runtime.prefill.signatures import PrefillSignature
+from llmrt.runtime.program_compiler import ProgramCompiler, TensorContract, signature_key
 from llmrt.testing import FaultyDevice, InjectedFault
 
 
@@ -104,7 +104,7 @@ def test_unhashable_signatures_are_keyed_by_their_material_too() -> None:
 
 
 def test_a_compiler_keys_each_distinct_signature_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    import llmrt.program_compiler as pc
+    import llmrt.runtime.program_compiler as pc
 
     calls: list[object] = []
     real = pc.signature_key

@@ -8,9 +8,8 @@ from typing import Any
 import pytest
 import yaml
 
-from llmrt.config import PagedKVCacheConfig, TraceConfig, WarmupConfig
 from llmrt.errors import RecipeError
-from llmrt.recipe import (
+from llmrt.recipe.loader import (
     BYTE_TOKENIZER_VOCAB_SIZE,
     CheckpointSpec,
     InductorSpec,
@@ -21,6 +20,7 @@ from llmrt.recipe import (
     recipe_from_dict,
     recipe_to_dict,
 )
+from llmrt.runtime.config import PagedKVCacheConfig, TraceConfig, WarmupConfig
 
 BUNDLED = [
     "hf",

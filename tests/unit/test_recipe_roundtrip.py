@@ -9,8 +9,7 @@ from typing import Any, get_args
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from llmrt.config import PREFILL_BATCH_SIZES, PagedKVCacheConfig, TraceConfig, WarmupConfig
-from llmrt.recipe import (
+from llmrt.recipe.loader import (
     CheckpointSpec,
     DecodeSpec,
     DeviceSpec,
@@ -24,13 +23,14 @@ from llmrt.recipe import (
     recipe_from_dict,
     recipe_to_dict,
 )
-from llmrt.recipe_schema import (
+from llmrt.recipe.schema import (
     CheckpointDType,
     DeviceKind,
     DispatchCoreType,
     FabricConfigName,
     TtnnSpec,
 )
+from llmrt.runtime.config import PREFILL_BATCH_SIZES, PagedKVCacheConfig, TraceConfig, WarmupConfig
 
 # Text that exercises YAML quoting and the ${ENV} escape.
 TRICKY = st.sampled_from(

@@ -7,16 +7,16 @@ from typing import Any
 import attrs
 import pytest
 
-from llmrt import recipe_schema
-from llmrt.config import PagedKVCacheConfig, TraceConfig
 from llmrt.errors import ConfigError, RecipeError
-from llmrt.recipe import (
+from llmrt.recipe import schema as recipe_schema
+from llmrt.recipe.loader import (
     CheckpointSpec,
     DeviceSpec,
     Recipe,
     TokenizerSpec,
     recipe_from_dict,
 )
+from llmrt.runtime.config import PagedKVCacheConfig, TraceConfig
 
 
 def tiny() -> dict[str, Any]:
@@ -397,7 +397,7 @@ def test_warmup_follows_the_prefill_fields_it_depends_on(
 
 
 def test_bundled_recipe_takes_a_smaller_chunk_override() -> None:
-    from llmrt.recipe import load_recipe
+    from llmrt.recipe.loader import load_recipe
 
     recipe = load_recipe("smollm2-135m", overrides=["prefill.max_chunk_size=32"])
     assert recipe.prefill.max_chunk_size == 32

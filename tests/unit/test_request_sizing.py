@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from llmrt.recipe import list_recipes, load_recipe
-from llmrt.request_sizing import request_overrides
+from llmrt.recipe.loader import list_recipes, load_recipe
+from llmrt.recipe.sizing import request_overrides
 
 NO_ENV: dict[str, str] = {}
 

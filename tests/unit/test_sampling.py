@@ -11,7 +11,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from llmrt.errors import RequestError
-from llmrt.sampling import (
+from llmrt.sampling.sampler import (
     SamplingParams,
     SamplingTensors,
     apply_penalties,

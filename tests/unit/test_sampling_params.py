@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from llmrt.errors import RequestError
-from llmrt.sampling_params import GREEDY_TEMPERATURE, MAX_LOGPROBS, SamplingParams
+from llmrt.sampling.params import GREEDY_TEMPERATURE, MAX_LOGPROBS, SamplingParams
 
 _NONFINITE = st.sampled_from([math.nan, math.inf, -math.inf])
 _NOT_A_NUMBER = st.one_of(

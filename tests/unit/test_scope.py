@@ -8,7 +8,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from llmrt.errors import CleanupError
-from llmrt.scope import LifetimeScope
+from llmrt.lifecycle.scope import LifetimeScope
 
 
 def recorder(log: list[str], name: str) -> Callable[[], None]:

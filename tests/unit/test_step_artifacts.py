@@ -1,4 +1,4 @@
-"""Precompiled steps on disk (``llmrt.step_artifacts`` and ``CompiledStep``'s use of them).
+"""Precompiled steps on disk (``llmrt.runtime.step_artifacts`` and ``CompiledStep``'s use of them).
 
 Real inductor compiles of a stub module (a few element-wise ops, seconds each): a step is
 saved by one process and loaded by a fresh one without a Dynamo trace; the key moves with
@@ -23,10 +23,10 @@ import torch
 from lane_fixtures import single_torch_thread  # noqa: F401  (autouse fixture)
 from structlog.testing import capture_logs
 
-import llmrt.compiled_step as compiled_step
-from llmrt.compiled_step import INDUCTOR_CACHE_ENV, CompileOptions, StepCompiler
+import llmrt.runtime.compiled_step as compiled_step
 from llmrt.errors import ConfigError
-from llmrt.step_artifacts import ArtifactKey, ArtifactStore, StepArtifactError, artifact_key
+from llmrt.runtime.compiled_step import INDUCTOR_CACHE_ENV, CompileOptions, StepCompiler
+from llmrt.runtime.step_artifacts import ArtifactKey, ArtifactStore, StepArtifactError, artifact_key
 
 _STUB = textwrap.dedent(
     '''
@@ -57,7 +57,7 @@ _RUN = textwrap.dedent(
     import torch
     from structlog.testing import capture_logs
     from torch._dynamo.utils import counters
-    from llmrt.compiled_step import CompileOptions, StepCompiler
+    from llmrt.runtime.compiled_step import CompileOptions, StepCompiler
     from stub_model import StubModel
 
     torch.set_num_threads(1)
@@ -417,7 +417,7 @@ def test_the_store_keeps_its_most_recently_used_files_within_its_bound(tmp_path:
     import os
     import time
 
-    from llmrt.step_artifacts import STALE_TEMPORARY_S, SUFFIX, ArtifactStore
+    from llmrt.runtime.step_artifacts import STALE_TEMPORARY_S, SUFFIX, ArtifactStore
 
     store = ArtifactStore(tmp_path)
     now = time.time()

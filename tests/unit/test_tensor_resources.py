@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from structlog.testing import capture_logs
 
 from llmrt.device import TorchDevice
-from llmrt.tensor_resources import (
+from llmrt.runtime.tensor_resources import (
     ReleaseLedger,
     TensorResourceOrphan,
     iter_tensors,

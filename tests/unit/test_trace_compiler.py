@@ -20,15 +20,20 @@ from lane_fixtures import (  # noqa: F401 (single_torch_thread: autouse)
 )
 from structlog.testing import capture_logs
 
-from llmrt.decode import DecodeRuntime
 from llmrt.device.torch import TorchDevice
 from llmrt.errors import CompileGateClosed, TraceCoverageError, TraceStateError
 from llmrt.families.base import CausalLM
-from llmrt.lifecycle import configure_logging
-from llmrt.program_compiler import ProgramCompiler
-from llmrt.tensor_resources import allocate_many
+from llmrt.lifecycle.events import configure_logging
+from llmrt.runtime.decode import DecodeRuntime
+from llmrt.runtime.program_compiler import ProgramCompiler
+from llmrt.runtime.tensor_resources import allocate_many
+from llmrt.runtime.trace_compiler import (
+    ArtifactState,
+    TraceArtifact,
+    TraceCapturePlan,
+    TraceCompiler,
+)
 from llmrt.testing import FaultyDevice
-from llmrt.trace_compiler import ArtifactState, TraceArtifact, TraceCapturePlan, TraceCompiler
 
 # -- toy plans -------------------------------------------------------------------------
 

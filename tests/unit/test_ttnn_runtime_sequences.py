@@ -19,23 +19,23 @@ import pytest
 import torch
 from lane_fixtures import build_runtimes
 
-from llmrt.config import PagedKVCacheConfig, PageTableLayout, TraceConfig, WarmupConfig
-from llmrt.decode import DecodeOutput, DecodeOutputLease, DecodeRuntime
 from llmrt.device.ttnn import TtnnDevice
 from llmrt.errors import CleanupError, DeviceError
-from llmrt.execution import EagerExecutor, TracedExecutor
-from llmrt.model_executor import CLEANUP_STEPS, ModelExecutor
-from llmrt.output_reader import OutputReader
-from llmrt.paged_kv_cache import PagedKVCacheManager
-from llmrt.prefill.plan import PrefillRow
-from llmrt.prefill.runtime import PrefillRuntime
-from llmrt.program_compiler import ProgramCompiler
-from llmrt.sampling_params import SamplingParams
+from llmrt.runtime.config import PagedKVCacheConfig, PageTableLayout, TraceConfig, WarmupConfig
+from llmrt.runtime.decode import DecodeOutput, DecodeOutputLease, DecodeRuntime
+from llmrt.runtime.execution import EagerExecutor, TracedExecutor
+from llmrt.runtime.model_executor import CLEANUP_STEPS, ModelExecutor
+from llmrt.runtime.output_reader import OutputReader
+from llmrt.runtime.paged_kv_cache import PagedKVCacheManager
+from llmrt.runtime.prefill.plan import PrefillRow
+from llmrt.runtime.prefill.runtime import PrefillRuntime
+from llmrt.runtime.program_compiler import ProgramCompiler
+from llmrt.runtime.trace_compiler import TraceCompiler
+from llmrt.runtime.warmup import WarmupCoordinator, WarmupCoordinatorConfig
+from llmrt.sampling.params import SamplingParams
 from llmrt.testing.fake_ttnn import FakeTtnn, InjectedTtnnFailure, TtnnCall
 from llmrt.testing.ttnn_toy_model import MODEL_OPS as TOY_MODEL_OPS
 from llmrt.testing.ttnn_toy_model import ToyTtnnModel
-from llmrt.trace_compiler import TraceCompiler
-from llmrt.warmup import WarmupCoordinator, WarmupCoordinatorConfig
 
 BLOCK = 4
 NUM_BLOCKS = 16
@@ -504,7 +504,7 @@ def test_capture_failure_releases_the_artifacts_inputs_once_and_propagates(faili
 
 def cleanup_marks(monkeypatch: pytest.MonkeyPatch, fake: FakeTtnn) -> list[tuple[str, str, int]]:
     """``(event, step, fake call index)`` for every cleanup step the model executor runs."""
-    import llmrt.model_executor as module
+    import llmrt.runtime.model_executor as module
 
     marks: list[tuple[str, str, int]] = []
     emit = module.emit

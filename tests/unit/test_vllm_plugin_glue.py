@@ -11,10 +11,10 @@ import pytest
 import tomllib
 
 from llmrt.errors import ConfigError, RequestError
-from llmrt.sampling_params import SamplingParams
-from llmrt.vllm_recipe import merge_overrides, select_recipe
-from llmrt.vllm_registration import MAIN_CLASS, main, register, write_bundle
-from llmrt.vllm_sampling import params_from_columns, per_row_params
+from llmrt.sampling.params import SamplingParams
+from llmrt.vllm.recipe import merge_overrides, select_recipe
+from llmrt.vllm.registration import MAIN_CLASS, main, register, write_bundle
+from llmrt.vllm.sampling import params_from_columns, per_row_params
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -150,4 +150,4 @@ def test_the_bundle_is_what_the_plugins_extra_models_dir_reads(tmp_path: pathlib
 def test_the_vllm_entry_point_is_declared() -> None:
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     plugins = project["entry-points"]["vllm.general_plugins"]
-    assert plugins == {"llmrt": "llmrt.vllm_registration:register"}
+    assert plugins == {"llmrt": "llmrt.vllm.registration:register"}

@@ -21,14 +21,14 @@ from lane_fixtures import (  # noqa: F401 (single_torch_thread: autouse)
 )
 from structlog.testing import capture_logs
 
-from llmrt.config import TraceConfig, WarmupConfig
 from llmrt.device.torch import TorchDevice
 from llmrt.errors import ConfigError, IdentityError, RequestError
 from llmrt.families.base import CausalLM
-from llmrt.lifecycle import configure_logging
-from llmrt.prefill.plan import PrefillRow
-from llmrt.trace_compiler import ArtifactState, TraceCapturePlan
-from llmrt.warmup import CaptureBarrier, WarmupCoordinatorConfig
+from llmrt.lifecycle.events import configure_logging
+from llmrt.runtime.config import TraceConfig, WarmupConfig
+from llmrt.runtime.prefill.plan import PrefillRow
+from llmrt.runtime.trace_compiler import ArtifactState, TraceCapturePlan
+from llmrt.runtime.warmup import CaptureBarrier, WarmupCoordinatorConfig
 
 BS = 4
 CHUNK = 16
