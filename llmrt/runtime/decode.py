@@ -158,6 +158,9 @@ class PreparedDecode:
     page_table_changed: bool
     feedback_compatible: bool
     signature: DecodeSignature
+    tokens_from_device: bool = False
+    """The step's tokens are the previous step's sampled ones, held by the runtime (the
+    host's ``tokens`` are ignored: an overlapped scheduler's lag one step)."""
 
 
 @attrs.frozen(kw_only=True, eq=False)
@@ -192,6 +195,23 @@ class DecodeOutputLease:
     pending: PendingRead | None = None
     released: bool = False
     host_finish: Callable[[HostOutputs], HostOutputs] | None = None
+    settled: HostOutputs | None = None
+    """The finished host outputs once read and post-processed (early, when the next step
+    needed its tokens, or by ``process_decode_output_host``)."""
+
+
+@attrs.define(kw_only=True, eq=False)
+class FedTokens:
+    """The last decode step's sampled tokens, for a next step that takes them from the device.
+
+    ``device`` holds them where torch sampled them on the device; otherwise ``lease`` or
+    ``host`` (ttnn outputs are sampled on the host after their read).
+    """
+
+    batch: int
+    device: torch.Tensor | None = None
+    lease: DecodeOutputLease | None = None
+    host: torch.Tensor | None = None
 
 
 class DecodeRuntime:
@@ -215,6 +235,7 @@ class DecodeRuntime:
         self._last_positions: torch.Tensor | None = None
         self._last_page_table: torch.Tensor | None = None
         self._last_artifact: str | None = None
+        self._fed: FedTokens | None = None
         self._ledger = ReleaseLedger()
         self._orphans: list[TensorResourceOrphan] = []
         self._generator = device_generator(config.device.torch_device)
@@ -244,8 +265,15 @@ class DecodeRuntime:
         sampling_params: Sequence[SamplingParams | None] | None = None,
         step_offsets: Sequence[int] | torch.Tensor | None = None,
         reset_batch: bool = False,
+        tokens_from_device: bool = False,
     ) -> PreparedDecode:
         """Validate and normalize one step's host inputs; raises before any device work.
+
+        ``tokens_from_device``: this step continues the previous one on the same rows (each
+        live row's position is its previous one + 1) and its tokens are the ones that step
+        sampled, kept by the runtime, not the host's (tt-metal's generators skip copying
+        host tokens when sampling on device without a batch reset: vLLM's overlapped steps
+        send tokens that lag a step).
 
         Works on numpy views of the host inputs and wraps the padded results as tensors at
         the end. Why: a step's checks and padding are ~40 tiny array ops, each ~1 us in
@@ -311,6 +339,15 @@ class DecodeRuntime:
             and last_table is not None
             and bool((last_table[:rows] >= 0).any(axis=1).all())
         )
+        if tokens_from_device:
+            self._check_continues(
+                rows=rows,
+                batch=cap,
+                path=path,
+                positions=norm_pos,
+                table=norm_table,
+                reset_batch=reset_batch,
+            )
         return PreparedDecode(
             active_rows=rows,
             tokens=torch.from_numpy(norm_tokens),
@@ -326,7 +363,45 @@ class DecodeRuntime:
                 batch_size=cap,
                 page_table_width=width,
             ),
+            tokens_from_device=tokens_from_device,
         )
+
+    def _check_continues(
+        self,
+        *,
+        rows: int,
+        batch: int,
+        path: str,
+        positions: np.ndarray,
+        table: np.ndarray,
+        reset_batch: bool,
+    ) -> None:
+        """Raise unless this step may take the previous one's tokens (``tokens_from_device``)."""
+        fed, last_pos = self._fed, self._last_positions
+        why = None
+        if reset_batch:
+            why = "a batch reset takes the host's tokens"
+        elif path == "logits":
+            why = "the step samples no tokens on the device (no sampling_params)"
+        elif fed is None or last_pos is None or self._last_page_table is None:
+            why = "the previous decode step on this lane sampled no tokens"
+        elif fed.batch != batch:
+            why = f"the previous step ran a batch of {fed.batch} rows, this one {batch}"
+        if why is not None:
+            raise RequestError("tokens_from_device", why)
+        assert last_pos is not None and self._last_page_table is not None
+        live = (table[:rows] >= 0).any(axis=1)
+        was_live = (self._last_page_table.numpy()[:rows] >= 0).any(axis=1)
+        moved = live & ((positions[:rows] != last_pos.numpy()[:rows] + 1) | ~was_live)
+        if moved.any():
+            r = int(np.flatnonzero(moved)[0])
+            raise RequestError(
+                "start_pos",
+                "with tokens_from_device each live row continues the previous step at its "
+                "position + 1",
+                row=r,
+                value=int(positions[r]),
+            )
 
     def _validate_rows(self, tok_a: np.ndarray, pos_a: np.ndarray, table_a: np.ndarray) -> None:
         cfg = self.config
@@ -405,10 +480,87 @@ class DecodeRuntime:
         try:
             for host in (prepared.tokens, prepared.positions, prepared.page_table):
                 uploaded.append(device.upload(host))
+            if prepared.tokens_from_device:
+                self._write_fed_tokens(uploaded[0], prepared)
         except BaseException:
             self._release(uploaded)
             raise
         return DecodeInputs(tokens=uploaded[0], positions=uploaded[1], page_table=uploaded[2])
+
+    def _write_fed_tokens(self, dst: Any, prepared: PreparedDecode) -> None:
+        """Write the previous step's sampled tokens into a step's token input.
+
+        Device to device where torch sampled them on the lane's device; otherwise from the
+        host copy (a ttnn step's tokens are sampled on the host once its read completes, so
+        this waits for that read: the overlap is lost there, not the tokens).
+        """
+        fed = self._fed
+        if fed is None:
+            raise RequestError("tokens_from_device", "the previous decode step sampled no tokens")
+        if (
+            fed.device is not None
+            and isinstance(dst, torch.Tensor)
+            and fed.device.device == dst.device
+        ):
+            with torch.no_grad():
+                dst.copy_(fed.device.to(dst.dtype))
+            return
+        host = self._fed_host(fed)
+        self.config.device.refresh(
+            dst, host.to(prepared.tokens.dtype).reshape(prepared.tokens.shape)
+        )
+
+    def _fed_host(self, fed: FedTokens) -> torch.Tensor:
+        if fed.host is None:
+            if fed.device is not None:
+                fed.host = fed.device.detach().to("cpu")
+            elif fed.lease is not None:
+                tokens = self._settle(fed.lease)["tokens"]
+                fed.host = torch.zeros(fed.batch, dtype=tokens.dtype)
+                fed.host[: tokens.shape[0]] = tokens.reshape(-1)[: fed.batch]
+            else:  # pragma: no cover - FedTokens is built with one source
+                raise RuntimeError("fed tokens without a source")
+        return fed.host
+
+    def _settle(self, lease: DecodeOutputLease) -> HostOutputs:
+        """Complete a lease's read and post-processing once (its host value is kept)."""
+        if lease.settled is None:
+            reader = self.config.output_reader
+            host = (
+                reader.complete(lease.pending)
+                if lease.pending is not None
+                else reader.read(lease.raw)
+            )
+            lease.pending = None
+            if lease.host_finish is not None:
+                host = lease.host_finish(host)
+                lease.host_finish = None
+            lease.settled = dict(host)
+        return lease.settled
+
+    def note_outputs(
+        self, prepared: PreparedDecode, result: DecodeOutput | DecodeOutputLease
+    ) -> None:
+        """Keep this step's sampled tokens for a next step that takes them from the device."""
+        batch = prepared.signature.batch_size
+        if prepared.path == "logits":
+            self._fed = None
+        elif isinstance(result, DecodeOutput):
+            tokens = result.tokens
+            if tokens is None:
+                self._fed = None
+                return
+            host = torch.zeros(batch, dtype=tokens.dtype)
+            host[: tokens.shape[0]] = tokens.reshape(-1)
+            self._fed = FedTokens(batch=batch, host=host)
+        elif (
+            "tokens" in result.raw
+            and isinstance(result.raw["tokens"], torch.Tensor)
+            and (result.pending is None and result.host_finish is None)
+        ):
+            self._fed = FedTokens(batch=batch, device=result.raw["tokens"])
+        else:
+            self._fed = FedTokens(batch=batch, lease=result)
 
     @property
     def step(self) -> DecodeStep:
@@ -561,11 +713,14 @@ class DecodeRuntime:
         if decision == "full":
             self._refresh_all(inputs, prepared)
         else:
-            device.refresh(inputs.tokens, prepared.tokens)
+            if not prepared.tokens_from_device:
+                device.refresh(inputs.tokens, prepared.tokens)
             if not _feeds_back(inputs):
                 device.refresh(inputs.positions, prepared.positions)
             if decision == "page_table":
                 device.refresh(inputs.page_table, prepared.page_table)
+        if prepared.tokens_from_device:
+            self._write_fed_tokens(inputs.tokens, prepared)
         artifact.replay_state["last_refresh"] = decision
         return decision
 
@@ -634,6 +789,9 @@ class DecodeRuntime:
         """Start reading a lease: ``(host_value, events)``; host_value is valid after completion."""
         self._check_lease(lease)
         reader = self.config.output_reader
+        if lease.settled is not None:  # read early: the next step took its tokens
+            self._lease_by_host[id(lease.settled)] = lease
+            return lease.settled, ()
         if not async_read:
             if lease.pending is not None:  # submitted when the program ran (HostFinish)
                 host = reader.complete(lease.pending)
@@ -661,10 +819,16 @@ class DecodeRuntime:
                 "is_tokens", f"lease holds {'tokens' if lease.is_tokens else 'logits'}"
             )
         del self._lease_by_host[id(host_value)]
-        if lease.pending is not None:
-            host_value = self.config.output_reader.complete(lease.pending)
-        if lease.host_finish is not None:
-            host_value = lease.host_finish(host_value)
+        if lease.settled is not None:
+            host_value = lease.settled
+        else:
+            if lease.pending is not None:
+                host_value = self.config.output_reader.complete(lease.pending)
+                lease.pending = None
+            if lease.host_finish is not None:
+                host_value = lease.host_finish(host_value)
+                lease.host_finish = None
+            lease.settled = dict(host_value)  # a next step may still take its tokens
         out = self._normalize(host_value, lease.active_rows)
         self._release_lease(lease)
         return out
@@ -711,6 +875,7 @@ class DecodeRuntime:
         self._last_positions = None
         self._last_page_table = None
         self._last_artifact = None
+        self._fed = None
         if self._orphans:
             self._orphans = retry_orphans(
                 self._orphans, device=self.config.device, ledger=self._ledger

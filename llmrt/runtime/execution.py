@@ -130,6 +130,7 @@ class EagerExecutor:
         reset_batch: bool = False,
         read_from_device: bool = True,
         history: TokenHistory | None = None,
+        tokens_from_device: bool = False,
     ) -> DecodeOutput | DecodeOutputLease:
         prepared = self.decode.prepare(
             tokens=tokens,
@@ -138,12 +139,15 @@ class EagerExecutor:
             sampling_params=sampling_params,
             step_offsets=step_offsets,
             reset_batch=reset_batch,
+            tokens_from_device=tokens_from_device,
         )
         self.program_compiler.check_runnable(prepared.signature)
         raw = self.decode.invoke(prepared)
         self.program_compiler.admit(prepared.signature, raw)
         finished = self.decode.finish(prepared, raw, history=history)
-        return self.decode.consume(finished, prepared, read_from_device=read_from_device)
+        result = self.decode.consume(finished, prepared, read_from_device=read_from_device)
+        self.decode.note_outputs(prepared, result)
+        return result
 
 
 class TracedExecutor:
@@ -287,6 +291,7 @@ class TracedExecutor:
         reset_batch: bool = False,
         read_from_device: bool = True,
         history: TokenHistory | None = None,
+        tokens_from_device: bool = False,
     ) -> DecodeOutput | DecodeOutputLease:
         if not self.trace_config.decode_enabled:
             return self.eager_executor.decode_forward(
@@ -298,6 +303,7 @@ class TracedExecutor:
                 reset_batch=reset_batch,
                 read_from_device=read_from_device,
                 history=history,
+                tokens_from_device=tokens_from_device,
             )
         prepared = self.decode.prepare(
             tokens=tokens,
@@ -306,6 +312,7 @@ class TracedExecutor:
             sampling_params=sampling_params,
             step_offsets=step_offsets,
             reset_batch=reset_batch,
+            tokens_from_device=tokens_from_device,
         )
         (artifact,) = self._preflight("decode", [prepared.signature])
         outputs = self.trace_compiler.replay(
@@ -314,6 +321,8 @@ class TracedExecutor:
         self.decode.note_submitted(prepared, artifact=artifact)
         raw = self.decode.finish(prepared, outputs, history=history)
         # Trace outputs are rewritten by the next replay: a lease keeps its own copy.
-        return self.decode.consume(
+        result = self.decode.consume(
             raw, prepared, read_from_device=read_from_device, copy_outputs=raw is outputs
         )
+        self.decode.note_outputs(prepared, result)
+        return result

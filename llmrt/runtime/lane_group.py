@@ -178,9 +178,13 @@ class LaneGroupExecutor:
         read_from_device: bool = True,
         history: TokenHistory | None = None,
         enable_trace: bool | None = None,
+        tokens_from_device: bool = False,
     ) -> DecodeOutput | LaneGroupLease:
         """Contiguous lane batches of the global slot batch, each cut after its last live row
-        (a row whose page table maps a block); lanes with no live row are skipped."""
+        (a row whose page table maps a block); lanes with no live row are skipped.
+
+        ``tokens_from_device``: every lane takes its tokens from its previous step's samples
+        (see ``DecodeRuntime.prepare``)."""
         tok = torch.as_tensor(tokens).reshape(-1)
         pos = torch.as_tensor(start_pos).reshape(-1)
         table = torch.as_tensor(page_table)
@@ -224,6 +228,7 @@ class LaneGroupExecutor:
                         read_from_device=read_from_device,
                         history=None if history is None else list(history[lo:hi]),
                         enable_trace=enable_trace,
+                        tokens_from_device=tokens_from_device,
                     ),
                 )
             )

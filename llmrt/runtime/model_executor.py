@@ -223,6 +223,7 @@ class ModelExecutor:
         history: TokenHistory | None = None,
         enable_trace: bool | None = None,
         kv_cache: object | None = None,
+        tokens_from_device: bool = False,
     ) -> DecodeOutput | DecodeOutputLease:
         self._check_handle(kv_cache)
         return self._target(enable_trace).decode_forward(
@@ -234,6 +235,7 @@ class ModelExecutor:
             reset_batch=reset_batch,
             read_from_device=read_from_device,
             history=history,
+            tokens_from_device=tokens_from_device,
         )
 
     def read_decode_output(

@@ -218,7 +218,9 @@ class VLLMAdapter:
     model_capabilities: Mapping[str, bool] = MappingProxyType(
         {
             "supports_prefix_caching": True,  # cached prefixes arrive as start_pos
-            "supports_async_decode": True,  # read_from_device=False + read_decode_output
+            # read_from_device=False + read_decode_output; a steady step submitted before the
+            # previous one was read continues it on the device (see decode_forward)
+            "supports_async_decode": True,
             "supports_sample_on_device": True,  # TTSamplingParams in, tokens out
         }
     )
@@ -250,6 +252,9 @@ class VLLMAdapter:
         #: Per decode slot: how many tokens the request there has produced (seeded sampling
         #: draws output ``n`` from ``(seed, n)``, as ``LLM.generate`` does).
         self._steps = [0] * config.max_batch_size
+        #: The last decode step when it sampled on the device: its live slots and positions.
+        #: A next step on the same slots without ``reset_batch`` continues it on the device.
+        self._continued: tuple[frozenset[int], torch.Tensor] | None = None
 
     # -- construction --------------------------------------------------------------------
 
@@ -617,6 +622,7 @@ class VLLMAdapter:
         )
         for row in rows:
             self._steps[row.slot] = 1  # output 0 came from this prefill
+        self._continued = None  # the plugin resets the decode batch after a prefill
         return _host_output(out, params, what="prefill")
 
     # -- decode --------------------------------------------------------------------------
@@ -653,13 +659,16 @@ class VLLMAdapter:
         pos = torch.tensor(_int_list("start_pos", start_pos, rows), dtype=torch.int64)
         _check_per_layer(page_tables_per_layer, page_table, cfg.num_layers)
         _check_rope_deltas(rope_deltas_all_users)
-        table = self._decode_table(page_table, pos, rows)
+        params = per_row_params(sampling_params, rows, vocab_size=cfg.vocab_size)
         inactive = pos < 0
+        active = [i for i in range(rows) if not bool(inactive[i])]
+        continues = self._continues(params is not None, reset_batch, slot_remap, active)
+        if continues:
+            pos = self._continued_positions(pos, active)
+        table = self._decode_table(page_table, pos, rows)
         tok = torch.where(inactive, torch.zeros_like(tok), tok)
         pos = torch.where(inactive, torch.zeros_like(pos), pos)
         self._remap_slots(slot_remap, rows)
-        params = per_row_params(sampling_params, rows, vocab_size=cfg.vocab_size)
-        active = [i for i in range(rows) if not bool(inactive[i])]
         offsets = [self._steps[i] if i in active else 0 for i in range(rows)]
         out = self.group.decode_forward(
             tokens=tok,
@@ -671,14 +680,68 @@ class VLLMAdapter:
             read_from_device=read_from_device,
             history=self._history(prompt_tokens, output_tokens, rows),
             enable_trace=enable_trace,
+            tokens_from_device=continues,
         )
         for i in active:
             self._steps[i] += 1
+        self._continued = (frozenset(active), pos.clone()) if params is not None else None
         if isinstance(out, LaneGroupLease):
             return VLLMDecodeOutput(
                 lease=out, is_tokens=params is not None, logprobs=_wants_logprobs(params)
             )
         return _host_output(out, params, what="decode")
+
+    def _continues(
+        self,
+        sampling_on_device: bool,
+        reset_batch: bool,
+        slot_remap: IntsArg | None,
+        active: list[int],
+    ) -> bool:
+        """Whether this step continues the last one on the device (tt-metal's generators).
+
+        Sampling on device without ``reset_batch``, the plugin's steady decode, which it
+        may submit before it read the previous step (vLLM's async scheduling): its host
+        tokens and positions can lag. Such a step takes the previous step's sampled tokens
+        and advances its positions by one, as the generators skip copying host inputs then.
+        The plugin sets ``reset_batch`` whenever its batch layout changed; a step whose live
+        slots differ from the last one's is refused rather than fed from the wrong rows.
+        """
+        last = self._continued
+        if not sampling_on_device or reset_batch or last is None:
+            return False
+        if slot_remap is not None:
+            remap = _int_tensor("slot_remap", slot_remap).reshape(-1).tolist()
+            if remap != list(range(len(remap))):
+                return False  # the rows moved: the host's inputs are the layout's
+        if frozenset(active) != last[0]:
+            raise RequestError(
+                "reset_batch",
+                "the decode batch's live slots changed without reset_batch "
+                f"(last step {sorted(last[0])}, this one {sorted(active)})",
+            )
+        return True
+
+    def _continued_positions(self, pos: torch.Tensor, active: list[int]) -> torch.Tensor:
+        """Each live slot's position on the device: the last step's + 1.
+
+        The host's may lag (the plugin submitted before reading), never lead.
+        """
+        last = self._continued
+        assert last is not None
+        out = pos.clone()
+        for i in active:
+            expected = int(last[1][i]) + 1
+            if int(pos[i]) > expected:
+                raise RequestError(
+                    "start_pos",
+                    f"is ahead of the device's position {expected} for this slot "
+                    "(the previous decode step was not on it)",
+                    row=i,
+                    value=int(pos[i]),
+                )
+            out[i] = expected
+        return out
 
     def _decode_table(self, page_table: TableArg, pos: torch.Tensor, rows: int) -> torch.Tensor:
         """vLLM's zero-padded table as lane-layout columns: only the blocks a row reaches."""

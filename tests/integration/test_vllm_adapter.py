@@ -447,3 +447,48 @@ def test_an_llmrt_device_given_as_the_mesh_replaces_the_recipes_device() -> None
     finally:
         model.close()
     assert len(mesh.calls_of("deallocate")) >= 8
+
+
+def test_a_steady_step_continues_the_last_on_the_device_whatever_the_host_lags(
+    adapter: VLLMAdapter,
+) -> None:
+    """vLLM's async scheduling submits step k+1 before reading step k: the plugin's host
+    tokens and positions then repeat step k's. Without ``reset_batch`` a device-sampled step
+    continues the last one (its sampled tokens, its positions + 1) over both lanes."""
+    kv = _warm(adapter)
+    first = [
+        int(t)
+        for t in adapter.prefill_forward(**_prefill_inputs(), kv_cache=kv, sampling_params=GREEDY)
+    ]
+    greedy = SimpleColumns.greedy(8)
+    fresh, last = [], first
+    for step in range(STEPS):  # host inputs current every step (drained), reset once
+        out = adapter.decode_forward(
+            **_decode_inputs(last, step),
+            kv_cache=kv,
+            sampling_params=greedy,
+            reset_batch=step == 0,
+        )
+        last = [int(out[s]) for s in SLOTS]
+        fresh.append(last)
+
+    adapter.prefill_forward(**_prefill_inputs(), kv_cache=kv, sampling_params=GREEDY)
+    lagging = []
+    for step in range(STEPS):  # every step sends step 0's inputs: the host never caught up
+        out = adapter.decode_forward(
+            **_decode_inputs(first, 0),
+            kv_cache=kv,
+            sampling_params=greedy,
+            reset_batch=step == 0,
+        )
+        lagging.append([int(out[s]) for s in SLOTS])
+
+    assert lagging == fresh
+    ahead = _decode_inputs(first, 0)
+    ahead["start_pos"][SLOTS[1]] += 5
+    with pytest.raises(RequestError, match=r"^row 5: start_pos: is ahead of the device's"):
+        adapter.decode_forward(**ahead, kv_cache=kv, sampling_params=greedy)
+    gone = _decode_inputs(first, 0)
+    gone["start_pos"][SLOTS[3]] = -1
+    with pytest.raises(RequestError, match=r"^reset_batch: the decode batch's live slots changed"):
+        adapter.decode_forward(**gone, kv_cache=kv, sampling_params=greedy)

@@ -28,6 +28,7 @@ real module under vLLM).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import sys
 from collections.abc import Iterator
@@ -169,6 +170,8 @@ class PluginSession:
         self.state_slot: dict[int, int] = {}  # id(req) -> device state slot
         self.free_blocks = list(range(self.num_blocks))
         self.layout_changed = True  # the runner's sticky "decode layout changed" flag
+        self.decode_steps = 0
+        self.overlapped = 0  # decode steps submitted before the previous one was read
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         self.calls.append(method)
@@ -292,6 +295,94 @@ class PluginSession:
                 self.rows[hole] = last
             self.layout_changed = True
 
+    # -- vLLM's async scheduling: step k+1 submitted before step k is read ---------------
+
+    def run_overlapped(self, reqs: list[Req], *, late: int) -> list[list[int]]:
+        """Device sampling under vLLM's async scheduling, as the plugin runs it.
+
+        vLLM's ``step_with_batch_queue`` schedules and submits step k+1 (the runner's
+        ``execute_model``) before it resolves step k's output, so the runner's input batch
+        (``num_tokens``, ``token_ids_cpu``) has not seen step k's tokens: the host tokens and
+        positions of an overlapped step repeat the previous step's. The block table is the
+        scheduler's, current for the step. ``async_decode`` overlaps a step only on its
+        steady fast path (device sampling, no ``reset_batch``, no penalties or logprobs) and
+        drains every pending step first otherwise (``must_drain_pending_async_steps``).
+        """
+        first, rest = reqs[: len(reqs) - late], reqs[len(reqs) - late :]
+        self.prefill(first, on_device=True)
+        self._retire()
+        pending: tuple[Any, list[Req], bool] | None = None
+        while self.rows or pending is not None or rest:
+            if rest and self.decode_steps >= 1:  # a prefill step: never overlapped
+                pending = self._resolve(pending)
+                self.prefill(rest, on_device=True)
+                self._retire()
+                rest = []
+                continue
+            if not self.rows:
+                pending = self._resolve(pending)
+                continue
+            steady = not self.layout_changed and not any(r.params.has_penalties for r in self.rows)
+            if pending is not None and not (steady and pending[2]):
+                pending = self._resolve(pending)  # the plugin's drain
+                continue
+            reset = self.layout_changed
+            live = list(self.rows)
+            handle = self._submit([] if pending is None else pending[1])
+            if pending is not None:
+                self.overlapped += 1
+            self._resolve(pending)
+            pending = (handle, live, steady and not reset)
+        return [r.outputs for r in reqs]
+
+    def _submit(self, inflight: list[Req]) -> Any:
+        """``execute_model`` for one decode step: host inputs from the applied outputs only."""
+        live = self.rows
+        for req in live:  # the scheduler's blocks cover the step's true position
+            ahead = 1 if any(r is req for r in inflight) else 0
+            need = math.ceil((len(req.prompt) + len(req.outputs) + ahead) / BLOCK_SIZE)
+            while len(req.blocks) < need:
+                req.blocks.append(self.free_blocks.pop(0))
+        n, pad = len(live), MAX_NUM_SEQS - len(live)
+        tokens = torch.tensor([[r.outputs[-1]] for r in live], dtype=torch.int32)
+        positions = torch.tensor([len(r.prompt) + len(r.outputs) - 1 for r in live])
+        kwargs: dict[str, Any] = {
+            "tokens": torch.cat([tokens, torch.zeros(pad, 1, dtype=torch.int32)]),
+            "page_table": self._table(live, MAX_NUM_SEQS),
+            "kv_cache": self.kv_caches,
+            "start_pos": torch.cat([positions.int(), torch.full((pad,), -1, dtype=torch.int32)]),
+            "sampling_params": self._columns(live, MAX_NUM_SEQS),
+            "reset_batch": self.layout_changed,
+        }
+        self.layout_changed = False
+        remap = self._slot_remap()
+        if remap is not None:
+            kwargs["slot_remap"] = remap
+        out = self.call(
+            "decode_forward", **kwargs, enable_trace=self.trace_decode, read_from_device=False
+        )
+        # ``submit_decode(async_read=True)``: the read is started right after the submit.
+        out, events = self.call("read_decode_output", out, async_read=True)
+        self.decode_steps += 1
+        return (out, events, n)
+
+    def _resolve(self, pending: tuple[Any, list[Req], bool] | None) -> None:
+        """``finalize_decode`` then ``_apply_sampled_tokens_to_state`` for a submitted step.
+
+        A request that finished while the step was in flight drops its extra token.
+        """
+        if pending is None:
+            return None
+        (out, events, n), live, _ = pending
+        for event in events:
+            self.ttnn.event_synchronize(event)
+        out = self.call("process_decode_output_host", out, is_tokens=True)
+        for req, token in zip(live, out[:n].reshape(n).tolist(), strict=True):
+            if not req.done:
+                req.outputs.append(int(token))
+        self._retire()
+        return None
+
     def run(
         self, reqs: list[Req], *, late: int, on_device: bool, async_path: bool
     ) -> list[list[int]]:
@@ -335,6 +426,15 @@ DEVICE_WAVE = [
     SamplingParams(temperature=0.7, seed=99, max_tokens=6, ignore_eos=True),
 ]
 
+#: Wave 3: device sampling without penalties, so the plugin overlaps its steady steps:
+#: greedy and seeded rows, one admitted late.
+OVERLAP_WAVE = [
+    SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+    SamplingParams(temperature=0.9, top_k=40, top_p=0.9, seed=7, max_tokens=24, ignore_eos=True),
+    SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True),
+    SamplingParams(temperature=0.8, seed=5, max_tokens=20, ignore_eos=True),
+]
+
 
 @pytest.fixture(scope="module", params=[TORCH, TTNN], ids=["torch", "ttnn"])
 def backend(request: pytest.FixtureRequest) -> Backend:
@@ -342,7 +442,9 @@ def backend(request: pytest.FixtureRequest) -> Backend:
 
 
 @pytest.fixture(scope="module")
-def expected(backend: Backend) -> Iterator[tuple[list[list[int]], list[list[int]]]]:
+def expected(
+    backend: Backend,
+) -> Iterator[tuple[list[list[int]], list[list[int]], list[list[int]]]]:
     """``LLM.generate`` on the same recipe (a ttnn recipe over its own fake machine)."""
     recipe = load_recipe(backend.recipe)
     container = RuntimeContainer(recipe=recipe)
@@ -351,38 +453,51 @@ def expected(backend: Backend) -> Iterator[tuple[list[list[int]], list[list[int]
     with LLM(recipe=recipe, container=container) as llm:
         host = [list(o.token_ids) for o in llm.generate(PROMPTS, HOST_WAVE)]
         device = [list(o.token_ids) for o in llm.generate(PROMPTS, DEVICE_WAVE)]
-    yield host, device
+        overlap = [list(o.token_ids) for o in llm.generate(PROMPTS, OVERLAP_WAVE)]
+    yield host, device, overlap
 
 
-@pytest.fixture
-def session(backend: Backend, monkeypatch: pytest.MonkeyPatch) -> Iterator[PluginSession]:
+@contextlib.contextmanager
+def _plugin_session(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, *, trace_mode: str = "all"
+) -> Iterator[PluginSession]:
     """The plugin's worker: a mesh opened through ``ttnn`` (the fake), then the model runner."""
     monkeypatch.setenv("LLMRT_VLLM_RECIPE", backend.recipe)
     fake = FakeTtnn()
     monkeypatch.setitem(sys.modules, "ttnn", fake)  # what ``import ttnn`` gives the plugin
     mesh = fake.open_mesh_device(fake.MeshShape(1, 1), trace_region_size=1 << 20)
     if backend.ttnn:
-        replay = PluginSession(backend=backend, mesh=mesh, ttnn=fake)
+        replay = PluginSession(backend=backend, mesh=mesh, ttnn=fake, trace_mode=trace_mode)
     else:
         with pytest.warns(RuntimeWarning, match=r"device\.backend=torch; the vLLM mesh is not"):
-            replay = PluginSession(backend=backend, mesh=mesh, ttnn=fake)
+            replay = PluginSession(backend=backend, mesh=mesh, ttnn=fake, trace_mode=trace_mode)
     yield replay
     replay.model.close()
     fake.close_mesh_device(mesh)
     assert fake.violations == ()
-    if backend.ttnn:  # the model ran on the plugin's mesh (its lane submeshes): traces
-        # replayed, reads synchronized
+    if backend.ttnn:  # the model ran on the plugin's mesh (its lane submeshes): reads
+        # synchronized, traces replayed when traced
         names = fake.call_names()
-        assert "execute_trace" in names and "event_synchronize" in names
+        assert "event_synchronize" in names
+        assert ("execute_trace" in names) == (trace_mode != "none")
+
+
+@pytest.fixture
+def session(backend: Backend, monkeypatch: pytest.MonkeyPatch) -> Iterator[PluginSession]:
+    with _plugin_session(backend, monkeypatch) as replay:
+        yield replay
+
+
+Expected = tuple[list[list[int]], list[list[int]], list[list[int]]]
 
 
 def test_the_plugins_call_sequence_generates_what_llm_generate_does(
-    backend: Backend, session: PluginSession, expected: tuple[list[list[int]], list[list[int]]]
+    backend: Backend, session: PluginSession, expected: Expected
 ) -> None:
     host = session.run(_requests(HOST_WAVE), late=1, on_device=False, async_path=False)
     device = session.run(_requests(DEVICE_WAVE), late=1, on_device=True, async_path=True)
 
-    assert (host, device) == expected
+    assert (host, device) == expected[:2]
     assert session.num_blocks == backend.capacity  # the recipe's KV, through the plugin's sizing
     assert session.calls[:5] == [
         "allocate_kv_cache",
@@ -398,3 +513,19 @@ def _requests(params: list[SamplingParams]) -> list[Req]:
         Req(prompt=list(p), params=sp, outputs=[], blocks=[])
         for p, sp in zip(PROMPTS, params, strict=True)
     ]
+
+
+@pytest.mark.parametrize("trace_mode", ["all", "none"])
+def test_overlapped_steps_under_async_scheduling_generate_what_llm_generate_does(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, expected: Expected, trace_mode: str
+) -> None:
+    """Step k+1 submitted before step k is read, with the host inputs that lag one step."""
+    if backend.ttnn and trace_mode == "none":
+        pytest.skip("toy-ttnn captures its traces at startup: eager steps would allocate")
+    with _plugin_session(backend, monkeypatch, trace_mode=trace_mode) as session:
+        overlapped = session.run_overlapped(_requests(OVERLAP_WAVE), late=1)
+
+        assert overlapped == expected[2]
+        assert session.overlapped >= 10  # most steady steps really overlapped
+        for lane in session.model.group.lanes:
+            assert lane.decode.outstanding_leases == 0

@@ -582,9 +582,7 @@ def test_a_step_runs_at_the_smallest_batch_size_holding_its_rows(fresh: Lane) ->
         assert prepared.signature.batch_size == 2 and prepared.tokens.shape == (2,)
         assert prepared.page_table.shape == (2, fresh.layout.width)
         small = _blocking(fresh, tokens=tokens, start_pos=positions, page_table=table)
-        one = fresh.decode.prepare(
-            tokens=tokens[:1], start_pos=positions[:1], page_table=table[:1]
-        )
+        one = fresh.decode.prepare(tokens=tokens[:1], start_pos=positions[:1], page_table=table[:1])
         assert one.signature.batch_size == 1
     finally:
         fresh.decode.config = config
@@ -608,3 +606,63 @@ def test_decode_batch_sizes_must_increase_to_the_lane_capacity(
             device_sampling_enabled=True,
             batch_sizes=sizes,
         )
+
+
+# -- tokens from the device (vLLM's overlapped steps) ------------------------------------
+
+
+@pytest.mark.parametrize("read", ["blocking", "lease"])
+def test_tokens_from_device_continue_the_previous_step_whatever_the_host_sends(
+    fresh: Lane, read: str
+) -> None:
+    """A continued step ignores the host's (lagging) tokens: it decodes what was sampled."""
+    params = [SamplingParams(temperature=0.0)] * 3
+    saved = fresh.snapshot()
+    expected = _run(fresh, 3, reader=_blocking, params=params)
+    fresh.restore(saved)
+    fresh.decode.cleanup_transients()
+    tokens, positions = _start(fresh)
+    got = [
+        _blocking(
+            fresh,
+            tokens=tokens,
+            start_pos=positions,
+            page_table=_table(),
+            sampling_params=params,
+            reset_batch=True,
+        )
+    ]
+    for step in (1, 2):
+        kwargs = dict(
+            tokens=tokens,  # stale: the first step's inputs, every time
+            start_pos=positions + step,
+            page_table=_table(),
+            sampling_params=params,
+            tokens_from_device=True,
+        )
+        got.append(_blocking(fresh, **kwargs) if read == "blocking" else _async(fresh, **kwargs))
+    assert [o.tokens.tolist() for o in got] == [o.tokens.tolist() for o in expected]
+
+
+def test_tokens_from_device_are_refused_without_a_step_to_continue(fresh: Lane) -> None:
+    tokens, positions = _start(fresh)
+    greedy = [SamplingParams(temperature=0.0)] * 3
+    base = dict(tokens=tokens, page_table=_table(), tokens_from_device=True)
+    fresh.decode.cleanup_transients()
+    with pytest.raises(RequestError, match="sampled no tokens"):
+        fresh.executor.decode_forward(start_pos=positions, sampling_params=greedy, **base)
+    _blocking(
+        fresh, tokens=tokens, start_pos=positions, page_table=_table(), sampling_params=greedy
+    )
+    with pytest.raises(RequestError, match="no sampling_params"):
+        fresh.executor.decode_forward(start_pos=positions + 1, **base)
+    with pytest.raises(RequestError, match="batch reset"):
+        fresh.executor.decode_forward(
+            start_pos=positions + 1, sampling_params=greedy, reset_batch=True, **base
+        )
+    with pytest.raises(RequestError, match=r"position \+ 1") as info:
+        fresh.executor.decode_forward(
+            start_pos=positions + torch.tensor([1, 2, 1]), sampling_params=greedy, **base
+        )
+    assert info.value.row == 1
+    fresh.decode.cleanup_transients()
