@@ -101,7 +101,7 @@ class VLLMAdapterConfig:
     block_size: int
     kv_dtype: torch.dtype
     num_layers: int
-    kv_heads_per_device: int
+    num_kv_heads: int
     head_dim: int
     lane_capacity: int
     num_lanes: int
@@ -109,6 +109,18 @@ class VLLMAdapterConfig:
     max_model_len: int
     vocab_size: int
     page_table_width: int
+    devices_per_lane: int = 1
+    """Chips of vLLM's mesh per lane (``mesh_device.get_num_devices() // tt_data_parallel``)."""
+
+    @property
+    def kv_heads_per_device(self) -> int:
+        """The KV heads the plugin allocates per device: the model's over the lane's chips.
+
+        The plugin's ``_kv_cache_shape`` (tensor parallelism is the model's business:
+        ``num_kv_heads // min(devices per lane, num_kv_heads)``). It sizes vLLM's pool; the
+        lane holds the recipe's KV (replicated on each of its chips: the ttnn path has no
+        tensor-parallel layers yet)."""
+        return self.num_kv_heads // min(self.devices_per_lane, self.num_kv_heads)
 
     @property
     def max_batch_size(self) -> int:
@@ -121,9 +133,25 @@ class VLLMAdapterConfig:
 
     @classmethod
     def resolve(
-        cls, *, group: LaneGroupExecutor, max_model_len: int | None = None
+        cls,
+        *,
+        group: LaneGroupExecutor,
+        max_model_len: int | None = None,
+        mesh_devices: int | None = None,
     ) -> VLLMAdapterConfig:
-        """Read the KV geometry, capacity and limits every lane must share."""
+        """Read the KV geometry, capacity and limits every lane must share.
+
+        ``mesh_devices``: the chips of vLLM's mesh (None without one: one per lane); the
+        lanes split them evenly, as the plugin's ``tt_data_parallel`` does."""
+        lanes = len(group.lanes)
+        if mesh_devices is None:
+            mesh_devices = lanes
+        elif not _is_int(mesh_devices) or mesh_devices < 1 or mesh_devices % lanes:
+            raise ConfigError(
+                "tt_data_parallel",
+                lanes,
+                f"must divide the vLLM mesh's {mesh_devices} devices into equal lanes",
+            )
         first = group.lanes[0]
         meta = first.kv_cache.borrowed_model.attention_metadata()
         kv = first.kv_cache.config
@@ -148,7 +176,7 @@ class VLLMAdapterConfig:
             block_size=kv.block_size,
             kv_dtype=kv.torch_dtype,
             num_layers=meta.num_layers,
-            kv_heads_per_device=meta.num_kv_heads,
+            num_kv_heads=meta.num_kv_heads,
             head_dim=meta.head_dim,
             lane_capacity=group.lane_capacity,
             num_lanes=len(group.lanes),
@@ -156,6 +184,7 @@ class VLLMAdapterConfig:
             max_model_len=max_model_len,
             vocab_size=first.decode.config.vocab_size,
             page_table_width=first.layout.width,
+            devices_per_lane=mesh_devices // lanes,
         )
 
     def validate_kv_spec(
@@ -180,10 +209,16 @@ class VLLMAdapterConfig:
         expected = self.legacy_kv_shape(shape[0])
         for index, name in ((1, "kv_heads_per_device"), (2, "block_size"), (3, "head_dim")):
             if shape[index] != expected[index]:
+                what = (
+                    f"the model's {self.num_kv_heads} KV heads over {self.devices_per_lane} "
+                    f"device(s) per lane are {expected[index]} per device"
+                    if index == 1
+                    else f"the model's {name} is {expected[index]}"
+                )
                 raise ConfigError(
                     f"kv_cache_shape[{index}] ({name})",
                     shape[index],
-                    f"the model's {name} is {expected[index]} (expected shape {expected})",
+                    f"{what} (expected shape {expected})",
                 )
         named = (
             getattr(torch, dtype.removeprefix("torch."), None) if isinstance(dtype, str) else dtype
@@ -341,6 +376,7 @@ class VLLMAdapter:
                     max_seq_len or loaded.serving.max_model_len,
                     group.lanes[0].layout.max_sequence_length,
                 ),
+                mesh_devices=_mesh_devices(mesh_device),
             )
             vocab = _field(hf_config, "vocab_size")
             if _is_int(vocab) and vocab != config.vocab_size:
@@ -883,6 +919,23 @@ def _device_for(mesh_device: object, recipe: Recipe) -> Device | None:
     from llmrt.device.ttnn import TtnnDevice, import_ttnn
 
     return TtnnDevice(mesh_device, ttnn_module=import_ttnn(), owns_mesh=False)
+
+
+def _mesh_devices(mesh_device: object) -> int | None:
+    """Chips in vLLM's mesh, as the plugin's worker counts them (None without a mesh)."""
+    if mesh_device is None:
+        return None
+    if isinstance(mesh_device, Device):  # a ttnn device counts its chips; torch: one a lane
+        chips = getattr(mesh_device, "num_devices", None)
+        return chips if isinstance(chips, int) and not isinstance(chips, bool) else None
+    count = getattr(mesh_device, "get_num_devices", None)
+    if count is None:
+        raise ConfigError(
+            "mesh_device",
+            type(mesh_device).__name__,
+            "must be a ttnn MeshDevice (get_num_devices) or an llmrt Device",
+        )
+    return int(count())
 
 
 def _native_events(events: Sequence[Any]) -> list[Any]:

@@ -492,3 +492,42 @@ def test_a_steady_step_continues_the_last_on_the_device_whatever_the_host_lags(
     gone["start_pos"][SLOTS[3]] = -1
     with pytest.raises(RequestError, match=r"^reset_batch: the decode batch's live slots changed"):
         adapter.decode_forward(**gone, kv_cache=kv, sampling_params=greedy)
+
+
+@pytest.mark.parametrize(
+    ("mesh_shape", "lanes", "heads"),
+    [((1, 2), 2, 2), ((1, 2), 1, 1), ((1, 8), 2, 1), ((1, 8), 8, 2), ((4, 8), 4, 1)],
+)
+def test_data_parallel_meshes_take_the_plugins_per_device_kv_heads(
+    mesh_shape: tuple[int, int], lanes: int, heads: int
+) -> None:
+    """The plugin's ``_kv_cache_shape``: 2 KV heads // min(devices per lane, 2)."""
+    from llmrt.testing.fake_ttnn import FakeTtnn
+
+    fake = FakeTtnn(system_mesh_shape=mesh_shape)
+    mesh = fake.open_mesh_device(fake.MeshShape(*mesh_shape))
+    with pytest.warns(RuntimeWarning, match="the vLLM mesh is not used"):
+        model = _init(lanes=lanes, mesh=mesh, batch=4 * lanes)
+    try:
+        devices = mesh_shape[0] * mesh_shape[1] // lanes
+        assert model.config.devices_per_lane == devices
+        with pytest.raises(ConfigError, match=rf"over {devices} device\(s\) per lane are {heads}"):
+            model.allocate_kv_cache((NUM_BLOCKS, 2 if heads == 1 else 1, 16, 16), torch.float32, 2)
+        handles = model.allocate_kv_cache((NUM_BLOCKS, heads, 16, 16), torch.bfloat16, 2)
+        assert len(handles) == lanes
+    finally:
+        model.close()
+        fake.close_mesh_device(mesh)
+
+
+def test_a_mesh_the_lanes_cannot_split_evenly_is_refused() -> None:
+    from llmrt.testing.fake_ttnn import FakeTtnn
+
+    fake = FakeTtnn(system_mesh_shape=(1, 8))
+    mesh = fake.open_mesh_device(fake.MeshShape(1, 8))
+    with (
+        pytest.warns(RuntimeWarning, match="the vLLM mesh is not used"),
+        pytest.raises(ConfigError, match=r"^tt_data_parallel: .*divide the vLLM mesh's 8 devices"),
+    ):
+        _init(lanes=3, mesh=mesh, batch=12)
+    fake.close_mesh_device(mesh)

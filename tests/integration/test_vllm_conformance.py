@@ -132,9 +132,11 @@ class PluginSession:
         hf = backend.hf
         self.calls: list[str] = []
         cls = VLLMAdapter
+        # The worker's ``self.num_devices = self.mesh_device.get_num_devices()``.
+        num_devices = mesh.get_num_devices()  # type: ignore[attr-defined]
         tokens = cls.get_max_tokens_all_users(
             model_name=hf._name_or_path,
-            num_devices=1,
+            num_devices=num_devices,
             tt_data_parallel=1,
             max_model_len=backend.max_model_len,
             max_num_seqs=MAX_NUM_SEQS,
@@ -149,7 +151,10 @@ class PluginSession:
             optimizations=None,
         )
         self.width = min(math.ceil(backend.max_model_len / BLOCK_SIZE), self.num_blocks)
-        shape = (self.num_blocks, hf.num_key_value_heads, BLOCK_SIZE, hf.head_dim)
+        # ``_kv_cache_shape``: KV heads divided over the lane's devices (tt_data_parallel=1).
+        heads = hf.num_key_value_heads // min(num_devices, hf.num_key_value_heads)
+        self.kv_heads = heads
+        shape = (self.num_blocks, heads, BLOCK_SIZE, hf.head_dim)
         self.kv_caches = self.call("allocate_kv_cache", shape, hf.torch_dtype, hf.num_hidden_layers)
         prefill_kwargs = {"kv_cache": self.kv_caches, "can_sample_on_device": True}
         decode_kwargs = {
@@ -459,13 +464,17 @@ def expected(
 
 @contextlib.contextmanager
 def _plugin_session(
-    backend: Backend, monkeypatch: pytest.MonkeyPatch, *, trace_mode: str = "all"
+    backend: Backend,
+    monkeypatch: pytest.MonkeyPatch,
+    *,
+    trace_mode: str = "all",
+    mesh_shape: tuple[int, int] = (1, 1),
 ) -> Iterator[PluginSession]:
     """The plugin's worker: a mesh opened through ``ttnn`` (the fake), then the model runner."""
     monkeypatch.setenv("LLMRT_VLLM_RECIPE", backend.recipe)
-    fake = FakeTtnn()
+    fake = FakeTtnn(system_mesh_shape=mesh_shape)
     monkeypatch.setitem(sys.modules, "ttnn", fake)  # what ``import ttnn`` gives the plugin
-    mesh = fake.open_mesh_device(fake.MeshShape(1, 1), trace_region_size=1 << 20)
+    mesh = fake.open_mesh_device(fake.MeshShape(*mesh_shape), trace_region_size=1 << 20)
     if backend.ttnn:
         replay = PluginSession(backend=backend, mesh=mesh, ttnn=fake, trace_mode=trace_mode)
     else:
@@ -529,3 +538,23 @@ def test_overlapped_steps_under_async_scheduling_generate_what_llm_generate_does
         assert session.overlapped >= 10  # most steady steps really overlapped
         for lane in session.model.group.lanes:
             assert lane.decode.outstanding_leases == 0
+
+
+@pytest.mark.parametrize("mesh_shape", [(1, 2), (1, 8), (4, 8)], ids=["n300", "t3k", "galaxy"])
+def test_multi_chip_meshes_take_the_plugins_per_device_kv_heads(
+    backend: Backend,
+    monkeypatch: pytest.MonkeyPatch,
+    expected: Expected,
+    mesh_shape: tuple[int, int],
+) -> None:
+    """N300, T3K and Galaxy: the plugin divides the KV heads over the mesh's devices; the
+    model loads, allocates and generates what ``LLM.generate`` does (a ttnn lane runs
+    replicated over its chips: the torch backend leaves the mesh unused)."""
+    with _plugin_session(backend, monkeypatch, mesh_shape=mesh_shape) as session:
+        heads = backend.hf.num_key_value_heads
+        devices = mesh_shape[0] * mesh_shape[1]
+        assert session.kv_heads == heads // min(devices, heads)
+        assert session.model.config.devices_per_lane == devices
+        device = session.run(_requests(DEVICE_WAVE), late=1, on_device=True, async_path=True)
+
+        assert device == expected[1]
