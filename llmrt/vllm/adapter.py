@@ -54,6 +54,7 @@ Direct callers may also pass llmrt ``SamplingParams`` and ``recipe=`` / ``overri
 from __future__ import annotations
 
 import json
+import time
 import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -516,6 +517,29 @@ class VLLMAdapter:
         if self.startup.warmed:
             self.startup.activate()
 
+    def _start_if_not_warmed(self) -> None:
+        """Warm and capture at the first request when vLLM skipped the warmup.
+
+        The plugin's ``enable_model_warmup: false`` skips ``warmup_model`` (the model is not
+        told): like tt-metal's generators, which capture a trace at its first use, llmrt then
+        runs its whole warmup (compile every covered shape, capture the traces) before the
+        first request, and warns with what it cost. Nothing is left uncaptured, so a traced
+        step never meets a missing trace.
+        """
+        if self.startup.active:
+            return
+        started = time.perf_counter()
+        self.startup.warmup_decode()
+        self.startup.warmup_prefill()
+        self.startup.activate()
+        took = time.perf_counter() - started
+        warnings.warn(
+            "vLLM skipped the model warmup (enable_model_warmup: false): llmrt compiled and "
+            f"captured its coverage at the first request instead ({took:.2f} s added to it)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
     def _check_warmup(self, kv_cache: KVCacheArg, enable_trace: bool) -> None:
         self._check_kv(kv_cache)
         if enable_trace and any(lane.traced is None for lane in self.group.lanes):
@@ -653,6 +677,7 @@ class VLLMAdapter:
         if history is None and any(p is not None and p.has_penalties for p in params or ()):
             # The plugin sends no history with a prefill: penalties see the prompt.
             history = [(row.tokens.tolist(), []) for row in rows]
+        self._start_if_not_warmed()  # after the arguments are checked
         out = self.group.prefill_forward(
             rows=rows, sampling_params=params, history=history, enable_trace=enable_trace
         )
@@ -706,6 +731,7 @@ class VLLMAdapter:
         pos = torch.where(inactive, torch.zeros_like(pos), pos)
         self._remap_slots(slot_remap, rows)
         offsets = [self._steps[i] if i in active else 0 for i in range(rows)]
+        self._start_if_not_warmed()  # after the arguments are checked
         out = self.group.decode_forward(
             tokens=tok,
             start_pos=pos,

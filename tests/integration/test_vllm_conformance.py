@@ -126,7 +126,13 @@ class PluginSession:
     """One vLLM engine's model runner, reduced to the calls it makes on the TT model."""
 
     def __init__(
-        self, *, backend: Backend, mesh: object, ttnn: FakeTtnn, trace_mode: str = "all"
+        self,
+        *,
+        backend: Backend,
+        mesh: object,
+        ttnn: FakeTtnn,
+        trace_mode: str = "all",
+        warmup: bool = True,
     ) -> None:
         self.ttnn = ttnn
         hf = backend.hf
@@ -165,12 +171,13 @@ class PluginSession:
         }
         self.trace_prefill = trace_mode == "all"
         self.trace_decode = trace_mode in ("all", "decode_only")
-        self.call("warmup_model_prefill", enable_trace=False, **prefill_kwargs)
-        self.call("warmup_model_decode", enable_trace=False, **decode_kwargs)
-        if self.trace_prefill:
-            self.call("warmup_model_prefill", enable_trace=True, **prefill_kwargs)
-        if self.trace_decode:
-            self.call("warmup_model_decode", enable_trace=True, **decode_kwargs)
+        if warmup:  # the worker's ``enable_model_warmup`` (tt_config), true by default
+            self.call("warmup_model_prefill", enable_trace=False, **prefill_kwargs)
+            self.call("warmup_model_decode", enable_trace=False, **decode_kwargs)
+            if self.trace_prefill:
+                self.call("warmup_model_prefill", enable_trace=True, **prefill_kwargs)
+            if self.trace_decode:
+                self.call("warmup_model_decode", enable_trace=True, **decode_kwargs)
         self.rows: list[Req] = []  # the persistent batch, condensed
         self.state_slot: dict[int, int] = {}  # id(req) -> device state slot
         self.free_blocks = list(range(self.num_blocks))
@@ -469,17 +476,19 @@ def _plugin_session(
     *,
     trace_mode: str = "all",
     mesh_shape: tuple[int, int] = (1, 1),
+    warmup: bool = True,
 ) -> Iterator[PluginSession]:
     """The plugin's worker: a mesh opened through ``ttnn`` (the fake), then the model runner."""
     monkeypatch.setenv("LLMRT_VLLM_RECIPE", backend.recipe)
     fake = FakeTtnn(system_mesh_shape=mesh_shape)
     monkeypatch.setitem(sys.modules, "ttnn", fake)  # what ``import ttnn`` gives the plugin
     mesh = fake.open_mesh_device(fake.MeshShape(*mesh_shape), trace_region_size=1 << 20)
+    kwargs: dict[str, Any] = {"trace_mode": trace_mode, "warmup": warmup}
     if backend.ttnn:
-        replay = PluginSession(backend=backend, mesh=mesh, ttnn=fake, trace_mode=trace_mode)
+        replay = PluginSession(backend=backend, mesh=mesh, ttnn=fake, **kwargs)
     else:
         with pytest.warns(RuntimeWarning, match=r"device\.backend=torch; the vLLM mesh is not"):
-            replay = PluginSession(backend=backend, mesh=mesh, ttnn=fake, trace_mode=trace_mode)
+            replay = PluginSession(backend=backend, mesh=mesh, ttnn=fake, **kwargs)
     yield replay
     replay.model.close()
     fake.close_mesh_device(mesh)
@@ -558,3 +567,18 @@ def test_multi_chip_meshes_take_the_plugins_per_device_kv_heads(
         device = session.run(_requests(DEVICE_WAVE), late=1, on_device=True, async_path=True)
 
         assert device == expected[1]
+
+
+def test_warmup_skipped_with_traces_on_warms_and_captures_at_the_first_request(
+    backend: Backend, monkeypatch: pytest.MonkeyPatch, expected: Expected
+) -> None:
+    """The worker's ``enable_model_warmup: false`` skips ``warmup_model``; traces stay on."""
+    with _plugin_session(backend, monkeypatch, warmup=False) as session:
+        assert not session.model.startup.active
+        with pytest.warns(RuntimeWarning, match=r"skipped the model warmup .* s added to it"):
+            device = session.run(_requests(DEVICE_WAVE), late=1, on_device=True, async_path=True)
+
+        assert device == expected[1]
+        assert "warmup_model_decode" not in session.calls
+        for lane in session.model.group.lanes:
+            assert lane.warmup.captured
