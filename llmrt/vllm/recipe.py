@@ -6,11 +6,13 @@ checked in this order:
 
 1. ``LLMRT_VLLM_RECIPE`` (a bundled recipe name or a recipe file): always wins.
 2. :data:`NAMED_RECIPES`: a checkpoint llmrt bundles a recipe for, by its Hub name.
-3. :func:`architecture_recipes`: an architecture llmrt serves from a local checkpoint
-   directory (``hf_config._name_or_path`` / vLLM's ``--model`` path): every architecture
-   a registered family declares (``family.architectures``) with the ``hf`` recipe
-   (``family: auto``), and :data:`ARCHITECTURE_RECIPES` where a recipe is named
-   explicitly; the recipe's ``checkpoint.path`` is set to that directory.
+3. :func:`architecture_recipes`: an architecture llmrt serves from a checkpoint directory:
+   every architecture a registered family declares (``family.architectures``) with the
+   ``hf`` recipe (``family: auto``), and :data:`ARCHITECTURE_RECIPES` where a recipe is
+   named explicitly; the recipe's ``checkpoint.path`` is set to that directory. The
+   directory is ``hf_config._name_or_path`` (vLLM's ``--model``) when it is one, else the
+   Hub name's snapshot in the local Hugging Face cache (``HF_HUB_CACHE`` / ``HF_HOME``;
+   never downloaded here: a name not cached is refused with the command that fetches it).
 
 ``LLMRT_VLLM_OVERRIDES`` adds recipe overrides (``--set`` syntax, whitespace separated,
 shell quoting) to whichever recipe was chosen, e.g.
@@ -142,16 +144,21 @@ def select_recipe(
     served = [a.removeprefix("TT") for a in architectures if isinstance(a, str)]
     table = architecture_recipes()
     known = [a for a in served if a in table]
-    if known and isinstance(name, str) and Path(name).is_dir():
+    directory = _checkpoint_directory(name, env) if known and isinstance(name, str) else None
+    if known and directory is not None:
         arch = known[0]
         return RecipeChoice(
             recipe=table[arch],
-            reason=f"architecture {arch} -> recipe {table[arch]} with checkpoint {name}",
-            overrides=(f"checkpoint.path={name}", *env_overrides, *given),
+            reason=f"architecture {arch} -> recipe {table[arch]} with checkpoint {directory}",
+            overrides=(f"checkpoint.path={directory}", *env_overrides, *given),
         )
     what = f"model {name!r}" if name else "the model"
     if known:
-        hint = f"{what} is a {known[0]} but not a local checkpoint directory"
+        hint = (
+            f"{what} is a {known[0]} but neither a local checkpoint directory nor a Hub "
+            "checkpoint in the local Hugging Face cache with its weights "
+            f"(fetch it with `huggingface-cli download {name}`)"
+        )
     else:
         hint = (
             f"no llmrt recipe for {what} (architectures {list(served) or 'unknown'}; "
@@ -163,6 +170,27 @@ def select_recipe(
         name,
         f"{hint}; set {RECIPE_ENV}=<recipe name or file> to choose the recipe",
     )
+
+
+def _checkpoint_directory(name: str, env: Mapping[str, str]) -> str | None:
+    """``name`` if it is a directory, else its cached Hub snapshot holding weights, else None.
+
+    Only the local cache is read (``try_to_load_from_cache``): vLLM fetched the config, and
+    the weights must be there too (``*.safetensors``), since the recipe reads them."""
+    if Path(name).is_dir():
+        return name
+    if name.count("/") != 1 or name.startswith((".", "/", "~")):
+        return None  # not a Hub ``org/model`` id
+    from huggingface_hub import try_to_load_from_cache
+
+    cache = env.get("HF_HUB_CACHE") or (
+        str(Path(env["HF_HOME"]) / "hub") if env.get("HF_HOME") else None
+    )
+    config = try_to_load_from_cache(name, "config.json", cache_dir=cache)
+    if not isinstance(config, str):
+        return None
+    snapshot = Path(config).parent
+    return str(snapshot) if any(snapshot.glob("*.safetensors")) else None
 
 
 def _as_strings(overrides: Overrides | None) -> tuple[str, ...]:

@@ -50,6 +50,13 @@ SERVED_ARCHITECTURES = (
 )  # fmt: skip
 
 
+def test_the_served_architectures_are_every_registered_familys() -> None:
+    from llmrt.families.registry import families
+
+    declared = {a for f in families() for a in getattr(f, "architectures", ())}
+    assert declared == set(SERVED_ARCHITECTURES)
+
+
 @pytest.mark.parametrize("arch", ["TTQwen3MoeForCausalLM", "TTGemma2ForCausalLM"])
 def test_any_registered_familys_architecture_is_served_from_a_local_directory(
     tmp_path: pathlib.Path, arch: str
@@ -65,8 +72,40 @@ def test_the_environment_recipe_wins_and_an_unknown_model_names_the_variable() -
     )
     with pytest.raises(ConfigError, match=r"^hf_config: no llmrt recipe .*LLMRT_VLLM_RECIPE"):
         select_recipe(hf_config=_hf("org/Unknown-7B", "MysteryLM"), env={})
-    with pytest.raises(ConfigError, match="is a LlamaForCausalLM but not a local checkpoint"):
-        select_recipe(hf_config=_hf("meta-llama/Llama-3.1-8B"), env={})
+    with pytest.raises(ConfigError, match="is a LlamaForCausalLM but neither a local"):
+        select_recipe(hf_config=_hf("meta-llama/Llama-3.1-8B"), env={"HF_HUB_CACHE": "/none"})
+
+
+def _cache_snapshot(cache: pathlib.Path, repo: str, *, weights: bool) -> pathlib.Path:
+    """The layout huggingface_hub writes: ``models--org--name/{refs/main,snapshots/<sha>}``."""
+    root = cache / ("models--" + repo.replace("/", "--"))
+    sha = "0123456789abcdef0123456789abcdef01234567"
+    (root / "refs").mkdir(parents=True)
+    (root / "refs" / "main").write_text(sha)
+    snapshot = root / "snapshots" / sha
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    if weights:
+        (snapshot / "model.safetensors").write_bytes(b"")
+    return snapshot
+
+
+@pytest.mark.parametrize("arch", SERVED_ARCHITECTURES)
+def test_a_hub_name_of_every_served_architecture_resolves_to_its_cached_snapshot(
+    tmp_path: pathlib.Path, arch: str
+) -> None:
+    snapshot = _cache_snapshot(tmp_path / "hub", "org/model", weights=True)
+    for env in ({"HF_HUB_CACHE": str(tmp_path / "hub")}, {"HF_HOME": str(tmp_path)}):
+        choice = select_recipe(hf_config=_hf("org/model", f"TT{arch}"), env=env)
+        assert (choice.recipe, choice.overrides) == ("hf", (f"checkpoint.path={snapshot}",))
+
+
+def test_a_cached_hub_config_without_weights_is_refused_naming_the_download(
+    tmp_path: pathlib.Path,
+) -> None:
+    _cache_snapshot(tmp_path, "org/model", weights=False)
+    with pytest.raises(ConfigError, match=r"huggingface-cli download org/model"):
+        select_recipe(hf_config=_hf("org/model"), env={"HF_HUB_CACHE": str(tmp_path)})
 
 
 def test_vllm_sizes_may_not_silently_override_a_users_setting() -> None:
