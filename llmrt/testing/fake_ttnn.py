@@ -49,6 +49,7 @@ import attrs
 import torch
 
 from llmrt.errors import ConfigError
+from llmrt.testing.block_float import MANTISSA_BITS, round_block_float
 
 TILE_SIZE = 32
 TRACE_BYTES_PER_OP = 4096
@@ -1563,8 +1564,9 @@ def _resolve_fail(fail: Mapping[str, int | Iterable[int]]) -> dict[str, frozense
 
 def _store(tensor: torch.Tensor, dtype: DataType) -> torch.Tensor:
     """The payload kept for ``dtype``: the value a chip would hold, in a torch-computable form."""
-    if dtype in _BLOCK_FLOATS:
-        return tensor.to(torch.bfloat16).to(torch.float32)
+    if dtype in _BLOCK_FLOATS:  # a shared exponent per face row, 7 (3) magnitude bits
+        bits = MANTISSA_BITS["bfloat8_b" if dtype is DataType.BFLOAT8_B else "bfloat4_b"]
+        return round_block_float(tensor, mantissa_bits=bits)
     mask = _UNSIGNED_MASK.get(dtype)
     if mask is not None:
         return tensor.to(torch.int64) & mask
