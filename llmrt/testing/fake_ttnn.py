@@ -29,8 +29,12 @@ programs). Their operators are exactly the real tensor's (``+ - * / @``, compari
 ``[]``) and dispatch to the fake's ttnn ops, which compute their outputs' dtype and layout
 the way ttnn documents them (binary ops keep input A's dtype and layout unless ``dtype=`` is
 given, ``matmul`` needs tile inputs, ``embedding`` needs UINT32 or BFLOAT16 ids and returns
-the weight's dtype in ``layout``, ``typecast``/``to_layout`` convert). Ops added with
-``register_op`` keep the first tensor argument's dtype and layout unless told otherwise.
+the weight's dtype in ``layout``, ``typecast``/``to_layout`` convert). ``matmul``, ``linear``
+(bias, transposes, fused activation), ``rms_norm`` (weight, bias, residual), ``silu`` and
+``softmax`` compute in float32 on the values the device holds and round to the output dtype:
+bfloat8_b/bfloat4_b payloads are block floats (``llmrt.testing.block_float``), as on a chip.
+Ops added with ``register_op`` keep the first tensor argument's dtype and layout unless told
+otherwise.
 Calls of ttnn ops are recorded like API calls (replays are not: a replay records only
 ``execute_trace``). Ops run inside a capture are recorded on the trace's tape;
 ``execute_trace`` replays the tape against the tensors' current payloads, so refreshed inputs
@@ -1239,11 +1243,135 @@ class FakeTtnn:
         kwargs = {} if memory_config is None else {"memory_config": memory_config}
         return self._call_op(
             "matmul",
-            _drop_memory_config(torch.matmul),
+            _drop_memory_config(_matmul32),
             (input_tensor_a, input_tensor_b),
             kwargs,
             output=output,
             key_extra=(dtype,),
+        )
+
+    def _require_tile(self, name: str, *tensors: Any) -> None:
+        for tensor in tensors:
+            if isinstance(tensor, Tensor) and tensor._layout is not Layout.TILE:
+                self._record(name, tensor._mesh)
+                raise self._violate("op input", f"{name}: input tensors must be in TILE layout")
+
+    def linear(
+        self,
+        input_tensor_a: Any,
+        input_tensor_b: Any,
+        *,
+        bias: Any = None,
+        transpose_a: bool = False,
+        transpose_b: bool = False,
+        memory_config: Any = None,
+        dtype: Any = None,
+        program_config: Any = None,
+        compute_kernel_config: Any = None,
+        core_grid: Any = None,
+        activation: str | None = None,
+    ) -> Any:
+        """``a @ b (+ bias)`` (``b`` is ``[in, out]``, as tt_transformers stores weights),
+        tile inputs, float32 accumulation, output in ``dtype`` (default: A's), tile layout;
+        ``activation`` ``"silu"``/``"relu"``/``"gelu"`` fused."""
+        self._require_tile("linear", input_tensor_a, input_tensor_b, bias)
+        if activation not in (None, "silu", "relu", "gelu"):
+            raise ValueError(f"linear: unsupported activation {activation!r}")
+
+        def run(a: torch.Tensor, b: torch.Tensor, bias: torch.Tensor | None = None) -> Any:
+            a = a.transpose(-1, -2) if transpose_a else a
+            b = b.transpose(-1, -2) if transpose_b else b
+            out = _matmul32(a, b)
+            if bias is not None:
+                out = out + bias.float().reshape(-1)[: out.shape[-1]]
+            return _ACTIVATIONS[activation](out) if activation else out
+
+        def output(inputs: Sequence[_Tensor], _: Mapping[str, Any]) -> tuple[_DataType, _Layout]:
+            return (dtype or inputs[0]._dtype, Layout.TILE)
+
+        kwargs = {} if bias is None else {"bias": bias}
+        return self._call_op(
+            "linear",
+            run,
+            (input_tensor_a, input_tensor_b),
+            kwargs,
+            output=output,
+            key_extra=(transpose_a, transpose_b, dtype, activation),
+        )
+
+    def rms_norm(
+        self,
+        input_tensor: Any,
+        *,
+        epsilon: float = 1e-12,
+        weight: Any = None,
+        bias: Any = None,
+        residual_input_tensor: Any = None,
+        memory_config: Any = None,
+        program_config: Any = None,
+        compute_kernel_config: Any = None,
+    ) -> Any:
+        """``x / sqrt(mean(x^2, -1) + epsilon) * weight (+ bias)`` over the last dimension,
+        computed in float32 (``x`` = input + residual when given), tile input, input's dtype."""
+        self._require_tile("rms_norm", input_tensor, residual_input_tensor)
+
+        def run(
+            x: torch.Tensor,
+            weight: torch.Tensor | None = None,
+            bias: torch.Tensor | None = None,
+            residual_input_tensor: torch.Tensor | None = None,
+        ) -> torch.Tensor:
+            x = x.float()
+            if residual_input_tensor is not None:
+                x = x + residual_input_tensor.float()
+            out = x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + epsilon)
+            width = out.shape[-1]
+            if weight is not None:
+                out = out * weight.float().reshape(-1)[:width]
+            if bias is not None:
+                out = out + bias.float().reshape(-1)[:width]
+            return out
+
+        kwargs = {
+            k: v
+            for k, v in (
+                ("weight", weight),
+                ("bias", bias),
+                ("residual_input_tensor", residual_input_tensor),
+            )
+            if v is not None
+        }
+        return self._call_op(
+            "rms_norm", run, (input_tensor,), kwargs, output=_same_spec, key_extra=(epsilon,)
+        )
+
+    def silu(self, input_tensor: Any, *, memory_config: Any = None) -> Any:
+        """``x * sigmoid(x)`` in float32, the input's dtype and layout."""
+        return self._call_op(
+            "silu",
+            lambda x: _ACTIVATIONS["silu"](x.float()),
+            (input_tensor,),
+            {},
+            output=_same_spec,
+        )
+
+    def softmax(
+        self,
+        input_tensor: Any,
+        dim: int = -1,
+        *,
+        memory_config: Any = None,
+        compute_kernel_config: Any = None,
+        numeric_stable: bool = True,
+    ) -> Any:
+        """Softmax over ``dim`` in float32, the input's dtype and layout."""
+        return self._call_op(
+            "softmax",
+            lambda x: torch.softmax(x.float(), dim=dim),
+            (input_tensor,),
+            {},
+            output=_same_spec,
+            key_extra=(dim, numeric_stable),
         )
 
     def embedding(
@@ -1537,6 +1665,23 @@ def _drop_memory_config(func: Callable[..., Any]) -> Callable[..., Any]:
         return func(*args)
 
     return run
+
+
+def _matmul32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """A matmul as the chip runs it: float32 accumulation over the stored values (a bf16
+    activation times a bfloat8_b weight mixes payload dtypes torch alone refuses)."""
+    return torch.matmul(a.float(), b.float())
+
+
+_ACTIVATIONS: Mapping[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": torch.nn.functional.silu,
+    "relu": torch.relu,
+    "gelu": torch.nn.functional.gelu,
+}
+
+
+def _same_spec(inputs: Sequence[Tensor], _: Mapping[str, Any]) -> tuple[DataType, Layout]:
+    return (inputs[0]._dtype, inputs[0]._layout)
 
 
 def _rdiv(tensor: torch.Tensor, value: float) -> torch.Tensor:

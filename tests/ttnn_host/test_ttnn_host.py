@@ -180,6 +180,28 @@ def test_block_floats_live_in_tile_layout_and_read_back_as_float32(shape: tuple[
         assert float((back - value).abs().max()) <= tolerance * scale
 
 
+@pytest.mark.parametrize("shape", ODD_SHAPES)
+def test_the_fakes_block_floats_are_the_wheels_bit_for_bit(shape: tuple[int, ...]) -> None:
+    """``llmrt.testing.block_float`` (the fake's bfloat8_b/bfloat4_b payloads) is the wheel's
+    packing: shared exponents per face row, round to nearest even, zero tile padding."""
+    from llmrt.testing.block_float import round_block_float
+
+    value = torch.randn(shape) * torch.exp2(torch.randint(-10, 10, shape).float())
+    for dtype, bits in ((ttnn.bfloat8_b, 7), (ttnn.bfloat4_b, 3)):
+        back = ttnn.to_torch(ttnn.from_torch(value, dtype=dtype, layout=ttnn.TILE_LAYOUT))
+        assert torch.equal(back, round_block_float(value, mantissa_bits=bits))
+
+
+#: The computing ops the fake runs for a tt_transformers-style decoder.
+EMULATED_OPS = ("matmul", "linear", "rms_norm", "silu", "softmax", "embedding", "typecast")
+
+
+@pytest.mark.parametrize("name", EMULATED_OPS)
+def test_the_fakes_compute_ops_take_only_the_wheels_parameters(name: str) -> None:
+    fake_params = set(inspect.signature(getattr(FakeTtnn(), name)).parameters)
+    assert fake_params <= param_names(resolve(name))
+
+
 def test_tile_padding_uses_the_pad_value() -> None:
     t = ttnn.from_torch(
         torch.ones(3, 5), dtype=ttnn.float32, layout=ttnn.TILE_LAYOUT, pad_value=-3.0
