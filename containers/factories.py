@@ -57,16 +57,35 @@ KV_MEMORY_FRACTION = 0.25
 # -- device scope ----------------------------------------------------------------------------
 
 
-def load_ttnn(*, recipe: Recipe) -> Any:
-    """The ``ttnn`` module a ttnn recipe opens its mesh with (None for torch).
+TTNN_MODULES_GROUP = "llmrt.ttnn_modules"
+"""Entry points naming ttnn implementations besides the wheel: ``name = "pkg.mod:factory"``,
+``factory(mesh_shape=(rows, cols))`` returning the module (llmrt's own: ``emulator``)."""
 
-    Tests override this provider with ``llmrt.testing.fake_ttnn.FakeTtnn``.
+
+def load_ttnn(*, recipe: Recipe) -> Any:
+    """The ``ttnn`` module a ttnn recipe opens its mesh with (None for torch):
+    ``device.ttnn.module`` names the wheel (``ttnn``) or a registered implementation.
+
+    Tests may also override this provider with ``llmrt.testing.fake_ttnn.FakeTtnn``.
     """
     if recipe.device.backend != "ttnn":
         return None
-    from llmrt.device.ttnn import import_ttnn
+    name = recipe.device.ttnn.module
+    if name == "ttnn":
+        from llmrt.device.ttnn import import_ttnn
 
-    return import_ttnn()
+        return import_ttnn()
+    from importlib.metadata import entry_points
+
+    found = {ep.name: ep for ep in entry_points(group=TTNN_MODULES_GROUP)}
+    if name not in found:
+        raise ConfigError(
+            "device.ttnn.module",
+            name,
+            f"must be ttnn or one of {sorted(found)} (entry points {TTNN_MODULES_GROUP})",
+        )
+    mesh = recipe.device.mesh_shape or (1, recipe.lanes)
+    return found[name].load()(mesh_shape=tuple(mesh))
 
 
 def open_device(*, recipe: Recipe, ttnn_module: Any = None) -> Device:

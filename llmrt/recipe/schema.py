@@ -307,7 +307,10 @@ class TtnnSpec:
     ``open_mesh_device`` arguments; traces need a trace region), ``num_command_queues`` is 1
     or 2, ``dispatch_core_type`` picks the dispatch cores (None: ttnn's default, worker),
     ``fabric_config`` is passed to ``ttnn.set_fabric_config`` before the mesh opens (a fabric
-    needs two chips or more; ``disabled`` is ttnn's default).
+    needs two chips or more; ``disabled`` is ttnn's default). ``module`` is the ttnn
+    implementation: ``ttnn`` (the installed wheel, a chip) or a name registered in the
+    ``llmrt.ttnn_modules`` entry-point group (``emulator``: ``llmrt.testing``'s computing
+    ttnn emulator, as strict as the chip, for running a TT recipe without one).
     """
 
     l1_small_size: int = 0
@@ -315,8 +318,15 @@ class TtnnSpec:
     num_command_queues: int = 1
     dispatch_core_type: DispatchCoreType | None = None
     fabric_config: FabricConfigName = "disabled"
+    module: str = "ttnn"
 
     def __attrs_post_init__(self) -> None:
+        _check(
+            isinstance(self.module, str) and bool(self.module.strip()),
+            "device.ttnn.module",
+            self.module,
+            "must be ttnn or a name registered in llmrt.ttnn_modules (e.g. emulator)",
+        )
         _non_negative_int("device.ttnn.l1_small_size", self.l1_small_size)
         _non_negative_int("device.ttnn.trace_region_size", self.trace_region_size)
         _check(

@@ -1667,6 +1667,13 @@ def _drop_memory_config(func: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
+def emulator(*, mesh_shape: Sequence[int]) -> FakeTtnn:
+    """The ``emulator`` ttnn module a recipe selects (``device.ttnn.module: emulator``): a
+    ``FakeTtnn`` whose system holds the recipe's mesh, strict as a chip (rule violations
+    raise)."""
+    return FakeTtnn(system_mesh_shape=tuple(mesh_shape))
+
+
 def _matmul32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """A matmul as the chip runs it: float32 accumulation over the stored values (a bf16
     activation times a bfloat8_b weight mixes payload dtypes torch alone refuses)."""

@@ -139,3 +139,42 @@ def test_the_strict_fake_rejects_what_ttnn_rejects() -> None:
             getattr(weight, method)
     with pytest.raises(TypeError):
         -weight  # noqa: B018  (ttnn.Tensor has no __neg__)
+
+
+def test_the_emulator_is_selected_from_the_recipe_without_a_chip() -> None:
+    """``device.ttnn.module=emulator``: the containers open the recipe's mesh on llmrt's
+    computing ttnn emulator (no override, no wheel) and serve the same tokens."""
+    params = SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
+    with tt_llm(FakeTtnn()) as llm:
+        expected = [list(o.token_ids) for o in llm.generate(list(PROMPTS), params)]
+    recipe = load_recipe("toy-ttnn", overrides=["device.ttnn.module=emulator"])
+    with LLM(recipe=recipe, container=RuntimeContainer(recipe=recipe)) as llm:
+        device = llm.container.lanes()[0].device()
+        assert isinstance(device.ttnn_module, FakeTtnn)
+        assert [list(o.token_ids) for o in llm.generate(list(PROMPTS), params)] == expected
+        fake = device.ttnn_module
+    assert fake.violations == () and fake.call_names()[-1] == "close_mesh_device"
+
+
+def test_an_unknown_ttnn_module_is_refused_naming_the_choices() -> None:
+    from llmrt.errors import ConfigError
+
+    recipe = load_recipe("toy-ttnn", overrides=["device.ttnn.module=simulator"])
+    with pytest.raises(ConfigError, match=r"^device.ttnn.module: .*one of \['emulator'"):
+        RuntimeContainer(recipe=recipe).device.device()
+
+
+def test_the_cli_runs_a_ttnn_recipe_on_the_emulator(capsys: pytest.CaptureFixture[str]) -> None:
+    from llmrt.cli.main import main
+
+    argv = ["generate", "toy-ttnn", "--set", "device.ttnn.module=emulator"]
+    flags = ["--max-new-tokens", str(STEPS), "--temperature", "0", "--json"]
+    code = main([*argv, "--prompt-ids", "72,105,33", *flags])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    fake = FakeTtnn()
+    with tt_llm(fake) as llm:
+        (expected,) = llm.generate(
+            [list(PROMPTS[0])], SamplingParams(temperature=0.0, max_tokens=STEPS)
+        )
+    assert f'"token_ids": {list(expected.token_ids)}'.replace(" ", "") in out.replace(" ", "")
