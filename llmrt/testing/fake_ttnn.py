@@ -33,6 +33,9 @@ the weight's dtype in ``layout``, ``typecast``/``to_layout`` convert). ``matmul`
 (bias, transposes, fused activation), ``rms_norm`` (weight, bias, residual), ``silu`` and
 ``softmax`` compute in float32 on the values the device holds and round to the output dtype:
 bfloat8_b/bfloat4_b payloads are block floats (``llmrt.testing.block_float``), as on a chip.
+``experimental`` and ``transformer`` hold a tt_transformers decoder's attention ops (paged KV
+writes, paged decode and causal prefill SDPA, ``rotary_embedding_llama``:
+``llmrt.testing.fake_ttnn_transformer``).
 Ops added with ``register_op`` keep the first tensor argument's dtype and layout unless told
 otherwise.
 Calls of ttnn ops are recorded like API calls (replays are not: a replay records only
@@ -54,6 +57,7 @@ import torch
 
 from llmrt.errors import ConfigError
 from llmrt.testing.block_float import MANTISSA_BITS, round_block_float
+from llmrt.testing.fake_ttnn_transformer import install as install_transformer_ops
 
 TILE_SIZE = 32
 TRACE_BYTES_PER_OP = 4096
@@ -676,6 +680,7 @@ class FakeTtnn:
         self._meshes: list[_MeshDevice] = []
         self._replaying = False
         self.ops_run = 0
+        install_transformer_ops(self)
 
     def __repr__(self) -> str:
         return f"FakeTtnn(calls={len(self._calls)})"
@@ -1189,6 +1194,49 @@ class FakeTtnn:
         op.__name__ = name
         setattr(self, name, op)
 
+    #: Keyword arguments that carry positions or page tables: int32 (or uint32) tensors.
+    INDEX_ARGUMENTS = ("update_idxs_tensor", "page_table", "cur_pos_tensor", "page_table_tensor")
+
+    def install_namespace(
+        self, namespace: str, ops: Mapping[str, tuple[Callable[..., Any], str | None]]
+    ) -> None:
+        """``fake.<namespace>.<op>`` for each op (``ttnn.experimental``, ``ttnn.transformer``):
+        computed on payloads, recorded as ``<namespace>.<op>``, traced like any op. Float
+        tensor inputs must be in tile layout and index tensors int32, as ttnn requires; an
+        op's output (``"same"``) takes its first tensor's dtype and layout (None: in place)."""
+        holder = getattr(self, namespace, None)
+        if holder is None:
+            holder = _Namespace(namespace)
+            setattr(self, namespace, holder)
+        for op_name, (fn, output) in ops.items():
+            setattr(holder, op_name, self._namespaced_op(f"{namespace}.{op_name}", fn, output))
+
+    def _namespaced_op(
+        self, name: str, fn: Callable[..., Any], output: str | None
+    ) -> Callable[..., Any]:
+        def op(*args: Any, **kwargs: Any) -> Any:
+            kwargs = {k: v for k, v in kwargs.items() if k not in _PLACEMENT_KWARGS}
+            for key, value in [*enumerate(args), *kwargs.items()]:
+                if not isinstance(value, Tensor):
+                    continue
+                index = key in self.INDEX_ARGUMENTS or (name.endswith("fill_cache") and key == 2)
+                if index and value._dtype not in (DataType.INT32, DataType.UINT32):
+                    self._record(name, value._mesh)
+                    raise self._violate("op input", f"{name}: {key} must be int32")
+                if not index and value._layout is not Layout.TILE:
+                    self._record(name, value._mesh)
+                    raise self._violate("op input", f"{name}: {key} must be in TILE layout")
+            func = fn
+            target = args[0] if args else None
+            if output is None and isinstance(target, Tensor):  # in place: stored as the dtype
+                func = _stored_in_place(fn, target._dtype)
+            return self._call_op(
+                name, func, args, kwargs, output=_same_spec if output == "same" else None
+            )
+
+        op.__name__ = name.rpartition(".")[2]
+        return op
+
     add = _binary_op("add", torch.add)
     subtract = _binary_op("subtract", torch.sub)
     multiply = _binary_op("multiply", torch.mul)
@@ -1665,6 +1713,29 @@ def _drop_memory_config(func: Callable[..., Any]) -> Callable[..., Any]:
         return func(*args)
 
     return run
+
+
+def _stored_in_place(fn: Callable[..., Any], dtype: DataType) -> Callable[..., Any]:
+    """``fn`` writing into its first argument, then that payload re-stored as ``dtype`` (a
+    block-float row takes a new shared exponent when one of its elements is rewritten)."""
+
+    def run(target: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        result = fn(target, *args, **kwargs)
+        target.copy_(_store(target, dtype))
+        return result
+
+    return run
+
+
+class _Namespace:
+    """A ttnn sub-module (``ttnn.experimental``, ``ttnn.transformer``) of a fake."""
+
+    def __init__(self, name: str) -> None:
+        self.__name__ = f"ttnn.{name}"
+
+
+#: Keywords of ttnn ops that only place or tune the computation (not modelled in payloads).
+_PLACEMENT_KWARGS = frozenset({"memory_config", "program_config", "compute_kernel_config"})
 
 
 def emulator(*, mesh_shape: Sequence[int]) -> FakeTtnn:
