@@ -1393,6 +1393,18 @@ class FakeTtnn:
             "rms_norm", run, (input_tensor,), kwargs, output=_same_spec, key_extra=(epsilon,)
         )
 
+    def permute(self, input_tensor: Any, dims: Sequence[int], *, memory_config: Any = None) -> Any:
+        """``input_tensor`` with its dimensions reordered by ``dims``; dtype and layout kept."""
+        order = tuple(int(d) for d in dims)
+        return self._call_op(
+            "permute",
+            lambda x: x.permute(order).contiguous(),
+            (input_tensor,),
+            {},
+            output=_same_spec,
+            key_extra=(order,),
+        )
+
     def silu(self, input_tensor: Any, *, memory_config: Any = None) -> Any:
         """``x * sigmoid(x)`` in float32, the input's dtype and layout."""
         return self._call_op(

@@ -1,0 +1,278 @@
+"""A Llama-style decoder on ttnn ops, laid out the way tt-metal's ``tt_transformers`` does it.
+
+Why: the runtime's traces, mesh lanes and device sampling exist for Tenstorrent chips; this
+is the decoder (GQA, RoPE with ``rope_theta``, optional q/k/v biases as Qwen2 has, a tied or
+separate LM head) computed with ttnn ops only, so it runs on a chip or on llmrt's ttnn
+emulator unchanged. Weights are converted once from Hugging Face tensors: projections and
+the LM head to ``weight_dtype`` (``bfloat8_b`` as tt_transformers' performance setting, or
+``bfloat16``) in tile layout as ``[in, out]``, norms and biases to bfloat16, the embedding
+to bfloat16 row-major. q/k projection rows are permuted per head from Hugging Face's
+half-split rotary layout to interleaved pairs (tt_transformers' ``reverse_permute``), so
+``ttnn.experimental.rotary_embedding_llama`` rotates them with its pair-swapping
+transformation matrix; attention scores are unchanged by that permutation.
+
+It is a building block, not yet a family: ``prefill`` takes one row from position 0 (no
+cached prefix, no chunking) and ``decode`` a batch of rows over the paged KV cache
+(``[blocks, kv_heads, block_size, head_dim]``, ``-1`` page-table entries skip a row). The
+runtime's model protocol and a recipe backend for the decoder families are not built on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import torch
+
+from llmrt.errors import ConfigError
+
+TILE = 32
+
+
+@attrs.frozen(kw_only=True)
+class TtnnDecoderConfig:
+    """The geometry a Llama-style checkpoint declares (``config.json`` names)."""
+
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_positions: int
+    tie_word_embeddings: bool
+
+    @classmethod
+    def from_hf(cls, hf: Mapping[str, Any]) -> TtnnDecoderConfig:
+        heads = int(hf["num_attention_heads"])
+        hidden = int(hf["hidden_size"])
+        head_dim = int(hf.get("head_dim") or hidden // heads)
+        scaling = hf.get("rope_scaling")
+        if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
+            raise ConfigError("rope_scaling", scaling, "the ttnn decoder has default RoPE only")
+        if head_dim % TILE:
+            raise ConfigError("head_dim", head_dim, f"must be a multiple of the {TILE}-wide tile")
+        return cls(
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=hidden,
+            num_layers=int(hf["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=head_dim,
+            intermediate_size=int(hf["intermediate_size"]),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(hf.get("rope_theta", 10000.0)),
+            max_positions=int(hf.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        )
+
+
+def interleave_rotary_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """Rows of a q/k projection (or bias) reordered per head from half-split to interleaved
+    rotary pairs: row ``i`` of the first half and row ``i`` of the second become ``2i, 2i+1``."""
+    dim = weight.shape[0] // heads
+    per_head = weight.reshape(heads, 2, dim // 2, *weight.shape[1:])
+    return per_head.transpose(1, 2).reshape(weight.shape)
+
+
+def rotation_matrix() -> torch.Tensor:
+    """tt_transformers' transformation matrix: ``x @ m`` turns pairs ``(a, b)`` into ``(-b, a)``."""
+    m = torch.zeros(1, 1, TILE, TILE)
+    m[..., torch.arange(0, TILE, 2), torch.arange(1, TILE, 2)] = 1.0
+    m[..., torch.arange(1, TILE, 2), torch.arange(0, TILE, 2)] = -1.0
+    return m
+
+
+def rope_tables(config: TtnnDecoderConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[max_positions, head_dim]`` cos and sin, each angle repeated for its pair."""
+    dim = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    angles = torch.arange(config.max_positions, dtype=torch.float64)[:, None] * inv[None, :]
+    return (
+        torch.cos(angles).repeat_interleave(2, dim=-1).float(),
+        torch.sin(angles).repeat_interleave(2, dim=-1).float(),
+    )
+
+
+class TtnnDecoder:
+    """The decoder's weights on a mesh and its prefill/decode forwards (owns the weights)."""
+
+    def __init__(
+        self,
+        *,
+        tt: Any,
+        mesh: Any,
+        config: TtnnDecoderConfig,
+        weights: Mapping[str, torch.Tensor],
+        weight_dtype: str = "bfloat8_b",
+    ) -> None:
+        if weight_dtype not in ("bfloat8_b", "bfloat16"):
+            raise ConfigError("weight_dtype", weight_dtype, "must be bfloat8_b or bfloat16")
+        self._tt, self._mesh, self.config = tt, mesh, config
+        self._dtype = getattr(tt, weight_dtype)
+        self._owned: list[Any] = []
+        c = config
+        self.embedding = self._put(weights["model.embed_tokens.weight"], layout=tt.ROW_MAJOR_LAYOUT)
+        self.layers = []
+        for i in range(c.num_layers):
+            p = f"model.layers.{i}."
+            layer = {
+                "attn_norm": self._norm(weights[p + "input_layernorm.weight"]),
+                "mlp_norm": self._norm(weights[p + "post_attention_layernorm.weight"]),
+                "wo": self._linear(weights[p + "self_attn.o_proj.weight"]),
+                "w1": self._linear(weights[p + "mlp.gate_proj.weight"]),
+                "w2": self._linear(weights[p + "mlp.down_proj.weight"]),
+                "w3": self._linear(weights[p + "mlp.up_proj.weight"]),
+            }
+            for name, heads in (("q", c.num_heads), ("k", c.num_kv_heads), ("v", c.num_kv_heads)):
+                w = weights[f"{p}self_attn.{name}_proj.weight"]
+                b = weights.get(f"{p}self_attn.{name}_proj.bias")
+                if name != "v":
+                    w = interleave_rotary_rows(w, heads)
+                    b = None if b is None else interleave_rotary_rows(b, heads)
+                layer[f"w{name}"] = self._linear(w)
+                layer[f"b{name}"] = None if b is None else self._norm(b)
+            self.layers.append(layer)
+        self.final_norm = self._norm(weights["model.norm.weight"])
+        head = weights.get("lm_head.weight")
+        if head is None or c.tie_word_embeddings:
+            head = weights["model.embed_tokens.weight"]
+        self.lm_head = self._linear(head)
+        cos, sin = rope_tables(c)
+        self.cos = self._put(cos, layout=tt.ROW_MAJOR_LAYOUT)
+        self.sin = self._put(sin, layout=tt.ROW_MAJOR_LAYOUT)
+        self.trans_mat = self._put(rotation_matrix(), layout=tt.TILE_LAYOUT)
+        self.scale = c.head_dim**-0.5
+
+    # -- weights --------------------------------------------------------------------------
+
+    def _put(self, host: torch.Tensor, *, layout: Any, dtype: Any = None) -> Any:
+        tt = self._tt
+        tensor = tt.from_torch(host, dtype=dtype or tt.bfloat16, layout=layout, device=self._mesh)
+        self._owned.append(tensor)
+        return tensor
+
+    def _linear(self, weight: torch.Tensor) -> Any:
+        """A Hugging Face ``[out, in]`` weight as ttnn's ``[in, out]`` tile tensor."""
+        return self._put(weight.T.contiguous(), layout=self._tt.TILE_LAYOUT, dtype=self._dtype)
+
+    def _norm(self, vector: torch.Tensor) -> Any:
+        return self._put(vector.reshape(1, -1), layout=self._tt.TILE_LAYOUT)
+
+    def close(self) -> None:
+        """Deallocate the device weights; idempotent."""
+        while self._owned:
+            self._tt.deallocate(self._owned.pop())
+
+    # -- forwards -------------------------------------------------------------------------
+
+    def _embed(self, tokens: Any) -> Any:
+        tt = self._tt
+        return tt.to_layout(tt.embedding(tokens, self.embedding), tt.TILE_LAYOUT)
+
+    def _rope(self, rope_positions: Any) -> tuple[Any, Any]:
+        """cos and sin rows of ``rope_positions`` (uint32: ``ttnn.embedding`` ids)."""
+        tt = self._tt
+        cos = tt.to_layout(tt.embedding(rope_positions, self.cos), tt.TILE_LAYOUT)
+        sin = tt.to_layout(tt.embedding(rope_positions, self.sin), tt.TILE_LAYOUT)
+        return cos, sin
+
+    def _project(self, h: Any, layer: Mapping[str, Any], name: str) -> Any:
+        bias = layer[f"b{name}"]
+        kwargs = {} if bias is None else {"bias": bias}
+        return self._tt.linear(h, layer[f"w{name}"], dtype=self._tt.bfloat16, **kwargs)
+
+    def _mlp(self, x: Any, layer: Mapping[str, Any]) -> Any:
+        tt = self._tt
+        h = tt.rms_norm(x, epsilon=self.config.rms_norm_eps, weight=layer["mlp_norm"])
+        gate = tt.linear(h, layer["w1"], activation="silu", dtype=tt.bfloat16)
+        up = tt.linear(h, layer["w3"], dtype=tt.bfloat16)
+        down = tt.linear(tt.multiply(gate, up), layer["w2"], dtype=tt.bfloat16)
+        return tt.add(x, down)
+
+    def _logits(self, x: Any) -> Any:
+        tt = self._tt
+        h = tt.rms_norm(x, epsilon=self.config.rms_norm_eps, weight=self.final_norm)
+        return tt.linear(h, self.lm_head, dtype=tt.float32)
+
+    def decode(
+        self,
+        *,
+        tokens: Any,
+        positions: Any,
+        rope_positions: Any,
+        page_table: Any,
+        kv: list[tuple[Any, Any]],
+    ) -> Any:
+        """Logits ``[B, vocab]`` of one step: ``tokens`` ``[B]`` (uint32), ``positions``
+        ``[B]`` and ``page_table`` ``[B, W]`` (int32; the same positions as uint32 in
+        ``rope_positions``, as tt_transformers keeps its rotary indices), ``kv`` each layer's
+        (K, V) cache."""
+        tt, c = self._tt, self.config
+        batch = int(tokens.shape[0])
+        x = self._embed(tokens)
+        cos, sin = self._rope(rope_positions)
+        cos, sin = (tt.reshape(t, (1, batch, 1, c.head_dim)) for t in (cos, sin))
+        for layer, (k_cache, v_cache) in zip(self.layers, kv, strict=True):
+            h = tt.rms_norm(x, epsilon=c.rms_norm_eps, weight=layer["attn_norm"])
+            q = tt.reshape(self._project(h, layer, "q"), (1, batch, c.num_heads, c.head_dim))
+            k = tt.reshape(self._project(h, layer, "k"), (1, batch, c.num_kv_heads, c.head_dim))
+            v = tt.reshape(self._project(h, layer, "v"), (1, batch, c.num_kv_heads, c.head_dim))
+            q = tt.experimental.rotary_embedding_llama(
+                q, cos, sin, self.trans_mat, is_decode_mode=True
+            )
+            k = tt.experimental.rotary_embedding_llama(
+                k, cos, sin, self.trans_mat, is_decode_mode=True
+            )
+            for cache, new in ((k_cache, k), (v_cache, v)):
+                tt.experimental.paged_update_cache(
+                    cache, new, update_idxs_tensor=positions, page_table=page_table
+                )
+            attn = tt.transformer.paged_scaled_dot_product_attention_decode(
+                q,
+                k_cache,
+                v_cache,
+                cur_pos_tensor=positions,
+                page_table_tensor=page_table,
+                scale=self.scale,
+            )
+            attn = tt.reshape(attn, (batch, c.num_heads * c.head_dim))
+            x = tt.add(x, tt.linear(attn, layer["wo"], dtype=tt.bfloat16))
+            x = self._mlp(x, layer)
+        return self._logits(x)
+
+    def prefill(
+        self, *, tokens: Any, rope_positions: Any, page_table: Any, kv: list[tuple[Any, Any]]
+    ) -> Any:
+        """Logits ``[S, vocab]`` of one row's prompt from position 0: ``tokens`` ``[S]``,
+        ``rope_positions`` ``arange(S)`` (uint32), ``page_table`` ``[1, W]`` (int32); writes
+        the row's K/V."""
+        tt, c = self._tt, self.config
+        seq = int(tokens.shape[0])
+        x = self._embed(tokens)
+        cos, sin = self._rope(rope_positions)
+        cos, sin = (tt.reshape(t, (1, 1, seq, c.head_dim)) for t in (cos, sin))
+
+        def heads(t: Any, n: int) -> Any:
+            return tt.permute(tt.reshape(t, (1, seq, n, c.head_dim)), (0, 2, 1, 3))
+
+        for layer, (k_cache, v_cache) in zip(self.layers, kv, strict=True):
+            h = tt.rms_norm(x, epsilon=c.rms_norm_eps, weight=layer["attn_norm"])
+            q = heads(self._project(h, layer, "q"), c.num_heads)
+            k = heads(self._project(h, layer, "k"), c.num_kv_heads)
+            v = heads(self._project(h, layer, "v"), c.num_kv_heads)
+            q = tt.experimental.rotary_embedding_llama(q, cos, sin, self.trans_mat)
+            k = tt.experimental.rotary_embedding_llama(k, cos, sin, self.trans_mat)
+            tt.experimental.paged_fill_cache(k_cache, k, page_table, batch_idx=0)
+            tt.experimental.paged_fill_cache(v_cache, v, page_table, batch_idx=0)
+            attn = tt.transformer.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=self.scale
+            )
+            attn = tt.reshape(tt.permute(attn, (0, 2, 1, 3)), (seq, c.num_heads * c.head_dim))
+            x = tt.add(x, tt.linear(attn, layer["wo"], dtype=tt.bfloat16))
+            x = self._mlp(x, layer)
+        return self._logits(x)
