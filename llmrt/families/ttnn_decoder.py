@@ -11,8 +11,8 @@ half-split rotary layout to interleaved pairs (tt_transformers' ``reverse_permut
 ``ttnn.experimental.rotary_embedding_llama`` rotates them with its pair-swapping
 transformation matrix; attention scores are unchanged by that permutation.
 
-It is a building block, not yet a family: ``prefill`` takes one row from position 0 (no
-cached prefix, no chunking) and ``decode`` a batch of rows over the paged KV cache
+It is a building block, not yet a family: ``prefill`` takes one row's chunk (from position
+0, or after cached blocks) and ``decode`` a batch of rows over the paged KV cache
 (``[blocks, kv_heads, block_size, head_dim]``, ``-1`` page-table entries skip a row). The
 runtime's model protocol and a recipe backend for the decoder families are not built on it.
 """
@@ -246,12 +246,32 @@ class TtnnDecoder:
         return self._logits(x)
 
     def prefill(
-        self, *, tokens: Any, rope_positions: Any, page_table: Any, kv: list[tuple[Any, Any]]
+        self,
+        *,
+        tokens: Any,
+        rope_positions: Any,
+        page_table: Any,
+        kv: list[tuple[Any, Any]],
+        chunk_start: int = 0,
+        chunk_page_table: Any = None,
     ) -> Any:
-        """Logits ``[S, vocab]`` of one row's prompt from position 0: ``tokens`` ``[S]``,
-        ``rope_positions`` ``arange(S)`` (uint32), ``page_table`` ``[1, W]`` (int32); writes
-        the row's K/V."""
+        """Logits ``[S, vocab]`` of one row's chunk at positions ``chunk_start..+S-1``:
+        ``tokens`` ``[S]``, ``rope_positions`` those positions (uint32), ``page_table``
+        ``[1, W]`` the row's blocks (int32); writes the chunk's K/V.
+
+        A chunk after the first (``chunk_start`` > 0, a multiple of the block size: a cached
+        prefix or the next piece of a long prompt) is written through ``chunk_page_table``
+        (its own blocks, as tt_transformers passes them to ``paged_fill_cache``) and attends
+        to the row's cached positions with ``chunked_scaled_dot_product_attention``."""
         tt, c = self._tt, self.config
+        if chunk_start:
+            block_size = int(kv[0][0].shape[2])
+            if chunk_start % block_size or chunk_page_table is None:
+                raise ConfigError(
+                    "chunk_start",
+                    chunk_start,
+                    f"must be a multiple of the block size {block_size}, with chunk_page_table",
+                )
         seq = int(tokens.shape[0])
         x = self._embed(tokens)
         cos, sin = self._rope(rope_positions)
@@ -267,11 +287,17 @@ class TtnnDecoder:
             v = heads(self._project(h, layer, "v"), c.num_kv_heads)
             q = tt.experimental.rotary_embedding_llama(q, cos, sin, self.trans_mat)
             k = tt.experimental.rotary_embedding_llama(k, cos, sin, self.trans_mat)
-            tt.experimental.paged_fill_cache(k_cache, k, page_table, batch_idx=0)
-            tt.experimental.paged_fill_cache(v_cache, v, page_table, batch_idx=0)
-            attn = tt.transformer.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=self.scale
-            )
+            fill_table = page_table if chunk_page_table is None else chunk_page_table
+            tt.experimental.paged_fill_cache(k_cache, k, fill_table, batch_idx=0)
+            tt.experimental.paged_fill_cache(v_cache, v, fill_table, batch_idx=0)
+            if chunk_start:
+                attn = tt.transformer.chunked_scaled_dot_product_attention(
+                    q, k_cache, v_cache, page_table, chunk_start, scale=self.scale
+                )
+            else:
+                attn = tt.transformer.scaled_dot_product_attention(
+                    q, k, v, is_causal=True, scale=self.scale
+                )
             attn = tt.reshape(tt.permute(attn, (0, 2, 1, 3)), (seq, c.num_heads * c.head_dim))
             x = tt.add(x, tt.linear(attn, layer["wo"], dtype=tt.bfloat16))
             x = self._mlp(x, layer)

@@ -1219,7 +1219,7 @@ class FakeTtnn:
             for key, value in [*enumerate(args), *kwargs.items()]:
                 if not isinstance(value, Tensor):
                     continue
-                index = key in self.INDEX_ARGUMENTS or (name.endswith("fill_cache") and key == 2)
+                index = key in self.INDEX_ARGUMENTS or _POSITIONAL_INDEX.get(name) == key
                 if index and value._dtype not in (DataType.INT32, DataType.UINT32):
                     self._record(name, value._mesh)
                     raise self._violate("op input", f"{name}: {key} must be int32")
@@ -1745,6 +1745,12 @@ class _Namespace:
     def __init__(self, name: str) -> None:
         self.__name__ = f"ttnn.{name}"
 
+
+#: Positional page-table arguments of namespaced ops (int32 like the keyword ones).
+_POSITIONAL_INDEX: Mapping[str, int] = {
+    "experimental.paged_fill_cache": 2,
+    "transformer.chunked_scaled_dot_product_attention": 3,
+}
 
 #: Keywords of ttnn ops that only place or tune the computation (not modelled in payloads).
 _PLACEMENT_KWARGS = frozenset({"memory_config", "program_config", "compute_kernel_config"})

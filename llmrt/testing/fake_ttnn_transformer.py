@@ -2,7 +2,9 @@
 
 ``ttnn.experimental.paged_update_cache`` / ``paged_fill_cache`` (paged KV writes),
 ``ttnn.transformer.paged_scaled_dot_product_attention_decode``,
-``ttnn.transformer.scaled_dot_product_attention`` (causal prefill, GQA) and
+``ttnn.transformer.scaled_dot_product_attention`` (causal prefill, GQA),
+``ttnn.transformer.chunked_scaled_dot_product_attention`` (a prefill chunk over the row's
+cached positions) and
 ``ttnn.experimental.rotary_embedding_llama`` (``x * cos + (x @ trans_mat) * sin`` per 32-wide
 tile, the transformation matrix swapping pairs as tt_transformers builds it). Layouts follow
 tt_transformers: the KV cache ``[blocks, kv_heads, block_size, head_dim]``, decode queries
@@ -121,6 +123,31 @@ def sdpa(
     return torch.stack([_attend(q[b], k[b], v[b], mask, scale) for b in range(q.shape[0])])
 
 
+def chunked_sdpa(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    page_table_tensor: torch.Tensor,
+    chunk_start_idx: int,
+    *,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """``[1, H, S, D]``: query ``i`` (position ``chunk_start_idx + i``) attends causally to
+    the row's cached positions ``0..chunk_start_idx + i`` through ``page_table_tensor [1, W]``
+    (the chunk's own K/V written there first)."""
+    seq, dim = q.shape[2], q.shape[3]
+    block_size = k_cache.shape[2]
+    scale = 1.0 / math.sqrt(dim) if scale is None else scale
+    span = chunk_start_idx + seq
+    positions = torch.arange(span).reshape(1, -1)
+    block, offset, valid = _slots(page_table_tensor[:1], positions, block_size)
+    keys = k_cache[block[0], :, offset[0], :].transpose(0, 1)  # [kvH, span, D]
+    values = v_cache[block[0], :, offset[0], :].transpose(0, 1)
+    query_pos = torch.arange(chunk_start_idx, span).reshape(-1, 1)
+    allowed = (positions <= query_pos) & valid
+    return _attend(q[0], keys, values, allowed, scale).unsqueeze(0)
+
+
 def rotary_embedding_llama(
     x: torch.Tensor,
     cos: torch.Tensor,
@@ -151,5 +178,6 @@ def install(fake: Any) -> None:
         {
             "paged_scaled_dot_product_attention_decode": (paged_sdpa_decode, "same"),
             "scaled_dot_product_attention": (sdpa, "same"),
+            "chunked_scaled_dot_product_attention": (chunked_sdpa, "same"),
         },
     )

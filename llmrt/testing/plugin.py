@@ -164,9 +164,7 @@ def parity_harness() -> Callable[..., Harness]:
             dtype=torch.float32,
             device=device,
         )
-        select_linear_kernel(
-            model, choice="auto", device=torch.device(device), dtype=torch.float32
-        )
+        select_linear_kernel(model, choice="auto", device=torch.device(device), dtype=torch.float32)
         return Harness(
             hf_model=hf_model,
             model=model,

@@ -8,6 +8,7 @@ margin exceeds twice that tolerance.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 
 import pytest
@@ -117,13 +118,19 @@ def test_prefill_and_paged_decode_follow_transformers(
 
     for row, prompt in enumerate(PROMPTS):
         n = len(prompt)
-        logits = model.prefill(
-            tokens=_int(fake, mesh, prompt, fake.uint32),
-            rope_positions=_int(fake, mesh, list(range(n)), fake.uint32),
-            page_table=_int(fake, mesh, [tables[row]], fake.int32),
-            kv=kv,
-        )
-        check(fake.to_torch(logits).float(), references[row][:n])
+        # the second prompt in two chunks: its first block, then the rest over the cache
+        cuts = [0, BS, n] if n > BS else [0, n]
+        for start, end in itertools.pairwise(cuts):
+            chunk_table = tables[row][start // BS : -(-end // BS)]
+            logits = model.prefill(
+                tokens=_int(fake, mesh, prompt[start:end], fake.uint32),
+                rope_positions=_int(fake, mesh, list(range(start, end)), fake.uint32),
+                page_table=_int(fake, mesh, [tables[row]], fake.int32),
+                kv=kv,
+                chunk_start=start,
+                chunk_page_table=_int(fake, mesh, [chunk_table], fake.int32),
+            )
+            check(fake.to_torch(logits).float(), references[row][start:end])
 
     for step in range(STEPS - 1):
         positions = [len(p) + step for p in PROMPTS]

@@ -210,3 +210,26 @@ def test_a_traced_decode_step_replays_on_refreshed_positions(tt: tuple[FakeTtnn,
     held = fake.to_torch(k)
     assert torch.equal(held[3, :, 4], held[3, :, 3])  # the replay wrote position 4 as well
     fake.release_trace(mesh, trace)
+
+
+def test_a_chunk_attends_to_the_rows_cached_positions(tt: tuple[FakeTtnn, object]) -> None:
+    fake, mesh = tt
+    k = torch.randn(BLOCKS, KVH, BS, D, generator=_gen(16))
+    v = torch.randn(BLOCKS, KVH, BS, D, generator=_gen(17))
+    q = torch.randn(1, H, 8, D, generator=_gen(18))  # positions 16..23
+    out = fake.transformer.chunked_scaled_dot_product_attention(
+        _tile(fake, mesh, q),
+        _tile(fake, mesh, k),
+        _tile(fake, mesh, v),
+        _int(fake, mesh, TABLE[1:]),
+        16,
+        scale=0.25,
+    )
+    kh, vh, qh = (t.bfloat16().float() for t in (k, v, q))
+    keys = _gather(kh, TABLE[1].tolist(), 24)[None]
+    values = _gather(vh, TABLE[1].tolist(), 24)[None]
+    mask = torch.arange(24)[None, :] <= torch.arange(16, 24)[:, None]
+    ref = F.scaled_dot_product_attention(
+        qh, keys, values, attn_mask=mask, scale=0.25, enable_gqa=True
+    )
+    torch.testing.assert_close(fake.to_torch(out).float(), ref, **BF16_TOL)
