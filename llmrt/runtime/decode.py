@@ -854,6 +854,8 @@ class DecodeRuntime:
     def drain_external_outputs(self) -> int:
         """Retire every lease the external scheduler never completed; idempotent."""
         leases = list(self._leases.values())
+        if leases:
+            self._fed = None  # abandoned outputs: no step continues from them
         if any(lease.pending is not None for lease in leases):
             self.config.output_reader.drain()
         for lease in leases:

@@ -666,3 +666,26 @@ def test_tokens_from_device_are_refused_without_a_step_to_continue(fresh: Lane) 
         )
     assert info.value.row == 1
     fresh.decode.cleanup_transients()
+
+
+def test_abandoned_outputs_leave_no_step_to_continue(fresh: Lane) -> None:
+    tokens, positions = _start(fresh)
+    greedy = [SamplingParams(temperature=0.0)] * 3
+    lease = fresh.executor.decode_forward(
+        tokens=tokens,
+        start_pos=positions,
+        page_table=_table(),
+        sampling_params=greedy,
+        read_from_device=False,
+    )
+    assert isinstance(lease, DecodeOutputLease)
+    assert fresh.decode.drain_external_outputs() == 1
+    with pytest.raises(RequestError, match="sampled no tokens"):
+        fresh.executor.decode_forward(
+            tokens=tokens,
+            start_pos=positions + 1,
+            page_table=_table(),
+            sampling_params=greedy,
+            tokens_from_device=True,
+        )
+    fresh.decode.cleanup_transients()
