@@ -61,7 +61,7 @@ def _hf_model(kind: str) -> torch.nn.Module:
 @pytest.fixture
 def tt() -> Iterator[tuple[FakeTtnn, object]]:
     fake = FakeTtnn()
-    mesh = fake.open_mesh_device(fake.MeshShape(1, 1))
+    mesh = fake.open_mesh_device(fake.MeshShape(1, 1), trace_region_size=1 << 20)
     yield fake, mesh
     fake.close_mesh_device(mesh)
     assert fake.violations == ()
@@ -150,3 +150,62 @@ def test_prefill_and_paged_decode_follow_transformers(
     for pair in kv:
         for cache in pair:
             fake.deallocate(cache)
+
+
+def test_a_decode_step_captured_as_a_trace_replays_like_eager(
+    tt: tuple[FakeTtnn, object],
+) -> None:
+    """The decode step is ttnn ops only: warmed, captured once, replayed on refreshed inputs
+    (tokens, positions) it gives the eager step's logits and K/V writes."""
+    fake, mesh = tt
+    hf = _hf_model("llama")
+    config = TtnnDecoderConfig.from_hf(hf.config.to_dict())
+    model = TtnnDecoder(tt=fake, mesh=mesh, config=config, weights=hf.state_dict())
+    shape = (BLOCKS, config.num_kv_heads, BS, config.head_dim)
+
+    def caches() -> list[tuple[object, object]]:
+        return [
+            tuple(
+                fake.from_torch(
+                    torch.randn(shape, generator=torch.Generator().manual_seed(i * 2 + j)),
+                    dtype=fake.bfloat16,
+                    layout=fake.TILE_LAYOUT,
+                    device=mesh,
+                )
+                for j in range(2)
+            )
+            for i in range(config.num_layers)
+        ]
+
+    traced_kv, eager_kv = caches(), caches()
+    table = _int(fake, mesh, [[2, 9, 4, 11], [7, 0, 13, 5]], fake.int32)
+    tokens = _int(fake, mesh, [3, 4], fake.uint32)
+    positions = _int(fake, mesh, [10, 20], fake.int32)
+    rope = _int(fake, mesh, [10, 20], fake.uint32)
+
+    def step(kv: list[tuple[object, object]]) -> object:
+        return model.decode(
+            tokens=tokens, positions=positions, rope_positions=rope, page_table=table, kv=kv
+        )
+
+    step(eager_kv)  # warm: every program enters the cache before the capture
+    trace = fake.begin_trace_capture(mesh, cq_id=0)
+    out = step(traced_kv)
+    fake.end_trace_capture(mesh, trace, cq_id=0)
+    for device, value, dtype in (
+        (tokens, [77, 5], fake.uint32),
+        (positions, [11, 21], fake.int32),
+        (rope, [11, 21], fake.uint32),
+    ):
+        fake.copy_host_to_device_tensor(fake.from_torch(torch.tensor(value), dtype=dtype), device)
+    fake.execute_trace(mesh, trace, cq_id=0, blocking=True)
+
+    eager = fake.to_torch(step(eager_kv))
+    assert torch.equal(fake.to_torch(out), eager)
+    written = ([2, 0], [11, 21 - BS])  # (block, offset) of positions 11 and 21
+    for (tk, tv), (ek, ev) in zip(traced_kv, eager_kv, strict=True):
+        for traced, eager_cache in ((tk, ek), (tv, ev)):
+            got = fake.to_torch(traced)[written[0], :, written[1]]
+            assert torch.equal(got, fake.to_torch(eager_cache)[written[0], :, written[1]])
+    fake.release_trace(mesh, trace)
+    model.close()
