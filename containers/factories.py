@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 
 from llmrt.device.base import Device
@@ -87,8 +88,6 @@ def open_device(*, recipe: Recipe, ttnn_module: Any = None) -> Device:
         )
         emit(component_logger("device", object_id=device.id), "device.opened", device=device.id)
         return device
-    if spec.num_threads is not None:
-        torch.set_num_threads(spec.num_threads)
     no_huge = huge_pages_refused(setting="kv_cache.huge_pages", enabled=recipe.kv_cache.huge_pages)
     device = TorchDevice(spec.torch_device, huge_pages=no_huge is None)
     host: dict[str, Any] = {}
@@ -112,6 +111,35 @@ def close_device(device: Device) -> Callable[[], None]:
         emit(component_logger("device", object_id=device.id), "device.closed", device=device.id)
 
     return close
+
+
+@attrs.frozen(kw_only=True)
+class TorchThreads:
+    """torch's intra-op thread count as the recipe set it, and the count it replaced."""
+
+    wanted: int | None
+    previous: int
+
+
+def set_torch_threads(*, recipe: Recipe) -> TorchThreads:
+    """Apply ``device.num_threads`` (torch backend); the device scope restores it at close."""
+    previous = torch.get_num_threads()
+    wanted = recipe.device.num_threads if recipe.device.backend == "torch" else None
+    if wanted is not None:
+        torch.set_num_threads(wanted)
+    return TorchThreads(wanted=wanted, previous=previous)
+
+
+def restore_torch_threads(threads: TorchThreads) -> Callable[[], str] | None:
+    """Teardown of ``set_torch_threads``: the process gets its thread count back."""
+    if threads.wanted is None:
+        return None
+
+    def restore() -> str:
+        torch.set_num_threads(threads.previous)
+        return f"restored {threads.previous} torch threads"
+
+    return restore
 
 
 def split_lanes(*, device: Device, lanes: int) -> tuple[Device, ...]:

@@ -3,7 +3,9 @@ tests of a family, a recipe or the runtime itself.
 
 - ``llmrt_runtime(recipe, overrides=..., providers=...)``: a ``RuntimeContainer`` built from
   a recipe, with dependency-injector providers replaced by dotted path
-  (``{"device.device": my_device}``); closed at teardown, its cleanup errors failing the test.
+  (``{"device.device": my_device}``; a number picks a declared lane:
+  ``{"lane_containers.0.output_reader": reader}``); closed at teardown, every container's
+  cleanup errors together failing the test.
   ``llmrt_module_runtime`` / ``llmrt_session_runtime`` are the same for containers a test
   module / the whole session shares.
 - ``faulty_device(fail=..., inner=None)``: a ``FaultyDevice`` over a CPU ``TorchDevice``
@@ -57,6 +59,7 @@ def _runtime_factory() -> Iterator[Callable[..., Any]]:
     from dependency_injector import providers as di
 
     from llmrt.containers import RuntimeContainer, close_runtime
+    from llmrt.errors import CleanupError
     from llmrt.recipe.loader import load_recipe
 
     built: list[Any] = []
@@ -72,19 +75,24 @@ def _runtime_factory() -> Iterator[Callable[..., Any]]:
         for path, value in (providers or {}).items():
             target: Any = container
             for part in path.split("."):
-                target = getattr(target, part)
+                if part.isdigit():  # a declared lane: lane_containers.0
+                    target = (target() if isinstance(target, di.Provider) else target)[int(part)]
+                else:
+                    target = getattr(target, part)
             target.override(value if isinstance(value, di.Provider) else di.Object(value))
         return container
 
     yield make
-    errors = []
-    for container in reversed(built):
+    failures: list[tuple[str, BaseException]] = []
+    for number, container in reversed(list(enumerate(built))):
         try:
             close_runtime(container)
-        except Exception as exc:  # every container is closed; the first failure is raised
-            errors.append(exc)
-    if errors:
-        raise errors[0]
+        except CleanupError as exc:  # every container is closed; all failures are raised
+            failures += [(f"container {number}: {step}", error) for step, error in exc.failures]
+        except Exception as exc:
+            failures.append((f"container {number}", exc))
+    if failures:
+        raise CleanupError(failures)
 
 
 @pytest.fixture
@@ -164,9 +172,7 @@ def parity_harness() -> Callable[..., Harness]:
             dtype=torch.float32,
             device=device,
         )
-        select_linear_kernel(
-            model, choice="auto", device=torch.device(device), dtype=torch.float32
-        )
+        select_linear_kernel(model, choice="auto", device=torch.device(device), dtype=torch.float32)
         return Harness(
             hf_model=hf_model,
             model=model,

@@ -38,8 +38,6 @@ def scope(event: str, name: str) -> dict[str, Any]:
     return {"event": f"scope.{event}", "component": "scope", "scope": name, "object_id": name}
 
 
-
-
 def kv(event: str, obj: str = "0xkv", lane: int = 0, device: str = "cpu:0/lane0") -> dict[str, Any]:
     record = {"event": f"kv.{event}", "component": "paged_kv_cache", "object_id": obj, "lane": lane}
     return {**record, "device": device} if event == "allocated" else record
@@ -110,6 +108,7 @@ def clean_run(obj: str = "0x1") -> list[dict[str, Any]]:
         *cleanup(SPEC_LANE_CLEANUP[:4], obj),
         trace("released", "t1", obj),
         *cleanup(SPEC_LANE_CLEANUP[4:], obj)[1:],
+        {"event": "programs.released", "component": "program_compiler", "object_id": obj},
         kv("released", obj),
         scope("exited", "runtime/lane0"),
         scope("exited", "runtime"),
@@ -269,8 +268,8 @@ CASES: dict[str, tuple[list[dict[str, Any]], list[str]]] = {
             closed("model", 1),
         ],
         [
-            "[owned-reverse] line 6: runtime/model (created #1) closed after #0 (line 5): "
-            "not in reverse creation order"
+            "[owned-reverse] line 5: runtime/device (created #0) closed while runtime/model "
+            "(created #1, line 2) is still open"
         ],
     ),
     "scopes-closed-out-of-order": (
