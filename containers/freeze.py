@@ -3,10 +3,11 @@
 dependency-injector lets any provider be overridden, reset or un-overridden at any time; after
 the runtime's objects exist that silently forks them (a ``with provider.override(...)`` block
 that ends after build lets the next call open and own a second device). Every provider the
-containers declare is one of the :class:`Frozen` kinds below; once the root scope opens,
-:func:`freeze` marks the whole tree (nested containers and declared lanes included), and from
-then on ``override``, ``reset_override``, ``reset_last_overriding`` (the override context
-manager's exit) and ``reset``/``full_reset`` raise ``ContainerStateError`` naming the provider.
+containers declare is one of the :class:`Frozen` kinds below; once the root scope records its
+first object, :func:`freeze` marks the whole tree (nested containers and declared lanes
+included), and from then on ``override``, ``reset_override``, ``reset_last_overriding`` (the
+override context manager's exit) and ``reset``/``full_reset`` raise ``ContainerStateError``
+naming the provider.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """The dependency-injection containers that wire llmrt from a recipe.
 
-Scopes, outermost first: **device** (device/mesh and lane sub-devices), **model**
-(family, weights, tokenizer), one **lane** sub-container per data-parallel lane
-(step compiler, KV manager, page-table layout, OutputReader, prefill/decode runtimes, program
-compiler, eager executor, optional trace compiler and traced executor, warmup
-coordinator, model executor — in the spec's construction order) and
-**serving** (the lane group and the startup sequence).
+Scopes, outermost first: **device** (device/mesh, torch threads, lane sub-devices),
+**model** (family, weights, tokenizer), one **lane** sub-container per data-parallel lane
+(model, KV manager, page-table layout, OutputReader, step compiler, prefill/decode runtimes,
+program compiler, eager executor, optional trace compiler and traced executor, warmup
+coordinator, model executor — built in ``LANE_CONSTRUCTION_ORDER``, the spec's construction
+order, declared once) and **serving** (the lane group and the startup sequence).
 
 Ownership is declared here, not in the factories: every provider whose object has a
 lifetime is an :class:`~containers.ownership.Owned` provider, so whatever it yields — built by
@@ -29,8 +29,11 @@ Overriding, the dependency-injector way, before the runtime is built:
 - every lane at once: ``container.lane_container.override(providers.Object(factory))`` where
   ``factory(**dependencies)`` returns a ``LaneContainer`` (it may override its providers).
 
-Overriding an owned provider after it was built raises ``ContainerStateError``. A declarative
-container instance is a ``DynamicContainer``, so teardown is a function, not a method.
+``Borrowed`` is refused on the lane parts the model executor tears down. Once the container is
+built (its root scope opens) every provider is frozen (``containers/freeze.py``): overriding,
+resetting or leaving an override block raises ``ContainerStateError``; so does overriding
+``lane_container`` after ``lane_containers()`` declared the lanes. A declarative container
+instance is a ``DynamicContainer``, so teardown is a function, not a method.
 """
 
 from __future__ import annotations
@@ -293,8 +296,8 @@ ROOT_CONSTRUCTION_ORDER: tuple[str, ...] = (
 
 #: Why a built container refuses changes (``containers/freeze.py``).
 _BUILT = (
-    "is frozen: the container was built (its root scope is open); override providers "
-    "before the first object is built (lane_group(), startup(), close_runtime())"
+    "is frozen: the container was built (its first object exists); override providers "
+    "before the first object is built (lane_group(), startup(), any owned provider)"
 )
 
 
@@ -323,13 +326,16 @@ def _build_lanes(container: Any) -> tuple[LaneContainer, ...]:
 
 
 def _open_root(container: Any) -> LifetimeScope:
-    """The root scope; opening it freezes the whole container (and any declared lanes)."""
+    """The root scope; the first object it records freezes the container (``_freeze``)."""
+    return LifetimeScope("runtime", on_first_own=lambda: _freeze(container))
+
+
+def _freeze(container: Any) -> None:
+    """Freeze the whole container, and its lanes if they were declared already."""
     declared = container.lane_container.frozen
-    scope = LifetimeScope("runtime")
     fz.freeze(container, reason=_BUILT)
     if declared:
         _freeze_lanes(container.lane_containers())
-    return scope
 
 
 def _freeze_lanes(lanes: tuple[LaneContainer, ...]) -> None:

@@ -299,7 +299,14 @@ class _Auditor:
             )
 
     def _orphan_key(self, e: Record) -> tuple[Any, ...]:
-        return (e.get("component"), e.get("lane"), e.get("object_id"), e.get("path"))
+        """Who left it and which: a tensor orphan also names the tensor (paths repeat)."""
+        return (
+            e.get("component"),
+            e.get("lane"),
+            e.get("object_id"),
+            e.get("path"),
+            e.get("tensor"),
+        )
 
     def _on_resource_orphaned(self, number: int, e: Record) -> None:
         self.orphans.setdefault(self._orphan_key(e), number)
@@ -341,7 +348,7 @@ class _Auditor:
                 f"{component} lane {lane} {obj}: cleanup step {step} failed and was never "
                 f"retried successfully ({error})",
             )
-        for (component, lane, obj, path), line in self.orphans.items():
+        for (component, lane, obj, path, _), line in self.orphans.items():
             self.add(
                 "orphan",
                 line,

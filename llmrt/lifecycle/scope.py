@@ -53,8 +53,15 @@ class LifetimeScope:
     """An ordered record of owned objects and nested scopes, closed in reverse creation order."""
 
     def __init__(
-        self, name: str, *, parent: LifetimeScope | None = None, lane: int | None = None
+        self,
+        name: str,
+        *,
+        parent: LifetimeScope | None = None,
+        lane: int | None = None,
+        on_first_own: Callable[[], object] | None = None,
     ) -> None:
+        """``on_first_own`` (a root's) runs once, before the tree records its first object
+        (the containers freeze their providers there)."""
         self.name = name
         self.parent = parent
         self.lane = lane
@@ -66,6 +73,7 @@ class LifetimeScope:
         self._entries: list[_Entry] = []
         self._closed = False
         self._failures = 0
+        self._on_first_own = on_first_own
         self._log = component_logger("scope", lane=lane, object_id=name)
         emit(self._log, "scope.entered", scope=self.path, root=self.root_id)
 
@@ -97,6 +105,9 @@ class LifetimeScope:
         """
         if self._closed:
             raise RuntimeError(f"scope {self.path} is closed; cannot own {name}")
+        first, self.root._on_first_own = self.root._on_first_own, None
+        if first is not None:
+            first()
         entry = _Entry(
             sequence=next(self._sequence),
             name=name,

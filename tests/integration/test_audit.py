@@ -236,6 +236,32 @@ CASES: dict[str, tuple[list[dict[str, Any]], list[str]]] = {
         ],
         ["[orphan] line 1: trace_compiler lane 0 0xtc: trace t1 orphaned and never recovered"],
     ),
+    "tensor-orphans-sharing-a-path": (
+        [
+            {
+                "event": "resource.orphaned",
+                "component": "tensor_resources",
+                "path": "resources[0][0]",
+                "tensor": "0xa",
+            },
+            {
+                "event": "resource.orphaned",
+                "component": "tensor_resources",
+                "path": "resources[0][0]",
+                "tensor": "0xb",
+            },
+            {
+                "event": "resource.recovered",
+                "component": "tensor_resources",
+                "path": "resources[0][0]",
+                "tensor": "0xb",
+            },
+        ],
+        [
+            "[orphan] line 1: tensor_resources lane None None: resources[0][0] orphaned and "
+            "never recovered"
+        ],
+    ),
     "recompile-after-gate-closed": (
         [gate("closed"), compiled("decode[b4 w32]", event="recompiled")],
         [
@@ -270,6 +296,19 @@ CASES: dict[str, tuple[list[dict[str, Any]], list[str]]] = {
         [
             "[owned-reverse] line 5: runtime/device (created #0) closed while runtime/model "
             "(created #1, line 2) is still open"
+        ],
+    ),
+    "owned-never-closed": (
+        [
+            {**scope("entered", "runtime"), "root": "0xr"},
+            owned("device", 0),
+            owned("weights", 1),
+            closed("weights", 1),
+            {**scope("exited", "runtime"), "root": "0xr"},
+        ],
+        [
+            "[owned-not-closed] line 5: scope tree 0xr ended with 1 owned object(s) never "
+            "closed: runtime/device"
         ],
     ),
     "scopes-closed-out-of-order": (
@@ -337,6 +376,7 @@ def test_every_violation_of_a_log_is_listed(
         "[no-compile-after-activation]",
         "[one-mesh-per-lane]",
         "[orphan]",
+        "[owned-not-closed]",
         "[owned-reverse]",
         "[scope-reverse]",
         "[trace-once]",

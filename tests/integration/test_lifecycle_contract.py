@@ -290,7 +290,7 @@ def test_startup_is_retryable_after_a_kv_allocation_failure(
     assert startup.phase is StartupPhase.CONFIGURED
     startup.configure_kv_capacity(None)  # finished: a no-op
     startup.configure_kv_capacity(16)  # the same capacity: a no-op
-    with pytest.raises(KVCacheStateError, match="already (configured|bound)"):
+    with pytest.raises(KVCacheStateError, match=r"already (configured|bound)"):
         startup.configure_kv_capacity(8)
 
     group = startup.run()
