@@ -346,6 +346,8 @@ def test_the_override_context_manager_cannot_swap_a_built_device(
         "model.weights",
         "root_scope",
         "lane_group",
+        "recipe",
+        "device",
     ],
 )
 def test_every_provider_is_frozen_once_the_container_is_built(
