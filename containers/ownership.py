@@ -13,7 +13,8 @@ An override whose object the caller owns is declared with :class:`Borrowed`
 (``scope.owned`` with ``borrowed: true``) and teardown leaves it alone, visibly
 (``cleanup.step`` with ``action: "borrowed: left alone"``). A component the lane's model
 executor tears down as one of its eight steps cannot be borrowed (the executor would release
-it anyway): ``Borrowed`` on it raises ``ContainerStateError``.
+it anyway), nor can the executor itself (the lane's parts are released only through it):
+``Borrowed`` on either raises ``ContainerStateError``.
 
 Components the lane's model executor cleans up in the spec's eight steps are declared
 ``governed_by(model_executor)``: once the executor exists, their own scope entries are no-ops
@@ -71,6 +72,7 @@ class Owned(Singleton):
         super().__init__(provides, *args, **kwargs)
         self._lifetime: _Lifetime | None = None
         self._yielded: list[Any] = []
+        self._governs = False  # a cleanup root (govern(self, ...)): it cannot be borrowed
 
     def owned_by(
         self, scope: providers.Provider[LifetimeScope], name: str, *, close: CloseFor | None = None
@@ -102,6 +104,7 @@ class Owned(Singleton):
         copied = cast(Owned, super().__deepcopy__(memo))
         copied._lifetime = self._lifetime.copied(memo) if self._lifetime is not None else None
         copied._yielded = []
+        copied._governs = self._governs
         return copied
 
     def override(self, provider: Any) -> Any:
@@ -117,6 +120,12 @@ class Owned(Singleton):
                 f"{name} cannot be Borrowed: {governor.lifetime_name} tears it down as one of "
                 "the lane's cleanup steps; inject an object the runtime may own "
                 "(providers.Object(...)) or keep yours out of the lane"
+            )
+        if isinstance(provider, Borrowed) and self._governs:
+            raise ContainerStateError(
+                f"{name} cannot be Borrowed: it is the lane's cleanup root (the lane's KV, "
+                "traces and transients are released only by its cleanup); inject an object "
+                "the runtime may own (providers.Object(...))"
             )
         return super().override(provider)
 
@@ -156,5 +165,6 @@ def _governed(governor: Owned, close: Callable[[], object]) -> Callable[[], obje
 
 def govern(executor: Owned, *governed: Owned) -> None:
     """Declare (in a container body) the components ``executor``'s cleanup steps tear down."""
+    executor._governs = True
     for provider in governed:
         provider.governed_by(executor)

@@ -422,6 +422,9 @@ def test_borrowed_is_refused_on_a_part_the_lane_executor_tears_down(
     mine = object()
     with pytest.raises(ContainerStateError, match=r"kv_cache_manager.*model_executor"):
         lane.kv_cache_manager.override(Borrowed(mine))
+    with pytest.raises(ContainerStateError, match="model_executor cannot be Borrowed"):
+        lane.model_executor.override(Borrowed(mine))
+    lane.model.override(Borrowed(mine))  # a part nobody tears down may be the caller's
     runtime.close()
 
 
