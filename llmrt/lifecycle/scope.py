@@ -153,6 +153,14 @@ class LifetimeScope:
             if entry.failed is not None
         ]
 
+    def orphan_causes(self) -> dict[str, BaseException]:
+        """Each orphan's path -> the error (or interrupt) its last attempt raised."""
+        return {
+            f"{scope.path}/{entry.name}": entry.failed
+            for scope, entry in reversed(self._steps())
+            if entry.failed is not None
+        }
+
     def close(self, *, primary: BaseException | None = None) -> None:
         """Tear down in reverse creation order, stopping at the first step that fails.
 

@@ -277,16 +277,23 @@ def test_two_runtimes_in_one_log_audit_clean_and_a_real_violation_still_fails(
 def test_startup_is_retryable_after_a_kv_allocation_failure(
     lifecycle_log: Path, tmp_path: Path, build: Callable[..., Runtime]
 ) -> None:
+    # A clean probe run finds the call number of lane 1's first KV tensor.
     probe = FaultyDevice(TorchDevice("cpu"), fail={})
+    clean = build("tiny-llama", [*SMALL, "lanes=2"])
+    clean.container.device.device.override(providers.Object(probe))
+    clean.container.startup().allocate_kv_cache()
+    allocations = probe.calls_of("allocate")
+    first_lane1 = next(n for n, c in enumerate(allocations, 1) if c.device_id.endswith("lane1"))
+    clean.close()
+
+    device = FaultyDevice(TorchDevice("cpu"), fail={"allocate": first_lane1})
     runtime = build("tiny-llama", [*SMALL, "lanes=2"])
-    runtime.container.device.device.override(providers.Object(probe))
+    runtime.container.device.device.override(providers.Object(device))
     startup = runtime.container.startup()
-    startup.configure_kv_capacity(None)
-    before = len(probe.calls_of("allocate"))
-    # Fail lane 1's first KV tensor (lane 0 allocates 2 layers x K/V = 4 first).
-    probe._plan.failing["allocate"] = frozenset({before + 4 + 1})
     with pytest.raises(InjectedFault, match="allocate"):
         startup.run()
+    lanes = runtime.container.lane_group().lanes
+    assert lanes[0].kv_cache.is_bound and not lanes[1].kv_cache.is_bound
     assert startup.phase is StartupPhase.CONFIGURED
     startup.configure_kv_capacity(None)  # finished: a no-op
     startup.configure_kv_capacity(16)  # the same capacity: a no-op

@@ -154,6 +154,7 @@ def test_an_interrupt_is_a_failed_step_and_is_re_raised_untouched() -> None:
         root.close()
     assert log == ["y", "x"]
     assert root.orphans() == ["root/x"] and not root.closed
+    assert root.orphan_causes() == {"root/x": info.value}
     failed = [e for e in events if e["event"] == "cleanup.failed"]
     assert [(e["step"], e["interrupted"]) for e in failed] == [("root/x", True)]
     assert any("close again to retry" in note for note in info.value.__notes__)
