@@ -165,3 +165,50 @@ def test_a_fault_at_a_teardown_step_blocks_what_came_before_until_its_retry(
     device_events = [i for i, e in enumerate(logged) if e["component"] != "scope"]
     assert logged[device_events[-1]]["event"] == "device.closed"
     assert _audit(lifecycle_log, tmp_path, "after-retry.jsonl") == 0
+
+
+def test_failures_and_interrupts_in_sequence_never_close_a_dependency_first(
+    lifecycle_log: Path, tmp_path: Path, build: Callable[..., Runtime]
+) -> None:
+    """Lane 1's traces fail twice (an error, then Ctrl-C), then lane 0's step compiler is
+    interrupted, then the device close fails: four retries, each resuming where the last
+    stopped; the audit fails after every fault and holds at the end."""
+    device = FaultyDevice(TorchDevice("cpu"), fail={"close": 1})
+    runtime = build("tiny-llama", [*SMALL, "lanes=2", "trace.mode=decode_only"])
+    runtime.container.device.device.override(providers.Object(device))
+    runtime.ready()
+    runtime.generate([[5, 9, 2, 7]] * 2, slots=[0, 1], steps=1)
+    lanes = runtime.group.lanes
+    traces = lanes[1].traced.trace_compiler
+    release = traces.cleanup
+    faults = iter([RuntimeError("traces, first"), KeyboardInterrupt()])
+
+    def flaky_traces() -> None:
+        error = next(faults, None)
+        if error is not None:
+            raise error
+        release()
+
+    traces.cleanup = flaky_traces
+    _fail_once(runtime.container.lane_containers()[0].step_compiler(), "close", KeyboardInterrupt)
+    root = runtime.container.root_scope()
+    expected = [
+        (CleanupError, "runtime/lane1/model_executor"),
+        (KeyboardInterrupt, "runtime/lane1/model_executor"),
+        (KeyboardInterrupt, "runtime/lane0/step_compiler"),
+        (CleanupError, "runtime/device/device"),
+    ]
+    for number, (raised, orphan) in enumerate(expected):
+        with pytest.raises(raised):
+            runtime.close()
+        assert root.orphans() == [orphan]
+        names = [e["event"] for e in _events(lifecycle_log)]
+        assert "device.closed" not in names
+        assert lanes[0].kv_cache.is_bound == orphan.startswith("runtime/lane1")
+        assert _audit(lifecycle_log, tmp_path, f"fault-{number}.jsonl") == 1
+
+    runtime.close()
+    assert root.closed and root.orphans() == []
+    names = [e["event"] for e in _events(lifecycle_log)]
+    assert names.count("device.closed") == 1 and names.count("kv.released") == 2
+    assert _audit(lifecycle_log, tmp_path, "end.jsonl") == 0
