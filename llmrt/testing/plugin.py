@@ -8,8 +8,9 @@ tests of a family, a recipe or the runtime itself.
   cleanup errors together failing the test.
   ``llmrt_module_runtime`` / ``llmrt_session_runtime`` are the same for containers a test
   module / the whole session shares.
-- ``faulty_device(fail=..., inner=None)``: a ``FaultyDevice`` over a CPU ``TorchDevice``
-  (or ``inner``) that fails the Nth call of the named operations.
+- ``faulty_device(fail=..., interrupt=..., inner=None)``: a ``FaultyDevice`` over a CPU
+  ``TorchDevice`` (or ``inner``) that fails the Nth call of the named operations (or raises
+  ``KeyboardInterrupt`` there, as a Ctrl-C would).
 - ``lifecycle_log``: the structured lifecycle log written to a JSON-lines file for the
   test; at teardown ``llmrt.lifecycle.audit.check`` runs over it and the test fails on a violation.
 - ``parity_harness(family=..., hf_model=..., device="cpu")``: the transformers parity
@@ -123,14 +124,22 @@ def llmrt_session_runtime() -> Iterator[Callable[..., Any]]:
 
 @pytest.fixture(scope="session")
 def faulty_device() -> Callable[..., FaultyDevice]:
-    """Factory: ``faulty_device(fail={"deallocate": 2}, inner=None)`` -> ``FaultyDevice``."""
+    """Factory: ``faulty_device(fail={"deallocate": 2}, interrupt={"close": 1}, inner=None)``
+    -> ``FaultyDevice`` (``interrupt``: calls that raise ``KeyboardInterrupt``)."""
     from llmrt.device.torch import TorchDevice
     from llmrt.testing.faulty_device import FaultyDevice
 
     def make(
-        *, fail: Mapping[str, int | Sequence[int]] | None = None, inner: Device | None = None
+        *,
+        fail: Mapping[str, int | Sequence[int]] | None = None,
+        interrupt: Mapping[str, int | Sequence[int]] | None = None,
+        inner: Device | None = None,
     ) -> FaultyDevice:
-        return FaultyDevice(inner if inner is not None else TorchDevice("cpu"), fail=fail or {})
+        return FaultyDevice(
+            inner if inner is not None else TorchDevice("cpu"),
+            fail=fail or {},
+            interrupt=interrupt,
+        )
 
     return make
 

@@ -123,9 +123,12 @@ def test_a_failed_lane_step_keeps_the_device_open_until_its_retry_succeeds(
 
 
 def test_ctrl_c_inside_the_device_close_is_a_failed_step_that_a_retry_runs(
-    lifecycle_log: Path, tmp_path: Path, build: Callable[..., Runtime]
+    lifecycle_log: Path,
+    tmp_path: Path,
+    build: Callable[..., Runtime],
+    faulty_device: Callable[..., FaultyDevice],
 ) -> None:
-    device = FaultyDevice(TorchDevice("cpu"), fail={}, interrupt={"close": 1})
+    device = faulty_device(interrupt={"close": 1})
     runtime = build("tiny-llama", SMALL)
     runtime.container.device.device.override(providers.Object(device))
     runtime.ready()
