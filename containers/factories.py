@@ -18,7 +18,7 @@ import attrs
 import torch
 
 from llmrt.device.base import Device
-from llmrt.device.host_memory import retain_freed_memory
+from llmrt.device.host_memory import freed_memory_retained, retain_freed_memory
 from llmrt.device.huge_pages import huge_pages_refused, place_module_weights
 from llmrt.device.torch import TorchDevice
 from llmrt.errors import CheckpointError, ConfigError, DeviceError, IdentityError
@@ -108,7 +108,12 @@ def close_device(device: Device) -> Callable[[], None]:
         closer = getattr(device, "close", None)
         if callable(closer):
             closer()
-        emit(component_logger("device", object_id=device.id), "device.closed", device=device.id)
+        host: dict[str, Any] = {}
+        if device.kind == "cpu" and freed_memory_retained():
+            # Process-wide and without an inverse (host_memory.py): say so, with the cost.
+            host["freed_memory"] = "still retained (process-wide; RSS follows the heap's peak)"
+        log = component_logger("device", object_id=device.id)
+        emit(log, "device.closed", device=device.id, **host)
 
     return close
 

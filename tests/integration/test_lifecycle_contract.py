@@ -465,6 +465,11 @@ def test_entries_with_nothing_to_close_say_so(
     assert actions["runtime/model/weights"] == "nothing to close"
     assert actions["runtime/lane0/page_table_layout"] == "nothing to close"
     assert actions["runtime/device/device"] == "closed"
+    assert actions["runtime/device/torch_threads"] == "nothing to close"  # num_threads unset
+    closed = next(e for e in events(lifecycle_log) if e["event"] == "device.closed")
+    opened = next(e for e in events(lifecycle_log) if e["event"] == "device.opened")
+    if opened.get("freed_memory") == "retained":  # applied for the process: said at close too
+        assert closed["freed_memory"].startswith("still retained")
 
 
 def test_a_lane_is_created_in_the_spec_construction_order(build: Callable[..., Runtime]) -> None:
