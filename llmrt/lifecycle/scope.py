@@ -222,9 +222,9 @@ class LifetimeScope:
             note = entry.close() if entry.close is not None else None
         except CleanupError as exc:
             # A component's own multi-step cleanup: report each of its failures.
-            self._fail(entry, exc, count=len(exc.failures))
+            self._fail(entry, exc, count=max(1, len(exc.failures)))
             emit(self._log, "cleanup.failed", **where, error=str(exc).splitlines()[0])
-            return list(exc.failures)
+            return list(exc.failures) or [(step, exc)]
         except Exception as exc:
             self._fail(entry, exc, count=1)
             emit(self._log, "cleanup.failed", **where, error=f"{type(exc).__name__}: {exc}")

@@ -281,3 +281,14 @@ def test_lifecycle_events_name_every_step_and_scope() -> None:
     failed = next(e for e in events if e["event"] == "cleanup.failed")
     assert failed["error"] == "RuntimeError: boom"
     assert failed["lane"] == 0 and failed["log_level"] == "warning"
+
+
+def test_an_empty_cleanup_error_still_stops_the_teardown() -> None:
+    log: list[str] = []
+    root = LifetimeScope("root")
+    root.own("a", 1, recorder(log, "a"))
+    root.own("b", 2, failing(log, "b", CleanupError([])))
+    with pytest.raises(CleanupError) as info:
+        root.close()
+    assert [step for step, _ in info.value.failures] == ["root/b"]
+    assert log == ["b"] and root.orphans() == ["root/b"] and not root.closed
