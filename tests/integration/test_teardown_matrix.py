@@ -212,3 +212,62 @@ def test_failures_and_interrupts_in_sequence_never_close_a_dependency_first(
     names = [e["event"] for e in _events(lifecycle_log)]
     assert names.count("device.closed") == 1 and names.count("kv.released") == 2
     assert _audit(lifecycle_log, tmp_path, "end.jsonl") == 0
+
+
+@pytest.mark.parametrize(
+    ("op", "kv"),
+    [("release_trace", False), ("deallocate", False), ("deallocate", True), ("synchronize", False)],
+    ids=["release_trace", "deallocate", "deallocate-kv", "synchronize"],
+)
+def test_ctrl_c_inside_a_device_call_of_the_teardown_loses_nothing(
+    op: str, kv: bool, lifecycle_log: Path, tmp_path: Path, build: Callable[..., Runtime]
+) -> None:
+    """Ctrl-C inside the teardown's first ``op`` call (``kv``: the first free of a KV tensor;
+    else a transient's free, a trace's release, a drain): the retry frees what was left, each
+    tensor and trace exactly once."""
+
+    def run(interrupt: dict[str, int]) -> tuple[Runtime, FaultyDevice, int]:
+        device = FaultyDevice(TorchDevice("cpu"), fail={}, interrupt=interrupt)
+        runtime = build("tiny-llama", [*SMALL, "lanes=2", "trace.mode=decode_only"])
+        runtime.container.device.device.override(providers.Object(device))
+        runtime.ready()
+        runtime.generate([[5, 9, 2, 7]] * 2, slots=[0, 1], steps=1)
+        lanes = runtime.group
+        cap = lanes.lane_capacity
+        table = torch.full((2 * cap, lanes.lanes[0].layout.width), -1, dtype=torch.int32)
+        table[:, 0] = 0
+        lease = lanes.decode_forward(
+            tokens=torch.ones(2 * cap, dtype=torch.int64),
+            start_pos=torch.full((2 * cap,), 4, dtype=torch.int32),
+            page_table=table,
+            read_from_device=False,
+        )
+        lanes.read_decode_output(lease, async_read=True)  # a read left in flight
+        return runtime, device, len(device.calls_of(op))
+
+    probe, probe_device, before = run({})
+    context = probe.group.lanes[-1].kv_cache.context
+    kv_ids = {id(t) for t in (*context.keys, *context.values)}
+    probe.close()
+    calls = probe_device.calls_of(op)
+    target = next(
+        (n for n, c in enumerate(calls, 1) if n > before and (not kv or c.subject_id in kv_ids)),
+        None,
+    )
+    if target is None:
+        pytest.fail(f"the teardown makes no {op} call to interrupt")
+    runtime, device, _ = run({op: target})
+    assert not [c for c in device.calls if c.injected]  # nothing interrupted before teardown
+    with pytest.raises(KeyboardInterrupt):
+        runtime.close()
+    assert [c.op for c in device.calls if c.injected] == [op]
+    assert runtime.container.root_scope().orphans()
+    assert _audit(lifecycle_log, tmp_path, "interrupted.jsonl") == 1
+
+    runtime.close()
+
+    for lane in runtime.container.device.lane_devices():
+        stats = lane.stats()
+        assert (stats.live_tensors, stats.live_traces, stats.pending_reads) == (0, 0, 0)
+        assert stats.deallocations == stats.allocations, "freed twice or never"
+    assert _audit(lifecycle_log, tmp_path, "after-retry.jsonl") == 0
