@@ -14,10 +14,11 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 
 from llmrt.device.base import Device
-from llmrt.device.host_memory import retain_freed_memory
+from llmrt.device.host_memory import freed_memory_retained, retain_freed_memory
 from llmrt.device.huge_pages import huge_pages_refused, place_module_weights
 from llmrt.device.torch import TorchDevice
 from llmrt.errors import CheckpointError, ConfigError, DeviceError, IdentityError
@@ -106,8 +107,6 @@ def open_device(*, recipe: Recipe, ttnn_module: Any = None) -> Device:
         )
         emit(component_logger("device", object_id=device.id), "device.opened", device=device.id)
         return device
-    if spec.num_threads is not None:
-        torch.set_num_threads(spec.num_threads)
     no_huge = huge_pages_refused(setting="kv_cache.huge_pages", enabled=recipe.kv_cache.huge_pages)
     device = TorchDevice(spec.torch_device, huge_pages=no_huge is None)
     host: dict[str, Any] = {}
@@ -128,9 +127,43 @@ def close_device(device: Device) -> Callable[[], None]:
         closer = getattr(device, "close", None)
         if callable(closer):
             closer()
-        emit(component_logger("device", object_id=device.id), "device.closed", device=device.id)
+        host: dict[str, Any] = {}
+        if device.kind == "cpu" and freed_memory_retained():
+            # Process-wide and without an inverse (host_memory.py): say so, with the cost.
+            host["freed_memory"] = "still retained (process-wide; RSS follows the heap's peak)"
+        log = component_logger("device", object_id=device.id)
+        emit(log, "device.closed", device=device.id, **host)
 
     return close
+
+
+@attrs.frozen(kw_only=True)
+class TorchThreads:
+    """torch's intra-op thread count as the recipe set it, and the count it replaced."""
+
+    wanted: int | None
+    previous: int
+
+
+def set_torch_threads(*, recipe: Recipe) -> TorchThreads:
+    """Apply ``device.num_threads`` (torch backend); the device scope restores it at close."""
+    previous = torch.get_num_threads()
+    wanted = recipe.device.num_threads if recipe.device.backend == "torch" else None
+    if wanted is not None:
+        torch.set_num_threads(wanted)
+    return TorchThreads(wanted=wanted, previous=previous)
+
+
+def restore_torch_threads(threads: TorchThreads) -> Callable[[], str] | None:
+    """Teardown of ``set_torch_threads``: the process gets its thread count back."""
+    if threads.wanted is None:
+        return None
+
+    def restore() -> str:
+        torch.set_num_threads(threads.previous)
+        return f"restored {threads.previous} torch threads"
+
+    return restore
 
 
 def split_lanes(*, device: Device, lanes: int) -> tuple[Device, ...]:

@@ -11,7 +11,10 @@ creation order.
 An override whose object the caller owns is declared with :class:`Borrowed`
 (``provider.override(Borrowed(device))``): the scope records it as borrowed
 (``scope.owned`` with ``borrowed: true``) and teardown leaves it alone, visibly
-(``cleanup.step`` with ``action: "borrowed: left alone"``).
+(``cleanup.step`` with ``action: "borrowed: left alone"``). A component the lane's model
+executor tears down as one of its eight steps cannot be borrowed (the executor would release
+it anyway), nor can the executor itself (the lane's parts are released only through it):
+``Borrowed`` on either raises ``ContainerStateError``.
 
 Components the lane's model executor cleans up in the spec's eight steps are declared
 ``governed_by(model_executor)``: once the executor exists, their own scope entries are no-ops
@@ -19,7 +22,8 @@ Components the lane's model executor cleans up in the spec's eight steps are dec
 with the executor's guards (KV whose release it deferred is never freed behind its back).
 
 Overriding an :class:`Owned` provider after it yielded its object raises
-``ContainerStateError`` instead of silently doing nothing.
+``ContainerStateError`` instead of silently doing nothing; so does changing any provider once
+the container is built (``containers/freeze.py``).
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from dependency_injector import providers
 
 from llmrt.errors import ContainerStateError
 from llmrt.lifecycle.scope import LifetimeScope
+
+from .freeze import Singleton
 
 T = TypeVar("T")
 
@@ -59,13 +65,14 @@ class _Lifetime:
         )
 
 
-class Owned(providers.Singleton[Any]):
+class Owned(Singleton):
     """A Singleton whose object, built or injected, is owned by (or borrowed into) a scope."""
 
     def __init__(self, provides: Any = None, *args: Any, **kwargs: Any) -> None:
         super().__init__(provides, *args, **kwargs)
         self._lifetime: _Lifetime | None = None
         self._yielded: list[Any] = []
+        self._governs = False  # a cleanup root (govern(self, ...)): it cannot be borrowed
 
     def owned_by(
         self, scope: providers.Provider[LifetimeScope], name: str, *, close: CloseFor | None = None
@@ -97,14 +104,28 @@ class Owned(providers.Singleton[Any]):
         copied = cast(Owned, super().__deepcopy__(memo))
         copied._lifetime = self._lifetime.copied(memo) if self._lifetime is not None else None
         copied._yielded = []
+        copied._governs = self._governs
         return copied
 
     def override(self, provider: Any) -> Any:
+        name = self._lifetime.name if self._lifetime is not None else repr(self)
         if self._yielded:
-            name = self._lifetime.name if self._lifetime is not None else repr(self)
             raise ContainerStateError(
                 f"{name} was already built ({type(self._yielded[0]).__name__}); override "
                 "providers before the runtime is built (before lane_group() / startup())"
+            )
+        governor = self._lifetime.governor if self._lifetime is not None else None
+        if isinstance(provider, Borrowed) and governor is not None:
+            raise ContainerStateError(
+                f"{name} cannot be Borrowed: {governor.lifetime_name} tears it down as one of "
+                "the lane's cleanup steps; inject an object the runtime may own "
+                "(providers.Object(...)) or keep yours out of the lane"
+            )
+        if isinstance(provider, Borrowed) and self._governs:
+            raise ContainerStateError(
+                f"{name} cannot be Borrowed: it is the lane's cleanup root (the lane's KV, "
+                "traces and transients are released only by its cleanup); inject an object "
+                "the runtime may own (providers.Object(...))"
             )
         return super().override(provider)
 
@@ -144,5 +165,6 @@ def _governed(governor: Owned, close: Callable[[], object]) -> Callable[[], obje
 
 def govern(executor: Owned, *governed: Owned) -> None:
     """Declare (in a container body) the components ``executor``'s cleanup steps tear down."""
+    executor._governs = True
     for provider in governed:
         provider.governed_by(executor)

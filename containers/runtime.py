@@ -1,11 +1,11 @@
 """The dependency-injection containers that wire llmrt from a recipe.
 
-Scopes, outermost first: **device** (device/mesh and lane sub-devices), **model**
-(family, weights, tokenizer), one **lane** sub-container per data-parallel lane
-(step compiler, KV manager, page-table layout, OutputReader, prefill/decode runtimes, program
-compiler, eager executor, optional trace compiler and traced executor, warmup
-coordinator, model executor — in the spec's construction order) and
-**serving** (the lane group and the startup sequence).
+Scopes, outermost first: **device** (device/mesh, torch threads, lane sub-devices),
+**model** (family, weights, tokenizer), one **lane** sub-container per data-parallel lane
+(model, KV manager, page-table layout, OutputReader, step compiler, prefill/decode runtimes,
+program compiler, eager executor, optional trace compiler and traced executor, warmup
+coordinator, model executor — built in ``LANE_CONSTRUCTION_ORDER``, the spec's construction
+order, declared once) and **serving** (the lane group and the startup sequence).
 
 Ownership is declared here, not in the factories: every provider whose object has a
 lifetime is an :class:`~containers.ownership.Owned` provider, so whatever it yields — built by
@@ -29,14 +29,18 @@ Overriding, the dependency-injector way, before the runtime is built:
 - every lane at once: ``container.lane_container.override(providers.Object(factory))`` where
   ``factory(**dependencies)`` returns a ``LaneContainer`` (it may override its providers).
 
-Overriding an owned provider after it was built raises ``ContainerStateError``. A declarative
-container instance is a ``DynamicContainer``, so teardown is a function, not a method.
+``Borrowed`` is refused on the lane parts the model executor tears down. Once the container is
+built (its root scope opens) every provider is frozen (``containers/freeze.py``): overriding,
+resetting or leaving an override block raises ``ContainerStateError``; so does overriding
+``lane_container`` after ``lane_containers()`` declared the lanes. A declarative container
+instance is a ``DynamicContainer``, so teardown is a function, not a method.
 """
 
 from __future__ import annotations
 
 import operator
 from collections.abc import Callable
+from typing import Any
 
 from dependency_injector import containers, providers
 
@@ -52,6 +56,7 @@ from llmrt.runtime.warmup import CaptureBarrier
 from llmrt.weights.checkpoint import Checkpoint
 
 from . import factories as f
+from . import freeze as fz
 from .ownership import Borrowed, Owned, govern
 
 
@@ -62,13 +67,18 @@ def _child(parent: LifetimeScope, name: str, lane: int | None = None) -> Lifetim
 class DeviceContainer(containers.DeclarativeContainer):
     """Device scope: opens the device or mesh and splits it into lane sub-devices."""
 
-    recipe = providers.Dependency(instance_of=Recipe)
-    parent_scope = providers.Dependency(instance_of=LifetimeScope)
-    scope: providers.Singleton[LifetimeScope] = providers.Singleton(_child, parent_scope, "device")
+    recipe = fz.Dependency(instance_of=Recipe)
+    parent_scope = fz.Dependency(instance_of=LifetimeScope)
+    scope: providers.Singleton[LifetimeScope] = fz.Singleton(_child, parent_scope, "device")
     # The ttnn module (None on torch): tests override it with llmrt.testing.fake_ttnn.FakeTtnn.
-    ttnn_module = providers.Singleton(f.load_ttnn, recipe=recipe)
+    ttnn_module = fz.Singleton(f.load_ttnn, recipe=recipe)
     device: Owned = Owned(f.open_device, recipe=recipe, ttnn_module=ttnn_module).owned_by(
         scope, "device", close=f.close_device
+    )
+    #: ``device.num_threads`` for torch, set after the device opens (ROOT_CONSTRUCTION_ORDER)
+    #: and restored when the runtime closes, after the lanes and before the device.
+    torch_threads: Owned = Owned(f.set_torch_threads, recipe=recipe).owned_by(
+        scope, "torch_threads", close=f.restore_torch_threads
     )
     lane_devices: Owned = Owned(f.split_lanes, device=device, lanes=recipe.provided.lanes).owned_by(
         scope, "lane_devices"
@@ -78,12 +88,12 @@ class DeviceContainer(containers.DeclarativeContainer):
 class ModelContainer(containers.DeclarativeContainer):
     """Model scope: the family, the weights loaded for it, and the tokenizer; lanes borrow them."""
 
-    recipe = providers.Dependency(instance_of=Recipe)
-    parent_scope = providers.Dependency(instance_of=LifetimeScope)
-    scope: providers.Singleton[LifetimeScope] = providers.Singleton(_child, parent_scope, "model")
-    checkpoint_model_type = providers.Callable(f.checkpoint_model_type, recipe=recipe)
+    recipe = fz.Dependency(instance_of=Recipe)
+    parent_scope = fz.Dependency(instance_of=LifetimeScope)
+    scope: providers.Singleton[LifetimeScope] = fz.Singleton(_child, parent_scope, "model")
+    checkpoint_model_type = fz.Callable(f.checkpoint_model_type, recipe=recipe)
     #: The only source of the family: weight loading and every lane's model use this one.
-    family: providers.Singleton[Family] = providers.Singleton(
+    family: providers.Singleton[Family] = fz.Singleton(
         f.resolve_family, recipe=recipe, model_type=checkpoint_model_type.provider
     )
     weights: Owned = Owned(f.load_weights, recipe=recipe, family=family).owned_by(scope, "weights")
@@ -97,8 +107,12 @@ def _lane_scope(parent: LifetimeScope, lane: int) -> LifetimeScope:
 
 
 def _closer(method: str) -> Callable[[object], Callable[[], object]]:
-    """``close(obj)`` that calls ``obj.<method>()`` at teardown."""
-    return operator.attrgetter(method)
+    """``close(obj)`` that calls ``obj.<method>()`` at teardown (looked up then, not now)."""
+
+    def close_for(obj: object) -> Callable[[], object]:
+        return lambda: getattr(obj, method)()
+
+    return close_for
 
 
 def _close_traces(traces: TraceCompiler | None) -> Callable[[], object] | None:
@@ -108,16 +122,16 @@ def _close_traces(traces: TraceCompiler | None) -> Callable[[], object] | None:
 class LaneContainer(containers.DeclarativeContainer):
     """One data-parallel lane, built in the spec's construction order."""
 
-    recipe = providers.Dependency(instance_of=Recipe)
-    parent_scope = providers.Dependency(instance_of=LifetimeScope)
-    lane = providers.Dependency(instance_of=int)
-    device: providers.Dependency[Device] = providers.Dependency()
-    lane_devices: providers.Dependency[tuple[Device, ...]] = providers.Dependency()
-    weights = providers.Dependency(instance_of=Checkpoint)
-    family: providers.Dependency[Family] = providers.Dependency()
-    barrier = providers.Dependency(instance_of=CaptureBarrier)
+    recipe = fz.Dependency(instance_of=Recipe)
+    parent_scope = fz.Dependency(instance_of=LifetimeScope)
+    lane = fz.Dependency(instance_of=int)
+    device: providers.Dependency[Device] = fz.Dependency()
+    lane_devices: providers.Dependency[tuple[Device, ...]] = fz.Dependency()
+    weights = fz.Dependency(instance_of=Checkpoint)
+    family: providers.Dependency[Family] = fz.Dependency()
+    barrier = fz.Dependency(instance_of=CaptureBarrier)
 
-    scope: providers.Singleton[LifetimeScope] = providers.Singleton(_lane_scope, parent_scope, lane)
+    scope: providers.Singleton[LifetimeScope] = fz.Singleton(_lane_scope, parent_scope, lane)
     model: Owned = Owned(
         f.build_model, recipe=recipe, checkpoint=weights, family=family, device=device
     ).owned_by(scope, "model")
@@ -197,7 +211,7 @@ class LaneContainer(containers.DeclarativeContainer):
         program_compiler,
         trace_compiler,
     )
-    identity_check = providers.Callable(
+    identity_check = fz.Callable(
         f.check_lane_identity, devices=lane_devices, executor=model_executor, device=device
     )
 
@@ -230,7 +244,7 @@ def declare_lanes(
             recipe=recipe,
             parent_scope=scope,
             lane=index,
-            device=providers.Callable(operator.itemgetter(index), lane_devices),
+            device=fz.Callable(operator.itemgetter(index), lane_devices),
             lane_devices=lane_devices,
             weights=weights,
             family=family,
@@ -247,24 +261,114 @@ def declare_lanes(
     return tuple(lanes)
 
 
-def build_lanes(
-    *, lanes: tuple[LaneContainer, ...], lane_devices: tuple[Device, ...], weights: Checkpoint
-) -> tuple[LaneContainer, ...]:
-    """Build every declared lane (in lane order) and check its identity constraints.
+#: A lane's objects in the spec's construction order (seed README, "Composition and
+#: construction"), built in this order whatever each provider's keywords resolve first. The
+#: step compiler (llmrt's source of compiled steps, not in the spec's diagram) comes right
+#: before its first user, the prefill runtime.
+LANE_CONSTRUCTION_ORDER: tuple[str, ...] = (
+    "model",
+    "kv_cache_manager",
+    "page_table_layout",
+    "output_reader",
+    "step_compiler",
+    "prefill_runtime",
+    "decode_runtime",
+    "program_compiler",
+    "eager_executor",
+    "trace_compiler",
+    "traced_executor",
+    "warmup_coordinator",
+    "model_executor",
+)
+if set(LANE_CONSTRUCTION_ORDER) != set(LANE_LIFETIMES):
+    raise ContainerStateError(
+        f"LANE_CONSTRUCTION_ORDER {LANE_CONSTRUCTION_ORDER} must name every lane lifetime "
+        f"{LANE_LIFETIMES}"
+    )
 
-    ``lane_devices`` and ``weights`` are taken first so the device scope opens before the
-    model scope and both before any lane, whatever each lane's providers resolve first.
-    """
-    del lane_devices, weights  # resolved for their creation order; lanes borrow them
+#: What the root builds before any lane, in order: the device scope, then the model's weights.
+ROOT_CONSTRUCTION_ORDER: tuple[str, ...] = (
+    "device.device",
+    "device.torch_threads",
+    "device.lane_devices",
+    "model.weights",
+)
+
+#: Why a built container refuses changes (``containers/freeze.py``).
+_BUILT = (
+    "is frozen: the container was built (its first object exists); override providers "
+    "before the first object is built (lane_group(), startup(), any owned provider)"
+)
+
+
+def build_lanes(*, lanes: tuple[LaneContainer, ...]) -> tuple[LaneContainer, ...]:
+    """Build every declared lane (in lane order, each in ``LANE_CONSTRUCTION_ORDER``) and
+    check its identity constraints."""
     for lane in lanes:
-        lane.model_executor()
+        for name in LANE_CONSTRUCTION_ORDER:
+            getattr(lane, name)()
         lane.identity_check()
     return lanes
 
 
-def _serving_scope(root: LifetimeScope, lanes: tuple[LaneContainer, ...]) -> LifetimeScope:
-    del lanes  # built first: the serving scope opens after (and closes before) every lane
-    return root.child("serving")
+def _resolve(container: Any, path: str) -> object:
+    target: object = container
+    for part in path.split("."):
+        target = getattr(target, part)
+    return target() if callable(target) else target
+
+
+def _build_lanes(container: Any) -> tuple[LaneContainer, ...]:
+    """The root's objects in ``ROOT_CONSTRUCTION_ORDER``, then every lane."""
+    for path in ROOT_CONSTRUCTION_ORDER:
+        _resolve(container, path)
+    return build_lanes(lanes=container.lane_containers())
+
+
+def _open_root(container: Any) -> LifetimeScope:
+    """The root scope; the first object it records freezes the container (``_freeze``)."""
+    return LifetimeScope("runtime", on_first_own=lambda: _freeze(container))
+
+
+def _freeze(container: Any) -> None:
+    """Freeze the whole container, and its lanes if they were declared already."""
+    declared = container.lane_container.frozen
+    fz.freeze(container, reason=_BUILT)
+    if declared:
+        _freeze_lanes(container.lane_containers())
+
+
+def _freeze_lanes(lanes: tuple[LaneContainer, ...]) -> None:
+    for index, lane in enumerate(lanes):
+        fz.freeze(lane, reason=_BUILT, prefix=f"lane_containers()[{index}].")
+
+
+def _declared_lanes(container: Any) -> tuple[LaneContainer, ...]:
+    """``declare_lanes`` over the root's providers; ``lane_container`` is spent from here on."""
+    lanes = declare_lanes(
+        recipe=container.recipe(),
+        lane_container=container.lane_container(),
+        scope=container.root_scope,
+        lane_devices=container.device.lane_devices,
+        weights=container.model.weights,
+        family=container.model.family,
+        barrier=container.barrier,
+    )
+    container.lane_container.freeze_with(
+        "lane_container is spent: lane_containers() already declared every lane from it; "
+        "override lane_container before lane_containers(), or override a declared lane's "
+        "providers (container.lane_containers()[i].<provider>.override(...))"
+    )
+    if container.root_scope.frozen:
+        _freeze_lanes(lanes)
+    return lanes
+
+
+def _open_serving(container: Any) -> LifetimeScope:
+    """The serving scope opens after every lane (so it closes before them)."""
+    container.lanes()
+    scope: LifetimeScope = container.root_scope().child("serving")
+    return scope
 
 
 def build_lane_group(
@@ -276,44 +380,34 @@ def build_lane_group(
 class RuntimeContainer(containers.DeclarativeContainer):
     """The root: a recipe in, a lane group out; :func:`close_runtime` tears it all down."""
 
-    recipe = providers.Dependency(instance_of=Recipe)
-    root_scope: providers.Singleton[LifetimeScope] = providers.Singleton(LifetimeScope, "runtime")
+    __self__ = providers.Self()
+    recipe = fz.Dependency(instance_of=Recipe)
+    root_scope: providers.Singleton[LifetimeScope] = fz.Singleton(_open_root, container=__self__)
 
-    device = providers.Container(DeviceContainer, recipe=recipe, parent_scope=root_scope)
-    model = providers.Container(ModelContainer, recipe=recipe, parent_scope=root_scope)
+    device = fz.Container(DeviceContainer, recipe=recipe, parent_scope=root_scope)
+    model = fz.Container(ModelContainer, recipe=recipe, parent_scope=root_scope)
 
-    barrier: providers.Singleton[CaptureBarrier] = providers.Singleton(
+    barrier: providers.Singleton[CaptureBarrier] = fz.Singleton(
         CaptureBarrier, lanes=recipe.provided.lanes
     )
-    lane_container = providers.Object(LaneContainer)
+    lane_container = fz.Object(LaneContainer)
     #: Every lane sub-container, declared (overridable) but not built.
-    lane_containers: providers.Singleton[tuple[LaneContainer, ...]] = providers.Singleton(
-        declare_lanes,
-        recipe=recipe,
-        lane_container=lane_container,
-        scope=root_scope.provider,
-        lane_devices=device.lane_devices.provider,
-        weights=model.weights.provider,
-        family=model.family.provider,
-        barrier=barrier.provider,
+    lane_containers: providers.Singleton[tuple[LaneContainer, ...]] = fz.Singleton(
+        _declared_lanes, container=__self__
     )
-    lanes: providers.Singleton[tuple[LaneContainer, ...]] = providers.Singleton(
-        build_lanes,
-        lane_devices=device.lane_devices,
-        weights=model.weights,
-        lanes=lane_containers,
+    #: The root's objects and every lane, built in the declared construction order.
+    lanes: providers.Singleton[tuple[LaneContainer, ...]] = fz.Singleton(
+        _build_lanes, container=__self__
     )
     #: Opens after the lanes it serves (so it closes before them).
-    serving_scope: providers.Singleton[LifetimeScope] = providers.Singleton(
-        _serving_scope, root_scope, lanes
+    serving_scope: providers.Singleton[LifetimeScope] = fz.Singleton(
+        _open_serving, container=__self__
     )
     lane_group: Owned = Owned(build_lane_group, lanes=lanes, barrier=barrier).owned_by(
         serving_scope, "lane_group"
     )
     #: The one startup sequence (configure, allocate, warm decode, warm prefill, activate).
-    startup: providers.Singleton[StartupSequence] = providers.Singleton(
-        StartupSequence, group=lane_group
-    )
+    startup: providers.Singleton[StartupSequence] = fz.Singleton(StartupSequence, group=lane_group)
 
 
 def start_runtime(

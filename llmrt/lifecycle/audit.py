@@ -3,21 +3,27 @@
 ``llmrt audit LOG`` exits 1 and lists every violation of these rules (0 when none):
 
 - ``cleanup-failed``: a ``cleanup.failed`` step that no later retry of the same step (same
-  component, lane, object and step) completed;
+  component, lane, object, step and scope tree) completed;
 - ``orphan``: a ``resource.orphaned`` resource never ``resource.recovered``;
 - ``lane-cleanup-missing``: a lane executor that became terminal without completing each of
   the spec's eight cleanup steps;
 - ``lane-cleanup-order``: a lane executor that attempted its cleanup steps out of the spec's
   order (first attempts; a retry of a failed step may come later), or completed a step twice;
-- ``no-compile-after-activation``: ``program.compiled`` or ``program.recompiled`` on a lane
-  whose compile gate is closed (``compile_gate.opened``, a capture rollback, reopens it);
+- ``no-compile-after-activation``: ``program.compiled`` or ``program.recompiled`` by a program
+  compiler (or its step compiler) whose compile gate is closed (``compile_gate.opened``, a
+  capture rollback, reopens it);
 - ``kv-once`` / ``trace-once``: a KV cache or trace released twice, released without being
   allocated/captured, or never released;
-- ``one-mesh-per-lane``: KV allocated on a device other than the lane's own
+- ``one-mesh-per-lane``: KV allocated on a device other than one of its lane's open devices
   (``device.opened`` names each lane's device; ``kv.allocated`` must name its device);
 - ``scope-reverse``: a scope closed before a scope opened inside it (or never closed);
-- ``owned-reverse``: an owned object (``scope.owned``) closed out of reverse creation order
-  within its scope tree.
+- ``owned-reverse``: an owned object (``scope.owned``) closed, or its close attempted, while an
+  object of its scope tree created after it is still open or orphaned;
+- ``owned-not-closed``: an owned object with no ``cleanup.step`` by the time its root scope
+  exits (or the log ends).
+
+Every rule is keyed by object identity (the object id, the scope tree's ``root``), so any
+number of runtimes may share one log.
 """
 
 from __future__ import annotations
@@ -127,15 +133,16 @@ class _Auditor:
         self.found: list[Violation] = []
         self.kv = _Ledger(rule="kv-once", acquired="allocated")
         self.traces = _Ledger(rule="trace-once", acquired="captured")
-        self.gate_closed: dict[Any, int] = {}
+        self.gate_closed: dict[str, int] = {}  # program compiler id -> line the gate closed
+        self.gate_of: dict[str, str] = {}  # step compiler id -> its program compiler's id
         self.runs: dict[tuple[Any, str], _CleanupRun] = {}
         self.all_runs: list[_CleanupRun] = []
         self.failed: dict[tuple[Any, ...], tuple[int, str]] = {}
         self.orphans: dict[tuple[Any, ...], int] = {}
-        self.scopes: list[str] = []
-        self.lane_device: dict[Any, str] = {}
-        self.closed_index: dict[str, tuple[int, int]] = {}  # root -> (last index, line)
-        self.closed_objects: set[tuple[str, int]] = set()
+        self.scopes: list[tuple[Any, str]] = []  # (root, path) of every open scope
+        self.lane_devices: dict[Any, dict[str, Any]] = defaultdict(dict)  # lane -> id -> parent
+        # root -> creation index -> [path, state, line]; state: open, failed or closed
+        self.owned: dict[str, dict[int, list[Any]]] = defaultdict(dict)
 
     def add(self, rule: str, line: int | None, message: str) -> None:
         self.found.append(Violation(rule=rule, line=line, message=message))
@@ -155,12 +162,12 @@ class _Auditor:
         if device is None:
             self.add("one-mesh-per-lane", number, f"kv.allocated of {obj} names no device")
             return
-        expected = self.lane_device.get(lane)
-        if expected is not None and str(device) != expected:
+        expected = self.lane_devices.get(lane)
+        if expected and str(device) not in expected:
             self.add(
                 "one-mesh-per-lane",
                 number,
-                f"lane {lane} allocated KV on {device}, not its own device {expected}",
+                f"lane {lane} allocated KV on {device}, not its own device {' or '.join(expected)}",
             )
 
     def _on_kv_released(self, number: int, e: Record) -> None:
@@ -169,7 +176,15 @@ class _Auditor:
 
     def _on_device_opened(self, number: int, e: Record) -> None:
         if e.get("lane") is not None and e.get("device") is not None:
-            self.lane_device[e.get("lane")] = str(e["device"])
+            self.lane_devices[e.get("lane")][str(e["device"])] = e.get("parent")
+
+    def _on_device_closed(self, number: int, e: Record) -> None:
+        """A closed device's lane devices are gone (their ids may be reused)."""
+        closed = str(e.get("device"))
+        for devices in self.lane_devices.values():
+            for device, parent in list(devices.items()):
+                if closed in (device, str(parent)):
+                    del devices[device]
 
     def _on_trace_captured(self, number: int, e: Record) -> None:
         key = (str(e.get("object_id")), str(e.get("trace")))
@@ -180,19 +195,30 @@ class _Auditor:
         self.traces.release(self, key=key, label=f"trace {key[1]}", line=number)
 
     def _on_compile_gate_closed(self, number: int, e: Record) -> None:
-        self.gate_closed.setdefault(e.get("lane"), number)
+        compiler = str(e.get("object_id"))
+        self.gate_closed.setdefault(compiler, number)
+        if e.get("step_compiler") is not None:
+            self.gate_of[str(e["step_compiler"])] = compiler
 
     def _on_compile_gate_opened(self, number: int, e: Record) -> None:
-        self.gate_closed.pop(e.get("lane"), None)
+        self.gate_closed.pop(str(e.get("object_id")), None)
+
+    def _on_programs_released(self, number: int, e: Record) -> None:
+        """A cleaned-up compiler's gate is forgotten (its id may be reused)."""
+        compiler = str(e.get("object_id"))
+        self.gate_closed.pop(compiler, None)
+        for steps in [s for s, c in self.gate_of.items() if c == compiler]:
+            del self.gate_of[steps]
 
     def _on_program_compiled(self, number: int, e: Record, verb: str = "compiled") -> None:
-        lane = e.get("lane")
-        if lane in self.gate_closed:
+        obj = str(e.get("object_id"))
+        compiler = self.gate_of.get(obj, obj)
+        if compiler in self.gate_closed:
             self.add(
                 "no-compile-after-activation",
                 number,
-                f"lane {lane}: program {e.get('signature')} {verb} after the compile gate "
-                f"closed (line {self.gate_closed[lane]})",
+                f"lane {e.get('lane')}: program {e.get('signature')} {verb} after the compile "
+                f"gate closed (line {self.gate_closed[compiler]})",
             )
 
     def _on_program_recompiled(self, number: int, e: Record) -> None:
@@ -214,7 +240,7 @@ class _Auditor:
         return run
 
     def _failure_key(self, e: Record) -> tuple[Any, ...]:
-        return (e.get("component"), e.get("lane"), e.get("object_id"), e.get("step"))
+        return (e.get("component"), e.get("lane"), e.get("object_id"), e.get("step"), e.get("root"))
 
     def _on_cleanup_step(self, number: int, e: Record) -> None:
         self.failed.pop(self._failure_key(e), None)
@@ -225,7 +251,7 @@ class _Auditor:
                 run.attempts.append(step)
             run.completed[step].append(number)
         elif e.get("component") == "scope":
-            self._owned_closed(number, e)
+            self._owned_closed(number, e, state="closed")
 
     def _on_cleanup_failed(self, number: int, e: Record) -> None:
         self.failed.setdefault(self._failure_key(e), (number, str(e.get("error"))))
@@ -235,28 +261,52 @@ class _Auditor:
             if step not in run.attempts:
                 run.attempts.append(step)
         elif e.get("component") == "scope":
-            self._owned_closed(number, e)
+            self._owned_closed(number, e, state="failed")
 
-    def _owned_closed(self, number: int, e: Record) -> None:
-        """Owned objects of one scope tree close in strictly decreasing creation index."""
+    def _on_scope_owned(self, number: int, e: Record) -> None:
         root, index = e.get("root"), e.get("index")
         if root is None or not isinstance(index, int):
             return
-        if (str(root), index) in self.closed_objects:
-            return  # a retry of a step that failed: its first attempt was in order
-        self.closed_objects.add((str(root), index))
-        last = self.closed_index.get(str(root))
-        if last is not None and index > last[0]:
+        self.owned[str(root)][index] = [f"{e.get('scope')}/{e.get('object')}", "open", number]
+
+    def _owned_closed(self, number: int, e: Record, *, state: str) -> None:
+        """A close (or attempt) of an owned object while one created after it is still open."""
+        root, index = e.get("root"), e.get("index")
+        if root is None or not isinstance(index, int):
+            return
+        objects = self.owned[str(root)]
+        later = [(i, o) for i, o in sorted(objects.items()) if i > index and o[1] != "closed"]
+        if later:
+            i, (path, status, line) = later[-1]
             self.add(
                 "owned-reverse",
                 number,
-                f"{e.get('step')} (created #{index}) closed after #{last[0]} (line {last[1]}): "
-                "not in reverse creation order",
+                f"{e.get('step')} (created #{index}) closed while {path} (created #{i}, "
+                f"line {line}) is still {'orphaned' if status == 'failed' else 'open'}",
             )
-        self.closed_index[str(root)] = (index, number)
+        known = objects.get(index)
+        if known is not None:
+            known[1] = state
+
+    def _unclosed(self, root: str, line: int | None) -> None:
+        left = [o[0] for _, o in sorted(self.owned.pop(root, {}).items()) if o[1] != "closed"]
+        if left:
+            self.add(
+                "owned-not-closed",
+                line,
+                f"scope tree {root} ended with {len(left)} owned object(s) never closed: "
+                f"{', '.join(left)}",
+            )
 
     def _orphan_key(self, e: Record) -> tuple[Any, ...]:
-        return (e.get("component"), e.get("lane"), e.get("object_id"), e.get("path"))
+        """Who left it and which: a tensor orphan also names the tensor (paths repeat)."""
+        return (
+            e.get("component"),
+            e.get("lane"),
+            e.get("object_id"),
+            e.get("path"),
+            e.get("tensor"),
+        )
 
     def _on_resource_orphaned(self, number: int, e: Record) -> None:
         self.orphans.setdefault(self._orphan_key(e), number)
@@ -265,43 +315,40 @@ class _Auditor:
         self.orphans.pop(self._orphan_key(e), None)
 
     def _on_scope_entered(self, number: int, e: Record) -> None:
-        self.scopes.append(str(e.get("scope")))
+        self.scopes.append((e.get("root"), str(e.get("scope"))))
 
     def _on_scope_exited(self, number: int, e: Record) -> None:
-        scope = str(e.get("scope"))
-        open_children = [s for s in self.scopes if s.startswith(scope + "/")]
+        root, scope = e.get("root"), str(e.get("scope"))
+        mine = [s for r, s in self.scopes if r == root]
+        open_children = [s for s in mine if s.startswith(scope + "/")]
         if open_children:
             self.add("scope-reverse", number, f"scope {scope} exited before {open_children[-1]}")
-        if scope in self.scopes:
-            if self.scopes[-1] != scope and not open_children:
+        if scope in mine:
+            if mine[-1] != scope and not open_children:
                 self.add(
                     "scope-reverse",
                     number,
-                    f"scope {scope} exited while {self.scopes[-1]} (entered later) is open",
+                    f"scope {scope} exited while {mine[-1]} (entered later) is open",
                 )
-            self.scopes.remove(scope)
+            self.scopes.remove((root, scope))
         else:
             self.add("scope-reverse", number, f"scope {scope} exited but was never entered")
-        if "/" not in scope:
-            # A runtime's gates, lane devices and close order end with its root scope.
-            self.gate_closed.clear()
-            self.lane_device.clear()
-            if e.get("root") is not None:
-                self.closed_index.pop(str(e.get("root")), None)
+        if "/" not in scope and root is not None:
+            self._unclosed(str(root), number)
 
     # -- end of log ----------------------------------------------------------------------
 
     def finish(self) -> list[Violation]:
         for run in self.all_runs:
             self._check_run(run)
-        for (component, lane, obj, step), (line, error) in self.failed.items():
+        for (component, lane, obj, step, _), (line, error) in self.failed.items():
             self.add(
                 "cleanup-failed",
                 line,
                 f"{component} lane {lane} {obj}: cleanup step {step} failed and was never "
                 f"retried successfully ({error})",
             )
-        for (component, lane, obj, path), line in self.orphans.items():
+        for (component, lane, obj, path, _), line in self.orphans.items():
             self.add(
                 "orphan",
                 line,
@@ -309,8 +356,10 @@ class _Auditor:
             )
         self.kv.unreleased(self)
         self.traces.unreleased(self)
-        for scope in self.scopes:
+        for _, scope in self.scopes:
             self.add("scope-reverse", None, f"scope {scope} was entered but never exited")
+        for root in list(self.owned):
+            self._unclosed(root, None)
         return self.found
 
     def _check_run(self, run: _CleanupRun) -> None:
@@ -343,8 +392,7 @@ def check(events: Iterable[tuple[int, Record]]) -> list[Violation]:
 
     Object ids are memory addresses, which a later object may reuse once the first is gone,
     so an allocation after a release starts a new lifetime rather than counting as a second
-    allocation, and a runtime's closed compile gates and lane devices are forgotten when its
-    root scope exits.
+    allocation, and a closed device's lane devices are forgotten.
     """
     auditor = _Auditor()
     for number, e in events:

@@ -7,15 +7,20 @@ as it is created, with one creation sequence shared by the whole scope tree, and
 closes them in exact reverse order of that sequence across scopes: an object
 created late in an outer scope (a tokenizer loaded after the lanes) is closed
 before the lanes created earlier. Reverse creation order is always a safe
-teardown order, since an object's dependencies exist before it does. Closing
-continues past a failed step and raises every failure together, with the
-primary error preserved.
+teardown order, since an object's dependencies exist before it does.
+
+A step that fails stops the teardown, as an unwinding stack must: everything created
+before it may still be in use by it (a lane's live trace on the device), so nothing
+created earlier is closed until that step succeeds. The failed step stays in place as an
+orphan; the next ``close()`` retries it first and, once it succeeds, carries on from
+there. A step that succeeded never runs again. An interrupt (``KeyboardInterrupt``,
+``SystemExit``, any ``BaseException``) inside a step is recorded the same way (the step
+is an orphan with its cause, logged as ``cleanup.failed``) and then re-raised untouched,
+so Ctrl-C never loses a step.
 
 Only the containers register objects (``containers/ownership.py``): each ``own`` logs
 ``scope.owned`` with the object's name, scope, creation index and root, so ``llmrt audit``
-can check the reverse order per object. A step that fails stays with its scope as an
-orphan: the next ``close()`` retries exactly the failed steps (in reverse creation order),
-never one that succeeded.
+can check that every owned object is closed, and never while one created after it is open.
 """
 
 from __future__ import annotations
@@ -38,17 +43,25 @@ class _Entry:
 
     sequence: int
     name: str
-    close: Callable[[], object]
+    close: Callable[[], object] | None
     scope: LifetimeScope | None = None
     borrowed: bool = False
+    failed: BaseException | None = None  # the cause of the last failed attempt (an orphan)
 
 
 class LifetimeScope:
     """An ordered record of owned objects and nested scopes, closed in reverse creation order."""
 
     def __init__(
-        self, name: str, *, parent: LifetimeScope | None = None, lane: int | None = None
+        self,
+        name: str,
+        *,
+        parent: LifetimeScope | None = None,
+        lane: int | None = None,
+        on_first_own: Callable[[], object] | None = None,
     ) -> None:
+        """``on_first_own`` (a root's) runs once, before the tree records its first object
+        (the containers freeze their providers there)."""
         self.name = name
         self.parent = parent
         self.lane = lane
@@ -56,11 +69,11 @@ class LifetimeScope:
         self._sequence: Iterator[int] = (
             parent._sequence if parent is not None else itertools.count()
         )
+        self._opened_at = -1  # the sequence of this scope's opening in its parent
         self._entries: list[_Entry] = []
-        self._failed: list[_Entry] = []
-        self._children: list[LifetimeScope] = []
         self._closed = False
         self._failures = 0
+        self._on_first_own = on_first_own
         self._log = component_logger("scope", lane=lane, object_id=name)
         emit(self._log, "scope.entered", scope=self.path, root=self.root_id)
 
@@ -92,10 +105,13 @@ class LifetimeScope:
         """
         if self._closed:
             raise RuntimeError(f"scope {self.path} is closed; cannot own {name}")
+        first, self.root._on_first_own = self.root._on_first_own, None
+        if first is not None:
+            first()
         entry = _Entry(
             sequence=next(self._sequence),
             name=name,
-            close=_nothing if borrowed or close is None else close,
+            close=None if borrowed else close,
             borrowed=borrowed,
         )
         self._entries.append(entry)
@@ -117,8 +133,8 @@ class LifetimeScope:
             raise RuntimeError(f"scope {self.path} is closed; cannot open {name}")
         sequence = next(self._sequence)
         scope = LifetimeScope(name, parent=self, lane=self.lane if lane is None else lane)
-        self._entries.append(_Entry(sequence=sequence, name=name, close=_nothing, scope=scope))
-        self._children.append(scope)
+        scope._opened_at = sequence
+        self._entries.append(_Entry(sequence=sequence, name=name, close=None, scope=scope))
         return scope
 
     def names(self) -> list[str]:
@@ -127,112 +143,120 @@ class LifetimeScope:
 
     def creation_order(self) -> list[str]:
         """Paths of every open owned object in this subtree, in creation order."""
-        return [f"{scope.path}/{entry.name}" for scope, entry in self._open_entries()]
+        return [f"{scope.path}/{entry.name}" for scope, entry in self._steps() if not entry.scope]
 
     def orphans(self) -> list[str]:
         """Paths of the steps in this subtree whose close failed (the next ``close`` retries)."""
-        found = []
-        for scope in self._subtree():
-            found += [(e.sequence, f"{scope.path}/{e.name}") for e in scope._failed]
-        return [path for _, path in sorted(found, reverse=True)]
+        return [
+            f"{scope.path}/{entry.name}"
+            for scope, entry in reversed(self._steps())
+            if entry.failed is not None
+        ]
+
+    def orphan_causes(self) -> dict[str, BaseException]:
+        """Each orphan's path -> the error (or interrupt) its last attempt raised."""
+        return {
+            f"{scope.path}/{entry.name}": entry.failed
+            for scope, entry in reversed(self._steps())
+            if entry.failed is not None
+        }
 
     def close(self, *, primary: BaseException | None = None) -> None:
-        """Tear down in reverse creation order; raise ``CleanupError`` listing every failure.
+        """Tear down in reverse creation order, stopping at the first step that fails.
 
-        Idempotent: a step that succeeded never runs again; a step that failed is retried
-        by the next ``close()`` (and reported again if it fails again).
+        Raises ``CleanupError`` with that step's failures (and ``primary``, the error that
+        started the teardown, if any); an interrupt is re-raised as it is. Idempotent: a step
+        that succeeded never runs again; the next call retries the failed step first, then
+        carries on. A child scope closes alone only when nothing created after it opened is
+        still open elsewhere in the tree (else ``RuntimeError``: close the root).
         """
-        failures = self._close_all()
-        if failures:
-            raise CleanupError(failures, primary=primary)
+        if self._closed:
+            return
+        self._check_unwindable()
+        for owner, entry in reversed(self._steps()):
+            if entry.scope is not None:
+                # Every object of the child was created after it opened: all are closed now.
+                owner._entries.remove(entry)
+                entry.scope._exit()
+                continue
+            failures = owner._run(entry)
+            if failures:
+                raise CleanupError(failures, primary=primary)
+        self._exit()
 
     # -- internals -----------------------------------------------------------------------
 
-    def _subtree(self) -> list[LifetimeScope]:
-        scopes: list[LifetimeScope] = []
-        pending: list[LifetimeScope] = [self]
-        while pending:
-            scope = pending.pop()
-            scopes.append(scope)
-            pending.extend(scope._children)
-        return scopes
-
-    def _open_entries(self) -> list[tuple[LifetimeScope, _Entry]]:
-        """Every open (scope, entry) pair of this subtree, sorted by creation sequence."""
+    def _steps(self) -> list[tuple[LifetimeScope, _Entry]]:
+        """Every open (scope, entry) pair of this subtree, child openings included, by sequence."""
         found: list[tuple[LifetimeScope, _Entry]] = []
         pending: list[LifetimeScope] = [self]
         while pending:
             scope = pending.pop()
-            if scope._closed:
-                continue
             for entry in scope._entries:
-                if entry.scope is not None:
+                found.append((scope, entry))
+                if entry.scope is not None and not entry.scope._closed:
                     pending.append(entry.scope)
-                else:
-                    found.append((scope, entry))
         found.sort(key=lambda pair: pair[1].sequence)
         return found
 
-    def _close_all(self) -> list[tuple[str, BaseException]]:
-        if self._closed:
-            return self._retry_failed()
-        markers: list[tuple[LifetimeScope, _Entry]] = []
-        pending: list[LifetimeScope] = [self]
-        while pending:
-            scope = pending.pop()
-            if scope._closed:
-                continue
-            for entry in scope._entries:
-                if entry.scope is not None:
-                    markers.append((scope, entry))
-                    pending.append(entry.scope)
-        steps = sorted([*self._open_entries(), *markers], key=lambda p: p[1].sequence, reverse=True)
-        failures: list[tuple[str, BaseException]] = []
-        for owner, entry in steps:
-            owner._entries.remove(entry)
-            if entry.scope is not None:
-                # Every object of the child was created after it opened: all are closed now.
-                entry.scope._exit()
-                continue
-            failures += owner._run(entry)
-        self._exit()
-        return failures
-
-    def _retry_failed(self) -> list[tuple[str, BaseException]]:
-        """The failed steps of this subtree, retried in reverse creation order."""
-        pending = [(e.sequence, scope, e) for scope in self._subtree() for e in scope._failed]
-        failures: list[tuple[str, BaseException]] = []
-        for _, owner, entry in sorted(pending, key=lambda t: t[0], reverse=True):
-            owner._failed.remove(entry)
-            failures += owner._run(entry)
-        return failures
+    def _check_unwindable(self) -> None:
+        if self.parent is None:
+            return
+        mine = {id(entry) for _, entry in self._steps()}
+        later = [
+            f"{scope.path}/{entry.name}"
+            for scope, entry in self.root._steps()
+            if entry.sequence > self._opened_at and id(entry) not in mine and entry.scope is None
+        ]
+        if later:
+            raise RuntimeError(
+                f"scope {self.path} cannot close while {later[-1]} (created after it opened) "
+                "is open; close the root scope"
+            )
 
     def _run(self, entry: _Entry) -> list[tuple[str, BaseException]]:
+        """Run one step; on success it leaves the scope, on failure it stays as an orphan."""
         step = f"{self.path}/{entry.name}"
         where = {"step": step, "index": entry.sequence, "root": self.root_id}
         try:
-            note = entry.close()
+            note = entry.close() if entry.close is not None else None
         except CleanupError as exc:
             # A component's own multi-step cleanup: report each of its failures.
-            self._failed.append(entry)
-            self._note_failures(len(exc.failures))
+            self._fail(entry, exc, count=max(1, len(exc.failures)))
             emit(self._log, "cleanup.failed", **where, error=str(exc).splitlines()[0])
-            return list(exc.failures)
+            return list(exc.failures) or [(step, exc)]
         except Exception as exc:
-            self._failed.append(entry)
-            self._note_failures(1)
+            self._fail(entry, exc, count=1)
             emit(self._log, "cleanup.failed", **where, error=f"{type(exc).__name__}: {exc}")
             return [(step, exc)]
+        except BaseException as exc:
+            self._fail(entry, exc, count=1)
+            emit(
+                self._log,
+                "cleanup.failed",
+                **where,
+                error=f"{type(exc).__name__}: {exc}",
+                interrupted=True,
+            )
+            exc.add_note(
+                f"teardown interrupted at {step}: it and everything created before it are "
+                "still open; close again to retry from there"
+            )
+            raise
+        self._entries.remove(entry)
         if entry.borrowed:
             action = "borrowed: left alone"
         elif isinstance(note, str):
             action = note
+        elif entry.close is None:
+            action = "nothing to close"
         else:
             action = "closed"
         emit(self._log, "cleanup.step", **where, action=action)
         return []
 
-    def _note_failures(self, count: int) -> None:
+    def _fail(self, entry: _Entry, cause: BaseException, *, count: int) -> None:
+        entry.failed = cause
         scope: LifetimeScope | None = self
         while scope is not None:
             scope._failures += count
@@ -243,7 +267,3 @@ class LifetimeScope:
             return
         self._closed = True
         emit(self._log, "scope.exited", scope=self.path, failures=self._failures, root=self.root_id)
-
-
-def _nothing() -> None:
-    return None

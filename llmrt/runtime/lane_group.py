@@ -291,15 +291,14 @@ class LaneGroupExecutor:
     # -- cleanup -------------------------------------------------------------------------
 
     def cleanup(self, *, primary: BaseException | None = None) -> None:
-        """Clean every lane (each in the spec's order), keep going, report all failures."""
-        failures: list[tuple[str, BaseException]] = []
+        """Clean every lane (each in the spec's order), last lane first, as the containers'
+        scopes do: a lane whose cleanup failed stops it (the lanes before it stay open until
+        a retry gets past it). Idempotent: a lane already clean does nothing again."""
         for lane in reversed(self.lanes):
             try:
                 lane.cleanup()
             except CleanupError as exc:
-                failures.extend(exc.failures)
-        if failures:
-            raise CleanupError(failures, primary=primary)
+                raise CleanupError(exc.failures, primary=primary) from exc
 
 
 def _per_row(params: ParamsArg, n: int) -> list[SamplingParams | None] | None:

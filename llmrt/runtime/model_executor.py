@@ -143,7 +143,12 @@ class ModelExecutor:
         )
 
     def allocate_kv_cache(self) -> PagedKVCacheContext:
-        """Seal the runtime configuration (capacity and layouts are final), then allocate."""
+        """Seal the runtime configuration (capacity and layouts are final), then allocate.
+
+        Idempotent: a lane already bound returns its handle (a start-up retried after another
+        lane failed to allocate)."""
+        if self.kv_cache.is_bound:
+            return self.kv_cache.context
         emit(
             self._log,
             "config.sealed",
@@ -269,10 +274,9 @@ class ModelExecutor:
             "pending_output_reads": self.output_reader.drain,
             "prefill_transients": self.prefill.cleanup,
             "decode_transients": self.decode.cleanup_transients,
-            "traces": self.traced.trace_compiler.cleanup if self.traced is not None else _noop,
+            "traces": self.release_traces,
             "program_registry": self.eager.program_compiler.cleanup,
-            # Sampling tensors are per call (sampling runs outside programs): nothing persists.
-            "device_sampling_buffers": _noop,
+            "device_sampling_buffers": self.release_sampling_buffers,
             "paged_kv_cache": self.kv_cache.release,
         }
         failures: list[tuple[str, BaseException]] = []
@@ -284,6 +288,18 @@ class ModelExecutor:
             except Exception as exc:
                 failures.append((f"lane{self.lane}/{name}", exc))
                 emit(self._log, "cleanup.failed", step=name, error=f"{type(exc).__name__}: {exc}")
+            except BaseException as exc:
+                # An interrupt: the step stays to do (the next call retries it), then stop.
+                emit(
+                    self._log,
+                    "cleanup.failed",
+                    step=name,
+                    error=f"{type(exc).__name__}: {exc}",
+                    interrupted=True,
+                )
+                for step, failure in failures:
+                    exc.add_note(f"also failed before it: {step}: {failure!r}")
+                raise
             else:
                 self._cleaned.add(name)
                 emit(self._log, "cleanup.step", step=name)
@@ -293,6 +309,15 @@ class ModelExecutor:
         if failures:
             raise CleanupError(failures, primary=primary)
         emit(self._log, "cleanup.completed", steps=len(CLEANUP_STEPS))
+
+    def release_traces(self) -> None:
+        """Step 5: release every trace, then its persistent inputs (nothing on an eager lane)."""
+        if self.traced is not None:
+            self.traced.trace_compiler.cleanup()
+
+    def release_sampling_buffers(self) -> None:
+        """Step 7: nothing persists: sampling tensors are per call (sampling runs outside
+        programs). Kept as a step so the order, and a fault injected here, stay the spec's."""
 
     @property
     def _kv_path(self) -> str:
@@ -313,7 +338,3 @@ class ModelExecutor:
             f"lane {self.lane}: KV release deferred while a trace is still live "
             "(its release failed); call cleanup() again to retry both"
         )
-
-
-def _noop() -> None:
-    return None

@@ -86,6 +86,7 @@ class PagedKVCacheManager:
         self.state = KVCacheState.UNRESOLVED
         self._context: PagedKVCacheContext | None = None
         self._context_ids: tuple[int, ...] = ()
+        self._unbound = False
         self._ledger = ReleaseLedger()
         self._orphans: list[TensorResourceOrphan] = []
         self._log = component_logger("paged_kv_cache", lane=lane, object_id=f"{id(self):#x}")
@@ -102,9 +103,22 @@ class PagedKVCacheManager:
         self.state = target
 
     def configure(self, config: PagedKVCacheConfig | None = None) -> PagedKVCacheConfig:
-        """Fix the physical capacity once; a replacement config may only shrink it."""
+        """Fix the physical capacity once; a replacement config may only shrink it.
+
+        Configuring again with the capacity already fixed (or ``None``) is a no-op, so a
+        start-up that failed later can be retried; another capacity is refused.
+        """
+        if self.state in (KVCacheState.CONFIGURED, KVCacheState.BOUND):
+            if config is None or config == self.config:
+                return self.config
+            raise KVCacheStateError(
+                f"paged KV cache is already {self.state.value} ({self.config.num_blocks} "
+                f"blocks); cannot reconfigure it to {config.num_blocks}",
+                current=self.state.value,
+                requested=KVCacheState.CONFIGURED.value,
+            )
         if self.state is not KVCacheState.UNRESOLVED:
-            self._move(KVCacheState.CONFIGURED)  # raises: configure() is allowed once
+            self._move(KVCacheState.CONFIGURED)  # raises: bound or released
         new = self.config if config is None else config
         if config is not None:
             self.config.check_replacement(new)
@@ -263,23 +277,25 @@ class PagedKVCacheManager:
             self._raise_orphans()
             return
         context = self._context
-        was_bound = self.state is KVCacheState.BOUND
-        self._move(KVCacheState.RELEASED)
-        self._context = None
         errors: list[BaseException] = []
-        if was_bound:
+        if self.state is KVCacheState.BOUND and not self._unbound:
             try:
                 self.borrowed_model.set_kv_cache(None)
             except Exception as exc:  # keep going: the tensors must still be released
                 errors.append(exc)
             else:
+                self._unbound = True
                 emit(self._log, "kv.unbound", model=type(self.borrowed_model).__name__)
         if context is not None:
+            # The state moves only after every tensor was attempted: an interrupt in between
+            # leaves the cache bound, and the retry releases what the ledger has not seen.
             self._orphans.extend(
                 release_tensors(
                     (context.keys, context.values), device=self.borrowed_device, ledger=self._ledger
                 )
             )
+        self._move(KVCacheState.RELEASED)
+        self._context = None
         if context is not None:  # a cache that was never allocated has nothing to release
             emit(self._log, "kv.released", orphans=len(self._orphans))
         if errors:

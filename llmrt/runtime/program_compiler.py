@@ -157,13 +157,31 @@ class ProgramCompiler:
     def close_gate(self, *, reason: str) -> None:
         if self._gate_closed_reason is None:
             self._gate_closed_reason = reason
-            emit(self._log, "compile_gate.closed", reason=reason, programs=len(self._programs))
+            emit(
+                self._log,
+                "compile_gate.closed",
+                reason=reason,
+                programs=len(self._programs),
+                step_compiler=self._step_compiler_id,
+            )
 
     def open_gate(self, *, reason: str) -> None:
         """Reopen the gate: a trace capture that failed restores the state it found."""
         if self._gate_closed_reason is not None:
             self._gate_closed_reason = None
-            emit(self._log, "compile_gate.opened", reason=reason, programs=len(self._programs))
+            emit(
+                self._log,
+                "compile_gate.opened",
+                reason=reason,
+                programs=len(self._programs),
+                step_compiler=self._step_compiler_id,
+            )
+
+    @property
+    def _step_compiler_id(self) -> str | None:
+        """The step compiler's log identity (its ``program.recompiled`` events name it)."""
+        steps = self.borrowed_step_compiler
+        return f"{id(steps):#x}" if steps is not None else None
 
     def _require_open(self, key: str, signature: ProgramSignature) -> None:
         if self._terminal:
@@ -267,9 +285,9 @@ class ProgramCompiler:
 
     def cleanup(self) -> None:
         """Terminalize the registry; retry any compile-output orphans. Idempotent."""
-        self._terminal = True
-        if self._programs:
+        if not self._terminal:
             emit(self._log, "programs.released", programs=len(self._programs))
+        self._terminal = True
         self._programs.clear()
         if self._orphans:
             self._orphans = retry_orphans(

@@ -15,7 +15,10 @@ checks live in one place:
 
 ``run(num_blocks=...)`` performs all five in that order. A phase called out of order raises
 ``KVCacheStateError`` naming the phase that must come first; calling a finished phase again is
-a no-op, so a front end that mirrors an external call order (vLLM) stays idempotent.
+a no-op (the same capacity, or ``None``, configured again included), so a front end that
+mirrors an external call order (vLLM) stays idempotent. A phase that failed can be called
+again: every lane's step is idempotent (a lane that allocated keeps its KV), so a retried
+``run()`` picks up where the failure stopped it.
 """
 
 from __future__ import annotations

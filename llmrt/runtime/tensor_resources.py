@@ -94,7 +94,7 @@ def retry_orphans(
         attempted.add(orphan.tensor)
         again = _release_one(orphan.tensor, path=orphan.path, device=device, ledger=ledger, log=log)
         if again is None:
-            emit(log, "resource.recovered", path=orphan.path)
+            emit(log, "resource.recovered", path=orphan.path, tensor=_tensor_id(orphan.tensor))
         else:
             remaining.append(again)
     return remaining
@@ -111,10 +111,21 @@ def _release_one(
     try:
         device.deallocate(tensor)
     except Exception as exc:
-        emit(log, "resource.orphaned", path=path, error=f"{type(exc).__name__}: {exc}")
+        emit(
+            log,
+            "resource.orphaned",
+            path=path,
+            tensor=_tensor_id(tensor),
+            error=f"{type(exc).__name__}: {exc}",
+        )
         return TensorResourceOrphan(tensor=tensor, path=path, error=exc)
     ledger.record(tensor)
     return None
+
+
+def _tensor_id(tensor: object) -> str:
+    """The orphan's identity in the log: paths repeat across owners, tensors do not."""
+    return f"{id(tensor):#x}"
 
 
 def _walk(

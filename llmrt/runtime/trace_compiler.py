@@ -110,6 +110,7 @@ class TraceCompiler:
         self._ledger = ReleaseLedger()
         self._orphans: list[TensorResourceOrphan] = []
         self._gate_was_closed = False  # the compile gate's state before the last capture pass
+        self._orphaned: set[str] = set()  # trace keys a rollback could not release
         self._log = component_logger("trace_compiler", lane=lane, object_id=f"{id(self):#x}")
 
     @property
@@ -217,10 +218,11 @@ class TraceCompiler:
             except Exception as exc:
                 artifact.state = ArtifactState.FAILED
                 stuck.append(artifact.plan.description)
+                self._orphaned.add(artifact.trace_key)
                 emit(
                     self._log,
                     "resource.orphaned",
-                    path=f"trace {artifact.trace_key[:16]}",
+                    path=_orphan_path(artifact),
                     error=f"{type(exc).__name__}: {exc}",
                 )
                 if cause is not None:
@@ -229,6 +231,7 @@ class TraceCompiler:
             artifact.trace = None
             traces += 1
             emit(self._log, "trace.released", trace=artifact.trace_key[:16], rollback=True)
+            self._recovered(artifact)
         inputs = 0
         for artifact in artifacts:
             if artifact.trace is not None:
@@ -296,6 +299,12 @@ class TraceCompiler:
             programs=len(artifact.program_keys),
         )
 
+    def _recovered(self, artifact: TraceArtifact) -> None:
+        """An orphaned trace freed later, by whichever path: say so (``llmrt audit``)."""
+        if artifact.trace_key in self._orphaned:
+            self._orphaned.discard(artifact.trace_key)
+            emit(self._log, "resource.recovered", path=_orphan_path(artifact), kind="trace")
+
     # -- replay --------------------------------------------------------------------------
 
     def artifact_for(self, program_key: str, *, operation: str, description: str) -> TraceArtifact:
@@ -345,6 +354,7 @@ class TraceCompiler:
                     continue
                 artifact.trace = None
                 emit(self._log, "trace.released", trace=artifact.trace_key[:16])
+                self._recovered(artifact)
         for artifact in self._artifacts.values():
             if artifact.trace is None and artifact.inputs is not None:
                 self._orphans.extend(
@@ -363,3 +373,7 @@ class TraceCompiler:
         self._active = False
         if failures:
             raise CleanupError(failures)
+
+
+def _orphan_path(artifact: TraceArtifact) -> str:
+    return f"trace {artifact.trace_key[:16]}"

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -24,6 +25,8 @@ from llmrt.sampling.params import SamplingParams
 from llmrt.server.metrics import ServerMetrics
 from llmrt.serving.engine import Engine, TokenEvent
 from llmrt.serving.request import Request
+
+_LOG = logging.getLogger(__name__)
 
 
 class Overloaded(LLMRTError, RuntimeError):
@@ -315,9 +318,17 @@ class EngineLoop:
             ticket.done = True
             _post(ticket.loop, _deliver, [(ticket.sink, Failure(choice=ticket.choice, error=exc))])
         self._live.clear()
-        # The engine already failed; that failure is the one reported.
-        with contextlib.suppress(Exception):
+        # The engine already failed; that failure is the one reported, carrying this one.
+        try:
             self.engine.abort_all()
+        except Exception as abort_error:
+            exc.add_note(f"aborting the engine's requests also failed: {abort_error!r}")
+            _LOG.warning(
+                "engine loop: abort_all failed after the engine failed (%r); requests may "
+                "still hold KV blocks until the engine is closed",
+                abort_error,
+                exc_info=abort_error,
+            )
         if self._on_failure is not None:
             self._on_failure(exc)
 

@@ -27,6 +27,7 @@ OPERATIONS = frozenset(
         "capture_trace",
         "execute_trace",
         "release_trace",
+        "close",
     }
 )
 """The port operations a ``FaultyDevice`` counts and can fail."""
@@ -57,6 +58,7 @@ class _FaultPlan:
     """Call counters and the call log, shared by a wrapper and its lane wrappers."""
 
     failing: dict[str, frozenset[int]]
+    interrupting: dict[str, frozenset[int]] = attrs.Factory(dict)
     counts: dict[str, int] = attrs.Factory(dict)
     calls: list[DeviceCall] = attrs.Factory(list)
 
@@ -65,21 +67,35 @@ class FaultyDevice:
     """Implements the port over a borrowed ``inner`` device, failing the Nth call of an op.
 
     ``fail`` maps an operation name to the 1-based call number(s) that raise ``InjectedFault``
-    instead of delegating, e.g. ``{"deallocate": 2, "release_trace": [1, 3]}``. Calls are
+    instead of delegating, e.g. ``{"deallocate": 2, "release_trace": [1, 3]}``; ``interrupt``
+    does the same with ``KeyboardInterrupt`` (a Ctrl-C arriving inside the call). Calls are
     counted per operation across this wrapper and its lanes; every call is logged in ``calls``.
+    Lane wrappers are of the wrapper's own class (a subclass keeps its behaviour on lanes).
+    ``close`` closes the inner device where it has a ``close`` (a ttnn mesh it opened).
     """
 
-    def __init__(self, inner: Device, *, fail: Mapping[str, int | Iterable[int]]) -> None:
+    def __init__(
+        self,
+        inner: Device,
+        *,
+        fail: Mapping[str, int | Iterable[int]],
+        interrupt: Mapping[str, int | Iterable[int]] | None = None,
+    ) -> None:
         self._inner = inner
-        self._plan = _FaultPlan(failing=_resolve_fail(fail))
+        self._plan = _FaultPlan(
+            failing=_resolve_fail(fail), interrupting=_resolve_fail(interrupt or {})
+        )
         self._parent: FaultyDevice | None = None
         self._lanes: tuple[FaultyDevice, ...] | None = None
 
-    @classmethod
-    def _lane(cls, inner: Device, *, parent: FaultyDevice) -> FaultyDevice:
-        lane = cls(inner, fail={})
-        lane._plan = parent._plan
-        lane._parent = parent
+    def _lane(self, inner: Device) -> FaultyDevice:
+        """A lane wrapper of this wrapper's class, sharing its plan (no ``__init__`` call, so
+        a subclass with its own signature works too)."""
+        lane = object.__new__(type(self))
+        lane.__dict__.update(self.__dict__)
+        lane._inner = inner
+        lane._parent = self
+        lane._lanes = None
         return lane
 
     def __repr__(self) -> str:
@@ -107,15 +123,18 @@ class FaultyDevice:
         number = self._plan.counts.get(op, 0) + 1
         self._plan.counts[op] = number
         injected = number in self._plan.failing.get(op, frozenset())
+        interrupted = number in self._plan.interrupting.get(op, frozenset())
         self._plan.calls.append(
             DeviceCall(
                 op=op,
                 summary=_summarize(subject),
                 subject_id=None if subject is None else id(subject),
                 device_id=self._inner.id,
-                injected=injected,
+                injected=injected or interrupted,
             )
         )
+        if interrupted:
+            raise KeyboardInterrupt(f"injected interrupt: {op} call #{number} on {self._inner.id}")
         if injected:
             raise InjectedFault(op=op, call_number=number, device_id=self._inner.id)
         return fn()
@@ -148,7 +167,7 @@ class FaultyDevice:
             or len(lanes) != len(inner_lanes)
             or any(w.inner is not i for w, i in zip(lanes, inner_lanes, strict=True))
         ):
-            lanes = tuple(FaultyDevice._lane(lane, parent=self) for lane in inner_lanes)
+            lanes = tuple(self._lane(lane) for lane in inner_lanes)
             self._lanes = lanes
         return lanes
 
@@ -193,8 +212,17 @@ class FaultyDevice:
     def release_trace(self, trace: Trace[Any]) -> None:
         self._call("release_trace", trace, lambda: self._inner.release_trace(trace))
 
+    def close(self) -> None:
+        """Close the inner device where it can be closed (idempotent there)."""
+        closer = getattr(self._inner, "close", None)
+        self._call("close", None, closer if callable(closer) else _nothing)
+
     def stats(self) -> DeviceStats:
         return self._inner.stats()
+
+
+def _nothing() -> None:
+    return None
 
 
 def _resolve_fail(fail: Mapping[str, int | Iterable[int]]) -> dict[str, frozenset[int]]:

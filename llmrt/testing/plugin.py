@@ -3,11 +3,14 @@ tests of a family, a recipe or the runtime itself.
 
 - ``llmrt_runtime(recipe, overrides=..., providers=...)``: a ``RuntimeContainer`` built from
   a recipe, with dependency-injector providers replaced by dotted path
-  (``{"device.device": my_device}``); closed at teardown, its cleanup errors failing the test.
+  (``{"device.device": my_device}``; a number picks a declared lane:
+  ``{"lane_containers.0.output_reader": reader}``); closed at teardown, every container's
+  cleanup errors together failing the test.
   ``llmrt_module_runtime`` / ``llmrt_session_runtime`` are the same for containers a test
   module / the whole session shares.
-- ``faulty_device(fail=..., inner=None)``: a ``FaultyDevice`` over a CPU ``TorchDevice``
-  (or ``inner``) that fails the Nth call of the named operations.
+- ``faulty_device(fail=..., interrupt=..., inner=None)``: a ``FaultyDevice`` over a CPU
+  ``TorchDevice`` (or ``inner``) that fails the Nth call of the named operations (or raises
+  ``KeyboardInterrupt`` there, as a Ctrl-C would).
 - ``lifecycle_log``: the structured lifecycle log written to a JSON-lines file for the
   test; at teardown ``llmrt.lifecycle.audit.check`` runs over it and the test fails on a violation.
 - ``parity_harness(family=..., hf_model=..., device="cpu")``: the transformers parity
@@ -57,6 +60,7 @@ def _runtime_factory() -> Iterator[Callable[..., Any]]:
     from dependency_injector import providers as di
 
     from llmrt.containers import RuntimeContainer, close_runtime
+    from llmrt.errors import CleanupError
     from llmrt.recipe.loader import load_recipe
 
     built: list[Any] = []
@@ -72,19 +76,24 @@ def _runtime_factory() -> Iterator[Callable[..., Any]]:
         for path, value in (providers or {}).items():
             target: Any = container
             for part in path.split("."):
-                target = getattr(target, part)
+                if part.isdigit():  # a declared lane: lane_containers.0
+                    target = (target() if isinstance(target, di.Provider) else target)[int(part)]
+                else:
+                    target = getattr(target, part)
             target.override(value if isinstance(value, di.Provider) else di.Object(value))
         return container
 
     yield make
-    errors = []
-    for container in reversed(built):
+    failures: list[tuple[str, BaseException]] = []
+    for number, container in reversed(list(enumerate(built))):
         try:
             close_runtime(container)
-        except Exception as exc:  # every container is closed; the first failure is raised
-            errors.append(exc)
-    if errors:
-        raise errors[0]
+        except CleanupError as exc:  # every container is closed; all failures are raised
+            failures += [(f"container {number}: {step}", error) for step, error in exc.failures]
+        except Exception as exc:
+            failures.append((f"container {number}", exc))
+    if failures:
+        raise CleanupError(failures)
 
 
 @pytest.fixture
@@ -115,14 +124,22 @@ def llmrt_session_runtime() -> Iterator[Callable[..., Any]]:
 
 @pytest.fixture(scope="session")
 def faulty_device() -> Callable[..., FaultyDevice]:
-    """Factory: ``faulty_device(fail={"deallocate": 2}, inner=None)`` -> ``FaultyDevice``."""
+    """Factory: ``faulty_device(fail={"deallocate": 2}, interrupt={"close": 1}, inner=None)``
+    -> ``FaultyDevice`` (``interrupt``: calls that raise ``KeyboardInterrupt``)."""
     from llmrt.device.torch import TorchDevice
     from llmrt.testing.faulty_device import FaultyDevice
 
     def make(
-        *, fail: Mapping[str, int | Sequence[int]] | None = None, inner: Device | None = None
+        *,
+        fail: Mapping[str, int | Sequence[int]] | None = None,
+        interrupt: Mapping[str, int | Sequence[int]] | None = None,
+        inner: Device | None = None,
     ) -> FaultyDevice:
-        return FaultyDevice(inner if inner is not None else TorchDevice("cpu"), fail=fail or {})
+        return FaultyDevice(
+            inner if inner is not None else TorchDevice("cpu"),
+            fail=fail or {},
+            interrupt=interrupt,
+        )
 
     return make
 

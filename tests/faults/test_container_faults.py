@@ -55,7 +55,7 @@ MATRIX: dict[str, tuple[str, ...]] = {
         "record_event",
         "event_synchronize",
     ),
-    "teardown": ("release_trace", "deallocate", "synchronize"),
+    "teardown": ("release_trace", "deallocate", "synchronize", "close"),
 }
 
 

@@ -38,8 +38,6 @@ def scope(event: str, name: str) -> dict[str, Any]:
     return {"event": f"scope.{event}", "component": "scope", "scope": name, "object_id": name}
 
 
-
-
 def kv(event: str, obj: str = "0xkv", lane: int = 0, device: str = "cpu:0/lane0") -> dict[str, Any]:
     record = {"event": f"kv.{event}", "component": "paged_kv_cache", "object_id": obj, "lane": lane}
     return {**record, "device": device} if event == "allocated" else record
@@ -110,6 +108,7 @@ def clean_run(obj: str = "0x1") -> list[dict[str, Any]]:
         *cleanup(SPEC_LANE_CLEANUP[:4], obj),
         trace("released", "t1", obj),
         *cleanup(SPEC_LANE_CLEANUP[4:], obj)[1:],
+        {"event": "programs.released", "component": "program_compiler", "object_id": obj},
         kv("released", obj),
         scope("exited", "runtime/lane0"),
         scope("exited", "runtime"),
@@ -237,6 +236,32 @@ CASES: dict[str, tuple[list[dict[str, Any]], list[str]]] = {
         ],
         ["[orphan] line 1: trace_compiler lane 0 0xtc: trace t1 orphaned and never recovered"],
     ),
+    "tensor-orphans-sharing-a-path": (
+        [
+            {
+                "event": "resource.orphaned",
+                "component": "tensor_resources",
+                "path": "resources[0][0]",
+                "tensor": "0xa",
+            },
+            {
+                "event": "resource.orphaned",
+                "component": "tensor_resources",
+                "path": "resources[0][0]",
+                "tensor": "0xb",
+            },
+            {
+                "event": "resource.recovered",
+                "component": "tensor_resources",
+                "path": "resources[0][0]",
+                "tensor": "0xb",
+            },
+        ],
+        [
+            "[orphan] line 1: tensor_resources lane None None: resources[0][0] orphaned and "
+            "never recovered"
+        ],
+    ),
     "recompile-after-gate-closed": (
         [gate("closed"), compiled("decode[b4 w32]", event="recompiled")],
         [
@@ -269,8 +294,21 @@ CASES: dict[str, tuple[list[dict[str, Any]], list[str]]] = {
             closed("model", 1),
         ],
         [
-            "[owned-reverse] line 6: runtime/model (created #1) closed after #0 (line 5): "
-            "not in reverse creation order"
+            "[owned-reverse] line 5: runtime/device (created #0) closed while runtime/model "
+            "(created #1, line 2) is still open"
+        ],
+    ),
+    "owned-never-closed": (
+        [
+            {**scope("entered", "runtime"), "root": "0xr"},
+            owned("device", 0),
+            owned("weights", 1),
+            closed("weights", 1),
+            {**scope("exited", "runtime"), "root": "0xr"},
+        ],
+        [
+            "[owned-not-closed] line 5: scope tree 0xr ended with 1 owned object(s) never "
+            "closed: runtime/device"
         ],
     ),
     "scopes-closed-out-of-order": (
@@ -338,6 +376,7 @@ def test_every_violation_of_a_log_is_listed(
         "[no-compile-after-activation]",
         "[one-mesh-per-lane]",
         "[orphan]",
+        "[owned-not-closed]",
         "[owned-reverse]",
         "[scope-reverse]",
         "[trace-once]",

@@ -50,9 +50,9 @@ def test_an_overriding_device_is_owned_synchronized_and_closed(
 
     assert _scope_steps(events)["runtime/device/device"] == "closed"
     assert [e["device"] for e in events if e["event"] == "device.closed"] == [faulty.id]
-    # The device's own close synchronized it, after every lane had torn down.
+    # The device's own close synchronized and closed it, after every lane had torn down.
     assert len(faulty.calls_of("synchronize")) > syncs
-    assert faulty.calls[-1].op == "synchronize"
+    assert [c.op for c in faulty.calls[-2:]] == ["synchronize", "close"]
 
 
 def test_a_borrowed_device_is_recorded_and_visibly_left_alone(

@@ -49,6 +49,11 @@ def test_phases_out_of_order_raise_and_finished_phases_are_no_ops(
     with pytest.raises(KVCacheStateError, match=r"activate\(\) needs allocate_kv_cache"):
         startup.activate()
     startup.configure_kv_capacity(16)
+    startup.configure_kv_capacity(16)  # finished: a no-op
+    startup.configure_kv_capacity(None)  # None asks for what is configured: a no-op
+    assert startup.phase is StartupPhase.CONFIGURED
+    with pytest.raises(KVCacheStateError, match="already configured"):
+        startup.configure_kv_capacity(8)
     handles = startup.allocate_kv_cache()
     assert startup.allocate_kv_cache() == handles  # idempotent: the same bound handles
     with pytest.raises(KVCacheStateError, match="cannot change to 8 blocks after allocation"):

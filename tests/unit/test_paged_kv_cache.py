@@ -79,14 +79,17 @@ def test_allocate_before_configure_names_both_states(model: CausalLM) -> None:
     assert kv.state is KVCacheState.UNRESOLVED
 
 
-def test_configure_is_allowed_once(model: CausalLM) -> None:
+def test_configure_fixes_the_capacity_once_and_again_is_a_no_op(model: CausalLM) -> None:
     kv = _manager(model)
-    kv.configure()
-    with pytest.raises(KVCacheStateError, match="from configured to configured") as exc:
-        kv.configure()
+    first = kv.configure()
+    assert kv.configure() is first  # a finished phase: a no-op (a retried start-up)
+    assert kv.configure(first) is first
+    with pytest.raises(KVCacheStateError, match="already configured") as exc:
+        kv.configure(_config(num_blocks=16))
     assert _state_error(exc) == ("configured", "configured")
     kv.allocate()
-    with pytest.raises(KVCacheStateError, match="from bound to configured"):
+    assert kv.configure() is first
+    with pytest.raises(KVCacheStateError, match="already bound"):
         kv.configure(_config(num_blocks=16))
     assert kv.state is KVCacheState.BOUND
     assert kv.config.num_blocks == 32
