@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -48,7 +47,12 @@ from llmrt.runtime.prefill.runtime import PrefillRuntime
 from llmrt.runtime.program_compiler import PROGRAM_OPERATIONS, ProgramCompiler
 from llmrt.runtime.trace_compiler import TraceCompiler
 from llmrt.runtime.warmup import CaptureBarrier, WarmupCoordinator, WarmupCoordinatorConfig
-from llmrt.weights.checkpoint import Checkpoint, gguf_config, load_checkpoint
+from llmrt.weights.checkpoint import (
+    Checkpoint,
+    existing_checkpoint_path,
+    gguf_config,
+    load_checkpoint,
+)
 from llmrt.weights.tokenizer import Tokenizer, byte_tokenizer
 
 #: Fraction of physical memory one lane's KV cache may take when num_blocks is unresolved.
@@ -140,7 +144,11 @@ def checkpoint_model_type(*, recipe: Recipe) -> str:
     if spec.format == "random":
         return str(recipe.model.get("model_type"))
     if spec.format == "safetensors":
-        config = Path(spec.path or "").expanduser() / "config.json"
+        config = existing_checkpoint_path(spec.path or "", directory=True) / "config.json"
+        if not config.is_file():
+            raise CheckpointError(
+                str(config), "missing: checkpoint.path must be a Hugging Face checkpoint directory"
+            )
         try:
             return str(json.loads(config.read_text(encoding="utf-8"))["model_type"])
         except (OSError, ValueError, KeyError) as exc:

@@ -25,13 +25,37 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 
+MODEL_HELP = (
+    "the model: a GGUF file, a Hugging Face checkpoint directory, or a Hub id "
+    "org/name[@revision] from the local Hugging Face cache; without a recipe, llmrt derives "
+    "one (llmrt recipes show -m SOURCE prints it); with one, -m replaces its checkpoint"
+)
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", metavar="SOURCE", help=MODEL_HELP)
+    p.add_argument(
+        "--gguf-file",
+        metavar="NAME",
+        help="the GGUF file to use from a directory or Hub repo holding several",
+    )
+    p.add_argument(
+        "--download",
+        action="store_true",
+        help="allow fetching a Hub id missing from the local cache (never without this flag; "
+        "HF_HUB_OFFLINE=1 forbids it)",
+    )
+
+
 def _add_recipe_args(p: argparse.ArgumentParser, *, default: str | None = DEFAULT_RECIPE) -> None:
     p.add_argument(
         "recipe",
-        nargs="?" if default else None,
-        default=default,
-        help=f"bundled recipe name or YAML path (default: {default})",
+        nargs="?",
+        default=None,
+        help=f"bundled recipe name, YAML path, or a model as for -m (default: {default}, or "
+        "the recipe derived from -m)",
     )
+    _add_model_args(p)
     p.add_argument(
         "--set",
         dest="overrides",
@@ -168,8 +192,9 @@ def build_parser() -> argparse.ArgumentParser:
     rsub = recipes.add_subparsers(dest="recipes_command", required=True)
     rsub.add_parser("list", help="bundled recipe names")
     for name in ("show", "validate"):
-        rp = rsub.add_parser(name, help=f"{name} a recipe (name or path)")
-        rp.add_argument("recipe")
+        rp = rsub.add_parser(name, help=f"{name} a recipe (name or path, or the one -m derives)")
+        rp.add_argument("recipe", nargs="?", default=None)
+        _add_model_args(rp)
         rp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
 
     warm = sub.add_parser("warmup", help="build, warm and print the coverage manifest")
@@ -211,7 +236,10 @@ def build_parser() -> argparse.ArgumentParser:
         "prefix-cached prefills and greedy decode steps, print the largest logit difference "
         "per phase; exit 0 only within tolerance with equal greedy tokens.",
     )
-    check.add_argument("target", metavar="RECIPE|DIR", help="recipe name or path, or HF dir")
+    check.add_argument(
+        "target", metavar="RECIPE|DIR", nargs="?", help="recipe name or path, or HF dir"
+    )
+    _add_model_args(check)
     check.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     check.add_argument("--steps", type=int, default=32, help="greedy decode steps (default 32)")
     check.add_argument("--tolerance", type=float, default=1e-4)
@@ -266,7 +294,40 @@ def _one_line(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
+def _resolve_model(args: argparse.Namespace, *, default: str | None) -> None:
+    """Fold ``-m SOURCE`` into ``args.recipe`` and ``args.overrides`` (the model's overrides
+    first, the user's ``--set`` after), so every command reads one recipe and its overrides."""
+    model = getattr(args, "model", None)
+    if model is None:
+        if getattr(args, "gguf_file", None) is not None:
+            from llmrt.errors import ConfigError
+
+            raise ConfigError("--gguf-file", args.gguf_file, "needs -m SOURCE")
+        if args.recipe is None:
+            if default is None:
+                from llmrt.errors import ConfigError
+
+                raise ConfigError("recipe", None, "give a recipe or -m SOURCE")
+            args.recipe = default
+        return
+    from llmrt.recipe.derived import model_recipe_args
+
+    recipe, model_overrides = model_recipe_args(
+        model, recipe=args.recipe, gguf_file=args.gguf_file, download=args.download
+    )
+    args.recipe = recipe
+    args.overrides = [*model_overrides, *args.overrides]
+
+
 def _dispatch(args: argparse.Namespace) -> int:
+    if args.command in ("generate", "chat", "bench", "warmup", "serve"):
+        _resolve_model(args, default=DEFAULT_RECIPE)
+    elif args.command == "recipes" and args.recipes_command != "list":
+        _resolve_model(args, default=None)
+    elif args.command == "check":
+        args.recipe = args.target
+        _resolve_model(args, default=None)
+        args.target = args.recipe
     if args.command == "recipes":
         return _recipes(args)
     if args.command == "audit":

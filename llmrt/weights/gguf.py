@@ -115,8 +115,9 @@ def _architecture(metadata: Mapping[str, Any], item: str) -> GGUFArchitecture:
     if architecture is None:
         raise CheckpointError(
             f"{item}: general.architecture",
-            f"unsupported GGUF architecture {arch_name!r}; supported: {sorted(known)} "
-            "(a family reads GGUF files by declaring `gguf`)",
+            f"no llmrt family reads GGUF architecture {arch_name!r}; supported: "
+            f"{', '.join(sorted(known))} (a family reads GGUF files by declaring `gguf`; "
+            f"see {registry.WRITING_A_FAMILY})",
         )
     return architecture
 
