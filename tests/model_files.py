@@ -65,7 +65,7 @@ def llama_permute(w: np.ndarray, heads: int) -> np.ndarray:
     return split.swapaxes(1, 2).reshape(w.shape)
 
 
-def tiny_llama(vocab_size: int, *, seed: int = 0) -> Any:
+def tiny_llama(vocab_size: int, *, seed: int = 0, context: int = 256) -> Any:
     import transformers
 
     torch.manual_seed(seed)
@@ -76,7 +76,7 @@ def tiny_llama(vocab_size: int, *, seed: int = 0) -> Any:
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=256,
+        max_position_embeddings=context,
         rms_norm_eps=1e-5,
         tie_word_embeddings=True,
         initializer_range=0.2,

@@ -100,6 +100,24 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
 
+    chat = sub.add_parser(
+        "chat",
+        help="talk with a model in the terminal (streamed, multi-turn)",
+        description="An interactive conversation with the model's chat template, streamed as "
+        "it decodes, with a stats line (tokens/s, time to first token) after each answer. "
+        "/reset forgets the conversation, /system TEXT sets the system prompt, /exit (or "
+        "Ctrl-D) leaves; Ctrl-C stops an answer. Piped stdin: one user turn per line.",
+    )
+    _add_recipe_args(chat)
+    chat.add_argument("--system", metavar="TEXT", help="the system prompt")
+    chat.add_argument("--max-new-tokens", type=int, default=1024)
+    chat.add_argument("--temperature", type=float, default=0.0)
+    chat.add_argument("--top-k", type=int, default=0)
+    chat.add_argument("--top-p", type=float, default=1.0)
+    chat.add_argument("--seed", type=int, default=None)
+    chat.add_argument("--ignore-eos", action="store_true", help="answer until --max-new-tokens")
+    chat.add_argument("--no-stats", action="store_true", help="no stats line after answers")
+
     bench = sub.add_parser(
         "bench",
         help="measure throughput and latency on a workload",
@@ -351,6 +369,8 @@ def _dispatch(args: argparse.Namespace) -> int:
     configure_logging(level=args.log_level, audit_path=args.audit_log)
     if args.command == "generate":
         return _generate(args)
+    if args.command == "chat":
+        return _chat(args)
     if args.command == "bench":
         from llmrt.cli.bench import run_bench
 
@@ -406,6 +426,7 @@ def _sampling(args: argparse.Namespace) -> Any:
         top_k=args.top_k,
         top_p=args.top_p,
         seed=args.seed,
+        ignore_eos=getattr(args, "ignore_eos", False),
     )
 
 
@@ -461,6 +482,30 @@ def _generate(args: argparse.Namespace) -> int:
                 print(f"--- prompt {out.index} ({out.finish_reason})")
             print(out.text, flush=True)
     return 0
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from llmrt.cli.chat import chat_loop
+    from llmrt.recipe.loader import load_recipe
+    from llmrt.recipe.sizing import request_overrides
+    from llmrt.serving.llm import LLM
+
+    params = _sampling(args)
+    base = load_recipe(args.recipe, overrides=args.overrides)
+    given = {o.split("=", 1)[0].strip() for o in args.overrides}
+    sized = request_overrides(base, requests=1, given=given)
+    recipe = load_recipe(args.recipe, overrides=[*sized, *args.overrides]) if sized else base
+    with LLM.from_recipe(recipe) as llm:
+        return chat_loop(
+            llm,
+            params,
+            system=args.system,
+            stdin=sys.stdin,
+            stdout=sys.stdout,
+            stderr=sys.stderr,
+            interactive=sys.stdin.isatty() and sys.stdout.isatty(),
+            show_stats=not args.no_stats,
+        )
 
 
 def _warmup(args: argparse.Namespace) -> int:
