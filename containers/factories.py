@@ -34,6 +34,7 @@ from llmrt.families.registry import check_family_backend
 from llmrt.kernels.formats import QUANTIZED_FORMATS, dequantized
 from llmrt.kernels.native import require_kernels
 from llmrt.lifecycle.events import component_logger, emit, object_id
+from llmrt.lifecycle.progress import progress_step
 from llmrt.recipe.loader import Recipe
 from llmrt.runtime.compiled_step import StepCompiler
 from llmrt.runtime.config import PageTableLayout, TraceConfig
@@ -212,13 +213,15 @@ def build_model(
     """
     dtype = torch.bfloat16 if recipe.checkpoint.dtype == "bfloat16" else torch.float32
     native = recipe.checkpoint.weight_format == "gguf-native"
-    model = family.build(
-        hf_config=checkpoint.hf_config,
-        tensors=checkpoint.tensors if native else dequantized(checkpoint.tensors),
-        dtype=dtype,
-        device=device if recipe.device.backend == "ttnn" else device.torch_device,
-    )
-    apply_weight_format(model, weights=recipe.checkpoint.weight_format, field="checkpoint.weights")
+    weights = recipe.checkpoint.weight_format
+    with progress_step(f"building the {family.name} model ({weights} weights)"):
+        model = family.build(
+            hf_config=checkpoint.hf_config,
+            tensors=checkpoint.tensors if native else dequantized(checkpoint.tensors),
+            dtype=dtype,
+            device=device if recipe.device.backend == "ttnn" else device.torch_device,
+        )
+        apply_weight_format(model, weights=weights, field="checkpoint.weights")
     if recipe.device.backend == "torch":
         torch_device = torch.device(device.torch_device)
         select_linear_kernel(
@@ -234,7 +237,8 @@ def build_model(
         )
         if gemm_dtype != "float32":
             select_gemm_dtype(model, choice=gemm_dtype, min_rows=recipe.device.gemm_dtype_min_rows)
-        select_weight_layout(model, choice=recipe.device.weight_layout, device=torch_device)
+        with progress_step("repacking weights for the CPU kernels"):
+            select_weight_layout(model, choice=recipe.device.weight_layout, device=torch_device)
         if torch_device.type == "cpu":
             place_weights(
                 model=model,

@@ -65,7 +65,13 @@ def _add_recipe_args(p: argparse.ArgumentParser, *, default: str | None = DEFAUL
         help="override a recipe field by dotted path, e.g. --set trace.mode=all",
     )
     p.add_argument("--audit-log", metavar="FILE", help="write the lifecycle log as JSON lines")
-    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--log-level",
+        default=None,
+        choices=["debug", "info", "warning", "error"],
+        help="log level (default: warning, with progress bars on a terminal; an explicit "
+        "warning or error hides them too)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -365,7 +371,11 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(report.table())
         return 0 if report.ok else 1
     from llmrt.lifecycle.events import configure_logging
+    from llmrt.lifecycle.progress import ENV as PROGRESS_ENV
 
+    if args.log_level in ("warning", "error"):
+        os.environ.setdefault(PROGRESS_ENV, "0")
+    args.log_level = args.log_level or "warning"
     configure_logging(level=args.log_level, audit_path=args.audit_log)
     if args.command == "generate":
         return _generate(args)

@@ -52,8 +52,8 @@ from llmrt.recipe.schema import (
 )
 from llmrt.weights.model_source import (
     ModelSource,
-    gguf_runs_blocks,
     is_gguf_file,
+    model_facts,
     resolve_model_source,
 )
 
@@ -232,7 +232,9 @@ def derived_recipe_args(source: ModelSource) -> tuple[str, list[str]]:
         f"description={quoted(f'{source.name} ({source.kind}), derived by llmrt')}",
         f"checkpoint.path={quoted(str(source.path))}",
     ]
-    if source.kind == "gguf" and not gguf_runs_blocks(source.path):
+    facts = model_facts(source)
+    overrides.append(f"family={facts.family}")
+    if source.kind == "gguf" and not facts.runs_blocks:
         overrides.append("checkpoint.weights=float32")
     return TEMPLATES[source.kind], overrides
 

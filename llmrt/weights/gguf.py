@@ -34,6 +34,7 @@ from llmrt.errors import CheckpointError
 from llmrt.families import registry
 from llmrt.families.gguf_architecture import GGUFArchitecture
 from llmrt.kernels.formats import CheckpointTensor, QuantizedWeight, block_kind_of, from_gguf_bytes
+from llmrt.lifecycle.progress import progress
 from llmrt.weights.cache import CachedCheckpoint, CacheEntry, file_digest
 from llmrt.weights.gguf_file import GGUFTensor, open_gguf
 from llmrt.weights.gguf_tokenizer import gguf_tokenizer
@@ -109,16 +110,9 @@ def read_gguf_config(path: Path) -> dict[str, Any]:
 
 
 def _architecture(metadata: Mapping[str, Any], item: str) -> GGUFArchitecture:
-    arch_name = metadata.get("general.architecture")
-    known = registry.gguf_architectures()
-    architecture = known.get(str(arch_name))
-    if architecture is None:
-        raise CheckpointError(
-            f"{item}: general.architecture",
-            f"no llmrt family reads GGUF architecture {arch_name!r}; supported: "
-            f"{', '.join(sorted(known))} (a family reads GGUF files by declaring `gguf`; "
-            f"see {registry.WRITING_A_FAMILY})",
-        )
+    arch_name = str(metadata.get("general.architecture"))
+    family = registry.family_for_gguf_architecture(arch_name, item=item)
+    architecture: GGUFArchitecture = getattr(family, "gguf")  # noqa: B009
     return architecture
 
 
@@ -134,7 +128,8 @@ def read_gguf(path: Path, *, keep_quantized: bool = False) -> GGUFContents:
     hf_config = architecture.hf_config(metadata, shapes, item)
     tokenizer = gguf_tokenizer(metadata, item=item)
     tensors: dict[str, CheckpointTensor] = {}
-    for tensor in reader.tensors:
+    verb = "reading" if keep_quantized else "dequantizing"
+    for tensor in progress(reader.tensors, desc=f"{verb} {path.name}", unit="tensor"):
         hf_name = architecture.hf_name(tensor.name)
         if hf_name is None:
             raise CheckpointError(

