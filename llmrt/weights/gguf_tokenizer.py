@@ -12,7 +12,7 @@ from types import MappingProxyType
 from typing import Any
 
 import tokenizers
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
 from llmrt.errors import CheckpointError
 from llmrt.weights.tokenizer import Tokenizer, byte_spelling, special_token_processor
@@ -54,6 +54,14 @@ SPLIT_PRE_TOKENIZERS: Mapping[str, str] = MappingProxyType(
     }
 )
 """`tokenizer.ggml.pre` values with their own split regex (as llama.cpp and transformers use)."""
+
+NFC_PRE_TOKENIZERS = frozenset({"qwen2", "deepseek-r1-qwen"})
+"""`tokenizer.ggml.pre` values whose models' tokenizer.json normalizes text to NFC first
+(Qwen2's), so composed and decomposed accents give the same ids."""
+
+WHOLE_WORD_PRE_TOKENIZERS = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "llama4"})
+"""`tokenizer.ggml.pre` values whose BPE takes a split found whole in the vocabulary as one
+token before merging (``ignore_merges`` in Llama 3's tokenizer.json; llama.cpp does the same)."""
 
 
 def gguf_tokenizer(metadata: Mapping[str, Any], *, item: str) -> Tokenizer | None:
@@ -135,6 +143,7 @@ def _bpe_backend(
         if not sep:
             raise CheckpointError(f"{item}: tokenizer.ggml.merges", f"malformed merge {merge!r}")
         pairs.append((left, right))
+    pre_name = "default" if pre is None else str(pre)
     backend = tokenizers.Tokenizer(
         models.BPE(
             vocab=vocab,
@@ -143,9 +152,11 @@ def _bpe_backend(
             continuing_subword_prefix="",
             end_of_word_suffix="",
             fuse_unk=False,
+            ignore_merges=pre_name in WHOLE_WORD_PRE_TOKENIZERS,
         )
     )
-    pre_name = "default" if pre is None else str(pre)
+    if pre_name in NFC_PRE_TOKENIZERS:
+        backend.normalizer = normalizers.NFC()
     if pre_name in GPT2_PRE_TOKENIZERS:
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     elif pre_name in SPLIT_PRE_TOKENIZERS:
