@@ -18,8 +18,16 @@ from typing import Any
 
 import gguf
 import pytest
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
-from tokenizers import pre_tokenizers, trainers
+from tokenizers import (
+    AddedToken,
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    trainers,
+)
 
 from llmrt.weights.gguf_file import open_gguf
 from llmrt.weights.gguf_tokenizer import gguf_tokenizer
@@ -38,14 +46,34 @@ QWEN2_REGEX = (
 )
 
 WORDS = {
-    "latin": "the quick brown fox jumps over lazy dog naïve café déjà vu Straße Ærøskøbing "
-    "piñata façade coöperate IMPORTANT CamelCase snake_case".split(),
-    "greek": "Ελληνικά γλώσσα αλφάβητο Σωκράτης φιλοσοφία".split(),
-    "cyrillic": "русский текст Москва Київ українська мова съешь ещё".split(),
-    "cjk": "日本語のテキスト 中文 汉字 한국어 텍스트 東京都 漢字かな交じり文".split(),
-    "arabic": "العربية مرحبا بالعالم שלום עולם עברית".split(),
-    "indic": "हिन्दी नमस्ते दुनिया தமிழ் বাংলা ภาษาไทย สวัสดี".split(),
-    "emoji": "😀 👍🏽 🇺🇸 👩‍👩‍👧 🧑🏿‍💻 ✨ 🚀 ❤️".split(),
+    "latin": [
+        "the",
+        "quick",
+        "brown",
+        "fox",
+        "jumps",
+        "over",
+        "lazy",
+        "dog",
+        "naïve",
+        "café",
+        "déjà",
+        "vu",
+        "Straße",
+        "Ærøskøbing",
+        "piñata",
+        "façade",
+        "coöperate",
+        "IMPORTANT",
+        "CamelCase",
+        "snake_case",
+    ],
+    "greek": ["Ελληνικά", "γλώσσα", "αλφάβητο", "Σωκράτης", "φιλοσοφία"],
+    "cyrillic": ["русский", "текст", "Москва", "Київ", "українська", "мова", "съешь", "ещё"],
+    "cjk": ["日本語のテキスト", "中文", "汉字", "한국어", "텍스트", "東京都", "漢字かな交じり文"],
+    "arabic": ["العربية", "مرحبا", "بالعالم", "שלום", "עולם", "עברית"],
+    "indic": ["हिन्दी", "नमस्ते", "दुनिया", "தமிழ்", "বাংলা", "ภาษาไทย", "สวัสดี"],
+    "emoji": ["😀", "👍🏽", "🇺🇸", "👩\u200d👩\u200d👧", "🧑🏿\u200d💻", "✨", "🚀", "❤️"],
 }
 CODE = [
     "def f(x: int) -> int:\n    return x ** 2  # square",
@@ -53,7 +81,7 @@ CODE = [
     "SELECT name, count(*) FROM users WHERE age >= 18 GROUP BY name;",
     "if (a && b || !c) { return a->b[c] << 2; }",
     "const re = /^[a-z]+\\d{2,}$/gi; // regex",
-    "<div class=\"x\">&amp; &lt;tag&gt;</div>",
+    '<div class="x">&amp; &lt;tag&gt;</div>',
     "fn main() { let v: Vec<u8> = vec![0xFF, 0x0a]; }",
 ]
 CONTRACTIONS = ["I'm", "they'll", "we've", "it's", "YOU'RE", "She'D", "don't", "O'Brien"]
@@ -185,3 +213,80 @@ def test_llama3_takes_a_whole_word_in_the_vocabulary_before_merging(tmp_path: Pa
         expected = [vocab["abc"]] if whole else [vocab["a"], vocab["bc"]]
         assert ours.encode("abc", add_special_tokens=False) == expected
         assert reference.encode("abc", add_special_tokens=False).ids == expected
+
+
+SPM_SPECIALS = ["<unk>", "<s>", "</s>"]
+BYTES = [f"<0x{b:02X}>" for b in range(256)]
+
+
+def sentencepiece_vocab(lines: list[str]) -> tuple[list[str], list[float]]:
+    """A SentencePiece-BPE vocabulary laid out as Llama 2's: ``<unk> <s> </s>``, the 256
+    byte pieces, then pieces (``▁`` for spaces) scored by rank, learned from ``lines``."""
+    learner = Tokenizer(models.BPE(unk_token="<unk>"))
+    learner.normalizer = normalizers.Sequence(
+        [normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")]
+    )
+    learner.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="never")  # no cross-word
+    trainer = trainers.BpeTrainer(
+        vocab_size=2000, special_tokens=[*SPM_SPECIALS, *BYTES], limit_alphabet=120,
+        show_progress=False,
+    )  # fmt: skip
+    learner.train_from_iterator(lines, trainer=trainer)
+    vocab = learner.get_vocab(with_added_tokens=False)
+    tokens = sorted(vocab, key=vocab.__getitem__)
+    fixed = len(SPM_SPECIALS) + len(BYTES)
+    assert tokens[:fixed] == [*SPM_SPECIALS, *BYTES]
+    return tokens, [0.0] * fixed + [-float(i) for i in range(len(tokens) - fixed)]
+
+
+def llama2_reference(tokens: list[str], scores: list[float]) -> Tokenizer:
+    """The tokenizer Llama 2's tokenizer.json describes, over this vocabulary, with the
+    merges transformers' converter recovers from the SentencePiece scores."""
+    from transformers.tokenization_utils_base import generate_merges
+
+    vocab = {token: i for i, token in enumerate(tokens)}
+    merges = generate_merges(vocab, dict(zip(tokens, scores, strict=True)))
+    reference = Tokenizer(
+        models.BPE(vocab=vocab, merges=merges, unk_token="<unk>", fuse_unk=True, byte_fallback=True)
+    )
+    reference.normalizer = normalizers.Sequence(
+        [normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")]
+    )
+    reference.decoder = decoders.Sequence(
+        [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+         decoders.Strip(" ", 1, 0)]
+    )  # fmt: skip
+    reference.add_special_tokens([AddedToken(t, special=True) for t in SPM_SPECIALS])
+    return reference
+
+
+def test_gguf_sentencepiece_matches_the_llama2_tokenizer(tmp_path: Path, lines: list[str]) -> None:
+    pytest.importorskip("transformers")
+    tokens, scores = sentencepiece_vocab(lines[1::4])
+    reference = llama2_reference(tokens, scores)
+    writer = gguf.GGUFWriter(str(tmp_path / "spm.gguf"), "llama")
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    types = [2, 3, 3] + [6] * len(BYTES) + [1] * (len(tokens) - 3 - len(BYTES))
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    ours = gguf_tokenizer(open_gguf(tmp_path / "spm.gguf").metadata, item="spm")
+    assert ours is not None and ours.bos_token_id == 1 and ours.eos_token_ids[0] == 2
+    mismatches: list[Any] = []
+    fallbacks = 0
+    for line in [*lines, "  two leading spaces", "<s>hi</s>", "trailing  "]:
+        want = reference.encode(line, add_special_tokens=False).ids
+        got = ours.encode(line, add_special_tokens=False)
+        fallbacks += any(3 <= i < 3 + len(BYTES) for i in want)
+        if got != want or ours.decode(got) != reference.decode(want):
+            mismatches.append((line, got[:12], want[:12]))
+    assert not mismatches, f"{len(mismatches)} lines differ, first: {mismatches[:3]}"
+    assert fallbacks > 100  # rare characters really went through <0xNN> pieces
+    assert ours.encode("hello") == [1, *reference.encode("hello").ids]  # bos, as llama.cpp
