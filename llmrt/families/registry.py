@@ -185,23 +185,6 @@ def gguf_architectures() -> dict[str, Any]:
     return out
 
 
-def family_for_gguf_architecture(architecture: str, *, item: str) -> Family:
-    """The family reading GGUF files of ``general.architecture`` ``architecture`` (``item``
-    names the file); a ``CheckpointError`` listing the supported ones otherwise."""
-    from llmrt.errors import CheckpointError
-
-    for family in _loadable_families():
-        gguf = getattr(family, "gguf", None)
-        if gguf is not None and gguf.name == architecture:
-            return family
-    supported = ", ".join(sorted(gguf_architectures()))
-    raise CheckpointError(
-        f"{item}: general.architecture",
-        f"no llmrt family reads GGUF architecture {architecture!r}; supported: {supported} "
-        f"(a family reads GGUF files by declaring `gguf`; see {WRITING_A_FAMILY})",
-    )
-
-
 def hf_architectures() -> dict[str, str]:
     """Hugging Face architecture (``LlamaForCausalLM``) -> the family serving it, from
     each family's ``architectures``; families that fail to load are left out."""

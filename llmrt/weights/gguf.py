@@ -31,11 +31,11 @@ import numpy as np
 import torch
 
 from llmrt.errors import CheckpointError
-from llmrt.families import registry
 from llmrt.families.gguf_architecture import GGUFArchitecture
 from llmrt.kernels.formats import CheckpointTensor, QuantizedWeight, block_kind_of, from_gguf_bytes
 from llmrt.lifecycle.progress import progress
 from llmrt.weights.cache import CachedCheckpoint, CacheEntry, file_digest
+from llmrt.weights.gguf_architectures import architecture_for
 from llmrt.weights.gguf_file import GGUFTensor, open_gguf
 from llmrt.weights.gguf_tokenizer import gguf_tokenizer
 from llmrt.weights.tokenizer import Tokenizer
@@ -110,10 +110,7 @@ def read_gguf_config(path: Path) -> dict[str, Any]:
 
 
 def _architecture(metadata: Mapping[str, Any], item: str) -> GGUFArchitecture:
-    arch_name = str(metadata.get("general.architecture"))
-    family = registry.family_for_gguf_architecture(arch_name, item=item)
-    architecture: GGUFArchitecture = getattr(family, "gguf")  # noqa: B009
-    return architecture
+    return architecture_for(str(metadata.get("general.architecture")), item=item)
 
 
 def read_gguf(path: Path, *, keep_quantized: bool = False) -> GGUFContents:

@@ -249,6 +249,7 @@ def model_facts(source: ModelSource) -> ModelFacts:
     or ``CheckpointError`` listing the supported ones."""
     from llmrt.families import registry
     from llmrt.kernels.formats import block_kind_of
+    from llmrt.weights.gguf_architectures import architecture_for
     from llmrt.weights.gguf_file import open_gguf
 
     if source.kind == "safetensors":
@@ -261,8 +262,11 @@ def model_facts(source: ModelSource) -> ModelFacts:
             family=registry.family_for_model_type(str(model_type)).name, runs_blocks=False
         )
     header = open_gguf(source.path)
-    architecture = header.metadata.get("general.architecture")
-    family = registry.family_for_gguf_architecture(str(architecture), item=str(source.path))
+    item = str(source.path)
+    architecture = architecture_for(str(header.metadata.get("general.architecture")), item=item)
+    shapes = {tensor.name: tensor.shape for tensor in header.tensors}
+    model_type = architecture.hf_config(header.metadata, shapes, item)["model_type"]
+    family = registry.family_for_model_type(str(model_type))
     runs_blocks = any(
         len(tensor.dims) == 2 and block_kind_of(int(tensor.tensor_type)) is not None
         for tensor in header.tensors
