@@ -13,7 +13,7 @@ import gguf
 import numpy as np
 import torch
 from tokenizers import Tokenizer as HFTokenizer
-from tokenizers import models, pre_tokenizers, trainers
+from tokenizers import decoders, models, pre_tokenizers, trainers
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
@@ -40,6 +40,7 @@ def train_bpe(vocab_size: int = 400) -> HFTokenizer:
         show_progress=False,
     )
     tokenizer.train_from_iterator(CORPUS, trainer=trainer)
+    tokenizer.decoder = decoders.ByteLevel()
     return tokenizer
 
 

@@ -279,3 +279,44 @@ def test_generate_m_on_the_command_line(
     code, out, err = run(capsys, "generate", "-m", str(files["gguf"]), *args, *sets)
     assert code == 0, err
     assert __import__("json").loads(out)["token_ids"][:4] == reference_tokens(files, ids, 4)
+
+
+def test_serve_m_serves_the_file_under_its_name(files: dict[str, Any], tmp_path: Path) -> None:
+    """``llmrt serve -m FILE``: /v1/models lists the file's stem; a chat completion is the
+    model's greedy answer."""
+    import re
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import httpx
+
+    log = tmp_path / "serve.log"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    sets = [x for o in SMALL for x in ("--set", o)]
+    with log.open("w") as sink:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "llmrt.cli", "serve", "-m", str(files["gguf"]), "--port", "0",
+             *sets],
+            stderr=sink, stdout=subprocess.DEVNULL, env=env,
+        )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 240
+        while not (found := re.search(r"http://127\.0\.0\.1:(\d+)", log.read_text())):
+            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+            time.sleep(0.1)
+        url = f"http://127.0.0.1:{found.group(1)}"
+        while httpx.get(f"{url}/health", timeout=60).status_code != 200:
+            assert time.monotonic() < deadline and proc.poll() is None, log.read_text()
+            time.sleep(0.2)
+        models = httpx.get(f"{url}/v1/models", timeout=60).json()
+        assert [m["id"] for m in models["data"]] == ["Tiny-Llama.F32"]
+        ids = files["bpe"].encode(PROMPT).ids
+        body = {"model": "Tiny-Llama.F32", "prompt": ids, "max_tokens": 4, "temperature": 0}
+        answer = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+        expected = files["bpe"].decode(reference_tokens(files, ids, 4))
+        assert answer["choices"][0]["text"] == expected
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
