@@ -322,6 +322,14 @@ def _resolve_model(args: argparse.Namespace, *, default: str | None) -> None:
     """Fold ``-m SOURCE`` into ``args.recipe`` and ``args.overrides`` (the model's overrides
     first, the user's ``--set`` after), so every command reads one recipe and its overrides."""
     model = getattr(args, "model", None)
+    if model is None and args.recipe is not None:
+        from llmrt.recipe.loader import derived_recipe_args, model_in_place_of_recipe
+
+        source = model_in_place_of_recipe(args.recipe)  # ``llmrt generate model.gguf``
+        if source is not None:
+            args.recipe, derived = derived_recipe_args(source)
+            args.overrides = [*derived, *args.overrides]
+            return
     if model is None:
         if getattr(args, "gguf_file", None) is not None:
             from llmrt.errors import ConfigError
