@@ -19,6 +19,7 @@ import numpy as np
 from llmrt.errors import CheckpointError
 from llmrt.families import registry
 from llmrt.families.gguf_architecture import (
+    ConfigReader,
     GGUFArchitecture,
     metadata_field,
     reject_rope_scaling,
@@ -58,7 +59,14 @@ Extra = Callable[[Mapping[str, Any], str, str], dict[str, Any]]
 
 
 def _decoder_config(
-    *, arch: str, model_type: str, architecture: str, hidden_act: str, eps_key: str, eps_name: str
+    *,
+    arch: str,
+    model_type: str,
+    architecture: str,
+    hidden_act: str,
+    eps_key: str,
+    eps_name: str,
+    partial_rotary: bool = False,
 ) -> Callable[[Mapping[str, Any], Mapping[str, tuple[int, ...]], str], dict[str, Any]]:
     """The config reader shared by llama-like decoders: the metadata every converter writes."""
 
@@ -70,7 +78,10 @@ def _decoder_config(
         heads = int(metadata_field(metadata, key("attention.head_count"), item))
         head_dim = int(metadata.get(key("attention.key_length")) or hidden // heads)
         rope_dim = metadata.get(key("rope.dimension_count"))
-        if rope_dim is not None and int(rope_dim) != head_dim:
+        rotary: dict[str, Any] = {}
+        if partial_rotary:
+            rotary["partial_rotary_factor"] = int(rope_dim or head_dim) / head_dim
+        elif rope_dim is not None and int(rope_dim) != head_dim:
             raise CheckpointError(
                 f"{item}: {key('rope.dimension_count')}",
                 f"partial rotary ({rope_dim} of head_dim {head_dim}) is not supported",
@@ -92,6 +103,7 @@ def _decoder_config(
             "hidden_act": hidden_act,
             "attention_bias": "blk.0.attn_q.bias" in shapes,
             "tie_word_embeddings": "output.weight" not in shapes,
+            **rotary,
             **token_ids(metadata),
         }
         window = metadata.get(key("attention.sliding_window"))
@@ -145,6 +157,28 @@ def _gemma2_extra(metadata: Mapping[str, Any], config: dict[str, Any]) -> dict[s
     return extra
 
 
+def _stablelm_extra(metadata: Mapping[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "use_qkv_bias": config["attention_bias"],
+        "use_parallel_residual": bool(metadata.get("stablelm.use_parallel_residual", False)),
+    }
+
+
+def _no_qk_layernorm(
+    read: Callable[[Mapping[str, Any], Mapping[str, tuple[int, ...]], str], dict[str, Any]],
+) -> Callable[[Mapping[str, Any], Mapping[str, tuple[int, ...]], str], dict[str, Any]]:
+    def checked(
+        metadata: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], item: str
+    ) -> dict[str, Any]:
+        if "blk.0.attn_q_norm.weight" in shapes:
+            raise CheckpointError(
+                f"{item}: blk.0.attn_q_norm.weight", "StableLM's per-head q/k norms are not read"
+            )
+        return read(metadata, shapes, item)
+
+    return checked
+
+
 def _architecture(
     name: str,
     *,
@@ -156,7 +190,8 @@ def _architecture(
     eps_name: str = "rms_norm_eps",
     extra: Callable[[Mapping[str, Any], dict[str, Any]], dict[str, Any]] | None = None,
     convert: Callable[[str, np.ndarray, Mapping[str, Any]], np.ndarray] | None = None,
-    rope_factors: bool = False,
+    guard: Callable[[ConfigReader], ConfigReader] | None = None,
+    partial_rotary: bool = False,
 ) -> GGUFArchitecture:
     read = _decoder_config(
         arch=name,
@@ -165,11 +200,12 @@ def _architecture(
         hidden_act=hidden_act,
         eps_key=eps_key,
         eps_name=eps_name,
+        partial_rotary=partial_rotary,
     )
     if extra is not None:
         read = _with(read, extra)
-    if rope_factors:
-        read = _reject_rope_factors(read)
+    if guard is not None:
+        read = guard(read)
     kwargs: dict[str, Any] = {} if convert is None else {"convert": convert}
     return GGUFArchitecture(
         name=name,
@@ -216,7 +252,7 @@ LLAMA_CPP_ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType(
                 "phi3",
                 model_type="phi3",
                 architecture="Phi3ForCausalLM",
-                rope_factors=True,
+                guard=_reject_rope_factors,
                 block_names={
                     "attn_qkv": "model.layers.{layer}.self_attn.qkv_proj",
                     "attn_output": "model.layers.{layer}.self_attn.o_proj",
@@ -236,6 +272,17 @@ LLAMA_CPP_ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType(
                     "post_attention_norm": "model.layers.{layer}.post_attention_layernorm",
                     "post_ffw_norm": "model.layers.{layer}.post_feedforward_layernorm",
                 },
+            ),
+            _architecture(
+                "stablelm",
+                model_type="stablelm",
+                architecture="StableLmForCausalLM",
+                eps_key="attention.layer_norm_epsilon",
+                eps_name="layer_norm_eps",
+                partial_rotary=True,
+                extra=_stablelm_extra,
+                guard=_no_qk_layernorm,
+                block_names={**_ATTENTION, **_GATED_MLP, **_PRE_NORMS},
             ),
             _architecture(
                 "gemma",

@@ -36,6 +36,7 @@ HEADER_KEYS = {
         "query_pre_attn_scalar",
     ),
     "starcoder2": ("norm_epsilon",),
+    "stablelm": ("partial_rotary_factor", "layer_norm_eps", "use_qkv_bias"),
 }  # fmt: skip
 COMMON = {
     "hidden_size": 64,
@@ -72,6 +73,7 @@ CASES: dict[str, tuple[str, dict[str, Any], str]] = {
     "starcoder2": ("Starcoder2Config", {"use_bias": True}, ""),
     "phi3": ("Phi3Config", {"pad_token_id": 0}, ""),
     "olmo2": ("Olmo2Config", {}, ""),
+    "stablelm": ("StableLmConfig", {"partial_rotary_factor": 0.5, "use_qkv_bias": True}, ""),
     "gemma": ("GemmaConfig", {"head_dim": 16}, "gemma"),
     "gemma2": (
         "Gemma2Config",
@@ -132,11 +134,14 @@ def write_gguf(path: Path, arch: str, model: Any, bpe: Any) -> Path:
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
-    writer.add_rope_dimension_count(head_dim)
     rope = getattr(cfg, "rope_parameters", None) or {}
+    writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
     writer.add_rope_freq_base(float(rope.get("rope_theta", getattr(cfg, "rope_theta", 1e4))))
     if arch == "starcoder2":
         writer.add_layer_norm_eps(cfg.norm_epsilon)
+    elif arch == "stablelm":
+        writer.add_layer_norm_eps(cfg.layer_norm_eps)
+        writer.add_parallel_residual(cfg.use_parallel_residual)
     else:
         writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     if arch == "gemma2":
@@ -193,6 +198,7 @@ def test_a_gguf_of_each_architecture_runs_like_transformers(
     stated = model.config.to_dict()
     rope = stated.get("rope_parameters") or {}
     stated.setdefault("rope_theta", rope.get("rope_theta"))
+    stated.setdefault("partial_rotary_factor", rope.get("partial_rotary_factor"))
     compared = [k for k in derived if k in stated and k not in NOT_IN_THE_HEADER]
     assert len(compared) >= 10
     assert set(HEADER_KEYS.get(arch, ())) <= set(compared)
