@@ -179,6 +179,24 @@ def _no_qk_layernorm(
     return checked
 
 
+def _gptneox_extra(metadata: Mapping[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "rotary_pct": config["partial_rotary_factor"],
+        "use_parallel_residual": bool(metadata.get("gptneox.use_parallel_residual", True)),
+    }
+
+
+def _gptneox_qkv(name: str, values: np.ndarray, hf_config: Mapping[str, Any]) -> np.ndarray:
+    """llama.cpp stores GPT-NeoX's fused QKV rows as all q, all k, all v; Hugging Face
+    interleaves them per head (q, k, v of head 0, then of head 1, ...)."""
+    if ".attn_qkv." not in name:
+        return values
+    heads = int(hf_config["num_attention_heads"])
+    head_dim = values.shape[0] // 3 // heads
+    split = values.reshape(3, heads, head_dim, *values.shape[1:])
+    return split.swapaxes(0, 1).reshape(values.shape)
+
+
 def _architecture(
     name: str,
     *,
@@ -192,6 +210,7 @@ def _architecture(
     convert: Callable[[str, np.ndarray, Mapping[str, Any]], np.ndarray] | None = None,
     guard: Callable[[ConfigReader], ConfigReader] | None = None,
     partial_rotary: bool = False,
+    global_names: Mapping[str, str] = _GLOBAL,
 ) -> GGUFArchitecture:
     read = _decoder_config(
         arch=name,
@@ -210,7 +229,7 @@ def _architecture(
     return GGUFArchitecture(
         name=name,
         hf_config=read,
-        global_names=_GLOBAL,
+        global_names=MappingProxyType(dict(global_names)),
         block_names=MappingProxyType(dict(block_names)),
         **kwargs,
     )
@@ -283,6 +302,31 @@ LLAMA_CPP_ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType(
                 extra=_stablelm_extra,
                 guard=_no_qk_layernorm,
                 block_names={**_ATTENTION, **_GATED_MLP, **_PRE_NORMS},
+            ),
+            _architecture(
+                "gptneox",
+                model_type="gpt_neox",
+                architecture="GPTNeoXForCausalLM",
+                hidden_act="gelu",
+                eps_key="attention.layer_norm_epsilon",
+                eps_name="layer_norm_eps",
+                partial_rotary=True,
+                extra=_gptneox_extra,
+                convert=_gptneox_qkv,
+                global_names={
+                    "token_embd.weight": "gpt_neox.embed_in.weight",
+                    "output_norm.weight": "gpt_neox.final_layer_norm.weight",
+                    "output_norm.bias": "gpt_neox.final_layer_norm.bias",
+                    "output.weight": "embed_out.weight",
+                },
+                block_names={
+                    "attn_norm": "gpt_neox.layers.{layer}.input_layernorm",
+                    "ffn_norm": "gpt_neox.layers.{layer}.post_attention_layernorm",
+                    "attn_qkv": "gpt_neox.layers.{layer}.attention.query_key_value",
+                    "attn_output": "gpt_neox.layers.{layer}.attention.dense",
+                    "ffn_up": "gpt_neox.layers.{layer}.mlp.dense_h_to_4h",
+                    "ffn_down": "gpt_neox.layers.{layer}.mlp.dense_4h_to_h",
+                },
             ),
             _architecture(
                 "gemma",

@@ -37,6 +37,7 @@ HEADER_KEYS = {
     ),
     "starcoder2": ("norm_epsilon",),
     "stablelm": ("partial_rotary_factor", "layer_norm_eps", "use_qkv_bias"),
+    "gptneox": ("partial_rotary_factor", "layer_norm_eps", "use_parallel_residual"),
 }  # fmt: skip
 COMMON = {
     "hidden_size": 64,
@@ -52,6 +53,19 @@ COMMON = {
 def _gemma_norms(name: str, array: np.ndarray) -> np.ndarray:
     """llama.cpp's Gemma converters store RMSNorm weights as ``1 + w``."""
     return array + 1 if name.endswith("norm.weight") else array
+
+
+def _neox_qkv(cfg: Any) -> Callable[[str, np.ndarray], np.ndarray]:
+    """llama.cpp's GPTNeoXModel: per-head interleaved q, k, v rows to all q, all k, all v."""
+
+    def regroup(name: str, array: np.ndarray) -> np.ndarray:
+        if ".attn_qkv." not in name:
+            return array
+        heads = cfg.num_attention_heads
+        split = array.reshape(heads, 3, cfg.hidden_size // heads, *array.shape[1:])
+        return np.concatenate([split[:, j].reshape(-1, *array.shape[1:]) for j in range(3)])
+
+    return regroup
 
 
 def _llama_qk(cfg: Any) -> Callable[[str, np.ndarray], np.ndarray]:
@@ -74,6 +88,7 @@ CASES: dict[str, tuple[str, dict[str, Any], str]] = {
     "phi3": ("Phi3Config", {"pad_token_id": 0}, ""),
     "olmo2": ("Olmo2Config", {}, ""),
     "stablelm": ("StableLmConfig", {"partial_rotary_factor": 0.5, "use_qkv_bias": True}, ""),
+    "gptneox": ("GPTNeoXConfig", {"partial_rotary_factor": 0.25}, "gptneox"),
     "gemma": ("GemmaConfig", {"head_dim": 16}, "gemma"),
     "gemma2": (
         "Gemma2Config",
@@ -139,7 +154,7 @@ def write_gguf(path: Path, arch: str, model: Any, bpe: Any) -> Path:
     writer.add_rope_freq_base(float(rope.get("rope_theta", getattr(cfg, "rope_theta", 1e4))))
     if arch == "starcoder2":
         writer.add_layer_norm_eps(cfg.norm_epsilon)
-    elif arch == "stablelm":
+    elif arch in ("gptneox", "stablelm"):
         writer.add_layer_norm_eps(cfg.layer_norm_eps)
         writer.add_parallel_residual(cfg.use_parallel_residual)
     else:
@@ -151,7 +166,7 @@ def write_gguf(path: Path, arch: str, model: Any, bpe: Any) -> Path:
     add_bpe_tokenizer(writer, bpe)
     arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     names = gguf.get_tensor_name_map(arch_id, cfg.num_hidden_layers)
-    permute = _llama_qk(cfg) if change == "llama" else None
+    permute = {"llama": _llama_qk, "gptneox": _neox_qkv}.get(change, lambda cfg: None)(cfg)
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
