@@ -197,6 +197,18 @@ def _gptneox_qkv(name: str, values: np.ndarray, hf_config: Mapping[str, Any]) ->
     return split.swapaxes(0, 1).reshape(values.shape)
 
 
+def _gemma3_extra(metadata: Mapping[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """What llama.cpp's ``gemma3`` (text) fixes in code rather than in the header: a full
+    attention layer every sixth, local layers' RoPE base 10000, and the query scale of the
+    1B-12B models (``head_dim``)."""
+    return {
+        "query_pre_attn_scalar": config["head_dim"],
+        "sliding_window_pattern": 6,
+        "rope_local_base_freq": 10000.0,
+        "final_logit_softcapping": None,
+    }
+
+
 def _architecture(
     name: str,
     *,
@@ -302,6 +314,23 @@ LLAMA_CPP_ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType(
                 extra=_stablelm_extra,
                 guard=_no_qk_layernorm,
                 block_names={**_ATTENTION, **_GATED_MLP, **_PRE_NORMS},
+            ),
+            _architecture(
+                "gemma3",
+                model_type="gemma3_text",
+                architecture="Gemma3ForCausalLM",
+                hidden_act="gelu_pytorch_tanh",
+                convert=_gemma_norms,
+                extra=_gemma3_extra,
+                block_names={
+                    **_ATTENTION,
+                    **_GATED_MLP,
+                    **_QK_NORMS,
+                    "attn_norm": "model.layers.{layer}.input_layernorm",
+                    "post_attention_norm": "model.layers.{layer}.post_attention_layernorm",
+                    "ffn_norm": "model.layers.{layer}.pre_feedforward_layernorm",
+                    "post_ffw_norm": "model.layers.{layer}.post_feedforward_layernorm",
+                },
             ),
             _architecture(
                 "gptneox",

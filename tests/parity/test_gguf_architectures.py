@@ -88,6 +88,21 @@ CASES: dict[str, tuple[str, dict[str, Any], str]] = {
     "phi3": ("Phi3Config", {"pad_token_id": 0}, ""),
     "olmo2": ("Olmo2Config", {}, ""),
     "stablelm": ("StableLmConfig", {"partial_rotary_factor": 0.5, "use_qkv_bias": True}, ""),
+    "gemma3": (
+        "Gemma3TextConfig",
+        {
+            "head_dim": 16,
+            "query_pre_attn_scalar": 16,
+            "sliding_window": 8,  # shorter than the prompt: the window matters
+            "num_hidden_layers": 6,  # five local layers, then a global one
+            "layer_types": ["sliding_attention"] * 5 + ["full_attention"],
+            "rope_parameters": {
+                "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+            },
+        },
+        "gemma",
+    ),
     "gptneox": ("GPTNeoXConfig", {"partial_rotary_factor": 0.25}, "gptneox"),
     "gemma": ("GemmaConfig", {"head_dim": 16}, "gemma"),
     "gemma2": (
@@ -119,7 +134,7 @@ def bpe() -> Any:
 
 def tiny_model(arch: str, vocab: int) -> Any:
     config_class, extra, _ = CASES[arch]
-    config = getattr(transformers, config_class)(vocab_size=vocab, **COMMON, **extra)
+    config = getattr(transformers, config_class)(vocab_size=vocab, **{**COMMON, **extra})
     if arch == "starcoder2":
         config.norm_epsilon = 1e-5
     torch.manual_seed(0)
@@ -150,6 +165,7 @@ def write_gguf(path: Path, arch: str, model: Any, bpe: Any) -> Path:
     writer.add_key_length(head_dim)
     writer.add_value_length(head_dim)
     rope = getattr(cfg, "rope_parameters", None) or {}
+    rope = rope.get("full_attention", rope)  # Gemma 3: the global layers' base
     writer.add_rope_dimension_count(int(head_dim * rope.get("partial_rotary_factor", 1.0)))
     writer.add_rope_freq_base(float(rope.get("rope_theta", getattr(cfg, "rope_theta", 1e4))))
     if arch == "starcoder2":
@@ -159,6 +175,8 @@ def write_gguf(path: Path, arch: str, model: Any, bpe: Any) -> Path:
         writer.add_parallel_residual(cfg.use_parallel_residual)
     else:
         writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if arch == "gemma3":
+        writer.add_sliding_window(cfg.sliding_window)
     if arch == "gemma2":
         writer.add_sliding_window(cfg.sliding_window)
         writer.add_attn_logit_softcapping(cfg.attn_logit_softcapping)
@@ -212,6 +230,7 @@ def test_a_gguf_of_each_architecture_runs_like_transformers(
     derived = read_gguf_config(path)
     stated = model.config.to_dict()
     rope = stated.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)
     stated.setdefault("rope_theta", rope.get("rope_theta"))
     stated.setdefault("partial_rotary_factor", rope.get("partial_rotary_factor"))
     compared = [k for k in derived if k in stated and k not in NOT_IN_THE_HEADER]
