@@ -24,6 +24,7 @@ from llmrt.families.gguf_architecture import (
     metadata_field,
     reject_rope_scaling,
     token_ids,
+    unpermute_rotary,
     vocab_size,
 )
 
@@ -209,6 +210,30 @@ def _gemma3_extra(metadata: Mapping[str, Any], config: dict[str, Any]) -> dict[s
     }
 
 
+def _granite_extra(metadata: Mapping[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """Granite's four scalars, under llama.cpp's names."""
+    out = {}
+    for gguf_key, hf_key in (
+        ("embedding_scale", "embedding_multiplier"),
+        ("residual_scale", "residual_multiplier"),
+        ("attention.scale", "attention_multiplier"),
+        ("logit_scale", "logits_scaling"),
+    ):
+        value = metadata.get(f"granite.{gguf_key}")
+        if value is not None:
+            out[hf_key] = float(value)
+    return out
+
+
+def _llama_rotary(name: str, values: np.ndarray, hf_config: Mapping[str, Any]) -> np.ndarray:
+    """Undo llama.cpp's interleaving of rotary halves in Q and K rows (llama-derived files)."""
+    if ".attn_q." in name:
+        return unpermute_rotary(values, heads=int(hf_config["num_attention_heads"]))
+    if ".attn_k." in name:
+        return unpermute_rotary(values, heads=int(hf_config["num_key_value_heads"]))
+    return values
+
+
 def _architecture(
     name: str,
     *,
@@ -331,6 +356,14 @@ LLAMA_CPP_ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType(
                     "ffn_norm": "model.layers.{layer}.pre_feedforward_layernorm",
                     "post_ffw_norm": "model.layers.{layer}.post_feedforward_layernorm",
                 },
+            ),
+            _architecture(
+                "granite",
+                model_type="granite",
+                architecture="GraniteForCausalLM",
+                convert=_llama_rotary,
+                extra=_granite_extra,
+                block_names={**_ATTENTION, **_GATED_MLP, **_PRE_NORMS},
             ),
             _architecture(
                 "gptneox",

@@ -37,6 +37,9 @@ HEADER_KEYS = {
     ),
     "starcoder2": ("norm_epsilon",),
     "stablelm": ("partial_rotary_factor", "layer_norm_eps", "use_qkv_bias"),
+    "granite": (
+        "embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling",
+    ),
     "gptneox": ("partial_rotary_factor", "layer_norm_eps", "use_parallel_residual"),
 }  # fmt: skip
 COMMON = {
@@ -102,6 +105,16 @@ CASES: dict[str, tuple[str, dict[str, Any], str]] = {
             },
         },
         "gemma",
+    ),
+    "granite": (
+        "GraniteConfig",
+        {
+            "embedding_multiplier": 3.0,
+            "residual_multiplier": 0.5,
+            "attention_multiplier": 0.125,
+            "logits_scaling": 2.0,
+        },
+        "llama",  # llama.cpp's GraniteModel is a LlamaModel: Q/K rows permuted
     ),
     "gptneox": ("GPTNeoXConfig", {"partial_rotary_factor": 0.25}, "gptneox"),
     "gemma": ("GemmaConfig", {"head_dim": 16}, "gemma"),
@@ -175,6 +188,11 @@ def write_gguf(path: Path, arch: str, model: Any, bpe: Any) -> Path:
         writer.add_parallel_residual(cfg.use_parallel_residual)
     else:
         writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if arch == "granite":
+        writer.add_embedding_scale(cfg.embedding_multiplier)
+        writer.add_residual_scale(cfg.residual_multiplier)
+        writer.add_attention_scale(cfg.attention_multiplier)
+        writer.add_logit_scale(cfg.logits_scaling)
     if arch == "gemma3":
         writer.add_sliding_window(cfg.sliding_window)
     if arch == "gemma2":
