@@ -8,6 +8,7 @@ easy to extend (``build_model`` may gain the lane's port device or mesh handle).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable, Sequence
@@ -237,7 +238,9 @@ def build_model(
         )
         if gemm_dtype != "float32":
             select_gemm_dtype(model, choice=gemm_dtype, min_rows=recipe.device.gemm_dtype_min_rows)
-        with progress_step("repacking weights for the CPU kernels"):
+        quantized = recipe.checkpoint.weight_format in QUANTIZED_FORMATS
+        repacking = progress_step("repacking weights for the CPU kernels") if quantized else None
+        with repacking or contextlib.nullcontext():
             select_weight_layout(model, choice=recipe.device.weight_layout, device=torch_device)
         if torch_device.type == "cpu":
             place_weights(

@@ -1,10 +1,11 @@
 """Progress bars (tqdm, on stderr) for the steps that can take seconds: loading and
 dequantizing weights, repacking them, writing the weight cache, compiling warmup programs.
 
-A bar shows only on a terminal, and only once its step has run ``DELAY_S``, so quick steps
-and logs piped to a file stay clean. ``LLMRT_PROGRESS`` overrides: ``0`` hides every bar
-(the CLI sets it for an explicit ``--log-level warning`` or ``error``), ``1`` shows them even
-without a terminal. Bars are removed when their step ends.
+Bars show only on a terminal, so logs piped to a file stay clean; a bar over items shows
+once its step has run ``DELAY_S`` (quick loops print nothing), a one-call step
+(``progress_step``) shows its description while the call runs. ``LLMRT_PROGRESS``
+overrides: ``0`` hides every bar (the CLI sets it for an explicit ``--log-level warning`` or
+``error``), ``1`` shows them even without a terminal. Bars are removed when their step ends.
 """
 
 from __future__ import annotations

@@ -56,8 +56,6 @@ _QK_NORMS = {
     "attn_k_norm": "model.layers.{layer}.self_attn.k_norm",
 }
 
-Extra = Callable[[Mapping[str, Any], str, str], dict[str, Any]]
-
 
 def _decoder_config(
     *,
