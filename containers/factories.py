@@ -8,10 +8,10 @@ easy to extend (``build_model`` may gain the lane's port device or mesh handle).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
 
 import attrs
@@ -36,6 +36,7 @@ from llmrt.families.registry import check_family_backend
 from llmrt.kernels.formats import QUANTIZED_FORMATS, dequantized
 from llmrt.kernels.native import require_kernels
 from llmrt.lifecycle.events import component_logger, emit, object_id
+from llmrt.lifecycle.progress import progress_step
 from llmrt.recipe.loader import Recipe
 from llmrt.runtime.compiled_step import StepCompiler
 from llmrt.runtime.config import PageTableLayout, TraceConfig
@@ -49,7 +50,12 @@ from llmrt.runtime.prefill.runtime import PrefillRuntime
 from llmrt.runtime.program_compiler import PROGRAM_OPERATIONS, ProgramCompiler
 from llmrt.runtime.trace_compiler import TraceCompiler
 from llmrt.runtime.warmup import CaptureBarrier, WarmupCoordinator, WarmupCoordinatorConfig
-from llmrt.weights.checkpoint import Checkpoint, gguf_config, load_checkpoint
+from llmrt.weights.checkpoint import (
+    Checkpoint,
+    existing_checkpoint_path,
+    gguf_config,
+    load_checkpoint,
+)
 from llmrt.weights.tokenizer import Tokenizer, byte_tokenizer
 
 #: Fraction of physical memory one lane's KV cache may take when num_blocks is unresolved.
@@ -192,7 +198,11 @@ def checkpoint_model_type(*, recipe: Recipe) -> str:
     if spec.format == "random":
         return str(recipe.model.get("model_type"))
     if spec.format == "safetensors":
-        config = Path(spec.path or "").expanduser() / "config.json"
+        config = existing_checkpoint_path(spec.path or "", directory=True) / "config.json"
+        if not config.is_file():
+            raise CheckpointError(
+                str(config), "missing: checkpoint.path must be a Hugging Face checkpoint directory"
+            )
         try:
             return str(json.loads(config.read_text(encoding="utf-8"))["model_type"])
         except (OSError, ValueError, KeyError) as exc:
@@ -256,13 +266,15 @@ def build_model(
     """
     dtype = torch.bfloat16 if recipe.checkpoint.dtype == "bfloat16" else torch.float32
     native = recipe.checkpoint.weight_format == "gguf-native"
-    model = family.build(
-        hf_config=checkpoint.hf_config,
-        tensors=checkpoint.tensors if native else dequantized(checkpoint.tensors),
-        dtype=dtype,
-        device=device if recipe.device.backend == "ttnn" else device.torch_device,
-    )
-    apply_weight_format(model, weights=recipe.checkpoint.weight_format, field="checkpoint.weights")
+    weights = recipe.checkpoint.weight_format
+    with progress_step(f"building the {family.name} model ({weights} weights)"):
+        model = family.build(
+            hf_config=checkpoint.hf_config,
+            tensors=checkpoint.tensors if native else dequantized(checkpoint.tensors),
+            dtype=dtype,
+            device=device if recipe.device.backend == "ttnn" else device.torch_device,
+        )
+        apply_weight_format(model, weights=weights, field="checkpoint.weights")
     if recipe.device.backend == "torch":
         torch_device = torch.device(device.torch_device)
         select_linear_kernel(
@@ -278,7 +290,10 @@ def build_model(
         )
         if gemm_dtype != "float32":
             select_gemm_dtype(model, choice=gemm_dtype, min_rows=recipe.device.gemm_dtype_min_rows)
-        select_weight_layout(model, choice=recipe.device.weight_layout, device=torch_device)
+        quantized = recipe.checkpoint.weight_format in QUANTIZED_FORMATS
+        repacking = progress_step("repacking weights for the CPU kernels") if quantized else None
+        with repacking or contextlib.nullcontext():
+            select_weight_layout(model, choice=recipe.device.weight_layout, device=torch_device)
         if torch_device.type == "cpu":
             place_weights(
                 model=model,

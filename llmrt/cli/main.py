@@ -25,13 +25,37 @@ USER_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 
+MODEL_HELP = (
+    "the model: a GGUF file, a Hugging Face checkpoint directory, or a Hub id "
+    "org/name[@revision] from the local Hugging Face cache; without a recipe, llmrt derives "
+    "one (llmrt recipes show -m SOURCE prints it); with one, -m replaces its checkpoint"
+)
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-m", "--model", metavar="SOURCE", help=MODEL_HELP)
+    p.add_argument(
+        "--gguf-file",
+        metavar="NAME",
+        help="the GGUF file to use from a directory or Hub repo holding several",
+    )
+    p.add_argument(
+        "--download",
+        action="store_true",
+        help="allow fetching a Hub id missing from the local cache (never without this flag; "
+        "HF_HUB_OFFLINE=1 forbids it)",
+    )
+
+
 def _add_recipe_args(p: argparse.ArgumentParser, *, default: str | None = DEFAULT_RECIPE) -> None:
     p.add_argument(
         "recipe",
-        nargs="?" if default else None,
-        default=default,
-        help=f"bundled recipe name or YAML path (default: {default})",
+        nargs="?",
+        default=None,
+        help=f"bundled recipe name, YAML path, or a model as for -m (default: {default}, or "
+        "the recipe derived from -m)",
     )
+    _add_model_args(p)
     p.add_argument(
         "--set",
         dest="overrides",
@@ -41,7 +65,13 @@ def _add_recipe_args(p: argparse.ArgumentParser, *, default: str | None = DEFAUL
         help="override a recipe field by dotted path, e.g. --set trace.mode=all",
     )
     p.add_argument("--audit-log", metavar="FILE", help="write the lifecycle log as JSON lines")
-    p.add_argument("--log-level", default="warning", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--log-level",
+        default=None,
+        choices=["debug", "info", "warning", "error"],
+        help="log level (default: warning, with progress bars on a terminal; an explicit "
+        "warning or error hides them too)",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,6 +105,24 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
+
+    chat = sub.add_parser(
+        "chat",
+        help="talk with a model in the terminal (streamed, multi-turn)",
+        description="An interactive conversation with the model's chat template, streamed as "
+        "it decodes, with a stats line (tokens/s, time to first token) after each answer. "
+        "/reset forgets the conversation, /system TEXT sets the system prompt, /exit (or "
+        "Ctrl-D) leaves; Ctrl-C stops an answer. Piped stdin: one user turn per line.",
+    )
+    _add_recipe_args(chat)
+    chat.add_argument("--system", metavar="TEXT", help="the system prompt")
+    chat.add_argument("--max-new-tokens", type=int, default=1024)
+    chat.add_argument("--temperature", type=float, default=0.0)
+    chat.add_argument("--top-k", type=int, default=0)
+    chat.add_argument("--top-p", type=float, default=1.0)
+    chat.add_argument("--seed", type=int, default=None)
+    chat.add_argument("--ignore-eos", action="store_true", help="answer until --max-new-tokens")
+    chat.add_argument("--no-stats", action="store_true", help="no stats line after answers")
 
     bench = sub.add_parser(
         "bench",
@@ -168,8 +216,9 @@ def build_parser() -> argparse.ArgumentParser:
     rsub = recipes.add_subparsers(dest="recipes_command", required=True)
     rsub.add_parser("list", help="bundled recipe names")
     for name in ("show", "validate"):
-        rp = rsub.add_parser(name, help=f"{name} a recipe (name or path)")
-        rp.add_argument("recipe")
+        rp = rsub.add_parser(name, help=f"{name} a recipe (name or path, or the one -m derives)")
+        rp.add_argument("recipe", nargs="?", default=None)
+        _add_model_args(rp)
         rp.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
 
     warm = sub.add_parser("warmup", help="build, warm and print the coverage manifest")
@@ -211,7 +260,10 @@ def build_parser() -> argparse.ArgumentParser:
         "prefix-cached prefills and greedy decode steps, print the largest logit difference "
         "per phase; exit 0 only within tolerance with equal greedy tokens.",
     )
-    check.add_argument("target", metavar="RECIPE|DIR", help="recipe name or path, or HF dir")
+    check.add_argument(
+        "target", metavar="RECIPE|DIR", nargs="?", help="recipe name or path, or HF dir"
+    )
+    _add_model_args(check)
     check.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     check.add_argument("--steps", type=int, default=32, help="greedy decode steps (default 32)")
     check.add_argument("--tolerance", type=float, default=1e-4)
@@ -266,7 +318,48 @@ def _one_line(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
+def _resolve_model(args: argparse.Namespace, *, default: str | None) -> None:
+    """Fold ``-m SOURCE`` into ``args.recipe`` and ``args.overrides`` (the model's overrides
+    first, the user's ``--set`` after), so every command reads one recipe and its overrides."""
+    model = getattr(args, "model", None)
+    if model is None and args.recipe is not None:
+        from llmrt.recipe.loader import derived_recipe_args, model_in_place_of_recipe
+
+        source = model_in_place_of_recipe(args.recipe)  # ``llmrt generate model.gguf``
+        if source is not None:
+            args.recipe, derived = derived_recipe_args(source)
+            args.overrides = [*derived, *args.overrides]
+            return
+    if model is None:
+        if getattr(args, "gguf_file", None) is not None:
+            from llmrt.errors import ConfigError
+
+            raise ConfigError("--gguf-file", args.gguf_file, "needs -m SOURCE")
+        if args.recipe is None:
+            if default is None:
+                from llmrt.errors import ConfigError
+
+                raise ConfigError("recipe", None, "give a recipe or -m SOURCE")
+            args.recipe = default
+        return
+    from llmrt.recipe.derived import model_recipe_args
+
+    recipe, model_overrides = model_recipe_args(
+        model, recipe=args.recipe, gguf_file=args.gguf_file, download=args.download
+    )
+    args.recipe = recipe
+    args.overrides = [*model_overrides, *args.overrides]
+
+
 def _dispatch(args: argparse.Namespace) -> int:
+    if args.command in ("generate", "chat", "bench", "warmup", "serve"):
+        _resolve_model(args, default=DEFAULT_RECIPE)
+    elif args.command == "recipes" and args.recipes_command != "list":
+        _resolve_model(args, default=None)
+    elif args.command == "check":
+        args.recipe = args.target
+        _resolve_model(args, default=None)
+        args.target = args.recipe
     if args.command == "recipes":
         return _recipes(args)
     if args.command == "audit":
@@ -286,10 +379,16 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(report.table())
         return 0 if report.ok else 1
     from llmrt.lifecycle.events import configure_logging
+    from llmrt.lifecycle.progress import ENV as PROGRESS_ENV
 
+    if args.log_level in ("warning", "error"):
+        os.environ.setdefault(PROGRESS_ENV, "0")
+    args.log_level = args.log_level or "warning"
     configure_logging(level=args.log_level, audit_path=args.audit_log)
     if args.command == "generate":
         return _generate(args)
+    if args.command == "chat":
+        return _chat(args)
     if args.command == "bench":
         from llmrt.cli.bench import run_bench
 
@@ -345,6 +444,7 @@ def _sampling(args: argparse.Namespace) -> Any:
         top_k=args.top_k,
         top_p=args.top_p,
         seed=args.seed,
+        ignore_eos=getattr(args, "ignore_eos", False),
     )
 
 
@@ -400,6 +500,30 @@ def _generate(args: argparse.Namespace) -> int:
                 print(f"--- prompt {out.index} ({out.finish_reason})")
             print(out.text, flush=True)
     return 0
+
+
+def _chat(args: argparse.Namespace) -> int:
+    from llmrt.cli.chat import chat_loop
+    from llmrt.recipe.loader import load_recipe
+    from llmrt.recipe.sizing import request_overrides
+    from llmrt.serving.llm import LLM
+
+    params = _sampling(args)
+    base = load_recipe(args.recipe, overrides=args.overrides)
+    given = {o.split("=", 1)[0].strip() for o in args.overrides}
+    sized = request_overrides(base, requests=1, given=given)
+    recipe = load_recipe(args.recipe, overrides=[*sized, *args.overrides]) if sized else base
+    with LLM.from_recipe(recipe) as llm:
+        return chat_loop(
+            llm,
+            params,
+            system=args.system,
+            stdin=sys.stdin,
+            stdout=sys.stdout,
+            stderr=sys.stderr,
+            interactive=sys.stdin.isatty() and sys.stdout.isatty(),
+            show_stats=not args.no_stats,
+        )
 
 
 def _warmup(args: argparse.Namespace) -> int:

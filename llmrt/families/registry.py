@@ -21,6 +21,10 @@ from llmrt.errors import FamilyError, RecipeError
 from llmrt.families.base import Family
 
 GROUP = "llmrt.families"
+#: Where a user learns to add a family (named by errors about a model no family reads).
+WRITING_A_FAMILY = "docs/writing-a-family.md"
+#: Modules whose families exist for tests (fakes), never listed to a user as supported.
+TEST_ONLY_MODULES = ("llmrt.testing.",)
 #: Backends a family supports when it does not declare ``backends``.
 DEFAULT_BACKENDS: tuple[str, ...] = ("torch",)
 
@@ -99,6 +103,21 @@ def model_types() -> tuple[str, ...]:
     return tuple(sorted({t for family in families() for t in family.model_types}))
 
 
+def user_families() -> tuple[Family, ...]:
+    """The families a user can run: every loadable one but the test-only fakes (defined
+    under ``TEST_ONLY_MODULES``, e.g. ``toy_ttnn``)."""
+    return tuple(
+        family
+        for family in _loadable_families()
+        if not type(family).__module__.startswith(TEST_ONLY_MODULES)
+        and not _entry_value(family.name).startswith(TEST_ONLY_MODULES)
+    )
+
+
+def _entry_value(name: str) -> str:
+    return next((ep.value for ep in _entry_points() if ep.name == name), "")
+
+
 def family_for_model_type(model_type: str) -> Family:
     """The one family whose ``model_types`` include ``model_type`` (for ``family: auto``)."""
     everything = families()
@@ -108,9 +127,12 @@ def family_for_model_type(model_type: str) -> Family:
     if matches:
         claimants = ", ".join(family.name for family in matches)
         raise FamilyError(f"model_type {model_type!r} is claimed by several families: {claimants}")
+    supported = user_families()
+    types = sorted({t for family in supported for t in family.model_types})
     raise FamilyError(
         f"no installed family handles model_type {model_type!r}; "
-        f"known model types: {', '.join(model_types())} (families: {', '.join(family_names())})"
+        f"known model types: {', '.join(types)} "
+        f"(families: {', '.join(f.name for f in supported)}; to add one see {WRITING_A_FAMILY})"
     )
 
 

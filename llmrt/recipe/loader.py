@@ -15,6 +15,7 @@ section it names, so ``{"kv_cache": {"num_blocks": 64}}`` equals ``kv_cache.num_
 from __future__ import annotations
 
 import functools
+import json
 import os
 import re
 import types
@@ -49,6 +50,12 @@ from llmrt.recipe.schema import (
     TtnnSpec,
     registered_families,
 )
+from llmrt.weights.model_source import (
+    ModelSource,
+    is_gguf_file,
+    model_facts,
+    resolve_model_source,
+)
 
 __all__ = [
     "BYTE_TOKENIZER_VOCAB_SIZE",
@@ -66,6 +73,8 @@ __all__ = [
     "dump_recipe_yaml",
     "list_recipes",
     "load_recipe",
+    "load_recipe_with",
+    "recipe_data",
     "recipe_from_dict",
     "recipe_to_dict",
     "registered_families",
@@ -116,12 +125,38 @@ def load_recipe(
 
     A bare name (``smollm2-135m``) is a bundled recipe; anything containing a path
     separator, ending in ``.yaml``/``.yml`` or naming an existing file is read from disk.
+    A GGUF file, a checkpoint directory or a cached Hub id instead is a model: the recipe is
+    derived from it (``llmrt.recipe.derived``), then ``overrides`` apply.
     """
+    model = model_in_place_of_recipe(name_or_path)
+    if model is not None:
+        template, derived = derived_recipe_args(model)
+        return load_recipe_with(template, derived, overrides, env=env)
+    return load_recipe_with(name_or_path, None, overrides, env=env)
+
+
+def load_recipe_with(
+    name_or_path: str,
+    first: Overrides | None,
+    then: Overrides | None,
+    *,
+    env: Mapping[str, str] = os.environ,
+) -> Recipe:
+    """``load_recipe`` with two rounds of overrides (a model's checkpoint, then the user's)."""
     source, text = _read_source(name_or_path)
     raw = _parse_yaml(text, source)
     expanded = _expand_env(raw, [], env)
-    _apply_overrides(expanded, overrides)
+    _apply_overrides(expanded, first)
+    _apply_overrides(expanded, then)
     return _structure(expanded)
+
+
+def recipe_data(name_or_path: str, *, env: Mapping[str, str] = os.environ) -> dict[str, Any]:
+    """A recipe file's data, ``${ENV}`` expanded, not validated (it may lack a checkpoint
+    path that ``-m`` gives)."""
+    source, text = _read_source(name_or_path)
+    expanded: dict[str, Any] = _expand_env(_parse_yaml(text, source), [], env)
+    return expanded
 
 
 def recipe_from_dict(data: Mapping[str, Any], *, overrides: Overrides | None = None) -> Recipe:
@@ -159,6 +194,56 @@ def dump_recipe_yaml(recipe: Recipe) -> str:
     )
 
 
+# ---------------------------------------------------------------------- derived recipes
+
+#: The bundled recipe a model of each kind starts from.
+TEMPLATES = {"gguf": "gguf", "safetensors": "hf"}
+
+
+def model_in_place_of_recipe(name_or_path: str) -> ModelSource | None:
+    """The model ``name_or_path`` names where a recipe was expected (``llmrt generate
+    FILE.gguf``, ``LLM.from_recipe(DIR)``), or None when it is a recipe (a bundled name, a
+    YAML file) or names nothing (the recipe loader reports it)."""
+    if not isinstance(name_or_path, str) or not name_or_path:
+        return None
+    if "/" not in name_or_path and (files(RECIPES_PACKAGE) / f"{name_or_path}.yaml").is_file():
+        return None
+    path = Path(name_or_path).expanduser()
+    if path.is_dir() or (path.is_file() and is_gguf_file(path)):
+        return resolve_model_source(name_or_path, field="recipe")
+    if path.exists() or name_or_path.endswith((".yaml", ".yml")) or "/" not in name_or_path:
+        return None
+    if name_or_path.startswith(("/", ".", "~")):
+        return None
+    try:
+        return resolve_model_source(name_or_path, field="recipe")
+    except ConfigError as exc:
+        raise RecipeError(
+            "recipe",
+            name_or_path,
+            f"is no bundled recipe, file or directory; as a Hub id: {exc.reason}",
+        ) from exc
+
+
+def derived_recipe_args(source: ModelSource) -> tuple[str, list[str]]:
+    """The template and overrides that describe ``source`` with the fastest defaults."""
+    overrides = [
+        f"name={quoted(source.name)}",
+        f"description={quoted(f'{source.name} ({source.kind}), derived by llmrt')}",
+        f"checkpoint.path={quoted(str(source.path))}",
+    ]
+    facts = model_facts(source)
+    overrides.append(f"family={facts.family}")
+    if source.kind == "gguf" and not facts.runs_blocks:
+        overrides.append("checkpoint.weights=float32")
+    return TEMPLATES[source.kind], overrides
+
+
+def quoted(text: str) -> str:
+    """``text`` as a YAML scalar that parses back to the same string (for overrides)."""
+    return json.dumps(text, ensure_ascii=False)
+
+
 # ----------------------------------------------------------------------------- reading
 
 
@@ -169,6 +254,13 @@ def _read_source(name_or_path: str) -> tuple[str, str]:
         path = Path(name_or_path).expanduser()
         try:
             return str(path), path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as exc:
+            raise RecipeError(
+                "recipe",
+                name_or_path,
+                "is neither a recipe (YAML text) nor a GGUF file (no GGUF magic bytes) nor a "
+                "checkpoint directory",
+            ) from exc
         except OSError as exc:
             raise RecipeError(
                 "recipe", name_or_path, f"cannot read the file: {exc.strerror or exc}"

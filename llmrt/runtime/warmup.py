@@ -20,6 +20,7 @@ import torch
 
 from llmrt.errors import ConfigError, IdentityError, TraceStateError
 from llmrt.lifecycle.events import component_logger, emit
+from llmrt.lifecycle.progress import progress
 from llmrt.runtime.config import PageTableLayout, TraceConfig, WarmupConfig
 from llmrt.runtime.decode import PreparedDecode
 from llmrt.runtime.execution import EagerExecutor, TracedExecutor
@@ -249,7 +250,8 @@ class WarmupCoordinator:
                 operation="prefill",
                 geometries=len(self.config.prefill_coverage),
             )
-            for cov in self.config.prefill_coverage:
+            coverage = self.config.prefill_coverage
+            for cov in progress(coverage, desc="compiling prefill", unit="program"):
                 self.execution.compile_prefill(self._representative_prefill(cov))
             self._prefill_done = True
             emit(
@@ -264,7 +266,8 @@ class WarmupCoordinator:
         if not self._decode_done:
             sizes = self._eager.decode.config.batch_sizes
             emit(self._log, "warmup.started", operation="decode", geometries=len(sizes))
-            for batch in sorted(sizes, reverse=True):
+            batches = sorted(sizes, reverse=True)
+            for batch in progress(batches, desc="compiling decode", unit="program"):
                 self.execution.compile_decode(self._representative_decode(batch))
             self._decode_done = True
             emit(self._log, "warmup.completed", operation="decode", geometries=len(sizes))

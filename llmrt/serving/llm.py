@@ -8,7 +8,14 @@ from typing import Any
 import attrs
 
 from llmrt.errors import RequestError
-from llmrt.recipe.loader import Overrides, Recipe, load_recipe
+from llmrt.recipe.loader import (
+    Overrides,
+    Recipe,
+    load_recipe,
+    load_recipe_with,
+    recipe_from_dict,
+    recipe_to_dict,
+)
 from llmrt.sampling.params import SamplingParams
 from llmrt.serving.engine import Engine, EngineStats, TokenEvent
 from llmrt.serving.request import Request
@@ -46,12 +53,38 @@ class RequestOutput:
 
 
 class LLM:
-    """A warmed runtime built from a recipe; a context manager whose ``close`` tears it down."""
+    """A warmed runtime built from a recipe; a context manager whose ``close`` tears it down.
 
-    def __init__(self, *, recipe: Recipe, container: Any) -> None:
-        self.recipe = recipe
-        self.container = container
+    ``LLM("model.gguf")`` / ``LLM(model="org/name")`` (vLLM's spelling) derive the recipe
+    from the model, or replace the checkpoint of ``recipe`` (a name or path) when one is
+    given; ``overrides`` apply after. ``download=True`` allows fetching a Hub id missing
+    from the local cache; ``gguf_file`` picks one file of a GGUF repo.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        *,
+        recipe: Recipe | str | None = None,
+        container: Any = None,
+        overrides: Overrides | None = None,
+        gguf_file: str | None = None,
+        download: bool = False,
+    ) -> None:
         self._closed = False
+        if container is None:
+            from llmrt.containers import RuntimeContainer
+
+            recipe = _recipe_for(
+                model, recipe=recipe, overrides=overrides, gguf_file=gguf_file, download=download
+            )
+            container = RuntimeContainer(recipe=recipe)
+        elif model is not None or not isinstance(recipe, Recipe) or overrides is not None:
+            raise RequestError(
+                "container", "is given with its recipe (a Recipe) only, not with model/overrides"
+            )
+        self.recipe: Recipe = recipe
+        self.container = container
         try:
             from llmrt.containers import start_runtime
 
@@ -81,14 +114,7 @@ class LLM:
     @classmethod
     def from_recipe(cls, name_or_path: str | Recipe, *, overrides: Overrides | None = None) -> LLM:
         """Build, allocate and warm the runtime a recipe describes."""
-        from llmrt.containers import RuntimeContainer
-
-        recipe = (
-            name_or_path
-            if isinstance(name_or_path, Recipe)
-            else load_recipe(name_or_path, overrides=overrides)
-        )
-        return cls(recipe=recipe, container=RuntimeContainer(recipe=recipe))
+        return cls(recipe=name_or_path, overrides=overrides)
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -201,6 +227,38 @@ class LLM:
 
     def stats(self) -> EngineStats:
         return self.engine.stats()
+
+
+def _recipe_for(
+    model: str | None,
+    *,
+    recipe: Recipe | str | None,
+    overrides: Overrides | None,
+    gguf_file: str | None,
+    download: bool,
+) -> Recipe:
+    """The recipe ``LLM(...)`` builds: ``recipe`` as given, or derived from / pointed at
+    ``model``."""
+    if model is None:
+        if recipe is None:
+            raise RequestError("model", "give a model (a GGUF file, directory or Hub id) or recipe")
+        if gguf_file is not None:
+            raise RequestError("gguf_file", "needs model", value=gguf_file)
+        if isinstance(recipe, Recipe):
+            if overrides is None:
+                return recipe
+            return recipe_from_dict(recipe_to_dict(recipe), overrides=overrides)
+        return load_recipe(recipe, overrides=overrides)
+    if isinstance(recipe, Recipe):
+        raise RequestError(
+            "recipe", "must be a name or path when model is given (-m replaces its checkpoint)"
+        )
+    from llmrt.recipe.derived import model_recipe_args
+
+    name, model_overrides = model_recipe_args(
+        model, recipe=recipe, gguf_file=gguf_file, download=download
+    )
+    return load_recipe_with(name, model_overrides, overrides)
 
 
 def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

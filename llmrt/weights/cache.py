@@ -30,6 +30,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from llmrt.lifecycle.progress import progress_step
+
 ENTRY_FORMAT = 1
 
 _CHUNK = 8 << 20
@@ -118,7 +120,8 @@ class CacheEntry:
     def write(self, content: CachedCheckpoint) -> None:
         """Store `content` atomically; failures are logged and leave no half entry behind."""
         try:
-            self._write(content)
+            with progress_step(f"writing the weight cache {self.directory}"):
+                self._write(content)
         except Exception as exc:  # a cache is an optimisation: never fail the load for it
             _log.warning("cannot write cache entry %s: %s", self.directory, exc)
             with contextlib.suppress(OSError):

@@ -137,7 +137,7 @@ def load_checkpoint(
         _forbid(format, package=package, file=file, model=model)
         if path is None:
             raise ConfigError("checkpoint.path", None, "required for format 'safetensors'")
-        directory = Path(path).expanduser()
+        directory = existing_checkpoint_path(path, directory=True)
         contents = read_safetensors_dir(directory)
         source = f"safetensors:{directory}"
         hf_config, tokenizer = contents.hf_config, contents.tokenizer
@@ -163,6 +163,28 @@ def load_checkpoint(
     return Checkpoint(
         source=source, hf_config=hf_config, tensors=tensors, tokenizer=tokenizer, mappings=mappings
     )
+
+
+def existing_checkpoint_path(
+    path: str | os.PathLike[str], *, directory: bool, field: str = "checkpoint.path"
+) -> Path:
+    """``path`` expanded, when it names an existing directory (``directory``) or file;
+    otherwise a ``ConfigError`` naming ``field`` and what is missing."""
+    location = Path(path).expanduser()
+    want = "directory" if directory else "file"
+    if not location.exists():
+        raise ConfigError(field, os.fspath(path), f"no such {want}")
+    if directory and not location.is_dir():
+        raise ConfigError(
+            field,
+            os.fspath(path),
+            "is a file; a Hugging Face checkpoint is a directory (config.json, *.safetensors)",
+        )
+    if not directory and not location.is_file():
+        raise ConfigError(field, os.fspath(path), "is a directory, not a GGUF file")
+    if not os.access(location, os.R_OK | (os.X_OK if directory else 0)):
+        raise ConfigError(field, os.fspath(path), "is not readable (permissions)")
+    return location
 
 
 def gguf_config(
@@ -288,7 +310,7 @@ def _gguf_path(
             raise ConfigError(
                 "checkpoint.path", os.fspath(path), "give either path or package + file, not both"
             )
-        return Path(path).expanduser()
+        return existing_checkpoint_path(path, directory=False)
     if package is None or file is None:
         raise ConfigError(
             "checkpoint.package" if package is None else "checkpoint.file",

@@ -31,10 +31,11 @@ import numpy as np
 import torch
 
 from llmrt.errors import CheckpointError
-from llmrt.families import registry
 from llmrt.families.gguf_architecture import GGUFArchitecture
 from llmrt.kernels.formats import CheckpointTensor, QuantizedWeight, block_kind_of, from_gguf_bytes
+from llmrt.lifecycle.progress import progress
 from llmrt.weights.cache import CachedCheckpoint, CacheEntry, file_digest
+from llmrt.weights.gguf_architectures import architecture_for
 from llmrt.weights.gguf_file import GGUFTensor, open_gguf
 from llmrt.weights.gguf_tokenizer import gguf_tokenizer
 from llmrt.weights.tokenizer import Tokenizer
@@ -109,16 +110,7 @@ def read_gguf_config(path: Path) -> dict[str, Any]:
 
 
 def _architecture(metadata: Mapping[str, Any], item: str) -> GGUFArchitecture:
-    arch_name = metadata.get("general.architecture")
-    known = registry.gguf_architectures()
-    architecture = known.get(str(arch_name))
-    if architecture is None:
-        raise CheckpointError(
-            f"{item}: general.architecture",
-            f"unsupported GGUF architecture {arch_name!r}; supported: {sorted(known)} "
-            "(a family reads GGUF files by declaring `gguf`)",
-        )
-    return architecture
+    return architecture_for(str(metadata.get("general.architecture")), item=item)
 
 
 def read_gguf(path: Path, *, keep_quantized: bool = False) -> GGUFContents:
@@ -133,7 +125,8 @@ def read_gguf(path: Path, *, keep_quantized: bool = False) -> GGUFContents:
     hf_config = architecture.hf_config(metadata, shapes, item)
     tokenizer = gguf_tokenizer(metadata, item=item)
     tensors: dict[str, CheckpointTensor] = {}
-    for tensor in reader.tensors:
+    verb = "reading" if keep_quantized else "dequantizing"
+    for tensor in progress(reader.tensors, desc=f"{verb} {path.name}", unit="tensor"):
         hf_name = architecture.hf_name(tensor.name)
         if hf_name is None:
             raise CheckpointError(

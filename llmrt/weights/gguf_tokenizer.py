@@ -1,8 +1,14 @@
 """Rebuild a checkpoint's tokenizer from GGUF metadata (`tokenizer.*` keys).
 
 A GGUF file carries no `tokenizer.json`; it stores the vocabulary, merges, token types and
-special ids under llama.cpp's key names. Byte-level BPE (`tokenizer.ggml.model == "gpt2"`) is
-rebuilt the way Hugging Face transformers does it, so both give the same ids for the same text.
+special ids under llama.cpp's key names. Two kinds are rebuilt as the models' own
+`tokenizer.json` files define them, so both give the same ids for the same text:
+
+- `gpt2`: byte-level BPE, split by the `tokenizer.ggml.pre` regex;
+- `llama`: SentencePiece BPE (Llama 2, Mistral, TinyLlama...): `▁` for spaces and a leading
+  one (`tokenizer.ggml.add_space_prefix`), byte fallback to `<0xNN>` tokens, and merges
+  recovered from the scores as Hugging Face's converter recovers them (every split of a
+  piece into two pieces, best score first).
 """
 
 from __future__ import annotations
@@ -12,11 +18,12 @@ from types import MappingProxyType
 from typing import Any
 
 import tokenizers
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers
 
 from llmrt.errors import CheckpointError
 from llmrt.weights.tokenizer import Tokenizer, byte_spelling, special_token_processor
 
+_UNKNOWN = 2
 _CONTROL = 3
 _USER_DEFINED = 4
 
@@ -55,6 +62,14 @@ SPLIT_PRE_TOKENIZERS: Mapping[str, str] = MappingProxyType(
 )
 """`tokenizer.ggml.pre` values with their own split regex (as llama.cpp and transformers use)."""
 
+NFC_PRE_TOKENIZERS = frozenset({"qwen2", "deepseek-r1-qwen"})
+"""`tokenizer.ggml.pre` values whose models' tokenizer.json normalizes text to NFC first
+(Qwen2's), so composed and decomposed accents give the same ids."""
+
+WHOLE_WORD_PRE_TOKENIZERS = frozenset({"llama3", "llama-v3", "llama-bpe", "falcon3", "llama4"})
+"""`tokenizer.ggml.pre` values whose BPE takes a split found whole in the vocabulary as one
+token before merging (``ignore_merges`` in Llama 3's tokenizer.json; llama.cpp does the same)."""
+
 
 def gguf_tokenizer(metadata: Mapping[str, Any], *, item: str) -> Tokenizer | None:
     """The tokenizer described by `metadata`, or None when the file has no `tokenizer.ggml.model`.
@@ -64,10 +79,13 @@ def gguf_tokenizer(metadata: Mapping[str, Any], *, item: str) -> Tokenizer | Non
     model = metadata.get("tokenizer.ggml.model")
     if model is None:
         return None
+    if model == "llama":
+        return _sentencepiece(metadata, item=item)
     if model != "gpt2":
         raise CheckpointError(
             f"{item}: tokenizer.ggml.model",
-            f"unsupported tokenizer model {model!r}; llmrt rebuilds only byte-level BPE ('gpt2')",
+            f"unsupported tokenizer model {model!r}; llmrt rebuilds byte-level BPE ('gpt2') "
+            "and SentencePiece BPE ('llama')",
         )
     tokens = _string_list(metadata, "tokenizer.ggml.tokens", item=item)
     merges = _string_list(metadata, "tokenizer.ggml.merges", item=item)
@@ -105,9 +123,100 @@ def gguf_tokenizer(metadata: Mapping[str, Any], *, item: str) -> Tokenizer | Non
     ]
     if user_defined:
         backend.add_tokens(user_defined)
+    return _finish(backend, spelled, special_ids, metadata, item=item, add_bos_default=False)
 
+
+def _sentencepiece(metadata: Mapping[str, Any], *, item: str) -> Tokenizer:
+    """A ``llama`` (SentencePiece BPE) vocabulary as Llama 2's tokenizer.json spells it."""
+    tokens = _string_list(metadata, "tokenizer.ggml.tokens", item=item)
+    scores = list(metadata.get("tokenizer.ggml.scores") or [])
+    if len(scores) != len(tokens):
+        raise CheckpointError(
+            f"{item}: tokenizer.ggml.scores", f"{len(scores)} scores for {len(tokens)} tokens"
+        )
+    token_types = list(metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens))
+    if len(token_types) != len(tokens):
+        raise CheckpointError(
+            f"{item}: tokenizer.ggml.token_type",
+            f"{len(token_types)} types for {len(tokens)} tokens",
+        )
+    special_ids = {
+        key: _special_id(metadata, key, len(tokens), item=item)
+        for key in ("bos", "eos", "unknown", "padding", "eot", "eom")
+    }
+    unk_id = special_ids["unknown"]
+    vocab = {token: index for index, token in enumerate(tokens)}
+    backend = tokenizers.Tokenizer(
+        models.BPE(
+            vocab=vocab,
+            merges=_merges_from_scores(tokens, [float(s) for s in scores], vocab),
+            unk_token=tokens[unk_id] if unk_id is not None else None,
+            fuse_unk=True,
+            byte_fallback=True,
+            dropout=None,
+        )
+    )
+    prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
+    spaces = normalizers.Replace(" ", "\u2581")
+    backend.normalizer = (
+        normalizers.Sequence([normalizers.Prepend("\u2581"), spaces]) if prefix else spaces
+    )
+    steps = [decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()]
+    backend.decoder = decoders.Sequence([*steps, decoders.Strip(" ", 1, 0)] if prefix else steps)
+    specials = [
+        token
+        for token, kind in zip(tokens, token_types, strict=True)
+        if kind in (_UNKNOWN, _CONTROL)
+    ]
+    specials += [tokens[i] for i in special_ids.values() if i is not None]
+    if specials:
+        backend.add_special_tokens(
+            [AddedToken(token, normalized=False, special=True) for token in dict.fromkeys(specials)]
+        )
+    user_defined = [
+        AddedToken(token, normalized=False, special=False)
+        for token, kind in zip(tokens, token_types, strict=True)
+        if kind == _USER_DEFINED
+    ]
+    if user_defined:
+        backend.add_tokens(user_defined)
+    # llama.cpp adds BOS to a SentencePiece vocabulary that does not say otherwise.
+    return _finish(backend, tokens, special_ids, metadata, item=item, add_bos_default=True)
+
+
+def _merges_from_scores(
+    tokens: Sequence[str], scores: Sequence[float], vocab: Mapping[str, int]
+) -> list[tuple[str, str]]:
+    """BPE merges a SentencePiece vocabulary implies: every split of a piece into two pieces
+    of the vocabulary, best piece score first, then longer left and right parts (Hugging
+    Face's converter's order, so both tokenizers merge alike)."""
+    found: list[tuple[str, str, float]] = []
+    for piece, score in dict(zip(tokens, scores, strict=True)).items():
+        local = [
+            (piece[:i], piece[i:], score)
+            for i in range(1, len(piece))
+            if piece[:i] in vocab and piece[i:] in vocab
+        ]
+        local.sort(key=lambda m: (vocab[m[0]], vocab[m[1]]))
+        found.extend(local)
+    found.sort(key=lambda m: (m[2], len(m[0]), len(m[1])), reverse=True)
+    return [(left, right) for left, right, _ in found]
+
+
+def _finish(
+    backend: tokenizers.Tokenizer,
+    spelled: Sequence[str],
+    special_ids: Mapping[str, int | None],
+    metadata: Mapping[str, Any],
+    *,
+    item: str,
+    add_bos_default: bool,
+) -> Tokenizer:
+    """The post-processor (bos/eos as the metadata asks) and the ``Tokenizer``."""
     bos_id, eos_id = special_ids["bos"], special_ids["eos"]
-    add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", False)) and bos_id is not None
+    add_bos = (
+        bool(metadata.get("tokenizer.ggml.add_bos_token", add_bos_default)) and bos_id is not None
+    )
     add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False)) and eos_id is not None
     if add_bos or add_eos:
         backend.post_processor = special_token_processor(
@@ -135,6 +244,7 @@ def _bpe_backend(
         if not sep:
             raise CheckpointError(f"{item}: tokenizer.ggml.merges", f"malformed merge {merge!r}")
         pairs.append((left, right))
+    pre_name = "default" if pre is None else str(pre)
     backend = tokenizers.Tokenizer(
         models.BPE(
             vocab=vocab,
@@ -143,9 +253,11 @@ def _bpe_backend(
             continuing_subword_prefix="",
             end_of_word_suffix="",
             fuse_unk=False,
+            ignore_merges=pre_name in WHOLE_WORD_PRE_TOKENIZERS,
         )
     )
-    pre_name = "default" if pre is None else str(pre)
+    if pre_name in NFC_PRE_TOKENIZERS:
+        backend.normalizer = normalizers.NFC()
     if pre_name in GPT2_PRE_TOKENIZERS:
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     elif pre_name in SPLIT_PRE_TOKENIZERS:

@@ -163,6 +163,7 @@ def test_user_errors_print_one_line_and_exit_2(
 SUBCOMMANDS = [
     [],
     ["generate"],
+    ["chat"],
     ["bench"],
     ["recipes"],
     ["recipes", "list"],

@@ -37,6 +37,7 @@ BUILT_BY = {
     "tiny-gpt2": "test_tiny_recipe_builds_and_runs",
     "tiny-parts": "test_tiny_recipe_builds_and_runs",
     "hf": "test_hf_recipe_builds_from_a_transformers_checkpoint",
+    "gguf": "test_gguf_recipe_builds_from_a_gguf_file",
     "smollm2-135m": "test_smollm2_recipe_runs_prefill_and_decode",
     "smollm2-135m-dp2": "test_smollm2_dp2_recipe_matches_one_lane",
     "smollm2-135m-compiled": "test_smollm2_compiled_recipe_builds_with_inductor",
@@ -171,6 +172,42 @@ def test_hf_recipe_builds_from_a_transformers_checkpoint(
             context.append(token)
     assert generation.tokens[0] == expected
     assert isinstance(tokenizer.decode(generation.tokens[0]), str)
+
+
+def test_gguf_recipe_builds_from_a_gguf_file(
+    build: Callable[..., Runtime], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The template ``-m FILE.gguf`` derives, over a tiny llama GGUF whose FFN weights are
+    Q8_0 blocks (kept as blocks: gguf-native) and the rest float32: the family comes from
+    the header, the greedy tokens from transformers on the same (dequantized) weights."""
+    transformers = pytest.importorskip("transformers")
+    from model_files import tiny_llama, train_bpe, write_llama_gguf
+
+    monkeypatch.setenv("LLMRT_CACHE_DIR", str(tmp_path / "cache"))
+    bpe = train_bpe()
+    model = tiny_llama(bpe.get_vocab_size())
+    path = write_llama_gguf(tmp_path / "t.gguf", model, bpe, quantized=("ffn_",))
+    runtime = build(
+        "gguf",
+        {
+            "checkpoint.path": str(path),
+            "device.gemm_dtype": "float32",
+            "kv_cache.dtype": "float32",
+            "kv_cache.num_blocks": 32,
+            "decode.lane_capacity": 2,
+            "warmup.prefill_batch_sizes": [1],
+        },
+    )
+    runtime.ready()
+    assert runtime.container.model.family().name == "llama"
+    ids = bpe.encode("What is the capital of France?").ids
+    generation = runtime.generate([ids], steps=5)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), gguf_file="t.gguf", dtype=torch.float32
+    ).eval()
+    with torch.no_grad():
+        out = reference.generate(torch.tensor([ids]), max_new_tokens=6, do_sample=False)
+    assert generation.tokens[0] == out[0, len(ids) :].tolist()[: len(generation.tokens[0])]
 
 
 # -- SmolLM2 (one shared session container) --------------------------------------------

@@ -23,6 +23,7 @@ from llmrt.recipe.loader import (
 from llmrt.runtime.config import PagedKVCacheConfig, TraceConfig, WarmupConfig
 
 BUNDLED = [
+    "gguf",
     "hf",
     "smollm2-135m",
     "smollm2-135m-compiled",
@@ -69,7 +70,7 @@ def test_list_recipes_names_every_bundled_recipe() -> None:
     assert list_recipes() == BUNDLED
 
 
-@pytest.mark.parametrize("name", [n for n in BUNDLED if n != "hf"])
+@pytest.mark.parametrize("name", [n for n in BUNDLED if n not in ("gguf", "hf")])
 def test_every_bundled_recipe_loads_and_validates(name: str) -> None:
     recipe = load_recipe(name, env=NO_ENV)
     assert isinstance(recipe, Recipe)
@@ -149,7 +150,8 @@ def test_tiny_recipes_use_random_weights_and_the_byte_tokenizer(name: str, famil
 
 
 def test_unknown_bundled_name_lists_the_known_ones() -> None:
-    with pytest.raises(RecipeError, match=r"^recipe: is not a bundled recipe \(bundled: hf, "):
+    bundled = r"^recipe: is not a bundled recipe \(bundled: gguf, hf, "
+    with pytest.raises(RecipeError, match=bundled):
         load_recipe("nope")
 
 
@@ -396,7 +398,7 @@ def test_recipe_to_dict_is_plain_data() -> None:
     }
 
 
-@pytest.mark.parametrize("name", [n for n in BUNDLED if n != "hf"])
+@pytest.mark.parametrize("name", [n for n in BUNDLED if n not in ("gguf", "hf")])
 def test_dumped_yaml_loads_back_equal(tmp_path: Path, name: str) -> None:
     recipe = load_recipe(name, env=NO_ENV)
     assert load_recipe(write(tmp_path, dump_recipe_yaml(recipe)), env=NO_ENV) == recipe

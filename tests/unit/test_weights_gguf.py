@@ -420,8 +420,8 @@ def test_truncated_gguf_is_a_checkpoint_error(
     assert str(broken) in str(info.value)
 
 
-def test_missing_file_is_a_checkpoint_error(tmp_path: Path) -> None:
-    with pytest.raises(CheckpointError, match="not found"):
+def test_missing_file_names_the_checkpoint_path(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"^checkpoint.path: no such file, got '.*absent.gguf'"):
         load(tmp_path / "absent.gguf")
 
 

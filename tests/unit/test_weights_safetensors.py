@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from llmrt.errors import CheckpointError
+from llmrt.errors import CheckpointError, ConfigError
 from llmrt.weights import byte_tokenizer, load_checkpoint, load_tokenizer
 
 transformers = pytest.importorskip("transformers")
@@ -197,7 +197,7 @@ def test_truncated_safetensors_is_named(saved: tuple[Path, Any], keep: float) ->
 
 
 def test_directory_and_config_errors(tmp_path: Path) -> None:
-    with pytest.raises(CheckpointError, match="not found"):
+    with pytest.raises(ConfigError, match=r"^checkpoint.path: no such directory, got '.*absent'"):
         load_dir(tmp_path / "absent")
     with pytest.raises(CheckpointError) as info:
         load_dir(tmp_path)

@@ -1,0 +1,440 @@
+"""llama.cpp architectures whose GGUF files llmrt reads into Hugging Face form, beside the ones
+families declare themselves (``DecoderFamily.gguf``: ``llama``, ``gpt2``).
+
+Each entry maps one ``general.architecture`` to a ``config.json`` (with the ``model_type`` a
+family claims), Hugging Face tensor names and the conversions llama.cpp's converter applied
+(Gemma's norms are stored as ``1 + w``). ``architecture_for`` looks a name up: a family's own
+declaration first, then this table; the family that runs a file is then the one that claims
+its ``model_type`` (``family_for_model_type``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
+from typing import Any
+
+import numpy as np
+
+from llmrt.errors import CheckpointError
+from llmrt.families import registry
+from llmrt.families.gguf_architecture import (
+    ConfigReader,
+    GGUFArchitecture,
+    metadata_field,
+    reject_rope_scaling,
+    token_ids,
+    unpermute_rotary,
+    vocab_size,
+)
+
+_GLOBAL = MappingProxyType(
+    {
+        "token_embd.weight": "model.embed_tokens.weight",
+        "output_norm.weight": "model.norm.weight",
+        "output_norm.bias": "model.norm.bias",
+        "output.weight": "lm_head.weight",
+    }
+)
+_ATTENTION = {
+    "attn_q": "model.layers.{layer}.self_attn.q_proj",
+    "attn_k": "model.layers.{layer}.self_attn.k_proj",
+    "attn_v": "model.layers.{layer}.self_attn.v_proj",
+    "attn_output": "model.layers.{layer}.self_attn.o_proj",
+}
+_GATED_MLP = {
+    "ffn_gate": "model.layers.{layer}.mlp.gate_proj",
+    "ffn_up": "model.layers.{layer}.mlp.up_proj",
+    "ffn_down": "model.layers.{layer}.mlp.down_proj",
+}
+_PRE_NORMS = {
+    "attn_norm": "model.layers.{layer}.input_layernorm",
+    "ffn_norm": "model.layers.{layer}.post_attention_layernorm",
+}
+_QK_NORMS = {
+    "attn_q_norm": "model.layers.{layer}.self_attn.q_norm",
+    "attn_k_norm": "model.layers.{layer}.self_attn.k_norm",
+}
+
+
+def _decoder_config(
+    *,
+    arch: str,
+    model_type: str,
+    architecture: str,
+    hidden_act: str,
+    eps_key: str,
+    eps_name: str,
+    partial_rotary: bool = False,
+) -> Callable[[Mapping[str, Any], Mapping[str, tuple[int, ...]], str], dict[str, Any]]:
+    """The config reader shared by llama-like decoders: the metadata every converter writes."""
+
+    def read(
+        metadata: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], item: str
+    ) -> dict[str, Any]:
+        key = lambda name: f"{arch}.{name}"  # noqa: E731
+        hidden = int(metadata_field(metadata, key("embedding_length"), item))
+        heads = int(metadata_field(metadata, key("attention.head_count"), item))
+        head_dim = int(metadata.get(key("attention.key_length")) or hidden // heads)
+        rope_dim = metadata.get(key("rope.dimension_count"))
+        rotary: dict[str, Any] = {}
+        if partial_rotary:
+            rotary["partial_rotary_factor"] = int(rope_dim or head_dim) / head_dim
+        elif rope_dim is not None and int(rope_dim) != head_dim:
+            raise CheckpointError(
+                f"{item}: {key('rope.dimension_count')}",
+                f"partial rotary ({rope_dim} of head_dim {head_dim}) is not supported",
+            )
+        reject_rope_scaling(metadata, arch, item)
+        config: dict[str, Any] = {
+            "architectures": [architecture],
+            "model_type": model_type,
+            "vocab_size": vocab_size(metadata, shapes, arch),
+            "hidden_size": hidden,
+            "intermediate_size": int(metadata_field(metadata, key("feed_forward_length"), item)),
+            "num_hidden_layers": int(metadata_field(metadata, key("block_count"), item)),
+            "num_attention_heads": heads,
+            "num_key_value_heads": int(metadata.get(key("attention.head_count_kv")) or heads),
+            "head_dim": head_dim,
+            "max_position_embeddings": int(metadata_field(metadata, key("context_length"), item)),
+            "rope_theta": float(metadata.get(key("rope.freq_base")) or 10000.0),
+            eps_name: float(metadata_field(metadata, key(eps_key), item)),
+            "hidden_act": hidden_act,
+            "attention_bias": "blk.0.attn_q.bias" in shapes,
+            "tie_word_embeddings": "output.weight" not in shapes,
+            **rotary,
+            **token_ids(metadata),
+        }
+        window = metadata.get(key("attention.sliding_window"))
+        if window is not None:
+            config["sliding_window"] = int(window)
+        return config
+
+    return read
+
+
+def _with(
+    read: Callable[[Mapping[str, Any], Mapping[str, tuple[int, ...]], str], dict[str, Any]],
+    extra: Callable[[Mapping[str, Any], dict[str, Any]], dict[str, Any]],
+) -> Callable[[Mapping[str, Any], Mapping[str, tuple[int, ...]], str], dict[str, Any]]:
+    def combined(
+        metadata: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], item: str
+    ) -> dict[str, Any]:
+        config = read(metadata, shapes, item)
+        return {**config, **extra(metadata, config)}
+
+    return combined
+
+
+def _reject_rope_factors(
+    read: Callable[[Mapping[str, Any], Mapping[str, tuple[int, ...]], str], dict[str, Any]],
+) -> Callable[[Mapping[str, Any], Mapping[str, tuple[int, ...]], str], dict[str, Any]]:
+    def checked(
+        metadata: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], item: str
+    ) -> dict[str, Any]:
+        if any(name.startswith("rope_factors") for name in shapes):
+            raise CheckpointError(
+                f"{item}: rope_factors_long.weight", "LongRoPE scaling is not supported"
+            )
+        return read(metadata, shapes, item)
+
+    return checked
+
+
+def _gemma_norms(name: str, values: np.ndarray, hf_config: Mapping[str, Any]) -> np.ndarray:
+    """llama.cpp stores Gemma's RMSNorm weights as ``1 + w``; Hugging Face keeps ``w``."""
+    if name.endswith("norm.weight") and values.dtype.kind == "f":
+        return values - np.float32(1.0)
+    return values
+
+
+def _gemma2_extra(metadata: Mapping[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    extra: dict[str, Any] = {"query_pre_attn_scalar": config["head_dim"]}
+    for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+        value = metadata.get(f"gemma2.{name}")
+        extra[name] = None if value is None else float(value)
+    return extra
+
+
+def _stablelm_extra(metadata: Mapping[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "use_qkv_bias": config["attention_bias"],
+        "use_parallel_residual": bool(metadata.get("stablelm.use_parallel_residual", False)),
+    }
+
+
+def _no_qk_layernorm(
+    read: Callable[[Mapping[str, Any], Mapping[str, tuple[int, ...]], str], dict[str, Any]],
+) -> Callable[[Mapping[str, Any], Mapping[str, tuple[int, ...]], str], dict[str, Any]]:
+    def checked(
+        metadata: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], item: str
+    ) -> dict[str, Any]:
+        if "blk.0.attn_q_norm.weight" in shapes:
+            raise CheckpointError(
+                f"{item}: blk.0.attn_q_norm.weight", "StableLM's per-head q/k norms are not read"
+            )
+        return read(metadata, shapes, item)
+
+    return checked
+
+
+def _gptneox_extra(metadata: Mapping[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "rotary_pct": config["partial_rotary_factor"],
+        "use_parallel_residual": bool(metadata.get("gptneox.use_parallel_residual", True)),
+    }
+
+
+def _gptneox_qkv(name: str, values: np.ndarray, hf_config: Mapping[str, Any]) -> np.ndarray:
+    """llama.cpp stores GPT-NeoX's fused QKV rows as all q, all k, all v; Hugging Face
+    interleaves them per head (q, k, v of head 0, then of head 1, ...)."""
+    if ".attn_qkv." not in name:
+        return values
+    heads = int(hf_config["num_attention_heads"])
+    head_dim = values.shape[0] // 3 // heads
+    split = values.reshape(3, heads, head_dim, *values.shape[1:])
+    return split.swapaxes(0, 1).reshape(values.shape)
+
+
+def _gemma3_extra(metadata: Mapping[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """What llama.cpp's ``gemma3`` (text) fixes in code rather than in the header: a full
+    attention layer every sixth, local layers' RoPE base 10000, and the query scale of the
+    1B-12B models (``head_dim``)."""
+    return {
+        "query_pre_attn_scalar": config["head_dim"],
+        "sliding_window_pattern": 6,
+        "rope_local_base_freq": 10000.0,
+        "final_logit_softcapping": None,
+    }
+
+
+def _granite_extra(metadata: Mapping[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """Granite's four scalars, under llama.cpp's names."""
+    out = {}
+    for gguf_key, hf_key in (
+        ("embedding_scale", "embedding_multiplier"),
+        ("residual_scale", "residual_multiplier"),
+        ("attention.scale", "attention_multiplier"),
+        ("logit_scale", "logits_scaling"),
+    ):
+        value = metadata.get(f"granite.{gguf_key}")
+        if value is not None:
+            out[hf_key] = float(value)
+    return out
+
+
+def _llama_rotary(name: str, values: np.ndarray, hf_config: Mapping[str, Any]) -> np.ndarray:
+    """Undo llama.cpp's interleaving of rotary halves in Q and K rows (llama-derived files)."""
+    if ".attn_q." in name:
+        return unpermute_rotary(values, heads=int(hf_config["num_attention_heads"]))
+    if ".attn_k." in name:
+        return unpermute_rotary(values, heads=int(hf_config["num_key_value_heads"]))
+    return values
+
+
+def _architecture(
+    name: str,
+    *,
+    model_type: str,
+    architecture: str,
+    block_names: Mapping[str, str],
+    hidden_act: str = "silu",
+    eps_key: str = "attention.layer_norm_rms_epsilon",
+    eps_name: str = "rms_norm_eps",
+    extra: Callable[[Mapping[str, Any], dict[str, Any]], dict[str, Any]] | None = None,
+    convert: Callable[[str, np.ndarray, Mapping[str, Any]], np.ndarray] | None = None,
+    guard: Callable[[ConfigReader], ConfigReader] | None = None,
+    partial_rotary: bool = False,
+    global_names: Mapping[str, str] = _GLOBAL,
+) -> GGUFArchitecture:
+    read = _decoder_config(
+        arch=name,
+        model_type=model_type,
+        architecture=architecture,
+        hidden_act=hidden_act,
+        eps_key=eps_key,
+        eps_name=eps_name,
+        partial_rotary=partial_rotary,
+    )
+    if extra is not None:
+        read = _with(read, extra)
+    if guard is not None:
+        read = guard(read)
+    kwargs: dict[str, Any] = {} if convert is None else {"convert": convert}
+    return GGUFArchitecture(
+        name=name,
+        hf_config=read,
+        global_names=MappingProxyType(dict(global_names)),
+        block_names=MappingProxyType(dict(block_names)),
+        **kwargs,
+    )
+
+
+#: llama.cpp's architectures beyond those families declare, by ``general.architecture``.
+LLAMA_CPP_ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType(
+    {
+        arch.name: arch
+        for arch in (
+            _architecture(
+                "qwen2",
+                model_type="qwen2",
+                architecture="Qwen2ForCausalLM",
+                block_names={**_ATTENTION, **_GATED_MLP, **_PRE_NORMS},
+            ),
+            _architecture(
+                "qwen3",
+                model_type="qwen3",
+                architecture="Qwen3ForCausalLM",
+                block_names={**_ATTENTION, **_GATED_MLP, **_PRE_NORMS, **_QK_NORMS},
+            ),
+            _architecture(
+                "starcoder2",
+                model_type="starcoder2",
+                architecture="Starcoder2ForCausalLM",
+                hidden_act="gelu_pytorch_tanh",
+                eps_key="attention.layer_norm_epsilon",
+                eps_name="norm_epsilon",
+                extra=lambda metadata, config: {"use_bias": config["attention_bias"]},
+                block_names={
+                    **_ATTENTION,
+                    **_PRE_NORMS,
+                    "ffn_up": "model.layers.{layer}.mlp.c_fc",
+                    "ffn_down": "model.layers.{layer}.mlp.c_proj",
+                },
+            ),
+            _architecture(
+                "phi3",
+                model_type="phi3",
+                architecture="Phi3ForCausalLM",
+                guard=_reject_rope_factors,
+                block_names={
+                    "attn_qkv": "model.layers.{layer}.self_attn.qkv_proj",
+                    "attn_output": "model.layers.{layer}.self_attn.o_proj",
+                    "ffn_up": "model.layers.{layer}.mlp.gate_up_proj",
+                    "ffn_down": "model.layers.{layer}.mlp.down_proj",
+                    **_PRE_NORMS,
+                },
+            ),
+            _architecture(
+                "olmo2",
+                model_type="olmo2",
+                architecture="Olmo2ForCausalLM",
+                block_names={
+                    **_ATTENTION,
+                    **_GATED_MLP,
+                    **_QK_NORMS,
+                    "post_attention_norm": "model.layers.{layer}.post_attention_layernorm",
+                    "post_ffw_norm": "model.layers.{layer}.post_feedforward_layernorm",
+                },
+            ),
+            _architecture(
+                "stablelm",
+                model_type="stablelm",
+                architecture="StableLmForCausalLM",
+                eps_key="attention.layer_norm_epsilon",
+                eps_name="layer_norm_eps",
+                partial_rotary=True,
+                extra=_stablelm_extra,
+                guard=_no_qk_layernorm,
+                block_names={**_ATTENTION, **_GATED_MLP, **_PRE_NORMS},
+            ),
+            _architecture(
+                "gemma3",
+                model_type="gemma3_text",
+                architecture="Gemma3ForCausalLM",
+                hidden_act="gelu_pytorch_tanh",
+                convert=_gemma_norms,
+                extra=_gemma3_extra,
+                block_names={
+                    **_ATTENTION,
+                    **_GATED_MLP,
+                    **_QK_NORMS,
+                    "attn_norm": "model.layers.{layer}.input_layernorm",
+                    "post_attention_norm": "model.layers.{layer}.post_attention_layernorm",
+                    "ffn_norm": "model.layers.{layer}.pre_feedforward_layernorm",
+                    "post_ffw_norm": "model.layers.{layer}.post_feedforward_layernorm",
+                },
+            ),
+            _architecture(
+                "granite",
+                model_type="granite",
+                architecture="GraniteForCausalLM",
+                convert=_llama_rotary,
+                extra=_granite_extra,
+                block_names={**_ATTENTION, **_GATED_MLP, **_PRE_NORMS},
+            ),
+            _architecture(
+                "gptneox",
+                model_type="gpt_neox",
+                architecture="GPTNeoXForCausalLM",
+                hidden_act="gelu",
+                eps_key="attention.layer_norm_epsilon",
+                eps_name="layer_norm_eps",
+                partial_rotary=True,
+                extra=_gptneox_extra,
+                convert=_gptneox_qkv,
+                global_names={
+                    "token_embd.weight": "gpt_neox.embed_in.weight",
+                    "output_norm.weight": "gpt_neox.final_layer_norm.weight",
+                    "output_norm.bias": "gpt_neox.final_layer_norm.bias",
+                    "output.weight": "embed_out.weight",
+                },
+                block_names={
+                    "attn_norm": "gpt_neox.layers.{layer}.input_layernorm",
+                    "ffn_norm": "gpt_neox.layers.{layer}.post_attention_layernorm",
+                    "attn_qkv": "gpt_neox.layers.{layer}.attention.query_key_value",
+                    "attn_output": "gpt_neox.layers.{layer}.attention.dense",
+                    "ffn_up": "gpt_neox.layers.{layer}.mlp.dense_h_to_4h",
+                    "ffn_down": "gpt_neox.layers.{layer}.mlp.dense_4h_to_h",
+                },
+            ),
+            _architecture(
+                "gemma",
+                model_type="gemma",
+                architecture="GemmaForCausalLM",
+                hidden_act="gelu_pytorch_tanh",
+                convert=_gemma_norms,
+                block_names={**_ATTENTION, **_GATED_MLP, **_PRE_NORMS},
+            ),
+            _architecture(
+                "gemma2",
+                model_type="gemma2",
+                architecture="Gemma2ForCausalLM",
+                hidden_act="gelu_pytorch_tanh",
+                convert=_gemma_norms,
+                extra=_gemma2_extra,
+                block_names={
+                    **_ATTENTION,
+                    **_GATED_MLP,
+                    "attn_norm": "model.layers.{layer}.input_layernorm",
+                    "post_attention_norm": "model.layers.{layer}.post_attention_layernorm",
+                    "ffn_norm": "model.layers.{layer}.pre_feedforward_layernorm",
+                    "post_ffw_norm": "model.layers.{layer}.post_feedforward_layernorm",
+                },
+            ),
+        )
+    }
+)
+
+
+def supported_architectures() -> tuple[str, ...]:
+    """Every ``general.architecture`` llmrt reads, sorted."""
+    return tuple(sorted({*registry.gguf_architectures(), *LLAMA_CPP_ARCHITECTURES}))
+
+
+def architecture_for(name: str, *, item: str) -> GGUFArchitecture:
+    """How to read GGUF files of architecture ``name`` (``item`` names the file): a family's
+    own declaration, else llama.cpp's mapping here; else a ``CheckpointError`` listing the
+    supported architectures."""
+    declared = registry.gguf_architectures()
+    if name in declared:
+        architecture: GGUFArchitecture = declared[name]
+        return architecture
+    if name in LLAMA_CPP_ARCHITECTURES:
+        return LLAMA_CPP_ARCHITECTURES[name]
+    raise CheckpointError(
+        f"{item}: general.architecture",
+        f"no llmrt family reads GGUF architecture {name!r}; supported: "
+        f"{', '.join(supported_architectures())} (a family reads GGUF files by declaring "
+        f"`gguf`; see {registry.WRITING_A_FAMILY})",
+    )
