@@ -1,7 +1,9 @@
 """Weight formats: how a linear layer's weight is stored, and block-quantized weights.
 
-A ``QuantizedWeight`` is a ``[out, in]`` matrix kept in one of ggml's 32-weight block layouts
-(``q4_0``, ``q4_1``, ``q8_0``): the bytes a GGUF file holds, row by row. The kernels in
+A ``QuantizedWeight`` is a ``[out, in]`` matrix kept in one of ggml's block layouts: the
+32-weight ``q4_0``, ``q4_1``, ``q5_0``, ``q5_1``, ``q8_0``, the 256-weight K-quants ``q4_k``,
+``q5_k``, ``q6_k``, or 16-bit float rows (``f16``, ``bf16``): the bytes a GGUF file holds,
+row by row. The kernels in
 ``llmrt.kernels.native`` multiply by it without materialising float weights. Float
 checkpoints reach the same layouts through ``quantize`` (``int8`` is ``q8_0``, ``int4`` is
 ``q4_1``: per-block scale and minimum, the more accurate of the two 4-bit layouts).
@@ -25,12 +27,25 @@ WEIGHT_FORMATS: tuple[str, ...] = get_args(WeightFormat)
 #: Formats whose linear layers run the block-quantized kernels.
 QUANTIZED_FORMATS: tuple[str, ...] = ("int8", "int4", "gguf-native")
 
-BlockKind = Literal["q4_0", "q4_1", "q8_0"]
+BlockKind = Literal["q4_0", "q4_1", "q8_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "f16", "bf16"]
 BLOCK_KINDS: tuple[str, ...] = get_args(BlockKind)
 BLOCK_SIZE = 32
-#: ggml type ids and bytes per 32-weight block, by kind.
-GGML_TYPE: dict[str, int] = {"q4_0": 2, "q4_1": 3, "q8_0": 8}
-BLOCK_BYTES: dict[str, int] = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
+#: ggml type ids, weights per block and bytes per block, by kind (csrc/blocks.h and
+#: csrc/kquant_blocks.h hold the same table).
+GGML_TYPE: dict[str, int] = {
+    "q4_0": 2, "q4_1": 3, "q8_0": 8, "q5_0": 6, "q5_1": 7,
+    "q4_k": 12, "q5_k": 13, "q6_k": 14, "f16": 1, "bf16": 30,
+}  # fmt: skip
+BLOCK_WEIGHTS: dict[str, int] = {
+    "q4_0": 32, "q4_1": 32, "q8_0": 32, "q5_0": 32, "q5_1": 32,
+    "q4_k": 256, "q5_k": 256, "q6_k": 256, "f16": 1, "bf16": 1,
+}  # fmt: skip
+BLOCK_BYTES: dict[str, int] = {
+    "q4_0": 18, "q4_1": 20, "q8_0": 34, "q5_0": 22, "q5_1": 24,
+    "q4_k": 144, "q5_k": 176, "q6_k": 210, "f16": 2, "bf16": 2,
+}  # fmt: skip
+#: The kinds the interleaved layout (``csrc/interleaved.cpp``) takes.
+INTERLEAVABLE_KINDS: tuple[str, ...] = ("q4_0", "q4_1", "q8_0")
 #: How a weight's blocks are ordered: ``ggml`` as the file holds them, or ``interleaved``
 #: (``csrc/interleaved.cpp``: each row's quants grouped so one 64-byte load holds whole
 #: blocks, for the integer-dot kernels; same bytes per block, rows stay independent).
@@ -53,9 +68,13 @@ def block_kind_of(ggml_type: int) -> BlockKind | None:
 
 def _check_blocks(instance: QuantizedWeight, attribute: object, blocks: torch.Tensor) -> None:
     out_features, in_features = instance.shape
-    if in_features <= 0 or in_features % BLOCK_SIZE:
-        raise ValueError(f"in_features must be a positive multiple of 32, got {in_features}")
-    expected = (out_features, in_features // BLOCK_SIZE * BLOCK_BYTES[instance.kind])
+    per = BLOCK_WEIGHTS[instance.kind]
+    if in_features <= 0 or in_features % per:
+        raise ValueError(
+            f"in_features of {instance.kind} must be a positive multiple of {per}, "
+            f"got {in_features}"
+        )
+    expected = (out_features, in_features // per * BLOCK_BYTES[instance.kind])
     if blocks.dtype != torch.uint8 or tuple(blocks.shape) != expected:
         raise ValueError(
             f"{instance.kind} blocks for shape {instance.shape} must be uint8 {expected}, "
@@ -108,6 +127,10 @@ class QuantizedWeight:
         """This weight in the ``interleaved`` layout (a new buffer; itself when it is)."""
         if self.layout == "interleaved":
             return self
+        if self.kind not in INTERLEAVABLE_KINDS:
+            raise ValueError(
+                f"the interleaved layout takes {list(INTERLEAVABLE_KINDS)}, not {self.kind}"
+            )
         from llmrt.kernels.native import load_kernels
 
         load_kernels()
@@ -162,7 +185,7 @@ def concat_rows(parts: Sequence[QuantizedWeight]) -> QuantizedWeight:
 def from_gguf_bytes(
     *, kind: BlockKind, shape: tuple[int, int], data: np.ndarray
 ) -> QuantizedWeight:
-    """Wrap a GGUF tensor's raw bytes (``out * in / 32`` blocks) without dequantizing them."""
+    """Wrap a GGUF tensor's raw bytes (``out`` rows of blocks) without dequantizing them."""
     raw = np.ascontiguousarray(data).view(np.uint8).reshape(shape[0], -1)
     blocks = torch.from_numpy(raw.copy() if not raw.flags.writeable else raw)
     return QuantizedWeight(kind=kind, shape=shape, blocks=blocks)
@@ -171,13 +194,15 @@ def from_gguf_bytes(
 def quantize(weight: torch.Tensor, *, kind: BlockKind, field: str) -> QuantizedWeight:
     """``weight`` ``[out, in]`` (float) in ``kind`` blocks, with ggml's rounding (gguf-py).
 
-    ``in`` must be a multiple of 32 (``ConfigError`` naming ``field`` otherwise).
+    ``in`` must be a multiple of the kind's block (``ConfigError`` naming ``field`` otherwise).
+    gguf-py quantizes every 32-weight kind, ``f16`` and ``bf16``; not the K-quants.
     """
-    if weight.dim() != 2 or weight.shape[1] % BLOCK_SIZE:
+    per = BLOCK_WEIGHTS[kind]
+    if weight.dim() != 2 or weight.shape[1] % per:
         raise ConfigError(
             field,
             kind,
-            f"block quantization needs [out, in] weights with in a multiple of {BLOCK_SIZE}, "
+            f"block quantization needs [out, in] weights with in a multiple of {per}, "
             f"got shape {tuple(weight.shape)}",
         )
     values = weight.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy()
