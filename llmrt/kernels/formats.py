@@ -208,3 +208,38 @@ def quantize(weight: torch.Tensor, *, kind: BlockKind, field: str) -> QuantizedW
     values = weight.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy()
     raw = gguf_py.quants.quantize(values, gguf_py.GGMLQuantizationType(GGML_TYPE[kind]))
     return from_gguf_bytes(kind=kind, shape=(int(weight.shape[0]), int(weight.shape[1])), data=raw)
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class StackedWeight:
+    """A ``[out, in]`` weight whose row ranges are stored in different block kinds: a fused
+    q/k/v or gate/up whose parts a quantizer stored differently (llama.cpp's mixes keep
+    ``attn_v`` in more bits than ``attn_q``). Kept as its parts, each run by its own kernel,
+    instead of a float32 copy. Owns nothing beyond ``parts``."""
+
+    parts: tuple[QuantizedWeight, ...]
+
+    def __attrs_post_init__(self) -> None:
+        widths = {p.shape[1] for p in self.parts}
+        if len(self.parts) < 2 or len(widths) != 1:
+            raise ValueError(f"a stacked weight needs 2+ parts of one width, got {widths}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (sum(p.shape[0] for p in self.parts), self.parts[0].shape[1])
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return tuple(p.kind for p in self.parts)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32
+
+    @property
+    def device(self) -> torch.device:
+        return self.parts[0].device
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 ``[out, in]`` weight."""
+        return torch.cat([p.dequantize() for p in self.parts], dim=0)

@@ -234,9 +234,62 @@ LLMRT_KQ_AVX2 inline float hsum_avx2(__m256 v) {
 // Activation rows one pass over a weight block serves (accumulators in registers).
 constexpr int64_t kRowTile = 4;
 
+// A Q5_0 / Q5_1 block's 32 five-bit values as bytes, in registers: nibbles from qs, bit j of
+// qh spread to byte j (a byte shuffle of the broadcast word, then a per-byte bit test).
+LLMRT_KQ_AVX2 inline __m256i q5_bytes_avx2(const uint8_t* qs, uint32_t qh) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i low = _mm_set1_epi8(0x0F);
+  const __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low),
+                                       _mm_and_si128(raw, low));
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(qh)),
+      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3,
+                       3, 3, 3, 3, 3, 3, 3));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+  return _mm256_or_si256(nib, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+}
+
+// row_tile_avx2 for the one-group blocks (Q5_0, Q5_1): unpacked in registers.
+template <int64_t KIND, int RT>
+LLMRT_KQ_AVX2 void row_tile_q5_avx2(const PGroup* px, int64_t groups, const uint8_t* row,
+                                    int64_t nb, float* y, int64_t ldy, int64_t n) {
+  constexpr int64_t bb = kquant_block_bytes(KIND);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[RT];
+  float macc[RT];
+  for (int r = 0; r < RT; ++r) {
+    acc[r] = _mm256_setzero_ps();
+    macc[r] = 0.0f;
+  }
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * bb;
+    const float d = half_at(blk);
+    const uint8_t* p5 = blk + (KIND == kQ5_1 ? 4 : 2);
+    uint32_t qh;
+    std::memcpy(&qh, p5, 4);
+    const __m256i qw = q5_bytes_avx2(p5 + 4, qh);
+    const float off = KIND == kQ5_1 ? -half_at(blk + 2) : 16.0f * d;  // b = d * 16 or -m
+    for (int r = 0; r < RT; ++r) {
+      const PGroup& p = px[r * groups + b];
+      for (int l = 0; l < kLevels; ++l) {
+        const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.q[l]));
+        const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(qw, qx), ones);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(d * p.d[l]), acc[r]);
+      }
+      macc[r] += off * (p.c[0] + p.c[1]);
+    }
+  }
+  for (int r = 0; r < RT; ++r) y[r * ldy + n] = hsum_avx2(acc[r]) - macc[r];
+}
+
 template <int64_t KIND, int RT>
 LLMRT_KQ_AVX2 void row_tile_avx2(const PGroup* px, int64_t groups, const uint8_t* row,
                                  int64_t nb, float* y, int64_t ldy, int64_t n) {
+  if constexpr (KIND == kQ5_0 || KIND == kQ5_1) {
+    row_tile_q5_avx2<KIND, RT>(px, groups, row, nb, y, ldy, n);
+    return;
+  }
   constexpr int64_t G = groups_per_block(KIND);
   constexpr int64_t bb = kquant_block_bytes(KIND);
   const __m256i ones = _mm256_set1_epi16(1);
