@@ -283,14 +283,61 @@ LLMRT_KQ_AVX2 void row_tile_q5_avx2(const PGroup* px, int64_t groups, const uint
   for (int r = 0; r < RT; ++r) y[r * ldy + n] = hsum_avx2(acc[r]) - macc[r];
 }
 
-template <int64_t KIND, int RT>
-LLMRT_KQ_AVX2 void row_tile_avx2(const PGroup* px, int64_t groups, const uint8_t* row,
-                                 int64_t nb, float* y, int64_t ldy, int64_t n) {
-  if constexpr (KIND == kQ5_0 || KIND == kQ5_1) {
-    row_tile_q5_avx2<KIND, RT>(px, groups, row, nb, y, ldy, n);
-    return;
+// Group ``grp`` of a K-quant block's quants as bytes, in registers (unpack_block's rule).
+template <int64_t KIND>
+LLMRT_KQ_AVX2 inline __m256i kquant_group_avx2(const uint8_t* blk, int grp) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  if constexpr (KIND == kQ4_K || KIND == kQ5_K) {
+    const uint8_t* qs = blk + (KIND == kQ5_K ? 48 : 16);
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * (grp / 2)));
+    const __m128i shift = _mm_cvtsi32_si128(4 * (grp % 2));
+    __m256i q = _mm256_and_si256(_mm256_srl_epi16(raw, shift), low);
+    if constexpr (KIND == kQ5_K) {
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16));
+      const __m256i bit = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(grp)),
+                                           _mm256_set1_epi8(1));
+      q = _mm256_or_si256(q, _mm256_slli_epi16(bit, 4));
+    }
+    return q;
+  } else {  // Q6_K
+    const int h = grp / 4, t = grp % 4;
+    const __m256i lo = _mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(blk + 64 * h + 32 * (t % 2)));
+    const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
+    const __m256i ql = _mm256_and_si256(_mm256_srl_epi16(lo, _mm_cvtsi32_si128(4 * (t / 2))), low);
+    const __m256i qh = _mm256_and_si256(_mm256_srl_epi16(hi, _mm_cvtsi32_si128(2 * t)),
+                                        _mm256_set1_epi8(3));
+    return _mm256_or_si256(ql, _mm256_slli_epi16(qh, 4));
   }
-  constexpr int64_t G = groups_per_block(KIND);
+}
+
+// A K-quant block's per-half-group scales: a (the quants' factor) and b (the activation
+// sums' factor), as unpack_block computes them.
+template <int64_t KIND>
+inline void kquant_scales(const uint8_t* blk, float a[8][2], float b[8][2]) {
+  if constexpr (KIND == kQ6_K) {
+    const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+    const float d = half_at(blk + 208);
+    for (int g = 0; g < 8; ++g)
+      for (int h = 0; h < 2; ++h) {
+        a[g][h] = d * static_cast<float>(sc[2 * g + h]);
+        b[g][h] = 32.0f * a[g][h];
+      }
+  } else {
+    const float d = half_at(blk), dmin = half_at(blk + 2);
+    for (int g = 0; g < 8; ++g) {
+      int sc, mn;
+      scale_min_k4(g, blk + 4, sc, mn);
+      a[g][0] = a[g][1] = d * static_cast<float>(sc);
+      b[g][0] = b[g][1] = dmin * static_cast<float>(mn);
+    }
+  }
+}
+
+// row_tile_avx2 for the K-quants: quants unpacked in registers, scales once per block.
+template <int64_t KIND, int RT>
+LLMRT_KQ_AVX2 void row_tile_kquant_avx2(const PGroup* px, int64_t groups, const uint8_t* row,
+                                        int64_t nb, float* y, int64_t ldy, int64_t n) {
   constexpr int64_t bb = kquant_block_bytes(KIND);
   const __m256i ones = _mm256_set1_epi16(1);
   __m256 acc[RT];
@@ -299,25 +346,37 @@ LLMRT_KQ_AVX2 void row_tile_avx2(const PGroup* px, int64_t groups, const uint8_t
     acc[r] = _mm256_setzero_ps();
     macc[r] = 0.0f;
   }
-  WGroup g[G];
-  for (int64_t b = 0; b < nb; ++b) {
-    unpack_block<KIND>(row + b * bb, g);
-    for (int64_t i = 0; i < G; ++i) {
-      const __m256i qw = _mm256_load_si256(reinterpret_cast<const __m256i*>(g[i].q));
-      const __m256 av = _mm256_load_ps(g[i].a8);
+  float a[8][2], b[8][2];
+  for (int64_t blkno = 0; blkno < nb; ++blkno) {
+    const uint8_t* blk = row + blkno * bb;
+    kquant_scales<KIND>(blk, a, b);
+    for (int g = 0; g < 8; ++g) {
+      const __m256i qw = kquant_group_avx2<KIND>(blk, g);
+      const __m256 av = _mm256_set_m128(_mm_set1_ps(a[g][1]), _mm_set1_ps(a[g][0]));
       for (int r = 0; r < RT; ++r) {
-        const PGroup& p = px[r * groups + b * G + i];
+        const PGroup& p = px[r * groups + blkno * 8 + g];
         for (int l = 0; l < kLevels; ++l) {
           const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.q[l]));
           const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(qw, qx), ones);
           acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s),
                                    _mm256_mul_ps(av, _mm256_set1_ps(p.d[l])), acc[r]);
         }
-        macc[r] += g[i].b[0] * p.c[0] + g[i].b[1] * p.c[1];
+        macc[r] += b[g][0] * p.c[0] + b[g][1] * p.c[1];
       }
     }
   }
   for (int r = 0; r < RT; ++r) y[r * ldy + n] = hsum_avx2(acc[r]) - macc[r];
+}
+
+template <int64_t KIND, int RT>
+LLMRT_KQ_AVX2 void row_tile_avx2(const PGroup* px, int64_t groups, const uint8_t* row,
+                                 int64_t nb, float* y, int64_t ldy, int64_t n) {
+  if constexpr (KIND == kQ5_0 || KIND == kQ5_1) {
+    row_tile_q5_avx2<KIND, RT>(px, groups, row, nb, y, ldy, n);
+    return;
+  } else {
+    row_tile_kquant_avx2<KIND, RT>(px, groups, row, nb, y, ldy, n);
+  }
 }
 
 template <int64_t KIND>
