@@ -89,11 +89,9 @@ def _linear(module: Any, field: str) -> tuple[torch.Tensor, int, torch.Tensor | 
         if weight.dtype != torch.float32 or not weight.is_contiguous():
             raise NotFusable(f"{field}: weights are {weight.dtype}, not contiguous float32")
         return weight.data, DENSE_F32, _float_or_none(module.bias, field)
-    if isinstance(module, StackedLinear):
-        raise NotFusable(
-            f"{field}: row ranges in different block types {list(module.weight.kinds)} "
-            "(the op runs one type per linear)"
-        )
+    if isinstance(module, StackedLinear):  # row ranges in different block kinds
+        blob, code, bias = module.packed()
+        return blob, code, _float_or_none(bias, field)
     raise NotFusable(f"{field}: {type(module).__name__} is not a linear the op runs")
 
 

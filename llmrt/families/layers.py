@@ -320,9 +320,10 @@ class QuantizedEmbedding(_BlockWeightModule):
 
 class StackedLinear(nn.Module):
     """``y = x W^T + b`` with ``W``'s row ranges in different block kinds (``StackedWeight``):
-    one ``QuantizedLinear`` per part, outputs concatenated. Why: one kernel call runs one
-    block kind, and a float32 copy of the whole matrix is what llmrt must not make. The fused
-    decode step does not take it (``fused_decode_status`` names the kinds)."""
+    one ``QuantizedLinear`` per part, outputs concatenated. Why: a float32 copy of the whole
+    matrix is what llmrt must not make, and the parts keep every per-kind policy (layout,
+    GEMM dtype) of a ``QuantizedLinear``. The fused decode step runs it as one stacked weight
+    (``packed``: ``csrc/stacked.cpp``)."""
 
     def __init__(self, *, weight: StackedWeight, bias: torch.Tensor | None = None) -> None:
         super().__init__()
@@ -343,6 +344,23 @@ class StackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([part(x) for part in self.parts], dim=-1)
+
+    def packed(self) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+        """The parts as they are now (after any layout change) as one stacked weight: blob,
+        kernel type and bias, for the fused decode step. The parts move onto views of the
+        blob, so their bytes are held once."""
+        parts: list[QuantizedLinear] = [p for p in self.parts if isinstance(p, QuantizedLinear)]
+        current = StackedWeight(parts=tuple(part.weight for part in parts))
+        blob, code, viewed = current.packed()
+        for part, weight in zip(parts, viewed.parts, strict=True):
+            part.use_weight(weight)
+        self.weight = viewed
+        bias = None
+        if any(part.bias is not None for part in parts):
+            bias = torch.cat(
+                [p.bias if p.bias is not None else torch.zeros(p.out_features) for p in parts]
+            )
+        return blob, code, bias
 
     def forward_raw(self, x: torch.Tensor) -> torch.Tensor:
         """``forward`` (parts may compute in different dtypes; the result is ``x``'s)."""

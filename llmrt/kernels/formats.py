@@ -44,6 +44,10 @@ BLOCK_BYTES: dict[str, int] = {
     "q4_0": 18, "q4_1": 20, "q8_0": 34, "q5_0": 22, "q5_1": 24,
     "q4_k": 144, "q5_k": 176, "q6_k": 210, "f16": 2, "bf16": 2,
 }  # fmt: skip
+#: A stacked weight's kernel type flag, header magic and most parts (``csrc/kquant_blocks.h``).
+STACKED_TYPE = 1 << 62
+STACKED_MAGIC = 0x4B53544B4C4C4D00
+STACKED_MAX_PARTS = 4
 #: The kinds the interleaved layout (``csrc/interleaved.cpp``) takes.
 INTERLEAVABLE_KINDS: tuple[str, ...] = ("q4_0", "q4_1", "q8_0")
 #: How a weight's blocks are ordered: ``ggml`` as the file holds them, or ``interleaved``
@@ -243,3 +247,31 @@ class StackedWeight:
     def dequantize(self) -> torch.Tensor:
         """The float32 ``[out, in]`` weight."""
         return torch.cat([p.dequantize() for p in self.parts], dim=0)
+
+    def packed(self) -> tuple[torch.Tensor, int, StackedWeight]:
+        """The parts as one blob the kernels run in one call (``csrc/stacked.cpp``): the blob
+        (uint8 ``[out, X]``), its kernel type, and this weight with its parts viewing the
+        blob (so the parts' own buffers can be released: no second copy)."""
+        parts = self.parts
+        if len(parts) > STACKED_MAX_PARTS:
+            raise ValueError(f"a stacked weight holds at most {STACKED_MAX_PARTS} parts")
+        header = 16 + 32 * len(parts)
+        offsets, at = [], -(-header // 64) * 64
+        for p in parts:
+            offsets.append(at)
+            at += -(-p.nbytes // 64) * 64
+        rows = self.shape[0]
+        blob = torch.zeros(rows, -(-at // rows), dtype=torch.uint8)
+        flat = blob.view(-1)
+        code = STACKED_TYPE
+        fields = [STACKED_MAGIC, len(parts)]
+        views = []
+        for i, (p, offset) in enumerate(zip(parts, offsets, strict=True)):
+            code |= p.kernel_type << (16 + 10 * i)
+            row_bytes = int(p.blocks.shape[1])
+            fields += [p.kernel_type, p.shape[0], row_bytes, offset]
+            view = flat[offset : offset + p.nbytes].view(p.shape[0], row_bytes)
+            view.copy_(p.blocks)
+            views.append(attrs.evolve(p, blocks=view))
+        flat[:header].copy_(torch.tensor(fields, dtype=torch.int64).view(torch.uint8))
+        return blob, code, StackedWeight(parts=tuple(views))

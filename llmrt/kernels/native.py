@@ -34,6 +34,7 @@ _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = (
     _CSRC / "gguf_blocks.cpp",
     _CSRC / "kquants.cpp",
+    _CSRC / "stacked.cpp",
     _CSRC / "interleaved.cpp",
     _CSRC / "interleaved_gemm.cpp",
     _CSRC / "decode_layer.cpp",

@@ -34,6 +34,7 @@ from llmrt.families.layers import (
     StackedLinear,
     select_linear_kernel,
 )
+from llmrt.families.fused_decode import select_decode_kernel
 from llmrt.families.llama import FAMILY
 from llmrt.kernels.formats import QuantizedWeight
 from llmrt.kernels.native import kernels_available
@@ -149,13 +150,16 @@ def test_a_k_quant_llama_runs_from_its_blocks_as_transformers_does(tiny_file: Pa
     assert isinstance(model.backbone.embed_tokens, QuantizedEmbedding)
     harness = Harness(hf_model=hf_model_of(tiny_file), model=model, vocab_size=VOCAB, seed=0)
     prompts = [harness.prompt(n, seed=n) for n in (5, 19, 40)]  # decode rows, then a GEMM
-    runs = harness.greedy(prompts, steps=STEPS)
-    worst = 0.0
-    for prompt, run in zip(prompts, runs, strict=True):
-        ref = harness.reference(prompt, steps=STEPS)
-        assert run.tokens == ref.tokens
-        worst = max(worst, (run.logits - ref.logits).abs().max().item())
-    assert worst <= LOGIT_BOUND, f"max |logit error| {worst:.3g}"
+    # Decode steps fused (stacked q/k/v and gate/up included), then on the torch ops.
+    for choice in ("fused", "ops"):
+        select_decode_kernel(model, choice=choice, device=torch.device("cpu"))
+        runs = harness.greedy(prompts, steps=STEPS)
+        worst = 0.0
+        for prompt, run in zip(prompts, runs, strict=True):
+            ref = harness.reference(prompt, steps=STEPS)
+            assert run.tokens == ref.tokens, choice
+            worst = max(worst, (run.logits - ref.logits).abs().max().item())
+        assert worst <= LOGIT_BOUND, f"{choice}: max |logit error| {worst:.3g}"
 
 
 def test_a_type_without_kernel_is_named(tmp_path: Path) -> None:

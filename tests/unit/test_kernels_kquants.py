@@ -118,24 +118,47 @@ def test_the_block_shape_is_checked() -> None:
 
 def test_mixed_kinds_stack_instead_of_a_float_copy() -> None:
     """A fused projection whose parts are stored in different kinds (llama.cpp's mixes) runs
-    each part from its own blocks; the fused decode step names it as not fusable."""
-    from llmrt.families.fused_decode import NotFusable, _linear
+    each part from its own blocks; the fused decode step takes it as one stacked weight
+    (``csrc/stacked.cpp``) whose parts then view the stacked blob."""
+    from llmrt.families.fused_decode import _linear
     from llmrt.families.layers import StackedLinear, bind_weight, frozen_linear
 
-    parts = [weight("q5_0", 24, 96, seed=1), weight("q5_0", 8, 96, seed=2)]
-    parts.append(quantize(torch.randn(8, 96), kind="q8_0", field="test"))
+    parts = [weight("q5_0", 24, 256, seed=1), weight("q4_k", 8, 256, seed=2)]
+    parts.append(quantize(torch.randn(8, 256), kind="q8_0", field="test"))
+    parts.append(weight("q5_0", 5, 256, seed=4))
     bound = bind_weight(list(parts), device=torch.device("cpu"), dtype=torch.float32)
-    assert isinstance(bound, StackedWeight) and bound.shape == (40, 96)
-    bias = torch.randn(40)
+    assert isinstance(bound, StackedWeight) and bound.shape == (45, 256)
+    bias = torch.randn(45)
     layer = frozen_linear(weight=bound, bias=bias)
     assert isinstance(layer, StackedLinear)
     dense = torch.cat([p.dequantize() for p in parts])
-    x = torch.randn(3, 96)
-    torch.testing.assert_close(layer(x), x @ dense.T + bias, rtol=1e-3, atol=1e-3)
-    with pytest.raises(NotFusable, match=r"qkv: .*\['q5_0', 'q5_0', 'q8_0'\]"):
-        _linear(layer, "qkv")
-    same = bind_weight(parts[:2], device=torch.device("cpu"), dtype=torch.float32)
+    for m in (1, 3, 20):  # 20 rows: each part dequantizes and runs a GEMM
+        x = torch.randn(m, 256)
+        bound_error = gemv_bound("q5_0", dense, x) + 1e-5
+        assert ((layer(x) - (x @ dense.T + bias)).abs() <= bound_error).all()
+    blob, code, fused_bias = _linear(layer, "qkv")
+    assert fused_bias is not None and torch.equal(fused_bias, bias)
+    assert all(p.weight.blocks.data_ptr() != q.blocks.data_ptr() for p, q in zip(layer.parts, parts))  # type: ignore[union-attr]
+    for m in (1, 2, 7):
+        x = torch.randn(m, 256)
+        got = torch.ops.llmrt_kernels.gguf_linear(x, blob, code, 256, None)
+        assert ((got - x @ dense.T).abs() <= gemv_bound("q5_0", dense, x) + 1e-5).all()
+        torch.testing.assert_close(got + bias, layer(x), rtol=0, atol=1e-5)
+    assert torch.equal(torch.ops.llmrt_kernels.gguf_dequantize(blob, code, 256), dense)
+    same = bind_weight(parts[:1] + parts[3:], device=torch.device("cpu"), dtype=torch.float32)
     assert isinstance(same, QuantizedWeight) and same.kind == "q5_0"
+
+
+def test_a_stacked_header_that_lies_is_refused() -> None:
+    parts = (weight("q5_0", 4, 64, seed=1), weight("q5_1", 4, 64, seed=2))
+    blob, code, _ = StackedWeight(parts=parts).packed()
+    x = torch.randn(1, 64)
+    with pytest.raises(RuntimeError, match="header does not match"):
+        torch.ops.llmrt_kernels.gguf_linear(x, blob, code + (1 << 36), 64, None)
+    broken = blob.clone()
+    broken.view(-1)[16 + 32 + 24 : 16 + 32 + 32] = 255  # part 1's offset: far outside
+    with pytest.raises(RuntimeError, match="outside the blob"):
+        torch.ops.llmrt_kernels.gguf_linear(x, broken, code, 64, None)
 
 
 def test_only_the_interleavable_kinds_interleave() -> None:

@@ -20,6 +20,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include <ATen/core/Tensor.h>
+
 #include "cpu.h"
 
 namespace llmrt_kernels {
@@ -114,5 +116,24 @@ void kquant_range(const float* x, int64_t rows_m, const uint8_t* w, int64_t row_
 // Rows [r0, r1) of a weight of ``kind`` as float32 (``out`` row r at out + r * k), one thread.
 void kquant_dequantize(const uint8_t* w, int64_t row_bytes, int64_t kind, int64_t k, float* out,
                        int64_t r0, int64_t r1);
+
+// A stacked weight (stacked.cpp): a linear whose row ranges are stored in different kinds (a
+// fused q/k/v of a llama.cpp mix), kept as one uint8 ``[rows, X]`` blob: a header of int64s
+// (kStackedMagic, parts, then kind, rows, row_bytes, byte offset per part) and each part's
+// rows. Its kind code is kStacked with the parts' kind codes (layout bit included) in 10-bit
+// fields from bit 16, so the prepared-activation size follows from the code alone.
+constexpr int64_t kStacked = int64_t{1} << 62;
+constexpr int kStackedMaxParts = 4;
+constexpr int64_t kStackedMagic = 0x4B53544B4C4C4D00;  // "\0MLLKTSK"
+constexpr bool is_stacked_kind(int64_t kind) { return (kind & kStacked) != 0; }
+constexpr int64_t stacked_part_kind(int64_t kind, int i) { return (kind >> (16 + 10 * i)) & 1023; }
+
+int64_t stacked_prep_bytes(int64_t kind, int64_t k);
+void stacked_prepare(const float* x, int64_t r0, int64_t r1, int64_t rows, int64_t kind,
+                     int64_t k, uint8_t* prep);
+void stacked_range(const float* x, int64_t rows_m, const uint8_t* blob, int64_t n, int64_t kind,
+                   int64_t k, const uint8_t* prep, float* y, int64_t n0, int64_t n1);
+void stacked_dequantize(const uint8_t* blob, int64_t kind, int64_t k, float* out);
+void stacked_check(const at::Tensor& blob, int64_t kind, int64_t k);
 
 }  // namespace llmrt_kernels
