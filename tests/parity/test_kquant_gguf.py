@@ -27,6 +27,7 @@ from conftest import NEEDS_SMOLLM2, SMOLLM2_PACKAGE, Harness
 
 import llmrt.weights.gguf as gguf_module
 from llmrt.errors import CheckpointError
+from llmrt.families.fused_decode import select_decode_kernel
 from llmrt.families.layers import (
     FrozenLinear,
     QuantizedEmbedding,
@@ -34,7 +35,6 @@ from llmrt.families.layers import (
     StackedLinear,
     select_linear_kernel,
 )
-from llmrt.families.fused_decode import select_decode_kernel
 from llmrt.families.llama import FAMILY
 from llmrt.kernels.formats import QuantizedWeight
 from llmrt.kernels.native import kernels_available
