@@ -165,3 +165,15 @@ def test_a_stacked_header_that_lies_is_refused() -> None:
 def test_only_the_interleavable_kinds_interleave() -> None:
     with pytest.raises(ValueError, match="interleaved layout takes"):
         weight("q4_k", 4, 256).interleaved()
+
+
+def test_the_recipe_requantizes_only_gguf_native_weights() -> None:
+    from llmrt.errors import RecipeError
+    from llmrt.recipe.schema import CheckpointSpec
+
+    spec = CheckpointSpec(format="gguf", path="m.gguf", weights="gguf-native", requantize="q8_0")
+    assert spec.requantize == "q8_0"
+    with pytest.raises(RecipeError, match=r"checkpoint\.requantize"):
+        CheckpointSpec(format="gguf", path="m.gguf", weights="int8", requantize="q8_0")
+    with pytest.raises(RecipeError, match=r"checkpoint\.requantize"):
+        CheckpointSpec(format="gguf", path="m.gguf", weights="gguf-native", requantize="q4_0")  # type: ignore[arg-type]
