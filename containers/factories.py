@@ -232,6 +232,7 @@ def load_weights(*, recipe: Recipe, family: Family) -> Checkpoint:
         tensor_init=getattr(family, "tensor_init", None),
         rename=getattr(family, "rename", None),
         keep_quantized=spec.weight_format == "gguf-native",
+        requantize=spec.requantize,
     )
     return checkpoint
 

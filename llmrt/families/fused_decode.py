@@ -29,6 +29,7 @@ from llmrt.families.layers import (
     Linear,
     QuantizedEmbedding,
     QuantizedLinear,
+    StackedLinear,
 )
 from llmrt.families.parts import DecoderSpec
 from llmrt.kernels.native import kernels_available, python_entry
@@ -88,6 +89,9 @@ def _linear(module: Any, field: str) -> tuple[torch.Tensor, int, torch.Tensor | 
         if weight.dtype != torch.float32 or not weight.is_contiguous():
             raise NotFusable(f"{field}: weights are {weight.dtype}, not contiguous float32")
         return weight.data, DENSE_F32, _float_or_none(module.bias, field)
+    if isinstance(module, StackedLinear):  # row ranges in different block kinds
+        blob, code, bias = module.packed()
+        return blob, code, _float_or_none(bias, field)
     raise NotFusable(f"{field}: {type(module).__name__} is not a linear the op runs")
 
 

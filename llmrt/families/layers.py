@@ -23,16 +23,19 @@ from llmrt.device.cpu_features import (
 from llmrt.errors import ConfigError
 from llmrt.families.base import CausalLM
 from llmrt.kernels.formats import (
+    INTERLEAVABLE_KINDS,
     QUANTIZE_TO,
     CheckpointTensor,
     QuantizedWeight,
+    StackedWeight,
     concat_rows,
     quantize,
 )
 from llmrt.kernels.native import int8_dot_supported, kernels_loaded, load_kernels
 
-#: A checkpoint weight as the layer factories take it: float, or kept in ggml blocks.
-Weight = CheckpointTensor
+#: A checkpoint weight as the layer factories take it: float, kept in ggml blocks, or row
+#: ranges in different block kinds (a fused projection of a mixed-type GGUF).
+Weight = CheckpointTensor | StackedWeight
 #: Activation rows from which a quantized linear dequantizes its weight and runs a GEMM
 #: (prefill) instead of the in-register kernel (decode).
 GEMM_MIN_ROWS = 16
@@ -315,16 +318,77 @@ class QuantizedEmbedding(_BlockWeightModule):
         return f"{self.weight.shape[0]}, {self.weight.shape[1]}, format={self.weight.kind}"
 
 
+class StackedLinear(nn.Module):
+    """``y = x W^T + b`` with ``W``'s row ranges in different block kinds (``StackedWeight``):
+    one ``QuantizedLinear`` per part, outputs concatenated. Why: a float32 copy of the whole
+    matrix is what llmrt must not make, and the parts keep every per-kind policy (layout,
+    GEMM dtype) of a ``QuantizedLinear``. The fused decode step runs it as one stacked weight
+    (``packed``: ``csrc/stacked.cpp``)."""
+
+    def __init__(self, *, weight: StackedWeight, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        sizes = [p.shape[0] for p in weight.parts]
+        biases = [None] * len(sizes) if bias is None else list(bias.split(sizes))
+        self.weight = weight
+        self.parts = nn.ModuleList(
+            QuantizedLinear(weight=p, bias=b) for p, b in zip(weight.parts, biases, strict=True)
+        )
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.shape[0]
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+    def packed(self) -> tuple[torch.Tensor, int, torch.Tensor | None]:
+        """The parts as they are now (after any layout change) as one stacked weight: blob,
+        kernel type and bias, for the fused decode step. The parts move onto views of the
+        blob, so their bytes are held once."""
+        parts: list[QuantizedLinear] = [p for p in self.parts if isinstance(p, QuantizedLinear)]
+        current = StackedWeight(parts=tuple(part.weight for part in parts))
+        blob, code, viewed = current.packed()
+        for part, weight in zip(parts, viewed.parts, strict=True):
+            part.use_weight(weight)
+        self.weight = viewed
+        bias = None
+        if any(part.bias is not None for part in parts):
+            bias = torch.cat(
+                [p.bias if p.bias is not None else torch.zeros(p.out_features) for p in parts]
+            )
+        return blob, code, bias
+
+    def forward_raw(self, x: torch.Tensor) -> torch.Tensor:
+        """``forward`` (parts may compute in different dtypes; the result is ``x``'s)."""
+        return self.forward(x)
+
+    def gemm_input_dtype(self, rows: int) -> torch.dtype:
+        """The dtype ``x`` should arrive in: float32 (each part casts it as it needs)."""
+        return torch.float32
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, " + (
+            f"formats={list(self.weight.kinds)}"
+        )
+
+
 #: What ``frozen_linear`` / ``frozen_embedding`` return.
-Linear = FrozenLinear | QuantizedLinear
+Linear = FrozenLinear | QuantizedLinear | StackedLinear
 Embedding = nn.Embedding | QuantizedEmbedding
 
 
 def frozen_linear(*, weight: Weight, bias: torch.Tensor | None = None) -> Linear:
     """The linear layer for ``weight`` ``[out, in]`` (and ``bias``), without copying them.
 
-    A float tensor gives a ``FrozenLinear``; a ``QuantizedWeight`` a ``QuantizedLinear``.
+    A float tensor gives a ``FrozenLinear``; a ``QuantizedWeight`` a ``QuantizedLinear``; a
+    ``StackedWeight`` a ``StackedLinear``.
     """
+    if isinstance(weight, StackedWeight):
+        return StackedLinear(weight=weight, bias=bias)
     if isinstance(weight, QuantizedWeight):
         return QuantizedLinear(weight=weight, bias=bias)
     return FrozenLinear(weight=weight, bias=bias)
@@ -334,7 +398,8 @@ def bind_weight(parts: list[Weight], *, device: torch.device, dtype: torch.dtype
     """One weight from checkpoint ``parts`` stacked along dim 0 (fused projections).
 
     Float parts are cast to ``dtype`` on ``device``; ggml-block parts stay quantized (they
-    compute in float32 on the CPU) and must all be quantized alike.
+    compute in float32 on the CPU): one ``QuantizedWeight`` when all parts share a kind, else
+    a ``StackedWeight`` of them (never a float32 copy).
     """
     quantized = [p for p in parts if isinstance(p, QuantizedWeight)]
     if quantized:
@@ -343,8 +408,7 @@ def bind_weight(parts: list[Weight], *, device: torch.device, dtype: torch.dtype
             return bind_weight(list(dense), device=device, dtype=dtype)
         kinds = {p.kind for p in quantized}
         if len(kinds) > 1:
-            dense = [p.dequantize() for p in quantized]
-            return bind_weight(list(dense), device=device, dtype=dtype)
+            return StackedWeight(parts=tuple(quantized))
         return concat_rows(quantized)
     tensors = [p.to(device=device, dtype=dtype) for p in parts if isinstance(p, torch.Tensor)]
     return tensors[0].contiguous() if len(tensors) == 1 else torch.cat(tensors, dim=0)
@@ -503,6 +567,8 @@ def select_weight_layout(
             continue
         if kinds is not None and module.weight.kind not in kinds:
             continue
+        if module.weight.kind not in INTERLEAVABLE_KINDS:
+            continue
         old = module.weight
         if id(old) not in replaced:
             replaced[id(old)] = (old, old.interleaved())
@@ -598,6 +664,8 @@ def frozen_embedding(*, weight: Weight) -> Embedding:
     """An embedding over ``weight`` ``[num, dim]`` without copying it (float or ggml blocks)."""
     if isinstance(weight, QuantizedWeight):
         return QuantizedEmbedding(weight=weight)
+    if isinstance(weight, StackedWeight):
+        raise ValueError(f"an embedding table is one block kind, got {list(weight.kinds)}")
     # ``_weight`` skips the random init (on "meta" it imports torch._dynamo: seconds).
     embedding = nn.Embedding(weight.shape[0], weight.shape[1], _weight=weight, _freeze=True)
     embedding.weight = _parameter(weight)

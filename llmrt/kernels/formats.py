@@ -1,7 +1,9 @@
 """Weight formats: how a linear layer's weight is stored, and block-quantized weights.
 
-A ``QuantizedWeight`` is a ``[out, in]`` matrix kept in one of ggml's 32-weight block layouts
-(``q4_0``, ``q4_1``, ``q8_0``): the bytes a GGUF file holds, row by row. The kernels in
+A ``QuantizedWeight`` is a ``[out, in]`` matrix kept in one of ggml's block layouts: the
+32-weight ``q4_0``, ``q4_1``, ``q5_0``, ``q5_1``, ``q8_0``, the 256-weight K-quants ``q4_k``,
+``q5_k``, ``q6_k``, or 16-bit float rows (``f16``, ``bf16``): the bytes a GGUF file holds,
+row by row. The kernels in
 ``llmrt.kernels.native`` multiply by it without materialising float weights. Float
 checkpoints reach the same layouts through ``quantize`` (``int8`` is ``q8_0``, ``int4`` is
 ``q4_1``: per-block scale and minimum, the more accurate of the two 4-bit layouts).
@@ -25,12 +27,29 @@ WEIGHT_FORMATS: tuple[str, ...] = get_args(WeightFormat)
 #: Formats whose linear layers run the block-quantized kernels.
 QUANTIZED_FORMATS: tuple[str, ...] = ("int8", "int4", "gguf-native")
 
-BlockKind = Literal["q4_0", "q4_1", "q8_0"]
+BlockKind = Literal["q4_0", "q4_1", "q8_0", "q5_0", "q5_1", "q4_k", "q5_k", "q6_k", "f16", "bf16"]
 BLOCK_KINDS: tuple[str, ...] = get_args(BlockKind)
 BLOCK_SIZE = 32
-#: ggml type ids and bytes per 32-weight block, by kind.
-GGML_TYPE: dict[str, int] = {"q4_0": 2, "q4_1": 3, "q8_0": 8}
-BLOCK_BYTES: dict[str, int] = {"q4_0": 18, "q4_1": 20, "q8_0": 34}
+#: ggml type ids, weights per block and bytes per block, by kind (csrc/blocks.h and
+#: csrc/kquant_blocks.h hold the same table).
+GGML_TYPE: dict[str, int] = {
+    "q4_0": 2, "q4_1": 3, "q8_0": 8, "q5_0": 6, "q5_1": 7,
+    "q4_k": 12, "q5_k": 13, "q6_k": 14, "f16": 1, "bf16": 30,
+}  # fmt: skip
+BLOCK_WEIGHTS: dict[str, int] = {
+    "q4_0": 32, "q4_1": 32, "q8_0": 32, "q5_0": 32, "q5_1": 32,
+    "q4_k": 256, "q5_k": 256, "q6_k": 256, "f16": 1, "bf16": 1,
+}  # fmt: skip
+BLOCK_BYTES: dict[str, int] = {
+    "q4_0": 18, "q4_1": 20, "q8_0": 34, "q5_0": 22, "q5_1": 24,
+    "q4_k": 144, "q5_k": 176, "q6_k": 210, "f16": 2, "bf16": 2,
+}  # fmt: skip
+#: A stacked weight's kernel type flag, header magic and most parts (``csrc/kquant_blocks.h``).
+STACKED_TYPE = 1 << 62
+STACKED_MAGIC = 0x4B53544B4C4C4D00
+STACKED_MAX_PARTS = 4
+#: The kinds the interleaved layout (``csrc/interleaved.cpp``) takes.
+INTERLEAVABLE_KINDS: tuple[str, ...] = ("q4_0", "q4_1", "q8_0")
 #: How a weight's blocks are ordered: ``ggml`` as the file holds them, or ``interleaved``
 #: (``csrc/interleaved.cpp``: each row's quants grouped so one 64-byte load holds whole
 #: blocks, for the integer-dot kernels; same bytes per block, rows stay independent).
@@ -53,9 +72,13 @@ def block_kind_of(ggml_type: int) -> BlockKind | None:
 
 def _check_blocks(instance: QuantizedWeight, attribute: object, blocks: torch.Tensor) -> None:
     out_features, in_features = instance.shape
-    if in_features <= 0 or in_features % BLOCK_SIZE:
-        raise ValueError(f"in_features must be a positive multiple of 32, got {in_features}")
-    expected = (out_features, in_features // BLOCK_SIZE * BLOCK_BYTES[instance.kind])
+    per = BLOCK_WEIGHTS[instance.kind]
+    if in_features <= 0 or in_features % per:
+        raise ValueError(
+            f"in_features of {instance.kind} must be a positive multiple of {per}, "
+            f"got {in_features}"
+        )
+    expected = (out_features, in_features // per * BLOCK_BYTES[instance.kind])
     if blocks.dtype != torch.uint8 or tuple(blocks.shape) != expected:
         raise ValueError(
             f"{instance.kind} blocks for shape {instance.shape} must be uint8 {expected}, "
@@ -108,6 +131,10 @@ class QuantizedWeight:
         """This weight in the ``interleaved`` layout (a new buffer; itself when it is)."""
         if self.layout == "interleaved":
             return self
+        if self.kind not in INTERLEAVABLE_KINDS:
+            raise ValueError(
+                f"the interleaved layout takes {list(INTERLEAVABLE_KINDS)}, not {self.kind}"
+            )
         from llmrt.kernels.native import load_kernels
 
         load_kernels()
@@ -162,7 +189,7 @@ def concat_rows(parts: Sequence[QuantizedWeight]) -> QuantizedWeight:
 def from_gguf_bytes(
     *, kind: BlockKind, shape: tuple[int, int], data: np.ndarray
 ) -> QuantizedWeight:
-    """Wrap a GGUF tensor's raw bytes (``out * in / 32`` blocks) without dequantizing them."""
+    """Wrap a GGUF tensor's raw bytes (``out`` rows of blocks) without dequantizing them."""
     raw = np.ascontiguousarray(data).view(np.uint8).reshape(shape[0], -1)
     blocks = torch.from_numpy(raw.copy() if not raw.flags.writeable else raw)
     return QuantizedWeight(kind=kind, shape=shape, blocks=blocks)
@@ -171,15 +198,80 @@ def from_gguf_bytes(
 def quantize(weight: torch.Tensor, *, kind: BlockKind, field: str) -> QuantizedWeight:
     """``weight`` ``[out, in]`` (float) in ``kind`` blocks, with ggml's rounding (gguf-py).
 
-    ``in`` must be a multiple of 32 (``ConfigError`` naming ``field`` otherwise).
+    ``in`` must be a multiple of the kind's block (``ConfigError`` naming ``field`` otherwise).
+    gguf-py quantizes every 32-weight kind, ``f16`` and ``bf16``; not the K-quants.
     """
-    if weight.dim() != 2 or weight.shape[1] % BLOCK_SIZE:
+    per = BLOCK_WEIGHTS[kind]
+    if weight.dim() != 2 or weight.shape[1] % per:
         raise ConfigError(
             field,
             kind,
-            f"block quantization needs [out, in] weights with in a multiple of {BLOCK_SIZE}, "
+            f"block quantization needs [out, in] weights with in a multiple of {per}, "
             f"got shape {tuple(weight.shape)}",
         )
     values = weight.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy()
     raw = gguf_py.quants.quantize(values, gguf_py.GGMLQuantizationType(GGML_TYPE[kind]))
     return from_gguf_bytes(kind=kind, shape=(int(weight.shape[0]), int(weight.shape[1])), data=raw)
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class StackedWeight:
+    """A ``[out, in]`` weight whose row ranges are stored in different block kinds: a fused
+    q/k/v or gate/up whose parts a quantizer stored differently (llama.cpp's mixes keep
+    ``attn_v`` in more bits than ``attn_q``). Kept as its parts, each run by its own kernel,
+    instead of a float32 copy. Owns nothing beyond ``parts``."""
+
+    parts: tuple[QuantizedWeight, ...]
+
+    def __attrs_post_init__(self) -> None:
+        widths = {p.shape[1] for p in self.parts}
+        if len(self.parts) < 2 or len(widths) != 1:
+            raise ValueError(f"a stacked weight needs 2+ parts of one width, got {widths}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (sum(p.shape[0] for p in self.parts), self.parts[0].shape[1])
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return tuple(p.kind for p in self.parts)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return torch.float32
+
+    @property
+    def device(self) -> torch.device:
+        return self.parts[0].device
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 ``[out, in]`` weight."""
+        return torch.cat([p.dequantize() for p in self.parts], dim=0)
+
+    def packed(self) -> tuple[torch.Tensor, int, StackedWeight]:
+        """The parts as one blob the kernels run in one call (``csrc/stacked.cpp``): the blob
+        (uint8 ``[out, X]``), its kernel type, and this weight with its parts viewing the
+        blob (so the parts' own buffers can be released: no second copy)."""
+        parts = self.parts
+        if len(parts) > STACKED_MAX_PARTS:
+            raise ValueError(f"a stacked weight holds at most {STACKED_MAX_PARTS} parts")
+        header = 16 + 32 * len(parts)
+        offsets, at = [], -(-header // 64) * 64
+        for p in parts:
+            offsets.append(at)
+            at += -(-p.nbytes // 64) * 64
+        rows = self.shape[0]
+        blob = torch.zeros(rows, -(-at // rows), dtype=torch.uint8)
+        flat = blob.view(-1)
+        code = STACKED_TYPE
+        fields = [STACKED_MAGIC, len(parts)]
+        views = []
+        for i, (p, offset) in enumerate(zip(parts, offsets, strict=True)):
+            code |= p.kernel_type << (16 + 10 * i)
+            row_bytes = int(p.blocks.shape[1])
+            fields += [p.kernel_type, p.shape[0], row_bytes, offset]
+            view = flat[offset : offset + p.nbytes].view(p.shape[0], row_bytes)
+            view.copy_(p.blocks)
+            views.append(attrs.evolve(p, blocks=view))
+        flat[:header].copy_(torch.tensor(fields, dtype=torch.int64).view(torch.uint8))
+        return blob, code, StackedWeight(parts=tuple(views))

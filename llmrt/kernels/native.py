@@ -33,6 +33,8 @@ _CSRC = Path(__file__).parent / "csrc"
 #: Compiled into one library; the digest also covers the headers beside them.
 _SOURCES = (
     _CSRC / "gguf_blocks.cpp",
+    _CSRC / "kquants.cpp",
+    _CSRC / "stacked.cpp",
     _CSRC / "interleaved.cpp",
     _CSRC / "interleaved_gemm.cpp",
     _CSRC / "decode_layer.cpp",

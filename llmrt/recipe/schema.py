@@ -46,6 +46,8 @@ from llmrt.runtime.prefill.plan import WaveRules
 
 CheckpointFormat = Literal["random", "safetensors", "gguf"]
 CheckpointDType = Literal["float32", "bfloat16"]
+#: ``checkpoint.requantize``: what a GGUF tensor of a type without a kernel becomes.
+RequantizeKind = Literal["q8_0"]
 TokenizerSource = Literal["checkpoint", "byte", "path"]
 Backend = Literal["torch", "ttnn"]
 DeviceKind = Literal["cpu", "cuda"]
@@ -136,8 +138,11 @@ class CheckpointSpec:
     compute dtype the weights are materialised in. ``weights`` is how linear weights are
     stored: ``float32`` / ``bfloat16`` (the compute dtype; null means ``dtype``), ``int8`` /
     ``int4`` (ggml Q8_0 / Q4_1 blocks quantized at load), or ``gguf-native`` (a GGUF's own
-    Q4_0 / Q4_1 / Q8_0 blocks, never dequantized to a float copy). Quantized weights run
-    llmrt's CPU kernels with float32 activations.
+    blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F16, BF16), never dequantized to
+    a float copy). Quantized weights run llmrt's CPU kernels with float32 activations.
+    ``requantize`` (``gguf-native`` only): ``q8_0`` requantizes a GGUF tensor of a type the
+    kernels do not run (Q2_K, Q3_K, IQ*, ...) once at load, with a warning, cached; null
+    makes such a tensor an error naming it and its type.
     """
 
     format: CheckpointFormat
@@ -147,6 +152,7 @@ class CheckpointSpec:
     seed: int = 0
     dtype: CheckpointDType = "float32"
     weights: WeightFormat | None = None
+    requantize: RequantizeKind | None = None
 
     @property
     def weight_format(self) -> WeightFormat:
@@ -160,6 +166,15 @@ class CheckpointSpec:
             _optional_str(f"checkpoint.{name}", getattr(self, name))
         _non_negative_int("checkpoint.seed", self.seed)
         _one_of("checkpoint.dtype", self.dtype, CheckpointDType)
+        if self.requantize is not None:
+            _one_of("checkpoint.requantize", self.requantize, RequantizeKind)
+            _check(
+                self.weights == "gguf-native",
+                "checkpoint.requantize",
+                self.requantize,
+                "requantizes tensors a GGUF keeps in blocks without a kernel; it needs "
+                f"checkpoint.weights=gguf-native (got {self.weights})",
+            )
         if self.format == "random":
             for name in ("path", "package", "file"):
                 _check(

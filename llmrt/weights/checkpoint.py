@@ -104,6 +104,7 @@ def load_checkpoint(
     tensor_init: TensorInits | None = None,
     rename: Renamer | None = None,
     keep_quantized: bool = False,
+    requantize: str | None = None,
 ) -> Checkpoint:
     """Load a checkpoint.
 
@@ -114,7 +115,8 @@ def load_checkpoint(
     - `gguf`: `path` is a GGUF file, or `package` + `file` name one inside an installed
       package; the dequantized result is cached under `cache_dir` (default: `default_cache_dir()`).
       With `keep_quantized`, weights in a block layout llmrt's kernels run stay quantized
-      (`QuantizedWeight`); the other tensors are float32 as usual.
+      (`QuantizedWeight`); the other tensors are float32 as usual. `requantize` (``q8_0``)
+      is what a tensor of a type without a kernel becomes (else a `CheckpointError`).
 
     `model_types` (accepted `model_type` values) and `expected_tensors` / `optional_tensors`
     (from the model family) validate the result; tensors the family does not expect are dropped.
@@ -146,7 +148,12 @@ def load_checkpoint(
         _forbid(format, model=model)
         gguf_path = _gguf_path(path=path, package=package, file=file)
         cache_root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-        loaded = load_gguf(path=gguf_path, cache_dir=cache_root, keep_quantized=keep_quantized)
+        loaded = load_gguf(
+            path=gguf_path,
+            cache_dir=cache_root,
+            keep_quantized=keep_quantized,
+            requantize=requantize,
+        )
         source = f"gguf:{gguf_path}"
         hf_config, tensors, tokenizer = loaded.hf_config, loaded.tensors, loaded.tokenizer
         mappings = (loaded.mapping,) if loaded.mapping is not None else ()

@@ -9,17 +9,22 @@ transpose for gpt2) and builds a `config.json`-style dict; the tokenizer comes f
 metadata. `load_gguf` puts a content-hashed
 cache in front of it, so the (slow) dequantization happens once per file.
 
-With `keep_quantized`, 2-D tensors in a block layout the kernels run (Q4_0, Q4_1, Q8_0) stay
-quantized (`QuantizedWeight`, rows permuted like the float path); a tensor whose conversion
-is not a row permutation (gpt2's transposed projections) is dequantized as before. That path
-reads the file directly (no dequantization to cache); blocks kept as they are stay views of
-the file's mapping (no copy; pages come from the page cache as the kernels touch them).
+With `keep_quantized`, 2-D tensors in a block layout the kernels run (Q4_0, Q4_1, Q5_0, Q5_1,
+Q8_0, Q4_K, Q5_K, Q6_K, F16, BF16) stay quantized (`QuantizedWeight`, rows permuted like the
+float path); a tensor whose conversion is not a row permutation (gpt2's transposed
+projections) is dequantized as before, with a warning saying what it costs. That path reads
+the file directly (no dequantization to cache); blocks kept as they are stay views of the
+file's mapping (no copy; pages come from the page cache as the kernels touch them). A 2-D
+tensor of a type the kernels do not run is a `CheckpointError` naming it and its type, unless
+`requantize="q8_0"` (the recipe's `checkpoint.requantize`): then it is requantized once to
+Q8_0 with a warning, and the blocks are cached beside the dequantized entries.
 """
 
 from __future__ import annotations
 
 import logging
 import mmap
+import time
 from collections.abc import Mapping
 from math import prod
 from pathlib import Path
@@ -32,7 +37,14 @@ import torch
 
 from llmrt.errors import CheckpointError
 from llmrt.families.gguf_architecture import GGUFArchitecture
-from llmrt.kernels.formats import CheckpointTensor, QuantizedWeight, block_kind_of, from_gguf_bytes
+from llmrt.kernels.formats import (
+    BLOCK_WEIGHTS,
+    CheckpointTensor,
+    QuantizedWeight,
+    block_kind_of,
+    from_gguf_bytes,
+    quantize,
+)
 from llmrt.lifecycle.progress import progress
 from llmrt.weights.cache import CachedCheckpoint, CacheEntry, file_digest
 from llmrt.weights.gguf_architectures import architecture_for
@@ -42,6 +54,10 @@ from llmrt.weights.tokenizer import Tokenizer
 
 LOADER_VERSION = 1
 """Bump when the conversion changes, so cached entries of older conversions are not reused."""
+REQUANTIZE_VERSION = 1
+"""The same for the cache of requantized blocks (``requantize``)."""
+#: What ``requantize`` may name: the kind tensors without a kernel are requantized to.
+REQUANTIZE_KINDS: tuple[str, ...] = ("q8_0",)
 
 _log = logging.getLogger(__name__)
 
@@ -57,15 +73,23 @@ class GGUFContents:
     mapping: mmap.mmap | None = None
 
 
-def load_gguf(*, path: Path, cache_dir: Path, keep_quantized: bool = False) -> GGUFContents:
+def load_gguf(
+    *, path: Path, cache_dir: Path, keep_quantized: bool = False, requantize: str | None = None
+) -> GGUFContents:
     """`read_gguf(path)`, served from / stored to the cache under `cache_dir`.
 
-    `keep_quantized` reads the file directly, keeping block-quantized weights as they are.
+    `keep_quantized` reads the file directly, keeping block-quantized weights as they are;
+    `requantize` (with it) is what a 2-D tensor of a type without a kernel becomes (see the
+    module doc), cached under `cache_dir` by the file's content hash.
     """
     if not path.is_file():
         raise CheckpointError(str(path), "GGUF file not found")
+    if requantize is not None and requantize not in REQUANTIZE_KINDS:
+        raise CheckpointError(str(path), f"cannot requantize to {requantize!r}: {REQUANTIZE_KINDS}")
     if keep_quantized:
-        return read_gguf(path, keep_quantized=True)
+        if requantize is None:
+            return read_gguf(path, keep_quantized=True)
+        return _read_requantizing(path, cache_dir=cache_dir, kind=requantize)
     try:
         digest = file_digest(path, cache_dir=cache_dir)
     except OSError as exc:
@@ -113,9 +137,35 @@ def _architecture(metadata: Mapping[str, Any], item: str) -> GGUFArchitecture:
     return architecture_for(str(metadata.get("general.architecture")), item=item)
 
 
-def read_gguf(path: Path, *, keep_quantized: bool = False) -> GGUFContents:
+def _read_requantizing(path: Path, *, cache_dir: Path, kind: str) -> GGUFContents:
+    """`read_gguf(path, keep_quantized=True, requantize=kind)`, the requantized blocks read
+    from / stored to their cache entry."""
+    try:
+        digest = file_digest(path, cache_dir=cache_dir)
+    except OSError as exc:
+        raise CheckpointError(str(path), f"cannot read GGUF file: {exc}") from exc
+    entry = CacheEntry.for_digest(
+        cache_dir=cache_dir, kind=f"gguf-{kind}", digest=digest, version=REQUANTIZE_VERSION
+    )
+    cached = entry.read()
+    done: dict[str, torch.Tensor] = {} if cached is None else dict(cached.tensors)
+    before = set(done)
+    contents = read_gguf(path, keep_quantized=True, requantize=kind, requantized=done)
+    if set(done) != before:
+        entry.write(CachedCheckpoint(hf_config={}, tensors=done, tokenizer_json=None))
+    return contents
+
+
+def read_gguf(
+    path: Path,
+    *,
+    keep_quantized: bool = False,
+    requantize: str | None = None,
+    requantized: dict[str, torch.Tensor] | None = None,
+) -> GGUFContents:
     """Parse and dequantize the GGUF file at `path` (no cache); see the module doc for
-    `keep_quantized`."""
+    `keep_quantized` and `requantize`. `requantized` (GGUF name -> blocks) holds blocks
+    requantized earlier, and receives the ones this call makes."""
     item = str(path)
     reader = open_gguf(path)
     metadata = reader.metadata
@@ -133,12 +183,27 @@ def read_gguf(path: Path, *, keep_quantized: bool = False) -> GGUFContents:
                 f"{item}: {tensor.name}", f"no Hugging Face name for this {arch_name} tensor"
             )
         if keep_quantized:
+            shape = shapes[tensor.name]
+            where = f"{item}: {tensor.name}"
+            kept: np.ndarray | None = None
+            if len(shape) == 2 and _without_kernel(tensor, shape):
+                kept = _requantized(
+                    tensor, shape=shape, kind=requantize, item=where, done=requantized
+                )
             blocks = _quantized(
-                tensor, architecture, shape=shapes[tensor.name], hf_config=hf_config
+                tensor, architecture, shape=shape, hf_config=hf_config, data=kept
             )
             if blocks is not None:
                 tensors[hf_name] = blocks
                 continue
+            if len(shape) == 2 and tensor.tensor_type != gguf_py.GGMLQuantizationType.F32:
+                _log.warning(
+                    "%s: %s kept as float32 (%.1f MB): its conversion to Hugging Face layout "
+                    "is not a row permutation",
+                    where,
+                    tensor.tensor_type.name,
+                    4 * prod(shape) / 1e6,
+                )
         values = dequantize_tensor(tensor, shape=shapes[tensor.name], item=f"{item}: {tensor.name}")
         converted = architecture.convert(tensor.name, values, hf_config)
         array = np.ascontiguousarray(converted, dtype=np.float32)
@@ -151,22 +216,74 @@ def read_gguf(path: Path, *, keep_quantized: bool = False) -> GGUFContents:
     )
 
 
+def _without_kernel(tensor: GGUFTensor, shape: tuple[int, ...]) -> bool:
+    """Whether a 2-D `tensor` is in a block type (or width) the kernels cannot run."""
+    if tensor.tensor_type == gguf_py.GGMLQuantizationType.F32:
+        return False
+    kind = block_kind_of(int(tensor.tensor_type))
+    return kind is None or shape[1] % BLOCK_WEIGHTS[kind] != 0
+
+
+def _requantized(
+    tensor: GGUFTensor,
+    *,
+    shape: tuple[int, ...],
+    kind: str | None,
+    item: str,
+    done: dict[str, torch.Tensor] | None,
+) -> np.ndarray:
+    """`tensor`'s values requantized to `kind` blocks (GGUF row order), or the
+    `CheckpointError` naming the tensor and its type when `kind` is None."""
+    type_name = tensor.tensor_type.name
+    if kind is None:
+        raise CheckpointError(
+            item,
+            f"GGUF type {type_name} (shape {list(shape)}) has no llmrt kernel; kernels run "
+            "Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, F16, BF16 and F32. Set "
+            "checkpoint.requantize=q8_0 to requantize such tensors once at load, or use a "
+            "float checkpoint.weights",
+        )
+    cached = None if done is None else done.get(tensor.name)
+    if cached is not None:
+        return cached.numpy()
+    start = time.perf_counter()
+    values = dequantize_tensor(tensor, shape=shape, item=item)
+    blocks = quantize(torch.from_numpy(values), kind=kind, field="checkpoint.requantize")  # type: ignore[arg-type]
+    _log.warning(
+        "%s: GGUF type %s has no llmrt kernel; requantized to %s (%.1f -> %.1f MB, %.1f s, "
+        "once: cached; a second rounding of every weight)",
+        item,
+        type_name,
+        kind.upper(),
+        tensor.data.nbytes / 1e6,
+        blocks.nbytes / 1e6,
+        time.perf_counter() - start,
+    )
+    if done is not None:
+        done[tensor.name] = blocks.blocks
+    return blocks.blocks.numpy()
+
+
 def _quantized(
     tensor: GGUFTensor,
     architecture: GGUFArchitecture,
     *,
     shape: tuple[int, ...],
     hf_config: Mapping[str, Any],
+    data: np.ndarray | None = None,
 ) -> QuantizedWeight | None:
-    """`tensor` kept in its blocks, rows in Hugging Face order; None when it cannot stay so."""
-    kind = block_kind_of(int(tensor.tensor_type))
-    if kind is None or len(shape) != 2 or shape[1] % 32:
+    """`tensor` kept in its blocks (or `data`: its Q8_0 requantization), rows in Hugging Face
+    order; None when it cannot stay so."""
+    kind = "q8_0" if data is not None else block_kind_of(int(tensor.tensor_type))
+    if kind is None or len(shape) != 2 or shape[1] % BLOCK_WEIGHTS[kind]:
         return None
     rows = np.arange(shape[0]).reshape(shape[0], 1)
     order = architecture.convert(tensor.name, rows, hf_config)
     if order.shape != rows.shape:
         return None
-    weight = from_gguf_bytes(kind=kind, shape=(shape[0], shape[1]), data=tensor.data)
+    weight = from_gguf_bytes(
+        kind=kind, shape=(shape[0], shape[1]), data=tensor.data if data is None else data
+    )
     if np.array_equal(order, rows):
         return weight
     return weight.select_rows(torch.from_numpy(np.ascontiguousarray(order.reshape(-1))))

@@ -16,6 +16,7 @@ TESTS = Path(__file__).resolve().parents[1]
 MODULES = (
     TESTS / "unit" / "test_kernels_gguf_blocks.py",
     TESTS / "unit" / "test_kernels_interleaved.py",
+    TESTS / "unit" / "test_kernels_kquants.py",
     TESTS / "parity" / "test_fused_decode.py",
 )
 

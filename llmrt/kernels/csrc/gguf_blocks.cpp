@@ -28,6 +28,7 @@
 
 #include "blocks.h"
 #include "cpu.h"
+#include "kquant_blocks.h"
 #include "prefetch.h"
 #include "linear.h"
 #include "tiles.h"
@@ -290,6 +291,19 @@ void check_blocks(const at::Tensor& blocks, int64_t kind, int64_t in_features) {
   TORCH_CHECK(blocks.scalar_type() == at::kByte, "llmrt_kernels: blocks must be uint8");
   TORCH_CHECK(blocks.dim() == 2 && blocks.is_contiguous(),
               "llmrt_kernels: blocks must be a contiguous [rows, row_bytes] tensor");
+  if (llmrt_kernels::is_stacked_kind(kind)) {  // stacked.cpp's blob of row ranges
+    llmrt_kernels::stacked_check(blocks, kind, in_features);
+    return;
+  }
+  if (llmrt_kernels::is_kquant_kind(kind)) {  // kquants.cpp's types: their own block sizes
+    const int64_t per = llmrt_kernels::kquant_block_weights(kind);
+    TORCH_CHECK(in_features > 0 && in_features % per == 0, "llmrt_kernels: in_features of type ",
+                kind, " must be a positive multiple of ", per, ", got ", in_features);
+    TORCH_CHECK(blocks.size(1) == in_features / per * llmrt_kernels::kquant_block_bytes(kind),
+                "llmrt_kernels: row of ", blocks.size(1), " bytes does not hold ", in_features,
+                " weights of type ", kind);
+    return;
+  }
   TORCH_CHECK(in_features > 0 && in_features % kBlock == 0,
               "llmrt_kernels: in_features must be a positive multiple of 32, got ", in_features);
   TORCH_CHECK(blocks.size(1) == in_features / kBlock * block_bytes(kind),
@@ -340,6 +354,8 @@ void linear_into(const float* x, int64_t rows_m, const at::Tensor& w, int64_t ki
 }
 
 int64_t linear_prep_bytes(int64_t kind, int64_t k) {
+  if (is_stacked_kind(kind)) return stacked_prep_bytes(kind, k);
+  if (is_kquant_kind(kind)) return kquant_prep_bytes(kind, k);
   if (!(kind & kInterleaved)) return 0;
   const int64_t tiles = interleaved_prep_bytes(kind & ~kInterleaved, k);
   return tiles == 0 ? 0 : std::max(tiles, interleaved_gemm_prep_bytes(k));
@@ -347,31 +363,49 @@ int64_t linear_prep_bytes(int64_t kind, int64_t k) {
 
 void linear_prepare(const float* x, int64_t r0, int64_t r1, int64_t rows, int64_t kind, int64_t k,
                     uint8_t* prep) {
-  if (takes_integer_gemm(kind, rows))
+  if (is_stacked_kind(kind))
+    stacked_prepare(x, r0, r1, rows, kind, k, prep);
+  else if (is_kquant_kind(kind))
+    kquant_prepare(x, r0, r1, kind, k, prep);
+  else if (takes_integer_gemm(kind, rows))
     interleaved_gemm_prepare(x, r0, r1, k, prep);
   else if (kind & kInterleaved)
     interleaved_prepare(x, r0, r1, kind & ~kInterleaved, k, prep);
 }
 
 int64_t linear_chunk_unit(int64_t kind, int64_t rows) {
+  if (is_stacked_kind(kind)) return 32;
   return takes_integer_gemm(kind, rows) ? 32 : 16;
 }
 
 void linear_range(const float* x, int64_t rows_m, const at::Tensor& w, int64_t kind, int64_t k,
                   const uint8_t* prep, float* y, int64_t n0, int64_t n1) {
-  const int64_t n = w.size(0);
+  if (is_stacked_kind(kind)) {
+    stacked_range(x, rows_m, w.const_data_ptr<uint8_t>(), w.size(0), kind, k, prep, y, n0, n1);
+    return;
+  }
+  linear_range_rows(x, rows_m, w.const_data_ptr(), w.size(0), kind == kDenseF32 ? k : w.size(1),
+                    kind, k, prep, y, n0, n1);
+}
+
+void linear_range_rows(const float* x, int64_t rows_m, const void* data, int64_t n, int64_t rb,
+                       int64_t kind, int64_t k, const uint8_t* prep, float* y, int64_t n0,
+                       int64_t n1) {
   if (rows_m <= 0 || n0 >= n1) return;
   const bool simd = has_avx512();
   if (kind == kDenseF32) {
-    const float* wp = w.const_data_ptr<float>();
+    const float* wp = static_cast<const float*>(data);
     if (simd)
       dense_rows_avx512(x, k, rows_m, wp, k, y, n, n0, n1);
     else
       dense_rows_scalar(x, k, rows_m, wp, k, y, n, n0, n1);
     return;
   }
-  const uint8_t* wp = w.const_data_ptr<uint8_t>();
-  const int64_t rb = w.size(1);
+  const uint8_t* wp = static_cast<const uint8_t*>(data);
+  if (is_kquant_kind(kind)) {
+    kquant_range(x, rows_m, wp, rb, kind, k, prep, y, n, n0, n1);
+    return;
+  }
   if (takes_integer_gemm(kind, rows_m)) {
     interleaved_gemm_range(prep, rows_m, wp, rb, kind & ~kInterleaved, k, y, n, n0, n1);
     return;
@@ -440,6 +474,16 @@ void dequantize_rows(const uint8_t* wp, int64_t rb, int64_t kind, int64_t k, flo
     interleaved_dequantize(wp, rb, kind & ~kInterleaved, k, op, rows);
     return;
   }
+  if (is_stacked_kind(kind)) {
+    stacked_dequantize(wp, kind, k, op);
+    return;
+  }
+  if (is_kquant_kind(kind)) {
+    at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+      kquant_dequantize(wp, rb, kind, k, op, r0, r1);
+    });
+    return;
+  }
   switch (kind) {
     case kQ4_0: run_dequant<kQ4_0>(wp, rb, k, op, rows); break;
     case kQ4_1: run_dequant<kQ4_1>(wp, rb, k, op, rows); break;
@@ -477,6 +521,8 @@ __attribute__((target("avx512f,avx512bf16"))) void to_bf16_avx512(const float* i
 // would round the float32 weight, without writing and re-reading the float32 matrix.
 at::Tensor gguf_dequantize_bf16(const at::Tensor& blocks, int64_t kind, int64_t in_features) {
   check_blocks(blocks, kind, in_features);
+  TORCH_CHECK(!llmrt_kernels::is_stacked_kind(kind),
+              "llmrt_kernels: gguf_dequantize_bf16 takes one block kind, not a stacked weight");
   const int64_t rows = blocks.size(0);
   at::Tensor out = at::empty({rows, in_features}, blocks.options().dtype(at::kBFloat16));
   if (rows == 0) return out;

@@ -31,6 +31,12 @@ int64_t linear_chunk_unit(int64_t kind, int64_t rows);
 void linear_range(const float* x, int64_t rows_m, const at::Tensor& w, int64_t kind, int64_t k,
                   const uint8_t* prep, float* y, int64_t n0, int64_t n1);
 
+// linear_range on a raw weight: ``n`` rows of ``rb`` bytes (float32 rows for kDenseF32) at
+// ``data`` (stacked.cpp runs each row range of a stacked weight through it).
+void linear_range_rows(const float* x, int64_t rows_m, const void* data, int64_t n, int64_t rb,
+                       int64_t kind, int64_t k, const uint8_t* prep, float* y, int64_t n0,
+                       int64_t n1);
+
 // Rows of a block weight of ``kind`` (either layout) as float32 ``[rows, k]``.
 void dequantize_rows(const uint8_t* w, int64_t row_bytes, int64_t kind, int64_t k, float* out,
                      int64_t rows);

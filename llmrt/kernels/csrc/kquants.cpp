@@ -1,0 +1,577 @@
+// Linear layers straight from the GGUF block types of kquant_blocks.h (Q5_0, Q5_1, Q4_K, Q5_K,
+// Q6_K, F16, BF16), and their dequantization (prefill GEMMs, embedding rows, references).
+//
+// How a block type runs: each weight block is unpacked (in registers / L1, once per block and
+// weight row, shared by every activation row of the call) into 32-weight groups of unsigned
+// integers q and per-16-weight float scales: w = a * (q - off) + m, i.e. a * q - b with
+// b = a * off - m. Every type has that form (K-quants: a = d * sc, m = -dmin * mn; Q6_K:
+// off = 32; Q5_0: off = 16; Q5_1: m = the block's minimum). Activations are quantized once per
+// row (``kquant_prepare``) in groups of 32 values, as ggml does (Q8_1-like: an fp32 scale per
+// 32 values and their sums), but in two levels: x ~ d1 * q1 + d2 * q2 with q2 the rounded
+// residual, so the product keeps ~14 bits of x (the interleaved Q4 kernels do the same; one
+// level moved SmolLM2's logits by ~1e-2, more than the greedy parity prompts' margins allow).
+// Then sum(w * x) = sum_l d_l * (a . (q * q_l)) - b . c, with c the activation sums per half
+// group: integer dot products of u8 weights and s8 activations (AVX2 ``maddubs``), scaled in
+// float per 16 weights.
+//
+// The portable loops are written so the compiler vectorizes them; the same inline code is
+// instantiated under an AVX2 target (``LLMRT_KQ_AVX2``) where the CPU has it, with the dot
+// product in intrinsics. F16 / BF16 rows read float32 x directly (F16C conversion on AVX2).
+
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+#include <c10/util/Half.h>
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+
+#include "blocks.h"
+#include "kquant_blocks.h"
+#include "prefetch.h"
+
+namespace {
+
+using llmrt_kernels::half_at;
+using llmrt_kernels::kBF16;
+using llmrt_kernels::kF16;
+using llmrt_kernels::kq_has_avx2;
+using llmrt_kernels::kQ4_K;
+using llmrt_kernels::kQ5_0;
+using llmrt_kernels::kQ5_1;
+using llmrt_kernels::kQ5_K;
+using llmrt_kernels::kQ6_K;
+using llmrt_kernels::kquant_block_bytes;
+using llmrt_kernels::kquant_block_weights;
+
+// Activation levels (see the file comment).
+constexpr int kLevels = 2;
+
+// One group of 32 unpacked weights: w[i] = a[i / 16] * (q[i] - off) + m[i / 16].
+struct alignas(32) WGroup {
+  uint8_t q[32];
+  float a8[8];  // a[0] in lanes 0-3, a[1] in lanes 4-7 (the AVX2 dot's per-lane scales)
+  float b[2];   // a * off - m: what the activation sums are multiplied by
+  float m[2];
+  float off;
+};
+
+// One group of 32 prepared activations: x ~ sum_l d[l] * q[l], c[h] = sum_l d[l] * sum(q[l] half h).
+struct PGroup {
+  int8_t q[kLevels][32];
+  float d[kLevels];
+  float c[2];
+};
+
+constexpr int64_t groups_per_block(int64_t kind) { return kind == kQ5_0 || kind == kQ5_1 ? 1 : 8; }
+
+inline void set_scales(WGroup& g, float a0, float a1, float off, float m0, float m1) {
+  for (int i = 0; i < 4; ++i) {
+    g.a8[i] = a0;
+    g.a8[4 + i] = a1;
+  }
+  g.off = off;
+  g.m[0] = m0;
+  g.m[1] = m1;
+  g.b[0] = a0 * off - m0;
+  g.b[1] = a1 * off - m1;
+}
+
+// K-quant 6-bit (scale, min) pair j of a Q4_K / Q5_K block's 12 scale bytes.
+inline void scale_min_k4(int j, const uint8_t* s, int& sc, int& mn) {
+  if (j < 4) {
+    sc = s[j] & 63;
+    mn = s[j + 4] & 63;
+  } else {
+    sc = (s[j + 4] & 0xF) | ((s[j - 4] >> 6) << 4);
+    mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+  }
+}
+
+// The block at ``blk`` as groups_per_block(KIND) groups.
+template <int64_t KIND>
+inline void unpack_block(const uint8_t* blk, WGroup* g) {
+  if constexpr (KIND == kQ5_0 || KIND == kQ5_1) {
+    const float d = half_at(blk);
+    const uint8_t* p = blk + (KIND == kQ5_1 ? 4 : 2);
+    uint32_t qh;
+    std::memcpy(&qh, p, 4);
+    const uint8_t* qs = p + 4;
+    for (int j = 0; j < 16; ++j) {
+      g->q[j] = static_cast<uint8_t>((qs[j] & 15) | (((qh >> j) & 1u) << 4));
+      g->q[j + 16] = static_cast<uint8_t>((qs[j] >> 4) | (((qh >> (j + 16)) & 1u) << 4));
+    }
+    if constexpr (KIND == kQ5_1) {
+      const float m = half_at(blk + 2);
+      set_scales(*g, d, d, 0.0f, m, m);
+    } else {
+      set_scales(*g, d, d, 16.0f, 0.0f, 0.0f);
+    }
+  } else if constexpr (KIND == kQ4_K || KIND == kQ5_K) {
+    const float d = half_at(blk), dmin = half_at(blk + 2);
+    const uint8_t* scales = blk + 4;
+    const uint8_t* qh = blk + 16;  // Q5_K only
+    const uint8_t* qs = blk + (KIND == kQ5_K ? 48 : 16);
+    for (int grp = 0; grp < 8; ++grp) {
+      const uint8_t* src = qs + 32 * (grp / 2);
+      const int shift = 4 * (grp % 2);
+      for (int l = 0; l < 32; ++l) {
+        uint8_t q = static_cast<uint8_t>((src[l] >> shift) & 15);
+        if constexpr (KIND == kQ5_K) q = static_cast<uint8_t>(q | (((qh[l] >> grp) & 1) << 4));
+        g[grp].q[l] = q;
+      }
+      int sc, mn;
+      scale_min_k4(grp, scales, sc, mn);
+      const float a = d * static_cast<float>(sc), m = -(dmin * static_cast<float>(mn));
+      set_scales(g[grp], a, a, 0.0f, m, m);
+    }
+  } else {  // Q6_K
+    const uint8_t* ql = blk;
+    const uint8_t* qh = blk + 128;
+    const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+    const float d = half_at(blk + 208);
+    for (int grp = 0; grp < 8; ++grp) {
+      const int h = grp / 4, t = grp % 4;
+      const uint8_t* lo = ql + 64 * h + 32 * (t % 2);
+      const int lshift = 4 * (t / 2);
+      const uint8_t* hi = qh + 32 * h;
+      const int hshift = 2 * t;
+      for (int l = 0; l < 32; ++l)
+        g[grp].q[l] =
+            static_cast<uint8_t>(((lo[l] >> lshift) & 15) | (((hi[l] >> hshift) & 3) << 4));
+      set_scales(g[grp], d * static_cast<float>(sc[2 * grp]),
+                 d * static_cast<float>(sc[2 * grp + 1]), 32.0f, 0.0f, 0.0f);
+    }
+  }
+}
+
+// The 32 values at ``x`` as a prepared group (two 8-bit levels).
+inline void quantize_group(const float* x, PGroup& p) {
+  float r[32];
+  for (int j = 0; j < 32; ++j) r[j] = x[j];
+  float c0 = 0.0f, c1 = 0.0f;
+  for (int l = 0; l < kLevels; ++l) {
+    float amax = 0.0f;
+    for (int j = 0; j < 32; ++j) amax = std::max(amax, std::fabs(r[j]));
+    const float d = amax / 127.0f;
+    const float id = d > 0.0f ? 1.0f / d : 0.0f;
+    int s0 = 0, s1 = 0;
+    for (int j = 0; j < 32; ++j) {
+      const float qf = std::nearbyint(r[j] * id);
+      const int q = static_cast<int>(std::min(127.0f, std::max(-127.0f, qf)));
+      p.q[l][j] = static_cast<int8_t>(q);
+      r[j] -= d * static_cast<float>(q);
+      if (j < 16) s0 += q; else s1 += q;
+    }
+    p.d[l] = d;
+    c0 += d * static_cast<float>(s0);
+    c1 += d * static_cast<float>(s1);
+  }
+  p.c[0] = c0;
+  p.c[1] = c1;
+}
+
+inline void prepare_rows(const float* x, int64_t r0, int64_t r1, int64_t k, uint8_t* prep) {
+  const int64_t groups = k / 32;
+  for (int64_t r = r0; r < r1; ++r) {
+    PGroup* p = reinterpret_cast<PGroup*>(prep) + r * groups;
+    for (int64_t gi = 0; gi < groups; ++gi) quantize_group(x + r * k + gi * 32, p[gi]);
+  }
+}
+
+LLMRT_KQ_AVX2 void prepare_rows_avx2(const float* x, int64_t r0, int64_t r1, int64_t k,
+                                     uint8_t* prep) {
+  prepare_rows(x, r0, r1, k, prep);
+}
+
+// ---- dot products over unpacked groups ----------------------------------------------------
+
+inline float dot_group_scalar(const WGroup& g, const PGroup& p) {
+  float s = 0.0f;
+  for (int l = 0; l < kLevels; ++l) {
+    int i0 = 0, i1 = 0;
+    for (int j = 0; j < 16; ++j) i0 += static_cast<int>(g.q[j]) * p.q[l][j];
+    for (int j = 16; j < 32; ++j) i1 += static_cast<int>(g.q[j]) * p.q[l][j];
+    s += p.d[l] * (g.a8[0] * static_cast<float>(i0) + g.a8[4] * static_cast<float>(i1));
+  }
+  return s - (g.b[0] * p.c[0] + g.b[1] * p.c[1]);
+}
+
+// Rows [r0, r0 + rt) of prepared x against weight row n, for blocks of KIND (portable).
+template <int64_t KIND>
+void range_scalar(const uint8_t* prep, int64_t rows_m, const uint8_t* w, int64_t rb, int64_t k,
+                  float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  constexpr int64_t G = groups_per_block(KIND);
+  constexpr int64_t bb = kquant_block_bytes(KIND);
+  const int64_t nb = k / kquant_block_weights(KIND), groups = k / 32;
+  const PGroup* px = reinterpret_cast<const PGroup*>(prep);
+  WGroup g[G];
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * rb;
+    for (int64_t r = 0; r < rows_m; ++r) y[r * ldy + n] = 0.0f;
+    for (int64_t b = 0; b < nb; ++b) {
+      unpack_block<KIND>(row + b * bb, g);
+      for (int64_t r = 0; r < rows_m; ++r) {
+        const PGroup* p = px + r * groups + b * G;
+        float s = 0.0f;
+        for (int64_t i = 0; i < G; ++i) s += dot_group_scalar(g[i], p[i]);
+        y[r * ldy + n] += s;
+      }
+    }
+  }
+}
+
+LLMRT_KQ_AVX2 inline float hsum_avx2(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Activation rows one pass over a weight block serves (accumulators in registers).
+constexpr int64_t kRowTile = 4;
+
+// A Q5_0 / Q5_1 block's 32 five-bit values as bytes, in registers: nibbles from qs, bit j of
+// qh spread to byte j (a byte shuffle of the broadcast word, then a per-byte bit test).
+LLMRT_KQ_AVX2 inline __m256i q5_bytes_avx2(const uint8_t* qs, uint32_t qh) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i low = _mm_set1_epi8(0x0F);
+  const __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low),
+                                       _mm_and_si128(raw, low));
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int>(qh)),
+      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3,
+                       3, 3, 3, 3, 3, 3, 3));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
+  const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
+  return _mm256_or_si256(nib, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
+}
+
+// row_tile_avx2 for the one-group blocks (Q5_0, Q5_1): unpacked in registers.
+template <int64_t KIND, int RT>
+LLMRT_KQ_AVX2 void row_tile_q5_avx2(const PGroup* px, int64_t groups, const uint8_t* row,
+                                    int64_t nb, float* y, int64_t ldy, int64_t n) {
+  constexpr int64_t bb = kquant_block_bytes(KIND);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[RT];
+  float macc[RT];
+  for (int r = 0; r < RT; ++r) {
+    acc[r] = _mm256_setzero_ps();
+    macc[r] = 0.0f;
+  }
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * bb;
+    const float d = half_at(blk);
+    const uint8_t* p5 = blk + (KIND == kQ5_1 ? 4 : 2);
+    uint32_t qh;
+    std::memcpy(&qh, p5, 4);
+    const __m256i qw = q5_bytes_avx2(p5 + 4, qh);
+    const float off = KIND == kQ5_1 ? -half_at(blk + 2) : 16.0f * d;  // b = d * 16 or -m
+    for (int r = 0; r < RT; ++r) {
+      const PGroup& p = px[r * groups + b];
+      for (int l = 0; l < kLevels; ++l) {
+        const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.q[l]));
+        const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(qw, qx), ones);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_set1_ps(d * p.d[l]), acc[r]);
+      }
+      macc[r] += off * (p.c[0] + p.c[1]);
+    }
+  }
+  for (int r = 0; r < RT; ++r) y[r * ldy + n] = hsum_avx2(acc[r]) - macc[r];
+}
+
+// Group ``grp`` of a K-quant block's quants as bytes, in registers (unpack_block's rule).
+template <int64_t KIND>
+LLMRT_KQ_AVX2 inline __m256i kquant_group_avx2(const uint8_t* blk, int grp) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  if constexpr (KIND == kQ4_K || KIND == kQ5_K) {
+    const uint8_t* qs = blk + (KIND == kQ5_K ? 48 : 16);
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * (grp / 2)));
+    const __m128i shift = _mm_cvtsi32_si128(4 * (grp % 2));
+    __m256i q = _mm256_and_si256(_mm256_srl_epi16(raw, shift), low);
+    if constexpr (KIND == kQ5_K) {
+      const __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16));
+      const __m256i bit = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(grp)),
+                                           _mm256_set1_epi8(1));
+      q = _mm256_or_si256(q, _mm256_slli_epi16(bit, 4));
+    }
+    return q;
+  } else {  // Q6_K
+    const int h = grp / 4, t = grp % 4;
+    const __m256i lo = _mm256_loadu_si256(
+        reinterpret_cast<const __m256i*>(blk + 64 * h + 32 * (t % 2)));
+    const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
+    const __m256i ql = _mm256_and_si256(_mm256_srl_epi16(lo, _mm_cvtsi32_si128(4 * (t / 2))), low);
+    const __m256i qh = _mm256_and_si256(_mm256_srl_epi16(hi, _mm_cvtsi32_si128(2 * t)),
+                                        _mm256_set1_epi8(3));
+    return _mm256_or_si256(ql, _mm256_slli_epi16(qh, 4));
+  }
+}
+
+// A K-quant block's per-half-group scales: a (the quants' factor) and b (the activation
+// sums' factor), as unpack_block computes them.
+template <int64_t KIND>
+inline void kquant_scales(const uint8_t* blk, float a[8][2], float b[8][2]) {
+  if constexpr (KIND == kQ6_K) {
+    const int8_t* sc = reinterpret_cast<const int8_t*>(blk + 192);
+    const float d = half_at(blk + 208);
+    for (int g = 0; g < 8; ++g)
+      for (int h = 0; h < 2; ++h) {
+        a[g][h] = d * static_cast<float>(sc[2 * g + h]);
+        b[g][h] = 32.0f * a[g][h];
+      }
+  } else {
+    const float d = half_at(blk), dmin = half_at(blk + 2);
+    for (int g = 0; g < 8; ++g) {
+      int sc, mn;
+      scale_min_k4(g, blk + 4, sc, mn);
+      a[g][0] = a[g][1] = d * static_cast<float>(sc);
+      b[g][0] = b[g][1] = dmin * static_cast<float>(mn);
+    }
+  }
+}
+
+// row_tile_avx2 for the K-quants: quants unpacked in registers, scales once per block.
+template <int64_t KIND, int RT>
+LLMRT_KQ_AVX2 void row_tile_kquant_avx2(const PGroup* px, int64_t groups, const uint8_t* row,
+                                        int64_t nb, float* y, int64_t ldy, int64_t n) {
+  constexpr int64_t bb = kquant_block_bytes(KIND);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256 acc[RT];
+  float macc[RT];
+  for (int r = 0; r < RT; ++r) {
+    acc[r] = _mm256_setzero_ps();
+    macc[r] = 0.0f;
+  }
+  float a[8][2], b[8][2];
+  for (int64_t blkno = 0; blkno < nb; ++blkno) {
+    const uint8_t* blk = row + blkno * bb;
+    kquant_scales<KIND>(blk, a, b);
+    for (int g = 0; g < 8; ++g) {
+      const __m256i qw = kquant_group_avx2<KIND>(blk, g);
+      const __m256 av = _mm256_set_m128(_mm_set1_ps(a[g][1]), _mm_set1_ps(a[g][0]));
+      for (int r = 0; r < RT; ++r) {
+        const PGroup& p = px[r * groups + blkno * 8 + g];
+        for (int l = 0; l < kLevels; ++l) {
+          const __m256i qx = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.q[l]));
+          const __m256i s = _mm256_madd_epi16(_mm256_maddubs_epi16(qw, qx), ones);
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s),
+                                   _mm256_mul_ps(av, _mm256_set1_ps(p.d[l])), acc[r]);
+        }
+        macc[r] += b[g][0] * p.c[0] + b[g][1] * p.c[1];
+      }
+    }
+  }
+  for (int r = 0; r < RT; ++r) y[r * ldy + n] = hsum_avx2(acc[r]) - macc[r];
+}
+
+template <int64_t KIND, int RT>
+LLMRT_KQ_AVX2 void row_tile_avx2(const PGroup* px, int64_t groups, const uint8_t* row,
+                                 int64_t nb, float* y, int64_t ldy, int64_t n) {
+  if constexpr (KIND == kQ5_0 || KIND == kQ5_1) {
+    row_tile_q5_avx2<KIND, RT>(px, groups, row, nb, y, ldy, n);
+    return;
+  } else {
+    row_tile_kquant_avx2<KIND, RT>(px, groups, row, nb, y, ldy, n);
+  }
+}
+
+template <int64_t KIND>
+LLMRT_KQ_AVX2 void range_avx2(const uint8_t* prep, int64_t rows_m, const uint8_t* w, int64_t rb,
+                              int64_t k, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  const int64_t nb = k / kquant_block_weights(KIND), groups = k / 32;
+  const PGroup* px = reinterpret_cast<const PGroup*>(prep);
+  llmrt_kernels::AheadPrefetch ahead(w + n0 * rb, w + n1 * rb);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * rb;
+    ahead.upto(row + rb);
+    int64_t r = 0;
+    for (; r + kRowTile <= rows_m; r += kRowTile)
+      row_tile_avx2<KIND, kRowTile>(px + r * groups, groups, row, nb, y + r * ldy, ldy, n);
+    switch (rows_m - r) {
+      case 3: row_tile_avx2<KIND, 3>(px + r * groups, groups, row, nb, y + r * ldy, ldy, n); break;
+      case 2: row_tile_avx2<KIND, 2>(px + r * groups, groups, row, nb, y + r * ldy, ldy, n); break;
+      case 1: row_tile_avx2<KIND, 1>(px + r * groups, groups, row, nb, y + r * ldy, ldy, n); break;
+      default: break;
+    }
+  }
+}
+
+// ---- 16-bit float rows ---------------------------------------------------------------------
+
+template <int64_t KIND>
+inline float f16ish(uint16_t bits) {
+  if constexpr (KIND == kBF16) {
+    const uint32_t u = static_cast<uint32_t>(bits) << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  } else {
+    return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
+  }
+}
+
+template <int64_t KIND>
+void half_range_scalar(const float* x, int64_t rows_m, const uint16_t* w, int64_t k, float* y,
+                       int64_t ldy, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t r = 0; r < rows_m; ++r) {
+      float s = 0.0f;
+      for (int64_t j = 0; j < k; ++j) s += f16ish<KIND>(w[n * k + j]) * x[r * k + j];
+      y[r * ldy + n] = s;
+    }
+}
+
+template <int64_t KIND>
+LLMRT_KQ_AVX2 inline __m256 load8_avx2(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if constexpr (KIND == kBF16)
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  else
+    return _mm256_cvtph_ps(h);
+}
+
+template <int64_t KIND>
+LLMRT_KQ_AVX2 void half_range_avx2(const float* x, int64_t rows_m, const uint16_t* w, int64_t k,
+                                   float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  llmrt_kernels::AheadPrefetch ahead(w + n0 * k, w + n1 * k);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint16_t* row = w + n * k;
+    ahead.upto(row + k);
+    for (int64_t r = 0; r < rows_m; ++r) {
+      const float* xr = x + r * k;
+      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+      int64_t j = 0;
+      for (; j + 16 <= k; j += 16) {
+        a0 = _mm256_fmadd_ps(load8_avx2<KIND>(row + j), _mm256_loadu_ps(xr + j), a0);
+        a1 = _mm256_fmadd_ps(load8_avx2<KIND>(row + j + 8), _mm256_loadu_ps(xr + j + 8), a1);
+      }
+      float s = hsum_avx2(_mm256_add_ps(a0, a1));
+      for (; j < k; ++j) s += f16ish<KIND>(row[j]) * xr[j];
+      y[r * ldy + n] = s;
+    }
+  }
+}
+
+// ---- dequantization ------------------------------------------------------------------------
+
+template <int64_t KIND>
+inline void dequant_rows(const uint8_t* w, int64_t rb, int64_t k, float* out, int64_t r0,
+                         int64_t r1) {
+  if constexpr (KIND == kF16 || KIND == kBF16) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint16_t* row = reinterpret_cast<const uint16_t*>(w + r * rb);
+      for (int64_t j = 0; j < k; ++j) out[r * k + j] = f16ish<KIND>(row[j]);
+    }
+  } else {
+    constexpr int64_t G = groups_per_block(KIND);
+    constexpr int64_t bb = kquant_block_bytes(KIND);
+    const int64_t nb = k / kquant_block_weights(KIND);
+    WGroup g[G];
+    for (int64_t r = r0; r < r1; ++r) {
+      for (int64_t b = 0; b < nb; ++b) {
+        unpack_block<KIND>(w + r * rb + b * bb, g);
+        float* o = out + r * k + b * G * 32;
+        for (int64_t i = 0; i < G; ++i)
+          for (int j = 0; j < 32; ++j) {
+            const int h = j / 16;
+            o[i * 32 + j] =
+                g[i].a8[4 * h] * (static_cast<float>(g[i].q[j]) - g[i].off) + g[i].m[h];
+          }
+      }
+    }
+  }
+}
+
+template <int64_t KIND>
+LLMRT_KQ_AVX2 void dequant_rows_avx2(const uint8_t* w, int64_t rb, int64_t k, float* out,
+                                     int64_t r0, int64_t r1) {
+  if constexpr (KIND == kF16 || KIND == kBF16) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const uint16_t* row = reinterpret_cast<const uint16_t*>(w + r * rb);
+      int64_t j = 0;
+      for (; j + 8 <= k; j += 8) _mm256_storeu_ps(out + r * k + j, load8_avx2<KIND>(row + j));
+      for (; j < k; ++j) out[r * k + j] = f16ish<KIND>(row[j]);
+    }
+  } else {
+    dequant_rows<KIND>(w, rb, k, out, r0, r1);
+  }
+}
+
+template <int64_t KIND>
+void range_kind(const float* x, int64_t rows_m, const uint8_t* w, int64_t rb, int64_t k,
+                const uint8_t* prep, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  const bool avx2 = kq_has_avx2();
+  if constexpr (KIND == kF16 || KIND == kBF16) {
+    const uint16_t* wh = reinterpret_cast<const uint16_t*>(w);
+    if (avx2)
+      half_range_avx2<KIND>(x, rows_m, wh, k, y, ldy, n0, n1);
+    else
+      half_range_scalar<KIND>(x, rows_m, wh, k, y, ldy, n0, n1);
+  } else {
+    if (avx2)
+      range_avx2<KIND>(prep, rows_m, w, rb, k, y, ldy, n0, n1);
+    else
+      range_scalar<KIND>(prep, rows_m, w, rb, k, y, ldy, n0, n1);
+  }
+}
+
+template <int64_t KIND>
+void dequant_kind(const uint8_t* w, int64_t rb, int64_t k, float* out, int64_t r0, int64_t r1) {
+  if (kq_has_avx2())
+    dequant_rows_avx2<KIND>(w, rb, k, out, r0, r1);
+  else
+    dequant_rows<KIND>(w, rb, k, out, r0, r1);
+}
+
+}  // namespace
+
+namespace llmrt_kernels {
+
+int64_t kquant_prep_bytes(int64_t kind, int64_t k) {
+  if (kind == kF16 || kind == kBF16) return 0;
+  return k / 32 * static_cast<int64_t>(sizeof(PGroup));
+}
+
+void kquant_prepare(const float* x, int64_t r0, int64_t r1, int64_t kind, int64_t k,
+                    uint8_t* prep) {
+  if (kind == kF16 || kind == kBF16) return;
+  if (kq_has_avx2())
+    prepare_rows_avx2(x, r0, r1, k, prep);
+  else
+    prepare_rows(x, r0, r1, k, prep);
+}
+
+void kquant_range(const float* x, int64_t rows_m, const uint8_t* w, int64_t row_bytes,
+                  int64_t kind, int64_t k, const uint8_t* prep, float* y, int64_t n, int64_t n0,
+                  int64_t n1) {
+  switch (kind) {
+    case kQ5_0: range_kind<kQ5_0>(x, rows_m, w, row_bytes, k, prep, y, n, n0, n1); break;
+    case kQ5_1: range_kind<kQ5_1>(x, rows_m, w, row_bytes, k, prep, y, n, n0, n1); break;
+    case kQ4_K: range_kind<kQ4_K>(x, rows_m, w, row_bytes, k, prep, y, n, n0, n1); break;
+    case kQ5_K: range_kind<kQ5_K>(x, rows_m, w, row_bytes, k, prep, y, n, n0, n1); break;
+    case kQ6_K: range_kind<kQ6_K>(x, rows_m, w, row_bytes, k, prep, y, n, n0, n1); break;
+    case kF16: range_kind<kF16>(x, rows_m, w, row_bytes, k, prep, y, n, n0, n1); break;
+    case kBF16: range_kind<kBF16>(x, rows_m, w, row_bytes, k, prep, y, n, n0, n1); break;
+    default: TORCH_CHECK(false, "llmrt_kernels: kquant_range has no type ", kind);
+  }
+}
+
+void kquant_dequantize(const uint8_t* w, int64_t row_bytes, int64_t kind, int64_t k, float* out,
+                       int64_t r0, int64_t r1) {
+  switch (kind) {
+    case kQ5_0: dequant_kind<kQ5_0>(w, row_bytes, k, out, r0, r1); break;
+    case kQ5_1: dequant_kind<kQ5_1>(w, row_bytes, k, out, r0, r1); break;
+    case kQ4_K: dequant_kind<kQ4_K>(w, row_bytes, k, out, r0, r1); break;
+    case kQ5_K: dequant_kind<kQ5_K>(w, row_bytes, k, out, r0, r1); break;
+    case kQ6_K: dequant_kind<kQ6_K>(w, row_bytes, k, out, r0, r1); break;
+    case kF16: dequant_kind<kF16>(w, row_bytes, k, out, r0, r1); break;
+    case kBF16: dequant_kind<kBF16>(w, row_bytes, k, out, r0, r1); break;
+    default: TORCH_CHECK(false, "llmrt_kernels: kquant_dequantize has no type ", kind);
+  }
+}
+
+}  // namespace llmrt_kernels
