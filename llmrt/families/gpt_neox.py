@@ -69,7 +69,7 @@ def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
         norm=NormSpec(kind="layer", eps=cfg.positive_float("layer_norm_eps", 1e-5), bias=True),
         layers=tuple(LayerSpec() for _ in range(model.num_layers)),
         residual="parallel" if parallel else "sequential",
-        ropes=(hfparts.rope(cfg, model, partial=True),),
+        ropes=(hfparts.rope(cfg, model, partial=True, partial_default=0.25),),
         tie_word_embeddings=cfg.flag("tie_word_embeddings", False),
     )
     return spec, NAMES

@@ -55,7 +55,9 @@ _QWEN = ("qwen2", "qwen3", "qwen3_moe")
 def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
     """Map a Llama-family ``config.json`` onto parts (``CheckpointError`` naming a field)."""
     model_type = str(cfg.raw.get("model_type") or "llama")
-    model = hfparts.read_common(cfg, family="llama", dtype=dtype)
+    # Qwen3's head_dim defaults to 128 in transformers, not hidden_size // heads.
+    head_dim = 128 if model_type == "qwen3" else None
+    model = hfparts.read_common(cfg, family="llama", dtype=dtype, head_dim_default=head_dim)
     n = model.num_layers
     act = hfparts.activation(cfg, "hidden_act", "silu")
     hfparts.reject_value(cfg, "pretraining_tp", allowed=1, reason="only pretraining_tp=1")
@@ -83,7 +85,7 @@ def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
         embedding_scale = cfg.positive_float("embedding_multiplier", 1.0)
         residual_multiplier = cfg.positive_float("residual_multiplier", 1.0)
         logit_scale = 1.0 / cfg.positive_float("logits_scaling", 1.0)
-    eps = cfg.positive_float("rms_norm_eps", 1e-6)
+    eps = cfg.positive_float("rms_norm_eps", 1e-5 if model_type == "mixtral" else 1e-6)
     norm = NormSpec(kind="rms", eps=eps)
     attention = hfparts.attention(
         model,
@@ -113,7 +115,7 @@ def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
         moe=moe,
         norm=norm,
         layers=layers,
-        ropes=(hfparts.rope(cfg, model),),
+        ropes=(hfparts.rope(cfg, model, theta=1e6 if model_type == "mixtral" else 1e4),),
         embedding_scale=embedding_scale,
         residual_multiplier=residual_multiplier,
         logit_scale=logit_scale,
@@ -128,7 +130,7 @@ def _moe(
     if model_type == "mixtral":
         spec = MoESpec(
             num_experts=cfg.positive_int("num_local_experts"),
-            top_k=cfg.positive_int("num_experts_per_tok"),
+            top_k=cfg.positive_int("num_experts_per_tok", 2),
             intermediate_size=cfg.positive_int("intermediate_size"),
             activation=activation,  # type: ignore[arg-type]
             routing="softmax_topk_normalized",
@@ -139,7 +141,7 @@ def _moe(
     experts_key = "num_experts" if cfg.has("num_experts") else "num_local_experts"
     spec = MoESpec(
         num_experts=cfg.positive_int(experts_key),
-        top_k=cfg.positive_int("num_experts_per_tok"),
+        top_k=cfg.positive_int("num_experts_per_tok", 8),
         intermediate_size=cfg.positive_int("moe_intermediate_size"),
         activation=activation,  # type: ignore[arg-type]
         routing="softmax_topk_normalized" if cfg.flag("norm_topk_prob", False) else "softmax_topk",
