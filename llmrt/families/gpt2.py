@@ -111,7 +111,10 @@ def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
 
 
 def canonical_names(
-    tensors: Mapping[str, CheckpointTensor], *, expected: Mapping[str, tuple[int, ...]]
+    tensors: Mapping[str, CheckpointTensor],
+    *,
+    expected: Mapping[str, tuple[int, ...]],
+    config: Mapping[str, Any],
 ) -> dict[str, CheckpointTensor]:
     """Map bare ``GPT2Model`` names (``h.0.attn...``, as in the original hub files) to the
     ``transformer.``-prefixed ones in ``expected``; every other name passes through."""

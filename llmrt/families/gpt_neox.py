@@ -4,6 +4,7 @@ fused q/k/v, partial rotary, plain GELU MLP with biases and the parallel residua
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -76,7 +77,10 @@ def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
 
 
 def canonical_names(
-    tensors: Mapping[str, CheckpointTensor], *, expected: Mapping[str, tuple[int, ...]]
+    tensors: Mapping[str, CheckpointTensor],
+    *,
+    expected: Mapping[str, tuple[int, ...]],
+    config: Mapping[str, Any],
 ) -> dict[str, CheckpointTensor]:
     """Older checkpoints name the LM head ``embed_out``; map it onto ``lm_head``."""
     renamed = dict(tensors)
