@@ -145,6 +145,42 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
             "mlp_only_layers": [1],
         },
     ),
+    "phi-parallel-partial-head-bias-qk-layernorm": ("phi", {"qk_layernorm": True}),
+    "cohere-interleaved-qk-norm-logit-scale": (
+        "cohere",
+        {"use_qk_norm": True, "logit_scale": 0.5, "head_dim": 16},
+    ),
+    "nemotron-layernorm1p-relu2-partial": (
+        "nemotron",
+        {"partial_rotary_factor": 0.5, "attention_bias": True, "mlp_bias": True},
+    ),
+    "olmo-weightless-norm-clip-qkv": ("olmo", {"clip_qkv": 0.05, "attention_bias": True}),
+    "helium-interleaved-bias": (
+        "helium",
+        {"head_dim": 16, "rope_theta": 1000.0, "attention_bias": True, "mlp_bias": True},
+    ),
+    "glm-interleaved-partial-fused-gate-up": ("glm", {"head_dim": 16}),
+    "smollm3-nope-layers-window": (
+        "smollm3",
+        {
+            "num_hidden_layers": 3,
+            "no_rope_layers": [1, 0, 1],
+            "use_sliding_window": True,
+            "sliding_window": 6,
+            "layer_types": ["full_attention", "sliding_attention", "full_attention"],
+        },
+    ),
+    "qwen2-moe-shared-expert-dense-layer": (
+        "qwen2_moe",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 48,
+            "shared_expert_intermediate_size": 80,
+            "norm_topk_prob": True,
+            "mlp_only_layers": [0],
+        },
+    ),
 }
 
 
@@ -277,8 +313,27 @@ def test_two_lanes_with_traced_decode_match_transformers(
         assert list(output.token_ids) == hf_greedy(model, prompt, steps=MAX_TOKENS).tokens
 
 
+#: The architectures added by family (issue #39), each also run in 32-token prefill chunks.
+ADDED = tuple(
+    case
+    for case, (model_type, _) in CASES.items()
+    if model_type in ("phi", "cohere", "nemotron", "olmo", "helium", "glm", "smollm3", "qwen2_moe")
+)
+
+
+@pytest.mark.parametrize("case", ADDED)
+def test_32_token_prefill_chunks_match_transformers(case: str, parity_harness: Any) -> None:
+    """Prompts past one 32-token chunk, prefilled chunk by chunk (as ``max_chunk_size: 32``
+    schedules them) next to a row that fits one, then greedy decode."""
+    harness = parity_harness(config=case_config(case))
+    prompts = [harness.prompt(n, seed=60 + n) for n in (75, 40, 21)]
+    runs = harness.greedy(prompts, cuts=[[32, 64], [32], []], steps=8)
+    harness.assert_parity(prompts, runs)
+
+
 #: Sizes (not options) a minimal config of these types needs to stay tiny.
 MINIMAL_SIZES: dict[str, dict[str, Any]] = {
+    "helium": {"head_dim": 16},  # transformers' o_proj is hidden x hidden
     "mixtral": {"num_local_experts": 4},
     "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48},
     "qwen2_moe": {
@@ -307,5 +362,6 @@ def test_every_listed_architecture_has_a_case() -> None:
     assert covered == {
         "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3",
         "olmo2", "gpt_neox", "stablelm", "granite", "starcoder2", "gpt2", "mixtral",
-        "qwen3_moe",
+        "qwen3_moe", "phi", "cohere", "nemotron", "olmo", "helium", "glm", "smollm3",
+        "qwen2_moe",
     }  # fmt: skip
