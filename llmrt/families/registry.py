@@ -21,6 +21,9 @@ from llmrt.errors import FamilyError, RecipeError
 from llmrt.families.base import Family
 
 GROUP = "llmrt.families"
+#: Entry points a package adds parts through (activations, norms: ``forms.register_*``);
+#: each names a module or a callable, imported (called) once before any family is looked up.
+PARTS_GROUP = "llmrt.parts"
 #: Backends a family supports when it does not declare ``backends``.
 DEFAULT_BACKENDS: tuple[str, ...] = ("torch",)
 
@@ -28,8 +31,27 @@ _REGISTERED: dict[str, Family] = {}
 
 
 @functools.cache
+def load_parts() -> tuple[str, ...]:
+    """Import every ``llmrt.parts`` entry point (calling it when it is callable), once, so the
+    parts a package registers exist before a family reads a config that names them; returns
+    their names. A plugin that fails is a ``FamilyError`` naming it."""
+    loaded = []
+    for ep in sorted(entry_points(group=PARTS_GROUP), key=lambda ep: ep.name):
+        try:
+            target = ep.load()
+            if callable(target):
+                target()
+        except Exception as exc:
+            why = f"parts plugin {ep.name!r} ({ep.value}) failed to load: {exc}"
+            raise FamilyError(why) from exc
+        loaded.append(ep.name)
+    return tuple(loaded)
+
+
+@functools.cache
 def _entry_points() -> tuple[EntryPoint, ...]:
     """The group's entry points, sorted by name (read once; installs do not change at runtime)."""
+    load_parts()
     found = sorted(entry_points(group=GROUP), key=lambda ep: ep.name)
     names = [ep.name for ep in found]
     duplicates = sorted({name for name in names if names.count(name) > 1})
@@ -108,9 +130,12 @@ def family_for_model_type(model_type: str) -> Family:
     if matches:
         claimants = ", ".join(family.name for family in matches)
         raise FamilyError(f"model_type {model_type!r} is claimed by several families: {claimants}")
+    testing = {ep.name for ep in _entry_points() if ep.value.startswith("llmrt.testing.")}
+    served = sorted({t for f in everything if f.name not in testing for t in f.model_types})
     raise FamilyError(
-        f"no installed family handles model_type {model_type!r}; "
-        f"known model types: {', '.join(model_types())} (families: {', '.join(family_names())})"
+        f"no installed family handles model_type {model_type!r}; known model types: "
+        f"{', '.join(served)}. To add one, write a family (docs/writing-a-family.md) "
+        "or declare the parts in the recipe (model.parts)"
     )
 
 
