@@ -139,6 +139,25 @@ def family_for_model_type(model_type: str) -> Family:
     )
 
 
+def served_families() -> tuple[Family, ...]:
+    """Every family that loads, less those llmrt ships for its own tests (``llmrt.testing``)."""
+    testing = {ep.name for ep in _entry_points() if ep.value.startswith("llmrt.testing.")}
+    return tuple(f for f in _loadable_families() if f.name not in testing)
+
+
+def family_table() -> str:
+    """The served families as a Markdown table (README's list is this, checked by a test)."""
+    rows = [
+        "| family | `model_type` | GGUF architecture |",
+        "| --- | --- | --- |",
+    ]
+    for family in served_families():
+        gguf = getattr(family, "gguf_architecture", None)
+        types = ", ".join(f"`{t}`" for t in family.model_types)
+        rows.append(f"| `{family.name}` | {types} | {f'`{gguf}`' if gguf else '-'} |")
+    return "\n".join(rows) + "\n"
+
+
 def required_keys(family: Family) -> tuple[str, ...]:
     """``config.json`` keys a random checkpoint of ``family`` must give (beyond model_type)."""
     keys = getattr(family, "required_keys", ("vocab_size",))

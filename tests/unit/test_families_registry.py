@@ -126,3 +126,16 @@ def test_each_familys_architectures_are_transformers_classes_of_its_model_types(
         assert all(served[arch] == family.name for arch in declared)
     assert sorted(registry.gguf_architectures()) == ["gpt2", "llama"]
     assert registry.gguf_architectures()["llama"] is llama.GGUF
+
+
+def test_readme_lists_exactly_the_registered_families() -> None:
+    """README's family table is ``family_table()`` (regenerate it from there)."""
+    import re
+    from pathlib import Path
+
+    from llmrt.families.registry import family_table
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = re.search(r"<!-- families:begin[^>]*-->\n(.*?)<!-- families:end -->", readme, re.S)
+    assert block is not None, "README lost its families block"
+    assert block.group(1) == family_table()
