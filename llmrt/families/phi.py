@@ -11,6 +11,11 @@ from llmrt.families.decoder_family import DecoderFamily
 from llmrt.families.hfconfig import HFConfig
 from llmrt.families.parts import DecoderSpec, LayerSpec, MLPSpec, NormSpec
 
+NAMES = TensorNames(
+    final_norm="model.final_layernorm", o="self_attn.dense", up="mlp.fc1", down="mlp.fc2",
+    q_norm="self_attn.q_layernorm", k_norm="self_attn.k_layernorm",
+)  # fmt: skip
+
 
 def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
     """Map a Phi ``config.json`` onto parts (``CheckpointError`` naming a field)."""
@@ -39,15 +44,7 @@ def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
         tie_word_embeddings=cfg.flag("tie_word_embeddings", False),
         lm_head_bias=True,
     )
-    names = TensorNames(
-        final_norm="model.final_layernorm",
-        o="self_attn.dense",
-        q_norm="self_attn.q_layernorm",
-        k_norm="self_attn.k_layernorm",
-        up="mlp.fc1",
-        down="mlp.fc2",
-    )
-    return spec, names
+    return spec, NAMES
 
 
 #: The family the registry serves under ``phi``.

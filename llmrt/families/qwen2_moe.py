@@ -1,6 +1,5 @@
-"""The Qwen2-MoE family (Qwen1.5-MoE, Qwen2-57B-A14B): top-k routed experts beside a shared
-expert scaled by a sigmoid gate, q/k/v bias, dense layers by ``mlp_only_layers`` /
-``decoder_sparse_step``."""
+"""The Qwen2-MoE family (Qwen1.5-MoE, Qwen2-57B-A14B): top-k experts beside a shared expert
+scaled by a sigmoid gate, q/k/v bias, dense layers by ``mlp_only_layers`` / sparse step."""
 
 from __future__ import annotations
 
@@ -21,7 +20,7 @@ def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
     window = hfparts.window_size(cfg) if cfg.flag("use_sliding_window", False) else None
     kinds = hfparts.qwen_layer_kinds(cfg, num_layers=n)
     act = hfparts.activation(cfg, "hidden_act", "silu")
-    moe = MoESpec(
+    moe = MoESpec(  # defaults: Qwen2MoeConfig's
         num_experts=cfg.positive_int("num_experts", 60),
         top_k=cfg.positive_int("num_experts_per_tok", 4),
         intermediate_size=cfg.positive_int("moe_intermediate_size", 1408),
@@ -33,7 +32,8 @@ def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
     step = cfg.positive_int("decoder_sparse_step", 1)
     dense = cfg.raw.get("mlp_only_layers") or []
     if not isinstance(dense, list) or not all(isinstance(i, int) for i in dense):
-        raise CheckpointError("config.mlp_only_layers", f"must list layer indices, got {dense!r}")
+        raise CheckpointError("config.mlp_only_layers", f"must list layer indices: {dense!r}")
+    sparse = [i not in dense and (i + 1) % step == 0 for i in range(n)]
     spec = DecoderSpec(
         model=model,
         attention=hfparts.attention(model, qkv_bias=cfg.flag("qkv_bias", True)),
@@ -41,11 +41,8 @@ def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
         moe=moe,
         norm=NormSpec(kind="rms", eps=cfg.positive_float("rms_norm_eps", 1e-6)),
         layers=tuple(
-            LayerSpec(
-                window=window if kind == "sliding_attention" else None,
-                moe=i not in dense and (i + 1) % step == 0,
-            )
-            for i, kind in enumerate(kinds)
+            LayerSpec(window=window if kind == "sliding_attention" else None, moe=is_moe)
+            for kind, is_moe in zip(kinds, sparse, strict=True)
         ),
         ropes=(hfparts.rope(cfg, model),),
         tie_word_embeddings=cfg.flag("tie_word_embeddings", False),
@@ -53,7 +50,6 @@ def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
     return spec, TensorNames()
 
 
-#: The family the registry serves under ``qwen2_moe``.
 FAMILY = DecoderFamily(
     name="qwen2_moe",
     architectures=("Qwen2MoeForCausalLM",),

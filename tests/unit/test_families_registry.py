@@ -139,3 +139,21 @@ def test_readme_lists_exactly_the_registered_families() -> None:
     block = re.search(r"<!-- families:begin[^>]*-->\n(.*?)<!-- families:end -->", readme, re.S)
     assert block is not None, "README lost its families block"
     assert block.group(1) == family_table()
+
+
+@pytest.mark.parametrize(
+    "module",
+    ["phi", "cohere", "nemotron", "olmo", "helium", "glm", "smollm3", "qwen2_moe", "olmo2",
+     "phi3", "stablelm", "starcoder2"],
+)  # fmt: skip
+def test_a_family_is_one_short_module_of_parts(module: str) -> None:
+    """A family is a config mapping: one module of at most 60 lines, a plain
+    ``DecoderFamily`` (no ``build`` override, nothing replaced after the build)."""
+    import importlib
+    import inspect
+
+    from llmrt.families.decoder_family import DecoderFamily
+
+    loaded = importlib.import_module(f"llmrt.families.{module}")
+    assert len(inspect.getsource(loaded).splitlines()) <= 60
+    assert type(loaded.FAMILY) is DecoderFamily
