@@ -32,6 +32,14 @@ def test_the_guide_example_runs_end_to_end(tmp_path: Path, parity_harness: Any) 
         assert recipe.family == "my_qwen2_moe"
         namespace["test_qwen2_moe_matches_transformers"](parity_harness)
         _the_module_reads_a_save_pretrained_directory(namespace["QWEN2_MOE"], tmp_path / "dir")
+        # Section 7's parts read the same directory (per-expert tensors stacked for them too).
+        import yaml
+
+        from llmrt.families.declared import declared_family, parse_parts
+
+        parts = parse_parts(yaml.safe_load(_blocks("yaml")[1])["model"]["parts"])
+        family = declared_family(parts, model_type="qwen2_moe")
+        _the_module_reads_a_save_pretrained_directory(family, tmp_path / "dir2")
     finally:
         registration = namespace.get("registration")
         if registration is not None:
