@@ -770,3 +770,49 @@ def test_an_olmo_gguf_runs_as_transformers_runs_the_original(
     harness = Harness(hf_model=model, model=built, vocab_size=config.vocab_size, seed=0)
     prompts = [harness.prompt(n, seed=n) for n in (12, 7)]
     harness.assert_parity(prompts, harness.greedy(prompts, cuts=[[5], []], steps=8))
+
+
+def test_a_phi2_gguf_runs_as_transformers_runs_the_original(
+    tmp_path: Path, bpe_meta: dict[str, Any]
+) -> None:
+    """llama.cpp's ``phi2`` (tensor names from gguf's own map, no q/k permutation, partial
+    rotary as ``rope.dimension_count``, biased LM head) through the phi family."""
+    from llmrt.families.registry import get_family
+    from llmrt.testing.parity import Harness, perturb
+
+    torch.manual_seed(0)
+    config = transformers.PhiConfig(
+        vocab_size=len(bpe_meta["tokens"]), hidden_size=64, intermediate_size=96,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        max_position_embeddings=128, partial_rotary_factor=0.5,
+    )  # fmt: skip
+    config._attn_implementation = "eager"
+    model = perturb(transformers.PhiForCausalLM(config), seed=1)
+    path = tmp_path / "phi2.gguf"
+    writer = gguf.GGUFWriter(str(path), "phi2")
+    writer.add_block_count(2)
+    writer.add_context_length(128)
+    writer.add_embedding_length(64)
+    writer.add_feed_forward_length(96)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(4)
+    writer.add_layer_norm_eps(config.layer_norm_eps)
+    writer.add_rope_dimension_count(8)
+    add_tokenizer(writer, bpe_meta, add_bos=False, pre="smollm")
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.PHI2, 2)
+    for name, tensor in model.state_dict().items():
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        writer.add_tensor(gguf_name, tensor.detach().float().numpy().copy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    checkpoint = load(path)
+    assert checkpoint.hf_config["partial_rotary_factor"] == 0.5
+    built = get_family("phi").build(
+        hf_config=checkpoint.hf_config, tensors=checkpoint.tensors, dtype=torch.float32,
+        device="cpu",
+    )  # fmt: skip
+    harness = Harness(hf_model=model, model=built, vocab_size=config.vocab_size, seed=0)
+    prompts = [harness.prompt(n, seed=n) for n in (12, 7)]
+    harness.assert_parity(prompts, harness.greedy(prompts, cuts=[[5], []], steps=8))
