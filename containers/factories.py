@@ -230,7 +230,7 @@ def load_weights(*, recipe: Recipe, family: Family) -> Checkpoint:
         optional_tensors=family.optional_tensors,
         model_types=family.model_types,
         tensor_init=getattr(family, "tensor_init", None),
-        rename=getattr(family, "rename", None),
+        rename=getattr(family, "rename_tensors", None) or getattr(family, "rename", None),
         keep_quantized=spec.weight_format == "gguf-native",
         requantize=spec.requantize,
     )

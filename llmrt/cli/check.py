@@ -49,6 +49,12 @@ SMALL: dict[str, int] = {
 }
 
 
+#: The vocabulary a larger one is shrunk to (only the embedding and LM head depend on it).
+SMALL_VOCAB = 512
+#: Config keys holding token ids, kept inside a shrunk vocabulary.
+TOKEN_ID_KEYS = ("pad_token_id", "bos_token_id", "eos_token_id")
+
+
 @attrs.frozen
 class Phase:
     """One row of the report."""
@@ -91,7 +97,8 @@ class Report:
 
 
 def small_config(model: Mapping[str, Any]) -> dict[str, Any]:
-    """``model`` with its geometry shrunk to ``SMALL`` (keeping its options)."""
+    """``model`` with its geometry shrunk to ``SMALL`` and its vocabulary to at most
+    ``SMALL_VOCAB`` (token ids wrapped into it), keeping its options."""
     config = dict(model)
     for key, value in SMALL.items():
         if key in config:
@@ -108,22 +115,38 @@ def small_config(model: Mapping[str, Any]) -> dict[str, Any]:
         config["layer_types"] = config["layer_types"][: config.get("num_hidden_layers", 2)]
     if isinstance(config.get("mlp_only_layers"), list):
         config["mlp_only_layers"] = [i for i in config["mlp_only_layers"] if i < 2]
-    config.setdefault("vocab_size", BYTE_TOKENIZER_VOCAB_SIZE)
+    vocab = config.get("vocab_size", BYTE_TOKENIZER_VOCAB_SIZE)
+    if isinstance(vocab, int) and not isinstance(vocab, bool):
+        config["vocab_size"] = vocab = min(vocab, SMALL_VOCAB)
+        for key in TOKEN_ID_KEYS:
+            if key in config:
+                config[key] = _wrap_ids(config[key], vocab)
     return config
+
+
+def _wrap_ids(value: Any, vocab: int) -> Any:
+    """Token id(s) past a shrunk vocabulary wrapped into it (transformers rejects a padding
+    id outside the embedding; the ids only label tokens in a random model)."""
+    if isinstance(value, list):
+        return [_wrap_ids(item, vocab) for item in value]
+    if isinstance(value, int) and not isinstance(value, bool) and value >= vocab:
+        return value % vocab
+    return value
 
 
 def reference_model(
     *, config: Mapping[str, Any] | None = None, directory: Path | None = None, seed: int = 0
 ) -> Any:
-    """The transformers model: random from ``config`` (norms and biases perturbed) or
-    loaded from ``directory``; float32, eager attention."""
+    """The transformers model: random from the raw ``config`` (norms and biases perturbed;
+    ``llmrt.testing.parity.reference_model``) or loaded from ``directory``; float32, eager
+    attention."""
     try:
         import transformers
     except ImportError as exc:  # pragma: no cover - transformers is a dev dependency
         raise ConfigError(
             "check", "transformers", "llmrt check needs transformers installed"
         ) from exc
-    from llmrt.testing.parity import perturb
+    from llmrt.testing import parity
 
     if directory is not None:
         model = transformers.AutoModelForCausalLM.from_pretrained(
@@ -131,26 +154,14 @@ def reference_model(
         )
         return model.eval()
     assert config is not None
-    values = dict(config)
-    model_type = values.pop("model_type")
-    try:
-        hf_config = transformers.AutoConfig.for_model(model_type, **values)
-    except ValueError as exc:
-        raise ConfigError(
-            "model.model_type",
-            model_type,
-            "transformers has no such architecture, so llmrt check has no reference for it",
-        ) from exc
-    hf_config._attn_implementation = "eager"
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config)
-    return perturb(model, seed=seed + 1)
+    return parity.reference_model(config, seed=seed)
 
 
 def run_check(
     *,
     family: Family,
     hf_model: Any,
+    hf_config: Mapping[str, Any] | None = None,
     source: str,
     steps: int = 32,
     tolerance: float = DEFAULT_TOLERANCE,
@@ -159,22 +170,24 @@ def run_check(
 ) -> Report:
     """Build ``family``'s model from ``hf_model``'s weights and compare phase by phase.
 
-    With ``directory`` (the checkpoint ``hf_model`` was loaded from) llmrt reads the
-    directory's files and ``config.json`` as the runtime does, names and all, instead of
-    transformers' in-memory state dict.
+    llmrt reads the raw ``hf_config`` (the mapping ``hf_model`` was made from), never
+    transformers' filled-in ``config.to_dict()``: the runtime reads the raw one, so a family
+    that reads a default differently from transformers must fail here. With ``directory``
+    (the checkpoint ``hf_model`` was loaded from) llmrt reads the directory's files and
+    ``config.json`` as the runtime does, names and all.
     """
     from llmrt.testing.parity import Harness
 
     if directory is None:
-        hf_config, tensors = hf_model.config.to_dict(), hf_model.state_dict()
+        if hf_config is None:
+            raise ConfigError("hf_config", None, "is required (the raw config of hf_model)")
+        tensors = hf_model.state_dict()
     else:
         checkpoint = load_checkpoint(format="safetensors", path=directory)
         hf_config, tensors = checkpoint.hf_config, dequantized(checkpoint.tensors)
     model = family.build(hf_config=hf_config, tensors=tensors, dtype=torch.float32, device="cpu")
     select_linear_kernel(model, choice="auto", device=torch.device("cpu"), dtype=torch.float32)
-    harness = Harness(
-        hf_model=hf_model, model=model, vocab_size=model.config.vocab_size, seed=seed
-    )
+    harness = Harness(hf_model=hf_model, model=model, vocab_size=model.config.vocab_size, seed=seed)
     phases = []
     schedules: Sequence[tuple[str, list[int], dict[str, Any]]] = (
         ("batched ragged prefill + pad row", [5, 17, 1, 11], {"pad_row": True}),
@@ -198,9 +211,7 @@ def run_check(
                 decode = max(decode, float(diff[1:].max()))
             equal = equal and run.tokens == ref.tokens
         phases.append(Phase(name=name, prefill=prefill, decode=decode, tokens_equal=equal))
-    return Report(
-        source=source, family=family.name, phases=tuple(phases), tolerance=tolerance
-    )
+    return Report(source=source, family=family.name, phases=tuple(phases), tolerance=tolerance)
 
 
 def check_target(
@@ -257,6 +268,7 @@ def check_target(
     return run_check(
         family=recipe.family_for(model_type),
         hf_model=reference_model(config=config, seed=spec.seed),
+        hf_config=config,
         source=f"recipe {recipe.name} ({model_type})",
         steps=steps,
         tolerance=tolerance,

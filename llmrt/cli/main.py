@@ -11,6 +11,7 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, NoReturn
 
 from llmrt.errors import LLMRTError
@@ -421,9 +422,35 @@ def _recipes(args: argparse.Namespace) -> int:
     if args.recipes_command == "show":
         print(dump_recipe_yaml(recipe), end="")
     else:
-        family = "parts (model.parts)" if recipe.declared_parts else recipe.family
+        family = "parts (model.parts)" if recipe.declared_parts else _validated_family(recipe)
         print(f"{args.recipe}: ok ({recipe.name}, family {family})")
     return 0
+
+
+def _validated_family(recipe: Any) -> str:
+    """The family that will build the recipe's model: for a checkpoint directory, the one
+    its ``config.json`` ``model_type`` resolves to (``FamilyError`` when no family handles
+    it), so ``validate`` does not pass a directory the load would refuse."""
+    from llmrt.errors import CheckpointError
+
+    spec = recipe.checkpoint
+    if spec.format != "safetensors" or not spec.path:
+        return str(recipe.family)
+    config_path = Path(spec.path).expanduser() / "config.json"
+    try:
+        model_type = json.loads(config_path.read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError) as exc:
+        raise CheckpointError(str(config_path), f"cannot read the model_type: {exc}") from exc
+    if not isinstance(model_type, str) or not model_type:
+        raise CheckpointError(f"{config_path}: model_type", "missing field")
+    family = recipe.family_for(model_type)
+    if model_type not in family.model_types:
+        raise CheckpointError(
+            f"{config_path}: model_type",
+            f"{model_type!r} is not handled by family {family.name} "
+            f"(it handles {', '.join(family.model_types)})",
+        )
+    return f"{family.name}, model_type {model_type}"
 
 
 def _description(name: str) -> str:

@@ -24,18 +24,18 @@ from llmrt.errors import ConfigError, RecipeError
 from llmrt.families import hfparts
 from llmrt.families.decoder import TensorNames
 from llmrt.families.decoder_family import DecoderFamily
+from llmrt.families.forms import activation_names, norm_kinds
 from llmrt.families.hfconfig import HFConfig
 from llmrt.families.parts import (
-    Activation,
     DecoderSpec,
     LayerSpec,
     MLPKind,
     MLPSpec,
     MoESpec,
-    NormKind,
     NormSpec,
     QKNorm,
     Residual,
+    RopeStyle,
     Routing,
 )
 from llmrt.families.rope import RopeSpec, read_rope_params
@@ -65,6 +65,17 @@ def _literal(literal: Any, *, optional: bool = False) -> Checker:
         if value not in choices:
             shown = [*choices, None] if optional else list(choices)
             _fail(path, value, f"must be one of {shown}")
+        return value
+
+    return check
+
+
+def _registered(names: Callable[[], tuple[str, ...]]) -> Checker:
+    """A name from a registry read at check time (built-ins plus what packages registered)."""
+
+    def check(path: str, value: Any) -> Any:
+        if value not in names():
+            _fail(path, value, f"must be one of {list(names())}")
         return value
 
     return check
@@ -144,9 +155,10 @@ def _tensor_names(path: str, value: Any) -> dict[str, Any]:
 #: Each sub-section: field -> (default, checker). Top-level scalars are in ``_TOP``.
 _SECTIONS: dict[str, dict[str, tuple[Any, Checker]]] = {
     "norm": {
-        "kind": ("rms", _literal(NormKind)),
+        "kind": ("rms", _registered(norm_kinds)),
         "eps": (None, _number(optional=True)),
         "bias": (False, _flag),
+        "weight": (True, _flag),
     },
     "attention": {
         "qkv_bias": (False, _flag),
@@ -155,16 +167,18 @@ _SECTIONS: dict[str, dict[str, tuple[Any, Checker]]] = {
         "qk_norm_per_head_weights": (False, _flag),
         "scale": (None, _number(optional=True)),
         "softcap": (None, _number(optional=True)),
+        "clip_qkv": (None, _number(optional=True)),
+        "rope_style": ("neox", _literal(RopeStyle)),
         "sliding_window": (None, _window),
         "sliding_layers": ("all", _selection),
     },
     "mlp": {
         "kind": ("gated", _literal(MLPKind)),
-        "activation": ("silu", _literal(Activation)),
+        "activation": ("silu", _registered(activation_names)),
         "bias": (False, _flag),
     },
     "moe": {
-        "activation": ("silu", _literal(Activation)),
+        "activation": ("silu", _registered(activation_names)),
         "routing": ("softmax_topk_normalized", _literal(Routing)),
         "shared_expert": (False, _flag),
         "shared_gate": (False, _flag),
@@ -185,6 +199,7 @@ _TOP: dict[str, tuple[Any, Checker]] = {
     "residual_multiplier": (1.0, _number()),
     "logit_scale": (1.0, _number()),
     "final_softcap": (None, _number(optional=True)),
+    "lm_head_bias": (False, _flag),
     "tensor_names": ({}, _tensor_names),
 }
 
@@ -239,9 +254,12 @@ class DeclaredParts:
             for i in range(n)
         )
         kind = self.norm["kind"]
-        eps_key = "layer_norm_eps" if kind == "layer" else "rms_norm_eps"
-        eps = self.norm["eps"] or cfg.positive_float(eps_key, 1e-5 if kind == "layer" else 1e-6)
-        norm = self._part("norm", NormSpec, kind=kind, eps=eps, bias=self.norm["bias"])
+        layer = kind.startswith("layer")
+        eps_key = "layer_norm_eps" if layer else "rms_norm_eps"
+        eps = self.norm["eps"] or cfg.positive_float(eps_key, 1e-5 if layer else 1e-6)
+        norm = self._part(
+            "norm", NormSpec, kind=kind, eps=eps, bias=self.norm["bias"], weight=self.norm["weight"]
+        )
         scale = top["embedding_scale"]
         try:
             spec = DecoderSpec(
@@ -257,6 +275,8 @@ class DeclaredParts:
                     qk_norm_spec=norm,
                     qk_norm_per_head_weights=attn["qk_norm_per_head_weights"],
                     softcap=attn["softcap"],
+                    clip_qkv=attn["clip_qkv"],
+                    rope_style=attn["rope_style"],
                 ),
                 mlp=self._mlp(cfg, n=n, moe_layers=moe_layers),
                 moe=self._moe(cfg),
@@ -275,6 +295,7 @@ class DeclaredParts:
                 logit_scale=top["logit_scale"],
                 final_softcap=top["final_softcap"],
                 tie_word_embeddings=cfg.flag("tie_word_embeddings", False),
+                lm_head_bias=top["lm_head_bias"],
             )
         except ConfigError as exc:
             if isinstance(exc, RecipeError):

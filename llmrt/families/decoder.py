@@ -9,12 +9,12 @@ into one matmul each at load.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import Literal
 
 import attrs
 import torch
 from torch import nn
 
+from llmrt.errors import ConfigError
 from llmrt.families.causal_lm import PagedCausalLM
 from llmrt.families.decoder_layers import (
     MLP,
@@ -35,17 +35,19 @@ from llmrt.families.layers import (
 )
 from llmrt.families.paged_attention import DecodePlan, PrefillPlan
 from llmrt.families.parts import (
+    CustomPart,
     DecoderSpec,
     MLPSpec,
     MoESpec,
     NormSpec,
+    TensorInit,
 )
 from llmrt.families.rope import inverse_frequencies, rope_lookup, rope_tables
 
 #: RoPE cache rows before a KV cache is bound (binding resizes it to the cache's span).
 ROPE_CACHE_START = 4096
 
-TensorInit = Literal["normal", "ones", "zeros"]
+__all__ = ["TensorInit"]
 
 
 @attrs.frozen(kw_only=True)
@@ -56,7 +58,10 @@ class TensorNames:
     are prefixes that take ``.weight``/``.bias``. ``qkv``/``gate_up`` name fused
     projections (None: separate ones); ``qkv_interleaved`` means the fused rows are
     ``[q, k, v]`` per head (GPT-NeoX); ``transposed`` means ``[in, out]`` (Conv1D)
-    weights. ``q_norm``/``k_norm`` contain ``{h}`` when every head has its own norm.
+    weights. ``q_norm``/``k_norm`` contain ``{h}`` when every head's norm weight is its own
+    tensor (without ``{h}``, per-head weights are one ``[heads, head_dim]`` tensor, Cohere's).
+    ``lm_head`` names the head's weight; its bias (``DecoderSpec.lm_head_bias``) is the same
+    name ending in ``.bias``.
     """
 
     embed: str = "model.embed_tokens.weight"
@@ -115,10 +120,12 @@ def tensor_plan(spec: DecoderSpec, names: TensorNames) -> TensorPlan:
         if bias:
             add(prefix + ".bias", (out,), "zeros")
 
-    def norm(prefix: str, width: int, part: NormSpec) -> None:
-        add(prefix + ".weight", (width,), "zeros" if part.kind == "rms_one_plus" else "ones")
+    def norm(prefix: str, width: int, part: NormSpec, rows: int | None = None) -> None:
+        shape = (width,) if rows is None else (rows, width)
+        if part.weight:
+            add(prefix + ".weight", shape, "zeros" if part.kind.endswith("one_plus") else "ones")
         if part.bias:
-            add(prefix + ".bias", (width,), "zeros")
+            add(prefix + ".bias", shape, "zeros")
 
     add(names.embed, (m.vocab_size, hidden))
     if spec.positions == "learned":
@@ -140,6 +147,8 @@ def tensor_plan(spec: DecoderSpec, names: TensorNames) -> TensorPlan:
             for template, heads in ((names.q_norm, a.num_heads), (names.k_norm, a.num_kv_heads)):
                 if a.qk_norm == "proj":
                     norm(p + template, heads * a.head_dim, a.qk_norm_spec)
+                elif a.qk_norm_per_head_weights and "{h}" not in template:
+                    norm(p + template, a.head_dim, a.qk_norm_spec, rows=heads)
                 elif a.qk_norm_per_head_weights:
                     for h in range(heads):
                         norm(p + template.format(h=h), a.head_dim, a.qk_norm_spec)
@@ -159,6 +168,9 @@ def tensor_plan(spec: DecoderSpec, names: TensorNames) -> TensorPlan:
                 linear(p + names.shared_down, hidden, shared, False)
                 if moe.shared_gate:
                     add(p + names.shared_expert_gate + ".weight", (1, hidden))
+        elif isinstance(spec.mlp, CustomPart):
+            for name, (shape, how) in spec.mlp.tensors(prefix=p, hidden=hidden).items():
+                add(name, tuple(shape), how)
         else:
             mlp = spec.mlp
             assert mlp is not None
@@ -174,8 +186,27 @@ def tensor_plan(spec: DecoderSpec, names: TensorNames) -> TensorPlan:
     if spec.final_norm:
         norm(names.final_norm, hidden, spec.norm)
     add(names.lm_head, (m.vocab_size, hidden))
+    if spec.lm_head_bias:
+        add(lm_head_bias_name(names), (m.vocab_size,), "zeros")
     optional = frozenset({names.lm_head}) if spec.tie_word_embeddings else frozenset()
     return TensorPlan(shapes=shapes, init=init, optional=optional)
+
+
+def lm_head_bias_name(names: TensorNames) -> str:
+    """The LM head's bias: its weight's name ending in ``.bias``."""
+    return names.lm_head.removesuffix(".weight") + ".bias"
+
+
+def rope_pair_order(head_dim: int, rotary: int) -> torch.Tensor:
+    """Channel order that turns GPT-J's interleaved RoPE pairs (2i, 2i + 1) of the first
+    ``rotary`` channels into the ``neox`` pairs (i, i + rotary / 2); the rest stay put.
+
+    q and k rows (and their biases and q/k norm weights) loaded in this order give the same
+    attention scores under the ``neox`` rotation as the checkpoint under interleaved RoPE:
+    a dot product does not change when both sides' channels are permuted alike.
+    """
+    pairs = torch.arange(rotary).view(rotary // 2, 2).t().reshape(-1)
+    return torch.cat([pairs, torch.arange(rotary, head_dim)])
 
 
 class DecoderBackbone(nn.Module):
@@ -413,28 +444,70 @@ def build_decoder(
             bias=take(*(p + ".bias" for p in prefixes)) if bias else None,
         )
 
-    def norm(prefix: str, part: NormSpec) -> Norm:
+    def norm(prefix: str, part: NormSpec, order: torch.Tensor | None = None) -> Norm:
+        def read(name: str) -> torch.Tensor:
+            tensor = take(name)
+            return tensor if order is None else tensor[..., order].contiguous()
+
         return Norm(
             spec=part,
-            weight=take(prefix + ".weight"),
-            bias=take(prefix + ".bias") if part.bias else None,
+            weight=read(prefix + ".weight") if part.weight else None,
+            bias=read(prefix + ".bias") if part.bias else None,
         )
+
+    #: Interleaved RoPE: q/k channels (rows, biases, norm weights) in the neox pair order.
+    interleaved = a.rope_style == "interleaved" and spec.positions == "rope"
+    channel_order = rope_pair_order(a.head_dim, spec.ropes[0].head_dim) if interleaved else None
+    if interleaved and any(r.head_dim != spec.ropes[0].head_dim for r in spec.ropes):
+        raise ConfigError("attention.rope_style", "interleaved", "needs one rotary width")
+
+    def head_rows(t: torch.Tensor, heads: int) -> torch.Tensor:
+        """``t``'s leading dim (``heads * head_dim``) in ``channel_order`` per head."""
+        assert channel_order is not None
+        per_head = t.reshape(heads, a.head_dim, *t.shape[1:])
+        return per_head[:, channel_order].reshape(t.shape).contiguous()
 
     def qk_norm(prefix: str, template: str, heads: int) -> Norm | None:
         if a.qk_norm is None:
             return None
+        if a.qk_norm == "proj" and channel_order is not None:
+            width = heads * a.head_dim
+            order = (torch.arange(width).view(heads, a.head_dim)[:, channel_order]).reshape(-1)
+            return norm(prefix + template, a.qk_norm_spec, order)
+        if a.qk_norm_per_head_weights and "{h}" not in template:
+            return norm(prefix + template, a.qk_norm_spec, channel_order)
+        return _per_head_or_shared(prefix, template, heads)
+
+    def _per_head_or_shared(prefix: str, template: str, heads: int) -> Norm:
         if a.qk_norm_per_head_weights:
-            rows = [norm(prefix + template.format(h=h), a.qk_norm_spec) for h in range(heads)]
+            rows = [
+                norm(prefix + template.format(h=h), a.qk_norm_spec, channel_order)
+                for h in range(heads)
+            ]
             return Norm(
                 spec=a.qk_norm_spec,
-                weight=torch.stack([r.weight.data for r in rows]),
+                weight=torch.stack([r.weight.data for r in rows if r.weight is not None])
+                if a.qk_norm_spec.weight
+                else None,
                 bias=torch.stack([r.bias.data for r in rows if r.bias is not None])
                 if a.qk_norm_spec.bias
                 else None,
             )
-        return norm(prefix + template, a.qk_norm_spec)
+        return norm(prefix + template, a.qk_norm_spec, channel_order)
 
     def fused_qkv(prefix: str) -> Linear:
+        if channel_order is not None:
+            if names.qkv is not None or names.transposed:
+                raise ConfigError(
+                    "attention.rope_style", "interleaved", "needs separate [out, in] q/k/v tensors"
+                )
+
+            def rows(suffix: str) -> torch.Tensor:
+                q, k, v = (take(prefix + n + suffix) for n in (names.q, names.k, names.v))
+                return torch.cat([head_rows(q, a.num_heads), head_rows(k, a.num_kv_heads), v])
+
+            bias = rows(".bias") if a.qkv_bias else None
+            return frozen_linear(weight=rows(".weight"), bias=bias)
         if names.qkv is None:
             return linear(prefix + names.q, prefix + names.k, prefix + names.v, bias=a.qkv_bias)
         if not names.qkv_interleaved:
@@ -508,6 +581,12 @@ def build_decoder(
         if layer.moe:
             assert spec.moe is not None
             mlp: nn.Module = mixture(p, spec.moe)
+        elif isinstance(spec.mlp, CustomPart):
+            mlp = spec.mlp.build(
+                prefix=p,
+                linear=lambda *prefixes, bias=False: linear(*prefixes, bias=bias),
+                take=take,
+            )
         else:
             assert spec.mlp is not None
             mlp = dense(p, spec.mlp)
@@ -526,7 +605,8 @@ def build_decoder(
     if spec.positions == "learned":
         positions = frozen_embedding(weight=take(names.positions).contiguous())
     lm_head = frozen_linear(
-        weight=embed.weight if spec.tie_word_embeddings else weight(names.lm_head)
+        weight=embed.weight if spec.tie_word_embeddings else weight(names.lm_head),
+        bias=take(lm_head_bias_name(names)) if spec.lm_head_bias else None,
     )
     backbone = DecoderBackbone(
         spec=spec,

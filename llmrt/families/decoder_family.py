@@ -19,6 +19,7 @@ import torch
 from llmrt.families.base import ModelConfig
 from llmrt.families.causal_lm import PagedCausalLM
 from llmrt.families.decoder import TensorInit, TensorNames, TensorPlan, build_decoder, tensor_plan
+from llmrt.families.experts import fuse_experts
 from llmrt.families.gguf_architecture import GGUFArchitecture
 from llmrt.families.hfconfig import HFConfig
 from llmrt.families.parts import DecoderSpec
@@ -30,9 +31,17 @@ SpecReader = Callable[[HFConfig, torch.dtype], tuple[DecoderSpec, TensorNames]]
 
 
 class Renamer(Protocol):
+    """A family's checkpoint names -> the ones its ``TensorNames`` give: ``expected`` is
+    the plan (name -> shape) the tensors are checked against, ``config`` the checkpoint's
+    raw ``config.json`` (what a layout change may depend on: head counts, a flag)."""
+
     def __call__(
-        self, tensors: Tensors, *, expected: Mapping[str, tuple[int, ...]]
-    ) -> dict[str, CheckpointTensor]: ...
+        self,
+        tensors: Tensors,
+        *,
+        expected: Mapping[str, tuple[int, ...]],
+        config: Mapping[str, Any],
+    ) -> Mapping[str, CheckpointTensor]: ...
 
 
 @attrs.frozen(kw_only=True)
@@ -43,6 +52,8 @@ class DecoderFamily:
     must give (``recipes validate`` checks them before anything loads);
     ``gguf`` says how it reads GGUF files (its ``general.architecture``, config, tensor
     names and layouts; None: it reads none);
+    ``rename`` maps a checkpoint's own tensor names onto ``read``'s (after the per-expert
+    weights are stacked for every family; see ``rename_tensors``);
     ``architectures`` the Hugging Face class names (``config.json`` ``architectures``)
     of its checkpoints, which vLLM's plugin registers; ``backends`` the device backends
     that can run it.
@@ -100,12 +111,26 @@ class DecoderFamily:
         spec, names = self._read(hf_config, dtype)
         plan = tensor_plan(spec, names)
         used = check_tensors(
-            tensors=tensors if self.rename is None else self.rename(tensors, expected=plan.shapes),
+            tensors=self.rename_tensors(tensors, expected=plan.shapes, config=hf_config),
             expected=plan.shapes,
             optional=plan.optional,
             ignored_suffixes=self.ignored_suffixes,
         )
         return build_decoder(spec=spec, names=names, tensors=used, device=torch.device(device))
+
+    def rename_tensors(
+        self,
+        tensors: Tensors,
+        *,
+        expected: Mapping[str, tuple[int, ...]],
+        config: Mapping[str, Any],
+    ) -> dict[str, CheckpointTensor]:
+        """Checkpoint names -> the plan's: per-expert weights stacked (``fuse_experts``, for
+        every family), then the family's own ``rename``. The loader calls this too."""
+        out = fuse_experts(tensors, expected=expected)
+        if self.rename is None:
+            return out
+        return dict(self.rename(out, expected=expected, config=config))
 
     def _read(
         self, hf_config: Mapping[str, Any], dtype: torch.dtype

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from llmrt.families.forms import activation_form, norm_form
 from llmrt.families.layers import (
     Linear,
     QuantizedLinear,
@@ -31,52 +32,56 @@ from llmrt.families.rope import apply_rope
 
 
 class Norm(nn.Module):
-    """RMSNorm / ``(1 + w)`` RMSNorm / LayerNorm over the last dim, in float32 like HF.
+    """RMSNorm / ``(1 + w)`` RMSNorm / LayerNorm (``w``, ``1 + w`` or no weight) or a
+    registered kind (``forms.register_norm``) over the last dim, in float32 like HF.
 
     ``weight`` may carry leading dims (one weight row per head) that broadcast over ``x``.
     """
 
-    def __init__(self, *, spec: NormSpec, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(
+        self, *, spec: NormSpec, weight: torch.Tensor | None, bias: torch.Tensor | None
+    ) -> None:
         super().__init__()
         self.kind = spec.kind
         self.eps = spec.eps
-        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.weight = None if weight is None else nn.Parameter(weight, requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self._form = norm_form(spec.kind)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         width = (x.shape[-1],)
-        if self.kind == "layer":
-            if self.weight.dim() == 1:
-                return F.layer_norm(x, width, self.weight, self.bias, self.eps)
-            out = F.layer_norm(x, width, None, None, self.eps) * self.weight
+        weight: torch.Tensor | None = self.weight
+        if self._form is not None:
+            return self._form(x, weight, self.bias, self.eps)
+        if self.kind in ("layer", "layer_one_plus"):
+            if weight is not None and self.kind == "layer_one_plus":
+                weight = weight + 1.0
+            if weight is None or weight.dim() == 1:
+                return F.layer_norm(x, width, weight, self.bias, self.eps)
+            out = F.layer_norm(x, width, None, None, self.eps) * weight
             return out if self.bias is None else out + self.bias
+        assert weight is not None  # NormSpec: RMS kinds have a weight
         if (
             self.kind == "rms"
-            and x.dtype == self.weight.dtype == torch.float32
-            and self.weight.shape == width
+            and x.dtype == weight.dtype == torch.float32
+            and weight.shape == width
         ):
             # One op instead of two passes: torch's kernel multiplies the normalised value by
             # the weight last, as below, so the result is bit-equal (checked by a test). On
             # the CPU the native op does the same in one pass per row, rows split across
             # threads (torch's took ~0.7 ms per 1000 SmolLM2 rows, on one thread).
-            if native_rms_norm_usable(x, self.weight):
-                return native_rms_norm(x, self.weight, self.eps)
-            return F.rms_norm(x, width, weight=self.weight, eps=self.eps)
+            if native_rms_norm_usable(x, weight):
+                return native_rms_norm(x, weight, self.eps)
+            return F.rms_norm(x, width, weight=weight, eps=self.eps)
         normed = F.rms_norm(x.float(), width, eps=self.eps)
         if self.kind == "rms_one_plus":
-            return (normed * (1.0 + self.weight.float())).to(x.dtype)
-        return self.weight * normed.to(x.dtype)
+            return (normed * (1.0 + weight.float())).to(x.dtype)
+        return weight * normed.to(x.dtype)
 
 
 def activate(x: torch.Tensor, kind: Activation) -> torch.Tensor:
-    """The activation part ``kind`` applied to ``x``."""
-    if kind == "silu":
-        return F.silu(x)
-    if kind == "gelu":
-        return F.gelu(x)
-    if kind == "gelu_tanh":
-        return F.gelu(x, approximate="tanh")
-    return F.relu(x)
+    """The activation part ``kind`` (built in or registered) applied to ``x``."""
+    return activation_form(kind)(x)
 
 
 class MLP(nn.Module):
@@ -204,6 +209,7 @@ class Attention(nn.Module):
         self.head_dim = spec.head_dim
         self.scale = spec.scale
         self.softcap = spec.softcap
+        self.clip_qkv = spec.clip_qkv
         self.window = window
         kv = spec.num_kv_heads * spec.head_dim
         self.split_sizes = (spec.num_heads * spec.head_dim, kv, kv)
@@ -220,7 +226,10 @@ class Attention(nn.Module):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
     ) -> torch.Tensor:
-        q, k, v = self.qkv(x).split(self.split_sizes, dim=-1)
+        qkv = self.qkv(x)
+        if self.clip_qkv is not None:
+            qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
+        q, k, v = qkv.split(self.split_sizes, dim=-1)
         if self.norm_over_proj and self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = q.unflatten(-1, (self.num_heads, self.head_dim))

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol, get_args
 import torch
 
 from llmrt.errors import ConfigError
-from llmrt.families.decoder_layers import MLP, DecoderLayer, Norm
+from llmrt.families.decoder_layers import MLP, DecoderLayer, MoE, Norm
 from llmrt.families.layers import (
     ACTIVATIONS,
     Embedding,
@@ -62,6 +62,7 @@ class FusableBackbone(Protocol):
 
     @property
     def lm_head(self) -> Linear: ...
+
 
 #: ``device.decode_kernel``: ``auto`` runs CPU decode steps fused where every layer's parts
 #: allow it, ``fused`` requires it (a ``ConfigError`` at build says which part does not),
@@ -106,13 +107,16 @@ def _float_or_none(bias: torch.Tensor | None, field: str) -> torch.Tensor | None
 def _norm(norm: Norm | None, field: str) -> tuple[torch.Tensor, float]:
     if norm is None:
         raise NotFusable(f"{field}: the op needs a pre-norm here")
-    if norm.bias is not None or norm.weight.dim() != 1 or norm.weight.dtype != torch.float32:
-        raise NotFusable(f"{field}: only float32 RMSNorm weights without bias")
+    if norm.kind not in ("rms", "rms_one_plus"):
+        raise NotFusable(f"{field}: {norm.kind} norm (the op runs RMSNorm)")
+    weight = norm.weight
+    if norm.bias is not None or weight is None or weight.dim() != 1:
+        raise NotFusable(f"{field}: only RMSNorm with one weight row and no bias")
+    if weight.dtype != torch.float32:
+        raise NotFusable(f"{field}: {weight.dtype} norm weights, not float32")
     if norm.kind == "rms":
-        return norm.weight.data.contiguous(), norm.eps
-    if norm.kind == "rms_one_plus":
-        return (1.0 + norm.weight.data.float()).contiguous(), norm.eps
-    raise NotFusable(f"{field}: {norm.kind} norm")
+        return weight.data.contiguous(), norm.eps
+    return (1.0 + weight.data.float()).contiguous(), norm.eps
 
 
 class StackLayer(NamedTuple):
@@ -140,8 +144,12 @@ def fused_layer_args(layer: DecoderLayer) -> StackLayer:
         raise NotFusable("q/k norms")
     if attention.softcap is not None:
         raise NotFusable("attention-logit soft-capping")
-    if not isinstance(layer.mlp, MLP):
+    if isinstance(layer.mlp, MoE):
         raise NotFusable("mixture-of-experts MLP")
+    if not isinstance(layer.mlp, MLP):
+        raise NotFusable(f"mlp: {type(layer.mlp).__name__} (a part the op does not run)")
+    if attention.clip_qkv is not None:
+        raise NotFusable("q/k/v clipping")
     if layer.mlp.activation not in ACTIVATIONS:
         raise NotFusable(f"activation {layer.mlp.activation}")
     attn_norm, eps = _norm(layer.attn_norm, "attn_norm")

@@ -47,7 +47,7 @@ def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
             )
         default = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
         kinds = hfparts.layer_kinds(cfg, num_layers=n, default=default)
-        scale = cfg.positive_float("query_pre_attn_scalar", model.head_dim) ** -0.5
+        scale = cfg.positive_float("query_pre_attn_scalar", 256) ** -0.5
         # Gemma 3 keeps ``attn_logit_softcapping`` in its config but transformers never
         # applies it (the reference this family matches); Gemma 2 applies it.
         softcap = (

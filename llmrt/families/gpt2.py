@@ -24,6 +24,13 @@ from llmrt.families.parts import DecoderSpec, LayerSpec, MLPSpec, NormSpec
 from llmrt.kernels.formats import CheckpointTensor
 
 MODEL_TYPES: tuple[str, ...] = ("gpt2",)
+#: transformers' ``GPT2Config.attribute_map``: the standard names win where both are given.
+ALIASES = {
+    "hidden_size": "n_embd",
+    "max_position_embeddings": "n_positions",
+    "num_attention_heads": "n_head",
+    "num_hidden_layers": "n_layer",
+}
 REQUIRED_KEYS: tuple[str, ...] = ("vocab_size", "n_embd", "n_layer", "n_head", "n_positions")
 IGNORED_SUFFIXES: tuple[str, ...] = (".attn.bias", ".attn.masked_bias")
 GELU_ACTIVATIONS: tuple[str, ...] = ("gelu_new", "gelu_pytorch_tanh", "gelu_fast", "gelu")
@@ -45,6 +52,7 @@ NAMES = TensorNames(
 def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
     """Map a GPT-2 ``config.json`` onto parts (``CheckpointError`` naming a field)."""
     hfparts.reject_common(cfg)
+    cfg = hfparts.with_aliases(cfg, ALIASES)
     hidden = cfg.positive_int("n_embd")
     heads = cfg.positive_int("n_head")
     if hidden % heads:
@@ -103,7 +111,10 @@ def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
 
 
 def canonical_names(
-    tensors: Mapping[str, CheckpointTensor], *, expected: Mapping[str, tuple[int, ...]]
+    tensors: Mapping[str, CheckpointTensor],
+    *,
+    expected: Mapping[str, tuple[int, ...]],
+    config: Mapping[str, Any],
 ) -> dict[str, CheckpointTensor]:
     """Map bare ``GPT2Model`` names (``h.0.attn...``, as in the original hub files) to the
     ``transformer.``-prefixed ones in ``expected``; every other name passes through."""

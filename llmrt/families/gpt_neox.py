@@ -4,6 +4,7 @@ fused q/k/v, partial rotary, plain GELU MLP with biases and the parallel residua
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -69,14 +70,17 @@ def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
         norm=NormSpec(kind="layer", eps=cfg.positive_float("layer_norm_eps", 1e-5), bias=True),
         layers=tuple(LayerSpec() for _ in range(model.num_layers)),
         residual="parallel" if parallel else "sequential",
-        ropes=(hfparts.rope(cfg, model, partial=True),),
+        ropes=(hfparts.rope(cfg, model, partial=True, partial_default=0.25),),
         tie_word_embeddings=cfg.flag("tie_word_embeddings", False),
     )
     return spec, NAMES
 
 
 def canonical_names(
-    tensors: Mapping[str, CheckpointTensor], *, expected: Mapping[str, tuple[int, ...]]
+    tensors: Mapping[str, CheckpointTensor],
+    *,
+    expected: Mapping[str, tuple[int, ...]],
+    config: Mapping[str, Any],
 ) -> dict[str, CheckpointTensor]:
     """Older checkpoints name the LM head ``embed_out``; map it onto ``lm_head``."""
     renamed = dict(tensors)

@@ -119,12 +119,27 @@ def activation(cfg: HFConfig, key: str, default: str) -> Activation:
     return HF_ACTIVATIONS[name]
 
 
-def rope(cfg: HFConfig, model: ModelConfig, *, partial: bool = False) -> RopeSpec:
+def rope(
+    cfg: HFConfig,
+    model: ModelConfig,
+    *,
+    partial: bool = False,
+    theta: float = 10000.0,
+    partial_default: float = 1.0,
+) -> RopeSpec:
     """The single RoPE variant of a config over ``model``'s head_dim and positions;
     ``partial``: the architecture honours ``partial_rotary_factor`` (else a factor below
-    one is rejected, not ignored)."""
+    one is rejected, not ignored). ``theta`` and ``partial_default`` are the architecture's
+    transformers defaults when the config gives none (Mixtral's base is 1e6, GPT-NeoX
+    rotates a quarter of each head): the runtime reads the raw ``config.json``."""
     head_dim = model.head_dim
-    spec = read_rope(cfg, head_dim=head_dim, max_positions=model.max_position_embeddings)
+    spec = read_rope(
+        cfg,
+        head_dim=head_dim,
+        max_positions=model.max_position_embeddings,
+        default_theta=theta,
+        default_partial=partial_default,
+    )
     if not partial and spec.head_dim != head_dim:
         _, params = rope_parameters(cfg)
         where = "rope_parameters." if "partial_rotary_factor" in params else ""
@@ -212,6 +227,14 @@ def qwen_layer_kinds(cfg: HFConfig, *, num_layers: int) -> list[str]:
         for i in range(num_layers)
     ]
     return layer_kinds(cfg, num_layers=num_layers, default=default)
+
+
+def with_aliases(cfg: HFConfig, aliases: dict[str, str]) -> HFConfig:
+    """``cfg`` with each standard key (``aliases``: standard -> architecture's own, e.g.
+    ``max_position_embeddings`` -> ``n_positions``) copied onto the architecture's key where
+    given: transformers' ``attribute_map`` lets the standard name win when both appear."""
+    given = {own: cfg.raw[std] for std, own in aliases.items() if cfg.raw.get(std) is not None}
+    return cfg if not given else HFConfig(raw={**cfg.raw, **given})
 
 
 def reject_common(cfg: HFConfig) -> None:

@@ -19,6 +19,7 @@ from llmrt.errors import CheckpointError
 from llmrt.families import hfparts
 from llmrt.families.decoder import TensorNames
 from llmrt.families.decoder_family import DecoderFamily
+from llmrt.families.experts import fuse_experts
 from llmrt.families.gguf_architecture import (
     GGUFArchitecture,
     metadata_field,
@@ -35,7 +36,8 @@ from llmrt.families.parts import (
     MoESpec,
     NormSpec,
 )
-from llmrt.kernels.formats import CheckpointTensor
+
+__all__ = ["FAMILY", "fuse_experts", "read"]
 
 MODEL_TYPES: tuple[str, ...] = (
     "llama",
@@ -55,7 +57,9 @@ _QWEN = ("qwen2", "qwen3", "qwen3_moe")
 def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
     """Map a Llama-family ``config.json`` onto parts (``CheckpointError`` naming a field)."""
     model_type = str(cfg.raw.get("model_type") or "llama")
-    model = hfparts.read_common(cfg, family="llama", dtype=dtype)
+    # Qwen3's head_dim defaults to 128 in transformers, not hidden_size // heads.
+    head_dim = 128 if model_type == "qwen3" else None
+    model = hfparts.read_common(cfg, family="llama", dtype=dtype, head_dim_default=head_dim)
     n = model.num_layers
     act = hfparts.activation(cfg, "hidden_act", "silu")
     hfparts.reject_value(cfg, "pretraining_tp", allowed=1, reason="only pretraining_tp=1")
@@ -83,7 +87,7 @@ def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
         embedding_scale = cfg.positive_float("embedding_multiplier", 1.0)
         residual_multiplier = cfg.positive_float("residual_multiplier", 1.0)
         logit_scale = 1.0 / cfg.positive_float("logits_scaling", 1.0)
-    eps = cfg.positive_float("rms_norm_eps", 1e-6)
+    eps = cfg.positive_float("rms_norm_eps", 1e-5 if model_type == "mixtral" else 1e-6)
     norm = NormSpec(kind="rms", eps=eps)
     attention = hfparts.attention(
         model,
@@ -113,7 +117,7 @@ def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
         moe=moe,
         norm=norm,
         layers=layers,
-        ropes=(hfparts.rope(cfg, model),),
+        ropes=(hfparts.rope(cfg, model, theta=1e6 if model_type == "mixtral" else 1e4),),
         embedding_scale=embedding_scale,
         residual_multiplier=residual_multiplier,
         logit_scale=logit_scale,
@@ -128,9 +132,9 @@ def _moe(
     if model_type == "mixtral":
         spec = MoESpec(
             num_experts=cfg.positive_int("num_local_experts"),
-            top_k=cfg.positive_int("num_experts_per_tok"),
+            top_k=cfg.positive_int("num_experts_per_tok", 2),
             intermediate_size=cfg.positive_int("intermediate_size"),
-            activation=activation,  # type: ignore[arg-type]
+            activation=activation,
             routing="softmax_topk_normalized",
         )
         return spec, [True] * num_layers
@@ -139,9 +143,9 @@ def _moe(
     experts_key = "num_experts" if cfg.has("num_experts") else "num_local_experts"
     spec = MoESpec(
         num_experts=cfg.positive_int(experts_key),
-        top_k=cfg.positive_int("num_experts_per_tok"),
+        top_k=cfg.positive_int("num_experts_per_tok", 8),
         intermediate_size=cfg.positive_int("moe_intermediate_size"),
-        activation=activation,  # type: ignore[arg-type]
+        activation=activation,
         routing="softmax_topk_normalized" if cfg.flag("norm_topk_prob", False) else "softmax_topk",
     )
     step = cfg.positive_int("decoder_sparse_step", 1)
@@ -149,55 +153,6 @@ def _moe(
     if not isinstance(dense, list) or not all(isinstance(i, int) for i in dense):
         raise CheckpointError("config.mlp_only_layers", f"must list layer indices, got {dense!r}")
     return spec, [i not in dense and (i + 1) % step == 0 for i in range(num_layers)]
-
-
-#: Per-expert checkpoint names (as on the Hub and as transformers saves them) -> the fused
-#: ``[experts, 2 * inter, hidden]`` / ``[experts, hidden, inter]`` stacks the decoder reads.
-_EXPERT_LAYOUTS: tuple[tuple[str, str, str, str, str], ...] = (
-    # (per-expert prefix, gate, up, down, router) relative to the layer prefix
-    ("block_sparse_moe.experts.", "w1", "w3", "w2", "block_sparse_moe.gate"),
-    ("mlp.experts.", "gate_proj", "up_proj", "down_proj", "mlp.gate"),
-)
-
-
-def fuse_experts(
-    tensors: Mapping[str, CheckpointTensor], *, expected: Mapping[str, tuple[int, ...]]
-) -> dict[str, CheckpointTensor]:
-    """Stack per-expert weights into the fused expert tensors ``expected`` names.
-
-    A layer's experts are fused only when every expert's gate, up and down weight is
-    present; anything else passes through for ``check_tensors`` to name.
-    """
-    out = dict(tensors)
-    for fused in [name for name in expected if name.endswith(".mlp.experts.gate_up_proj")]:
-        layer = fused[: -len("mlp.experts.gate_up_proj")]
-        if fused in out:
-            continue
-        experts = expected[fused][0]
-        for prefix, gate, up, down, router in _EXPERT_LAYOUTS:
-            names = [
-                [f"{layer}{prefix}{e}.{w}.weight" for w in (gate, up, down)] for e in range(experts)
-            ]
-            if not all(n in out for row in names for n in row):
-                continue
-            out[fused] = torch.stack(
-                [torch.cat([_dense(out[g]), _dense(out[u])]) for g, u, _ in names]
-            )
-            out[f"{layer}mlp.experts.down_proj"] = torch.stack(
-                [_dense(out[d]) for _, _, d in names]
-            )
-            for row in names:
-                for n in row:
-                    del out[n]
-            if f"{layer}{router}.weight" in out and router != "mlp.gate":
-                out[f"{layer}mlp.gate.weight"] = out.pop(f"{layer}{router}.weight")
-            break
-    return out
-
-
-def _dense(tensor: CheckpointTensor) -> torch.Tensor:
-    """Expert weights are stacked in float (quantized blocks are dequantized first)."""
-    return tensor if isinstance(tensor, torch.Tensor) else tensor.dequantize()
 
 
 def _gguf_config(
@@ -290,6 +245,5 @@ FAMILY = DecoderFamily(
     read=read,
     required_keys=hfparts.DECODER_KEYS,
     ignored_suffixes=IGNORED_SUFFIXES,
-    rename=fuse_experts,
     gguf=GGUF,
 )

@@ -2,37 +2,49 @@
 
 A family maps a Hugging Face ``config.json`` onto a ``DecoderSpec`` (and tensor names onto
 ``TensorNames``); ``llmrt.families.decoder`` builds the one decoder every family shares from
-it. A new architecture that needs something not listed here adds the part here, for every
-family, instead of writing its own forward.
+it. What the catalogue lacks, a package adds from outside without editing llmrt: an
+activation or a norm kind through ``llmrt.families.forms`` (name + torch form), any other
+MLP-slot part as a ``CustomPart`` (its tensors and its module) in ``DecoderSpec.mlp``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal, get_args
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any, Literal, Protocol, get_args, runtime_checkable
 
 import attrs
 
 from llmrt.errors import ConfigError
 from llmrt.families.base import ModelConfig
+from llmrt.families.forms import HF_ACTIVATIONS, activation_names, norm_kinds
 from llmrt.families.rope import RopeSpec
 
-NormKind = Literal["rms", "rms_one_plus", "layer"]
-Activation = Literal["silu", "gelu", "gelu_tanh", "relu"]
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+#: Built-in norm kinds (``forms.register_norm`` adds more): ``rms`` ``w * x``,
+#: ``rms_one_plus`` ``(1 + w) * x``, ``layer`` LayerNorm, ``layer_one_plus`` LayerNorm
+#: scaled by ``1 + w`` (Nemotron's LayerNorm1P).
+NormKind = str
+#: Built-in activations: silu, gelu, gelu_tanh, relu, relu2 (``forms.register_activation``
+#: adds more).
+Activation = str
 MLPKind = Literal["gated", "plain"]
 QKNorm = Literal["head", "proj"]
 Residual = Literal["sequential", "parallel"]
 Routing = Literal["softmax_topk", "softmax_topk_normalized"]
+#: How RoPE pairs a head's channels: ``neox`` rotates channel i with i + d/2 (Llama, HF's
+#: ``rotate_half``), ``interleaved`` rotates 2i with 2i + 1 (GPT-J, Cohere, GLM, Helium).
+RopeStyle = Literal["neox", "interleaved"]
+TensorInit = Literal["normal", "ones", "zeros"]
 
-#: Hugging Face ``hidden_act`` names -> the activation part that computes them.
-HF_ACTIVATIONS: dict[str, Activation] = {
-    "silu": "silu",
-    "swish": "silu",
-    "gelu": "gelu",
-    "gelu_new": "gelu_tanh",
-    "gelu_fast": "gelu_tanh",
-    "gelu_pytorch_tanh": "gelu_tanh",
-    "relu": "relu",
-}
+__all__ = ["HF_ACTIVATIONS"]
+
+
+def _check_registered(path: str, value: Any, names: tuple[str, ...]) -> None:
+    if value not in names:
+        raise ConfigError(path, value, f"must be one of {list(names)}")
 
 
 def _check_literal(path: str, value: Any, literal: Any) -> None:
@@ -53,17 +65,21 @@ def _positive_float(path: str, value: Any) -> None:
 
 @attrs.frozen(kw_only=True)
 class NormSpec:
-    """RMSNorm (``w * x``), Gemma's RMSNorm (``(1 + w) * x``) or LayerNorm (optional bias)."""
+    """RMSNorm (``w * x``), Gemma's RMSNorm (``(1 + w) * x``), LayerNorm (``w``, ``1 + w``
+    or no weight at all; optional bias) or a registered kind (``forms.register_norm``)."""
 
     kind: NormKind = "rms"
     eps: float = 1e-6
     bias: bool = False
+    weight: bool = True
 
     def __attrs_post_init__(self) -> None:
-        _check_literal("norm.kind", self.kind, NormKind)
+        _check_registered("norm.kind", self.kind, norm_kinds())
         _positive_float("norm.eps", self.eps)
-        if self.bias and self.kind != "layer":
-            raise ConfigError("norm.bias", self.bias, "only a layer norm has a bias")
+        if self.bias and self.kind.startswith("rms"):
+            raise ConfigError("norm.bias", self.bias, f"an {self.kind} norm has no bias")
+        if not self.weight and self.kind.endswith("one_plus"):
+            raise ConfigError("norm.weight", False, f"a {self.kind} norm scales by 1 + weight")
 
 
 @attrs.frozen(kw_only=True)
@@ -77,7 +93,7 @@ class MLPSpec:
 
     def __attrs_post_init__(self) -> None:
         _check_literal("mlp.kind", self.kind, MLPKind)
-        _check_literal("mlp.activation", self.activation, Activation)
+        _check_registered("mlp.activation", self.activation, activation_names())
         _positive("mlp.intermediate_size", self.intermediate_size)
 
 
@@ -107,7 +123,7 @@ class MoESpec:
                 "moe.top_k", self.top_k, f"must not exceed moe.num_experts={self.num_experts}"
             )
         _positive("moe.intermediate_size", self.intermediate_size)
-        _check_literal("moe.activation", self.activation, Activation)
+        _check_registered("moe.activation", self.activation, activation_names())
         _check_literal("moe.routing", self.routing, Routing)
         if self.shared_intermediate_size is not None:
             _positive("moe.shared_intermediate_size", self.shared_intermediate_size)
@@ -124,7 +140,10 @@ class AttentionSpec:
     ``scale`` multiplies the scores (``head_dim ** -0.5`` unless a family pre-scales the
     query differently); ``qk_norm`` normalizes q and k per head (``head``) or over the
     whole projection (``proj``); ``qk_norm_per_head_weights`` gives each head its own
-    norm weight (``[heads, head_dim]``); ``softcap`` bounds the scores.
+    norm weight (``[heads, head_dim]``); ``softcap`` bounds the scores; ``clip_qkv`` clamps
+    the q/k/v projections to ``[-clip_qkv, clip_qkv]`` (OLMo); ``rope_style`` says how RoPE
+    pairs channels (``interleaved``: GPT-J style, computed by loading q/k rows in the
+    ``neox`` order, so every kernel serves it).
     """
 
     num_heads: int
@@ -137,8 +156,13 @@ class AttentionSpec:
     qk_norm_spec: NormSpec = attrs.Factory(NormSpec)
     qk_norm_per_head_weights: bool = False
     softcap: float | None = None
+    clip_qkv: float | None = None
+    rope_style: RopeStyle = "neox"
 
     def __attrs_post_init__(self) -> None:
+        _check_literal("attention.rope_style", self.rope_style, RopeStyle)
+        if self.clip_qkv is not None:
+            _positive_float("attention.clip_qkv", self.clip_qkv)
         for name in ("num_heads", "num_kv_heads", "head_dim"):
             _positive(f"attention.{name}", getattr(self, name))
         if self.num_heads % self.num_kv_heads:
@@ -156,6 +180,29 @@ class AttentionSpec:
             )
         if self.softcap is not None:
             _positive_float("attention.softcap", self.softcap)
+
+
+@runtime_checkable
+class CustomPart(Protocol):
+    """A part from outside the catalogue, in a layer's MLP slot (``DecoderSpec.mlp``): it
+    names its checkpoint tensors and builds its module. ``tensors(prefix, hidden)`` maps each
+    full tensor name (``prefix``: the layer's, e.g. ``model.layers.3.``) to its shape and
+    random initialisation; ``build(prefix, linear, take)`` returns the module
+    (``[..., hidden] -> [..., hidden]``), making every matmul with ``linear(*prefixes,
+    bias=...)`` (the linear factory: weight formats and kernels apply; several prefixes are
+    stacked into one matmul) and reading any other tensor with ``take(name)``."""
+
+    def tensors(
+        self, *, prefix: str, hidden: int
+    ) -> Mapping[str, tuple[tuple[int, ...], TensorInit]]: ...
+
+    def build(
+        self,
+        *,
+        prefix: str,
+        linear: Callable[..., nn.Module],
+        take: Callable[[str], torch.Tensor],
+    ) -> nn.Module: ...
 
 
 @attrs.frozen(kw_only=True)
@@ -182,7 +229,7 @@ class DecoderSpec:
 
     model: ModelConfig
     attention: AttentionSpec
-    mlp: MLPSpec | None
+    mlp: MLPSpec | CustomPart | None
     moe: MoESpec | None = None
     norm: NormSpec
     layers: tuple[LayerSpec, ...]
@@ -199,9 +246,12 @@ class DecoderSpec:
     logit_scale: float = 1.0
     final_softcap: float | None = None
     tie_word_embeddings: bool = False
+    lm_head_bias: bool = False
 
     def __attrs_post_init__(self) -> None:
         m = self.model
+        if self.mlp is not None and not isinstance(self.mlp, MLPSpec | CustomPart):
+            raise ConfigError("mlp", self.mlp, "must be an MLPSpec or a CustomPart")
         if len(self.layers) != m.num_layers:
             raise ConfigError(
                 "layers", len(self.layers), f"needs one entry per layer ({m.num_layers})"

@@ -25,6 +25,9 @@ GROUP = "llmrt.families"
 WRITING_A_FAMILY = "docs/writing-a-family.md"
 #: Modules whose families exist for tests (fakes), never listed to a user as supported.
 TEST_ONLY_MODULES = ("llmrt.testing.",)
+#: Entry points a package adds parts through (activations, norms: ``forms.register_*``);
+#: each names a module or a callable, imported (called) once before any family is looked up.
+PARTS_GROUP = "llmrt.parts"
 #: Backends a family supports when it does not declare ``backends``.
 DEFAULT_BACKENDS: tuple[str, ...] = ("torch",)
 
@@ -32,8 +35,27 @@ _REGISTERED: dict[str, Family] = {}
 
 
 @functools.cache
+def load_parts() -> tuple[str, ...]:
+    """Import every ``llmrt.parts`` entry point (calling it when it is callable), once, so the
+    parts a package registers exist before a family reads a config that names them; returns
+    their names. A plugin that fails is a ``FamilyError`` naming it."""
+    loaded = []
+    for ep in sorted(entry_points(group=PARTS_GROUP), key=lambda ep: ep.name):
+        try:
+            target = ep.load()
+            if callable(target):
+                target()
+        except Exception as exc:
+            why = f"parts plugin {ep.name!r} ({ep.value}) failed to load: {exc}"
+            raise FamilyError(why) from exc
+        loaded.append(ep.name)
+    return tuple(loaded)
+
+
+@functools.cache
 def _entry_points() -> tuple[EntryPoint, ...]:
     """The group's entry points, sorted by name (read once; installs do not change at runtime)."""
+    load_parts()
     found = sorted(entry_points(group=GROUP), key=lambda ep: ep.name)
     names = [ep.name for ep in found]
     duplicates = sorted({name for name in names if names.count(name) > 1})
@@ -132,8 +154,22 @@ def family_for_model_type(model_type: str) -> Family:
     raise FamilyError(
         f"no installed family handles model_type {model_type!r}; "
         f"known model types: {', '.join(types)} "
-        f"(families: {', '.join(f.name for f in supported)}; to add one see {WRITING_A_FAMILY})"
+        f"(families: {', '.join(f.name for f in supported)}). To add one, write a family "
+        f"({WRITING_A_FAMILY}) or declare the parts in the recipe (model.parts)"
     )
+
+
+def family_table() -> str:
+    """The served families as a Markdown table (README's list is this, checked by a test)."""
+    rows = [
+        "| family | `model_type` | GGUF architecture |",
+        "| --- | --- | --- |",
+    ]
+    for family in user_families():
+        gguf = getattr(family, "gguf_architecture", None)
+        types = ", ".join(f"`{t}`" for t in family.model_types)
+        rows.append(f"| `{family.name}` | {types} | {f'`{gguf}`' if gguf else '-'} |")
+    return "\n".join(rows) + "\n"
 
 
 def required_keys(family: Family) -> tuple[str, ...]:

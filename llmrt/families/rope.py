@@ -61,8 +61,17 @@ def rope_parameters(config: HFConfig) -> tuple[str, dict[str, Any]]:
     return source, params
 
 
-def read_rope(config: HFConfig, *, head_dim: int, max_positions: int | None = None) -> RopeSpec:
-    """RoPE parameters from ``rope_parameters`` (HF 5) or ``rope_theta``/``rope_scaling``."""
+def read_rope(
+    config: HFConfig,
+    *,
+    head_dim: int,
+    max_positions: int | None = None,
+    default_theta: float = 10000.0,
+    default_partial: float = 1.0,
+) -> RopeSpec:
+    """RoPE parameters from ``rope_parameters`` (HF 5) or ``rope_theta``/``rope_scaling``;
+    ``default_theta`` / ``default_partial`` are the architecture's transformers defaults for
+    a config that gives no ``rope_theta`` / ``partial_rotary_factor``."""
     source, params = rope_parameters(config)
     return read_rope_params(
         params,
@@ -70,6 +79,8 @@ def read_rope(config: HFConfig, *, head_dim: int, max_positions: int | None = No
         config=config,
         head_dim=head_dim,
         max_positions=max_positions,
+        default_theta=default_theta,
+        default_partial=default_partial,
     )
 
 
@@ -81,6 +92,7 @@ def read_rope_params(
     head_dim: int,
     max_positions: int | None,
     default_theta: float = 10000.0,
+    default_partial: float = 1.0,
 ) -> RopeSpec:
     """One RoPE variant from a ``rope_parameters``-style mapping (``item`` names it in errors).
 
@@ -92,7 +104,7 @@ def read_rope_params(
         params.get("rope_theta", raw.get("rope_theta", default_theta)),
     )
     kind = params.get("rope_type", params.get("type", "default"))
-    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", default_partial))
     partial_item = (
         f"{item}.partial_rotary_factor"
         if "partial_rotary_factor" in params

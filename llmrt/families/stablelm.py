@@ -38,7 +38,7 @@ def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
         layers=tuple(LayerSpec() for _ in range(model.num_layers)),
         residual="parallel" if parallel else "sequential",
         mlp_norm=not parallel,
-        ropes=(hfparts.rope(cfg, model, partial=True),),
+        ropes=(hfparts.rope(cfg, model, partial=True, partial_default=0.25),),
         tie_word_embeddings=cfg.flag("tie_word_embeddings", False),
     )
     names = TensorNames(

@@ -811,7 +811,10 @@ class Recipe:
             family.expected_tensors(config)
         except CheckpointError as exc:
             item = exc.item.removeprefix("config.")
-            raise RecipeError(f"model.{item}", _model_value(self.model, item), exc.reason) from exc
+            value = _model_value(self.model, item)
+            # The family's reason may already end with the value (", got 2"): say it once.
+            reason = exc.reason.removesuffix(f", got {value!r}")
+            raise RecipeError(f"model.{item}", value, reason) from exc
         except RecipeError:
             raise
         except ConfigError as exc:

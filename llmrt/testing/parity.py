@@ -15,7 +15,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
@@ -463,3 +463,63 @@ def perturb(
             if name.endswith("bias") or norm(name):
                 param.add_(torch.randn(param.shape, generator=generator) * 0.1)
     return model.eval()
+
+
+def reference_model(config: Mapping[str, Any], *, seed: int = 0) -> Any:
+    """transformers' model of the raw ``config.json`` mapping ``config`` (``model_type``
+    included): random (seeded), norms and biases perturbed, float32, eager attention.
+
+    transformers fills in every default the mapping leaves out; the llmrt side must read
+    ``config`` itself (``family.build(hf_config=config, ...)``), as the runtime reads a
+    recipe's ``model`` or a directory's ``config.json``, so a family that reads a default
+    differently from transformers fails parity instead of being handed transformers' value.
+    """
+    import transformers
+
+    from llmrt.errors import ConfigError
+
+    values = dict(config)
+    model_type = values.pop("model_type", None)
+    try:
+        hf_config = transformers.AutoConfig.for_model(model_type, **values)
+    except ValueError as exc:
+        raise ConfigError(
+            "model.model_type",
+            model_type,
+            "transformers has no such architecture, so there is no reference for it",
+        ) from exc
+    hf_config._attn_implementation = "eager"
+    pad = getattr(hf_config, "pad_token_id", None)
+    vocab = getattr(hf_config, "vocab_size", None)
+    defaulted = "pad_token_id" not in config
+    if defaulted and isinstance(pad, int) and isinstance(vocab, int) and pad >= vocab:
+        # A default of the full-size architecture (Cohere's, Qwen's) past a tiny
+        # vocabulary: transformers would refuse the embedding; the padding id only
+        # zero-initialises a row the llmrt side reads from the same weights.
+        hf_config.pad_token_id = None
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    return perturb(model, seed=seed + 1)
+
+
+def raw_config(hf_model: Any) -> dict[str, Any]:
+    """The ``config.json`` ``hf_model`` was loaded from (``from_pretrained`` of a local
+    directory), as the runtime reads it: never transformers' in-memory config, whose filled-in
+    defaults would hide a family that reads a default differently."""
+    import json
+    from pathlib import Path
+
+    from llmrt.errors import ConfigError
+
+    where = str(getattr(hf_model.config, "name_or_path", "") or "")
+    path = Path(where) / "config.json" if where else None
+    if path is None or not path.is_file():
+        raise ConfigError(
+            "hf_config",
+            None,
+            "is required for a model not loaded from a local directory: pass the raw "
+            "config.json mapping the model was made from (transformers' filled-in "
+            "config.to_dict() would hide a default the family reads differently)",
+        )
+    loaded: dict[str, Any] = json.loads(path.read_text())
+    return loaded

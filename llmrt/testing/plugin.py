@@ -13,9 +13,9 @@ tests of a family, a recipe or the runtime itself.
   ``KeyboardInterrupt`` there, as a Ctrl-C would).
 - ``lifecycle_log``: the structured lifecycle log written to a JSON-lines file for the
   test; at teardown ``llmrt.lifecycle.audit.check`` runs over it and the test fails on a violation.
-- ``parity_harness(family=..., hf_model=..., device="cpu")``: the transformers parity
-  harness (``llmrt.testing.parity.Harness``) over a family's model built on ``device`` from
-  ``hf_model``'s weights.
+- ``parity_harness(config=RAW | hf_model=..., family=None, device="cpu")``: the
+  transformers parity harness (``llmrt.testing.parity.Harness``) over a family's model built
+  on ``device`` from the same weights and the same raw ``config.json`` the runtime reads.
 - ``torch_device`` (module scope): ``"cpu"``, then ``"cuda:0"`` marked ``cuda`` and skipped
   with the reason where no GPU is present (``llmrt.testing.devices``); a test or fixture that
   asks for it runs on every torch device.
@@ -162,21 +162,44 @@ def lifecycle_log(tmp_path: Path) -> Iterator[Path]:
 
 @pytest.fixture(scope="session")
 def parity_harness() -> Callable[..., Harness]:
-    """Factory: ``parity_harness(family=..., hf_model=..., seed=0, device="cpu")`` -> parity
+    """Factory: ``parity_harness(config=RAW, family=None, seed=0, device="cpu")`` -> parity
     ``Harness``.
 
-    The model is built on ``device`` (transformers stays on the CPU, in float32) and uses the
-    linear kernel ``device.linear: auto`` picks there, as serving does.
+    ``config`` is a raw ``config.json`` mapping (``model_type`` included): transformers builds
+    a random model of it (``parity.reference_model``) and llmrt builds its model from
+    ``config`` itself, as the runtime does, on the same weights. Or pass ``hf_model`` (a
+    transformers model) with ``hf_config`` (the raw mapping it was made from; read from its
+    directory when it was loaded by ``from_pretrained``). ``family`` defaults to the one
+    ``family: auto`` picks for the config's ``model_type``. The model is built on ``device``
+    (transformers stays on the CPU, in float32) and uses the linear kernel
+    ``device.linear: auto`` picks there, as serving does.
     """
     import torch
 
     from llmrt.families.layers import select_linear_kernel
-    from llmrt.testing.parity import Harness
+    from llmrt.families.registry import family_for_model_type
+    from llmrt.testing.parity import Harness, raw_config, reference_model
 
-    def make(*, family: Family, hf_model: Any, seed: int = 0, device: str = "cpu") -> Harness:
+    def make(
+        *,
+        config: Mapping[str, Any] | None = None,
+        hf_model: Any = None,
+        hf_config: Mapping[str, Any] | None = None,
+        family: Family | None = None,
+        seed: int = 0,
+        device: str = "cpu",
+    ) -> Harness:
+        if (config is None) == (hf_model is None):
+            raise TypeError("parity_harness needs exactly one of config= and hf_model=")
+        if config is not None:
+            hf_model, raw = reference_model(config, seed=seed), dict(config)
+        else:
+            raw = dict(hf_config) if hf_config is not None else raw_config(hf_model)
         hf_model.eval()
+        if family is None:
+            family = family_for_model_type(str(raw.get("model_type")))
         model = family.build(
-            hf_config=hf_model.config.to_dict(),
+            hf_config=raw,
             tensors=hf_model.state_dict(),
             dtype=torch.float32,
             device=device,

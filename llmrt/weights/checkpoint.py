@@ -121,8 +121,9 @@ def load_checkpoint(
     `model_types` (accepted `model_type` values) and `expected_tensors` / `optional_tensors`
     (from the model family) validate the result; tensors the family does not expect are dropped.
     `tensor_init` (from the family) says how a random checkpoint fills each tensor;
-    `rename(tensors, expected=shapes)` (from the family) maps the checkpoint's own names (e.g.
-    per-expert weights) onto the expected ones before they are checked.
+    `rename(tensors, expected=shapes, config=hf_config)` (from the family) maps the
+    checkpoint's own names (e.g. per-expert weights) onto the expected ones before they are
+    checked.
     """
     if format == "random":
         _forbid(format, path=path, package=package, file=file)
@@ -165,7 +166,13 @@ def load_checkpoint(
     if expected_tensors is not None:
         expected = _expected(expected_tensors, optional_tensors, hf_config)
         if rename is not None:
-            tensors = dict(rename(tensors, expected={**expected.required, **expected.optional}))
+            tensors = dict(
+                rename(
+                    tensors,
+                    expected={**expected.required, **expected.optional},
+                    config=hf_config,
+                )
+            )
         tensors = _conform(tensors, expected=expected, source=source)
     return Checkpoint(
         source=source, hf_config=hf_config, tensors=tensors, tokenizer=tokenizer, mappings=mappings

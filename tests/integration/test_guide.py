@@ -29,15 +29,47 @@ def test_the_guide_example_runs_end_to_end(tmp_path: Path, parity_harness: Any) 
         for block in code:
             exec(compile(block, str(GUIDE), "exec"), namespace)
         recipe = load_recipe(str(recipe_path))
-        assert recipe.family == "qwen2_moe"
+        assert recipe.family == "my_qwen2_moe"
         namespace["test_qwen2_moe_matches_transformers"](parity_harness)
+        _the_module_reads_a_save_pretrained_directory(namespace["QWEN2_MOE"], tmp_path / "dir")
+        # Section 7's parts read the same directory (per-expert tensors stacked for them too).
+        import yaml
+
+        from llmrt.families.declared import declared_family, parse_parts
+
+        parts = parse_parts(yaml.safe_load(_blocks("yaml")[1])["model"]["parts"])
+        family = declared_family(parts, model_type="qwen2_moe")
+        _the_module_reads_a_save_pretrained_directory(family, tmp_path / "dir2")
     finally:
         registration = namespace.get("registration")
         if registration is not None:
             registration.remove()
     from llmrt.families import registry
 
-    assert "qwen2_moe" not in registry.family_names()
+    assert "my_qwen2_moe" not in registry.family_names()
+
+
+def _the_module_reads_a_save_pretrained_directory(family: Any, directory: Path) -> None:
+    """The guide's module, on what transformers' ``save_pretrained`` writes (per-expert
+    tensors), as the runtime loads it: ``llmrt check`` of the directory with that family."""
+    from llmrt.cli.check import reference_model, run_check
+
+    config = {
+        "model_type": "qwen2_moe", "vocab_size": 128, "hidden_size": 64,
+        "intermediate_size": 96, "moe_intermediate_size": 48,
+        "shared_expert_intermediate_size": 80, "num_experts": 4, "num_experts_per_tok": 2,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+    }  # fmt: skip
+    reference_model(config=config).save_pretrained(directory)
+    report = run_check(
+        family=family,
+        hf_model=reference_model(directory=directory),
+        source=str(directory),
+        directory=directory,
+        steps=4,
+    )
+    assert report.ok, report.table()
 
 
 def test_the_guide_recipe_is_rejected_without_its_family(tmp_path: Path) -> None:
@@ -62,7 +94,7 @@ def test_the_guide_parts_recipe_needs_no_family_and_passes_check(tmp_path: Path)
     _, parts_yaml = _blocks("yaml")
     path = tmp_path / "tiny-qwen2-moe-parts.yaml"
     path.write_text(parts_yaml, encoding="utf-8")
-    assert "qwen2_moe" not in registry.model_types()
+    assert "my_qwen2_moe" not in registry.family_names()
     assert load_recipe(str(path)).declared_parts is not None
     report = check_target(str(path), steps=4)
     assert report.ok, report.table()

@@ -21,15 +21,14 @@ from typing import Any
 
 import pytest
 import torch
-import transformers
 import yaml
-from family_checks import perturb
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-from llmrt.families.registry import family_for_model_type
+from llmrt.families.registry import family_for_model_type, model_types
 from llmrt.recipe.loader import load_recipe
 from llmrt.sampling.params import SamplingParams
 from llmrt.serving.llm import LLM
-from llmrt.testing.parity import hf_greedy, page_table
+from llmrt.testing.parity import hf_greedy, page_table, reference_model
 from llmrt.weights.checkpoint import Checkpoint
 
 COMMON: dict[str, Any] = {
@@ -146,6 +145,42 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
             "mlp_only_layers": [1],
         },
     ),
+    "phi-parallel-partial-head-bias-qk-layernorm": ("phi", {"qk_layernorm": True}),
+    "cohere-interleaved-qk-norm-logit-scale": (
+        "cohere",
+        {"use_qk_norm": True, "logit_scale": 0.5, "head_dim": 16},
+    ),
+    "nemotron-layernorm1p-relu2-partial": (
+        "nemotron",
+        {"partial_rotary_factor": 0.5, "attention_bias": True, "mlp_bias": True},
+    ),
+    "olmo-weightless-norm-clip-qkv": ("olmo", {"clip_qkv": 0.05, "attention_bias": True}),
+    "helium-interleaved-bias": (
+        "helium",
+        {"head_dim": 16, "rope_theta": 1000.0, "attention_bias": True, "mlp_bias": True},
+    ),
+    "glm-interleaved-partial-fused-gate-up": ("glm", {"head_dim": 16}),
+    "smollm3-nope-layers-window": (
+        "smollm3",
+        {
+            "num_hidden_layers": 3,
+            "no_rope_layers": [1, 0, 1],
+            "use_sliding_window": True,
+            "sliding_window": 6,
+            "layer_types": ["full_attention", "sliding_attention", "full_attention"],
+        },
+    ),
+    "qwen2-moe-shared-expert-dense-layer": (
+        "qwen2_moe",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 48,
+            "shared_expert_intermediate_size": 80,
+            "norm_topk_prob": True,
+            "mlp_only_layers": [0],
+        },
+    ),
 }
 
 
@@ -171,23 +206,22 @@ def _cases(*, default: tuple[str, ...]) -> list[Any]:
     ]
 
 
+def case_config(case: str, **extra: Any) -> dict[str, Any]:
+    """The case's raw ``config.json``: what the runtime (and so the llmrt side) reads."""
+    model_type, overrides = CASES[case]
+    return {"model_type": model_type, **COMMON, **overrides, **extra}
+
+
 def hf_model(case: str, **extra: Any) -> Any:
     """The case's transformers model (eager attention), norms and biases perturbed."""
-    model_type, overrides = CASES[case]
-    torch.manual_seed(0)
-    config = transformers.AutoConfig.for_model(model_type, **{**COMMON, **overrides, **extra})
-    config._attn_implementation = "eager"
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    return perturb(model, seed=1, is_norm=lambda name: "norm" in name or ".ln_" in name)
+    return reference_model(case_config(case, **extra))
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_family_auto_matches_transformers(
     case: str, parity_harness: Any, torch_device: str
 ) -> None:
-    model = hf_model(case)
-    family = family_for_model_type(model.config.model_type)
-    harness = parity_harness(family=family, hf_model=model, device=torch_device)
+    harness = parity_harness(config=case_config(case), device=torch_device)
     prompts = [harness.prompt(n, seed=30 + n) for n in (14, 9, 12)]
     runs = harness.greedy(prompts, cuts=[[5, 8], [], [6]], align="end", pad_row=True)
     harness.assert_parity(prompts, runs)
@@ -199,8 +233,7 @@ def test_capture_safe_path_matches_transformers(
 ) -> None:
     """No host read inside any forward (what CUDA-graph capture and compilation need):
     ragged batch, chunked prefill, shared prefix blocks, inert padding."""
-    model = hf_model(case)
-    harness = parity_harness(family=family_for_model_type(model.config.model_type), hf_model=model)
+    harness = parity_harness(config=case_config(case))
     harness.check_capture_safe(monkeypatch)
 
 
@@ -212,9 +245,7 @@ def test_padded_prefill_matches_transformers_and_the_packed_one(
     layers run the padded rows. Both match transformers, and on a ragged call with a padding
     row and a cached-prefix row they agree with each other on every row's logits and on
     what they write into the pages."""
-    model = hf_model(case)
-    family = family_for_model_type(model.config.model_type)
-    harness = parity_harness(family=family, hf_model=model)
+    harness = parity_harness(config=case_config(case))
     prompts = [harness.prompt(n, seed=40 + n) for n in (13, 6, 11)]
     cuts = [[5, 8], [], [6]]
     harness.model.pack_prefill = False
@@ -244,12 +275,11 @@ def test_two_lanes_with_traced_decode_match_transformers(
     """The serving stack (scheduler, batched prefill, prefix cache, two data-parallel lanes,
     decode replayed from traces) on the case's perturbed weights gives transformers' greedy
     tokens for every prompt."""
-    model = hf_model(case, vocab_size=SERVING_VOCAB).eval()
-    config = model.config.to_dict()
+    config = case_config(case, vocab_size=SERVING_VOCAB)
+    model = reference_model(config)
     recipe = yaml.safe_load((RECIPES / "tiny-llama.yaml").read_text())
     recipe.update(name=f"arch-{case}", family="auto")
-    recipe["model"] = {"model_type": config["model_type"], **COMMON, **CASES[case][1]}
-    recipe["model"]["vocab_size"] = SERVING_VOCAB
+    recipe["model"] = config
     path = tmp_path / "recipe.yaml"
     path.write_text(yaml.safe_dump(recipe))
     overrides = {
@@ -283,10 +313,55 @@ def test_two_lanes_with_traced_decode_match_transformers(
         assert list(output.token_ids) == hf_greedy(model, prompt, steps=MAX_TOKENS).tokens
 
 
+#: The architectures added by family (issue #39), each also run in 32-token prefill chunks.
+ADDED = tuple(
+    case
+    for case, (model_type, _) in CASES.items()
+    if model_type in ("phi", "cohere", "nemotron", "olmo", "helium", "glm", "smollm3", "qwen2_moe")
+)
+
+
+@pytest.mark.parametrize("case", ADDED)
+def test_32_token_prefill_chunks_match_transformers(case: str, parity_harness: Any) -> None:
+    """Prompts past one 32-token chunk, prefilled chunk by chunk (as ``max_chunk_size: 32``
+    schedules them) next to a row that fits one, then greedy decode."""
+    harness = parity_harness(config=case_config(case))
+    prompts = [harness.prompt(n, seed=60 + n) for n in (75, 40, 21)]
+    runs = harness.greedy(prompts, cuts=[[32, 64], [32], []], steps=8)
+    harness.assert_parity(prompts, runs)
+
+
+#: Sizes (not options) a minimal config of these types needs to stay tiny.
+MINIMAL_SIZES: dict[str, dict[str, Any]] = {
+    "helium": {"head_dim": 16},  # transformers' o_proj is hidden x hidden
+    "mixtral": {"num_local_experts": 4},
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 48},
+    "qwen2_moe": {
+        "num_experts": 4,
+        "moe_intermediate_size": 48,
+        "shared_expert_intermediate_size": 80,
+    },
+}
+
+
+@pytest.mark.parametrize("model_type", [t for t in model_types() if t in CONFIG_MAPPING])
+def test_every_default_is_read_as_transformers_reads_it(
+    model_type: str, parity_harness: Any
+) -> None:
+    """A raw config with sizes only: every option (RoPE base, rotary share, norm eps, query
+    scale, soft-caps, windows, tied head) is the architecture's default, which the family must
+    read as transformers fills it in (the runtime reads the raw ``config.json``)."""
+    config = {"model_type": model_type, **COMMON, **MINIMAL_SIZES.get(model_type, {})}
+    harness = parity_harness(config=config)
+    prompts = [harness.prompt(n, seed=50 + n) for n in (20, 7)]
+    harness.assert_parity(prompts, harness.greedy(prompts, cuts=[[9], []], steps=8))
+
+
 def test_every_listed_architecture_has_a_case() -> None:
     covered = {model_type for model_type, _ in CASES.values()}
     assert covered == {
         "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "phi3",
         "olmo2", "gpt_neox", "stablelm", "granite", "starcoder2", "gpt2", "mixtral",
-        "qwen3_moe",
+        "qwen3_moe", "phi", "cohere", "nemotron", "olmo", "helium", "glm", "smollm3",
+        "qwen2_moe",
     }  # fmt: skip

@@ -15,13 +15,12 @@ from typing import Any
 
 import pytest
 import torch
-from test_architectures_parity import hf_model
+from test_architectures_parity import case_config
 
 from llmrt.errors import ConfigError
 from llmrt.families import fused_decode
 from llmrt.families.fused_decode import FusedDecode, select_decode_kernel
 from llmrt.families.layers import QuantizedLinear, apply_weight_format, select_weight_layout
-from llmrt.families.registry import family_for_model_type
 
 #: Cases whose every layer the op runs, and the parts each one exercises.
 FUSABLE = {
@@ -58,8 +57,7 @@ def counted_runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 def _build(case: str, parity_harness: Any, *, weights: str | None = None) -> Any:
-    model = hf_model(case)
-    harness = parity_harness(family=family_for_model_type(model.config.model_type), hf_model=model)
+    harness = parity_harness(config=case_config(case))
     if weights is not None:
         apply_weight_format(harness.model, weights=weights, field="checkpoint.weights")
     return harness
@@ -139,8 +137,7 @@ def test_fused_attention_over_head_dims(
 ) -> None:
     """Head dims of 16, 32, 64 and 128 take the op's register-tiled attention, others
     its generic loop; both must match the torch ops."""
-    model = hf_model("llama-yarn-biases", head_dim=head_dim)
-    harness = parity_harness(family=family_for_model_type(model.config.model_type), hf_model=model)
+    harness = parity_harness(config=case_config("llama-yarn-biases", head_dim=head_dim))
     fused, ops, fused_kv, ops_kv = _run_both(harness)
     assert counted_runs
     for a, b in zip(fused, ops, strict=True):
@@ -166,14 +163,14 @@ def test_fused_attention_over_query_groups(
     query heads per pass over a 16-key block, so 5 and 8 take several passes; 1 row splits
     each head's keys in parts. Contexts of 9-26 keys on 32-key pages end 16-key blocks
     mid-way."""
-    model = hf_model(
+    config = case_config(
         "llama-yarn-biases",
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
         hidden_size=16 * heads,  # transformers wants a multiple of the head count
     )
-    harness = parity_harness(family=family_for_model_type(model.config.model_type), hf_model=model)
+    harness = parity_harness(config=config)
     harness.block_size = 32  # page runs of up to 26 keys: a whole 16-key block and a tail
     fused, ops, fused_kv, ops_kv = _run_both(harness, rows=rows, pad_row=rows > 1)
     assert counted_runs

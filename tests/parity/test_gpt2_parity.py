@@ -38,10 +38,26 @@ def _randomise(model: torch.nn.Module, *, seed: int) -> torch.nn.Module:
     return perturb(model, seed=seed, is_norm=lambda name: ".ln_" in name)
 
 
-CASES: dict[str, Callable[[], torch.nn.Module]] = {
-    "gpt2": lambda: GPT2LMHeadModel(GPT2Config(**COMMON)),
-    "gpt2-untied-exact-gelu": lambda: GPT2LMHeadModel(
-        GPT2Config(**COMMON, tie_word_embeddings=False, activation_function="gelu", n_inner=96)
+def _case(model_cls: Any, config_cls: Any, **kwargs: Any) -> Callable[[], tuple[Any, dict]]:
+    """A case: the transformers model, and the raw config.json it was made from (what the
+    llmrt side reads, as the runtime would)."""
+
+    def make() -> tuple[Any, dict[str, Any]]:
+        raw = {k: v for k, v in kwargs.items() if k != "attn_implementation"}
+        return model_cls(config_cls(**kwargs)), {"model_type": config_cls.model_type, **raw}
+
+    return make
+
+
+CASES: dict[str, Callable[[], tuple[Any, dict[str, Any]]]] = {
+    "gpt2": _case(GPT2LMHeadModel, GPT2Config, **COMMON),
+    "gpt2-untied-exact-gelu": _case(
+        GPT2LMHeadModel,
+        GPT2Config,
+        **COMMON,
+        tie_word_embeddings=False,
+        activation_function="gelu",
+        n_inner=96,
     ),
 }
 
@@ -49,8 +65,9 @@ CASES: dict[str, Callable[[], torch.nn.Module]] = {
 @pytest.fixture(scope="module", params=sorted(CASES))
 def harness(request: pytest.FixtureRequest, parity_harness: Any, torch_device: str) -> Any:
     torch.manual_seed(0)
-    hf_model = _randomise(CASES[request.param](), seed=1)
-    return parity_harness(family=FAMILY, hf_model=hf_model, device=torch_device)
+    model, raw = CASES[request.param]()
+    hf_model = _randomise(model, seed=1)
+    return parity_harness(family=FAMILY, hf_model=hf_model, hf_config=raw, device=torch_device)
 
 
 def test_bare_gpt2model_tensor_names_are_accepted(harness: Any) -> None:

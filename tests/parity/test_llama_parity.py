@@ -44,43 +44,58 @@ def _randomise(model: torch.nn.Module, *, seed: int) -> torch.nn.Module:
     return perturb(model, seed=seed, is_norm=lambda name: "norm" in name)
 
 
-CASES: dict[str, Callable[[], torch.nn.Module]] = {
-    "llama-gqa": lambda: LlamaForCausalLM(
-        LlamaConfig(**COMMON, num_attention_heads=4, num_key_value_heads=2)
+def _case(model_cls: Any, config_cls: Any, **kwargs: Any) -> Callable[[], tuple[Any, dict]]:
+    """A case: the transformers model, and the raw config.json it was made from (what the
+    llmrt side reads, as the runtime would)."""
+
+    def make() -> tuple[Any, dict[str, Any]]:
+        raw = {k: v for k, v in kwargs.items() if k != "attn_implementation"}
+        return model_cls(config_cls(**kwargs)), {"model_type": config_cls.model_type, **raw}
+
+    return make
+
+
+CASES: dict[str, Callable[[], tuple[Any, dict[str, Any]]]] = {
+    "llama-gqa": _case(
+        LlamaForCausalLM, LlamaConfig, **COMMON, num_attention_heads=4, num_key_value_heads=2
     ),
-    "llama3-rope-tied-mqa": lambda: LlamaForCausalLM(
-        LlamaConfig(
-            **COMMON,
-            num_attention_heads=4,
-            num_key_value_heads=1,
-            tie_word_embeddings=True,
-            rope_theta=500000.0,
-            rope_scaling={
-                "rope_type": "llama3",
-                "factor": 4.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 64,
-            },
-        )
+    "llama3-rope-tied-mqa": _case(
+        LlamaForCausalLM,
+        LlamaConfig,
+        **COMMON,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 4.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
     ),
-    "llama-linear-rope-biases": lambda: LlamaForCausalLM(
-        LlamaConfig(
-            **COMMON,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-            attention_bias=True,
-            mlp_bias=True,
-            rope_scaling={"rope_type": "linear", "factor": 2.0},
-        )
+    "llama-linear-rope-biases": _case(
+        LlamaForCausalLM,
+        LlamaConfig,
+        **COMMON,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        attention_bias=True,
+        mlp_bias=True,
+        rope_scaling={"rope_type": "linear", "factor": 2.0},
     ),
-    "qwen2-bias": lambda: Qwen2ForCausalLM(
-        Qwen2Config(**COMMON, num_attention_heads=4, num_key_value_heads=2)
+    "qwen2-bias": _case(
+        Qwen2ForCausalLM, Qwen2Config, **COMMON, num_attention_heads=4, num_key_value_heads=2
     ),
-    "mistral-head-dim": lambda: MistralForCausalLM(
-        MistralConfig(
-            **COMMON, num_attention_heads=4, num_key_value_heads=2, head_dim=24, sliding_window=None
-        )
+    "mistral-head-dim": _case(
+        MistralForCausalLM,
+        MistralConfig,
+        **COMMON,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=24,
+        sliding_window=None,
     ),
 }
 
@@ -88,8 +103,9 @@ CASES: dict[str, Callable[[], torch.nn.Module]] = {
 @pytest.fixture(scope="module", params=sorted(CASES))
 def harness(request: pytest.FixtureRequest, parity_harness: Any, torch_device: str) -> Any:
     torch.manual_seed(0)
-    hf_model = _randomise(CASES[request.param](), seed=1)
-    return parity_harness(family=FAMILY, hf_model=hf_model, device=torch_device)
+    model, raw = CASES[request.param]()
+    hf_model = _randomise(model, seed=1)
+    return parity_harness(family=FAMILY, hf_model=hf_model, hf_config=raw, device=torch_device)
 
 
 def test_hf_tensor_names_are_exactly_expected(harness: Any) -> None:

@@ -47,7 +47,7 @@ def test_per_expert_directory_loads_and_matches(model_type: str, tmp_path: Path)
         expected_tensors=family.expected_tensors,
         optional_tensors=family.optional_tensors,
         model_types=family.model_types,
-        rename=getattr(family, "rename", None),
+        rename=getattr(family, "rename_tensors", None) or getattr(family, "rename", None),
     )
     assert any(".experts.0." in name for name in _saved_names(tmp_path))  # per expert on disk
     model = family.build(

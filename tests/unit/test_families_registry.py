@@ -124,5 +124,36 @@ def test_each_familys_architectures_are_transformers_classes_of_its_model_types(
             continue
         assert set(declared) == {MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[t] for t in family.model_types}
         assert all(served[arch] == family.name for arch in declared)
-    assert sorted(registry.gguf_architectures()) == ["gpt2", "llama"]
+    assert sorted(registry.gguf_architectures()) == ["gpt2", "llama", "olmo", "phi2"]
     assert registry.gguf_architectures()["llama"] is llama.GGUF
+
+
+def test_readme_lists_exactly_the_registered_families() -> None:
+    """README's family table is ``family_table()`` (regenerate it from there)."""
+    import re
+    from pathlib import Path
+
+    from llmrt.families.registry import family_table
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    block = re.search(r"<!-- families:begin[^>]*-->\n(.*?)<!-- families:end -->", readme, re.S)
+    assert block is not None, "README lost its families block"
+    assert block.group(1) == family_table()
+
+
+@pytest.mark.parametrize(
+    "module",
+    ["cohere", "nemotron", "helium", "glm", "smollm3", "qwen2_moe", "olmo2",
+     "phi3", "stablelm", "starcoder2"],
+)  # fmt: skip  (olmo, phi: plus a GGUF mapping)
+def test_a_family_is_one_short_module_of_parts(module: str) -> None:
+    """A family is a config mapping: one module of at most 60 lines, a plain
+    ``DecoderFamily`` (no ``build`` override, nothing replaced after the build)."""
+    import importlib
+    import inspect
+
+    from llmrt.families.decoder_family import DecoderFamily
+
+    loaded = importlib.import_module(f"llmrt.families.{module}")
+    assert len(inspect.getsource(loaded).splitlines()) <= 60
+    assert type(loaded.FAMILY) is DecoderFamily

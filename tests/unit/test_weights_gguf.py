@@ -138,6 +138,7 @@ def write_llama_gguf(
     pre: str = "smollm",
     arch: str = "llama",
     skip: tuple[str, ...] = (),
+    extra: Any = None,
 ) -> Path:
     """Write `model` (a LlamaForCausalLM) as llama.cpp would, Q8_0 for `quantized` tensors."""
     cfg = model.config
@@ -154,6 +155,8 @@ def write_llama_gguf(
     writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
     writer.add_vocab_size(cfg.vocab_size)
     add_tokenizer(writer, meta, add_bos=add_bos, pre=pre)
+    if extra is not None:
+        extra(writer)
     for name, tensor in model.state_dict().items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
@@ -728,3 +731,88 @@ def test_a_quantized_checkpoint_gives_its_mapped_pages_back(
     for name, weight in before.items():
         tensor = native.tensors[name]
         assert isinstance(tensor, QuantizedWeight) and torch.equal(tensor.dequantize(), weight)
+
+
+def test_an_olmo_gguf_runs_as_transformers_runs_the_original(
+    tmp_path: Path, bpe_meta: dict[str, Any]
+) -> None:
+    """llama.cpp's ``olmo`` architecture (``OlmoModel`` in convert_hf_to_gguf: Llama's
+    tensors with q/k permuted, no norm weights, ``clamp_kqv``) loads through the olmo
+    family's ``GGUFArchitecture`` and matches transformers on the original weights."""
+    from llmrt.families.registry import get_family
+    from llmrt.testing.parity import Harness
+
+    torch.manual_seed(0)
+    config = transformers.OlmoConfig(
+        vocab_size=len(bpe_meta["tokens"]), hidden_size=64, intermediate_size=96,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=128, clip_qkv=0.05, tie_word_embeddings=False,
+    )  # fmt: skip
+    config._attn_implementation = "eager"
+    model = transformers.OlmoForCausalLM(config).eval()
+
+    def olmo_keys(writer: gguf.GGUFWriter) -> None:
+        writer.add_layer_norm_eps(1e-5)
+        writer.add_clamp_kqv(0.05)
+
+    path = write_llama_gguf(
+        tmp_path / "olmo.gguf", model, bpe_meta, quantized=(), arch="olmo",
+        skip=("rms_eps",), extra=olmo_keys,
+    )  # fmt: skip
+    checkpoint = load(path)
+    assert checkpoint.hf_config["model_type"] == "olmo"
+    assert checkpoint.hf_config["clip_qkv"] == pytest.approx(0.05)
+    family = get_family("olmo")
+    built = family.build(
+        hf_config=checkpoint.hf_config, tensors=checkpoint.tensors, dtype=torch.float32,
+        device="cpu",
+    )  # fmt: skip
+    harness = Harness(hf_model=model, model=built, vocab_size=config.vocab_size, seed=0)
+    prompts = [harness.prompt(n, seed=n) for n in (12, 7)]
+    harness.assert_parity(prompts, harness.greedy(prompts, cuts=[[5], []], steps=8))
+
+
+def test_a_phi2_gguf_runs_as_transformers_runs_the_original(
+    tmp_path: Path, bpe_meta: dict[str, Any]
+) -> None:
+    """llama.cpp's ``phi2`` (tensor names from gguf's own map, no q/k permutation, partial
+    rotary as ``rope.dimension_count``, biased LM head) through the phi family."""
+    from llmrt.families.registry import get_family
+    from llmrt.testing.parity import Harness, perturb
+
+    torch.manual_seed(0)
+    config = transformers.PhiConfig(
+        vocab_size=len(bpe_meta["tokens"]), hidden_size=64, intermediate_size=96,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        max_position_embeddings=128, partial_rotary_factor=0.5,
+    )  # fmt: skip
+    config._attn_implementation = "eager"
+    model = perturb(transformers.PhiForCausalLM(config), seed=1)
+    path = tmp_path / "phi2.gguf"
+    writer = gguf.GGUFWriter(str(path), "phi2")
+    writer.add_block_count(2)
+    writer.add_context_length(128)
+    writer.add_embedding_length(64)
+    writer.add_feed_forward_length(96)
+    writer.add_head_count(4)
+    writer.add_head_count_kv(4)
+    writer.add_layer_norm_eps(config.layer_norm_eps)
+    writer.add_rope_dimension_count(8)
+    add_tokenizer(writer, bpe_meta, add_bos=False, pre="smollm")
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.PHI2, 2)
+    for name, tensor in model.state_dict().items():
+        gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        writer.add_tensor(gguf_name, tensor.detach().float().numpy().copy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    checkpoint = load(path)
+    assert checkpoint.hf_config["partial_rotary_factor"] == 0.5
+    built = get_family("phi").build(
+        hf_config=checkpoint.hf_config, tensors=checkpoint.tensors, dtype=torch.float32,
+        device="cpu",
+    )  # fmt: skip
+    harness = Harness(hf_model=model, model=built, vocab_size=config.vocab_size, seed=0)
+    prompts = [harness.prompt(n, seed=n) for n in (12, 7)]
+    harness.assert_parity(prompts, harness.greedy(prompts, cuts=[[5], []], steps=8))
