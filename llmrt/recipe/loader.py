@@ -173,6 +173,13 @@ def _read_source(name_or_path: str) -> tuple[str, str]:
             raise RecipeError(
                 "recipe", name_or_path, f"cannot read the file: {exc.strerror or exc}"
             ) from exc
+        except UnicodeDecodeError:
+            raise RecipeError(
+                "recipe",
+                name_or_path,
+                "is not a UTF-8 YAML recipe (a model file such as a GGUF goes into a "
+                "recipe's model section, not in place of the recipe)",
+            ) from None
     entry = files(RECIPES_PACKAGE) / f"{name_or_path}.yaml"
     if not _RECIPE_NAME.fullmatch(name_or_path) or not entry.is_file():
         raise RecipeError(

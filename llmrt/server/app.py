@@ -4,6 +4,10 @@
 runtime on a background thread (``GET /health`` answers 503 until that finished, like
 llama-server), starts the engine thread, and on shutdown stops the thread (aborting what
 is left) and closes the runtime through its scopes.
+
+Nothing a request sends runs on the event loop for long: bodies over the limit are refused
+(413, :mod:`~llmrt.server.body_limit`), and parsing, chat-template rendering and
+tokenizing run on the text workers (:mod:`~llmrt.server.text_work`).
 """
 
 from __future__ import annotations
@@ -11,21 +15,26 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import importlib.metadata
 import json
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
+import pydantic
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmrt.errors import LLMRTError, RequestError, UnsupportedError
 from llmrt.sampling.params import SamplingParams
+from llmrt.server.access_log import AccessLog, RequestUsage, usage_of
+from llmrt.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
 from llmrt.server.engine_loop import (
     EngineLoop,
     EngineUnavailable,
@@ -39,8 +48,13 @@ from llmrt.server.protocol import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
 )
+from llmrt.server.text_work import TextWorkers, check_unicode
 from llmrt.serving.llm import LLM
+
+Body = TypeVar("Body", bound=pydantic.BaseModel)
 
 #: How long shutdown waits for the engine thread to abort and exit.
 ENGINE_STOP_TIMEOUT_S = 30.0
@@ -89,8 +103,15 @@ class ServerState:
     metrics: ServerMetrics
     llm: LLM | None = None
     loop: EngineLoop | None = None
+    text: TextWorkers | None = None
     build_error: BaseException | None = None
     stopping: bool = False
+
+    def cut_streams(self, reason: str) -> None:
+        """End every open request now with ``finish_reason="abort"`` (its stream still gets
+        a final chunk and ``[DONE]``), one log line each (thread-safe)."""
+        if self.loop is not None:
+            self.loop.cut_all(reason)
 
 
 def create_app(
@@ -100,11 +121,14 @@ def create_app(
     max_waiting: int,
     api_key: str | None = None,
     on_fatal: Callable[[BaseException], None] | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    allowed_origins: Sequence[str] = (),
 ) -> FastAPI:
     """The server app; ``build`` makes the warmed runtime (owned by the app from then on).
 
     ``on_fatal`` is called (from any thread) when building fails or the engine dies, so
-    the process around the app can shut down.
+    the process around the app can shut down. ``allowed_origins`` turns CORS on for those
+    browser origins (``*``: any); empty leaves it off.
     """
     state = ServerState(
         model_name=model_name,
@@ -127,11 +151,20 @@ def create_app(
         if state.stopping:
             llm.close()
             return
+        try:
+            text = TextWorkers(
+                tokenizer=llm.tokenizer, max_model_len=llm.engine.scheduler.config.max_model_len
+            )
+        except BaseException as exc:
+            state.build_error = exc
+            llm.close(primary=exc)
+            fatal(exc)
+            return
         loop = EngineLoop(
             engine=llm.engine, max_waiting=max_waiting, metrics=state.metrics, on_failure=fatal
         )
         loop.start()
-        state.llm, state.loop = llm, loop
+        state.llm, state.text, state.loop = llm, text, loop
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -147,6 +180,17 @@ def create_app(
     app = FastAPI(title="llmrt", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.llmrt = state
     _install_error_handlers(app, state)
+    # Last added runs first: the access log sees every response, 413s and preflights too.
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
+    if allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(allowed_origins),
+            allow_methods=["*"],
+            allow_headers=["*"],
+            allow_credentials="*" not in allowed_origins,
+        )
+    app.add_middleware(AccessLog)
 
     def authorized(request: Request) -> None:
         if state.api_key is None:
@@ -177,24 +221,63 @@ def create_app(
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models", dependencies=[Depends(authorized)])
-    async def models() -> dict[str, Any]:
-        card: dict[str, Any] = {
+    def card() -> dict[str, Any]:
+        out: dict[str, Any] = {
             "id": state.model_name,
             "object": "model",
             "created": 0,
             "owned_by": "llmrt",
         }
         if state.llm is not None:
-            card["max_model_len"] = state.llm.engine.scheduler.config.max_model_len
-        return {"object": "list", "data": [card]}
+            out["max_model_len"] = state.llm.engine.scheduler.config.max_model_len
+        return out
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": _version()}
+
+    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(authorized)])
+    async def model(model_id: str) -> dict[str, Any]:
+        if model_id != state.model_name:
+            raise APIError(
+                404,
+                f"model {model_id!r} is not served here (served: {state.model_name!r})",
+                param="model",
+                code="model_not_found",
+            )
+        return card()
+
+    @app.post("/tokenize", dependencies=[Depends(authorized)])
+    async def tokenize(request: Request) -> dict[str, Any]:
+        llm, _, text = _ready(state)
+        body = await _parse(text, TokenizeRequest, request)
+        _check_model(state, body.model)
+        ids = await text.run(_tokenize, llm, text, body)
+        return {
+            "count": len(ids),
+            "max_model_len": llm.engine.scheduler.config.max_model_len,
+            "tokens": ids,
+        }
+
+    @app.post("/detokenize", dependencies=[Depends(authorized)])
+    async def detokenize(request: Request) -> dict[str, Any]:
+        llm, _, text = _ready(state)
+        body = await _parse(text, DetokenizeRequest, request)
+        _check_model(state, body.model)
+        _check_ids(llm, body.tokens, "tokens")
+        return {"prompt": await text.run(llm.tokenizer.decode, body.tokens)}
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        llm, loop = _ready(state)
+    async def completions(request: Request) -> Response:
+        llm, loop, text = _ready(state)
+        body = await _parse(text, CompletionRequest, request)
         _check_model(state, body.model)
         body.check_unsupported()
-        prompts = [_encode(llm, p) for p in body.prompts()]
+        prompts = await text.run(_encode_prompts, llm, text, body.prompts())
         max_tokens = body.max_tokens
         if max_tokens is None:
             max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
@@ -204,28 +287,25 @@ def create_app(
             model=state.model_name,
             llm=llm,
             loop=loop,
-            prompts=prompts,
-            params=params,
+            prompts=_choices(prompts, body.n),
+            params=_seeded_choices(params, body.n),
+            n=body.n,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
+            usage=usage_of(request.scope),
         )
         return await run.respond(request, stream=body.stream)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
-    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-        llm, loop = _ready(state)
+    async def chat(request: Request) -> Response:
+        llm, loop, text = _ready(state)
+        body = await _parse(text, ChatCompletionRequest, request)
         _check_model(state, body.model)
         body.check_unsupported()
         if body.max_tokens is not None and body.max_completion_tokens is not None:
             raise RequestError(
                 "max_completion_tokens", "give either max_tokens or max_completion_tokens"
             )
-        try:
-            text = llm.tokenizer.apply_chat_template(
-                [m.to_template() for m in body.messages], add_generation_prompt=True
-            )
-        except UnsupportedError as exc:
-            raise RequestError("messages", str(exc)) from None
-        ids = tuple(llm.tokenizer.encode(text, add_special_tokens=False))
+        ids = await text.run(_chat_ids, llm, text, body)
         max_len = llm.engine.scheduler.config.max_model_len
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:
@@ -237,13 +317,22 @@ def create_app(
             model=state.model_name,
             llm=llm,
             loop=loop,
-            prompts=[ids],
-            params=params,
+            prompts=_choices([ids], body.n),
+            params=_seeded_choices(params, body.n),
+            n=body.n,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
+            usage=usage_of(request.scope),
         )
         return await run.respond(request, stream=body.stream)
 
     return app
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("llmrt")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def close(state: ServerState) -> None:
@@ -255,6 +344,8 @@ def close(state: ServerState) -> None:
             state.loop.stop(timeout=ENGINE_STOP_TIMEOUT_S)
         except BaseException as exc:
             errors.append(exc)
+    if state.text is not None:
+        state.text.close()
     if state.llm is not None:
         try:
             state.llm.close(primary=errors[0] if errors else None)
@@ -267,14 +358,115 @@ def close(state: ServerState) -> None:
 # -- request handling ----------------------------------------------------------------------
 
 
-def _ready(state: ServerState) -> tuple[LLM, EngineLoop]:
+def _ready(state: ServerState) -> tuple[LLM, EngineLoop, TextWorkers]:
     if state.stopping:
         raise APIError(503, "the server is shutting down", type="service_unavailable")
-    if state.llm is None or state.loop is None:
+    if state.llm is None or state.loop is None or state.text is None:
         raise APIError(503, "the model is still loading", type="service_unavailable")
     if state.loop.failed is not None:
         raise APIError(503, f"the engine failed: {state.loop.failed}", type="internal_error")
-    return state.llm, state.loop
+    return state.llm, state.loop, state.text
+
+
+async def _parse(text: TextWorkers, model: type[Body], request: Request) -> Body:
+    """The request body as ``model``, parsed and validated on a text worker."""
+    raw = await request.body()
+    return await text.run(_validate, model, raw)
+
+
+def _validate(model: type[Body], raw: bytes) -> Body:
+    try:
+        return model.model_validate_json(raw)
+    except pydantic.ValidationError as exc:
+        errors = exc.errors()
+        if errors and errors[0].get("type") == "json_invalid":
+            _name_invalid_text(raw)
+        raise RequestValidationError(errors) from None
+
+
+def _name_invalid_text(raw: bytes) -> None:
+    """pydantic refuses lone surrogates (``"\\ud800"``) as malformed JSON at a byte
+    offset; the standard parser reads them, so the error can name the field."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError):
+        return
+    check_unicode(data, "")
+
+
+def _encode_prompts(
+    llm: LLM, text: TextWorkers, prompts: Sequence[str | Sequence[int]]
+) -> list[tuple[int, ...]]:
+    """Each prompt's token ids (on a text worker)."""
+    out = []
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise RequestError("prompt", "is empty")
+            out.append(tuple(text.encode(prompt, "prompt")))
+        else:
+            out.append(_check_ids(llm, prompt, "prompt"))
+    return out
+
+
+def _check_ids(llm: LLM, ids: Sequence[int], field: str) -> tuple[int, ...]:
+    if not ids and field == "prompt":
+        raise RequestError(field, "is empty")
+    vocab = llm.engine.executor.lanes[0].decode.config.vocab_size
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise RequestError(field, f"token id out of range [0, {vocab})", value=bad[0])
+    return tuple(ids)
+
+
+def _rendered(llm: LLM, text: TextWorkers, messages: Sequence[dict[str, Any]], **kw: Any) -> str:
+    """The chat template's text for ``messages`` (length-checked before rendering)."""
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        if isinstance(content, str):
+            text.check_length(content, f"messages.{i}.content")
+    try:
+        return llm.tokenizer.apply_chat_template(messages, **kw)
+    except UnsupportedError as exc:
+        raise RequestError("messages", str(exc)) from None
+
+
+def _chat_ids(llm: LLM, text: TextWorkers, body: ChatCompletionRequest) -> tuple[int, ...]:
+    """The chat request's prompt ids (on a text worker)."""
+    rendered = _rendered(
+        llm, text, [m.to_template() for m in body.messages], add_generation_prompt=True
+    )
+    return tuple(text.encode(rendered, "messages", add_special_tokens=False))
+
+
+def _tokenize(llm: LLM, text: TextWorkers, body: TokenizeRequest) -> list[int]:
+    if body.messages is not None:
+        rendered = _rendered(
+            llm,
+            text,
+            [m.to_template() for m in body.messages],
+            add_generation_prompt=body.add_generation_prompt,
+        )
+        return text.encode(rendered, "messages", add_special_tokens=body.add_special_tokens)
+    if body.prompt is None:
+        raise RequestError("prompt", "give prompt or messages")
+    return text.encode(body.prompt, "prompt", add_special_tokens=body.add_special_tokens)
+
+
+def _choices(prompts: Sequence[tuple[int, ...]], n: int) -> list[tuple[int, ...]]:
+    """Each prompt ``n`` times, choice index ``prompt * n + k`` (OpenAI's order). The
+    copies share the prompt's KV blocks through the prefix cache."""
+    return [ids for ids in prompts for _ in range(n)]
+
+
+def _seeded_choices(params: Sequence[SamplingParams], n: int) -> list[SamplingParams]:
+    """``n`` choices per prompt; a seeded request's k-th choice is seeded ``seed + k`` so
+    the choices differ yet the request stays reproducible."""
+    out = []
+    for p in params:
+        for k in range(n):
+            out.append(p if p.seed is None or k == 0 else attrs.evolve(p, seed=int(p.seed) + k))
+    return out
 
 
 def _check_model(state: ServerState, model: str | None) -> None:
@@ -285,20 +477,6 @@ def _check_model(state: ServerState, model: str | None) -> None:
             param="model",
             code="model_not_found",
         )
-
-
-def _encode(llm: LLM, prompt: str | Sequence[int]) -> tuple[int, ...]:
-    if isinstance(prompt, str):
-        if not prompt:
-            raise RequestError("prompt", "is empty")
-        return tuple(llm.tokenizer.encode(prompt))
-    if not prompt:
-        raise RequestError("prompt", "is empty")
-    vocab = llm.engine.executor.lanes[0].decode.config.vocab_size
-    bad = [t for t in prompt if not 0 <= t < vocab]
-    if bad:
-        raise RequestError("prompt", f"token id out of range [0, {vocab})", value=bad[0])
-    return tuple(prompt)
 
 
 def _params(
@@ -360,7 +538,12 @@ class _Run:
     prompts: list[tuple[int, ...]]
     params: list[SamplingParams]
     include_usage: bool
-    id: str = attrs.Factory(lambda: f"cmpl-{uuid.uuid4().hex}")
+    usage: RequestUsage = attrs.Factory(RequestUsage)
+    n: int = 1
+    id: str = attrs.Factory(
+        lambda self: f"{'chatcmpl' if self.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}",
+        takes_self=True,
+    )
     created: int = attrs.Factory(lambda: int(time.time()))
     tickets: list[Ticket] = attrs.Factory(list)
     sink: asyncio.Queue[Item] = attrs.Factory(asyncio.Queue)
@@ -393,7 +576,11 @@ class _Run:
             for i, (ids, params) in enumerate(zip(self.prompts, self.params, strict=True)):
                 self.tickets.append(
                     await self.loop.submit(
-                        prompt_token_ids=ids, params=params, choice=i, sink=self.sink
+                        prompt_token_ids=ids,
+                        params=params,
+                        choice=i,
+                        sink=self.sink,
+                        label=f"{self.id} choice {i}",
                     )
                 )
         except BaseException:
@@ -403,6 +590,16 @@ class _Run:
     def _abort(self) -> None:
         for ticket in self.tickets:
             self.loop.abort(ticket)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """The request's prompt tokens, each prompt counted once whatever ``n``."""
+        return sum(len(ids) for ids in self.prompts[:: self.n])
+
+    def _record(self, completion_tokens: int) -> dict[str, int]:
+        self.usage.prompt_tokens = self.prompt_tokens
+        self.usage.completion_tokens = completion_tokens
+        return _usage(self.prompt_tokens, completion_tokens)
 
     async def _items(self) -> AsyncIterator[Item]:
         """Every item of every choice until all finished."""
@@ -460,13 +657,10 @@ class _Run:
             "created": self.created,
             "model": self.model,
             "choices": out_choices,
-            "usage": _usage(
-                sum(c.prompt_tokens for c in choices), sum(c.completion_tokens for c in choices)
-            ),
+            "usage": self._record(sum(c.completion_tokens for c in choices)),
         }
 
     async def _stream(self) -> AsyncIterator[str]:
-        prompt = [len(ids) for ids in self.prompts]
         completion = [0] * len(self.tickets)
         try:
             if self.kind == "chat":
@@ -492,6 +686,7 @@ class _Run:
                     yield self._chunk(item.choice, delta, logprobs, item.finish_reason)
                 else:
                     yield self._chunk(item.choice, item.text, logprobs, item.finish_reason)
+            usage = self._record(sum(completion))
             if self.include_usage:
                 yield _sse(
                     {
@@ -500,11 +695,13 @@ class _Run:
                         "created": self.created,
                         "model": self.model,
                         "choices": [],
-                        "usage": _usage(sum(prompt), sum(completion)),
+                        "usage": usage,
                     }
                 )
             yield "data: [DONE]\n\n"
         finally:
+            self.usage.completion_tokens = sum(completion)
+            self.usage.prompt_tokens = self.prompt_tokens
             self._abort()
 
     @property
@@ -525,15 +722,16 @@ class _Run:
             choice["text"] = delta
         choice["logprobs"] = logprobs
         choice["finish_reason"] = finish_reason
-        return _sse(
-            {
-                "id": self.id,
-                "object": self._chunk_object,
-                "created": self.created,
-                "model": self.model,
-                "choices": [choice],
-            }
-        )
+        chunk: dict[str, Any] = {
+            "id": self.id,
+            "object": self._chunk_object,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        }
+        if self.include_usage:
+            chunk["usage"] = None  # as OpenAI: only the last chunk carries usage
+        return _sse(chunk)
 
     def _token(self, token_id: int) -> str:
         return self.llm.tokenizer.decode([token_id], skip_special_tokens=False)

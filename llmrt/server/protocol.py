@@ -17,6 +17,8 @@ from llmrt.sampling.params import SamplingParams
 
 #: The ``max_tokens`` default of ``/v1/completions`` (OpenAI's legacy default).
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+#: Most choices one request may ask for (``n``; OpenAI's own limit is 128).
+MAX_CHOICES = 128
 
 
 class _Strict(BaseModel):
@@ -48,10 +50,8 @@ class _Sampling(_Strict):
     user: str | None = None
 
     def check_unsupported(self) -> None:
-        if self.n != 1:
-            raise RequestError(
-                "n", "only n=1 is supported (send the request n times)", value=self.n
-            )
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise RequestError("n", f"must be in [1, {MAX_CHOICES}]", value=self.n)
         if self.logit_bias:
             raise RequestError("logit_bias", "is not supported", value=self.logit_bias)
         if self.stream_options is not None and not self.stream:
@@ -140,3 +140,20 @@ class ChatCompletionRequest(_Sampling):
         if not self.logprobs:
             return None
         return self.top_logprobs or 0
+
+
+class TokenizeRequest(_Strict):
+    """``POST /tokenize`` (vLLM's shape): a prompt, or chat messages rendered first."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(_Strict):
+    """``POST /detokenize`` (vLLM's shape): token ids back to text."""
+
+    model: str | None = None
+    tokens: list[int]
