@@ -32,6 +32,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmrt.errors import LLMRTError, RequestError, UnsupportedError
+from llmrt.sampling.guided import GuidedDecoding
 from llmrt.sampling.params import SamplingParams
 from llmrt.server.access_log import AccessLog, RequestUsage, usage_of
 from llmrt.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
@@ -277,6 +278,7 @@ def create_app(
         body = await _parse(text, CompletionRequest, request)
         _check_model(state, body.model)
         body.check_unsupported()
+        await text.run(_check_response_format, body)
         prompts = await text.run(_encode_prompts, llm, text, body.prompts())
         max_tokens = body.max_tokens
         if max_tokens is None:
@@ -301,6 +303,7 @@ def create_app(
         body = await _parse(text, ChatCompletionRequest, request)
         _check_model(state, body.model)
         body.check_unsupported()
+        await text.run(_check_response_format, body)
         if body.max_tokens is not None and body.max_completion_tokens is not None:
             raise RequestError(
                 "max_completion_tokens", "give either max_tokens or max_completion_tokens"
@@ -392,6 +395,23 @@ def _name_invalid_text(raw: bytes) -> None:
     except (ValueError, RecursionError):
         return
     check_unicode(data, "")
+
+
+def _check_response_format(body: CompletionRequest | ChatCompletionRequest) -> None:
+    """Compile the requested format once here (on a text worker), so a schema llguidance
+    cannot enforce is a 400 naming ``response_format`` before anything is queued."""
+    if body.response_format is None:
+        return
+    structured = body.response_format.structured()
+    if structured is None:
+        return
+    try:
+        GuidedDecoding.grammar(structured)
+    except RequestError as exc:
+        field = "response_format"
+        if structured.kind == "json_schema":
+            field = "response_format.json_schema.schema"
+        raise RequestError(field, exc.reason) from None
 
 
 def _encode_prompts(

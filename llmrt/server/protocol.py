@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from llmrt.errors import RequestError
 from llmrt.sampling.params import SamplingParams
+from llmrt.sampling.structured import StructuredOutput
 
 #: The ``max_tokens`` default of ``/v1/completions`` (OpenAI's legacy default).
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -27,6 +28,35 @@ class _Strict(BaseModel):
 
 class StreamOptions(_Strict):
     include_usage: bool = False
+
+
+class JSONSchemaFormat(_Strict):
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """OpenAI's ``response_format``: ``text``, ``json_object`` or ``json_schema``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    def structured(self) -> StructuredOutput | None:
+        if self.type == "text":
+            return None
+        if self.type == "json_object":
+            return StructuredOutput.json_object()
+        if self.json_schema is None:
+            raise RequestError("response_format.json_schema", "is required for type json_schema")
+        schema = self.json_schema.schema_
+        if schema is None:
+            raise RequestError("response_format.json_schema.schema", "is required")
+        try:
+            return StructuredOutput.json_schema(schema)
+        except RequestError as exc:
+            raise RequestError("response_format.json_schema.schema", exc.reason) from None
 
 
 class _Sampling(_Strict):
@@ -47,6 +77,7 @@ class _Sampling(_Strict):
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
     user: str | None = None
 
     def check_unsupported(self) -> None:
@@ -73,6 +104,9 @@ class _Sampling(_Strict):
             "frequency_penalty": self.frequency_penalty,
             "repetition_penalty": self.repetition_penalty,
             "logprobs": logprobs,
+            "structured_output": (
+                None if self.response_format is None else self.response_format.structured()
+            ),
         }
         return SamplingParams(**{k: v for k, v in given.items() if v is not None})
 

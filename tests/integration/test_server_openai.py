@@ -18,13 +18,16 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
+import jsonschema
 import openai
 import pytest
 import torch
 
 from llmrt.sampling.params import SamplingParams
+from llmrt.sampling.structured import StructuredOutput
 from llmrt.server.serve import BackgroundServer
 from llmrt.serving.llm import LLM
 
@@ -318,6 +321,115 @@ def test_max_waiting_counts_only_requests_without_a_slot(server: BackgroundServe
     finally:
         loop.max_waiting = 256
     idle(server)
+
+
+# -- structured output ---------------------------------------------------------------------
+
+#: Bounded in length, so even a random model completes it within max_tokens.
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "pattern": "^[a-z]{1,8}$"},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "tags": {"type": "array", "items": {"enum": ["x", "y"]}, "maxItems": 3},
+        "ok": {"type": "boolean"},
+    },
+    "required": ["name", "age", "tags", "ok"],
+    "additionalProperties": False,
+}
+
+
+def _json_schema_format(schema: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "type": "json_schema",
+        "json_schema": {"name": "person", "schema": schema, "strict": True},
+    }
+
+
+def test_every_json_schema_answer_validates_streamed_or_not(
+    server: BackgroundServer, client: openai.OpenAI, reference: LLM
+) -> None:
+    fmt = _json_schema_format(PERSON)
+    messages = [{"role": "user", "content": "A person, as JSON."}]
+    answers: list[str] = []
+    for temperature, seed in ((0.0, None), (1.0, 5), (1.3, 9)):
+        done = client.chat.completions.create(
+            model=RECIPE,
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=120,
+            n=2,
+            temperature=temperature,
+            seed=seed,
+            response_format=fmt,  # type: ignore[arg-type]
+        )
+        answers += [c.message.content or "" for c in done.choices]
+        assert all(c.finish_reason == "stop" for c in done.choices)
+        text = ""
+        for chunk in client.chat.completions.create(
+            model=RECIPE,
+            messages=messages,  # type: ignore[arg-type]
+            max_tokens=120,
+            temperature=temperature,
+            seed=seed,
+            response_format=fmt,  # type: ignore[arg-type]
+            stream=True,
+        ):
+            text += "".join(c.delta.content or "" for c in chunk.choices)
+        answers.append(text)
+        completion = client.completions.create(
+            model=RECIPE,
+            prompt="person:",
+            max_tokens=120,
+            temperature=temperature,
+            seed=seed,
+            extra_body={"response_format": fmt},
+        )
+        answers.append(completion.choices[0].text)
+    for answer in answers:
+        jsonschema.validate(json.loads(answer), PERSON)
+    # Offline, the same params give the same greedy answer.
+    ids = reference.tokenizer.encode(
+        reference.tokenizer.apply_chat_template(messages), add_special_tokens=False
+    )
+    offline = reference.generate(
+        [ids],
+        SamplingParams(
+            temperature=0.0, max_tokens=120, structured_output=StructuredOutput.json_schema(PERSON)
+        ),
+    )[0]
+    assert offline.text == answers[0] == answers[1] == answers[2]
+    idle(server)
+
+
+def test_response_format_text_is_plain_and_a_bad_schema_is_a_400(
+    server: BackgroundServer, client: openai.OpenAI
+) -> None:
+    plain = client.completions.create(model=RECIPE, prompt=[3, 4], max_tokens=5, temperature=0)
+    text = client.completions.create(
+        model=RECIPE,
+        prompt=[3, 4],
+        max_tokens=5,
+        temperature=0,
+        extra_body={"response_format": {"type": "text"}},
+    )
+    assert text.choices[0].text == plain.choices[0].text
+    bad = _json_schema_format({"type": "no-such-type"})
+    r = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        json={"messages": [{"role": "user", "content": "x"}], "response_format": bad},
+        timeout=TIMEOUT,
+    )
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == "response_format.json_schema.schema"
+    r = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        json={
+            "messages": [{"role": "user", "content": "x"}],
+            "response_format": {"type": "json_schema"},
+        },
+        timeout=TIMEOUT,
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format.json_schema"
 
 
 # -- the process ---------------------------------------------------------------------------
