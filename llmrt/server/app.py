@@ -53,6 +53,7 @@ from llmrt.server.protocol import (
     TokenizeRequest,
 )
 from llmrt.server.text_work import TextWorkers, check_unicode
+from llmrt.server.tools import ToolUse, render_history
 from llmrt.serving.llm import LLM
 
 Body = TypeVar("Body", bound=pydantic.BaseModel)
@@ -303,20 +304,29 @@ def create_app(
         body = await _parse(text, ChatCompletionRequest, request)
         _check_model(state, body.model)
         body.check_unsupported()
+        tools = body.tool_use()
         await text.run(_check_response_format, body)
         if body.max_tokens is not None and body.max_completion_tokens is not None:
             raise RequestError(
                 "max_completion_tokens", "give either max_tokens or max_completion_tokens"
             )
-        ids = await text.run(_chat_ids, llm, text, body)
+        ids = await text.run(_chat_ids, llm, text, body, tools)
         max_len = llm.engine.scheduler.config.max_model_len
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:
             max_tokens = max(1, max_len - len(ids))
         logprobs = body.engine_logprobs()
         params = [_params(llm, body, ids, max_tokens, logprobs, "messages")]
+        forced = None if tools is None else tools.structured_output()
+        if forced is not None:
+            if params[0].structured_output is not None:
+                raise RequestError(
+                    "response_format", "cannot be combined with a required or named tool_choice"
+                )
+            params = [attrs.evolve(params[0], structured_output=forced)]
         run = _Run(
             kind="chat",
+            tools=tools,
             model=state.model_name,
             llm=llm,
             loop=loop,
@@ -451,11 +461,17 @@ def _rendered(llm: LLM, text: TextWorkers, messages: Sequence[dict[str, Any]], *
         raise RequestError("messages", str(exc)) from None
 
 
-def _chat_ids(llm: LLM, text: TextWorkers, body: ChatCompletionRequest) -> tuple[int, ...]:
-    """The chat request's prompt ids (on a text worker)."""
-    rendered = _rendered(
-        llm, text, [m.to_template() for m in body.messages], add_generation_prompt=True
+def _chat_ids(
+    llm: LLM, text: TextWorkers, body: ChatCompletionRequest, tools: ToolUse | None
+) -> tuple[int, ...]:
+    """The chat request's prompt ids, tools and tool history rendered (on a text worker)."""
+    template = llm.tokenizer.chat_template
+    messages, extra = render_history(
+        [m.to_template() for m in body.messages],
+        tools,
+        template_source="" if template is None else template.source,
     )
+    rendered = _rendered(llm, text, messages, add_generation_prompt=True, extra=extra)
     return tuple(text.encode(rendered, "messages", add_special_tokens=False))
 
 
@@ -560,6 +576,7 @@ class _Run:
     include_usage: bool
     usage: RequestUsage = attrs.Factory(RequestUsage)
     n: int = 1
+    tools: ToolUse | None = None
     id: str = attrs.Factory(
         lambda self: f"{'chatcmpl' if self.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}",
         takes_self=True,
@@ -654,12 +671,23 @@ class _Run:
                     choice.token_ids, choice.logprobs, choice.top_logprobs, params.logprobs
                 )
             if self.kind == "chat":
+                message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+                reason = choice.finish_reason
+                if self.tools is not None:
+                    content, calls = self.tools.parse(choice.text)
+                    if calls:
+                        message = {
+                            "role": "assistant",
+                            "content": content,
+                            "tool_calls": [c.to_openai() for c in calls],
+                        }
+                        reason = "tool_calls" if reason == "stop" else reason
                 out_choices.append(
                     {
                         "index": i,
-                        "message": {"role": "assistant", "content": choice.text},
+                        "message": message,
                         "logprobs": logprobs,
-                        "finish_reason": choice.finish_reason,
+                        "finish_reason": reason,
                     }
                 )
             else:
@@ -682,6 +710,9 @@ class _Run:
 
     async def _stream(self) -> AsyncIterator[str]:
         completion = [0] * len(self.tickets)
+        # Tools: a choice's text is held back while it may still be a call.
+        held = ["" for _ in self.tickets]
+        plain = [self.tools is None for _ in self.tickets]
         try:
             if self.kind == "chat":
                 for i in range(len(self.tickets)):
@@ -701,7 +732,18 @@ class _Run:
                         [item.top_logprobs or {}],
                         params.logprobs,
                     )
-                if self.kind == "chat":
+                if self.kind == "chat" and not plain[item.choice]:
+                    assert self.tools is not None
+                    held[item.choice] += item.text
+                    if item.finish_reason is None and self.tools.may_be_call(held[item.choice]):
+                        continue
+                    text, held[item.choice] = held[item.choice], ""
+                    plain[item.choice] = True
+                    if item.finish_reason is not None:
+                        yield self._tool_chunk(item.choice, text, item.finish_reason)
+                        continue
+                    yield self._chunk(item.choice, {"content": text}, logprobs, None)
+                elif self.kind == "chat":
                     delta = {"content": item.text} if item.text else {}
                     yield self._chunk(item.choice, delta, logprobs, item.finish_reason)
                 else:
@@ -723,6 +765,18 @@ class _Run:
             self.usage.completion_tokens = sum(completion)
             self.usage.prompt_tokens = self.prompt_tokens
             self._abort()
+
+    def _tool_chunk(self, index: int, text: str, finish_reason: str) -> str:
+        """The last chunk of a choice whose text was held back: its calls, or its text."""
+        assert self.tools is not None
+        content, calls = self.tools.parse(text)
+        if not calls:
+            return self._chunk(index, {"content": text} if text else {}, None, finish_reason)
+        delta: dict[str, Any] = {"tool_calls": [c.to_openai(k) for k, c in enumerate(calls)]}
+        if content:
+            delta["content"] = content
+        reason = "tool_calls" if finish_reason == "stop" else finish_reason
+        return self._chunk(index, delta, None, reason)
 
     @property
     def _chunk_object(self) -> str:

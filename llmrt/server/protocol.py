@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from llmrt.errors import RequestError
 from llmrt.sampling.params import SamplingParams
 from llmrt.sampling.structured import StructuredOutput
+from llmrt.server.tools import ToolUse
 
 #: The ``max_tokens`` default of ``/v1/completions`` (OpenAI's legacy default).
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
@@ -144,10 +145,23 @@ class TextPart(_Strict):
     text: str
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str
+
+
+class MessageToolCall(_Strict):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
+    tool_call_id: str | None = None
 
     def to_template(self) -> dict[str, Any]:
         content = self.content
@@ -156,7 +170,32 @@ class ChatMessage(_Strict):
         message: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
+        if self.tool_calls:
+            message["tool_calls"] = [c.model_dump() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
         return message
+
+
+class FunctionDefinition(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_Sampling):
@@ -164,6 +203,18 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+
+    def tool_use(self) -> ToolUse | None:
+        """The request's tools and choice (None without tools)."""
+        choice = self.tool_choice
+        return ToolUse.create(
+            tools=[t.model_dump(exclude_none=True) for t in self.tools or ()],
+            tool_choice=choice.model_dump() if isinstance(choice, NamedToolChoice) else choice,
+            parallel_tool_calls=self.parallel_tool_calls,
+        )
 
     def check_unsupported(self) -> None:
         super().check_unsupported()

@@ -34,6 +34,8 @@ from llmrt.serving.llm import LLM
 RECIPE = "tiny-llama"
 TIMEOUT = 120.0
 LIMIT = 64 * 1024  # the small server's body limit
+#: Room for the generic tool prompt: tiny-llama's byte tokens fill 512 positions quickly.
+OVERRIDES = ["model.max_position_embeddings=2048", "serving.max_model_len=2048"]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -48,7 +50,7 @@ def _one_torch_thread() -> Iterator[None]:
 def server() -> Iterator[BackgroundServer]:
     """Default settings, except a body limit above 10 MB (the large-request test)."""
     with BackgroundServer(
-        build=lambda: LLM.from_recipe(RECIPE),
+        build=lambda: LLM.from_recipe(RECIPE, overrides=OVERRIDES),
         model_name=RECIPE,
         max_waiting=256,
         max_request_bytes=32 * 1024 * 1024,
@@ -71,7 +73,7 @@ def small() -> Iterator[BackgroundServer]:
 
 @pytest.fixture(scope="module")
 def reference() -> Iterator[LLM]:
-    with LLM.from_recipe(RECIPE) as llm:
+    with LLM.from_recipe(RECIPE, overrides=OVERRIDES) as llm:
         yield llm
 
 
@@ -216,7 +218,7 @@ def test_tokenize_detokenize_version_and_model_card(
     assert r.status_code == 200, r.text
     tokens = r.json()["tokens"]
     assert tokens == reference.tokenizer.encode("hé")
-    assert r.json()["count"] == len(tokens) and r.json()["max_model_len"] == 512
+    assert r.json()["count"] == len(tokens) and r.json()["max_model_len"] == 2048
     messages = [{"role": "user", "content": "hi"}]
     r = httpx.post(f"{server.url}/tokenize", json={"messages": messages}, timeout=TIMEOUT)
     rendered = reference.tokenizer.apply_chat_template(messages)
@@ -432,6 +434,158 @@ def test_response_format_text_is_plain_and_a_bad_schema_is_a_400(
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format.json_schema"
 
 
+# -- tools ---------------------------------------------------------------------------------
+
+TOOLS: list[dict[str, Any]] = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"enum": ["paris", "rome"]}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "a": {"type": "integer", "minimum": 0, "maximum": 9},
+                    "b": {"type": "integer", "minimum": 0, "maximum": 9},
+                },
+                "required": ["a", "b"],
+                "additionalProperties": False,
+            },
+        },
+    },
+]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+def _check_calls(calls: Any, *, names: set[str], most: int | None = None) -> None:
+    assert calls, calls
+    if most is not None:
+        assert len(calls) <= most
+    for call in calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        assert call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def test_required_and_named_tool_choice_make_valid_calls_streamed_or_not(
+    server: BackgroundServer, client: openai.OpenAI
+) -> None:
+    messages: Any = [{"role": "user", "content": "weather in paris? and 2+3?"}]
+    for temperature, seed in ((0.0, None), (1.0, 7)):
+        done = client.chat.completions.create(
+            model=RECIPE,
+            messages=messages,
+            tools=TOOLS,  # type: ignore[arg-type]
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_tokens=120,
+            temperature=temperature,
+            seed=seed,
+        )
+        choice = done.choices[0]
+        assert choice.finish_reason == "tool_calls"
+        _check_calls(choice.message.tool_calls, names=set(SCHEMAS), most=1)
+        named = client.chat.completions.create(
+            model=RECIPE,
+            messages=messages,
+            tools=TOOLS,  # type: ignore[arg-type]
+            tool_choice={"type": "function", "function": {"name": "add"}},
+            max_tokens=120,
+            temperature=temperature,
+            seed=seed,
+        )
+        assert named.choices[0].finish_reason == "tool_calls"
+        assert named.choices[0].message.content is None
+        _check_calls(named.choices[0].message.tool_calls, names={"add"})
+        # Streamed: the calls arrive as tool_calls deltas, never as content.
+        calls: dict[int, dict[str, str]] = {}
+        reasons = []
+        for chunk in client.chat.completions.create(
+            model=RECIPE,
+            messages=messages,
+            tools=TOOLS,  # type: ignore[arg-type]
+            tool_choice="required",
+            parallel_tool_calls=False,  # a random model may call forever otherwise
+            max_tokens=200,
+            temperature=temperature,
+            seed=seed,
+            stream=True,
+        ):
+            for c in chunk.choices:
+                assert not c.delta.content
+                for d in c.delta.tool_calls or ():
+                    entry = calls.setdefault(d.index, {"name": "", "arguments": ""})
+                    entry["name"] += (d.function and d.function.name) or ""
+                    entry["arguments"] += (d.function and d.function.arguments) or ""
+                if c.finish_reason:
+                    reasons.append(c.finish_reason)
+        assert reasons == ["tool_calls"] and calls
+        for entry in calls.values():
+            jsonschema.validate(json.loads(entry["arguments"]), SCHEMAS[entry["name"]])
+    idle(server)
+
+
+def test_auto_and_none_tool_choice_and_tool_history_are_served(client: openai.OpenAI) -> None:
+    history: Any = [
+        {"role": "user", "content": "weather in rome?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "rome"}'},
+                }
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 24 C"},
+    ]
+    for choice in ("auto", "none"):
+        done = client.chat.completions.create(
+            model=RECIPE,
+            messages=history,
+            tools=TOOLS,  # type: ignore[arg-type]
+            tool_choice=choice,  # type: ignore[arg-type]
+            max_tokens=8,
+            temperature=0,
+        )
+        message = done.choices[0].message
+        # A random model writes no call here: its text comes back as content.
+        assert message.tool_calls is None and isinstance(message.content, str)
+        assert done.usage is not None
+        # The prompt holds the tool list, the earlier call and its result.
+        without = client.chat.completions.create(
+            model=RECIPE, messages=history[:1], max_tokens=1, temperature=0
+        )
+        assert without.usage is not None
+        assert done.usage.prompt_tokens > without.usage.prompt_tokens + 200
+    with pytest.raises(openai.BadRequestError, match="tool_choice"):
+        client.chat.completions.create(
+            model=RECIPE, messages=history[:1], tool_choice="required", max_tokens=2
+        )
+    with pytest.raises(openai.BadRequestError, match=r"tool_choice\.function\.name"):
+        client.chat.completions.create(
+            model=RECIPE,
+            messages=history[:1],
+            tools=TOOLS,  # type: ignore[arg-type]
+            tool_choice={"type": "function", "function": {"name": "nope"}},
+            max_tokens=2,
+        )
+
+
 # -- the process ---------------------------------------------------------------------------
 
 
@@ -460,7 +614,12 @@ def test_shutdown_past_its_timeout_ends_every_stream_and_exits_promptly(tmp_path
     with finish_reason "abort" and [DONE], one log line each, no traceback."""
     log = tmp_path / "serve.log"
     timeout = 1.0
-    proc, url = _start(["--shutdown-timeout", str(timeout), "--log-level", "info"], log)
+    longer = [
+        "--set", "model.max_position_embeddings=4096",
+        "--set", "serving.max_model_len=4096",
+        "--set", "kv_cache.max_num_blocks=2048",
+    ]  # fmt: skip
+    proc, url = _start(["--shutdown-timeout", str(timeout), "--log-level", "info", *longer], log)
     try:
         results: list[tuple[list[str], bool]] = []
         started = threading.Barrier(9)
@@ -468,7 +627,7 @@ def test_shutdown_past_its_timeout_ends_every_stream_and_exits_promptly(tmp_path
         def client(i: int) -> None:
             body = {
                 "messages": [{"role": "user", "content": f"story {i}"}],
-                "max_tokens": 480,
+                "max_tokens": 4000,
                 "ignore_eos": True,
                 "stream": True,
             }
@@ -506,7 +665,7 @@ def test_shutdown_past_its_timeout_ends_every_stream_and_exits_promptly(tmp_path
     assert len(results) == 8 and all(done for _, done in results), results
     assert all(reasons in (["abort"], ["length"]) for reasons, _ in results), results
     cut = sum(reasons == ["abort"] for reasons, _ in results)
-    assert cut >= 4, results  # the second wave cannot have finished in time
+    assert cut >= 4, results  # 4000 steps cannot have finished in time
     assert "Traceback" not in text and "CancelledError" not in text, text
     lines = re.findall(r"cut chatcmpl-\w+ choice 0 after \d+ generated tokens", text)
     assert len(lines) == cut, text
