@@ -160,6 +160,18 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="--server: concurrent clients (default: one per prompt)",
     )
+    bench.add_argument(
+        "--schema",
+        action="store_true",
+        help="--server: also stream the prompts under a JSON-schema response_format and "
+        "report structured over plain tokens/s (target >= 0.9)",
+    )
+    bench.add_argument(
+        "--stall-check",
+        action="store_true",
+        help="--server: send a 10 MB request while 8 streams decode and report each "
+        "stream's largest inter-chunk gap over its median (target <= 2), with a control run",
+    )
     bench.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts")
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.add_argument("--plot", metavar="FILE.png", help="write a latency plot (needs matplotlib)")
