@@ -26,7 +26,7 @@ the replay) instead of drawing inside the graph.
 
 Log-probabilities are ``log_softmax`` of the logits given to ``sample`` (after penalties
 when the caller applied them, before temperature and filters): vLLM's ``raw_logprobs``
-for requests without penalties.
+for requests without penalties, and before a structured-output mask.
 """
 
 from __future__ import annotations
@@ -450,9 +450,11 @@ def sample(
     _check_logits(logits, tensors)
     logprobs: Tensor | None = None
     top: tuple[Tensor, Tensor] | None = None
+    raw = logits
     if tensors.allowed is not None:
-        # Structured rows: what would break the output is impossible (before temperature,
-        # filters and log-probabilities, as vLLM applies its grammar bitmask).
+        # Structured rows: what would break the output is impossible (before temperature
+        # and filters, as vLLM applies its grammar bitmask). Log-probabilities stay those of
+        # the unmasked logits (vLLM's raw_logprobs), never -inf for a masked top token.
         logits = logits.masked_fill(~tensors.allowed, -math.inf)
     greedy_tokens = greedy_argmax(logits)
     if tensors.all_greedy:
@@ -466,7 +468,7 @@ def sample(
         sampled = greedy_argmax(scores.add_(noise))
         tokens = torch.where(tensors.greedy, greedy_tokens, sampled)
     if tensors.want_logprobs:
-        all_logprobs = torch.log_softmax(logits, dim=-1)
+        all_logprobs = torch.log_softmax(raw, dim=-1)
         logprobs = all_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
         if tensors.num_top_logprobs > 0:
             values, ids = all_logprobs.topk(tensors.num_top_logprobs, dim=-1)

@@ -388,10 +388,11 @@ def _ready(state: ServerState) -> tuple[LLM, EngineLoop, TextWorkers]:
 async def _parse(text: TextWorkers, model: type[Body], request: Request) -> Body:
     """The request body as ``model``, parsed and validated on a text worker."""
     raw = await request.body()
-    return await text.run(_validate, model, raw)
+    return await text.run(_validate, text, model, raw)
 
 
-def _validate(model: type[Body], raw: bytes) -> Body:
+def _validate(text: TextWorkers, model: type[Body], raw: bytes) -> Body:
+    text.check_body(raw)
     try:
         return model.model_validate_json(raw)
     except pydantic.ValidationError as exc:

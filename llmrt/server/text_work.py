@@ -11,7 +11,10 @@ the request body limit (:mod:`llmrt.server.body_limit`) bounds.
 Before tokenizing, :meth:`TextWorkers.check_length` refuses a text that cannot fit the
 context whatever its tokens: no token spells more than ``max_token_bytes`` UTF-8 bytes, so
 a text of more than ``max_model_len * max_token_bytes`` bytes has more than
-``max_model_len`` tokens.
+``max_model_len`` tokens. Before parsing, :meth:`TextWorkers.check_body` applies the same
+bound to the body's longest JSON string, found by numpy (which releases the GIL), so a
+body holding a string no context can hold is refused without the parse that would hold
+the GIL for tens of milliseconds.
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ import concurrent.futures
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
+
+import numpy as np
 
 from llmrt.errors import RequestError
 from llmrt.weights.tokenizer import Tokenizer
@@ -41,6 +46,43 @@ def max_token_bytes(tokenizer: Tokenizer) -> int:
     ids = [[i] for i in range(tokenizer.vocab_size)]
     texts = tokenizer.backend.decode_batch(ids, skip_special_tokens=False)
     return max(1, max(len(t.encode("utf-8", "replace")) for t in texts))
+
+
+#: JSON spells one character in at most 6 bytes (``\\u0041``); its UTF-8 takes at least 1.
+JSON_BYTES_PER_CHAR = 6
+
+
+def longest_json_string(raw: bytes) -> tuple[int, str | None]:
+    """The raw length of the longest string literal in a JSON document (0 without one) and
+    the object key it is the value of (None when it is not a value, or the key is odd),
+    from its unescaped quotes; the work is numpy's over the whole body."""
+    data = np.frombuffer(raw, dtype=np.uint8)
+    quotes = np.flatnonzero(data == ord('"'))
+    if quotes.size < 2:
+        return 0, None
+    # A quote is escaped after an odd run of backslashes; runs are rare, so walk those.
+    after_backslash = quotes[(quotes > 0) & (data[np.maximum(quotes - 1, 0)] == ord("\\"))]
+    escaped = set()
+    for q in after_backslash.tolist():
+        run = 0
+        while q - run - 1 >= 0 and data[q - run - 1] == ord("\\"):
+            run += 1
+        if run % 2:
+            escaped.add(q)
+    if escaped:
+        quotes = quotes[~np.isin(quotes, np.fromiter(escaped, dtype=quotes.dtype))]
+    opens, closes = quotes[0::2], quotes[1::2]
+    n = min(opens.size, closes.size)
+    if n == 0:
+        return 0, None
+    lengths = closes[:n] - opens[:n] - 1
+    i = int(lengths.argmax())
+    key = None
+    if i > 0 and raw[int(closes[i - 1]) + 1 : int(opens[i])].strip() == b":":
+        name = raw[int(opens[i - 1]) + 1 : int(closes[i - 1])]
+        if len(name) <= 64 and name.isascii() and b"\\" not in name:
+            key = name.decode()
+    return int(lengths[i]), key
 
 
 def check_unicode(value: Any, field: str) -> None:
@@ -91,6 +133,21 @@ class TextWorkers:
                 field,
                 f"has {size} bytes, more than max_model_len={self.max_model_len} tokens can "
                 f"hold (at most {self.max_token_bytes} bytes per token)",
+            )
+
+    def check_body(self, raw: bytes) -> None:
+        """Refuse a JSON body holding a string longer than any context can hold (call on a
+        worker, before parsing; bodies too short to hold one are not scanned)."""
+        bound = JSON_BYTES_PER_CHAR * self.max_model_len * self.max_token_bytes
+        if len(raw) <= bound:
+            return
+        longest, key = longest_json_string(raw)
+        if longest > bound:
+            raise RequestError(
+                key or "request body",
+                f"holds a string of {longest} bytes, more than max_model_len="
+                f"{self.max_model_len} tokens can hold (at most {self.max_token_bytes} bytes "
+                f"per token, {JSON_BYTES_PER_CHAR} JSON bytes per character)",
             )
 
     def encode(self, text: str, field: str, *, add_special_tokens: bool = True) -> list[int]:

@@ -647,7 +647,10 @@ def test_constrained_rows_only_take_allowed_tokens_and_others_are_untouched() ->
             logits[2:], _tensors(params[2:], vocab_size=vocab), step_offsets=[step]
         ).tokens
         assert tokens[2] == int(alone[0])
-        assert result.logprobs is not None and float(result.logprobs[1]) == 0.0  # one choice
+        # Log-probabilities are the unmasked distribution's (vLLM's raw_logprobs).
+        assert result.logprobs is not None
+        expected = torch.log_softmax(logits[1], dim=-1)[tokens[1]]
+        assert float(result.logprobs[1]) == pytest.approx(float(expected))
 
 
 def test_structured_params_without_a_bound_constraint_are_refused() -> None:
