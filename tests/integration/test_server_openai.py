@@ -700,5 +700,22 @@ def test_cli_port_in_use_bad_host_and_a_model_file_as_recipe_are_one_line_exit_2
             lines = done.stderr.strip().splitlines()
             assert len(lines) == 1 and lines[0].startswith("llmrt: error:"), done.stderr
             assert reason in lines[0], lines[0]
+        # A recipe whose model file is missing: the socket is bound first, then one line.
+        recipe = tmp_path / "missing-model.yaml"
+        text = (Path(__file__).parents[2] / "recipes" / "smollm2-135m.yaml").read_text()
+        lines = [ln for ln in text.splitlines() if not ln.strip().startswith(("package:", "file:"))]
+        at = next(i for i, ln in enumerate(lines) if ln.strip().startswith("format:"))
+        lines.insert(at + 1, f"  path: {tmp_path / 'missing.gguf'}")
+        recipe.write_text("\n".join(lines) + "\n")
+        done = subprocess.run(
+            [sys.executable, "-m", "llmrt.cli", "serve", str(recipe), "--port", "0"],
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+        )
+        assert done.returncode == 2, done.stderr
+        assert "Traceback" not in done.stderr, done.stderr
+        last = done.stderr.strip().splitlines()[-1]
+        assert last.startswith("llmrt: error:") and "not found" in last, done.stderr
     finally:
         taken.close()
