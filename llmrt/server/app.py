@@ -413,19 +413,24 @@ def _name_invalid_text(raw: bytes) -> None:
 
 
 def _check_response_format(body: CompletionRequest | ChatCompletionRequest) -> None:
-    """Compile the requested format once here (on a text worker), so a schema llguidance
-    cannot enforce is a 400 naming ``response_format`` before anything is queued."""
-    if body.response_format is None:
-        return
-    structured = body.response_format.structured()
+    """Compile the requested format once here (on a text worker), so a schema or pattern
+    llguidance cannot enforce is a 400 naming its field before anything is queued."""
+    structured = body.structured_output()
     if structured is None:
         return
     try:
         GuidedDecoding.grammar(structured)
     except RequestError as exc:
-        field = "response_format"
-        if structured.kind == "json_schema":
-            field = "response_format.json_schema.schema"
+        if body.response_format is not None:
+            field = "response_format"
+            if structured.kind == "json_schema":
+                field = "response_format.json_schema.schema"
+        else:
+            field = next(
+                name
+                for name in ("guided_json", "guided_regex", "guided_choice")
+                if getattr(body, name) is not None
+            )
         raise RequestError(field, exc.reason) from None
 
 

@@ -79,6 +79,10 @@ class _Sampling(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
+    # vLLM's guided-decoding extensions (``extra_body`` in the openai client).
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
     user: str | None = None
 
     def check_unsupported(self) -> None:
@@ -88,6 +92,38 @@ class _Sampling(_Strict):
             raise RequestError("logit_bias", "is not supported", value=self.logit_bias)
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options", "is only allowed with stream=true")
+
+    def structured_output(self) -> StructuredOutput | None:
+        """What the output must match: ``response_format`` or one of vLLM's ``guided_*``."""
+        given = {
+            name: value
+            for name, value in (
+                ("response_format", self.response_format),
+                ("guided_json", self.guided_json),
+                ("guided_regex", self.guided_regex),
+                ("guided_choice", self.guided_choice),
+            )
+            if value is not None
+            and not (isinstance(value, ResponseFormat) and value.type == "text")
+        }
+        if len(given) > 1:
+            raise RequestError(sorted(given)[1], f"give only one of {', '.join(sorted(given))}")
+        if self.response_format is not None:
+            return self.response_format.structured()
+        if self.guided_json is not None:
+            try:
+                return StructuredOutput.json_schema(self.guided_json)
+            except RequestError as exc:
+                raise RequestError("guided_json", exc.reason) from None
+        if self.guided_regex is not None:
+            if not self.guided_regex:
+                raise RequestError("guided_regex", "is empty")
+            return StructuredOutput.regex(self.guided_regex)
+        if self.guided_choice is not None:
+            if not self.guided_choice:
+                raise RequestError("guided_choice", "is empty")
+            return StructuredOutput.regex("|".join(_regex_literal(c) for c in self.guided_choice))
+        return None
 
     def sampling_params(self, *, max_tokens: int, logprobs: int | None) -> SamplingParams:
         """The engine's parameters; a bad value raises RequestError naming the field."""
@@ -105,9 +141,7 @@ class _Sampling(_Strict):
             "frequency_penalty": self.frequency_penalty,
             "repetition_penalty": self.repetition_penalty,
             "logprobs": logprobs,
-            "structured_output": (
-                None if self.response_format is None else self.response_format.structured()
-            ),
+            "structured_output": self.structured_output(),
         }
         return SamplingParams(**{k: v for k, v in given.items() if v is not None})
 
@@ -242,3 +276,8 @@ class DetokenizeRequest(_Strict):
 
     model: str | None = None
     tokens: list[int]
+
+
+def _regex_literal(text: str) -> str:
+    """``text`` as a regex matching exactly it (llguidance's regex syntax escapes these)."""
+    return "".join("\\" + c if c in r".^$*+?()[]{}|\\/-" else c for c in text)

@@ -434,6 +434,52 @@ def test_response_format_text_is_plain_and_a_bad_schema_is_a_400(
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format.json_schema"
 
 
+def test_vllm_guided_extensions(client: openai.OpenAI) -> None:
+    choices = ["yes", "no (maybe)", "a-b/c"]
+    for seed in range(3):
+        done = client.completions.create(
+            model=RECIPE,
+            prompt="answer:",
+            max_tokens=20,
+            temperature=1.0,
+            seed=seed,
+            extra_body={"guided_choice": choices},
+        )
+        assert done.choices[0].text in choices and done.choices[0].finish_reason == "stop"
+        regex = client.completions.create(
+            model=RECIPE,
+            prompt="code:",
+            max_tokens=20,
+            temperature=1.0,
+            seed=seed,
+            extra_body={"guided_regex": "[a-z]{3}-[0-9]{2}"},
+        )
+        assert re.fullmatch(r"[a-z]{3}-[0-9]{2}", regex.choices[0].text)
+        guided = client.chat.completions.create(
+            model=RECIPE,
+            messages=[{"role": "user", "content": "person"}],
+            max_tokens=120,
+            temperature=1.0,
+            seed=seed,
+            extra_body={"guided_json": PERSON},
+        )
+        jsonschema.validate(json.loads(guided.choices[0].message.content or ""), PERSON)
+    with pytest.raises(openai.BadRequestError, match="guided_regex"):
+        client.completions.create(
+            model=RECIPE,
+            prompt="x",
+            max_tokens=2,
+            extra_body={"guided_regex": "(", "guided_choice": None},
+        )
+    with pytest.raises(openai.BadRequestError, match="only one of"):
+        client.completions.create(
+            model=RECIPE,
+            prompt="x",
+            max_tokens=2,
+            extra_body={"guided_regex": "a", "guided_choice": ["a"]},
+        )
+
+
 # -- tools ---------------------------------------------------------------------------------
 
 TOOLS: list[dict[str, Any]] = [
