@@ -304,9 +304,10 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "serve":
         # Bind before anything heavy is imported: clients connect at once, and a port in
         # use or a bad host is one line before seconds of start-up.
-        from llmrt.server.listen import bind_socket
+        from llmrt.server.listen import StartingResponder, bind_socket
 
         sock = bind_socket(args.host, args.port)
+        starting = StartingResponder(sock).start()
     if args.command == "check":
         from llmrt.cli.check import check_target
 
@@ -339,6 +340,7 @@ def _dispatch(args: argparse.Namespace) -> int:
             host=args.host,
             port=args.port,
             sock=sock,
+            starting=starting,
             api_key=args.api_key,
             shutdown_timeout=args.shutdown_timeout,
             log_level=args.log_level,

@@ -49,3 +49,59 @@ def bind_socket(host: str, port: int) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+class StartingResponder:
+    """Answers every connection on the bound socket with 503 "starting" while the process
+    is still importing and building the server (owns a thread; borrows the socket).
+
+    Without it a client that connects during those seconds waits in the listen backlog
+    with no answer; with it, it gets what ``/health`` says until the server runs. ``stop``
+    (idempotent) hands the socket over: call it just before the server starts accepting.
+    """
+
+    _BODY = b'{"status": "starting"}'
+    _REPLY = (
+        b"HTTP/1.1 503 Service Unavailable\r\n"
+        b"Content-Type: application/json\r\n"
+        b"Retry-After: 1\r\n"
+        b"Connection: close\r\n"
+        b"Content-Length: " + str(len(_BODY)).encode() + b"\r\n\r\n" + _BODY
+    )
+
+    def __init__(self, sock: socket.socket) -> None:
+        import threading
+
+        self._sock = sock
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="llmrt-starting", daemon=True)
+
+    def start(self) -> StartingResponder:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _run(self) -> None:
+        import select
+
+        while not self._stop.is_set():
+            try:
+                ready, _, _ = select.select([self._sock], [], [], 0.05)
+                if not ready or self._stop.is_set():
+                    continue
+                conn, _ = self._sock.accept()
+            except (BlockingIOError, InterruptedError):
+                continue
+            except OSError:
+                return  # the socket was closed: nothing left to answer
+            with conn:
+                try:
+                    conn.settimeout(1.0)
+                    conn.recv(65536)  # the request line and headers, unread beyond that
+                    conn.sendall(self._REPLY)
+                except OSError:
+                    pass

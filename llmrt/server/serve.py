@@ -27,7 +27,7 @@ from fastapi import FastAPI
 from llmrt.recipe.loader import load_recipe
 from llmrt.server.app import ServerState, create_app
 from llmrt.server.body_limit import DEFAULT_MAX_REQUEST_BYTES
-from llmrt.server.listen import bind_socket
+from llmrt.server.listen import StartingResponder, bind_socket
 from llmrt.serving.llm import LLM
 
 __all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "BackgroundServer", "bind_socket", "serve"]
@@ -108,6 +108,7 @@ def serve(
     host: str = DEFAULT_HOST,
     port: int = DEFAULT_PORT,
     sock: socket.socket | None = None,
+    starting: StartingResponder | None = None,
     api_key: str | None = None,
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
     log_level: str = "warning",
@@ -117,13 +118,16 @@ def serve(
     """``llmrt serve``: serve until SIGINT/SIGTERM; returns the exit status.
 
     ``sock`` is a socket already listening (owned from then on); without it one is bound
-    on ``host:port``.
+    on ``host:port``. ``starting`` is the responder answering 503 on it until now (stopped
+    here, just before the server takes the socket over).
     """
     if sock is None:
         sock = bind_socket(host, port)
     try:
         loaded = load_recipe(recipe, overrides=list(overrides))
     except BaseException:
+        if starting is not None:
+            starting.stop()
         sock.close()
         raise
     server_logging(log_level)
@@ -160,6 +164,8 @@ def serve(
         file=sys.stderr,
         flush=True,
     )
+    if starting is not None:
+        starting.stop()
     try:
         asyncio.run(server.serve(sockets=[sock]))
     finally:

@@ -727,6 +727,38 @@ def test_shutdown_past_its_timeout_ends_every_stream_and_exits_promptly(tmp_path
     print(f"exited {exited:.2f} s after SIGTERM (timeout {timeout} s), {cut} streams cut")
 
 
+def test_the_port_answers_503_from_the_first_moment_until_warm(tmp_path: Path) -> None:
+    probe = socket.socket()
+    probe.bind(("127.0.0.1", 0))
+    port = probe.getsockname()[1]
+    probe.close()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "llmrt.cli", "serve", RECIPE, "--port", str(port)],
+        stderr=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        env=env,
+    )
+    answers: list[tuple[int, str]] = []
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while not answers or answers[-1][0] != 200:
+            assert time.monotonic() < deadline and proc.poll() is None, answers
+            try:
+                r = httpx.get(f"http://127.0.0.1:{port}/health", timeout=TIMEOUT)
+            except httpx.ConnectError:
+                assert not answers, "refused after it had answered"
+                time.sleep(0.02)
+                continue
+            answers.append((r.status_code, r.json()["status"]))
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(TIMEOUT)
+    assert answers[0] == (503, "starting")  # answered while still importing and building
+    assert set(answers[:-1]) == {(503, "starting")} and answers[-1] == (200, "ok")
+
+
 def test_cli_port_in_use_bad_host_and_a_model_file_as_recipe_are_one_line_exit_2(
     tmp_path: Path,
 ) -> None:
