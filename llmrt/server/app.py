@@ -53,7 +53,7 @@ from llmrt.server.protocol import (
     TokenizeRequest,
 )
 from llmrt.server.text_work import TextWorkers, check_unicode
-from llmrt.server.tools import ToolUse, render_history
+from llmrt.server.tools import ToolCall, ToolUse, render_history
 from llmrt.serving.llm import LLM
 
 Body = TypeVar("Body", bound=pydantic.BaseModel)
@@ -723,6 +723,9 @@ class _Run:
         # Tools: a choice's text is held back while it may still be a call.
         held = ["" for _ in self.tickets]
         plain = [self.tools is None for _ in self.tickets]
+        # A named tool choice: the whole reply is the call's arguments, streamed as they come.
+        named = self.tools is not None and self.tools.choice == "named"
+        calls: dict[int, ToolCall] = {}
         try:
             if self.kind == "chat":
                 for i in range(len(self.tickets)):
@@ -742,7 +745,9 @@ class _Run:
                         [item.top_logprobs or {}],
                         params.logprobs,
                     )
-                if self.kind == "chat" and not plain[item.choice]:
+                if self.kind == "chat" and named:
+                    yield self._named_chunk(item.choice, item.text, item.finish_reason, calls)
+                elif self.kind == "chat" and not plain[item.choice]:
                     assert self.tools is not None
                     held[item.choice] += item.text
                     if item.finish_reason is None and self.tools.may_be_call(held[item.choice]):
@@ -775,6 +780,20 @@ class _Run:
             self.usage.completion_tokens = sum(completion)
             self.usage.prompt_tokens = self.prompt_tokens
             self._abort()
+
+    def _named_chunk(
+        self, index: int, text: str, finish_reason: str | None, calls: dict[int, ToolCall]
+    ) -> str:
+        """A named call's next arguments text; its first chunk carries the id and name."""
+        function: dict[str, Any] = {"arguments": text}
+        delta: dict[str, Any] = {"index": 0, "function": function}
+        if index not in calls:
+            assert self.tools is not None and self.tools.named is not None
+            calls[index] = ToolCall(name=self.tools.named, arguments="")
+            delta.update(id=calls[index].id, type="function")
+            function["name"] = self.tools.named
+        reason = "tool_calls" if finish_reason == "stop" else finish_reason
+        return self._chunk(index, {"tool_calls": [delta]}, None, reason)
 
     def _tool_chunk(self, index: int, text: str, finish_reason: str) -> str:
         """The last chunk of a choice whose text was held back: its calls, or its text."""

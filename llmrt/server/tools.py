@@ -148,7 +148,8 @@ class ToolUse:
             return text, []
         if self.choice == "named":
             assert self.named is not None
-            return None, [ToolCall(name=self.named, arguments=_compact(text))]
+            # The constraint made the whole reply the arguments; streamed as written.
+            return None, [ToolCall(name=self.named, arguments=text)]
         calls: list[ToolCall] = []
         rest = text
         blocks = _HERMES.findall(text)
@@ -265,7 +266,3 @@ def _loads(text: str) -> Any:
     except (TypeError, ValueError, RecursionError):
         return None
 
-
-def _compact(text: str) -> str:
-    data = _loads(text)
-    return text if data is None else json.dumps(data)

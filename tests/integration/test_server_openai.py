@@ -587,6 +587,26 @@ def test_required_and_named_tool_choice_make_valid_calls_streamed_or_not(
         assert reasons == ["tool_calls"] and calls
         for entry in calls.values():
             jsonschema.validate(json.loads(entry["arguments"]), SCHEMAS[entry["name"]])
+        # A named call streams its arguments as they are generated, id and name first.
+        deltas = []
+        for chunk in client.chat.completions.create(
+            model=RECIPE,
+            messages=messages,
+            tools=TOOLS,  # type: ignore[arg-type]
+            tool_choice={"type": "function", "function": {"name": "add"}},
+            max_tokens=120,
+            temperature=temperature,
+            seed=seed,
+            stream=True,
+        ):
+            for c in chunk.choices:
+                deltas.extend(c.delta.tool_calls or ())
+        assert len(deltas) > 3  # token by token, not one piece at the end
+        assert deltas[0].id and deltas[0].function and deltas[0].function.name == "add"
+        assert all(d.id is None and d.index == 0 for d in deltas[1:])
+        arguments = "".join((d.function and d.function.arguments) or "" for d in deltas)
+        assert arguments == named.choices[0].message.tool_calls[0].function.arguments  # type: ignore[index]
+        jsonschema.validate(json.loads(arguments), SCHEMAS["add"])
     idle(server)
 
 
