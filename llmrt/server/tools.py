@@ -12,7 +12,8 @@ What the model writes (``tool_choice``):
 - ``auto``: free text; a reply that is a call (Hermes ``<tool_call>{...}</tool_call>``
   blocks, or the generic JSON) becomes ``tool_calls``, anything else stays ``content``.
 - ``required``: constrained to the generic JSON ``{"tool_calls": [{"name", "arguments"}]}``
-  (one call unless ``parallel_tool_calls``), each call's arguments to its parameters schema.
+  (one call unless ``parallel_tool_calls``), each call's arguments to its parameters schema;
+  a reply max_tokens cut keeps its whole calls (``finish_reason`` stays ``length``).
 - a named function: constrained to that function's arguments object (as vLLM does).
 """
 
@@ -30,6 +31,7 @@ from llmrt.errors import RequestError
 from llmrt.sampling.structured import StructuredOutput
 
 _HERMES = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+_CUT_CALLS = re.compile(r'\s*\{\s*"tool_calls"\s*:\s*\[')
 
 
 @attrs.frozen(kw_only=True)
@@ -160,6 +162,8 @@ class ToolUse:
         else:
             data = _loads(text.strip())
             found = self._calls_in(data) if data is not None else []
+            if not found and data is None:
+                found = self._calls_in(_complete_calls(text.strip()))
             if found:
                 calls, rest = found, ""
         if not calls:
@@ -233,6 +237,26 @@ def render_history(
             else:
                 out.insert(0, system)
     return out, extra
+
+
+def _complete_calls(text: str) -> list[Any] | None:
+    """The whole calls of a generic reply cut short (``{"tool_calls": [{...}, {...}, {``,
+    what max_tokens leaves of a model repeating calls), or None."""
+    head = _CUT_CALLS.match(text)
+    if head is None:
+        return None
+    at = head.end()
+    decoder = json.JSONDecoder()
+    items: list[Any] = []
+    while True:
+        while at < len(text) and text[at] in " \n\t\r,":
+            at += 1
+        try:
+            item, at = decoder.raw_decode(text, at)
+        except ValueError:
+            break
+        items.append(item)
+    return items or None
 
 
 def _parameters(function: dict[str, Any]) -> dict[str, Any]:

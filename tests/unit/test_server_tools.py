@@ -146,3 +146,10 @@ def test_a_template_without_tools_gets_the_generic_prompt_and_calls_as_json() ->
     assert "tool_calls" not in messages[2]
     no_system, _ = render_history(HISTORY[1:2], use(), template_source="")
     assert [m["role"] for m in no_system] == ["system", "user"]
+
+
+def test_a_reply_cut_short_keeps_its_whole_calls() -> None:
+    call = '{"name": "add", "arguments": {"a": 1}}'
+    content, calls = use("required").parse('{"tool_calls": [' + f"{call}, {call}, " + '{"na')
+    assert content is None and [c.arguments for c in calls] == ['{"a": 1}', '{"a": 1}']
+    assert use().parse('{"tool_calls": [{"na') == ('{"tool_calls": [{"na', [])
