@@ -258,6 +258,11 @@ async def _stall(
     times: list[list[float]] = [[] for _ in prompts]
     flowing = asyncio.Event()
     window: list[float] = []
+    # Encoded before the streams start: serializing 10 MB in this process's event loop
+    # would delay this client's own reads and be measured as the server's stall.
+    payload = json.dumps(
+        {"model": model, "prompt": "y" * STALL_BODY_BYTES, "max_tokens": 1}
+    ).encode()
 
     async def stream(http: httpx.AsyncClient, i: int) -> None:
         body = {
@@ -279,8 +284,9 @@ async def _stall(
         await flowing.wait()
         start = time.perf_counter()
         window.append(start)
-        payload = {"model": model, "prompt": "y" * STALL_BODY_BYTES, "max_tokens": 1}
-        response = await http.post("/v1/completions", json=payload)
+        response = await http.post(
+            "/v1/completions", content=payload, headers={"content-type": "application/json"}
+        )
         window.append(time.perf_counter())
         return response.status_code, window[1] - start
 
