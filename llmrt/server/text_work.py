@@ -12,7 +12,7 @@ Before tokenizing, :meth:`TextWorkers.check_length` refuses a text that cannot f
 context whatever its tokens: no token spells more than ``max_token_bytes`` UTF-8 bytes, so
 a text of more than ``max_model_len * max_token_bytes`` bytes has more than
 ``max_model_len`` tokens. Before parsing, :meth:`TextWorkers.check_body` applies the same
-bound to the body's longest JSON string, found by numpy (which releases the GIL), so a
+bound to the body's longest JSON string, found with ``bytes.find`` (~1 ms for 10 MB), so a
 body holding a string no context can hold is refused without the parse that would hold
 the GIL for tens of milliseconds.
 """
@@ -24,8 +24,6 @@ import concurrent.futures
 import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
-
-import numpy as np
 
 from llmrt.errors import RequestError
 from llmrt.weights.tokenizer import Tokenizer
@@ -54,35 +52,37 @@ JSON_BYTES_PER_CHAR = 6
 
 def longest_json_string(raw: bytes) -> tuple[int, str | None]:
     """The raw length of the longest string literal in a JSON document (0 without one) and
-    the object key it is the value of (None when it is not a value, or the key is odd),
-    from its unescaped quotes; the work is numpy's over the whole body."""
-    data = np.frombuffer(raw, dtype=np.uint8)
-    quotes = np.flatnonzero(data == ord('"'))
-    if quotes.size < 2:
+    the object key it is the value of (None when it is not a value, or the key is odd).
+
+    Walks the unescaped quotes with ``bytes.find`` (memchr: ~1 ms for 10 MB); the Python
+    work is per quote, so a body of a few huge strings costs nothing and one of many small
+    ones yields the GIL as ordinary bytecode does.
+    """
+    quotes: list[int] = []
+    at = raw.find(b'"')
+    while at >= 0:
+        if at and raw[at - 1] == 0x5C:  # a backslash: escaped after an odd run of them
+            run = 1
+            while at - run - 1 >= 0 and raw[at - run - 1] == 0x5C:
+                run += 1
+            if run % 2:
+                at = raw.find(b'"', at + 1)
+                continue
+        quotes.append(at)
+        at = raw.find(b'"', at + 1)
+    best, best_at = 0, -1
+    for i in range(0, len(quotes) - 1, 2):
+        length = quotes[i + 1] - quotes[i] - 1
+        if length > best:
+            best, best_at = length, i
+    if best_at < 0:
         return 0, None
-    # A quote is escaped after an odd run of backslashes; runs are rare, so walk those.
-    after_backslash = quotes[(quotes > 0) & (data[np.maximum(quotes - 1, 0)] == ord("\\"))]
-    escaped = set()
-    for q in after_backslash.tolist():
-        run = 0
-        while q - run - 1 >= 0 and data[q - run - 1] == ord("\\"):
-            run += 1
-        if run % 2:
-            escaped.add(q)
-    if escaped:
-        quotes = quotes[~np.isin(quotes, np.fromiter(escaped, dtype=quotes.dtype))]
-    opens, closes = quotes[0::2], quotes[1::2]
-    n = min(opens.size, closes.size)
-    if n == 0:
-        return 0, None
-    lengths = closes[:n] - opens[:n] - 1
-    i = int(lengths.argmax())
     key = None
-    if i > 0 and raw[int(closes[i - 1]) + 1 : int(opens[i])].strip() == b":":
-        name = raw[int(opens[i - 1]) + 1 : int(closes[i - 1])]
+    if best_at >= 2 and raw[quotes[best_at - 1] + 1 : quotes[best_at]].strip() == b":":
+        name = raw[quotes[best_at - 2] + 1 : quotes[best_at - 1]]
         if len(name) <= 64 and name.isascii() and b"\\" not in name:
             key = name.decode()
-    return int(lengths[i]), key
+    return best, key
 
 
 def check_unicode(value: Any, field: str) -> None:
