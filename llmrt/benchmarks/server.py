@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -50,6 +51,17 @@ from llmrt.serving.llm import LLM
 TTFT_CONCURRENCY = 8
 START_TIMEOUT_S = 900.0
 REQUEST_TIMEOUT_S = 900.0
+#: ``--schema``: every token stays inside a JSON array of strings that cannot close before
+#: max_tokens, so structured and plain runs generate the same number of tokens.
+BENCH_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "items": {"type": "array", "items": {"type": "string"}, "minItems": 1000},
+    },
+    "required": ["items"],
+}
+STALL_STREAMS = 8
+STALL_BODY_BYTES = 10_000_000
 
 
 @attrs.frozen(kw_only=True)
@@ -110,6 +122,10 @@ def server(settings: BenchSettings) -> Report:
         eight = asyncio.run(
             _drive(url, model, fresh, new_tokens=new, concurrency=min(TTFT_CONCURRENCY, n))
         )
+        if settings.schema:
+            _structured_runs(report, url, model, lengths, pool, settings, new, clients)
+        if settings.stall_check:
+            _stall_runs(report, url, model, lengths, pool, settings, max(new, 128))
     served = _stats(full, prompt_tokens=sum(lengths))
     served["greedy_texts_identical"] = sum(
         a == b for a, b in zip(full.texts, expected, strict=True)
@@ -152,8 +168,163 @@ def _stats(run: ClientRun, *, prompt_tokens: int) -> dict[str, Any]:
     return stats
 
 
+def _structured_runs(
+    report: Report,
+    url: str,
+    model: str,
+    lengths: Sequence[int],
+    pool: Any,
+    settings: BenchSettings,
+    new: int,
+    clients: int,
+) -> None:
+    """Plain and JSON-schema runs alternated twice on fresh prompts of the same lengths
+    (no prefix-cache help for either); the ratio of their best tokens/s."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "bench", "schema": BENCH_SCHEMA}}
+    best: dict[str, float] = {"plain": 0.0, "structured": 0.0}
+    seed = settings.seed + 100
+    for _ in range(2):
+        for kind in ("plain", "structured"):
+            seed += 1
+            prompts = random_prompts(lengths, pool=pool, seed=seed)
+            run = asyncio.run(
+                _drive(
+                    url,
+                    model,
+                    prompts,
+                    new_tokens=new,
+                    concurrency=clients,
+                    response_format=fmt if kind == "structured" else None,
+                )
+            )
+            if kind == "structured":
+                _check_structured(run)
+            stats = _stats(run, prompt_tokens=sum(lengths))
+            best[kind] = max(best[kind], float(stats["output_tokens_per_s"]))
+    report.section(
+        "structured",
+        {
+            "plain_tokens_per_s": best["plain"],
+            "json_schema_tokens_per_s": best["structured"],
+        },
+    )
+    report.ratio(
+        "structured_over_plain_tokens_per_s",
+        ratio(best["structured"], best["plain"]),
+        label="JSON-schema/plain tokens/s ratio (best of 2 each, alternated)",
+        target=Target(op=">=", bound=0.9),
+    )
+
+
+def _check_structured(run: ClientRun) -> None:
+    """Every structured text is a prefix of a JSON value the schema allows: it opens the
+    array of strings (what a cut at max_tokens leaves)."""
+    for text in run.texts:
+        if not text.startswith('{"items":["'):
+            raise RuntimeError(f"a JSON-schema stream broke its schema: {text[:80]!r}")
+
+
+def _stall_runs(
+    report: Report,
+    url: str,
+    model: str,
+    lengths: Sequence[int],
+    pool: Any,
+    settings: BenchSettings,
+    new: int,
+) -> None:
+    """8 streams with and without a 10 MB request sent once every stream has tokens."""
+    short = sorted(lengths)[:STALL_STREAMS]
+    results = {}
+    for kind, seed in (("control", 201), ("large_request", 202)):
+        prompts = random_prompts(short, pool=pool, seed=settings.seed + seed)
+        results[kind] = asyncio.run(
+            _stall(url, model, prompts, new_tokens=new, large=kind == "large_request")
+        )
+    report.section("stall", {f"{k}_{key}": v for k, r in results.items() for key, v in r.items()})
+    report.ratio(
+        "stall_max_gap_over_median",
+        results["large_request"]["max_gap_over_median"],
+        label=f"largest inter-chunk gap over its stream's median, {STALL_STREAMS} streams and "
+        f"a {STALL_BODY_BYTES // 1_000_000} MB request (control run without it: "
+        f"{results['control']['max_gap_over_median']:.2f})",
+        target=Target(op="<=", bound=2.0),
+    )
+
+
+async def _stall(
+    url: str, model: str, prompts: Sequence[list[int]], *, new_tokens: int, large: bool
+) -> dict[str, Any]:
+    times: list[list[float]] = [[] for _ in prompts]
+    flowing = asyncio.Event()
+    window: list[float] = []
+    # Encoded before the streams start: serializing 10 MB in this process's event loop
+    # would delay this client's own reads and be measured as the server's stall.
+    payload = json.dumps(
+        {"model": model, "prompt": "y" * STALL_BODY_BYTES, "max_tokens": 1}
+    ).encode()
+
+    async def stream(http: httpx.AsyncClient, i: int) -> None:
+        body = {
+            "model": model,
+            "prompt": prompts[i],
+            "max_tokens": new_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        async with http.stream("POST", "/v1/completions", json=body) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: {"):
+                    times[i].append(time.perf_counter())
+                    if all(len(t) >= 4 for t in times):
+                        flowing.set()
+
+    async def big(http: httpx.AsyncClient) -> tuple[int, float]:
+        await flowing.wait()
+        start = time.perf_counter()
+        window.append(start)
+        response = await http.post(
+            "/v1/completions", content=payload, headers={"content-type": "application/json"}
+        )
+        window.append(time.perf_counter())
+        return response.status_code, window[1] - start
+
+    async with httpx.AsyncClient(base_url=url, timeout=REQUEST_TIMEOUT_S) as http:
+        tasks = [asyncio.create_task(stream(http, i)) for i in range(len(prompts))]
+        status, took = (0, 0.0)
+        if large:
+            status, took = await big(http)
+        else:
+            await flowing.wait()
+        await asyncio.gather(*tasks)
+    worst = 0.0
+    medians = []
+    for t in times:
+        gaps = [b - a for a, b in itertools.pairwise(t[3:])]  # decode cadence, prefills past
+        if len(gaps) < 2:
+            continue
+        median = sorted(gaps)[len(gaps) // 2]
+        medians.append(median)
+        worst = max(worst, max(gaps) / median)
+    out: dict[str, Any] = {
+        "max_gap_over_median": worst,
+        "median_gap_s": sorted(medians)[len(medians) // 2] if medians else 0.0,
+    }
+    if large:
+        out["large_request_status"] = status
+        out["large_request_s"] = took
+    return out
+
+
 async def _drive(
-    url: str, model: str, prompts: Sequence[list[int]], *, new_tokens: int, concurrency: int
+    url: str,
+    model: str,
+    prompts: Sequence[list[int]],
+    *,
+    new_tokens: int,
+    concurrency: int,
+    response_format: dict[str, Any] | None = None,
 ) -> ClientRun:
     """Stream every prompt with ``concurrency`` clients pulling from one queue."""
     queue: asyncio.Queue[int] = asyncio.Queue()
@@ -175,6 +346,8 @@ async def _drive(
                 "stream": True,
                 "stream_options": {"include_usage": True},
             }
+            if response_format is not None:
+                body["response_format"] = response_format
             submit_times[i] = time.perf_counter()
             usage = None
             async with http.stream("POST", "/v1/completions", json=body) as response:

@@ -52,6 +52,10 @@ class BenchSettings:
     server: str | None = None
     """``--server``: "" starts ``llmrt serve`` itself, a URL drives a running server."""
     concurrency: int | None = None
+    schema: bool = False
+    """``--server --schema``: also stream the prompts under a JSON-schema response_format."""
+    stall_check: bool = False
+    """``--server --stall-check``: a 10 MB request during 8 streams, inter-chunk gaps."""
 
     def __attrs_post_init__(self) -> None:
         if self.workload not in WORKLOADS:
@@ -89,6 +93,8 @@ class BenchSettings:
             llamacpp_server=getattr(args, "llamacpp_server", None),
             server=getattr(args, "server", None),
             concurrency=getattr(args, "concurrency", None),
+            schema=bool(getattr(args, "schema", False)),
+            stall_check=bool(getattr(args, "stall_check", False)),
         )
 
     def count(self, default: int) -> int:

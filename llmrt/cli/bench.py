@@ -33,7 +33,12 @@ Workloads (``--workload``; implemented in ``llmrt.benchmarks``):
   running server at URL) by concurrent streaming clients, against offline
   ``LLM.generate`` in the same run. Sections ``offline``, ``server``, ``server_8_clients``;
   ratio ``server_over_offline_tokens_per_s`` (headline, target >= 0.9); the TTFT p50 at 8
-  clients is ``server_8_clients.ttft_p50_s``.
+  clients is ``server_8_clients.ttft_p50_s``. ``--schema`` adds plain and JSON-schema
+  ``response_format`` runs alternated twice on fresh prompts (section ``structured``, ratio
+  ``structured_over_plain_tokens_per_s``, target >= 0.9); ``--stall-check`` adds 8 streams
+  with and without a 10 MB request sent mid-decode (section ``stall``, ratio
+  ``stall_max_gap_over_median``: the largest inter-chunk gap over its stream's median,
+  target <= 2, beside the control run's).
 
 Every JSON object also holds ``workload``, ``recipe``, ``environment``, ``config``,
 ``ratios``, ``targets`` (each ``{"target", "value", "met"}``), ``headline`` (the text of

@@ -209,6 +209,18 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="--server: concurrent clients (default: one per prompt)",
     )
+    bench.add_argument(
+        "--schema",
+        action="store_true",
+        help="--server: also stream the prompts under a JSON-schema response_format and "
+        "report structured over plain tokens/s (target >= 0.9)",
+    )
+    bench.add_argument(
+        "--stall-check",
+        action="store_true",
+        help="--server: send a 10 MB request while 8 streams decode and report each "
+        "stream's largest inter-chunk gap over its median (target <= 2), with a control run",
+    )
     bench.add_argument("--seed", type=int, default=0, help="seed of the synthetic prompts")
     bench.add_argument("--json", action="store_true", help="print one JSON object")
     bench.add_argument("--plot", metavar="FILE.png", help="write a latency plot (needs matplotlib)")
@@ -246,7 +258,23 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=30.0,
         metavar="S",
-        help="on SIGINT/SIGTERM, let in-flight requests finish this long, then cancel them",
+        help="on SIGINT/SIGTERM, let in-flight requests finish this long, then cut them (each "
+        "stream ends with finish_reason abort and [DONE])",
+    )
+    srv.add_argument(
+        "--max-request-bytes",
+        type=int,
+        default=16 * 1024 * 1024,
+        metavar="N",
+        help="refuse request bodies over N bytes with HTTP 413 (default 16 MiB)",
+    )
+    srv.add_argument(
+        "--allowed-origins",
+        action="append",
+        default=[],
+        metavar="ORIGIN",
+        help="answer CORS for this browser origin (repeat, or comma-separate; '*': any); "
+        "default: CORS off",
     )
 
     audit = sub.add_parser("audit", help="check a JSON-lines lifecycle log against the contract")
@@ -367,6 +395,13 @@ def _dispatch(args: argparse.Namespace) -> int:
         from llmrt.lifecycle.audit import audit_file
 
         return audit_file(args.file, as_json=args.json)
+    if args.command == "serve":
+        # Bind before anything heavy is imported: clients connect at once, and a port in
+        # use or a bad host is one line before seconds of start-up.
+        from llmrt.server.listen import StartingResponder, bind_socket
+
+        sock = bind_socket(args.host, args.port)
+        starting = StartingResponder(sock).start()
     if args.command == "check":
         from llmrt.cli.check import check_target
 
@@ -404,9 +439,13 @@ def _dispatch(args: argparse.Namespace) -> int:
             overrides=args.overrides,
             host=args.host,
             port=args.port,
+            sock=sock,
+            starting=starting,
             api_key=args.api_key,
             shutdown_timeout=args.shutdown_timeout,
             log_level=args.log_level,
+            max_request_bytes=args.max_request_bytes,
+            allowed_origins=[o.strip() for v in args.allowed_origins for o in v.split(",") if o],
         )
     raise AssertionError(args.command)
 

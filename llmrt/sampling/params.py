@@ -14,6 +14,7 @@ from typing import Any, TypeGuard
 import attrs
 
 from llmrt.errors import RequestError
+from llmrt.sampling.structured import StructuredOutput, TokenConstraint
 
 #: Most top log-probabilities one request may ask for (vLLM's default ``max_logprobs``).
 MAX_LOGPROBS = 20
@@ -93,6 +94,18 @@ def _check_logprobs(_: object, attribute: attrs.Attribute[Any], value: object) -
         )
 
 
+def _check_structured(_: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is not None and not isinstance(value, StructuredOutput):
+        raise RequestError(attribute.name, "must be a StructuredOutput or None", value=value)
+
+
+def _check_constraint(_: object, attribute: attrs.Attribute[Any], value: object) -> None:
+    if value is not None and not all(
+        callable(getattr(value, name, None)) for name in ("fill_bitmask", "accept")
+    ):
+        raise RequestError(attribute.name, "must be a TokenConstraint or None", value=value)
+
+
 def _to_stop(value: str | Iterable[str] | None) -> tuple[str, ...]:
     """Normalise ``stop`` (a string, an iterable of strings, or None) to a tuple."""
     if value is None:
@@ -132,6 +145,10 @@ class SamplingParams:
     log-probability plus the top ``N`` (``0``: the chosen one only, ``None``: none).
     ``stop``, ``stop_token_ids``, ``ignore_eos`` and ``max_tokens`` are read by the
     scheduler and detokenizer, not by the sampler.
+
+    ``structured_output`` constrains the text (JSON, a JSON schema, a regex) during
+    decoding. The engine binds each request's live ``constraint`` (compiled from it, owned
+    by the request, excluded from equality); the sampler masks the logits with it.
     """
 
     max_tokens: int = attrs.field(default=16, validator=_int_at_least(1))
@@ -149,6 +166,12 @@ class SamplingParams:
     )
     presence_penalty: float = attrs.field(default=0.0, validator=_real_in(-2.0, 2.0))
     frequency_penalty: float = attrs.field(default=0.0, validator=_real_in(-2.0, 2.0))
+    structured_output: StructuredOutput | None = attrs.field(
+        default=None, validator=_check_structured
+    )
+    constraint: TokenConstraint | None = attrs.field(
+        default=None, eq=False, repr=False, validator=_check_constraint
+    )
 
     @property
     def greedy(self) -> bool:

@@ -26,7 +26,7 @@ the replay) instead of drawing inside the graph.
 
 Log-probabilities are ``log_softmax`` of the logits given to ``sample`` (after penalties
 when the caller applied them, before temperature and filters): vLLM's ``raw_logprobs``
-for requests without penalties.
+for requests without penalties, and before a structured-output mask.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ from torch import Tensor
 
 from llmrt.errors import DeviceError, RequestError
 from llmrt.sampling.params import GREEDY_TEMPERATURE, MAX_LOGPROBS, SamplingParams
+from llmrt.sampling.structured import bitmask_to_allowed
 
 __all__ = [
     "GREEDY_TEMPERATURE",
@@ -116,6 +117,7 @@ class SamplingTensors:
     frequency_penalty: Tensor  # float32 [B]
     seeds: Tensor  # int64 [B]: the seed modulo 2**64 (two's complement); 0 where unseeded
     seeded: Tensor  # bool [B]: False on unseeded and greedy rows
+    allowed: Tensor | None  # bool [B, V]: the tokens structured rows may take; None: all
     want_logprobs: bool
     num_top_logprobs: int
     all_greedy: bool
@@ -186,6 +188,7 @@ class SamplingTensors:
                 flag_column.append(flag)
             for int_column, number in zip(ints, row_ints, strict=True):
                 int_column.append(number)
+        allowed = _allowed_tokens(rows, vocab_size=vocab_size)
         f = torch.tensor(floats, dtype=torch.float32).to(device)
         dev = f.device
         temperature, top_p, min_p, repetition, presence, frequency = f.unbind(0)
@@ -205,6 +208,7 @@ class SamplingTensors:
             frequency_penalty=frequency,
             seeds=seeds,
             seeded=seeded,
+            allowed=None if allowed is None else torch.from_numpy(allowed).to(dev),
             want_logprobs=all_features or bool(logprob_counts),
             num_top_logprobs=(
                 min(MAX_LOGPROBS, vocab_size) if all_features else max(logprob_counts, default=0)
@@ -235,6 +239,8 @@ class SamplingTensors:
         """A copy whose tensors are ``upload(tensor)`` (owned by whoever ``upload`` gives
         them to, e.g. a device port); flags are kept."""
         moved: dict[str, Any] = {name: upload(getattr(self, name)) for name in _TENSOR_FIELDS}
+        if self.allowed is not None:
+            moved["allowed"] = upload(self.allowed)
         return attrs.evolve(self, device=moved["temperature"].device, **moved)
 
     def refresh_from(
@@ -257,6 +263,8 @@ class SamplingTensors:
         needed = set(source.features()) - set(self.features())
         if source.num_top_logprobs <= self.num_top_logprobs:
             needed.discard(f"top{source.num_top_logprobs}")
+        if source.allowed is not None:
+            needed.add("structured")  # a per-step mask is never baked into persistent tensors
         if needed:
             raise RequestError(
                 "sampling_features",
@@ -442,6 +450,12 @@ def sample(
     _check_logits(logits, tensors)
     logprobs: Tensor | None = None
     top: tuple[Tensor, Tensor] | None = None
+    raw = logits
+    if tensors.allowed is not None:
+        # Structured rows: what would break the output is impossible (before temperature
+        # and filters, as vLLM applies its grammar bitmask). Log-probabilities stay those of
+        # the unmasked logits (vLLM's raw_logprobs), never -inf for a masked top token.
+        logits = logits.masked_fill(~tensors.allowed, -math.inf)
     greedy_tokens = greedy_argmax(logits)
     if tensors.all_greedy:
         tokens = greedy_tokens
@@ -454,12 +468,35 @@ def sample(
         sampled = greedy_argmax(scores.add_(noise))
         tokens = torch.where(tensors.greedy, greedy_tokens, sampled)
     if tensors.want_logprobs:
-        all_logprobs = torch.log_softmax(logits, dim=-1)
+        all_logprobs = torch.log_softmax(raw, dim=-1)
         logprobs = all_logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
         if tensors.num_top_logprobs > 0:
             values, ids = all_logprobs.topk(tensors.num_top_logprobs, dim=-1)
             top = (values, ids)
     return SampleResult(tokens=tokens, logprobs=logprobs, top_logprobs=top)
+
+
+def _allowed_tokens(rows: Sequence[SamplingParams | None], *, vocab_size: int) -> np.ndarray | None:
+    """Bool ``[B, V]`` of the tokens each row may take next (all on unconstrained rows), or
+    None when no row is constrained; each constrained row's constraint fills its mask."""
+    constrained = [i for i, p in enumerate(rows) if p is not None and p.constraint is not None]
+    for i, p in enumerate(rows):
+        if p is not None and p.structured_output is not None and p.constraint is None:
+            raise RequestError(
+                "structured_output",
+                "has no constraint bound (the engine compiles one per request; pass the "
+                "request through LLM or the engine)",
+                row=i,
+            )
+    if not constrained:
+        return None
+    bitmask = np.full((len(rows), (vocab_size + 31) // 32), -1, dtype=np.int32)
+    for i in constrained:
+        constraint = rows[i].constraint  # type: ignore[union-attr]
+        assert constraint is not None
+        bitmask[i] = 0
+        constraint.fill_bitmask(bitmask, i)
+    return bitmask_to_allowed(bitmask, vocab_size)
 
 
 def _filtered(scaled: Tensor, tensors: SamplingTensors) -> Tensor:

@@ -4,6 +4,10 @@
 runtime on a background thread (``GET /health`` answers 503 until that finished, like
 llama-server), starts the engine thread, and on shutdown stops the thread (aborting what
 is left) and closes the runtime through its scopes.
+
+Nothing a request sends runs on the event loop for long: bodies over the limit are refused
+(413, :mod:`~llmrt.server.body_limit`), and parsing, chat-template rendering and
+tokenizing run on the text workers (:mod:`~llmrt.server.text_work`).
 """
 
 from __future__ import annotations
@@ -11,21 +15,27 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import importlib.metadata
 import json
 import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
+import pydantic
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from llmrt.errors import LLMRTError, RequestError, UnsupportedError
+from llmrt.sampling.guided import GuidedDecoding
 from llmrt.sampling.params import SamplingParams
+from llmrt.server.access_log import AccessLog, RequestUsage, usage_of
+from llmrt.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
 from llmrt.server.engine_loop import (
     EngineLoop,
     EngineUnavailable,
@@ -39,8 +49,14 @@ from llmrt.server.protocol import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
 )
+from llmrt.server.text_work import TextWorkers, check_unicode
+from llmrt.server.tools import ToolCall, ToolUse, render_history
 from llmrt.serving.llm import LLM
+
+Body = TypeVar("Body", bound=pydantic.BaseModel)
 
 #: How long shutdown waits for the engine thread to abort and exit.
 ENGINE_STOP_TIMEOUT_S = 30.0
@@ -89,8 +105,15 @@ class ServerState:
     metrics: ServerMetrics
     llm: LLM | None = None
     loop: EngineLoop | None = None
+    text: TextWorkers | None = None
     build_error: BaseException | None = None
     stopping: bool = False
+
+    def cut_streams(self, reason: str) -> None:
+        """End every open request now with ``finish_reason="abort"`` (its stream still gets
+        a final chunk and ``[DONE]``), one log line each (thread-safe)."""
+        if self.loop is not None:
+            self.loop.cut_all(reason)
 
 
 def create_app(
@@ -100,11 +123,14 @@ def create_app(
     max_waiting: int,
     api_key: str | None = None,
     on_fatal: Callable[[BaseException], None] | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    allowed_origins: Sequence[str] = (),
 ) -> FastAPI:
     """The server app; ``build`` makes the warmed runtime (owned by the app from then on).
 
     ``on_fatal`` is called (from any thread) when building fails or the engine dies, so
-    the process around the app can shut down.
+    the process around the app can shut down. ``allowed_origins`` turns CORS on for those
+    browser origins (``*``: any); empty leaves it off.
     """
     state = ServerState(
         model_name=model_name,
@@ -127,11 +153,24 @@ def create_app(
         if state.stopping:
             llm.close()
             return
+        try:
+            text = TextWorkers(
+                tokenizer=llm.tokenizer, max_model_len=llm.engine.scheduler.config.max_model_len
+            )
+            # The structured-output set-up (~0.75 s for a 49k vocabulary) is paid here, not
+            # by the first JSON request on the engine thread while every stream waits.
+            if llm.tokenizer.eos_token_ids:
+                llm.engine.guided.warm()
+        except BaseException as exc:
+            state.build_error = exc
+            llm.close(primary=exc)
+            fatal(exc)
+            return
         loop = EngineLoop(
             engine=llm.engine, max_waiting=max_waiting, metrics=state.metrics, on_failure=fatal
         )
         loop.start()
-        state.llm, state.loop = llm, loop
+        state.llm, state.text, state.loop = llm, text, loop
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -147,6 +186,17 @@ def create_app(
     app = FastAPI(title="llmrt", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.llmrt = state
     _install_error_handlers(app, state)
+    # Last added runs first: the access log sees every response, 413s and preflights too.
+    app.add_middleware(BodyLimit, max_bytes=max_request_bytes)
+    if allowed_origins:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(allowed_origins),
+            allow_methods=["*"],
+            allow_headers=["*"],
+            allow_credentials="*" not in allowed_origins,
+        )
+    app.add_middleware(AccessLog)
 
     def authorized(request: Request) -> None:
         if state.api_key is None:
@@ -177,24 +227,64 @@ def create_app(
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
-    @app.get("/v1/models", dependencies=[Depends(authorized)])
-    async def models() -> dict[str, Any]:
-        card: dict[str, Any] = {
+    def card() -> dict[str, Any]:
+        out: dict[str, Any] = {
             "id": state.model_name,
             "object": "model",
             "created": 0,
             "owned_by": "llmrt",
         }
         if state.llm is not None:
-            card["max_model_len"] = state.llm.engine.scheduler.config.max_model_len
-        return {"object": "list", "data": [card]}
+            out["max_model_len"] = state.llm.engine.scheduler.config.max_model_len
+        return out
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": _version()}
+
+    @app.get("/v1/models", dependencies=[Depends(authorized)])
+    async def models() -> dict[str, Any]:
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model_id:path}", dependencies=[Depends(authorized)])
+    async def model(model_id: str) -> dict[str, Any]:
+        if model_id != state.model_name:
+            raise APIError(
+                404,
+                f"model {model_id!r} is not served here (served: {state.model_name!r})",
+                param="model",
+                code="model_not_found",
+            )
+        return card()
+
+    @app.post("/tokenize", dependencies=[Depends(authorized)])
+    async def tokenize(request: Request) -> dict[str, Any]:
+        llm, _, text = _ready(state)
+        body = await _parse(text, TokenizeRequest, request)
+        _check_model(state, body.model)
+        ids = await text.run(_tokenize, llm, text, body)
+        return {
+            "count": len(ids),
+            "max_model_len": llm.engine.scheduler.config.max_model_len,
+            "tokens": ids,
+        }
+
+    @app.post("/detokenize", dependencies=[Depends(authorized)])
+    async def detokenize(request: Request) -> dict[str, Any]:
+        llm, _, text = _ready(state)
+        body = await _parse(text, DetokenizeRequest, request)
+        _check_model(state, body.model)
+        _check_ids(llm, body.tokens, "tokens")
+        return {"prompt": await text.run(llm.tokenizer.decode, body.tokens)}
 
     @app.post("/v1/completions", dependencies=[Depends(authorized)])
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        llm, loop = _ready(state)
+    async def completions(request: Request) -> Response:
+        llm, loop, text = _ready(state)
+        body = await _parse(text, CompletionRequest, request)
         _check_model(state, body.model)
         body.check_unsupported()
-        prompts = [_encode(llm, p) for p in body.prompts()]
+        await text.run(_check_response_format, body)
+        prompts = await text.run(_encode_prompts, llm, text, body.prompts())
         max_tokens = body.max_tokens
         if max_tokens is None:
             max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
@@ -204,46 +294,62 @@ def create_app(
             model=state.model_name,
             llm=llm,
             loop=loop,
-            prompts=prompts,
-            params=params,
+            prompts=_choices(prompts, body.n),
+            params=_seeded_choices(params, body.n),
+            n=body.n,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
+            usage=usage_of(request.scope),
         )
         return await run.respond(request, stream=body.stream)
 
     @app.post("/v1/chat/completions", dependencies=[Depends(authorized)])
-    async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-        llm, loop = _ready(state)
+    async def chat(request: Request) -> Response:
+        llm, loop, text = _ready(state)
+        body = await _parse(text, ChatCompletionRequest, request)
         _check_model(state, body.model)
         body.check_unsupported()
+        tools = body.tool_use()
+        await text.run(_check_response_format, body)
         if body.max_tokens is not None and body.max_completion_tokens is not None:
             raise RequestError(
                 "max_completion_tokens", "give either max_tokens or max_completion_tokens"
             )
-        try:
-            text = llm.tokenizer.apply_chat_template(
-                [m.to_template() for m in body.messages], add_generation_prompt=True
-            )
-        except UnsupportedError as exc:
-            raise RequestError("messages", str(exc)) from None
-        ids = tuple(llm.tokenizer.encode(text, add_special_tokens=False))
+        ids = await text.run(_chat_ids, llm, text, body, tools)
         max_len = llm.engine.scheduler.config.max_model_len
         max_tokens = body.max_completion_tokens or body.max_tokens
         if max_tokens is None:
             max_tokens = max(1, max_len - len(ids))
         logprobs = body.engine_logprobs()
         params = [_params(llm, body, ids, max_tokens, logprobs, "messages")]
+        forced = None if tools is None else tools.structured_output()
+        if forced is not None:
+            if params[0].structured_output is not None:
+                raise RequestError(
+                    "response_format", "cannot be combined with a required or named tool_choice"
+                )
+            params = [attrs.evolve(params[0], structured_output=forced)]
         run = _Run(
             kind="chat",
+            tools=tools,
             model=state.model_name,
             llm=llm,
             loop=loop,
-            prompts=[ids],
-            params=params,
+            prompts=_choices([ids], body.n),
+            params=_seeded_choices(params, body.n),
+            n=body.n,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
+            usage=usage_of(request.scope),
         )
         return await run.respond(request, stream=body.stream)
 
     return app
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("llmrt")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def close(state: ServerState) -> None:
@@ -255,6 +361,8 @@ def close(state: ServerState) -> None:
             state.loop.stop(timeout=ENGINE_STOP_TIMEOUT_S)
         except BaseException as exc:
             errors.append(exc)
+    if state.text is not None:
+        state.text.close()
     if state.llm is not None:
         try:
             state.llm.close(primary=errors[0] if errors else None)
@@ -267,14 +375,144 @@ def close(state: ServerState) -> None:
 # -- request handling ----------------------------------------------------------------------
 
 
-def _ready(state: ServerState) -> tuple[LLM, EngineLoop]:
+def _ready(state: ServerState) -> tuple[LLM, EngineLoop, TextWorkers]:
     if state.stopping:
         raise APIError(503, "the server is shutting down", type="service_unavailable")
-    if state.llm is None or state.loop is None:
+    if state.llm is None or state.loop is None or state.text is None:
         raise APIError(503, "the model is still loading", type="service_unavailable")
     if state.loop.failed is not None:
         raise APIError(503, f"the engine failed: {state.loop.failed}", type="internal_error")
-    return state.llm, state.loop
+    return state.llm, state.loop, state.text
+
+
+async def _parse(text: TextWorkers, model: type[Body], request: Request) -> Body:
+    """The request body as ``model``, parsed and validated on a text worker."""
+    raw = await request.body()
+    return await text.run(_validate, text, model, raw)
+
+
+def _validate(text: TextWorkers, model: type[Body], raw: bytes) -> Body:
+    text.check_body(raw)
+    try:
+        return model.model_validate_json(raw)
+    except pydantic.ValidationError as exc:
+        errors = exc.errors()
+        if errors and errors[0].get("type") == "json_invalid":
+            _name_invalid_text(raw)
+        raise RequestValidationError(errors) from None
+
+
+def _name_invalid_text(raw: bytes) -> None:
+    """pydantic refuses lone surrogates (``"\\ud800"``) as malformed JSON at a byte
+    offset; the standard parser reads them, so the error can name the field."""
+    try:
+        data = json.loads(raw)
+    except (ValueError, RecursionError):
+        return
+    check_unicode(data, "")
+
+
+def _check_response_format(body: CompletionRequest | ChatCompletionRequest) -> None:
+    """Compile the requested format once here (on a text worker), so a schema or pattern
+    llguidance cannot enforce is a 400 naming its field before anything is queued."""
+    structured = body.structured_output()
+    if structured is None:
+        return
+    try:
+        GuidedDecoding.grammar(structured)
+    except RequestError as exc:
+        if body.response_format is not None:
+            field = "response_format"
+            if structured.kind == "json_schema":
+                field = "response_format.json_schema.schema"
+        else:
+            field = next(
+                name
+                for name in ("guided_json", "guided_regex", "guided_choice")
+                if getattr(body, name) is not None
+            )
+        raise RequestError(field, exc.reason) from None
+
+
+def _encode_prompts(
+    llm: LLM, text: TextWorkers, prompts: Sequence[str | Sequence[int]]
+) -> list[tuple[int, ...]]:
+    """Each prompt's token ids (on a text worker)."""
+    out = []
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise RequestError("prompt", "is empty")
+            out.append(tuple(text.encode(prompt, "prompt")))
+        else:
+            out.append(_check_ids(llm, prompt, "prompt"))
+    return out
+
+
+def _check_ids(llm: LLM, ids: Sequence[int], field: str) -> tuple[int, ...]:
+    if not ids and field == "prompt":
+        raise RequestError(field, "is empty")
+    vocab = llm.engine.executor.lanes[0].decode.config.vocab_size
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise RequestError(field, f"token id out of range [0, {vocab})", value=bad[0])
+    return tuple(ids)
+
+
+def _rendered(llm: LLM, text: TextWorkers, messages: Sequence[dict[str, Any]], **kw: Any) -> str:
+    """The chat template's text for ``messages`` (length-checked before rendering)."""
+    for i, message in enumerate(messages):
+        content = message.get("content")
+        if isinstance(content, str):
+            text.check_length(content, f"messages.{i}.content")
+    try:
+        return llm.tokenizer.apply_chat_template(messages, **kw)
+    except UnsupportedError as exc:
+        raise RequestError("messages", str(exc)) from None
+
+
+def _chat_ids(
+    llm: LLM, text: TextWorkers, body: ChatCompletionRequest, tools: ToolUse | None
+) -> tuple[int, ...]:
+    """The chat request's prompt ids, tools and tool history rendered (on a text worker)."""
+    template = llm.tokenizer.chat_template
+    messages, extra = render_history(
+        [m.to_template() for m in body.messages],
+        tools,
+        template_source="" if template is None else template.source,
+    )
+    rendered = _rendered(llm, text, messages, add_generation_prompt=True, extra=extra)
+    return tuple(text.encode(rendered, "messages", add_special_tokens=False))
+
+
+def _tokenize(llm: LLM, text: TextWorkers, body: TokenizeRequest) -> list[int]:
+    if body.messages is not None:
+        rendered = _rendered(
+            llm,
+            text,
+            [m.to_template() for m in body.messages],
+            add_generation_prompt=body.add_generation_prompt,
+        )
+        return text.encode(rendered, "messages", add_special_tokens=body.add_special_tokens)
+    if body.prompt is None:
+        raise RequestError("prompt", "give prompt or messages")
+    return text.encode(body.prompt, "prompt", add_special_tokens=body.add_special_tokens)
+
+
+def _choices(prompts: Sequence[tuple[int, ...]], n: int) -> list[tuple[int, ...]]:
+    """Each prompt ``n`` times, choice index ``prompt * n + k`` (OpenAI's order). The
+    copies share the prompt's KV blocks through the prefix cache."""
+    return [ids for ids in prompts for _ in range(n)]
+
+
+def _seeded_choices(params: Sequence[SamplingParams], n: int) -> list[SamplingParams]:
+    """``n`` choices per prompt; a seeded request's k-th choice is seeded ``seed + k`` so
+    the choices differ yet the request stays reproducible."""
+    out = []
+    for p in params:
+        for k in range(n):
+            out.append(p if p.seed is None or k == 0 else attrs.evolve(p, seed=int(p.seed) + k))
+    return out
 
 
 def _check_model(state: ServerState, model: str | None) -> None:
@@ -285,20 +523,6 @@ def _check_model(state: ServerState, model: str | None) -> None:
             param="model",
             code="model_not_found",
         )
-
-
-def _encode(llm: LLM, prompt: str | Sequence[int]) -> tuple[int, ...]:
-    if isinstance(prompt, str):
-        if not prompt:
-            raise RequestError("prompt", "is empty")
-        return tuple(llm.tokenizer.encode(prompt))
-    if not prompt:
-        raise RequestError("prompt", "is empty")
-    vocab = llm.engine.executor.lanes[0].decode.config.vocab_size
-    bad = [t for t in prompt if not 0 <= t < vocab]
-    if bad:
-        raise RequestError("prompt", f"token id out of range [0, {vocab})", value=bad[0])
-    return tuple(prompt)
 
 
 def _params(
@@ -360,7 +584,13 @@ class _Run:
     prompts: list[tuple[int, ...]]
     params: list[SamplingParams]
     include_usage: bool
-    id: str = attrs.Factory(lambda: f"cmpl-{uuid.uuid4().hex}")
+    usage: RequestUsage = attrs.Factory(RequestUsage)
+    n: int = 1
+    tools: ToolUse | None = None
+    id: str = attrs.Factory(
+        lambda self: f"{'chatcmpl' if self.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}",
+        takes_self=True,
+    )
     created: int = attrs.Factory(lambda: int(time.time()))
     tickets: list[Ticket] = attrs.Factory(list)
     sink: asyncio.Queue[Item] = attrs.Factory(asyncio.Queue)
@@ -393,7 +623,11 @@ class _Run:
             for i, (ids, params) in enumerate(zip(self.prompts, self.params, strict=True)):
                 self.tickets.append(
                     await self.loop.submit(
-                        prompt_token_ids=ids, params=params, choice=i, sink=self.sink
+                        prompt_token_ids=ids,
+                        params=params,
+                        choice=i,
+                        sink=self.sink,
+                        label=f"{self.id} choice {i}",
                     )
                 )
         except BaseException:
@@ -403,6 +637,16 @@ class _Run:
     def _abort(self) -> None:
         for ticket in self.tickets:
             self.loop.abort(ticket)
+
+    @property
+    def prompt_tokens(self) -> int:
+        """The request's prompt tokens, each prompt counted once whatever ``n``."""
+        return sum(len(ids) for ids in self.prompts[:: self.n])
+
+    def _record(self, completion_tokens: int) -> dict[str, int]:
+        self.usage.prompt_tokens = self.prompt_tokens
+        self.usage.completion_tokens = completion_tokens
+        return _usage(self.prompt_tokens, completion_tokens)
 
     async def _items(self) -> AsyncIterator[Item]:
         """Every item of every choice until all finished."""
@@ -437,12 +681,23 @@ class _Run:
                     choice.token_ids, choice.logprobs, choice.top_logprobs, params.logprobs
                 )
             if self.kind == "chat":
+                message: dict[str, Any] = {"role": "assistant", "content": choice.text}
+                reason = choice.finish_reason
+                if self.tools is not None:
+                    content, calls = self.tools.parse(choice.text)
+                    if calls:
+                        message = {
+                            "role": "assistant",
+                            "content": content,
+                            "tool_calls": [c.to_openai() for c in calls],
+                        }
+                        reason = "tool_calls" if reason == "stop" else reason
                 out_choices.append(
                     {
                         "index": i,
-                        "message": {"role": "assistant", "content": choice.text},
+                        "message": message,
                         "logprobs": logprobs,
-                        "finish_reason": choice.finish_reason,
+                        "finish_reason": reason,
                     }
                 )
             else:
@@ -460,14 +715,17 @@ class _Run:
             "created": self.created,
             "model": self.model,
             "choices": out_choices,
-            "usage": _usage(
-                sum(c.prompt_tokens for c in choices), sum(c.completion_tokens for c in choices)
-            ),
+            "usage": self._record(sum(c.completion_tokens for c in choices)),
         }
 
     async def _stream(self) -> AsyncIterator[str]:
-        prompt = [len(ids) for ids in self.prompts]
         completion = [0] * len(self.tickets)
+        # Tools: a choice's text is held back while it may still be a call.
+        held = ["" for _ in self.tickets]
+        plain = [self.tools is None for _ in self.tickets]
+        # A named tool choice: the whole reply is the call's arguments, streamed as they come.
+        named = self.tools is not None and self.tools.choice == "named"
+        calls: dict[int, ToolCall] = {}
         try:
             if self.kind == "chat":
                 for i in range(len(self.tickets)):
@@ -487,11 +745,25 @@ class _Run:
                         [item.top_logprobs or {}],
                         params.logprobs,
                     )
-                if self.kind == "chat":
+                if self.kind == "chat" and named:
+                    yield self._named_chunk(item.choice, item.text, item.finish_reason, calls)
+                elif self.kind == "chat" and not plain[item.choice]:
+                    assert self.tools is not None
+                    held[item.choice] += item.text
+                    if item.finish_reason is None and self.tools.may_be_call(held[item.choice]):
+                        continue
+                    text, held[item.choice] = held[item.choice], ""
+                    plain[item.choice] = True
+                    if item.finish_reason is not None:
+                        yield self._tool_chunk(item.choice, text, item.finish_reason)
+                        continue
+                    yield self._chunk(item.choice, {"content": text}, logprobs, None)
+                elif self.kind == "chat":
                     delta = {"content": item.text} if item.text else {}
                     yield self._chunk(item.choice, delta, logprobs, item.finish_reason)
                 else:
                     yield self._chunk(item.choice, item.text, logprobs, item.finish_reason)
+            usage = self._record(sum(completion))
             if self.include_usage:
                 yield _sse(
                     {
@@ -500,12 +772,40 @@ class _Run:
                         "created": self.created,
                         "model": self.model,
                         "choices": [],
-                        "usage": _usage(sum(prompt), sum(completion)),
+                        "usage": usage,
                     }
                 )
             yield "data: [DONE]\n\n"
         finally:
+            self.usage.completion_tokens = sum(completion)
+            self.usage.prompt_tokens = self.prompt_tokens
             self._abort()
+
+    def _named_chunk(
+        self, index: int, text: str, finish_reason: str | None, calls: dict[int, ToolCall]
+    ) -> str:
+        """A named call's next arguments text; its first chunk carries the id and name."""
+        function: dict[str, Any] = {"arguments": text}
+        delta: dict[str, Any] = {"index": 0, "function": function}
+        if index not in calls:
+            assert self.tools is not None and self.tools.named is not None
+            calls[index] = ToolCall(name=self.tools.named, arguments="")
+            delta.update(id=calls[index].id, type="function")
+            function["name"] = self.tools.named
+        reason = "tool_calls" if finish_reason == "stop" else finish_reason
+        return self._chunk(index, {"tool_calls": [delta]}, None, reason)
+
+    def _tool_chunk(self, index: int, text: str, finish_reason: str) -> str:
+        """The last chunk of a choice whose text was held back: its calls, or its text."""
+        assert self.tools is not None
+        content, calls = self.tools.parse(text)
+        if not calls:
+            return self._chunk(index, {"content": text} if text else {}, None, finish_reason)
+        delta: dict[str, Any] = {"tool_calls": [c.to_openai(k) for k, c in enumerate(calls)]}
+        if content:
+            delta["content"] = content
+        reason = "tool_calls" if finish_reason == "stop" else finish_reason
+        return self._chunk(index, delta, None, reason)
 
     @property
     def _chunk_object(self) -> str:
@@ -525,15 +825,16 @@ class _Run:
             choice["text"] = delta
         choice["logprobs"] = logprobs
         choice["finish_reason"] = finish_reason
-        return _sse(
-            {
-                "id": self.id,
-                "object": self._chunk_object,
-                "created": self.created,
-                "model": self.model,
-                "choices": [choice],
-            }
-        )
+        chunk: dict[str, Any] = {
+            "id": self.id,
+            "object": self._chunk_object,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        }
+        if self.include_usage:
+            chunk["usage"] = None  # as OpenAI: only the last chunk carries usage
+        return _sse(chunk)
 
     def _token(self, token_id: int) -> str:
         return self.llm.tokenizer.decode([token_id], skip_special_tokens=False)

@@ -26,7 +26,7 @@ from llmrt.server.metrics import ServerMetrics
 from llmrt.serving.engine import Engine, TokenEvent
 from llmrt.serving.request import Request
 
-_LOG = logging.getLogger(__name__)
+LOGGER = logging.getLogger("llmrt.server")
 
 
 class Overloaded(LLMRTError, RuntimeError):
@@ -73,6 +73,8 @@ class Ticket:
     loop: asyncio.AbstractEventLoop
     accepted: asyncio.Future[None]
     submitted: float
+    label: str = ""
+    """What log lines call this request (the HTTP response id and choice)."""
     request: Request | None = None
     last_token_time: float | None = None
     done: bool = False
@@ -96,8 +98,10 @@ class EngineLoop:
         self._cond = threading.Condition()
         self._inbox: list[tuple[str, Ticket]] = []
         self._pending_adds = 0
-        self._engine_waiting = 0
+        self._engine_queued = 0
+        self._slots = min(engine.scheduler.config.capacity, engine.scheduler.config.max_num_seqs)
         self._stopping = False
+        self._cut_reason: str | None = None
         self._failed: BaseException | None = None
         self._live: dict[str, Ticket] = {}
         self._thread = threading.Thread(target=self._run, name="llmrt-engine", daemon=True)
@@ -123,10 +127,12 @@ class EngineLoop:
         params: SamplingParams,
         choice: int,
         sink: asyncio.Queue[Item],
+        label: str = "",
     ) -> Ticket:
         """Queue one request; returns once the engine accepted it.
 
-        Raises :class:`Overloaded` beyond ``max_waiting`` queued requests, the engine's
+        Raises :class:`Overloaded` when ``max_waiting`` requests already wait for a decode
+        slot (submitted, running or not, beyond the engine's slots), the engine's
         :class:`~llmrt.errors.RequestError` for a request it refuses, and
         :class:`EngineUnavailable` while stopping.
         """
@@ -139,13 +145,17 @@ class EngineLoop:
             loop=loop,
             accepted=loop.create_future(),
             submitted=time.perf_counter(),
+            label=label,
         )
         with self._cond:
             if self._stopping or self._failed is not None:
                 raise EngineUnavailable("the engine is not accepting requests")
-            if self._pending_adds + self._engine_waiting >= self.max_waiting:
+            # Only what the engine could not schedule waits: submissions not yet picked up
+            # count as waiting only beyond the slots that would take them.
+            if self._pending_adds + self._engine_queued >= self._slots + self.max_waiting:
                 raise Overloaded(
-                    f"serving.max_waiting={self.max_waiting} requests are already queued"
+                    f"serving.max_waiting={self.max_waiting} requests already wait for one "
+                    f"of the {self._slots} decode slots"
                 )
             self._inbox.append(("add", ticket))
             self._pending_adds += 1
@@ -165,6 +175,13 @@ class EngineLoop:
             self._inbox.append(("abort", ticket))
             self._cond.notify()
 
+    def cut_all(self, reason: str) -> None:
+        """End every request still queued or running now, each with a final
+        ``finish_reason="abort"`` delta and one log line naming ``reason`` (thread-safe)."""
+        with self._cond:
+            self._cut_reason = reason
+            self._cond.notify()
+
     def stop(self, *, timeout: float = 30.0) -> None:
         """Abort everything still running and join the thread (idempotent)."""
         with self._cond:
@@ -181,11 +198,16 @@ class EngineLoop:
         try:
             while True:
                 with self._cond:
-                    while not (self._inbox or self._stopping or self.engine.has_work):
+                    while not (
+                        self._inbox or self._stopping or self._cut_reason or self.engine.has_work
+                    ):
                         self._cond.wait()
                     inbox, self._inbox = self._inbox, []
                     stopping = self._stopping
+                    cut, self._cut_reason = self._cut_reason, None
                 self._drain(inbox)
+                if cut is not None:
+                    self._cut_live(cut)
                 if stopping:
                     self._abort_live()
                     return
@@ -206,8 +228,11 @@ class EngineLoop:
             elif ticket.request is not None and not ticket.done:
                 self.engine.abort(ticket.request)
                 self._finish(ticket, "abort")
+        scheduler = self.engine.scheduler
+        queued = len(scheduler.waiting) + len(scheduler.running)
         with self._cond:
             self._pending_adds -= adds
+            self._engine_queued = queued
 
     def _add(self, ticket: Ticket) -> None:
         try:
@@ -291,6 +316,20 @@ class EngineLoop:
         )
         _post(ticket.loop, _deliver, [(ticket.sink, final)])
 
+    def _cut_live(self, reason: str) -> None:
+        for ticket in list(self._live.values()):
+            request = ticket.request
+            made = 0 if request is None else len(request.output_token_ids)
+            LOGGER.warning(
+                "llmrt serve: cut %s after %d generated tokens (%s)",
+                ticket.label or "a request",
+                made,
+                reason,
+            )
+            if request is not None:
+                self.engine.abort(request)
+            self._finish(ticket, "abort")
+
     def _abort_live(self) -> None:
         for ticket in list(self._live.values()):
             if ticket.request is not None:
@@ -300,9 +339,10 @@ class EngineLoop:
         self._observe()
 
     def _observe(self) -> None:
-        waiting = len(self.engine.scheduler.waiting)
+        scheduler = self.engine.scheduler
+        queued = len(scheduler.waiting) + len(scheduler.running)
         with self._cond:
-            self._engine_waiting = waiting
+            self._engine_queued = queued
             pending = self._pending_adds
         if self.metrics is not None:
             self.metrics.observe_engine(self.engine, pending=pending)
@@ -323,7 +363,7 @@ class EngineLoop:
             self.engine.abort_all()
         except Exception as abort_error:
             exc.add_note(f"aborting the engine's requests also failed: {abort_error!r}")
-            _LOG.warning(
+            LOGGER.warning(
                 "engine loop: abort_all failed after the engine failed (%r); requests may "
                 "still hold KV blocks until the engine is closed",
                 abort_error,

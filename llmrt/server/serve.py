@@ -1,16 +1,19 @@
 """Running the app: ``llmrt serve`` in the foreground, or a server on a thread (tests, bench).
 
-The socket is bound before the runtime is built, so ``--port 0`` reports its port at once
-and ``GET /health`` answers 503 while the model warms. SIGINT/SIGTERM stop accepting,
-let in-flight requests finish for ``shutdown_timeout`` seconds, cancel the rest (their
-requests are aborted and their KV blocks freed), then the lifespan tears the runtime down
-through its scopes; a clean signalled shutdown exits 0.
+The socket is bound before the runtime is built (``llmrt serve`` binds it before importing
+the server at all), so ``--port 0`` reports its port at once and ``GET /health`` answers
+503 while the model warms. SIGINT/SIGTERM stop accepting and let in-flight requests finish
+for ``shutdown_timeout`` seconds; then every request still open is cut: its stream gets a
+final chunk with ``finish_reason: "abort"`` and ``[DONE]`` (a non-streamed one its answer
+so far), one log line each, and the lifespan tears the runtime down through its scopes; a
+clean signalled shutdown exits 0.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import signal
 import socket
 import sys
@@ -23,31 +26,39 @@ from fastapi import FastAPI
 
 from llmrt.recipe.loader import load_recipe
 from llmrt.server.app import ServerState, create_app
+from llmrt.server.body_limit import DEFAULT_MAX_REQUEST_BYTES
+from llmrt.server.listen import StartingResponder, bind_socket
 from llmrt.serving.llm import LLM
+
+__all__ = ["DEFAULT_HOST", "DEFAULT_PORT", "BackgroundServer", "bind_socket", "serve"]
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 8000
 DEFAULT_SHUTDOWN_TIMEOUT_S = 30.0
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    """A listening TCP socket on ``host:port`` (port 0: any free port)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, port))
-        sock.listen(2048)
-        sock.set_inheritable(True)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
+#: How long the cut streams get to send their last chunk before uvicorn cancels them.
+CUT_GRACE_S = 2.0
 
 
 class _Server(uvicorn.Server):
     """uvicorn's server, except that a signal that shut it down gracefully is not raised
-    again afterwards: a drained, torn-down server exits 0."""
+    again afterwards (a drained, torn-down server exits 0), and that ``cut_after`` seconds
+    into a shutdown every open request is cut with a proper ending instead of its task
+    being cancelled mid-stream."""
+
+    def __init__(self, config: uvicorn.Config, *, state: ServerState, cut_after: float) -> None:
+        super().__init__(config)
+        self.state = state
+        self.cut_after = cut_after
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        reason = f"still open {self.cut_after:g} s into shutdown (--shutdown-timeout)"
+        cutter = asyncio.get_running_loop().call_later(
+            self.cut_after, self.state.cut_streams, reason
+        )
+        try:
+            await super().shutdown(sockets)
+        finally:
+            cutter.cancel()
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
@@ -69,10 +80,25 @@ def _config(app: FastAPI, *, shutdown_timeout: float, log_level: str) -> uvicorn
         log_config=None,
         log_level=log_level,
         access_log=False,
-        timeout_graceful_shutdown=int(max(1, round(shutdown_timeout))),
+        # Past the timeout the streams are cut (``_Server.shutdown``); uvicorn's own
+        # cancellation is only the backstop for a response that ignores its cut.
+        timeout_graceful_shutdown=shutdown_timeout + CUT_GRACE_S,  # type: ignore[arg-type]
         http="h11",
         ws="none",
     )
+
+
+def server_logging(level: str) -> None:
+    """Send the server's standard-library log lines (access log, cut requests) to stderr
+    from ``level`` (idempotent)."""
+    logger = logging.getLogger("llmrt.server")
+    logger.setLevel(level.upper())
+    if not any(getattr(h, "llmrt_server", False) for h in logger.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        handler.llmrt_server = True  # type: ignore[attr-defined]
+        logger.addHandler(handler)
+        logger.propagate = False
 
 
 def serve(
@@ -81,13 +107,30 @@ def serve(
     overrides: Sequence[str] = (),
     host: str = DEFAULT_HOST,
     port: int = DEFAULT_PORT,
+    sock: socket.socket | None = None,
+    starting: StartingResponder | None = None,
     api_key: str | None = None,
     shutdown_timeout: float = DEFAULT_SHUTDOWN_TIMEOUT_S,
     log_level: str = "warning",
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    allowed_origins: Sequence[str] = (),
 ) -> int:
-    """``llmrt serve``: serve until SIGINT/SIGTERM; returns the exit status."""
-    loaded = load_recipe(recipe, overrides=list(overrides))
-    sock = bind_socket(host, port)
+    """``llmrt serve``: serve until SIGINT/SIGTERM; returns the exit status.
+
+    ``sock`` is a socket already listening (owned from then on); without it one is bound
+    on ``host:port``. ``starting`` is the responder answering 503 on it until now (stopped
+    here, just before the server takes the socket over).
+    """
+    if sock is None:
+        sock = bind_socket(host, port)
+    try:
+        loaded = load_recipe(recipe, overrides=list(overrides))
+    except BaseException:
+        if starting is not None:
+            starting.stop()
+        sock.close()
+        raise
+    server_logging(log_level)
     bound = sock.getsockname()[1]
     server: _Server | None = None
 
@@ -106,8 +149,14 @@ def serve(
         max_waiting=loaded.serving.max_waiting,
         api_key=api_key,
         on_fatal=fatal,
+        max_request_bytes=max_request_bytes,
+        allowed_origins=allowed_origins,
     )
-    server = _Server(_config(app, shutdown_timeout=shutdown_timeout, log_level=log_level))
+    server = _Server(
+        _config(app, shutdown_timeout=shutdown_timeout, log_level=log_level),
+        state=app.state.llmrt,
+        cut_after=shutdown_timeout,
+    )
     shown = f"[{host}]" if ":" in host else host
     print(
         f"llmrt serve: listening on http://{shown}:{bound} (model {loaded.name}; "
@@ -115,6 +164,8 @@ def serve(
         file=sys.stderr,
         flush=True,
     )
+    if starting is not None:
+        starting.stop()
     try:
         asyncio.run(server.serve(sockets=[sock]))
     finally:
@@ -144,6 +195,8 @@ class BackgroundServer:
         api_key: str | None = None,
         host: str = DEFAULT_HOST,
         shutdown_timeout: float = 5.0,
+        max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+        allowed_origins: Sequence[str] = (),
     ) -> None:
         self.app = create_app(
             build=build,
@@ -151,12 +204,16 @@ class BackgroundServer:
             max_waiting=max_waiting,
             api_key=api_key,
             on_fatal=self._fatal,
+            max_request_bytes=max_request_bytes,
+            allowed_origins=allowed_origins,
         )
         self._sock = bind_socket(host, 0)
         self.port = int(self._sock.getsockname()[1])
         self.url = f"http://{host}:{self.port}"
         self._server = _Server(
-            _config(self.app, shutdown_timeout=shutdown_timeout, log_level="warning")
+            _config(self.app, shutdown_timeout=shutdown_timeout, log_level="warning"),
+            state=self.state,
+            cut_after=shutdown_timeout,
         )
         self._thread = threading.Thread(target=self._run, name="llmrt-server", daemon=True)
         self._error: BaseException | None = None

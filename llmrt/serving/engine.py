@@ -23,6 +23,7 @@ from llmrt.runtime.decode import DecodeOutput
 from llmrt.runtime.lane_group import LaneGroupExecutor
 from llmrt.runtime.prefill.plan import PrefillRow
 from llmrt.runtime.prefill.result_collector import PrefillOutput
+from llmrt.sampling.guided import GuidedDecoding
 from llmrt.sampling.params import SamplingParams
 from llmrt.serving.block_pool import BlockAllocator
 from llmrt.serving.request import Request, RequestStatus
@@ -91,6 +92,24 @@ class Engine:
         self._steps = 0
         self._preemptions = 0
         self._prefill_tokens = 0
+        self._guided: GuidedDecoding | None = None
+
+    @property
+    def guided(self) -> GuidedDecoding:
+        """The structured-output compiler for this engine's tokenizer (built on first use)."""
+        if self._guided is None:
+            eos = self.tokenizer.eos_token_ids
+            if not eos:
+                raise UnsupportedError(
+                    "structured_output: the tokenizer has no end-of-text token to close a "
+                    "completed output with"
+                )
+            self._guided = GuidedDecoding(
+                tokenizer_json=self.tokenizer.backend.to_str(),
+                eos_token_id=eos[0],
+                vocab_size=self.executor.lanes[0].decode.config.vocab_size,
+            )
+        return self._guided
 
     # -- requests ------------------------------------------------------------------------
 
@@ -110,6 +129,11 @@ class Engine:
         if bad:
             raise RequestError(
                 "prompt_token_ids", f"token id out of range [0, {vocab})", row=index, value=bad[0]
+            )
+        if params.structured_output is not None:
+            # Each request owns its live constraint; the params it came with stay shareable.
+            params = attrs.evolve(
+                params, constraint=self.guided.constraint(params.structured_output)
             )
         number = next(self._ids)
         request = Request(
@@ -305,6 +329,15 @@ class Engine:
         stream = self._streams[request.request_id]
         request.text += stream.push(token)
         reason = self._stop_reason(request, token)
+        constraint = request.params.constraint
+        if constraint is not None and reason is None:
+            if not constraint.accept(token):
+                raise RuntimeError(
+                    f"{request.request_id}: the sampled token {token} broke its structured "
+                    f"output ({constraint.error}); the mask was not applied"
+                )
+            if constraint.finished:
+                reason = "stop"
         if reason is not None:
             if reason == "stop_string":
                 reason = "stop"

@@ -25,7 +25,7 @@ def test_a_failing_abort_all_is_logged_and_noted_on_the_engine_error(
     engine: Any = BrokenEngine()
     loop = EngineLoop(engine=engine, max_waiting=1, on_failure=seen.append)
     failure = RuntimeError("the engine step failed")
-    with caplog.at_level(logging.WARNING, logger="llmrt.server.engine_loop"):
+    with caplog.at_level(logging.WARNING, logger="llmrt.server"):
         loop._fail(failure)
     assert seen == [failure]
     assert any("device gone while aborting" in note for note in failure.__notes__)

@@ -606,3 +606,69 @@ def test_greedy_argmax_agrees_with_torch_on_any_layout() -> None:
         assert torch.equal(got, x.argmax(dim=-1))
     grad = torch.randn(4, 6, requires_grad=True)
     assert torch.equal(greedy_argmax(grad), grad.argmax(dim=-1))
+
+
+class _Allow:
+    """A constraint allowing a fixed token set (what a grammar's mask would say)."""
+
+    def __init__(self, allowed: set[int]) -> None:
+        self.allowed = allowed
+
+    def fill_bitmask(self, bitmask: Any, row: int) -> None:
+        for t in self.allowed:
+            bitmask[row, t // 32] |= 1 << (t % 32)
+
+    def accept(self, token_id: int) -> bool:
+        return token_id in self.allowed
+
+
+def _constrained_batch(vocab: int) -> tuple[list[SamplingParams], list[set[int]]]:
+    allowed = [{3, 40, 77}, {vocab - 1}, set(range(vocab))]
+    params = [
+        SamplingParams(temperature=0.0, constraint=_Allow(allowed[0])),
+        SamplingParams(temperature=1.0, seed=4, logprobs=1, constraint=_Allow(allowed[1])),
+        SamplingParams(temperature=0.7, top_k=5, seed=11),  # unconstrained
+    ]
+    return params, allowed
+
+
+def test_constrained_rows_only_take_allowed_tokens_and_others_are_untouched() -> None:
+    vocab = 100
+    params, allowed = _constrained_batch(vocab)
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(1)) * 5
+    for step in range(20):
+        result = sample(logits, _tensors(params, vocab_size=vocab), step_offsets=[step] * 3)
+        tokens = result.tokens.tolist()
+        assert tokens[0] in allowed[0] and tokens[1] in allowed[1]
+        # Greedy under the mask is the argmax over the allowed tokens.
+        assert tokens[0] == max(allowed[0], key=lambda t: float(logits[0, t]))
+        # The unconstrained row is what it would be without the others' masks.
+        alone = sample(
+            logits[2:], _tensors(params[2:], vocab_size=vocab), step_offsets=[step]
+        ).tokens
+        assert tokens[2] == int(alone[0])
+        # Log-probabilities are the unmasked distribution's (vLLM's raw_logprobs).
+        assert result.logprobs is not None
+        expected = torch.log_softmax(logits[1], dim=-1)[tokens[1]]
+        assert float(result.logprobs[1]) == pytest.approx(float(expected))
+
+
+def test_structured_params_without_a_bound_constraint_are_refused() -> None:
+    from llmrt.sampling.structured import StructuredOutput
+
+    p = SamplingParams(structured_output=StructuredOutput.json_object())
+    with pytest.raises(RequestError, match="structured_output"):
+        _tensors([p], vocab_size=8)
+
+
+@requires_cuda
+def test_constrained_rows_match_between_host_and_cuda() -> None:
+    vocab = 1000
+    params, _ = _constrained_batch(vocab)
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(2)) * 3
+    host = sample(logits, _tensors(params, vocab_size=vocab), step_offsets=[1, 2, 3])
+    cuda_tensors = SamplingTensors.from_params(
+        params, batch_size=3, vocab_size=vocab, device="cuda"
+    )
+    device = sample(logits.cuda(), cuda_tensors, step_offsets=torch.tensor([1, 2, 3]).cuda())
+    assert torch.equal(device.tokens.cpu(), host.tokens)

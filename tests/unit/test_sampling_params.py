@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from llmrt.errors import RequestError
 from llmrt.sampling.params import GREEDY_TEMPERATURE, MAX_LOGPROBS, SamplingParams
+from llmrt.sampling.structured import StructuredOutput
 
 _NONFINITE = st.sampled_from([math.nan, math.inf, -math.inf])
 _NOT_A_NUMBER = st.one_of(
@@ -63,6 +64,10 @@ INVALID: dict[str, st.SearchStrategy[Any]] = {
     "repetition_penalty": st.one_of(st.floats(max_value=0.0), _NONFINITE, _NOT_A_NUMBER),
     "presence_penalty": st.one_of(_outside(-2.0, 2.0), _NOT_A_NUMBER),
     "frequency_penalty": st.one_of(_outside(-2.0, 2.0), _NOT_A_NUMBER),
+    "structured_output": st.one_of(
+        st.text(min_size=1, max_size=3), st.integers(), st.dictionaries(st.text(), st.text())
+    ),
+    "constraint": st.one_of(st.text(min_size=1, max_size=3), st.integers(), st.booleans()),
 }
 
 VALID: dict[str, st.SearchStrategy[Any]] = {
@@ -79,6 +84,15 @@ VALID: dict[str, st.SearchStrategy[Any]] = {
     "repetition_penalty": st.floats(min_value=0.0, max_value=10.0, exclude_min=True),
     "presence_penalty": st.floats(min_value=-2.0, max_value=2.0),
     "frequency_penalty": st.floats(min_value=-2.0, max_value=2.0),
+    "structured_output": st.one_of(
+        st.none(),
+        st.just(StructuredOutput.json_object()),
+        st.builds(
+            StructuredOutput.json_schema,
+            st.fixed_dictionaries({"type": st.sampled_from(["object", "string", "integer"])}),
+        ),
+    ),
+    "constraint": st.none(),
 }
 
 

@@ -35,11 +35,14 @@ def normalize_params(
 def plain_argmax(params: SamplingParams | None) -> bool:
     """Whether a row's token is the argmax of the raw logits (greedy, no logprobs or penalties).
 
-    Penalties change greedy tokens too (vLLM applies them before the argmax), so a greedy
-    row with penalties takes the sampling path.
+    Penalties change greedy tokens too (vLLM applies them before the argmax), and so does a
+    structured-output mask, so such greedy rows take the sampling path.
     """
     return params is None or (
-        params.greedy and params.logprobs is None and not params.has_penalties
+        params.greedy
+        and params.logprobs is None
+        and not params.has_penalties
+        and params.structured_output is None
     )
 
 
