@@ -821,6 +821,8 @@ def test_cli_port_in_use_bad_host_and_a_model_file_as_recipe_are_one_line_exit_2
         assert done.returncode == 2, done.stderr
         assert "Traceback" not in done.stderr, done.stderr
         last = done.stderr.strip().splitlines()[-1]
-        assert last.startswith("llmrt: error:") and "not found" in last, done.stderr
+        assert last.startswith("llmrt: error: checkpoint.path") and "no such file" in last, (
+            done.stderr
+        )
     finally:
         taken.close()

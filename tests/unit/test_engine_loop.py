@@ -4,6 +4,7 @@ noted on the engine's error, never swallowed."""
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -12,7 +13,10 @@ from llmrt.server.engine_loop import EngineLoop
 
 
 class BrokenEngine:
-    """An engine whose ``abort_all`` fails too (the loop only calls that here)."""
+    """An engine whose ``abort_all`` fails too (the loop only calls that here, and reads its
+    scheduler's slots when built)."""
+
+    scheduler = SimpleNamespace(config=SimpleNamespace(capacity=4, max_num_seqs=4))
 
     def abort_all(self) -> None:
         raise OSError("device gone while aborting")
