@@ -103,3 +103,13 @@ def unpermute_rotary(values: np.ndarray, *, heads: int) -> np.ndarray:
     half = values.shape[0] // heads // 2
     grouped = values.reshape(heads, half, 2, *values.shape[1:])
     return grouped.swapaxes(1, 2).reshape(values.shape)
+
+
+def unpermute_qk(name: str, values: np.ndarray, hf_config: Mapping[str, Any]) -> np.ndarray:
+    """A ``convert`` for llama-derived files: undo llama.cpp's interleaving of the rotary halves
+    in the Q and K rows (weights and biases), by the config's head counts."""
+    if ".attn_q." in name:
+        return unpermute_rotary(values, heads=int(hf_config["num_attention_heads"]))
+    if ".attn_k." in name:
+        return unpermute_rotary(values, heads=int(hf_config["num_key_value_heads"]))
+    return values

@@ -12,7 +12,6 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
-import numpy as np
 import torch
 
 from llmrt.errors import CheckpointError
@@ -25,7 +24,7 @@ from llmrt.families.gguf_architecture import (
     metadata_field,
     reject_rope_scaling,
     token_ids,
-    unpermute_rotary,
+    unpermute_qk,
     vocab_size,
 )
 from llmrt.families.hfconfig import HFConfig
@@ -193,14 +192,6 @@ def _gguf_config(
     }
 
 
-def _gguf_convert(name: str, values: np.ndarray, hf_config: Mapping[str, Any]) -> np.ndarray:
-    """Undo llama.cpp's interleaving of rotary halves in Q and K rows (weights and biases)."""
-    if ".attn_q." in name:
-        return unpermute_rotary(values, heads=int(hf_config["num_attention_heads"]))
-    if ".attn_k." in name:
-        return unpermute_rotary(values, heads=int(hf_config["num_key_value_heads"]))
-    return values
-
 
 #: llama.cpp's ``llama`` architecture (Llama 1-3, SmolLM2, ...) in Hugging Face form.
 GGUF = GGUFArchitecture(
@@ -226,7 +217,7 @@ GGUF = GGUFArchitecture(
             "ffn_norm": "model.layers.{layer}.post_attention_layernorm",
         }
     ),
-    convert=_gguf_convert,
+    convert=unpermute_qk,
 )
 
 #: The family the registry serves under ``llama``.

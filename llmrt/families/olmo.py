@@ -7,7 +7,6 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
-import numpy as np
 import torch
 
 from llmrt.families import hfparts
@@ -18,7 +17,7 @@ from llmrt.families.gguf_architecture import (
     metadata_field,
     reject_rope_scaling,
     token_ids,
-    unpermute_rotary,
+    unpermute_qk,
     vocab_size,
 )
 from llmrt.families.hfconfig import HFConfig
@@ -75,14 +74,6 @@ def _gguf_config(
     }
 
 
-def _gguf_convert(name: str, values: np.ndarray, hf_config: Mapping[str, Any]) -> np.ndarray:
-    """Undo llama.cpp's interleaving of rotary halves in Q and K rows (as for Llama)."""
-    if ".attn_q." in name:
-        return unpermute_rotary(values, heads=int(hf_config["num_attention_heads"]))
-    if ".attn_k." in name:
-        return unpermute_rotary(values, heads=int(hf_config["num_key_value_heads"]))
-    return values
-
 
 _BLOCK = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj", "attn_output": "o_proj"}
 GGUF = GGUFArchitecture(
@@ -97,7 +88,7 @@ GGUF = GGUFArchitecture(
             **{f"ffn_{p}": f"model.layers.{{layer}}.mlp.{p}_proj" for p in ("gate", "up", "down")},
         }
     ),
-    convert=_gguf_convert,
+    convert=unpermute_qk,
 )
 
 #: The family the registry serves under ``olmo``.

@@ -24,7 +24,7 @@ from llmrt.families.gguf_architecture import (
     metadata_field,
     reject_rope_scaling,
     token_ids,
-    unpermute_rotary,
+    unpermute_qk,
     vocab_size,
 )
 
@@ -223,14 +223,6 @@ def _granite_extra(metadata: Mapping[str, Any], config: dict[str, Any]) -> dict[
     return out
 
 
-def _llama_rotary(name: str, values: np.ndarray, hf_config: Mapping[str, Any]) -> np.ndarray:
-    """Undo llama.cpp's interleaving of rotary halves in Q and K rows (llama-derived files)."""
-    if ".attn_q." in name:
-        return unpermute_rotary(values, heads=int(hf_config["num_attention_heads"]))
-    if ".attn_k." in name:
-        return unpermute_rotary(values, heads=int(hf_config["num_key_value_heads"]))
-    return values
-
 
 def _architecture(
     name: str,
@@ -359,7 +351,7 @@ LLAMA_CPP_ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType(
                 "granite",
                 model_type="granite",
                 architecture="GraniteForCausalLM",
-                convert=_llama_rotary,
+                convert=unpermute_qk,
                 extra=_granite_extra,
                 block_names={**_ATTENTION, **_GATED_MLP, **_PRE_NORMS},
             ),
