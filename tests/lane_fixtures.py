@@ -53,6 +53,17 @@ TINY_LLAMA: Mapping[str, Any] = {
 }
 
 
+@pytest.fixture(scope="module", autouse=True)
+def module_torch_thread() -> Iterator[None]:
+    """``single_torch_thread`` for a whole module (its module-scoped fixtures build models)."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
 @pytest.fixture(autouse=True)
 def single_torch_thread() -> Iterator[None]:
     """Run a test's tiny-model torch ops on one thread (restored afterwards).

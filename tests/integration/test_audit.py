@@ -3,25 +3,16 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
+from lane_fixtures import module_torch_thread  # noqa: F401  (autouse fixture)
 from test_teardown import SPEC_LANE_CLEANUP  # the spec's order, written out once
 
 from llmrt.cli.main import main
 from llmrt.lifecycle.audit import check
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    """Tiny models run fastest on one thread; two spin against each other on a busy CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def write_log(path: Path, records: Sequence[Mapping[str, Any]]) -> Path:

@@ -11,21 +11,12 @@ import sys
 from collections.abc import Iterator, Sequence
 
 import pytest
-import torch
 import yaml
+from lane_fixtures import module_torch_thread  # noqa: F401  (autouse fixture)
 
 from llmrt.cli.main import main
 from llmrt.sampling.params import SamplingParams
 from llmrt.serving.llm import LLM
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    """Tiny models run fastest on one thread; two spin against each other on a busy CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:

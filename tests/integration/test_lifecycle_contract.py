@@ -13,13 +13,14 @@ import io
 import json
 import re
 import shutil
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from dependency_injector import providers
+from lane_fixtures import single_torch_thread  # noqa: F401  (autouse fixture)
 from llmrt.containers import Borrowed, LaneContainer, close_runtime
 
 from llmrt.cli.main import main
@@ -41,14 +42,6 @@ SMALL = [
     "warmup.prefill_batch_sizes=[1]",
 ]
 PROMPT = [5, 9, 2, 7, 11, 3]
-
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def audit_now(log: Path, tmp_path: Path) -> tuple[int, str]:

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import yaml
+from lane_fixtures import module_torch_thread  # noqa: F401  (autouse fixture)
 from model_files import fake_hub_cache, save_hf_dir, tiny_llama, train_bpe, write_llama_gguf
 
 from llmrt.cli.main import main
@@ -26,14 +26,6 @@ transformers = pytest.importorskip("transformers")
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 PROMPT = "What is the capital of France?"
 SMALL = ["decode.lane_capacity=2", "warmup.prefill_batch_sizes=[1]", "kv_cache.num_blocks=16"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)

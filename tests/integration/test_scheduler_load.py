@@ -13,12 +13,13 @@ tiny-llama with a small pool checks the same on the real runtime, down to leak c
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
+from lane_fixtures import module_torch_thread  # noqa: F401  (autouse fixture)
 
 from llmrt.runtime.decode import DecodeOutput
 from llmrt.runtime.paged_kv_cache import KVCacheState
@@ -34,15 +35,6 @@ from llmrt.weights.tokenizer import BYTE_EOS_TOKEN_ID, byte_tokenizer
 BLOCK_SIZE = 16
 LANE_CAPACITY = 4
 WIDTH = 32  # page-table entries per row: 512 tokens
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    """Tiny models run fastest on one thread; two spin against each other on a busy CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def next_token(sequence: Sequence[int]) -> int:

@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import torch
+from lane_fixtures import module_torch_thread  # noqa: F401  (autouse fixture)
 from prometheus_client.parser import text_string_to_metric_families
 
 from llmrt.sampling.params import SamplingParams
@@ -34,14 +34,6 @@ from llmrt.serving.llm import LLM
 
 RECIPE = "tiny-llama"
 TIMEOUT = 120.0
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

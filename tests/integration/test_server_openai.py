@@ -24,7 +24,7 @@ import httpx
 import jsonschema
 import openai
 import pytest
-import torch
+from lane_fixtures import module_torch_thread  # noqa: F401  (autouse fixture)
 
 from llmrt.sampling.params import SamplingParams
 from llmrt.sampling.structured import StructuredOutput
@@ -36,14 +36,6 @@ TIMEOUT = 120.0
 LIMIT = 64 * 1024  # the small server's body limit
 #: Room for the generic tool prompt: tiny-llama's byte tokens fill 512 positions quickly.
 OVERRIDES = ["model.max_position_embeddings=2048", "serving.max_model_len=2048"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

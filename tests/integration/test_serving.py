@@ -8,7 +8,7 @@ from collections import defaultdict
 from collections.abc import Iterator, Sequence
 
 import pytest
-import torch
+from lane_fixtures import module_torch_thread  # noqa: F401  (autouse fixture)
 
 from llmrt.errors import RequestError, UnsupportedError
 from llmrt.runtime.paged_kv_cache import KVCacheState
@@ -23,15 +23,6 @@ PROMPTS: list[str | list[int]] = [
     [5, 6, 7],
     "x" * 140,
 ]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    """Tiny models run fastest on one thread; two spin against each other on a busy CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ from typing import Any
 import pytest
 import torch
 from dependency_injector import providers
+from lane_fixtures import single_torch_thread  # noqa: F401  (autouse fixture)
 
 from llmrt.cli.main import main
 from llmrt.device.torch import TorchDevice
@@ -59,14 +60,6 @@ SMALL = [
 def _cases() -> Iterator[Any]:
     for step, error, lanes, mode in itertools.product(STEPS, ERRORS, (1, 2), ("eager", "traced")):
         yield pytest.param(step, error, lanes, mode, id=f"{step}-{error}-{lanes}-{mode}")
-
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _audit(log: Path, tmp_path: Path, name: str) -> int:

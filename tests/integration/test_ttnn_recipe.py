@@ -7,11 +7,12 @@ cache filled before every capture), serve through ``LLM`` and tear down exactly 
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import pytest
 import torch
 from dependency_injector import providers
+from lane_fixtures import single_torch_thread  # noqa: F401  (autouse fixture)
 from llmrt.containers import RuntimeContainer
 from structlog.testing import capture_logs
 
@@ -25,14 +26,6 @@ from llmrt.testing.ttnn_toy_model import ToyTtnnModel
 
 PROMPTS = ([72, 105, 33], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18], [200])
 STEPS = 5
-
-
-@pytest.fixture(autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def tt_llm(fake: FakeTtnn, overrides: Overrides = ()) -> LLM:

@@ -5,7 +5,7 @@ greedy tokens on the original model."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +13,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from lane_fixtures import module_torch_thread  # noqa: F401  (autouse fixture)
 from model_files import add_bpe_tokenizer, llama_permute, train_bpe
 
 from llmrt.sampling.params import SamplingParams
@@ -130,14 +131,6 @@ CASES: dict[str, tuple[str, dict[str, Any], str]] = {
         "gemma",
     ),
 }
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

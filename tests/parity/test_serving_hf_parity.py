@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 import transformers
+from lane_fixtures import module_torch_thread  # noqa: F401  (autouse fixture)
 
 from llmrt.kernels.formats import dequantized
 from llmrt.sampling.params import SamplingParams
@@ -59,15 +60,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_torch_thread() -> Iterator[None]:
-    """Tiny models run fastest on one thread; two spin against each other on a busy CPU."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def hf_model_from(checkpoint: Checkpoint) -> Any:
