@@ -25,6 +25,7 @@ from types import ModuleType
 
 import torch
 
+from llmrt.device.cpu_features import pin_torch_isa
 from llmrt.errors import ConfigError, LLMRTError
 from llmrt.paths import default_cache_dir
 
@@ -41,6 +42,7 @@ _SOURCES = (
     _CSRC / "rope.cpp",
     _CSRC / "rms_norm.cpp",
     _CSRC / "clock_probe.cpp",
+    _CSRC / "isa.cpp",
     _CSRC / "python_entry.cpp",
 )
 #: ``-fopenmp``: ``at::parallel_for`` is an OpenMP pragma in the headers, so without it the
@@ -72,7 +74,9 @@ def build_directories() -> tuple[Path, ...]:
 @functools.cache
 def load_kernels() -> Path:
     """Make ``torch.ops.llmrt_kernels`` available, building the library if needed (once);
-    returns the directory it was loaded from."""
+    returns the directory it was loaded from. A bad ``LLMRT_KERNELS_ISA`` is a
+    ``ConfigError`` here, before the library reads it."""
+    pin_torch_isa()
     candidates = build_directories()
     for directory in candidates:
         library = directory / f"{LIBRARY}.so"
@@ -165,13 +169,41 @@ def python_entry() -> ModuleType | None:
     return module
 
 
+def kernels_isa() -> tuple[str, str, bool]:
+    """(the level the loaded kernels run at, the CPU's level, whether their AVX-512 BF16
+    paths run): ``csrc/cpu.h``'s reading, which ``llmrt.device.cpu_features.isa_level``
+    must agree with."""
+    run, cpu, bf16 = torch.ops.llmrt_kernels.kernels_isa()
+    return str(run), str(cpu), bf16 == "bf16"
+
+
 @functools.cache
 def int8_dot_supported() -> bool:
-    """Whether this CPU runs the interleaved layout's integer-dot kernels (AVX-512 VNNI);
-    False too when the kernels do not load (asked once per process)."""
+    """Whether the running level has the interleaved layout's integer-dot decode kernels
+    (AVX2 ``maddubs`` or AVX-512 VNNI ``dpbusd``); False too when the kernels do not load
+    (asked once per process)."""
     if not kernels_loaded():
         return False
     return bool(torch.ops.llmrt_kernels.int8_dot_supported())
+
+
+@functools.cache
+def integer_gemm_supported() -> bool:
+    """Whether the running level has the interleaved layout's many-row integer GEMM
+    (AVX-512 VNNI); without it prefill-sized calls dequantize and run a float GEMM."""
+    if not kernels_loaded():
+        return False
+    return bool(torch.ops.llmrt_kernels.integer_gemm_supported())
+
+
+@functools.cache
+def vector_kernels() -> bool:
+    """Whether the running level has the vector loops of the kernels' norm, activation and
+    fused-step arithmetic (x86 AVX2 and up); at ``scalar`` (and on arm64 for now) torch's own
+    ops are faster and the policies take them."""
+    if not kernels_loaded():
+        return False
+    return kernels_isa()[0] in ("avx2", "avx512", "avx512_vnni")
 
 
 def _build(directory: Path) -> None:

@@ -250,7 +250,7 @@ uint8_t* panel_buffer(int64_t bytes) {
 namespace llmrt_kernels {
 
 bool takes_integer_gemm(int64_t kind, int64_t rows) {
-  return (kind & kInterleaved) && rows >= kInterleavedGemmMinRows && has_vnni();
+  return (kind & kInterleaved) && rows >= kInterleavedGemmMinRows && has_avx512_vnni();
 }
 
 int64_t interleaved_gemm_prep_bytes(int64_t k) { return levels_stride(k); }

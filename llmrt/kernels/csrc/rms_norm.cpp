@@ -67,7 +67,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
     if (simd)
       rms_rows_avx512(xp, wp, yp, width, e, r0, r1);
     else
-      llmrt_kernels::rms_norm_rows(xp + r0 * width, r1 - r0, width, wp, eps, yp + r0 * width);
+      llmrt_kernels::rms_norm_rows_best(xp + r0 * width, r1 - r0, width, wp, eps, yp + r0 * width);
   });
   return y;
 }
