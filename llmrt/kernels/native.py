@@ -19,7 +19,10 @@ import hashlib
 import importlib.util
 import os
 import shutil
+import subprocess
 import sys
+import tempfile
+import warnings
 from pathlib import Path
 from types import ModuleType
 
@@ -45,14 +48,53 @@ _SOURCES = (
     _CSRC / "isa.cpp",
     _CSRC / "python_entry.cpp",
 )
-#: ``-fopenmp``: ``at::parallel_for`` is an OpenMP pragma in the headers, so without it the
-#: kernels run on one thread. The library links the ``libgomp.so.1`` torch already loaded
-#: (same soname), so both share one thread pool.
-_CFLAGS = ("-O3", "-fno-math-errno", "-fopenmp")
+
+
+@functools.cache
+def _openmp_flags() -> tuple[str, ...]:
+    """``("-fopenmp",)`` where the C++ compiler takes it, else ``()`` with a warning.
+
+    Why: ``at::parallel_for`` is an OpenMP pragma in the headers and the fused step's team
+    is an OpenMP region, so without it the kernels run on one thread. The library links
+    the ``libgomp.so.1`` torch already loaded (same soname), so both share one thread pool.
+    Apple clang rejects a bare ``-fopenmp``: there the library builds without it.
+    """
+    compiler = os.environ.get("CXX", "c++")
+    with tempfile.TemporaryDirectory() as tmp:
+        source = Path(tmp) / "omp.cpp"
+        source.write_text(
+            "#include <omp.h>\nint main() { return omp_get_max_threads() > 0 ? 0 : 1; }\n"
+        )
+        try:
+            probe = subprocess.run(
+                [compiler, "-fopenmp", str(source), "-o", str(Path(tmp) / "omp")],
+                capture_output=True,
+                timeout=120,
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            return ()
+    if probe.returncode == 0:
+        return ("-fopenmp",)
+    warnings.warn(
+        f"{compiler} does not take -fopenmp: llmrt's CPU kernels build without OpenMP and "
+        "run each op on one thread (about 1/N of the speed on N cores)",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+    return ()
+
+
+def _cflags() -> tuple[str, ...]:
+    return ("-O3", "-fno-math-errno", *_openmp_flags())
+
+
+def _ldflags() -> tuple[str, ...]:
+    return _openmp_flags()
+
+
 #: Builds kept per build root (each source, flag or torch change builds a new ~3 MB one): the
 #: most recently loaded; older ones are deleted after a build.
 KEPT_BUILDS = 4
-_LDFLAGS = ("-fopenmp",)
 
 
 class KernelUnavailableError(LLMRTError):
@@ -65,7 +107,9 @@ def build_directories() -> tuple[Path, ...]:
     for path in sorted(_CSRC.iterdir()):
         if path.suffix in (".cpp", ".h"):
             digest.update(path.name.encode() + path.read_bytes())
-    digest.update(" ".join((*_CFLAGS, *_LDFLAGS)).encode())
+    # The flags as asked for (whether the compiler takes -fopenmp is asked only when building,
+    # so a load never runs the compiler).
+    digest.update(" ".join(("-O3", "-fno-math-errno", "-fopenmp", "-fopenmp")).encode())
     digest.update(f"{torch.__version__}|{sys.implementation.cache_tag}".encode())
     name = digest.hexdigest()[:16]
     return (Path(__file__).parent / "_build" / name, default_cache_dir() / "kernels" / name)
@@ -215,8 +259,8 @@ def _build(directory: Path) -> None:
             name=LIBRARY,
             sources=[str(path) for path in _SOURCES],
             build_directory=str(directory),
-            extra_cflags=list(_CFLAGS),
-            extra_ldflags=list(_LDFLAGS),
+            extra_cflags=list(_cflags()),
+            extra_ldflags=list(_ldflags()),
             is_python_module=False,
             verbose=bool(os.environ.get("LLMRT_KERNELS_VERBOSE")),
         )

@@ -42,6 +42,13 @@
 #endif
 #endif
 
+#if !defined(_OPENMP)
+// Built without OpenMP (Apple clang's default): the kernels' parallel regions run on one
+// thread; llmrt.kernels.native warns when it builds so.
+inline int omp_get_num_threads() { return 1; }
+inline int omp_get_thread_num() { return 0; }
+#endif
+
 #if defined(LLMRT_X86)
 #define LLMRT_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define LLMRT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,f16c,fma")))
@@ -65,6 +72,15 @@ constexpr int kIsaCount = 4;
 constexpr const char* kIsaNames[] = {"scalar"};
 constexpr int kIsaCount = 1;
 #endif
+
+// A spinning waiter's pause (x86 ``pause``, arm64 ``yield``).
+inline void cpu_relax() {
+#if defined(LLMRT_X86)
+  __builtin_ia32_pause();
+#elif defined(LLMRT_ARM64)
+  __asm__ __volatile__("yield");
+#endif
+}
 
 // What the CPU (and OS) offer: its level and capability bits.
 struct CpuIsa {

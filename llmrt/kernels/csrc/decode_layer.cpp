@@ -21,12 +21,16 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#ifdef _OPENMP
 #include <omp.h>
+#endif
 #ifdef __linux__
 #include <sched.h>
 #endif
 
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -47,11 +51,13 @@
 namespace {
 
 using llmrt_kernels::activate;
-using llmrt_kernels::exp512;
 using llmrt_kernels::has_avx512;
 using llmrt_kernels::kSilu;
+#if defined(LLMRT_X86)
+using llmrt_kernels::exp512;
 using llmrt_kernels::lanes;
 using llmrt_kernels::load16;
+#endif
 using llmrt_kernels::rms_norm_rows_best;
 using llmrt_kernels::has_avx2;
 
@@ -66,6 +72,7 @@ void rope_head(float* v, const float* cos, const float* sin, int64_t rot) {
   }
 }
 
+#if defined(LLMRT_X86)
 template <typename T>
 LLMRT_AVX512 float dot_avx512(const float* a, const T* b, int64_t n) {
   __m512 acc = _mm512_setzero_ps();
@@ -166,10 +173,14 @@ LLMRT_AVX2 float exp_shift_sum_avx2(float* s, int64_t n, float top) {
   return sum;
 }
 
+#endif  // LLMRT_X86
+
 template <typename T>
 inline float dot(const float* a, const T* b, int64_t n) {
+#if defined(LLMRT_X86)
   if (has_avx512()) return dot_avx512(a, b, n);
   if (has_avx2()) return dot_avx2(a, b, n);
+#endif
   float s = 0.0f;
   for (int64_t j = 0; j < n; ++j) s += a[j] * static_cast<float>(b[j]);
   return s;
@@ -177,6 +188,7 @@ inline float dot(const float* a, const T* b, int64_t n) {
 
 template <typename T>
 inline void axpy(float w, const T* x, float* y, int64_t n) {
+#if defined(LLMRT_X86)
   if (has_avx512()) {
     axpy_avx512(w, x, y, n);
     return;
@@ -185,6 +197,7 @@ inline void axpy(float w, const T* x, float* y, int64_t n) {
     axpy_avx2(w, x, y, n);
     return;
   }
+#endif
   for (int64_t j = 0; j < n; ++j) y[j] += w * static_cast<float>(x[j]);
 }
 
@@ -211,6 +224,7 @@ inline int64_t page_run(const Paged<T>& kv, const int64_t* row_table, int64_t g,
   return std::min(kv.block_size - off, left);
 }
 
+#if defined(LLMRT_X86)
 // One row's attention for one KV head with head_dim = 16 * NV (AVX-512): keys are walked
 // page by page (no division per key), each key's K is loaded once for all the group's
 // query heads, and the outputs of up to GC heads accumulate in registers over the values.
@@ -252,7 +266,7 @@ template <typename T>
 inline void prefetch_keys(const T* p, int64_t n, int64_t stride, int64_t row_bytes) {
   for (int64_t i = 0; i < n; ++i, p += stride)
     for (int64_t off = 0; off < row_bytes; off += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(p) + off, _MM_HINT_T0);
+      __builtin_prefetch(reinterpret_cast<const char*>(p) + off, 0, 3);
 }
 
 template <typename T, int NV>
@@ -324,6 +338,8 @@ LLMRT_AVX512 void attend_task_avx512(const Paged<T>& kv, const int64_t* row_tabl
   }
 }
 
+
+#endif  // LLMRT_X86
 
 template <typename T>
 Paged<T> paged(const at::Tensor& k_cache, const at::Tensor& v_cache, const int64_t* table,
@@ -447,7 +463,7 @@ inline void team_barrier(const Team& team) {
   }
   for (int spins = 0; b.generation.load(std::memory_order_acquire) == gen; ++spins) {
     if (spins < b.spins) {
-      _mm_pause();
+      llmrt_kernels::cpu_relax();
     } else {
       std::this_thread::yield();
     }
@@ -666,6 +682,7 @@ void attend_keys(const Paged<T>& kv, const LayerSpec& s, int64_t r, int64_t g, i
     return;
   }
   const int64_t* row_table = kv.table + r * kv.width;
+#if defined(LLMRT_X86)
   switch (nv) {
     case 1: attend_task_avx512<T, 1>(kv, row_table, g, first, count, q, group, fscale, out, scores, stats); return;
     case 2: attend_task_avx512<T, 2>(kv, row_table, g, first, count, q, group, fscale, out, scores, stats); return;
@@ -673,6 +690,7 @@ void attend_keys(const Paged<T>& kv, const LayerSpec& s, int64_t r, int64_t g, i
     case 8: attend_task_avx512<T, 8>(kv, row_table, g, first, count, q, group, fscale, out, scores, stats); return;
     default: break;
   }
+#endif
   scores.assign(static_cast<size_t>(group * count), 0.0f);
   for (int64_t t = 0; t < count; ++t) {
     const int64_t key = first + t;
@@ -685,11 +703,14 @@ void attend_keys(const Paged<T>& kv, const LayerSpec& s, int64_t r, int64_t g, i
     float* sc = scores.data() + j * count;
     const float top = *std::max_element(sc, sc + count);
     float total = 0.0f;
+#if defined(LLMRT_X86)
     if (simd) {
       total = exp_shift_sum_avx512(sc, count, top);
     } else if (has_avx2()) {
       total = exp_shift_sum_avx2(sc, count, top);
-    } else {
+    } else
+#endif
+    {
       for (int64_t t = 0; t < count; ++t) {
         sc[t] = std::exp(sc[t] - top);
         total += sc[t];
@@ -778,12 +799,18 @@ void activate_cols(const LayerSpec& s, float* up_p, float* act_p, int64_t rows, 
         for (int64_t j = c0; j < c1; ++j) up_row[j] += b[s.inter + j];
     }
     float* a = act_p + r * s.inter;
+#if defined(LLMRT_X86)
     if (s.activation == kSilu && has_avx512()) {
       silu_avx512(gate_row + c0, up_row == nullptr ? nullptr : up_row + c0, a + c0, c1 - c0);
-    } else if (s.activation == kSilu && has_avx2()) {
+      continue;
+    }
+    if (s.activation == kSilu && has_avx2()) {
       llmrt_kernels::silu_row_avx2<float>(gate_row + c0, up_row == nullptr ? nullptr : up_row + c0,
                                          a + c0, c1 - c0);
-    } else if (up_row != nullptr) {
+      continue;
+    }
+#endif
+    if (up_row != nullptr) {
       for (int64_t j = c0; j < c1; ++j) a[j] = activate(gate_row[j], s.activation) * up_row[j];
     } else {
       for (int64_t j = c0; j < c1; ++j) a[j] = activate(gate_row[j], s.activation);

@@ -19,7 +19,9 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cstdint>
@@ -90,6 +92,7 @@ void linear_rows_scalar(const float* x, int64_t ldx, int64_t rows_m, const uint8
   }
 }
 
+#if defined(LLMRT_X86)
 // ---- AVX-512 -----------------------------------------------------------------------------
 
 // The block's 32 weights as two float32 vectors (elements 0-15 and 16-31).
@@ -225,6 +228,8 @@ LLMRT_AVX512 void dequant_rows_avx512(const uint8_t* w, int64_t row_bytes, int64
   }
 }
 
+#endif  // LLMRT_X86
+
 template <int64_t KIND>
 void dequant_rows_scalar(const uint8_t* w, int64_t row_bytes, int64_t k, float* out, int64_t r0,
                          int64_t r1) {
@@ -234,6 +239,7 @@ void dequant_rows_scalar(const uint8_t* w, int64_t row_bytes, int64_t k, float* 
       dequant_block_scalar<KIND>(w + r * row_bytes + b * bb, out + r * k + b * kBlock);
 }
 
+#if defined(LLMRT_X86)
 // Dense float32 weights [N, K] (kind 0): the same row-tile loop without the dequantize step.
 template <int64_t MT>
 LLMRT_AVX512 void dense_rows_tile_avx512(const float* x, int64_t ldx, const float* w, int64_t k,
@@ -275,6 +281,7 @@ LLMRT_AVX512 void dense_rows_avx512(const float* x, int64_t ldx, int64_t rows_m,
                                     int64_t k, float* y, int64_t ldy, int64_t n0, int64_t n1) {
   llmrt_kernels::run_tiles(DenseTile{x, ldx, w, k, y, ldy}, rows_m, n0, n1, 16);
 }
+#endif  // LLMRT_X86
 
 void dense_rows_scalar(const float* x, int64_t ldx, int64_t rows_m, const float* w, int64_t k,
                        float* y, int64_t ldy, int64_t n0, int64_t n1) {
@@ -286,6 +293,7 @@ void dense_rows_scalar(const float* x, int64_t ldx, int64_t rows_m, const float*
     }
 }
 
+#if defined(LLMRT_X86)
 // ---- AVX2 + FMA + F16C -------------------------------------------------------------------
 
 // The block's 32 weights as four float32 vectors; 4-bit levels as d * q + m in one FMA (the
@@ -416,6 +424,7 @@ struct DenseTileAvx2 {
     }
   }
 };
+#endif  // LLMRT_X86
 
 void check_blocks(const at::Tensor& blocks, int64_t kind, int64_t in_features) {
   TORCH_CHECK(blocks.device().is_cpu(), "llmrt_kernels: blocks must be on the CPU");
@@ -496,12 +505,17 @@ void linear_range(const float* x, int64_t rows_m, const at::Tensor& w, int64_t k
   const bool simd = has_avx512(), avx2 = llmrt_kernels::has_avx2();
   if (kind == kDenseF32) {
     const float* wp = w.const_data_ptr<float>();
-    if (simd)
+#if defined(LLMRT_X86)
+    if (simd) {
       dense_rows_avx512(x, k, rows_m, wp, k, y, n, n0, n1);
-    else if (avx2)
+      return;
+    }
+    if (avx2) {
       llmrt_kernels::run_tiles(DenseTileAvx2{x, k, wp, k, y, n}, rows_m, n0, n1, 16);
-    else
-      dense_rows_scalar(x, k, rows_m, wp, k, y, n, n0, n1);
+      return;
+    }
+#endif
+    dense_rows_scalar(x, k, rows_m, wp, k, y, n, n0, n1);
     return;
   }
   const uint8_t* wp = w.const_data_ptr<uint8_t>();
@@ -514,6 +528,7 @@ void linear_range(const float* x, int64_t rows_m, const at::Tensor& w, int64_t k
     interleaved_range(x, rows_m, wp, rb, kind & ~kInterleaved, k, prep, y, n, n0, n1);
     return;
   }
+#if defined(LLMRT_X86)
   switch (kind) {
     case kQ4_0:
       if (simd) linear_rows_avx512<kQ4_0>(x, k, rows_m, wp, rb, k, y, n, n0, n1);
@@ -531,6 +546,15 @@ void linear_range(const float* x, int64_t rows_m, const at::Tensor& w, int64_t k
       else linear_rows_scalar<kQ8_0>(x, k, rows_m, wp, rb, k, y, n, n0, n1);
       break;
   }
+#else
+  (void)simd;
+  (void)avx2;
+  switch (kind) {
+    case kQ4_0: linear_rows_scalar<kQ4_0>(x, k, rows_m, wp, rb, k, y, n, n0, n1); break;
+    case kQ4_1: linear_rows_scalar<kQ4_1>(x, k, rows_m, wp, rb, k, y, n, n0, n1); break;
+    default: linear_rows_scalar<kQ8_0>(x, k, rows_m, wp, rb, k, y, n, n0, n1); break;
+  }
+#endif
 }
 
 }  // namespace llmrt_kernels
@@ -560,12 +584,20 @@ template <int64_t KIND>
 void run_dequant(const uint8_t* w, int64_t row_bytes, int64_t k, float* out, int64_t rows) {
   const bool simd = has_avx512(), avx2 = llmrt_kernels::has_avx2();
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
-    if (simd)
+#if defined(LLMRT_X86)
+    if (simd) {
       dequant_rows_avx512<KIND>(w, row_bytes, k, out, r0, r1);
-    else if (avx2)
+      return;
+    }
+    if (avx2) {
       dequant_rows_avx2<KIND>(w, row_bytes, k, out, r0, r1);
-    else
-      dequant_rows_scalar<KIND>(w, row_bytes, k, out, r0, r1);
+      return;
+    }
+#else
+    (void)simd;
+    (void)avx2;
+#endif
+    dequant_rows_scalar<KIND>(w, row_bytes, k, out, r0, r1);
   });
 }
 
@@ -601,6 +633,7 @@ at::Tensor gguf_dequantize(const at::Tensor& blocks, int64_t kind, int64_t in_fe
 }
 
 
+#if defined(LLMRT_X86)
 LLMRT_AVX512_BF16 void to_bf16_avx512(const float* in, c10::BFloat16* out, int64_t n) {
   int64_t i = 0;
   for (; i + 16 <= n; i += 16)
@@ -608,6 +641,7 @@ LLMRT_AVX512_BF16 void to_bf16_avx512(const float* in, c10::BFloat16* out, int64
                         (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(in + i)));
   for (; i < n; ++i) out[i] = c10::BFloat16(in[i]);
 }
+#endif  // LLMRT_X86
 
 // The bfloat16 weight a bfloat16 GEMM multiplies (``device.gemm_dtype``): dequantized to
 // float32 a few rows at a time in cache, then rounded to nearest even, as ``.to(bfloat16)``
@@ -617,7 +651,7 @@ at::Tensor gguf_dequantize_bf16(const at::Tensor& blocks, int64_t kind, int64_t 
   const int64_t rows = blocks.size(0);
   at::Tensor out = at::empty({rows, in_features}, blocks.options().dtype(at::kBFloat16));
   if (rows == 0) return out;
-  static const bool bf16_ops = llmrt_kernels::has_avx512_bf16();
+  [[maybe_unused]] static const bool bf16_ops = llmrt_kernels::has_avx512_bf16();
   const uint8_t* wp = blocks.const_data_ptr<uint8_t>();
   c10::BFloat16* op = out.mutable_data_ptr<c10::BFloat16>();
   const int64_t rb = blocks.size(1);
@@ -633,11 +667,13 @@ at::Tensor gguf_dequantize_bf16(const at::Tensor& blocks, int64_t kind, int64_t 
       const int64_t r0 = c * kRows, n = std::min(kRows, rows - r0);
       llmrt_kernels::dequantize_rows(wp + r0 * rb, rb, kind, in_features, buf.data(), n);
       c10::BFloat16* dst = op + r0 * in_features;
+#if defined(LLMRT_X86)
       if (bf16_ops) {
         to_bf16_avx512(buf.data(), dst, n * in_features);
-      } else {
-        for (int64_t i = 0; i < n * in_features; ++i) dst[i] = c10::BFloat16(buf[i]);
+        continue;
       }
+#endif
+      for (int64_t i = 0; i < n * in_features; ++i) dst[i] = c10::BFloat16(buf[i]);
     }
   });
   return out;

@@ -15,7 +15,9 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -42,7 +44,9 @@ using llmrt_kernels::kQ4_0;
 using llmrt_kernels::kQ4_1;
 using llmrt_kernels::kQ8_0;
 using llmrt_kernels::quant_bytes;
+#if defined(LLMRT_X86)
 using llmrt_kernels::two_level_block;
+#endif
 
 using llmrt_kernels::has_avx512_vnni;
 
@@ -88,6 +92,7 @@ void dequant_rows(const uint8_t* w, int64_t row_bytes, int64_t base, int64_t k, 
   }
 }
 
+#if defined(LLMRT_X86)
 template <int64_t BASE>
 LLMRT_VNNI void dequant_rows_avx512(const uint8_t* w, int64_t row_bytes, int64_t k, float* out,
                                     int64_t r0, int64_t r1) {
@@ -188,6 +193,8 @@ LLMRT_AVX2 void dequant_rows_avx2(const uint8_t* w, int64_t row_bytes, int64_t k
   }
 }
 
+#endif  // LLMRT_X86
+
 // ---- activations -------------------------------------------------------------------------
 
 // One row of x prepared for one base kind, per group of G blocks:
@@ -201,6 +208,7 @@ LLMRT_AVX2 void dequant_rows_avx2(const uint8_t* w, int64_t row_bytes, int64_t k
 //                     (removes the +128 of the stored quants)
 constexpr int64_t kGroupPrep = 2 * 128 + 64 + 64;
 
+#if defined(LLMRT_X86)
 template <bool AVX512>
 inline void prepare_row(const float* x, int64_t k, int64_t base, uint8_t* prep) {
   const int64_t nb = k / kBlock, g = group_of(base), ng = (nb + g - 1) / g;
@@ -674,6 +682,7 @@ LLMRT_VNNI void prepare_row_avx512(const float* x, int64_t k, int64_t base, uint
 LLMRT_AVX2 void prepare_row_avx2(const float* x, int64_t k, int64_t base, uint8_t* prep) {
   prepare_row<false>(x, k, base, prep);
 }
+#endif  // LLMRT_X86
 
 // Without VNNI: dequantize a weight row and take float32 dot products (a layout the
 // automatic choice never picks on such CPUs; kept so the layout runs everywhere).
@@ -704,6 +713,7 @@ void interleaved_prepare(const float* x, int64_t r0, int64_t r1, int64_t base, i
                          uint8_t* prep) {
   const int64_t per_row = interleaved_prep_bytes(base, k);
   if (per_row == 0) return;
+#if defined(LLMRT_X86)
   const bool vnni = has_avx512_vnni();
   for (int64_t r = r0; r < r1; ++r) {
     if (vnni)
@@ -711,6 +721,11 @@ void interleaved_prepare(const float* x, int64_t r0, int64_t r1, int64_t base, i
     else
       prepare_row_avx2(x + r * k, k, base, prep + r * per_row);
   }
+#else
+  (void)x;
+  (void)r0;
+  (void)r1;
+#endif
 }
 
 void interleaved_range(const float* x, int64_t rows_m, const uint8_t* w, int64_t row_bytes,
@@ -720,6 +735,7 @@ void interleaved_range(const float* x, int64_t rows_m, const uint8_t* w, int64_t
     portable_rows(x, rows_m, w, row_bytes, base, k, y, n, n0, n1);
     return;
   }
+#if defined(LLMRT_X86)
   if (!has_avx512_vnni()) {
     const Avx2Tile tile{base, prep, interleaved_prep_bytes(base, k), w, row_bytes, k / kBlock, y, n};
     if (rows_m == 1) {
@@ -735,10 +751,14 @@ void interleaved_range(const float* x, int64_t rows_m, const uint8_t* w, int64_t
     return;
   }
   llmrt_kernels::run_tiles(tile, rows_m, n0, n1, 16);
+#else
+  (void)prep;
+#endif
 }
 
 bool interleaved_dequantize_bf16(const uint8_t* w, int64_t row_bytes, int64_t base, int64_t k,
                                  uint16_t* out, int64_t rows) {
+#if defined(LLMRT_X86)
   static const bool ok = llmrt_kernels::has_avx512_bf16();
   if (!ok || base == kQ8_0) return false;
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
@@ -748,12 +768,17 @@ bool interleaved_dequantize_bf16(const uint8_t* w, int64_t row_bytes, int64_t ba
       dequant_rows_bf16_q4<kQ4_1>(w, row_bytes, k, out, r0, r1);
   });
   return true;
+#else
+  (void)w, (void)row_bytes, (void)base, (void)k, (void)out, (void)rows;
+  return false;
+#endif
 }
 
 void interleaved_dequantize(const uint8_t* w, int64_t row_bytes, int64_t base, int64_t k,
                             float* out, int64_t rows) {
   const bool simd = llmrt_kernels::has_avx512(), avx2 = llmrt_kernels::has_avx2();
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+#if defined(LLMRT_X86)
     if (!simd && avx2) {
       switch (base) {
         case kQ4_0: dequant_rows_avx2<kQ4_0>(w, row_bytes, k, out, r0, r1); break;
@@ -762,15 +787,19 @@ void interleaved_dequantize(const uint8_t* w, int64_t row_bytes, int64_t base, i
       }
       return;
     }
-    if (!simd) {
-      dequant_rows(w, row_bytes, base, k, out, r0, r1);
+    if (simd) {
+      switch (base) {
+        case kQ4_0: dequant_rows_avx512<kQ4_0>(w, row_bytes, k, out, r0, r1); break;
+        case kQ4_1: dequant_rows_avx512<kQ4_1>(w, row_bytes, k, out, r0, r1); break;
+        default: dequant_rows_avx512<kQ8_0>(w, row_bytes, k, out, r0, r1); break;
+      }
       return;
     }
-    switch (base) {
-      case kQ4_0: dequant_rows_avx512<kQ4_0>(w, row_bytes, k, out, r0, r1); break;
-      case kQ4_1: dequant_rows_avx512<kQ4_1>(w, row_bytes, k, out, r0, r1); break;
-      default: dequant_rows_avx512<kQ8_0>(w, row_bytes, k, out, r0, r1); break;
-    }
+#else
+    (void)simd;
+    (void)avx2;
+#endif
+    dequant_rows(w, row_bytes, base, k, out, r0, r1);
   });
 }
 

@@ -14,7 +14,9 @@
 // SmolLM2's logits by 0.4 in simulation; two levels move them by 6e-3 (float32: 1e-4).
 #pragma once
 
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cstdint>
@@ -22,8 +24,10 @@
 #include "blocks.h"
 #include "cpu.h"
 
+#if defined(LLMRT_X86)
 #define LLMRT_VNNI \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,f16c,fma")))
+#endif
 
 namespace llmrt_kernels {
 
@@ -67,6 +71,7 @@ struct TwoLevel {
   int32_t sum_h, sum_l;
 };
 
+#if defined(LLMRT_X86)
 LLMRT_VNNI inline TwoLevel two_level_block(const float* x, int8_t* h0, int8_t* l0, int8_t* h1,
                                            int8_t* l1) {
   const __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
@@ -135,5 +140,7 @@ LLMRT_AVX2 inline TwoLevel two_level_block_avx2(const float* x, int8_t* h0, int8
   _mm_storeu_si128(reinterpret_cast<__m128i*>(l1), pack16_epi8(lv[2], lv[3], sum_l));
   return {amax / 127.0f, sum_h, sum_l};
 }
+
+#endif  // LLMRT_X86
 
 }  // namespace llmrt_kernels

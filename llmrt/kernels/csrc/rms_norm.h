@@ -3,7 +3,9 @@
 // RMSNorm computes it in float32.
 #pragma once
 
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
 
 #include <cmath>
 #include <cstdint>
@@ -24,6 +26,7 @@ inline void rms_norm_rows(const float* x, int64_t rows, int64_t width, const flo
   }
 }
 
+#if defined(LLMRT_X86)
 // ``rms_norm_rows`` with AVX2: the sum of squares in 8 lanes (then their sum), the scaling
 // as the portable loop does it (w * (x * inv)), so only the sum's order differs.
 LLMRT_AVX2 inline void rms_norm_rows_avx2(const float* x, int64_t rows, int64_t width,
@@ -54,13 +57,18 @@ LLMRT_AVX2 inline void rms_norm_rows_avx2(const float* x, int64_t rows, int64_t 
   }
 }
 
+#endif  // LLMRT_X86
+
 // The rows with the best loop this level has (AVX-512 callers have their own).
 inline void rms_norm_rows_best(const float* x, int64_t rows, int64_t width, const float* w,
                                double eps, float* out) {
-  if (has_avx2())
+#if defined(LLMRT_X86)
+  if (has_avx2()) {
     rms_norm_rows_avx2(x, rows, width, w, eps, out);
-  else
-    rms_norm_rows(x, rows, width, w, eps, out);
+    return;
+  }
+#endif
+  rms_norm_rows(x, rows, width, w, eps, out);
 }
 
 }  // namespace llmrt_kernels

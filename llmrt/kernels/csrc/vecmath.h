@@ -5,7 +5,9 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
 
 #include <cmath>
 #include <cstdint>
@@ -34,6 +36,7 @@ inline float activate(float v, int64_t kind) {
   }
 }
 
+#if defined(LLMRT_X86)
 // The first n of 16 lanes (all 16 from n >= 16).
 inline __mmask16 lanes(int64_t n) {
   return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
@@ -150,5 +153,7 @@ LLMRT_AVX2 inline void silu_row_avx2(const In* g, const In* u, float* out, int64
     store8_tail(out + j, a, n - j);
   }
 }
+
+#endif  // LLMRT_X86
 
 }  // namespace llmrt_kernels
