@@ -671,7 +671,7 @@ void attend_keys(const Paged<T>& kv, const LayerSpec& s, int64_t r, int64_t g, i
   const int64_t group = s.num_heads / s.num_kv_heads;
   const float fscale = static_cast<float>(s.scale);
   const bool simd = has_avx512();
-  const int nv = simd && head_dim % 16 == 0 ? static_cast<int>(head_dim / 16) : 0;
+  [[maybe_unused]] const int nv = simd && head_dim % 16 == 0 ? static_cast<int>(head_dim / 16) : 0;
   std::fill_n(out, group * head_dim, 0.0f);
   if (count <= 0) {
     if (stats != nullptr)

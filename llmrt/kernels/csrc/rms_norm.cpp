@@ -67,8 +67,8 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const float* xp = xc.const_data_ptr<float>();
   const float* wp = wc.const_data_ptr<float>();
   float* yp = y.mutable_data_ptr<float>();
-  const bool simd = llmrt_kernels::has_avx512();
-  const float e = static_cast<float>(eps);
+  [[maybe_unused]] const bool simd = llmrt_kernels::has_avx512();
+  [[maybe_unused]] const float e = static_cast<float>(eps);
   at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
 #if defined(LLMRT_X86)
     if (simd) {
