@@ -4,7 +4,19 @@
 and the runtime modules underneath are importable for model authors and tests.
 """
 
+import contextlib
+import os
+
 from llmrt.sampling.params import SamplingParams
+
+if os.environ.get("LLMRT_KERNELS_ISA"):
+    # Cap torch's own kernels at the forced level before anything runs an op (a bad value
+    # raises where the kernels load or a policy reads the level).
+    from llmrt.device.cpu_features import pin_torch_isa
+    from llmrt.errors import ConfigError
+
+    with contextlib.suppress(ConfigError):
+        pin_torch_isa()
 
 __version__ = "0.1.0"
 

@@ -1,19 +1,29 @@
-"""What the host CPU is, read once from Linux ``/proc/cpuinfo`` (its first CPU's lines).
+"""What the host CPU is, read once from Linux ``/proc/cpuinfo`` (its first CPU's lines), and
+the instruction-set level the kernels and the policies run at (``isa_level``).
 
 Why: some choices depend on the CPU's arithmetic rather than on its instruction set alone.
 bfloat16 GEMMs are the example: AVX-512 BF16 is on AMD Zen 4 and on Intel Cooper Lake and
 later, but only some of those multiply bfloat16 faster than float32 (see
 ``bfloat16_gemm_advantage``).
+
+``LLMRT_KERNELS_ISA=<level>`` makes this process behave like a CPU of a lower level end to
+end: the kernels (``csrc/cpu.h`` reads the same variable), the policies here
+(``usable_cpu_features`` drops the flags above the level) and torch's own kernels
+(``pin_torch_isa``: ATen's vector dispatch, oneDNN and MKL are capped too).
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import platform
 import sys
+import warnings
 
 import attrs
+
+from llmrt.errors import ConfigError
 
 CPUINFO = "/proc/cpuinfo"
 #: The flags of Intel's AMX tiles, usable only once Linux grants the process their state.
@@ -54,7 +64,7 @@ def read_cpu_features(cpuinfo: str = CPUINFO) -> CpuFeatures:
         model_name=fields.get("model name", ""),
         family=fields.get("cpu family", ""),
         model=fields.get("model", ""),
-        flags=frozenset(fields.get("flags", "").split()),
+        flags=frozenset((fields.get("flags") or fields.get("Features", "")).split()),
     )
 
 
@@ -77,11 +87,143 @@ def amx_permitted() -> bool:
 
 def usable_cpu_features(cpuinfo: str = CPUINFO) -> CpuFeatures:
     """``read_cpu_features`` less the AMX flags where the kernel does not grant AMX state
-    (``amx_permitted``): what this process can actually run."""
+    (``amx_permitted``), and less every flag above the forced level (``isa_level``): what
+    this process can actually run, or is told to run as."""
     features = read_cpu_features(cpuinfo)
-    if features.flags & AMX_FLAGS and not amx_permitted():
-        return attrs.evolve(features, flags=features.flags - AMX_FLAGS)
-    return features
+    flags = features.flags
+    if flags & AMX_FLAGS and not amx_permitted():
+        flags = flags - AMX_FLAGS
+    level = _running_level(features)
+    if level != detected_isa_level(features):
+        flags = frozenset(f for f in flags if not _above_level(f, level))
+    return features if flags == features.flags else attrs.evolve(features, flags=flags)
+
+
+#: The kernels' instruction-set levels in order (``csrc/cpu.h``), per architecture.
+X86_LEVELS: tuple[str, ...] = ("scalar", "avx2", "avx512", "avx512_vnni")
+ARM64_LEVELS: tuple[str, ...] = ("scalar", "neon", "dotprod", "i8mm")
+#: The /proc/cpuinfo flags each level needs (x86: AVX2 + FMA + F16C; AVX-512 F/BW/VL/DQ;
+#: AVX-512 VNNI. arm64: Advanced SIMD, its dot product, the int8 matrix multiply).
+LEVEL_FLAGS: dict[str, frozenset[str]] = {
+    "scalar": frozenset(),
+    "avx2": frozenset({"avx2", "fma", "f16c"}),
+    "avx512": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"}),
+    "avx512_vnni": frozenset({"avx512_vnni"}),
+    "neon": frozenset({"asimd"}),
+    "dotprod": frozenset({"asimddp"}),
+    "i8mm": frozenset({"i8mm"}),
+}
+ISA_VARIABLE = "LLMRT_KERNELS_ISA"
+
+
+def isa_levels(machine: str | None = None) -> tuple[str, ...]:
+    """The levels of ``machine`` (``platform.machine()`` when not given); ``("scalar",)``
+    on an architecture without vector kernels."""
+    machine = (machine or platform.machine()).lower()
+    if machine in ("x86_64", "amd64", "i686", "i386"):
+        return X86_LEVELS
+    if machine in ("aarch64", "arm64"):
+        return ARM64_LEVELS
+    return ("scalar",)
+
+
+def detected_isa_level(features: CpuFeatures, machine: str | None = None) -> str:
+    """The highest level whose flags (and every lower level's) ``features`` lists. arm64
+    without a flags line (macOS) counts as ``neon``, which every AArch64 CPU has."""
+    levels = isa_levels(machine)
+    best = "scalar"
+    for level in levels[1:]:
+        needed = LEVEL_FLAGS[level]
+        if level == "neon" and not features.flags:
+            needed = frozenset()
+        if not needed <= features.flags:
+            break
+        best = level
+    return best
+
+
+def isa_level(features: CpuFeatures | None = None, *, machine: str | None = None) -> str:
+    """The level this process runs at: ``LLMRT_KERNELS_ISA`` when set (any level at or below
+    the CPU's), else the CPU's own. A value that is not a level, or one above the CPU, is a
+    ``ConfigError`` naming the variable and the allowed values."""
+    cpu = features if features is not None else read_cpu_features()
+    detected = detected_isa_level(cpu, machine)
+    forced = os.environ.get(ISA_VARIABLE, "")
+    if not forced:
+        return detected
+    levels = isa_levels(machine)
+    allowed = list(levels[: levels.index(detected) + 1])
+    if forced not in allowed:
+        why = "is above this CPU" if forced in levels else "is not a level"
+        raise ConfigError(
+            ISA_VARIABLE, forced, f"{why}; this CPU ({detected}) runs one of {allowed}"
+        )
+    return forced
+
+
+def isa_at_least(level: str, features: CpuFeatures | None = None) -> bool:
+    """Whether the running level (``isa_level``) includes ``level`` (same architecture)."""
+    levels = isa_levels()
+    running = _running_level(features if features is not None else read_cpu_features())
+    return level in levels and levels.index(running) >= levels.index(level)
+
+
+def _running_level(features: CpuFeatures) -> str:
+    """``isa_level(features)``, or the CPU's own level where the forced one is not among its
+    levels (a described CPU, not this one: the error is for this CPU's loads)."""
+    try:
+        return isa_level(features)
+    except ConfigError:
+        return detected_isa_level(features)
+
+
+def _above_level(flag: str, level: str) -> bool:
+    """Whether a CPU of x86 ``level`` lacks ``flag`` (the vector extensions past it)."""
+    if level == "avx512_vnni" or level not in X86_LEVELS:
+        return flag in AMX_FLAGS or flag in ("avx512_bf16", "avx512_fp16")
+    wide = flag.startswith(("avx512", "amx", "avx_vnni", "avx_ifma", "avx_ne", "avx10"))
+    if level == "avx512":
+        return wide and flag not in ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd")
+    if level == "avx2":
+        return wide
+    return wide or flag in ("avx", "avx2", "fma", "f16c")
+
+
+#: The variables ``pin_torch_isa`` sets (a child process forced to another level drops them).
+TORCH_ISA_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+#: What ``pin_torch_isa`` caps torch's own kernels at, per level below the CPU's:
+#: (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA, MKL_ENABLE_INSTRUCTIONS).
+_TORCH_CAPS: dict[str, tuple[str, str, str]] = {
+    "scalar": ("default", "SSE41", "SSE4_2"),
+    "avx2": ("avx2", "AVX2", "AVX2"),
+    "avx512": ("avx512", "AVX512_CORE", "AVX512"),
+    "avx512_vnni": ("avx512", "AVX512_CORE_VNNI", "AVX512"),
+}
+
+
+def pin_torch_isa() -> str:
+    """Cap torch's ATen vector kernels, oneDNN and MKL at the forced level (environment
+    variables each reads at its first use; one the user set is left alone); returns the
+    level. A process whose ATen already chose a higher capability gets a warning naming the
+    cost: its torch ops keep running at the CPU's level."""
+    level = isa_level()
+    if level == detected_isa_level(read_cpu_features()) or level not in _TORCH_CAPS:
+        return level
+    aten, onednn, mkl = _TORCH_CAPS[level]
+    os.environ.setdefault("ATEN_CPU_CAPABILITY", aten)
+    os.environ.setdefault("ONEDNN_MAX_CPU_ISA", onednn)
+    os.environ.setdefault("MKL_ENABLE_INSTRUCTIONS", mkl)
+    import torch
+
+    running = torch.backends.cpu.get_cpu_capability().lower()
+    if running not in (os.environ["ATEN_CPU_CAPABILITY"].lower(), "default"):
+        warnings.warn(
+            f"{ISA_VARIABLE}={level}: torch's own kernels had already chosen {running} in "
+            f"this process and keep it; set the variable before torch runs an op",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return level
 
 
 def bfloat16_gemm_advantage(features: CpuFeatures) -> str | None:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol, get_args
 
 import torch
 
-from llmrt.errors import ConfigError
+from llmrt.errors import ConfigError, DeviceError
 from llmrt.families.decoder_layers import MLP, DecoderLayer, MoE, Norm
 from llmrt.families.layers import (
     ACTIVATIONS,
@@ -32,7 +32,12 @@ from llmrt.families.layers import (
     StackedLinear,
 )
 from llmrt.families.parts import DecoderSpec
-from llmrt.kernels.native import kernels_available, python_entry
+from llmrt.kernels.native import (
+    kernels_available,
+    kernels_isa,
+    python_entry,
+    vector_kernels,
+)
 
 if TYPE_CHECKING:
     from llmrt.families.kvbinding import BoundKV
@@ -76,6 +81,10 @@ MAX_ROWS_BLOCKS = 32
 MAX_ROWS_DENSE = 16
 #: Weight kind of a dense float32 matrix (ggml blocks use their type ids).
 DENSE_F32 = 0
+
+
+#: The prefix of the op's page-table bounds error (``decode_layer.cpp``: ``check_bounds``).
+BOUNDS_ERROR = "llmrt_kernels.bounds:"
 
 
 class NotFusable(Exception):
@@ -309,10 +318,17 @@ class FusedDecode:
         imports (``python_entry.cpp`` says why), else the TorchScript method."""
         if self._bound is None:
             raise RuntimeError("FusedDecode.step_bound before bind")
-        if self._entry is not None:
-            logits: torch.Tensor = self._entry(self._address, tokens, positions, page_table)
-        else:
-            logits = self._stack.step_bound(tokens, positions, page_table)
+        try:
+            if self._entry is not None:
+                logits: torch.Tensor = self._entry(self._address, tokens, positions, page_table)
+            else:
+                logits = self._stack.step_bound(tokens, positions, page_table)
+        except (IndexError, RuntimeError) as exc:
+            # The op's bounds check (page-table entries against the KV pool) ran before any
+            # write: the caches are as they were.
+            if BOUNDS_ERROR in str(exc):
+                raise DeviceError(f"fused decode step: {exc}") from exc
+            raise
         return logits
 
 
@@ -352,6 +368,12 @@ def select_decode_kernel(model: object, *, choice: str, device: torch.device) ->
     else:
         backbone.fused_decode = choice != "ops"  # type: ignore[union-attr]
         why = status() if device.type == "cpu" else f"runs on {device.type}, not the CPU"
+        if why is None and choice == "auto" and not vector_kernels():
+            # The op's scalar loops lost to torch's ops (float32 SmolLM2 on an AVX2 EPYC
+            # before its AVX2 paths: 2x slower); ``fused`` still runs them.
+            backbone.fused_decode = False  # type: ignore[union-attr]
+            level = kernels_isa()[0]
+            why = f"the kernels have no vector loops at level {level} (the ops are faster)"
     if choice == "fused" and why is not None:
         raise ConfigError(field, choice, f"cannot fuse this model's decode layers: {why}")
     return why

@@ -17,6 +17,7 @@ from torch import nn
 from llmrt.device.cpu_features import (
     CpuFeatures,
     bfloat16_gemm_advantage,
+    isa_at_least,
     read_cpu_features,
     usable_cpu_features,
 )
@@ -31,7 +32,13 @@ from llmrt.kernels.formats import (
     concat_rows,
     quantize,
 )
-from llmrt.kernels.native import int8_dot_supported, kernels_loaded, load_kernels
+from llmrt.kernels.native import (
+    int8_dot_supported,
+    integer_gemm_supported,
+    kernels_loaded,
+    load_kernels,
+    vector_kernels,
+)
 
 #: A checkpoint weight as the layer factories take it: float, kept in ggml blocks, or row
 #: ranges in different block kinds (a fused projection of a mixed-type GGUF).
@@ -96,13 +103,15 @@ def native_mlp_activation(
 
 def native_rms_norm_usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether ``native_rms_norm`` takes this call: float32 on the CPU, one weight row, not
-    under torch.compile (inductor fuses the torch form itself), kernels loaded."""
+    under torch.compile (inductor fuses the torch form itself), kernels loaded with vector
+    loops at the running level (``vector_kernels``: the scalar loop lost to torch's op)."""
     return (
         x.device.type == "cpu"
         and x.dtype == weight.dtype == torch.float32
         and weight.dim() == 1
         and not torch.compiler.is_compiling()
         and kernels_loaded()
+        and vector_kernels()
     )
 
 
@@ -289,7 +298,7 @@ class QuantizedLinear(_BlockWeightModule):
             return True
         if self.weight.layout != "interleaved":
             return True
-        return not int8_dot_supported() and rows >= INTERLEAVED_FLOAT32_GEMM_MIN_ROWS
+        return not integer_gemm_supported() and rows >= INTERLEAVED_FLOAT32_GEMM_MIN_ROWS
 
     def gemm_input_dtype(self, rows: int) -> torch.dtype:
         """The dtype ``rows`` activation rows are multiplied in (what ``x`` is cast to)."""
@@ -529,14 +538,18 @@ AUTO_INTERLEAVED_KINDS: tuple[str, ...] = ("q4_0", "q4_1")
 
 def auto_interleaved_kinds(cpu: CpuFeatures | None = None) -> tuple[str, ...]:
     """The block kinds ``auto`` interleaves on ``cpu`` (read from ``/proc/cpuinfo`` when not
-    given): Q4_0 and Q4_1 everywhere, Q8_0 too on Intel's CPUs.
+    given): Q4_0 and Q4_1 everywhere, Q8_0 too on Intel's CPUs and at levels below AVX-512.
 
     Why Q8_0 only there: on a 2-core Emerald Rapids its integer kernel made SmolLM2's batch-1
     step (whose tied Q8_0 LM head is 30 of the 99 MB a step reads) 0.89-0.95x as long
     (in-process A/B, medians), as fast at 4-8 rows and 0.96x at 15; on a 2-core EPYC it was
-    no faster at one row and slower at 3-8 rows than the float32 kernel."""
-    vendor = (cpu if cpu is not None else read_cpu_features()).vendor
-    return (*AUTO_INTERLEAVED_KINDS, "q8_0") if vendor == "GenuineIntel" else AUTO_INTERLEAVED_KINDS
+    no faster at one row and slower at 3-8 rows than the float32 kernel. That float32
+    kernel is AVX-512 code: below AVX-512 the ggml layout runs a slower AVX2 float loop, and
+    the integer kernel is the fast one on every vendor."""
+    features = cpu if cpu is not None else read_cpu_features()
+    if features.vendor == "GenuineIntel" or not isa_at_least("avx512", features):
+        return (*AUTO_INTERLEAVED_KINDS, "q8_0")
+    return AUTO_INTERLEAVED_KINDS
 
 
 def select_weight_layout(

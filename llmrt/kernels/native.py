@@ -19,12 +19,16 @@ import hashlib
 import importlib.util
 import os
 import shutil
+import subprocess
 import sys
+import tempfile
+import warnings
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
+from llmrt.device.cpu_features import pin_torch_isa
 from llmrt.errors import ConfigError, LLMRTError
 from llmrt.paths import default_cache_dir
 
@@ -43,16 +47,56 @@ _SOURCES = (
     _CSRC / "rope.cpp",
     _CSRC / "rms_norm.cpp",
     _CSRC / "clock_probe.cpp",
+    _CSRC / "isa.cpp",
     _CSRC / "python_entry.cpp",
 )
-#: ``-fopenmp``: ``at::parallel_for`` is an OpenMP pragma in the headers, so without it the
-#: kernels run on one thread. The library links the ``libgomp.so.1`` torch already loaded
-#: (same soname), so both share one thread pool.
-_CFLAGS = ("-O3", "-fno-math-errno", "-fopenmp")
+
+
+@functools.cache
+def _openmp_flags() -> tuple[str, ...]:
+    """``("-fopenmp",)`` where the C++ compiler takes it, else ``()`` with a warning.
+
+    Why: ``at::parallel_for`` is an OpenMP pragma in the headers and the fused step's team
+    is an OpenMP region, so without it the kernels run on one thread. The library links
+    the ``libgomp.so.1`` torch already loaded (same soname), so both share one thread pool.
+    Apple clang rejects a bare ``-fopenmp``: there the library builds without it.
+    """
+    compiler = os.environ.get("CXX", "c++")
+    with tempfile.TemporaryDirectory() as tmp:
+        source = Path(tmp) / "omp.cpp"
+        source.write_text(
+            "#include <omp.h>\nint main() { return omp_get_max_threads() > 0 ? 0 : 1; }\n"
+        )
+        try:
+            probe = subprocess.run(
+                [compiler, "-fopenmp", str(source), "-o", str(Path(tmp) / "omp")],
+                capture_output=True,
+                timeout=120,
+            )
+        except (OSError, subprocess.TimeoutExpired):
+            return ()
+    if probe.returncode == 0:
+        return ("-fopenmp",)
+    warnings.warn(
+        f"{compiler} does not take -fopenmp: llmrt's CPU kernels build without OpenMP and "
+        "run each op on one thread (about 1/N of the speed on N cores)",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+    return ()
+
+
+def _cflags() -> tuple[str, ...]:
+    return ("-O3", "-fno-math-errno", *_openmp_flags())
+
+
+def _ldflags() -> tuple[str, ...]:
+    return _openmp_flags()
+
+
 #: Builds kept per build root (each source, flag or torch change builds a new ~3 MB one): the
 #: most recently loaded; older ones are deleted after a build.
 KEPT_BUILDS = 4
-_LDFLAGS = ("-fopenmp",)
 
 
 class KernelUnavailableError(LLMRTError):
@@ -65,7 +109,9 @@ def build_directories() -> tuple[Path, ...]:
     for path in sorted(_CSRC.iterdir()):
         if path.suffix in (".cpp", ".h"):
             digest.update(path.name.encode() + path.read_bytes())
-    digest.update(" ".join((*_CFLAGS, *_LDFLAGS)).encode())
+    # The flags as asked for (whether the compiler takes -fopenmp is asked only when building,
+    # so a load never runs the compiler).
+    digest.update(" ".join(("-O3", "-fno-math-errno", "-fopenmp", "-fopenmp")).encode())
     digest.update(f"{torch.__version__}|{sys.implementation.cache_tag}".encode())
     name = digest.hexdigest()[:16]
     return (Path(__file__).parent / "_build" / name, default_cache_dir() / "kernels" / name)
@@ -74,7 +120,9 @@ def build_directories() -> tuple[Path, ...]:
 @functools.cache
 def load_kernels() -> Path:
     """Make ``torch.ops.llmrt_kernels`` available, building the library if needed (once);
-    returns the directory it was loaded from."""
+    returns the directory it was loaded from. A bad ``LLMRT_KERNELS_ISA`` is a
+    ``ConfigError`` here, before the library reads it."""
+    pin_torch_isa()
     candidates = build_directories()
     for directory in candidates:
         library = directory / f"{LIBRARY}.so"
@@ -167,13 +215,41 @@ def python_entry() -> ModuleType | None:
     return module
 
 
+def kernels_isa() -> tuple[str, str, bool]:
+    """(the level the loaded kernels run at, the CPU's level, whether their AVX-512 BF16
+    paths run): ``csrc/cpu.h``'s reading, which ``llmrt.device.cpu_features.isa_level``
+    must agree with."""
+    run, cpu, bf16 = torch.ops.llmrt_kernels.kernels_isa()
+    return str(run), str(cpu), bf16 == "bf16"
+
+
 @functools.cache
 def int8_dot_supported() -> bool:
-    """Whether this CPU runs the interleaved layout's integer-dot kernels (AVX-512 VNNI);
-    False too when the kernels do not load (asked once per process)."""
+    """Whether the running level has the interleaved layout's integer-dot decode kernels
+    (AVX2 ``maddubs`` or AVX-512 VNNI ``dpbusd``); False too when the kernels do not load
+    (asked once per process)."""
     if not kernels_loaded():
         return False
     return bool(torch.ops.llmrt_kernels.int8_dot_supported())
+
+
+@functools.cache
+def integer_gemm_supported() -> bool:
+    """Whether the running level has the interleaved layout's many-row integer GEMM
+    (AVX-512 VNNI); without it prefill-sized calls dequantize and run a float GEMM."""
+    if not kernels_loaded():
+        return False
+    return bool(torch.ops.llmrt_kernels.integer_gemm_supported())
+
+
+@functools.cache
+def vector_kernels() -> bool:
+    """Whether the running level has the vector loops of the kernels' norm, activation and
+    fused-step arithmetic (x86 AVX2 and up); at ``scalar`` (and on arm64 for now) torch's own
+    ops are faster and the policies take them."""
+    if not kernels_loaded():
+        return False
+    return kernels_isa()[0] in ("avx2", "avx512", "avx512_vnni")
 
 
 def _build(directory: Path) -> None:
@@ -185,8 +261,8 @@ def _build(directory: Path) -> None:
             name=LIBRARY,
             sources=[str(path) for path in _SOURCES],
             build_directory=str(directory),
-            extra_cflags=list(_CFLAGS),
-            extra_ldflags=list(_LDFLAGS),
+            extra_cflags=list(_cflags()),
+            extra_ldflags=list(_ldflags()),
             is_python_module=False,
             verbose=bool(os.environ.get("LLMRT_KERNELS_VERBOSE")),
         )

@@ -574,3 +574,55 @@ def test_recipes_choose_the_decode_kernel_through_the_container(counted_runs: li
     # GPT-2's LayerNorm is not a part the op has: asking for it fails at build, by field.
     with pytest.raises(ConfigError, match=r"device\.decode_kernel.*layers\.0"):
         LLM.from_recipe("tiny-gpt2", overrides={"device.decode_kernel": "fused"})
+
+
+@pytest.mark.parametrize("entry", [4, -2, 1 << 40], ids=["past-pool", "below-minus-one", "huge"])
+def test_a_page_table_outside_the_pool_raises_before_anything_is_written(entry: int) -> None:
+    """Every page-table entry is checked against every layer's KV pool once per step, before
+    any write: an entry past the pool (or below -1) is an error naming the entry, and the
+    hidden state and both caches keep their bytes (the row at position 9 would have written
+    through its second page)."""
+    from llmrt.kernels.native import load_kernels
+
+    load_kernels()
+    hidden, heads, kv_heads, dim = 32, 2, 1, 16
+    layers = [_stack_layer(hidden, heads, kv_heads, dim, seed) for seed in (1, 2)]
+    stack = _stack(layers)
+    x = torch.randn(2, hidden)
+    cos, sin = torch.rand(2, dim), torch.rand(2, dim)
+    caches = [torch.randn(4, kv_heads, 8, dim) for _ in range(4)]
+    table = torch.tensor([[0, 1, -1], [2, entry, 3]], dtype=torch.int64)
+    positions = torch.tensor([9, 3])
+    got, got_caches = x.clone(), [c.clone() for c in caches]
+    with pytest.raises(IndexError, match=rf"page_table\[1, 1\] = {entry} is not a block"):
+        stack.run(got, [cos], [sin], got_caches[:2], got_caches[2:], table, positions)
+    assert torch.equal(got, x)
+    for a, b in zip(got_caches, caches, strict=True):
+        assert torch.equal(a, b)
+    # A pool smaller in one layer bounds the table for all of them.
+    short_k = [caches[0][:2].clone(), caches[1].clone()]
+    short_v = [caches[2][:2].clone(), caches[3].clone()]
+    ok_table = torch.tensor([[0, 1, -1], [2, -1, 3]])
+    with pytest.raises(IndexError, match=r"page_table\[1, 0\] = 2 .*\(0\.\.1\)"):
+        stack.run(x.clone(), [cos], [sin], short_k, short_v, ok_table, positions)
+
+
+def test_the_fused_step_turns_a_bad_page_table_into_a_device_error(parity_harness: Any) -> None:
+    """Through the model's fused step (the pybind11 entry), a table entry past the pool is a
+    ``DeviceError`` and the bound caches keep their bytes."""
+    from llmrt.errors import DeviceError
+
+    harness = _build("llama-yarn-biases", parity_harness)
+    model = harness.model
+    harness.bind(fill_seed=1)
+    _decode(harness)  # the fused plan is built and bound
+    keys = [k.clone() for k in model._kv.keys]
+    blocks = model._kv.keys[0].shape[0]
+    with pytest.raises(DeviceError, match="is not a block of the KV pool"):
+        model.decode_forward(
+            tokens=torch.tensor([4]),
+            positions=torch.tensor([3], dtype=torch.int32),
+            page_table=torch.tensor([[blocks]], dtype=torch.int32),
+        )
+    for a, b in zip(model._kv.keys, keys, strict=True):
+        assert torch.equal(a, b)

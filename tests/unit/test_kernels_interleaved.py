@@ -14,7 +14,7 @@ import pytest
 import torch
 from test_kernels_gguf_blocks import KINDS, random_weight, reference
 
-from llmrt.device.cpu_features import CpuFeatures
+from llmrt.device.cpu_features import ISA_VARIABLE, CpuFeatures, isa_at_least
 from llmrt.errors import ConfigError
 from llmrt.families.layers import (
     QuantizedEmbedding,
@@ -23,7 +23,7 @@ from llmrt.families.layers import (
     select_weight_layout,
 )
 from llmrt.kernels.formats import BLOCK_BYTES, QuantizedWeight, concat_rows
-from llmrt.kernels.native import int8_dot_supported
+from llmrt.kernels.native import int8_dot_supported, integer_gemm_supported
 
 GROUP = {"q4_0": 4, "q4_1": 4, "q8_0": 2}
 #: Widths whose last group holds 1, 2, 3 or 4 blocks (and several groups).
@@ -94,7 +94,7 @@ def test_linear_on_interleaved_blocks_is_within_the_two_level_bound(
     got = linear(x).double()
     error = (got - x.double() @ w64.T).abs()
     assert bool((error <= two_level_bound(x, w64)).all())
-    if rows >= 16 and int8_dot_supported():
+    if rows >= 16 and integer_gemm_supported():
         # The integer GEMM quantizes each row as the one-row loop does: the two differ only
         # in float32 summation order (a loose pack or scale would show far above that).
         alone = torch.cat([linear(x[r : r + 1]) for r in range(rows)]).double()
@@ -148,7 +148,7 @@ def test_many_rows_span_row_chunks_and_panels_within_the_bound(kind: str) -> Non
     got = QuantizedLinear(weight=weight.interleaved())(x).double()
     error = (got - x.double() @ w64.T).abs()
     assert bool((error <= two_level_bound(x, w64)).all())
-    if int8_dot_supported():  # the integer GEMM's rows are independent of their neighbours
+    if integer_gemm_supported():  # the integer GEMM's rows are independent of their neighbours
         tail = QuantizedLinear(weight=weight.interleaved())(x[250:290]).double()
         assert torch.equal(tail, got[250:290])
 
@@ -186,13 +186,27 @@ def _layouts(model: _Model) -> dict[str, str]:
     return {name: m.weight.layout for name, m in model.named_children()}
 
 
-AMD, INTEL = CpuFeatures(vendor="AuthenticAMD"), CpuFeatures(vendor="GenuineIntel")
+_AVX2 = frozenset({"avx", "avx2", "fma", "f16c"})
+_AVX512 = _AVX2 | {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_vnni"}
+AMD = CpuFeatures(vendor="AuthenticAMD", flags=_AVX512)
+INTEL = CpuFeatures(vendor="GenuineIntel", flags=_AVX512)
+AMD_AVX2 = CpuFeatures(vendor="AuthenticAMD", flags=_AVX2)
 
 
-def test_auto_interleaves_q8_0_only_on_intel() -> None:
+def _q8_interleaved(cpu: CpuFeatures) -> bool:
+    """Q8_0 interleaves on Intel, and wherever the level runs below AVX-512 (no float32
+    block kernel of that level beats the integer one)."""
+    return cpu.vendor == "GenuineIntel" or not isa_at_least("avx512", cpu)
+
+
+def test_auto_interleaves_q8_0_on_intel_and_below_avx512(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ISA_VARIABLE, raising=False)
     assert auto_interleaved_kinds(AMD) == ("q4_0", "q4_1")
     assert auto_interleaved_kinds(INTEL) == ("q4_0", "q4_1", "q8_0")
-    assert auto_interleaved_kinds(CpuFeatures()) == ("q4_0", "q4_1")
+    assert auto_interleaved_kinds(AMD_AVX2) == ("q4_0", "q4_1", "q8_0")
+    assert auto_interleaved_kinds(CpuFeatures()) == ("q4_0", "q4_1", "q8_0")
+    monkeypatch.setenv(ISA_VARIABLE, "avx2")  # the same EPYC forced to AVX2
+    assert auto_interleaved_kinds(AMD) == ("q4_0", "q4_1", "q8_0")
 
 
 @pytest.mark.parametrize("cpu", [AMD, INTEL], ids=["amd", "intel"])
@@ -204,8 +218,8 @@ def test_weight_layout_choices(cpu: CpuFeatures) -> None:
     assert set(_layouts(model).values()) == {"ggml"}
     changed = select_weight_layout(model, choice="auto", device=device, cpu=cpu)  # type: ignore[arg-type]
     if int8_dot_supported():
-        q8 = "interleaved" if cpu is INTEL else "ggml"
-        assert changed == (3 if cpu is INTEL else 2)
+        q8 = "interleaved" if _q8_interleaved(cpu) else "ggml"
+        assert changed == (3 if _q8_interleaved(cpu) else 2)
         assert _layouts(model) == {"a": "interleaved", "b": "interleaved", "c": q8}
         assert model.a.ggml_type == 3 + 256 and model.a.blocks is model.a.weight.blocks
     else:
@@ -281,7 +295,7 @@ def test_interleaved_rows_keep_the_integer_kernel_where_a_gemm_would_be_float32(
 
     # float32 GEMMs (the default gemm_dtype) never replace the kernels under 128 rows, nor
     # at any size where the CPU runs them (from 16 rows they run an integer GEMM).
-    big = "kernel" if int8_dot_supported() else "f32-gemm"
+    big = "kernel" if integer_gemm_supported() else "f32-gemm"
     assert [path(linear, r) for r in (47, 48, 127, 128, 4096)] == ["kernel"] * 3 + [big] * 2
     linear.gemm_dtype = torch.bfloat16
     linear.gemm_dtype_min_rows = 128

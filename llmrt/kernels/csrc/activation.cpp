@@ -14,7 +14,9 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cstdint>
@@ -31,26 +33,46 @@ using llmrt_kernels::has_avx512;
 using llmrt_kernels::has_avx512_bf16;
 using llmrt_kernels::kRelu;
 using llmrt_kernels::kSilu;
-using llmrt_kernels::lanes;
-using llmrt_kernels::load16;
 
+#if defined(LLMRT_X86)
 LLMRT_AVX512 inline void store16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,f16c,fma"))) inline void store16(
+LLMRT_AVX512_BF16 inline void store16(
     c10::BFloat16* p, __m512 v, __mmask16 m) {
   _mm256_mask_storeu_epi16(p, m, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
 }
+#endif  // LLMRT_X86
 
-// One row: out[j] = silu(gate[j]) * up[j] (up == nullptr: silu(gate[j])).
+#if defined(LLMRT_X86)
+// One row: out[j] = silu(gate[j]) * up[j] (up == nullptr: silu(gate[j])); float32 output
+// needs AVX-512 only, bfloat16 output its BF16 rounding too (two bodies, two targets).
 template <typename In, typename Out>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,f16c,fma"))) void silu_row(
-    const In* gate, const In* up, Out* out, int64_t n) {
+LLMRT_AVX512 void silu_row_f32(const In* gate, const In* up, Out* out, int64_t n) {
   for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 m = lanes(n - j);
-    __m512 a = llmrt_kernels::silu512(load16(gate + j, m));
-    if (up != nullptr) a = _mm512_mul_ps(a, load16(up + j, m));
+    const __mmask16 m = llmrt_kernels::lanes(n - j);
+    __m512 a = llmrt_kernels::silu512(llmrt_kernels::load16(gate + j, m));
+    if (up != nullptr) a = _mm512_mul_ps(a, llmrt_kernels::load16(up + j, m));
     store16(out + j, a, m);
   }
 }
+
+template <typename In, typename Out>
+LLMRT_AVX512_BF16 void silu_row_bf16(const In* gate, const In* up, Out* out, int64_t n) {
+  for (int64_t j = 0; j < n; j += 16) {
+    const __mmask16 m = llmrt_kernels::lanes(n - j);
+    __m512 a = llmrt_kernels::silu512(llmrt_kernels::load16(gate + j, m));
+    if (up != nullptr) a = _mm512_mul_ps(a, llmrt_kernels::load16(up + j, m));
+    store16(out + j, a, m);
+  }
+}
+
+template <typename In, typename Out>
+void silu_row(const In* gate, const In* up, Out* out, int64_t n) {
+  if constexpr (std::is_same_v<Out, float>)
+    silu_row_f32<In, Out>(gate, up, out, n);
+  else
+    silu_row_bf16<In, Out>(gate, up, out, n);
+}
+#endif  // LLMRT_X86
 
 template <typename In, typename Out>
 void scalar_row(const In* gate, const In* up, Out* out, int64_t n, int64_t kind) {
@@ -66,16 +88,33 @@ void activate_rows(const at::Tensor& y, at::Tensor& out, int64_t kind, bool gate
   const int64_t width = y.size(-1), inter = out.size(-1), rows = out.numel() / std::max<int64_t>(inter, 1);
   const In* src = y.const_data_ptr<In>();
   Out* dst = out.mutable_data_ptr<Out>();
-  // The vector path needs AVX-512 BF16 only where it rounds to bfloat16.
+  // The vector path needs AVX-512 BF16 only where it rounds to bfloat16; AVX2 computes in
+  // float32 and rounds to bfloat16 as c10 does (nearest even, as vcvtneps2bf16).
   const bool simd = kind == kSilu && (std::is_same_v<Out, float> ? has_avx512() : has_avx512_bf16());
+  const bool avx2 = kind == kSilu && !simd && llmrt_kernels::has_avx2();
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    std::vector<float> buf(avx2 && !std::is_same_v<Out, float> ? inter : 0);
     for (int64_t r = r0; r < r1; ++r) {
       const In* gate = src + r * width;
       const In* up = gated ? gate + inter : nullptr;
-      if (simd)
+#if defined(LLMRT_X86)
+      if (simd) {
         silu_row<In, Out>(gate, up, dst + r * inter, inter);
-      else
+        continue;
+      }
+      if (avx2) {
+        if constexpr (std::is_same_v<Out, float>) {
+          llmrt_kernels::silu_row_avx2<In>(gate, up, dst + r * inter, inter);
+        } else {
+          llmrt_kernels::silu_row_avx2<In>(gate, up, buf.data(), inter);
+          for (int64_t j = 0; j < inter; ++j) dst[r * inter + j] = static_cast<Out>(buf[j]);
+        }
+        continue;
+      }
+#endif
+      {
         scalar_row<In, Out>(gate, up, dst + r * inter, inter, kind);
+      }
     }
   });
 }

@@ -1,37 +1,210 @@
-// The instruction set the kernels' fast paths are compiled for, and the run-time check that
-// picks them: AVX-512 (F, BW, VL) with F16C and FMA. Functions marked LLMRT_AVX512 are
-// compiled for it whatever the build flags say; callers take them only when has_avx512().
-// LLMRT_KERNELS_ISA=portable (read once per process) makes every check false, so the
-// portable loops a CPU without AVX-512 runs can be tested on one that has it.
+// The instruction-set level the kernels run at: detected once per process, forceable
+// downwards, and the predicates every kernel asks before taking a fast path.
+//
+// Levels (each includes the ones before it):
+//   x86-64: scalar < avx2 (AVX2 + FMA + F16C) < avx512 (F, BW, VL, DQ) < avx512_vnni
+//   arm64:  scalar < neon < dotprod < i8mm
+// plus one capability bit beside the x86 order: AVX-512 BF16 (vcvtneps2bf16), kept only at
+// the CPU's own level (a forced lower level stands for a CPU without it).
+//
+// Detection: x86 reads CPUID and the OS's saved-register state (XGETBV: YMM for AVX2, the
+// opmask/ZMM state for AVX-512), so a VM or kernel that does not save the wide registers
+// runs the narrower code; arm64 reads getauxval(AT_HWCAP) on Linux and sysctlbyname on macOS.
+// No __builtin_cpu_supports (clang rejects some of its names, and it cannot be forced).
+//
+// LLMRT_KERNELS_ISA=<level> (read once per process) forces any level at or below the CPU's,
+// so the code another CPU runs is tested on this one; the Python side
+// (llmrt/device/cpu_features.py) reads the same variable for its policies and raises a
+// ConfigError for an unknown or too-high value before the library loads. Should the library
+// see one anyway, it runs the scalar loops and ``isa_error()`` says why (the
+// ``kernels_isa`` op raises it).
+//
+// Functions marked LLMRT_AVX2 / LLMRT_AVX512 / LLMRT_VNNI are compiled for that level
+// whatever the build flags say; callers take them only when the matching predicate holds.
 #pragma once
 
+#include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 
-#define LLMRT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,f16c,fma")))
+#if defined(__x86_64__) || defined(__i386__)
+#define LLMRT_X86 1
+#include <cpuid.h>
+#elif defined(__aarch64__)
+#define LLMRT_ARM64 1
+#if defined(__linux__)
+#include <sys/auxv.h>
+#elif defined(__APPLE__)
+#include <sys/sysctl.h>
+#include <sys/types.h>
+#endif
+#endif
+
+#if !defined(_OPENMP)
+// Built without OpenMP (Apple clang's default): the kernels' parallel regions run on one
+// thread; llmrt.kernels.native warns when it builds so.
+inline int omp_get_num_threads() { return 1; }
+inline int omp_get_thread_num() { return 0; }
+#endif
+
+#if defined(LLMRT_X86)
+#define LLMRT_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define LLMRT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,f16c,fma")))
+#define LLMRT_AVX512_BF16 \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,f16c,fma")))
+#endif
 
 namespace llmrt_kernels {
 
-inline bool portable_forced() {
-  static const bool forced = [] {
-    const char* isa = std::getenv("LLMRT_KERNELS_ISA");
-    return isa != nullptr && std::strcmp(isa, "portable") == 0;
-  }();
-  return forced;
+// The ordered levels; names index by value (x86 and arm64 share the numbers 0-3).
+enum IsaLevel : int { kIsaScalar = 0, kIsa1 = 1, kIsa2 = 2, kIsa3 = 3 };
+#if defined(LLMRT_X86)
+constexpr int kIsaAvx2 = 1, kIsaAvx512 = 2, kIsaAvx512Vnni = 3;
+constexpr const char* kIsaNames[] = {"scalar", "avx2", "avx512", "avx512_vnni"};
+constexpr int kIsaCount = 4;
+#elif defined(LLMRT_ARM64)
+constexpr int kIsaNeon = 1, kIsaDotprod = 2, kIsaI8mm = 3;
+constexpr const char* kIsaNames[] = {"scalar", "neon", "dotprod", "i8mm"};
+constexpr int kIsaCount = 4;
+#else
+constexpr const char* kIsaNames[] = {"scalar"};
+constexpr int kIsaCount = 1;
+#endif
+
+// A spinning waiter's pause (x86 ``pause``, arm64 ``yield``).
+inline void cpu_relax() {
+#if defined(LLMRT_X86)
+  __builtin_ia32_pause();
+#elif defined(LLMRT_ARM64)
+  __asm__ __volatile__("yield");
+#endif
 }
 
-inline bool has_avx512() {
-  static const bool ok = !portable_forced() && __builtin_cpu_supports("avx512f") &&
-                         __builtin_cpu_supports("avx512bw") &&
-                         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("f16c") &&
-                         __builtin_cpu_supports("fma");
-  return ok;
+// What the CPU (and OS) offer: its level and capability bits.
+struct CpuIsa {
+  int level = kIsaScalar;
+  bool bf16 = false;  // x86: AVX-512 BF16 (needs the avx512 register state)
+};
+
+#if defined(LLMRT_X86)
+inline uint64_t xgetbv0() {
+  uint32_t lo = 0, hi = 0;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  return (static_cast<uint64_t>(hi) << 32) | lo;
+}
+#endif
+
+inline CpuIsa detect_cpu_isa() {
+  CpuIsa isa;
+#if defined(LLMRT_X86)
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return isa;
+  const bool fma = c & (1u << 12), osxsave = c & (1u << 27), avx = c & (1u << 28),
+             f16c = c & (1u << 29);
+  if (!osxsave || !avx) return isa;
+  const uint64_t xcr0 = xgetbv0();
+  const bool ymm_state = (xcr0 & 0x6) == 0x6;      // SSE + AVX state saved by the OS
+  const bool zmm_state = (xcr0 & 0xE6) == 0xE6;    // + opmask, ZMM_Hi256, Hi16_ZMM
+  unsigned b7 = 0, c7 = 0, d7 = 0, a7 = 0;
+  if (!__get_cpuid_count(7, 0, &a7, &b7, &c7, &d7)) return isa;
+  const bool avx2 = b7 & (1u << 5);
+  if (!(ymm_state && avx2 && fma && f16c)) return isa;
+  isa.level = kIsaAvx2;
+  const bool f = b7 & (1u << 16), dq = b7 & (1u << 17), bw = b7 & (1u << 30),
+             vl = b7 & (1u << 31);
+  if (!(zmm_state && f && dq && bw && vl)) return isa;
+  isa.level = kIsaAvx512;
+  if (c7 & (1u << 11)) isa.level = kIsaAvx512Vnni;
+  unsigned a71 = 0, b71 = 0, c71 = 0, d71 = 0;
+  if (__get_cpuid_count(7, 1, &a71, &b71, &c71, &d71)) isa.bf16 = a71 & (1u << 5);
+#elif defined(LLMRT_ARM64)
+  isa.level = kIsaNeon;  // Advanced SIMD is part of every AArch64 profile Linux and macOS run
+#if defined(__linux__)
+  const unsigned long hw = getauxval(AT_HWCAP), hw2 = getauxval(AT_HWCAP2);
+  const bool dotprod = hw & (1ul << 20);  // HWCAP_ASIMDDP
+  const bool i8mm = hw2 & (1ul << 13);    // HWCAP2_I8MM
+#elif defined(__APPLE__)
+  auto flag = [](const char* name) {
+    int v = 0;
+    size_t n = sizeof(v);
+    return sysctlbyname(name, &v, &n, nullptr, 0) == 0 && v != 0;
+  };
+  const bool dotprod = flag("hw.optional.arm.FEAT_DotProd");
+  const bool i8mm = flag("hw.optional.arm.FEAT_I8MM");
+#else
+  const bool dotprod = false, i8mm = false;
+#endif
+  if (dotprod) isa.level = kIsaDotprod;
+  if (dotprod && i8mm) isa.level = kIsaI8mm;
+#endif
+  return isa;
 }
 
-// AVX-512 BF16 conversions (vcvtneps2bf16), on top of has_avx512().
-inline bool has_avx512_bf16() {
-  static const bool ok = has_avx512() && __builtin_cpu_supports("avx512bf16");
-  return ok;
+// The level the kernels run at, the CPU's, and the forcing's error (empty when fine).
+struct IsaState {
+  CpuIsa cpu;
+  CpuIsa run;
+  std::string error;
+};
+
+inline std::string allowed_levels(int upto) {
+  std::string s;
+  for (int i = 0; i <= upto; ++i) s += std::string(i ? ", " : "") + kIsaNames[i];
+  return s;
 }
+
+inline IsaState make_isa_state(const char* forced) {
+  IsaState st;
+  st.cpu = detect_cpu_isa();
+  st.run = st.cpu;
+  if (forced == nullptr || forced[0] == '\0') return st;
+  for (int i = 0; i < kIsaCount; ++i) {
+    if (std::strcmp(forced, kIsaNames[i]) != 0) continue;
+    if (i > st.cpu.level) break;
+    if (i < st.cpu.level) st.run = CpuIsa{i, false};
+    return st;
+  }
+  st.error = std::string("LLMRT_KERNELS_ISA=") + forced + " is not one of this CPU's levels (" +
+             allowed_levels(st.cpu.level) + ")";
+  st.run = CpuIsa{};
+  std::fprintf(stderr, "llmrt_kernels: %s; running the scalar loops\n", st.error.c_str());
+  return st;
+}
+
+inline const IsaState& isa_state() {
+  static const IsaState st = make_isa_state(std::getenv("LLMRT_KERNELS_ISA"));
+  return st;
+}
+
+inline int isa_level() { return isa_state().run.level; }
+inline const char* isa_name() { return kIsaNames[isa_level()]; }
+inline const char* cpu_isa_name() { return kIsaNames[isa_state().cpu.level]; }
+inline const std::string& isa_error() { return isa_state().error; }
+
+#if defined(LLMRT_X86)
+inline bool has_avx2() { return isa_level() >= kIsaAvx2; }
+inline bool has_avx512() { return isa_level() >= kIsaAvx512; }
+inline bool has_avx512_vnni() { return isa_level() >= kIsaAvx512Vnni; }
+inline bool has_avx512_bf16() { return has_avx512() && isa_state().run.bf16; }
+inline bool has_neon() { return false; }
+inline bool has_dotprod() { return false; }
+inline bool has_i8mm() { return false; }
+#else
+inline bool has_avx2() { return false; }
+inline bool has_avx512() { return false; }
+inline bool has_avx512_vnni() { return false; }
+inline bool has_avx512_bf16() { return false; }
+#if defined(LLMRT_ARM64)
+inline bool has_neon() { return isa_level() >= kIsaNeon; }
+inline bool has_dotprod() { return isa_level() >= kIsaDotprod; }
+inline bool has_i8mm() { return isa_level() >= kIsaI8mm; }
+#else
+inline bool has_neon() { return false; }
+inline bool has_dotprod() { return false; }
+inline bool has_i8mm() { return false; }
+#endif
+#endif
 
 }  // namespace llmrt_kernels

@@ -21,12 +21,16 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
+#ifdef _OPENMP
 #include <omp.h>
+#endif
 #ifdef __linux__
 #include <sched.h>
 #endif
 
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -47,12 +51,15 @@
 namespace {
 
 using llmrt_kernels::activate;
-using llmrt_kernels::exp512;
 using llmrt_kernels::has_avx512;
 using llmrt_kernels::kSilu;
+#if defined(LLMRT_X86)
+using llmrt_kernels::exp512;
 using llmrt_kernels::lanes;
 using llmrt_kernels::load16;
-using llmrt_kernels::rms_norm_rows;
+#endif
+using llmrt_kernels::rms_norm_rows_best;
+using llmrt_kernels::has_avx2;
 
 // Rotate the leading ``rot`` channels of one head by the row's tables (rotate-half convention).
 void rope_head(float* v, const float* cos, const float* sin, int64_t rot) {
@@ -65,6 +72,7 @@ void rope_head(float* v, const float* cos, const float* sin, int64_t rot) {
   }
 }
 
+#if defined(LLMRT_X86)
 template <typename T>
 LLMRT_AVX512 float dot_avx512(const float* a, const T* b, int64_t n) {
   __m512 acc = _mm512_setzero_ps();
@@ -118,8 +126,61 @@ LLMRT_AVX512 void silu_avx512(const float* g, const float* u, float* a, int64_t 
 }
 
 template <typename T>
+LLMRT_AVX2 float dot_avx2(const float* a, const T* b, int64_t n) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), llmrt_kernels::load8(b + j), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j + 8), llmrt_kernels::load8(b + j + 8), acc1);
+  }
+  for (; j + 8 <= n; j += 8)
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + j), llmrt_kernels::load8(b + j), acc0);
+  if (j < n)
+    acc1 = _mm256_fmadd_ps(llmrt_kernels::load8_tail(a + j, n - j),
+                           llmrt_kernels::load8_tail(b + j, n - j), acc1);
+  return llmrt_kernels::hadd8(_mm256_add_ps(acc0, acc1));
+}
+
+template <typename T>
+LLMRT_AVX2 void axpy_avx2(float w, const T* x, float* y, int64_t n) {
+  const __m256 vw = _mm256_set1_ps(w);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8)
+    _mm256_storeu_ps(y + j, _mm256_fmadd_ps(vw, llmrt_kernels::load8(x + j), _mm256_loadu_ps(y + j)));
+  for (; j < n; ++j) y[j] += w * static_cast<float>(x[j]);
+}
+
+LLMRT_AVX2 float exp_shift_sum_avx2(float* s, int64_t n, float top) {
+  const __m256 shift = _mm256_set1_ps(top);
+  __m256 total = _mm256_setzero_ps();
+  int64_t t = 0;
+  for (; t + 8 <= n; t += 8) {
+    const __m256 e = llmrt_kernels::exp256(_mm256_sub_ps(_mm256_loadu_ps(s + t), shift));
+    _mm256_storeu_ps(s + t, e);
+    total = _mm256_add_ps(total, e);
+  }
+  float sum = llmrt_kernels::hadd8(total);
+  if (t < n) {
+    alignas(32) float buf[8];
+    const __m256 e = llmrt_kernels::exp256(
+        _mm256_sub_ps(llmrt_kernels::load8_tail(s + t, n - t), shift));
+    _mm256_store_ps(buf, e);
+    for (int64_t i = 0; i < n - t; ++i) {
+      s[t + i] = buf[i];
+      sum += buf[i];
+    }
+  }
+  return sum;
+}
+
+#endif  // LLMRT_X86
+
+template <typename T>
 inline float dot(const float* a, const T* b, int64_t n) {
+#if defined(LLMRT_X86)
   if (has_avx512()) return dot_avx512(a, b, n);
+  if (has_avx2()) return dot_avx2(a, b, n);
+#endif
   float s = 0.0f;
   for (int64_t j = 0; j < n; ++j) s += a[j] * static_cast<float>(b[j]);
   return s;
@@ -127,10 +188,16 @@ inline float dot(const float* a, const T* b, int64_t n) {
 
 template <typename T>
 inline void axpy(float w, const T* x, float* y, int64_t n) {
+#if defined(LLMRT_X86)
   if (has_avx512()) {
     axpy_avx512(w, x, y, n);
     return;
   }
+  if (has_avx2()) {
+    axpy_avx2(w, x, y, n);
+    return;
+  }
+#endif
   for (int64_t j = 0; j < n; ++j) y[j] += w * static_cast<float>(x[j]);
 }
 
@@ -157,6 +224,7 @@ inline int64_t page_run(const Paged<T>& kv, const int64_t* row_table, int64_t g,
   return std::min(kv.block_size - off, left);
 }
 
+#if defined(LLMRT_X86)
 // One row's attention for one KV head with head_dim = 16 * NV (AVX-512): keys are walked
 // page by page (no division per key), each key's K is loaded once for all the group's
 // query heads, and the outputs of up to GC heads accumulate in registers over the values.
@@ -198,7 +266,7 @@ template <typename T>
 inline void prefetch_keys(const T* p, int64_t n, int64_t stride, int64_t row_bytes) {
   for (int64_t i = 0; i < n; ++i, p += stride)
     for (int64_t off = 0; off < row_bytes; off += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(p) + off, _MM_HINT_T0);
+      __builtin_prefetch(reinterpret_cast<const char*>(p) + off, 0, 3);
 }
 
 template <typename T, int NV>
@@ -270,6 +338,8 @@ LLMRT_AVX512 void attend_task_avx512(const Paged<T>& kv, const int64_t* row_tabl
   }
 }
 
+
+#endif  // LLMRT_X86
 
 template <typename T>
 Paged<T> paged(const at::Tensor& k_cache, const at::Tensor& v_cache, const int64_t* table,
@@ -393,7 +463,7 @@ inline void team_barrier(const Team& team) {
   }
   for (int spins = 0; b.generation.load(std::memory_order_acquire) == gen; ++spins) {
     if (spins < b.spins) {
-      _mm_pause();
+      llmrt_kernels::cpu_relax();
     } else {
       std::this_thread::yield();
     }
@@ -601,7 +671,7 @@ void attend_keys(const Paged<T>& kv, const LayerSpec& s, int64_t r, int64_t g, i
   const int64_t group = s.num_heads / s.num_kv_heads;
   const float fscale = static_cast<float>(s.scale);
   const bool simd = has_avx512();
-  const int nv = simd && head_dim % 16 == 0 ? static_cast<int>(head_dim / 16) : 0;
+  [[maybe_unused]] const int nv = simd && head_dim % 16 == 0 ? static_cast<int>(head_dim / 16) : 0;
   std::fill_n(out, group * head_dim, 0.0f);
   if (count <= 0) {
     if (stats != nullptr)
@@ -612,6 +682,7 @@ void attend_keys(const Paged<T>& kv, const LayerSpec& s, int64_t r, int64_t g, i
     return;
   }
   const int64_t* row_table = kv.table + r * kv.width;
+#if defined(LLMRT_X86)
   switch (nv) {
     case 1: attend_task_avx512<T, 1>(kv, row_table, g, first, count, q, group, fscale, out, scores, stats); return;
     case 2: attend_task_avx512<T, 2>(kv, row_table, g, first, count, q, group, fscale, out, scores, stats); return;
@@ -619,6 +690,7 @@ void attend_keys(const Paged<T>& kv, const LayerSpec& s, int64_t r, int64_t g, i
     case 8: attend_task_avx512<T, 8>(kv, row_table, g, first, count, q, group, fscale, out, scores, stats); return;
     default: break;
   }
+#endif
   scores.assign(static_cast<size_t>(group * count), 0.0f);
   for (int64_t t = 0; t < count; ++t) {
     const int64_t key = first + t;
@@ -631,9 +703,14 @@ void attend_keys(const Paged<T>& kv, const LayerSpec& s, int64_t r, int64_t g, i
     float* sc = scores.data() + j * count;
     const float top = *std::max_element(sc, sc + count);
     float total = 0.0f;
+#if defined(LLMRT_X86)
     if (simd) {
       total = exp_shift_sum_avx512(sc, count, top);
-    } else {
+    } else if (has_avx2()) {
+      total = exp_shift_sum_avx2(sc, count, top);
+    } else
+#endif
+    {
       for (int64_t t = 0; t < count; ++t) {
         sc[t] = std::exp(sc[t] - top);
         total += sc[t];
@@ -705,7 +782,7 @@ void residual_rows(float* h, const float* proj, const std::optional<at::Tensor>&
     const float* pr = proj + r * width;
     for (int64_t j = 0; j < width; ++j) hr[j] += m * (b != nullptr ? pr[j] + b[j] : pr[j]);
     if (norm != nullptr)
-      rms_norm_rows(hr, 1, width, norm->const_data_ptr<float>(), eps, normed + r * width);
+      rms_norm_rows_best(hr, 1, width, norm->const_data_ptr<float>(), eps, normed + r * width);
   }
 }
 
@@ -722,9 +799,18 @@ void activate_cols(const LayerSpec& s, float* up_p, float* act_p, int64_t rows, 
         for (int64_t j = c0; j < c1; ++j) up_row[j] += b[s.inter + j];
     }
     float* a = act_p + r * s.inter;
+#if defined(LLMRT_X86)
     if (s.activation == kSilu && has_avx512()) {
       silu_avx512(gate_row + c0, up_row == nullptr ? nullptr : up_row + c0, a + c0, c1 - c0);
-    } else if (up_row != nullptr) {
+      continue;
+    }
+    if (s.activation == kSilu && has_avx2()) {
+      llmrt_kernels::silu_row_avx2<float>(gate_row + c0, up_row == nullptr ? nullptr : up_row + c0,
+                                         a + c0, c1 - c0);
+      continue;
+    }
+#endif
+    if (up_row != nullptr) {
       for (int64_t j = c0; j < c1; ++j) a[j] = activate(gate_row[j], s.activation) * up_row[j];
     } else {
       for (int64_t j = c0; j < c1; ++j) a[j] = activate(gate_row[j], s.activation);
@@ -926,7 +1012,7 @@ void run_stack(const std::vector<LayerSpec>& layers, StepInputs& in, const Ends*
       std::copy_n(in.h, rows * width, st.h);
     }
     if (own || team.tid == 0)
-      rms_norm_rows(st.h, rows, width, layers[0].attn_norm.const_data_ptr<float>(),
+      rms_norm_rows_best(st.h, rows, width, layers[0].attn_norm.const_data_ptr<float>(),
                     layers[0].eps, st.normed);
     if (!own) team_barrier(team);
     for (size_t i = 0; i < layers.size(); ++i) {
@@ -987,6 +1073,23 @@ const int64_t* int64_values(const at::Tensor& t, std::vector<int64_t>& store) {
   return store.data();
 }
 
+// Every page-table entry is a block of every layer's KV pool or -1 (no page), checked once
+// per step before any kernel writes. Why: a row writes its K/V through the table and reads
+// its keys through it; an entry past the pool would write outside it. Positions need no
+// check of their own: a position before 0 or past its table's span writes nothing and its
+// keys are clipped to the span (the file comment), so only the table can point outside.
+void check_bounds(const int64_t* table, int64_t rows, int64_t width,
+                  const std::vector<at::Tensor>& k) {
+  int64_t blocks = std::numeric_limits<int64_t>::max();
+  for (const at::Tensor& t : k) blocks = std::min<int64_t>(blocks, t.size(0));
+  for (int64_t i = 0; i < rows * width; ++i) {
+    const int64_t e = table[i];
+    TORCH_CHECK_INDEX(e >= -1 && e < blocks, "llmrt_kernels.bounds: page_table[", i / width, ", ",
+                      i % width, "] = ", e, " is not a block of the KV pool (0..", blocks - 1,
+                      ") or -1; nothing was written");
+  }
+}
+
 // Checks the per-step tensors against the layers and fills ``in`` (page table and positions
 // as int64, copied into ``table`` / ``pos`` where they are not, which must outlive the step).
 void prepare_step(const std::vector<LayerSpec>& layers, const at::Tensor& hidden,
@@ -1030,6 +1133,7 @@ void prepare_step(const std::vector<LayerSpec>& layers, const at::Tensor& hidden
   in.width = hidden.size(1);
   in.pos = int64_values(positions, pos);
   in.table = int64_values(page_table, table);
+  check_bounds(in.table, rows, page_table.size(1), k);
   in.table_width = page_table.size(1);
   in.cos = cos;
   in.sin = sin;

@@ -19,7 +19,9 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cstdint>
@@ -32,6 +34,7 @@
 #include "prefetch.h"
 #include "linear.h"
 #include "tiles.h"
+#include "vecmath.h"
 
 namespace {
 
@@ -90,6 +93,7 @@ void linear_rows_scalar(const float* x, int64_t ldx, int64_t rows_m, const uint8
   }
 }
 
+#if defined(LLMRT_X86)
 // ---- AVX-512 -----------------------------------------------------------------------------
 
 // The block's 32 weights as two float32 vectors (elements 0-15 and 16-31).
@@ -225,6 +229,8 @@ LLMRT_AVX512 void dequant_rows_avx512(const uint8_t* w, int64_t row_bytes, int64
   }
 }
 
+#endif  // LLMRT_X86
+
 template <int64_t KIND>
 void dequant_rows_scalar(const uint8_t* w, int64_t row_bytes, int64_t k, float* out, int64_t r0,
                          int64_t r1) {
@@ -234,6 +240,7 @@ void dequant_rows_scalar(const uint8_t* w, int64_t row_bytes, int64_t k, float* 
       dequant_block_scalar<KIND>(w + r * row_bytes + b * bb, out + r * k + b * kBlock);
 }
 
+#if defined(LLMRT_X86)
 // Dense float32 weights [N, K] (kind 0): the same row-tile loop without the dequantize step.
 template <int64_t MT>
 LLMRT_AVX512 void dense_rows_tile_avx512(const float* x, int64_t ldx, const float* w, int64_t k,
@@ -275,6 +282,7 @@ LLMRT_AVX512 void dense_rows_avx512(const float* x, int64_t ldx, int64_t rows_m,
                                     int64_t k, float* y, int64_t ldy, int64_t n0, int64_t n1) {
   llmrt_kernels::run_tiles(DenseTile{x, ldx, w, k, y, ldy}, rows_m, n0, n1, 16);
 }
+#endif  // LLMRT_X86
 
 void dense_rows_scalar(const float* x, int64_t ldx, int64_t rows_m, const float* w, int64_t k,
                        float* y, int64_t ldy, int64_t n0, int64_t n1) {
@@ -285,6 +293,139 @@ void dense_rows_scalar(const float* x, int64_t ldx, int64_t rows_m, const float*
       y[r * ldy + n] = s;
     }
 }
+
+#if defined(LLMRT_X86)
+// ---- AVX2 + FMA + F16C -------------------------------------------------------------------
+
+// The block's 32 weights as four float32 vectors; 4-bit levels as d * q + m in one FMA (the
+// AVX-512 table's rounding), Q8_0 as d * q.
+template <int64_t KIND>
+LLMRT_AVX2 inline void dequant_block_avx2(const uint8_t* blk, __m256* w) {
+  const __m256 vd = _mm256_set1_ps(half_at(blk));
+  if constexpr (KIND == kQ8_0) {
+    for (int i = 0; i < 4; ++i)
+      w[i] = _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
+                                   _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 2 + 8 * i)))));
+  } else {
+    const __m256 vm = KIND == kQ4_1 ? _mm256_set1_ps(half_at(blk + 2))
+                                    : _mm256_mul_ps(vd, _mm256_set1_ps(-8.0f));
+    const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (KIND == kQ4_1 ? 4 : 2)));
+    const __m128i low = _mm_set1_epi8(15);
+    const __m128i lo = _mm_and_si128(q, low), hi = _mm_and_si128(_mm_srli_epi16(q, 4), low);
+    const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+    for (int i = 0; i < 4; ++i)
+      w[i] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i])), vd, vm);
+  }
+}
+
+// MT (<= 4) activation rows against ggml block rows [n0, n1), float32 activations.
+template <int64_t KIND, int MT>
+LLMRT_AVX2 void linear_tile_avx2(const float* x, int64_t ldx, const uint8_t* w, int64_t row_bytes,
+                                 int64_t k, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  constexpr int64_t bb = block_bytes_of(KIND);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    __m256 acc[MT][2];
+    for (int r = 0; r < MT; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < k / kBlock; ++b) {
+      __m256 wv[4];
+      dequant_block_avx2<KIND>(row + b * bb, wv);
+      for (int r = 0; r < MT; ++r) {
+        const float* xr = x + r * ldx + b * kBlock;
+        acc[r][0] = _mm256_fmadd_ps(wv[0], _mm256_loadu_ps(xr), acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(wv[1], _mm256_loadu_ps(xr + 8), acc[r][1]);
+        acc[r][0] = _mm256_fmadd_ps(wv[2], _mm256_loadu_ps(xr + 16), acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(wv[3], _mm256_loadu_ps(xr + 24), acc[r][1]);
+      }
+    }
+    for (int r = 0; r < MT; ++r) y[r * ldy + n] = llmrt_kernels::hadd8(_mm256_add_ps(acc[r][0], acc[r][1]));
+  }
+}
+
+template <int64_t KIND>
+struct BlockTileAvx2 {
+  const float* x;
+  int64_t ldx;
+  const uint8_t* w;
+  int64_t row_bytes, k;
+  float* y;
+  int64_t ldy;
+
+  template <int MT>
+  void run(int64_t r, int64_t c0, int64_t c1) const {
+    if constexpr (MT > 4) {
+      run<4>(r, c0, c1);
+      run<MT - 4>(r + 4, c0, c1);
+    } else {
+      linear_tile_avx2<KIND, MT>(x + r * ldx, ldx, w, row_bytes, k, y + r * ldy, ldy, c0, c1);
+    }
+  }
+};
+
+template <int64_t KIND>
+void linear_rows_avx2(const float* x, int64_t ldx, int64_t rows_m, const uint8_t* w,
+                      int64_t row_bytes, int64_t k, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  llmrt_kernels::run_tiles(BlockTileAvx2<KIND>{x, ldx, w, row_bytes, k, y, ldy}, rows_m, n0, n1, 16);
+}
+
+template <int64_t KIND>
+LLMRT_AVX2 void dequant_rows_avx2(const uint8_t* w, int64_t row_bytes, int64_t k, float* out,
+                                  int64_t r0, int64_t r1) {
+  constexpr int64_t bb = block_bytes_of(KIND);
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t b = 0; b < k / kBlock; ++b) {
+      __m256 wv[4];
+      dequant_block_avx2<KIND>(w + r * row_bytes + b * bb, wv);
+      float* o = out + r * k + b * kBlock;
+      for (int i = 0; i < 4; ++i) _mm256_storeu_ps(o + 8 * i, wv[i]);
+    }
+}
+
+// Dense float32 rows: MT (<= 4) activation rows per pass over a weight row.
+template <int MT>
+LLMRT_AVX2 void dense_tile_avx2(const float* x, int64_t ldx, const float* w, int64_t k, float* y,
+                                int64_t ldy, int64_t n0, int64_t n1) {
+  for (int64_t n = n0; n < n1; ++n) {
+    const float* row = w + n * k;
+    __m256 acc[MT][2];
+    for (int r = 0; r < MT; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 16 <= k; j += 16) {
+      const __m256 w0 = _mm256_loadu_ps(row + j), w1 = _mm256_loadu_ps(row + j + 8);
+      for (int r = 0; r < MT; ++r) {
+        acc[r][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + r * ldx + j), acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + r * ldx + j + 8), acc[r][1]);
+      }
+    }
+    for (; j < k; j += 8) {
+      const int64_t left = std::min<int64_t>(8, k - j);
+      const __m256 w0 = llmrt_kernels::load8_tail(row + j, left);
+      for (int r = 0; r < MT; ++r)
+        acc[r][0] = _mm256_fmadd_ps(w0, llmrt_kernels::load8_tail(x + r * ldx + j, left), acc[r][0]);
+    }
+    for (int r = 0; r < MT; ++r) y[r * ldy + n] = llmrt_kernels::hadd8(_mm256_add_ps(acc[r][0], acc[r][1]));
+  }
+}
+
+struct DenseTileAvx2 {
+  const float* x;
+  int64_t ldx;
+  const float* w;
+  int64_t k;
+  float* y;
+  int64_t ldy;
+
+  template <int MT>
+  void run(int64_t r, int64_t c0, int64_t c1) const {
+    if constexpr (MT > 4) {
+      run<4>(r, c0, c1);
+      run<MT - 4>(r + 4, c0, c1);
+    } else {
+      dense_tile_avx2<MT>(x + r * ldx, ldx, w, k, y + r * ldy, ldy, c0, c1);
+    }
+  }
+};
+#endif  // LLMRT_X86
 
 void check_blocks(const at::Tensor& blocks, int64_t kind, int64_t in_features) {
   TORCH_CHECK(blocks.device().is_cpu(), "llmrt_kernels: blocks must be on the CPU");
@@ -392,13 +533,20 @@ void linear_range_rows(const float* x, int64_t rows_m, const void* data, int64_t
                        int64_t kind, int64_t k, const uint8_t* prep, float* y, int64_t n0,
                        int64_t n1) {
   if (rows_m <= 0 || n0 >= n1) return;
-  const bool simd = has_avx512();
+  const bool simd = has_avx512(), avx2 = llmrt_kernels::has_avx2();
   if (kind == kDenseF32) {
     const float* wp = static_cast<const float*>(data);
-    if (simd)
+#if defined(LLMRT_X86)
+    if (simd) {
       dense_rows_avx512(x, k, rows_m, wp, k, y, n, n0, n1);
-    else
-      dense_rows_scalar(x, k, rows_m, wp, k, y, n, n0, n1);
+      return;
+    }
+    if (avx2) {
+      llmrt_kernels::run_tiles(DenseTileAvx2{x, k, wp, k, y, n}, rows_m, n0, n1, 16);
+      return;
+    }
+#endif
+    dense_rows_scalar(x, k, rows_m, wp, k, y, n, n0, n1);
     return;
   }
   const uint8_t* wp = static_cast<const uint8_t*>(data);
@@ -414,20 +562,33 @@ void linear_range_rows(const float* x, int64_t rows_m, const void* data, int64_t
     interleaved_range(x, rows_m, wp, rb, kind & ~kInterleaved, k, prep, y, n, n0, n1);
     return;
   }
+#if defined(LLMRT_X86)
   switch (kind) {
     case kQ4_0:
       if (simd) linear_rows_avx512<kQ4_0>(x, k, rows_m, wp, rb, k, y, n, n0, n1);
+      else if (avx2) linear_rows_avx2<kQ4_0>(x, k, rows_m, wp, rb, k, y, n, n0, n1);
       else linear_rows_scalar<kQ4_0>(x, k, rows_m, wp, rb, k, y, n, n0, n1);
       break;
     case kQ4_1:
       if (simd) linear_rows_avx512<kQ4_1>(x, k, rows_m, wp, rb, k, y, n, n0, n1);
+      else if (avx2) linear_rows_avx2<kQ4_1>(x, k, rows_m, wp, rb, k, y, n, n0, n1);
       else linear_rows_scalar<kQ4_1>(x, k, rows_m, wp, rb, k, y, n, n0, n1);
       break;
     default:
       if (simd) linear_rows_avx512<kQ8_0>(x, k, rows_m, wp, rb, k, y, n, n0, n1);
+      else if (avx2) linear_rows_avx2<kQ8_0>(x, k, rows_m, wp, rb, k, y, n, n0, n1);
       else linear_rows_scalar<kQ8_0>(x, k, rows_m, wp, rb, k, y, n, n0, n1);
       break;
   }
+#else
+  (void)simd;
+  (void)avx2;
+  switch (kind) {
+    case kQ4_0: linear_rows_scalar<kQ4_0>(x, k, rows_m, wp, rb, k, y, n, n0, n1); break;
+    case kQ4_1: linear_rows_scalar<kQ4_1>(x, k, rows_m, wp, rb, k, y, n, n0, n1); break;
+    default: linear_rows_scalar<kQ8_0>(x, k, rows_m, wp, rb, k, y, n, n0, n1); break;
+  }
+#endif
 }
 
 }  // namespace llmrt_kernels
@@ -455,12 +616,22 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t ki
 
 template <int64_t KIND>
 void run_dequant(const uint8_t* w, int64_t row_bytes, int64_t k, float* out, int64_t rows) {
-  const bool simd = has_avx512();
+  const bool simd = has_avx512(), avx2 = llmrt_kernels::has_avx2();
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
-    if (simd)
+#if defined(LLMRT_X86)
+    if (simd) {
       dequant_rows_avx512<KIND>(w, row_bytes, k, out, r0, r1);
-    else
-      dequant_rows_scalar<KIND>(w, row_bytes, k, out, r0, r1);
+      return;
+    }
+    if (avx2) {
+      dequant_rows_avx2<KIND>(w, row_bytes, k, out, r0, r1);
+      return;
+    }
+#else
+    (void)simd;
+    (void)avx2;
+#endif
+    dequant_rows_scalar<KIND>(w, row_bytes, k, out, r0, r1);
   });
 }
 
@@ -506,15 +677,15 @@ at::Tensor gguf_dequantize(const at::Tensor& blocks, int64_t kind, int64_t in_fe
 }
 
 
-__attribute__((target("avx512f,avx512bf16"))) void to_bf16_avx512(const float* in,
-                                                                   c10::BFloat16* out,
-                                                                   int64_t n) {
+#if defined(LLMRT_X86)
+LLMRT_AVX512_BF16 void to_bf16_avx512(const float* in, c10::BFloat16* out, int64_t n) {
   int64_t i = 0;
   for (; i + 16 <= n; i += 16)
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
                         (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(in + i)));
   for (; i < n; ++i) out[i] = c10::BFloat16(in[i]);
 }
+#endif  // LLMRT_X86
 
 // The bfloat16 weight a bfloat16 GEMM multiplies (``device.gemm_dtype``): dequantized to
 // float32 a few rows at a time in cache, then rounded to nearest even, as ``.to(bfloat16)``
@@ -526,7 +697,7 @@ at::Tensor gguf_dequantize_bf16(const at::Tensor& blocks, int64_t kind, int64_t 
   const int64_t rows = blocks.size(0);
   at::Tensor out = at::empty({rows, in_features}, blocks.options().dtype(at::kBFloat16));
   if (rows == 0) return out;
-  static const bool bf16_ops = llmrt_kernels::has_avx512_bf16();
+  [[maybe_unused]] static const bool bf16_ops = llmrt_kernels::has_avx512_bf16();
   const uint8_t* wp = blocks.const_data_ptr<uint8_t>();
   c10::BFloat16* op = out.mutable_data_ptr<c10::BFloat16>();
   const int64_t rb = blocks.size(1);
@@ -542,11 +713,13 @@ at::Tensor gguf_dequantize_bf16(const at::Tensor& blocks, int64_t kind, int64_t 
       const int64_t r0 = c * kRows, n = std::min(kRows, rows - r0);
       llmrt_kernels::dequantize_rows(wp + r0 * rb, rb, kind, in_features, buf.data(), n);
       c10::BFloat16* dst = op + r0 * in_features;
+#if defined(LLMRT_X86)
       if (bf16_ops) {
         to_bf16_avx512(buf.data(), dst, n * in_features);
-      } else {
-        for (int64_t i = 0; i < n * in_features; ++i) dst[i] = c10::BFloat16(buf[i]);
+        continue;
       }
+#endif
+      for (int64_t i = 0; i < n * in_features; ++i) dst[i] = c10::BFloat16(buf[i]);
     }
   });
   return out;

@@ -15,7 +15,9 @@
 #include <c10/util/Half.h>
 #include <torch/library.h>
 
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -42,9 +44,11 @@ using llmrt_kernels::kQ4_0;
 using llmrt_kernels::kQ4_1;
 using llmrt_kernels::kQ8_0;
 using llmrt_kernels::quant_bytes;
+#if defined(LLMRT_X86)
 using llmrt_kernels::two_level_block;
+#endif
 
-using llmrt_kernels::has_vnni;
+using llmrt_kernels::has_avx512_vnni;
 
 // ---- layout ------------------------------------------------------------------------------
 
@@ -88,6 +92,7 @@ void dequant_rows(const uint8_t* w, int64_t row_bytes, int64_t base, int64_t k, 
   }
 }
 
+#if defined(LLMRT_X86)
 template <int64_t BASE>
 LLMRT_VNNI void dequant_rows_avx512(const uint8_t* w, int64_t row_bytes, int64_t k, float* out,
                                     int64_t r0, int64_t r1) {
@@ -128,7 +133,7 @@ LLMRT_VNNI void dequant_rows_avx512(const uint8_t* w, int64_t row_bytes, int64_t
 // in the float32 dequantize) rounded to bfloat16 once, then looked up per nibble (vpermw),
 // 64 bytes of output per block with no float32 row in between.
 template <int64_t BASE>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16,f16c,fma"))) void
+LLMRT_AVX512_BF16 void
 dequant_rows_bf16_q4(const uint8_t* w, int64_t row_bytes, int64_t k, uint16_t* out, int64_t r0,
                      int64_t r1) {
   const int64_t nb = k / kBlock, bb = block_bytes_of(BASE);
@@ -156,6 +161,40 @@ dequant_rows_bf16_q4(const uint8_t* w, int64_t row_bytes, int64_t k, uint16_t* o
   }
 }
 
+// AVX2: each block's levels as d * q + m in one FMA (the AVX-512 table's rounding); Q8_0 as
+// d * (q - 128).
+template <int64_t BASE>
+LLMRT_AVX2 void dequant_rows_avx2(const uint8_t* w, int64_t row_bytes, int64_t k, float* out,
+                                  int64_t r0, int64_t r1) {
+  const int64_t nb = k / kBlock;
+  const __m128i low = _mm_set1_epi8(15);
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = w + r * row_bytes;
+    for (int64_t b = 0; b < nb; ++b) {
+      const BlockRef ref = block_at(row, BASE, nb, b);
+      float* o = out + r * k + b * kBlock;
+      const __m256 vd = _mm256_set1_ps(ref.d);
+      if constexpr (BASE == kQ8_0) {
+        for (int i = 0; i < 4; ++i) {
+          const __m256i q = _mm256_sub_epi32(
+              _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(ref.q + 8 * i))),
+              _mm256_set1_epi32(128));
+          _mm256_storeu_ps(o + 8 * i, _mm256_mul_ps(vd, _mm256_cvtepi32_ps(q)));
+        }
+      } else {
+        const __m256 vm = _mm256_set1_ps(ref.m);
+        const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(ref.q));
+        const __m128i lo = _mm_and_si128(q, low), hi = _mm_and_si128(_mm_srli_epi16(q, 4), low);
+        const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+        for (int i = 0; i < 4; ++i)
+          _mm256_storeu_ps(o + 8 * i, _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[i])), vd, vm));
+      }
+    }
+  }
+}
+
+#endif  // LLMRT_X86
+
 // ---- activations -------------------------------------------------------------------------
 
 // One row of x prepared for one base kind, per group of G blocks:
@@ -169,7 +208,9 @@ dequant_rows_bf16_q4(const uint8_t* w, int64_t row_bytes, int64_t k, uint16_t* o
 //                     (removes the +128 of the stored quants)
 constexpr int64_t kGroupPrep = 2 * 128 + 64 + 64;
 
-LLMRT_VNNI void prepare_row(const float* x, int64_t k, int64_t base, uint8_t* prep) {
+#if defined(LLMRT_X86)
+template <bool AVX512>
+inline void prepare_row(const float* x, int64_t k, int64_t base, uint8_t* prep) {
   const int64_t nb = k / kBlock, g = group_of(base), ng = (nb + g - 1) / g;
   std::memset(prep, 0, ng * kGroupPrep);
   for (int64_t b = 0; b < nb; ++b) {
@@ -181,7 +222,9 @@ LLMRT_VNNI void prepare_row(const float* x, int64_t k, int64_t base, uint8_t* pr
     const int64_t off0 = base == kQ8_0 ? 32 * i : 16 * i;
     const int64_t off1 = base == kQ8_0 ? 32 * i + 16 : 64 + 16 * i;
     const llmrt_kernels::TwoLevel two =
-        two_level_block(x + b * kBlock, h + off0, l + off0, h + off1, l + off1);
+        AVX512 ? two_level_block(x + b * kBlock, h + off0, l + off0, h + off1, l + off1)
+               : llmrt_kernels::two_level_block_avx2(x + b * kBlock, h + off0, l + off0,
+                                                     h + off1, l + off1);
     const float dx = two.dx;
     const int32_t sum_h = two.sum_h, sum_l = two.sum_l;
     const int64_t lanes = 16 / g;
@@ -441,6 +484,206 @@ struct VnniTile {
   }
 };
 
+// ---- AVX2 (+FMA, F16C): the same layout and prepared activations, 256 bits at a time ----
+//
+// vpmaddubsw (u8 x s8 -> pairs summed to s16) then vpmaddwd by ones (-> s32, 4 bytes per
+// lane), as ggml's AVX2 quant dots do. A lane's four bytes belong to one block, so each half
+// of a 4-bit group (two blocks, 32 bytes) lines up with 8 of the prepared 16 per-lane scales.
+// 4-bit: the low and high nibbles' s16 pair sums are added before widening (each at most
+// 2 * 15 * 127, the sum fits s16). Q8_0: the stored q + 128 is turned back into q and
+// multiplied as |q| x sign(h, q) (at most 2 * 128 * 127 per pair), so no correction term.
+
+LLMRT_AVX2 inline __m256i dot_u4(__m256i wl, __m256i wh, const uint8_t* a_lo, const uint8_t* a_hi) {
+  const __m256i p = _mm256_add_epi16(
+      _mm256_maddubs_epi16(wl, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a_lo))),
+      _mm256_maddubs_epi16(wh, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a_hi))));
+  return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+}
+
+LLMRT_AVX2 inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// d (lanes 0-3) and m (lanes 4-7; Q4_0: -8 d) of a group's ``c`` blocks (zeros past c).
+template <int64_t BASE>
+LLMRT_AVX2 inline __m256 group_dm_avx2(const uint8_t* o, int64_t c) {
+  if (c == 4) {
+    const __m128 d = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(o + 64)));
+    const __m128 m = BASE == kQ4_1
+                         ? _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(o + 72)))
+                         : _mm_mul_ps(d, _mm_set1_ps(-8.0f));
+    return _mm256_set_m128(m, d);
+  }
+  alignas(16) uint16_t dh[4] = {0, 0, 0, 0}, mh[4] = {0, 0, 0, 0};
+  std::memcpy(dh, o + 16 * c, 2 * c);
+  if (BASE == kQ4_1) std::memcpy(mh, o + 18 * c, 2 * c);
+  const __m128 d = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(dh)));
+  const __m128 m = BASE == kQ4_1 ? _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mh)))
+                                 : _mm_mul_ps(d, _mm_set1_ps(-8.0f));
+  return _mm256_set_m128(m, d);
+}
+
+// Quants of blocks [2 * half, 2 * half + 2) of a group of ``c`` (zeros past c; no read past).
+LLMRT_AVX2 inline __m256i group_half(const uint8_t* o, int64_t c, int half) {
+  const int64_t have = c - 2 * half;
+  if (have >= 2) return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + 32 * half));
+  if (have == 1)
+    return _mm256_zextsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(o + 32 * half)));
+  return _mm256_setzero_si256();
+}
+
+// One group of 4-bit blocks (``o``, ``c`` blocks, ``dm``) against one row's prepared group
+// ``p``: integer dots per lane, scaled per lane, and the m term.
+LLMRT_AVX2 inline void q4_group_avx2(const uint8_t* o, int64_t c, __m256 dm, const uint8_t* p,
+                                     __m256& acc, __m256& macc) {
+  const __m256i low = _mm256_set1_epi8(15);
+  const __m256 d4 = _mm256_castps128_ps256(_mm256_castps256_ps128(dm));
+  const int halves = c > 2 ? 2 : 1;
+  for (int half = 0; half < halves; ++half) {
+    const __m256i z = group_half(o, c, half);
+    const __m256i wl = _mm256_and_si256(z, low), wh = _mm256_and_si256(_mm256_srli_epi16(z, 4), low);
+    const __m256i ih = dot_u4(wl, wh, p + 32 * half, p + 64 + 32 * half);
+    const __m256i il = dot_u4(wl, wh, p + 128 + 32 * half, p + 192 + 32 * half);
+    const __m256i iv = _mm256_add_epi32(_mm256_slli_epi32(ih, 8), il);
+    // lanes 0-3: block 2 * half, 4-7: block 2 * half + 1
+    const __m256 dl = _mm256_permutevar8x32_ps(
+        d4, _mm256_setr_epi32(2 * half, 2 * half, 2 * half, 2 * half, 2 * half + 1, 2 * half + 1,
+                              2 * half + 1, 2 * half + 1));
+    const __m256 scale = _mm256_loadu_ps(reinterpret_cast<const float*>(p + 256) + 8 * half);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iv), _mm256_mul_ps(dl, scale), acc);
+  }
+  macc = _mm256_fmadd_ps(dm, _mm256_loadu_ps(reinterpret_cast<const float*>(p + 320)), macc);
+}
+
+// R weight rows against one activation row (the prepared groups loaded from L1 per row;
+// ``pf`` keeps the chunk's stream requested ahead, as in ``q4_rows_m1``).
+template <int64_t BASE, int R>
+LLMRT_AVX2 void q4_rows_m1_avx2(const uint8_t* prep, const uint8_t* row, int64_t row_bytes,
+                                int64_t nb, float* y, llmrt_kernels::AheadPrefetch& pf) {
+  constexpr int64_t gb = 4 * block_bytes_of(BASE);
+  const int64_t groups = (nb + 3) / 4;
+  const int64_t slice = R * row_bytes / groups;
+  __m256 acc[R], macc[R];
+  for (int r = 0; r < R; ++r) acc[r] = macc[r] = _mm256_setzero_ps();
+  for (int64_t gi = 0; gi < groups; ++gi) {
+    pf.upto(row + slice * (gi + 1));
+    const int64_t c = std::min<int64_t>(4, nb - 4 * gi);
+    const uint8_t* p = prep + gi * kGroupPrep;
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* o = row + r * row_bytes + gi * gb;
+      q4_group_avx2(o, c, group_dm_avx2<BASE>(o, c), p, acc[r], macc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) y[r] = hsum8(_mm256_add_ps(acc[r], macc[r]));
+}
+
+// MT (<= 4) activation rows against weight rows [n0, n1) of a 4-bit kind.
+template <int64_t BASE, int MT>
+LLMRT_AVX2 void q4_tile_avx2(const uint8_t* prep, int64_t prep_stride, const uint8_t* w,
+                             int64_t row_bytes, int64_t nb, float* y, int64_t ldy, int64_t n0,
+                             int64_t n1) {
+  if constexpr (MT == 1) {
+    llmrt_kernels::AheadPrefetch pf(w + n0 * row_bytes, w + n1 * row_bytes);
+    int64_t n = n0;
+    for (; n + kRowsM1 <= n1; n += kRowsM1)
+      q4_rows_m1_avx2<BASE, kRowsM1>(prep, w + n * row_bytes, row_bytes, nb, y + n, pf);
+    for (; n < n1; ++n) q4_rows_m1_avx2<BASE, 1>(prep, w + n * row_bytes, row_bytes, nb, y + n, pf);
+    return;
+  }
+  constexpr int64_t gb = 4 * block_bytes_of(BASE);
+  const int64_t groups = (nb + 3) / 4;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    __m256 acc[MT], macc[MT];
+    for (int r = 0; r < MT; ++r) acc[r] = macc[r] = _mm256_setzero_ps();
+    for (int64_t gi = 0; gi < groups; ++gi) {
+      const int64_t c = std::min<int64_t>(4, nb - 4 * gi);
+      const uint8_t* o = row + gi * gb;
+      const __m256 dm = group_dm_avx2<BASE>(o, c);
+      for (int r = 0; r < MT; ++r)
+        q4_group_avx2(o, c, dm, prep + r * prep_stride + gi * kGroupPrep, acc[r], macc[r]);
+    }
+    for (int r = 0; r < MT; ++r) y[r * ldy + n] = hsum8(_mm256_add_ps(acc[r], macc[r]));
+  }
+}
+
+// MT (<= 4) activation rows against Q8_0 weight rows [n0, n1).
+template <int MT>
+LLMRT_AVX2 void q8_tile_avx2(const uint8_t* prep, int64_t prep_stride, const uint8_t* w,
+                             int64_t row_bytes, int64_t nb, float* y, int64_t ldy, int64_t n0,
+                             int64_t n1) {
+  const int64_t ng = (nb + 1) / 2;
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  const __m256i ones = _mm256_set1_epi16(1);
+  llmrt_kernels::AheadPrefetch pf(w + n0 * row_bytes, w + n1 * row_bytes);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    if constexpr (MT == 1) pf.upto(row + row_bytes);
+    __m256 acc[MT];
+    for (int r = 0; r < MT; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t gi = 0; gi < ng; ++gi) {
+      const int64_t c = std::min<int64_t>(2, nb - 2 * gi);
+      const uint8_t* o = row + gi * 2 * 34;
+      for (int64_t i = 0; i < c; ++i) {
+        const __m256i q = _mm256_xor_si256(
+            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + 32 * i)), flip);
+        const __m256i aq = _mm256_abs_epi8(q);
+        const __m256 d = _mm256_set1_ps(half_at(o + 32 * c + 2 * i));
+        for (int r = 0; r < MT; ++r) {
+          const uint8_t* p = prep + r * prep_stride + gi * kGroupPrep;
+          const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * i));
+          const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + 32 * i));
+          const __m256i ih = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(h, q)), ones);
+          const __m256i il = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(l, q)), ones);
+          const __m256i iv = _mm256_add_epi32(_mm256_slli_epi32(ih, 8), il);
+          const __m256 s = _mm256_mul_ps(
+              d, _mm256_loadu_ps(reinterpret_cast<const float*>(p + 256) + 8 * i));
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iv), s, acc[r]);
+        }
+      }
+    }
+    for (int r = 0; r < MT; ++r) y[r * ldy + n] = hsum8(acc[r]);
+  }
+}
+
+// ``VnniTile`` for AVX2: up to 4 activation rows per pass (16 ymm registers).
+struct Avx2Tile {
+  int64_t base;
+  const uint8_t* prep;
+  int64_t prep_stride;
+  const uint8_t* w;
+  int64_t row_bytes, nb;
+  float* y;
+  int64_t ldy;
+
+  template <int MT>
+  void run(int64_t r, int64_t c0, int64_t c1) const {
+    if constexpr (MT > 4) {
+      run<4>(r, c0, c1);
+      run<MT - 4>(r + 4, c0, c1);
+    } else {
+      const uint8_t* p = prep + r * prep_stride;
+      float* yr = y + r * ldy;
+      switch (base) {
+        case kQ4_0: q4_tile_avx2<kQ4_0, MT>(p, prep_stride, w, row_bytes, nb, yr, ldy, c0, c1); break;
+        case kQ4_1: q4_tile_avx2<kQ4_1, MT>(p, prep_stride, w, row_bytes, nb, yr, ldy, c0, c1); break;
+        default: q8_tile_avx2<MT>(p, prep_stride, w, row_bytes, nb, yr, ldy, c0, c1); break;
+      }
+    }
+  }
+};
+
+LLMRT_VNNI void prepare_row_avx512(const float* x, int64_t k, int64_t base, uint8_t* prep) {
+  prepare_row<true>(x, k, base, prep);
+}
+LLMRT_AVX2 void prepare_row_avx2(const float* x, int64_t k, int64_t base, uint8_t* prep) {
+  prepare_row<false>(x, k, base, prep);
+}
+#endif  // LLMRT_X86
+
 // Without VNNI: dequantize a weight row and take float32 dot products (a layout the
 // automatic choice never picks on such CPUs; kept so the layout runs everywhere).
 void portable_rows(const float* x, int64_t rows_m, const uint8_t* w, int64_t row_bytes,
@@ -461,7 +704,7 @@ void portable_rows(const float* x, int64_t rows_m, const uint8_t* w, int64_t row
 namespace llmrt_kernels {
 
 int64_t interleaved_prep_bytes(int64_t base, int64_t k) {
-  if (!has_vnni()) return 0;
+  if (!llmrt_kernels::has_avx2()) return 0;
   const int64_t nb = k / kBlock;
   return (nb + group_of(base) - 1) / group_of(base) * kGroupPrep;
 }
@@ -470,14 +713,36 @@ void interleaved_prepare(const float* x, int64_t r0, int64_t r1, int64_t base, i
                          uint8_t* prep) {
   const int64_t per_row = interleaved_prep_bytes(base, k);
   if (per_row == 0) return;
-  for (int64_t r = r0; r < r1; ++r) prepare_row(x + r * k, k, base, prep + r * per_row);
+#if defined(LLMRT_X86)
+  const bool vnni = has_avx512_vnni();
+  for (int64_t r = r0; r < r1; ++r) {
+    if (vnni)
+      prepare_row_avx512(x + r * k, k, base, prep + r * per_row);
+    else
+      prepare_row_avx2(x + r * k, k, base, prep + r * per_row);
+  }
+#else
+  (void)x;
+  (void)r0;
+  (void)r1;
+#endif
 }
 
 void interleaved_range(const float* x, int64_t rows_m, const uint8_t* w, int64_t row_bytes,
                        int64_t base, int64_t k, const uint8_t* prep, float* y, int64_t n,
                        int64_t n0, int64_t n1) {
-  if (!has_vnni()) {
+  if (!llmrt_kernels::has_avx2()) {
     portable_rows(x, rows_m, w, row_bytes, base, k, y, n, n0, n1);
+    return;
+  }
+#if defined(LLMRT_X86)
+  if (!has_avx512_vnni()) {
+    const Avx2Tile tile{base, prep, interleaved_prep_bytes(base, k), w, row_bytes, k / kBlock, y, n};
+    if (rows_m == 1) {
+      tile.run<1>(0, n0, n1);
+      return;
+    }
+    llmrt_kernels::run_tiles(tile, rows_m, n0, n1, 16);
     return;
   }
   const VnniTile tile{base, prep, interleaved_prep_bytes(base, k), w, row_bytes, k / kBlock, y, n};
@@ -486,10 +751,14 @@ void interleaved_range(const float* x, int64_t rows_m, const uint8_t* w, int64_t
     return;
   }
   llmrt_kernels::run_tiles(tile, rows_m, n0, n1, 16);
+#else
+  (void)prep;
+#endif
 }
 
 bool interleaved_dequantize_bf16(const uint8_t* w, int64_t row_bytes, int64_t base, int64_t k,
                                  uint16_t* out, int64_t rows) {
+#if defined(LLMRT_X86)
   static const bool ok = llmrt_kernels::has_avx512_bf16();
   if (!ok || base == kQ8_0) return false;
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
@@ -499,21 +768,38 @@ bool interleaved_dequantize_bf16(const uint8_t* w, int64_t row_bytes, int64_t ba
       dequant_rows_bf16_q4<kQ4_1>(w, row_bytes, k, out, r0, r1);
   });
   return true;
+#else
+  (void)w, (void)row_bytes, (void)base, (void)k, (void)out, (void)rows;
+  return false;
+#endif
 }
 
 void interleaved_dequantize(const uint8_t* w, int64_t row_bytes, int64_t base, int64_t k,
                             float* out, int64_t rows) {
-  const bool simd = llmrt_kernels::has_avx512();
+  const bool simd = llmrt_kernels::has_avx512(), avx2 = llmrt_kernels::has_avx2();
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
-    if (!simd) {
-      dequant_rows(w, row_bytes, base, k, out, r0, r1);
+#if defined(LLMRT_X86)
+    if (!simd && avx2) {
+      switch (base) {
+        case kQ4_0: dequant_rows_avx2<kQ4_0>(w, row_bytes, k, out, r0, r1); break;
+        case kQ4_1: dequant_rows_avx2<kQ4_1>(w, row_bytes, k, out, r0, r1); break;
+        default: dequant_rows_avx2<kQ8_0>(w, row_bytes, k, out, r0, r1); break;
+      }
       return;
     }
-    switch (base) {
-      case kQ4_0: dequant_rows_avx512<kQ4_0>(w, row_bytes, k, out, r0, r1); break;
-      case kQ4_1: dequant_rows_avx512<kQ4_1>(w, row_bytes, k, out, r0, r1); break;
-      default: dequant_rows_avx512<kQ8_0>(w, row_bytes, k, out, r0, r1); break;
+    if (simd) {
+      switch (base) {
+        case kQ4_0: dequant_rows_avx512<kQ4_0>(w, row_bytes, k, out, r0, r1); break;
+        case kQ4_1: dequant_rows_avx512<kQ4_1>(w, row_bytes, k, out, r0, r1); break;
+        default: dequant_rows_avx512<kQ8_0>(w, row_bytes, k, out, r0, r1); break;
+      }
+      return;
     }
+#else
+    (void)simd;
+    (void)avx2;
+#endif
+    dequant_rows(w, row_bytes, base, k, out, r0, r1);
   });
 }
 
@@ -536,13 +822,17 @@ at::Tensor gguf_interleave(const at::Tensor& blocks, int64_t kind, int64_t in_fe
   return out;
 }
 
-bool int8_dot_supported_op() { return has_vnni(); }
+// The decode kernels' integer dots: AVX2 (maddubs) or AVX-512 VNNI (dpbusd).
+bool int8_dot_supported_op() { return llmrt_kernels::has_avx2(); }
+// The many-row integer GEMM (interleaved_gemm.cpp): AVX-512 VNNI only.
+bool integer_gemm_supported_op() { return has_avx512_vnni(); }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(llmrt_kernels, m) {
   m.def("gguf_interleave(Tensor blocks, int kind, int in_features) -> Tensor");
   m.def("int8_dot_supported() -> bool", &int8_dot_supported_op);
+  m.def("integer_gemm_supported() -> bool", &integer_gemm_supported_op);
 }
 
 TORCH_LIBRARY_IMPL(llmrt_kernels, CPU, m) { m.impl("gguf_interleave", &gguf_interleave); }

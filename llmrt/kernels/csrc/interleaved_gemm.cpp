@@ -24,7 +24,9 @@
 
 #include <ATen/Parallel.h>
 
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -64,6 +66,7 @@ struct Levels {
 
 constexpr int64_t levels_stride(int64_t k) { return 2 * k + 8 * (k / kBlock); }
 
+#if defined(LLMRT_X86)
 LLMRT_VNNI void prepare_rows(const float* x, int64_t r0, int64_t r1, int64_t k, uint8_t* out) {
   const int64_t nb = k / kBlock, stride = levels_stride(k);
   for (int64_t r = r0; r < r1; ++r) {
@@ -245,16 +248,20 @@ uint8_t* panel_buffer(int64_t bytes) {
   return buffer.data();
 }
 
+#endif  // LLMRT_X86
+
 }  // namespace
 
 namespace llmrt_kernels {
 
 bool takes_integer_gemm(int64_t kind, int64_t rows) {
-  return (kind & kInterleaved) && rows >= kInterleavedGemmMinRows && has_vnni();
+  return (kind & kInterleaved) && rows >= kInterleavedGemmMinRows && has_avx512_vnni();
 }
 
 int64_t interleaved_gemm_prep_bytes(int64_t k) { return levels_stride(k); }
 
+// Only where ``takes_integer_gemm`` said so (AVX-512 VNNI): elsewhere there is no kernel.
+#if defined(LLMRT_X86)
 void interleaved_gemm_prepare(const float* x, int64_t r0, int64_t r1, int64_t k, uint8_t* prep) {
   prepare_rows(x, r0, r1, k, prep);
 }
@@ -296,5 +303,19 @@ void interleaved_gemm(const float* x, int64_t rows_m, const uint8_t* w, int64_t 
     });
   }
 }
+
+#else
+void interleaved_gemm_prepare(const float*, int64_t, int64_t, int64_t, uint8_t*) {
+  TORCH_CHECK(false, "llmrt_kernels: the integer GEMM needs AVX-512 VNNI");
+}
+void interleaved_gemm_range(const uint8_t*, int64_t, const uint8_t*, int64_t, int64_t, int64_t,
+                            float*, int64_t, int64_t, int64_t) {
+  TORCH_CHECK(false, "llmrt_kernels: the integer GEMM needs AVX-512 VNNI");
+}
+void interleaved_gemm(const float*, int64_t, const uint8_t*, int64_t, int64_t, int64_t, float*,
+                      int64_t) {
+  TORCH_CHECK(false, "llmrt_kernels: the integer GEMM needs AVX-512 VNNI");
+}
+#endif  // LLMRT_X86
 
 }  // namespace llmrt_kernels

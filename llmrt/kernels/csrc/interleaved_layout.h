@@ -14,7 +14,9 @@
 // SmolLM2's logits by 0.4 in simulation; two levels move them by 6e-3 (float32: 1e-4).
 #pragma once
 
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cstdint>
@@ -22,17 +24,12 @@
 #include "blocks.h"
 #include "cpu.h"
 
+#if defined(LLMRT_X86)
 #define LLMRT_VNNI \
-  __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,f16c,fma")))
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx512dq,avx2,f16c,fma")))
+#endif
 
 namespace llmrt_kernels {
-
-// Whether this CPU runs the integer kernels (AVX-512 VNNI and DQ besides ``has_avx512``).
-inline bool has_vnni() {
-  static const bool ok = has_avx512() && __builtin_cpu_supports("avx512vnni") &&
-                         __builtin_cpu_supports("avx512dq");
-  return ok;
-}
 
 // Blocks per group, and quant bytes per block, of a base kind in the interleaved layout.
 constexpr int64_t group_of(int64_t base) { return base == kQ8_0 ? 2 : 4; }
@@ -74,6 +71,7 @@ struct TwoLevel {
   int32_t sum_h, sum_l;
 };
 
+#if defined(LLMRT_X86)
 LLMRT_VNNI inline TwoLevel two_level_block(const float* x, int8_t* h0, int8_t* l0, int8_t* h1,
                                            int8_t* l1) {
   const __m512 x0 = _mm512_loadu_ps(x), x1 = _mm512_loadu_ps(x + 16);
@@ -99,5 +97,50 @@ LLMRT_VNNI inline TwoLevel two_level_block(const float* x, int8_t* h0, int8_t* l
   }
   return {amax / 127.0f, sum_h, sum_l};
 }
+
+// ``two_level_block`` in AVX2 (the same roundings in the same order, so the same bytes).
+LLMRT_AVX2 inline __m128i pack16_epi8(__m256 a, __m256 b, int32_t& sum) {
+  const __m256i ia = _mm256_cvtps_epi32(a), ib = _mm256_cvtps_epi32(b);
+  const __m256i s32 = _mm256_add_epi32(ia, ib);
+  __m128i t = _mm_add_epi32(_mm256_castsi256_si128(s32), _mm256_extracti128_si256(s32, 1));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0x4E));
+  t = _mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1));
+  sum += _mm_cvtsi128_si32(t);
+  const __m256i s16 = _mm256_permute4x64_epi64(_mm256_packs_epi32(ia, ib), 0xD8);
+  return _mm_packs_epi16(_mm256_castsi256_si128(s16), _mm256_extracti128_si256(s16, 1));
+}
+
+LLMRT_AVX2 inline TwoLevel two_level_block_avx2(const float* x, int8_t* h0, int8_t* l0,
+                                                int8_t* h1, int8_t* l1) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 v[4];
+  for (int i = 0; i < 4; ++i) v[i] = _mm256_loadu_ps(x + 8 * i);
+  __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v[0]), _mm256_andnot_ps(sign, v[1])),
+                           _mm256_max_ps(_mm256_andnot_ps(sign, v[2]), _mm256_andnot_ps(sign, v[3])));
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const float amax = _mm_cvtss_f32(m4);
+  const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+  constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  __m256 hv[4], lv[4];
+  for (int i = 0; i < 4; ++i) {
+    const __m256 s = _mm256_mul_ps(v[i], inv);
+    hv[i] = _mm256_round_ps(s, kRound);
+    lv[i] = _mm256_min_ps(
+        _mm256_max_ps(_mm256_round_ps(_mm256_mul_ps(_mm256_sub_ps(s, hv[i]), _mm256_set1_ps(256.0f)),
+                                      kRound),
+                      _mm256_set1_ps(-127.0f)),
+        _mm256_set1_ps(127.0f));
+  }
+  int32_t sum_h = 0, sum_l = 0;
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(h0), pack16_epi8(hv[0], hv[1], sum_h));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(h1), pack16_epi8(hv[2], hv[3], sum_h));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(l0), pack16_epi8(lv[0], lv[1], sum_l));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(l1), pack16_epi8(lv[2], lv[3], sum_l));
+  return {amax / 127.0f, sum_h, sum_l};
+}
+
+#endif  // LLMRT_X86
 
 }  // namespace llmrt_kernels

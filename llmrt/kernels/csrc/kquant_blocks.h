@@ -90,20 +90,6 @@ constexpr int64_t kquant_block_bytes(int64_t kind) {
   }
 }
 
-// AVX2 + FMA (+ F16C) at run time. TODO(cpu.h): fold into cpu.h's per-ISA predicates (the
-// instruction-set dispatch work owns that file); until then this reads the CPU itself and
-// obeys LLMRT_KERNELS_ISA=portable like has_avx512().
-#define LLMRT_KQ_AVX2 __attribute__((target("avx2,fma,f16c")))
-inline bool kq_has_avx2() {
-  static const bool ok = !portable_forced() && __builtin_cpu_supports("avx2") &&
-                         __builtin_cpu_supports("fma")
-#if !defined(__clang__)
-                         && __builtin_cpu_supports("f16c")  // clang < 16 has no such name
-#endif
-      ;
-  return ok;
-}
-
 // Entry points (kquants.cpp), the counterparts of linear.h's for these kinds. A row of x is
 // prepared once (``kquant_prepare``: two-level 8-bit activations per 32 values, see there;
 // nothing for F16 / BF16), then any range of output columns is computed from it.

@@ -15,14 +15,18 @@
 // float per 16 weights.
 //
 // The portable loops are written so the compiler vectorizes them; the same inline code is
-// instantiated under an AVX2 target (``LLMRT_KQ_AVX2``) where the CPU has it, with the dot
+// instantiated under an AVX2 target (``LLMRT_AVX2``, x86 only) where the CPU has it, with the dot
 // product in intrinsics. F16 / BF16 rows read float32 x directly (F16C conversion on AVX2).
 
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <c10/util/Half.h>
 
+#include "cpu.h"
+
+#if defined(LLMRT_X86)
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -38,7 +42,6 @@ namespace {
 using llmrt_kernels::half_at;
 using llmrt_kernels::kBF16;
 using llmrt_kernels::kF16;
-using llmrt_kernels::kq_has_avx2;
 using llmrt_kernels::kQ4_K;
 using llmrt_kernels::kQ5_0;
 using llmrt_kernels::kQ5_1;
@@ -182,10 +185,12 @@ inline void prepare_rows(const float* x, int64_t r0, int64_t r1, int64_t k, uint
   }
 }
 
-LLMRT_KQ_AVX2 void prepare_rows_avx2(const float* x, int64_t r0, int64_t r1, int64_t k,
+#if defined(LLMRT_X86)
+LLMRT_AVX2 void prepare_rows_avx2(const float* x, int64_t r0, int64_t r1, int64_t k,
                                      uint8_t* prep) {
   prepare_rows(x, r0, r1, k, prep);
 }
+#endif
 
 // ---- dot products over unpacked groups ----------------------------------------------------
 
@@ -224,19 +229,22 @@ void range_scalar(const uint8_t* prep, int64_t rows_m, const uint8_t* w, int64_t
   }
 }
 
-LLMRT_KQ_AVX2 inline float hsum_avx2(__m256 v) {
+#if defined(LLMRT_X86)
+LLMRT_AVX2 inline float hsum_avx2(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
 }
+#endif
 
 // Activation rows one pass over a weight block serves (accumulators in registers).
 constexpr int64_t kRowTile = 4;
 
 // A Q5_0 / Q5_1 block's 32 five-bit values as bytes, in registers: nibbles from qs, bit j of
 // qh spread to byte j (a byte shuffle of the broadcast word, then a per-byte bit test).
-LLMRT_KQ_AVX2 inline __m256i q5_bytes_avx2(const uint8_t* qs, uint32_t qh) {
+#if defined(LLMRT_X86)
+LLMRT_AVX2 inline __m256i q5_bytes_avx2(const uint8_t* qs, uint32_t qh) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
   const __m128i low = _mm_set1_epi8(0x0F);
   const __m256i nib = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low),
@@ -249,10 +257,12 @@ LLMRT_KQ_AVX2 inline __m256i q5_bytes_avx2(const uint8_t* qs, uint32_t qh) {
   const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit);
   return _mm256_or_si256(nib, _mm256_and_si256(set, _mm256_set1_epi8(0x10)));
 }
+#endif
 
 // row_tile_avx2 for the one-group blocks (Q5_0, Q5_1): unpacked in registers.
+#if defined(LLMRT_X86)
 template <int64_t KIND, int RT>
-LLMRT_KQ_AVX2 void row_tile_q5_avx2(const PGroup* px, int64_t groups, const uint8_t* row,
+LLMRT_AVX2 void row_tile_q5_avx2(const PGroup* px, int64_t groups, const uint8_t* row,
                                     int64_t nb, float* y, int64_t ldy, int64_t n) {
   constexpr int64_t bb = kquant_block_bytes(KIND);
   const __m256i ones = _mm256_set1_epi16(1);
@@ -282,10 +292,12 @@ LLMRT_KQ_AVX2 void row_tile_q5_avx2(const PGroup* px, int64_t groups, const uint
   }
   for (int r = 0; r < RT; ++r) y[r * ldy + n] = hsum_avx2(acc[r]) - macc[r];
 }
+#endif
 
 // Group ``grp`` of a K-quant block's quants as bytes, in registers (unpack_block's rule).
+#if defined(LLMRT_X86)
 template <int64_t KIND>
-LLMRT_KQ_AVX2 inline __m256i kquant_group_avx2(const uint8_t* blk, int grp) {
+LLMRT_AVX2 inline __m256i kquant_group_avx2(const uint8_t* blk, int grp) {
   const __m256i low = _mm256_set1_epi8(0x0F);
   if constexpr (KIND == kQ4_K || KIND == kQ5_K) {
     const uint8_t* qs = blk + (KIND == kQ5_K ? 48 : 16);
@@ -310,6 +322,7 @@ LLMRT_KQ_AVX2 inline __m256i kquant_group_avx2(const uint8_t* blk, int grp) {
     return _mm256_or_si256(ql, _mm256_slli_epi16(qh, 4));
   }
 }
+#endif
 
 // A K-quant block's per-half-group scales: a (the quants' factor) and b (the activation
 // sums' factor), as unpack_block computes them.
@@ -335,8 +348,9 @@ inline void kquant_scales(const uint8_t* blk, float a[8][2], float b[8][2]) {
 }
 
 // row_tile_avx2 for the K-quants: quants unpacked in registers, scales once per block.
+#if defined(LLMRT_X86)
 template <int64_t KIND, int RT>
-LLMRT_KQ_AVX2 void row_tile_kquant_avx2(const PGroup* px, int64_t groups, const uint8_t* row,
+LLMRT_AVX2 void row_tile_kquant_avx2(const PGroup* px, int64_t groups, const uint8_t* row,
                                         int64_t nb, float* y, int64_t ldy, int64_t n) {
   constexpr int64_t bb = kquant_block_bytes(KIND);
   const __m256i ones = _mm256_set1_epi16(1);
@@ -369,7 +383,7 @@ LLMRT_KQ_AVX2 void row_tile_kquant_avx2(const PGroup* px, int64_t groups, const 
 }
 
 template <int64_t KIND, int RT>
-LLMRT_KQ_AVX2 void row_tile_avx2(const PGroup* px, int64_t groups, const uint8_t* row,
+LLMRT_AVX2 void row_tile_avx2(const PGroup* px, int64_t groups, const uint8_t* row,
                                  int64_t nb, float* y, int64_t ldy, int64_t n) {
   if constexpr (KIND == kQ5_0 || KIND == kQ5_1) {
     row_tile_q5_avx2<KIND, RT>(px, groups, row, nb, y, ldy, n);
@@ -380,7 +394,7 @@ LLMRT_KQ_AVX2 void row_tile_avx2(const PGroup* px, int64_t groups, const uint8_t
 }
 
 template <int64_t KIND>
-LLMRT_KQ_AVX2 void range_avx2(const uint8_t* prep, int64_t rows_m, const uint8_t* w, int64_t rb,
+LLMRT_AVX2 void range_avx2(const uint8_t* prep, int64_t rows_m, const uint8_t* w, int64_t rb,
                               int64_t k, float* y, int64_t ldy, int64_t n0, int64_t n1) {
   const int64_t nb = k / kquant_block_weights(KIND), groups = k / 32;
   const PGroup* px = reinterpret_cast<const PGroup*>(prep);
@@ -399,6 +413,7 @@ LLMRT_KQ_AVX2 void range_avx2(const uint8_t* prep, int64_t rows_m, const uint8_t
     }
   }
 }
+#endif
 
 // ---- 16-bit float rows ---------------------------------------------------------------------
 
@@ -425,8 +440,9 @@ void half_range_scalar(const float* x, int64_t rows_m, const uint16_t* w, int64_
     }
 }
 
+#if defined(LLMRT_X86)
 template <int64_t KIND>
-LLMRT_KQ_AVX2 inline __m256 load8_avx2(const uint16_t* p) {
+LLMRT_AVX2 inline __m256 load8_avx2(const uint16_t* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   if constexpr (KIND == kBF16)
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
@@ -435,7 +451,7 @@ LLMRT_KQ_AVX2 inline __m256 load8_avx2(const uint16_t* p) {
 }
 
 template <int64_t KIND>
-LLMRT_KQ_AVX2 void half_range_avx2(const float* x, int64_t rows_m, const uint16_t* w, int64_t k,
+LLMRT_AVX2 void half_range_avx2(const float* x, int64_t rows_m, const uint16_t* w, int64_t k,
                                    float* y, int64_t ldy, int64_t n0, int64_t n1) {
   llmrt_kernels::AheadPrefetch ahead(w + n0 * k, w + n1 * k);
   for (int64_t n = n0; n < n1; ++n) {
@@ -455,6 +471,7 @@ LLMRT_KQ_AVX2 void half_range_avx2(const float* x, int64_t rows_m, const uint16_
     }
   }
 }
+#endif
 
 // ---- dequantization ------------------------------------------------------------------------
 
@@ -486,8 +503,9 @@ inline void dequant_rows(const uint8_t* w, int64_t rb, int64_t k, float* out, in
   }
 }
 
+#if defined(LLMRT_X86)
 template <int64_t KIND>
-LLMRT_KQ_AVX2 void dequant_rows_avx2(const uint8_t* w, int64_t rb, int64_t k, float* out,
+LLMRT_AVX2 void dequant_rows_avx2(const uint8_t* w, int64_t rb, int64_t k, float* out,
                                      int64_t r0, int64_t r1) {
   if constexpr (KIND == kF16 || KIND == kBF16) {
     for (int64_t r = r0; r < r1; ++r) {
@@ -500,31 +518,40 @@ LLMRT_KQ_AVX2 void dequant_rows_avx2(const uint8_t* w, int64_t rb, int64_t k, fl
     dequant_rows<KIND>(w, rb, k, out, r0, r1);
   }
 }
+#endif
 
 template <int64_t KIND>
 void range_kind(const float* x, int64_t rows_m, const uint8_t* w, int64_t rb, int64_t k,
                 const uint8_t* prep, float* y, int64_t ldy, int64_t n0, int64_t n1) {
-  const bool avx2 = kq_has_avx2();
   if constexpr (KIND == kF16 || KIND == kBF16) {
     const uint16_t* wh = reinterpret_cast<const uint16_t*>(w);
-    if (avx2)
+#if defined(LLMRT_X86)
+    if (llmrt_kernels::has_avx2()) {
       half_range_avx2<KIND>(x, rows_m, wh, k, y, ldy, n0, n1);
-    else
-      half_range_scalar<KIND>(x, rows_m, wh, k, y, ldy, n0, n1);
+      return;
+    }
+#endif
+    half_range_scalar<KIND>(x, rows_m, wh, k, y, ldy, n0, n1);
   } else {
-    if (avx2)
+#if defined(LLMRT_X86)
+    if (llmrt_kernels::has_avx2()) {
       range_avx2<KIND>(prep, rows_m, w, rb, k, y, ldy, n0, n1);
-    else
-      range_scalar<KIND>(prep, rows_m, w, rb, k, y, ldy, n0, n1);
+      return;
+    }
+#endif
+    range_scalar<KIND>(prep, rows_m, w, rb, k, y, ldy, n0, n1);
   }
 }
 
 template <int64_t KIND>
 void dequant_kind(const uint8_t* w, int64_t rb, int64_t k, float* out, int64_t r0, int64_t r1) {
-  if (kq_has_avx2())
+#if defined(LLMRT_X86)
+  if (llmrt_kernels::has_avx2()) {
     dequant_rows_avx2<KIND>(w, rb, k, out, r0, r1);
-  else
-    dequant_rows<KIND>(w, rb, k, out, r0, r1);
+    return;
+  }
+#endif
+  dequant_rows<KIND>(w, rb, k, out, r0, r1);
 }
 
 }  // namespace
@@ -539,10 +566,13 @@ int64_t kquant_prep_bytes(int64_t kind, int64_t k) {
 void kquant_prepare(const float* x, int64_t r0, int64_t r1, int64_t kind, int64_t k,
                     uint8_t* prep) {
   if (kind == kF16 || kind == kBF16) return;
-  if (kq_has_avx2())
+#if defined(LLMRT_X86)
+  if (llmrt_kernels::has_avx2()) {
     prepare_rows_avx2(x, r0, r1, k, prep);
-  else
-    prepare_rows(x, r0, r1, k, prep);
+    return;
+  }
+#endif
+  prepare_rows(x, r0, r1, k, prep);
 }
 
 void kquant_range(const float* x, int64_t rows_m, const uint8_t* w, int64_t row_bytes,

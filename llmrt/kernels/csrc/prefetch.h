@@ -10,8 +10,6 @@
 // the best median of the step.
 #pragma once
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cstdint>
 
@@ -32,7 +30,7 @@ struct AheadPrefetch {
 
   inline void upto(const void* p) {
     const char* target = std::min(end, static_cast<const char*>(p) + kAheadBytes);
-    for (; next < target; next += 64) _mm_prefetch(next, _MM_HINT_T0);
+    for (; next < target; next += 64) __builtin_prefetch(next, 0, 3);
   }
 };
 

@@ -22,9 +22,13 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#ifdef _OPENMP
 #include <omp.h>
+#endif
 
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -37,7 +41,9 @@
 
 namespace {
 
+#if defined(LLMRT_X86)
 using llmrt_kernels::exp512;
+#endif
 using llmrt_kernels::has_avx512;
 
 // Query positions per task and keys per block.
@@ -70,6 +76,7 @@ struct Segment {
 
 // One task: KV head ``g`` of sequence ``seg``, its queries [q0, q1), all ``group`` query heads
 // of the KV head. ``NV``: 16-float vectors per head (head_dim / 16).
+#if defined(LLMRT_X86)
 template <int NV>
 LLMRT_AVX512 void attend_block(const Segment& seg, int64_t g, int64_t group, int64_t q0,
                                int64_t q1, float scale, std::vector<float>& work) {
@@ -196,6 +203,7 @@ LLMRT_AVX512 void attend_block(const Segment& seg, int64_t g, int64_t group, int
       _mm512_storeu_ps(dst + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + 16 * c), inv));
   }
 }
+#endif  // LLMRT_X86
 
 bool supported_head_dim(int64_t d) { return d == 16 || d == 32 || d == 64 || d == 128; }
 
@@ -217,12 +225,17 @@ void run_tasks(const std::vector<Segment>& segments, std::vector<Task>& tasks, i
   });
   const auto run = [&](const Task& t, std::vector<float>& work) {
     const Segment& seg = segments[t.seg];
+#if defined(LLMRT_X86)
     switch (dim) {
       case 16: attend_block<1>(seg, t.g, group, t.q0, t.q1, scale, work); break;
       case 32: attend_block<2>(seg, t.g, group, t.q0, t.q1, scale, work); break;
       case 64: attend_block<4>(seg, t.g, group, t.q0, t.q1, scale, work); break;
       default: attend_block<8>(seg, t.g, group, t.q0, t.q1, scale, work); break;
     }
+#else
+    (void)seg;
+    TORCH_CHECK(false, "llmrt_kernels.causal_attention: no kernel for this CPU");
+#endif
   };
   const int64_t n = static_cast<int64_t>(tasks.size());
   const int nt = std::max(1, at::get_num_threads());

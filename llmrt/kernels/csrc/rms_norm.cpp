@@ -13,7 +13,9 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
 
 #include <cmath>
 #include <cstdint>
@@ -24,6 +26,8 @@
 
 namespace {
 
+
+#if defined(LLMRT_X86)
 using llmrt_kernels::lanes;
 
 LLMRT_AVX512 void rms_rows_avx512(const float* x, const float* w, float* y, int64_t width,
@@ -46,6 +50,8 @@ LLMRT_AVX512 void rms_rows_avx512(const float* x, const float* w, float* y, int6
   }
 }
 
+#endif  // LLMRT_X86
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.device().is_cpu() && x.scalar_type() == at::kFloat,
               "llmrt_kernels.rms_norm: x must be float32 on the CPU");
@@ -61,13 +67,16 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   const float* xp = xc.const_data_ptr<float>();
   const float* wp = wc.const_data_ptr<float>();
   float* yp = y.mutable_data_ptr<float>();
-  const bool simd = llmrt_kernels::has_avx512();
-  const float e = static_cast<float>(eps);
+  [[maybe_unused]] const bool simd = llmrt_kernels::has_avx512();
+  [[maybe_unused]] const float e = static_cast<float>(eps);
   at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
-    if (simd)
+#if defined(LLMRT_X86)
+    if (simd) {
       rms_rows_avx512(xp, wp, yp, width, e, r0, r1);
-    else
-      llmrt_kernels::rms_norm_rows(xp + r0 * width, r1 - r0, width, wp, eps, yp + r0 * width);
+      return;
+    }
+#endif
+    llmrt_kernels::rms_norm_rows_best(xp + r0 * width, r1 - r0, width, wp, eps, yp + r0 * width);
   });
   return y;
 }

@@ -15,7 +15,9 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
 
 #include <cstdint>
 
@@ -30,8 +32,11 @@
 namespace {
 
 using llmrt_kernels::has_avx512;
+#if defined(LLMRT_X86)
 using llmrt_kernels::lanes;
+#endif
 
+#if defined(LLMRT_X86)
 LLMRT_AVX512 void rope_rows_avx512(const float* x, int64_t sn, int64_t sh, const float* cos,
                                    const float* sin, float* out, int64_t heads, int64_t dim,
                                    int64_t n0, int64_t n1) {
@@ -57,6 +62,7 @@ LLMRT_AVX512 void rope_rows_avx512(const float* x, int64_t sn, int64_t sh, const
     }
   }
 }
+#endif  // LLMRT_X86
 
 void rope_rows(const float* x, int64_t sn, int64_t sh, const float* cos, const float* sin,
                float* out, int64_t heads, int64_t dim, int64_t n0, int64_t n1) {
@@ -91,12 +97,15 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   const float* sp = s.const_data_ptr<float>();
   float* op = out.mutable_data_ptr<float>();
   const int64_t sn = x.stride(0), sh = x.stride(1);
-  const bool simd = has_avx512();
+  [[maybe_unused]] const bool simd = has_avx512();
   at::parallel_for(0, n, 64, [&](int64_t n0, int64_t n1) {
-    if (simd)
+#if defined(LLMRT_X86)
+    if (simd) {
       rope_rows_avx512(xp, sn, sh, cp, sp, op, heads, dim, n0, n1);
-    else
-      rope_rows(xp, sn, sh, cp, sp, op, heads, dim, n0, n1);
+      return;
+    }
+#endif
+    rope_rows(xp, sn, sh, cp, sp, op, heads, dim, n0, n1);
   });
   return out;
 }

@@ -5,10 +5,13 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "cpu.h"
 
@@ -33,6 +36,7 @@ inline float activate(float v, int64_t kind) {
   }
 }
 
+#if defined(LLMRT_X86)
 // The first n of 16 lanes (all 16 from n >= 16).
 inline __mmask16 lanes(int64_t n) {
   return n >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << n) - 1);
@@ -75,5 +79,81 @@ LLMRT_AVX512 inline __m512 silu512(__m512 v) {
   return _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.0f),
                                         exp512(_mm512_sub_ps(_mm512_setzero_ps(), v))));
 }
+
+// ---- AVX2 + FMA + F16C: 8 lanes; tails go through a zeroed buffer (same math) ----
+
+LLMRT_AVX2 inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+LLMRT_AVX2 inline __m256 load8(const c10::Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+LLMRT_AVX2 inline __m256 load8(const c10::BFloat16* p) {
+  const __m256i wide = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(wide, 16));
+}
+
+// The first n (< 8) values of ``p``, the other lanes zero.
+template <typename T>
+LLMRT_AVX2 inline __m256 load8_tail(const T* p, int64_t n) {
+  alignas(32) T buf[8];
+  std::memset(static_cast<void*>(buf), 0, sizeof(buf));
+  std::memcpy(static_cast<void*>(buf), p, static_cast<size_t>(n) * sizeof(T));
+  return load8(buf);
+}
+
+LLMRT_AVX2 inline void store8_tail(float* p, __m256 v, int64_t n) {
+  alignas(32) float buf[8];
+  _mm256_store_ps(buf, v);
+  std::memcpy(p, buf, static_cast<size_t>(n) * sizeof(float));
+}
+
+LLMRT_AVX2 inline float hadd8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// ``exp512`` on 8 lanes (the same steps; 2^n built in the exponent bits, exact as scalef is
+// for n in [-126, 127]).
+LLMRT_AVX2 inline __m256 exp256(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 p = _mm256_set1_ps(1.0f / 5040.0f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+LLMRT_AVX2 inline __m256 silu256(__m256 v) {
+  return _mm256_div_ps(v, _mm256_add_ps(_mm256_set1_ps(1.0f),
+                                        exp256(_mm256_sub_ps(_mm256_setzero_ps(), v))));
+}
+
+// out[j] = silu(g[j]) * u[j] (u == nullptr: silu(g[j])) in float32.
+template <typename In>
+LLMRT_AVX2 inline void silu_row_avx2(const In* g, const In* u, float* out, int64_t n) {
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    __m256 a = silu256(load8(g + j));
+    if (u != nullptr) a = _mm256_mul_ps(a, load8(u + j));
+    _mm256_storeu_ps(out + j, a);
+  }
+  if (j < n) {
+    __m256 a = silu256(load8_tail(g + j, n - j));
+    if (u != nullptr) a = _mm256_mul_ps(a, load8_tail(u + j, n - j));
+    store8_tail(out + j, a, n - j);
+  }
+}
+
+#endif  // LLMRT_X86
 
 }  // namespace llmrt_kernels

@@ -1,0 +1,64 @@
+"""The kernel test modules again at every instruction-set level this CPU has below its own.
+
+``LLMRT_KERNELS_ISA=<level>`` makes a process run only that level's code (and the policies
+read the same level), so the AVX2 and scalar paths another CPU runs are checked here against
+the same independent references (gguf-py's dequantization, torch's ops, the torch-ops decode
+path). The CPU's own level is the ordinary test run.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from llmrt.device.cpu_features import (
+    ISA_VARIABLE,
+    TORCH_ISA_VARIABLES,
+    detected_isa_level,
+    isa_levels,
+    read_cpu_features,
+)
+
+TESTS = Path(__file__).resolve().parents[1]
+MODULES = (
+    TESTS / "unit" / "test_kernels_gguf_blocks.py",
+    TESTS / "unit" / "test_kernels_interleaved.py",
+    TESTS / "unit" / "test_kernels_kquants.py",
+    TESTS / "unit" / "test_kernels_activation.py",
+    TESTS / "unit" / "test_families_norm.py",
+    TESTS / "unit" / "test_kernels_rope.py",
+    TESTS / "parity" / "test_fused_decode.py",
+)
+_CPU = detected_isa_level(read_cpu_features())
+LOWER = isa_levels()[: isa_levels().index(_CPU)]
+
+
+#: Levels the default run covers (the common AVX2 CPUs and the scalar loops); the rest are
+#: ``slow`` (each level reruns ~3 minutes of tests).
+DEFAULT_LEVELS = ("scalar", "avx2", "neon")
+
+
+@pytest.mark.parametrize(
+    "level",
+    [lv if lv in DEFAULT_LEVELS else pytest.param(lv, marks=pytest.mark.slow) for lv in LOWER],
+)
+def test_the_kernel_suite_passes_at_each_lower_level(level: str) -> None:
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x",
+         *(str(m) for m in MODULES if m.exists())],
+        env={**_clean_env(), ISA_VARIABLE: level},
+        capture_output=True,
+        text=True,
+        cwd=TESTS.parent,
+    )  # fmt: skip
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+
+
+def _clean_env() -> dict[str, str]:
+    """This process's environment less the torch caps a forced level here may have set
+    (``pin_torch_isa``), so the child caps its own."""
+    return {k: v for k, v in os.environ.items() if k not in TORCH_ISA_VARIABLES}
