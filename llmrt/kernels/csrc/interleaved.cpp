@@ -558,6 +558,46 @@ LLMRT_AVX2 inline void q4_group_avx2(const uint8_t* o, int64_t c, __m256 dm, con
   macc = _mm256_fmadd_ps(dm, _mm256_loadu_ps(reinterpret_cast<const float*>(p + 320)), macc);
 }
 
+// A 4-bit group's weights unpacked once for all the activation rows of a tile (nibbles split,
+// per-lane d and m), then dotted with each row's prepared group: the same operations in the
+// same order as ``q4_group_avx2``, so the same bits, without unpacking per row.
+struct Q4GroupW {
+  __m256i wl[2], wh[2];
+  __m256 dl[2];
+  __m256 dm;
+  int halves;
+};
+
+template <int64_t BASE>
+LLMRT_AVX2 inline Q4GroupW q4_group_unpack(const uint8_t* o, int64_t c) {
+  Q4GroupW g;
+  const __m256i low = _mm256_set1_epi8(15);
+  g.dm = group_dm_avx2<BASE>(o, c);
+  const __m256 d4 = _mm256_castps128_ps256(_mm256_castps256_ps128(g.dm));
+  g.halves = c > 2 ? 2 : 1;
+  for (int half = 0; half < g.halves; ++half) {
+    const __m256i z = group_half(o, c, half);
+    g.wl[half] = _mm256_and_si256(z, low);
+    g.wh[half] = _mm256_and_si256(_mm256_srli_epi16(z, 4), low);
+    g.dl[half] = _mm256_permutevar8x32_ps(
+        d4, _mm256_setr_epi32(2 * half, 2 * half, 2 * half, 2 * half, 2 * half + 1, 2 * half + 1,
+                              2 * half + 1, 2 * half + 1));
+  }
+  return g;
+}
+
+LLMRT_AVX2 inline void q4_group_dot(const Q4GroupW& g, const uint8_t* p, __m256& acc,
+                                    __m256& macc) {
+  for (int half = 0; half < g.halves; ++half) {
+    const __m256i ih = dot_u4(g.wl[half], g.wh[half], p + 32 * half, p + 64 + 32 * half);
+    const __m256i il = dot_u4(g.wl[half], g.wh[half], p + 128 + 32 * half, p + 192 + 32 * half);
+    const __m256i iv = _mm256_add_epi32(_mm256_slli_epi32(ih, 8), il);
+    const __m256 scale = _mm256_loadu_ps(reinterpret_cast<const float*>(p + 256) + 8 * half);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iv), _mm256_mul_ps(g.dl[half], scale), acc);
+  }
+  macc = _mm256_fmadd_ps(g.dm, _mm256_loadu_ps(reinterpret_cast<const float*>(p + 320)), macc);
+}
+
 // R weight rows against one activation row (the prepared groups loaded from L1 per row;
 // ``pf`` keeps the chunk's stream requested ahead, as in ``q4_rows_m1``).
 template <int64_t BASE, int R>
@@ -601,10 +641,9 @@ LLMRT_AVX2 void q4_tile_avx2(const uint8_t* prep, int64_t prep_stride, const uin
     for (int r = 0; r < MT; ++r) acc[r] = macc[r] = _mm256_setzero_ps();
     for (int64_t gi = 0; gi < groups; ++gi) {
       const int64_t c = std::min<int64_t>(4, nb - 4 * gi);
-      const uint8_t* o = row + gi * gb;
-      const __m256 dm = group_dm_avx2<BASE>(o, c);
+      const Q4GroupW g = q4_group_unpack<BASE>(row + gi * gb, c);
       for (int r = 0; r < MT; ++r)
-        q4_group_avx2(o, c, dm, prep + r * prep_stride + gi * kGroupPrep, acc[r], macc[r]);
+        q4_group_dot(g, prep + r * prep_stride + gi * kGroupPrep, acc[r], macc[r]);
     }
     for (int r = 0; r < MT; ++r) y[r * ldy + n] = hsum8(_mm256_add_ps(acc[r], macc[r]));
   }
