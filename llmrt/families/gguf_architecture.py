@@ -25,6 +25,10 @@ ConfigReader = Callable[[Mapping[str, Any], Mapping[str, tuple[int, ...]], str],
 #: ``convert(gguf_name, values, hf_config)``: the tensor in Hugging Face layout (a row
 #: permutation where it can be, so quantized blocks can stay quantized).
 Converter = Callable[[str, np.ndarray, Mapping[str, Any]], np.ndarray]
+#: ``regroup(tensors, hf_config)``: the whole named tensor set after ``convert``, with the
+#: tensors llama.cpp merged or split regrouped the Hugging Face way (stacked experts' gate
+#: and up joined into ``gate_up_proj``, stacked per-head norms split per head).
+Regrouper = Callable[[dict[str, Any], Mapping[str, Any]], dict[str, Any]]
 
 
 def keep_layout(name: str, values: np.ndarray, hf_config: Mapping[str, Any]) -> np.ndarray:
@@ -32,12 +36,20 @@ def keep_layout(name: str, values: np.ndarray, hf_config: Mapping[str, Any]) -> 
     return values
 
 
+def keep_groups(tensors: dict[str, Any], hf_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The regrouper of an architecture whose GGUF tensors map one to one onto HF's."""
+    return tensors
+
+
 @attrs.frozen(kw_only=True)
 class GGUFArchitecture:
     """How one GGUF ``general.architecture`` (``name``) maps to Hugging Face.
 
     ``global_names`` maps whole GGUF tensor names; ``block_names`` maps the part of a
-    ``blk.N.<part>.weight|bias`` name to an HF prefix with ``{layer}``.
+    ``blk.N.<part>.weight|bias`` name to an HF prefix with ``{layer}``. ``config_tensors``
+    names small tensors that are configuration, not weights (Phi-3's LongRoPE factors):
+    ``hf_config`` finds their values in ``metadata`` under their tensor names, and they are
+    not loaded as weights.
     """
 
     name: str
@@ -45,6 +57,8 @@ class GGUFArchitecture:
     global_names: Mapping[str, str]
     block_names: Mapping[str, str]
     convert: Converter = keep_layout
+    regroup: Regrouper = keep_groups
+    config_tensors: tuple[str, ...] = ()
 
     def hf_name(self, gguf_name: str) -> str | None:
         """The Hugging Face parameter name for ``gguf_name``, or None when it has none."""

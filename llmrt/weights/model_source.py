@@ -249,7 +249,7 @@ def model_facts(source: ModelSource) -> ModelFacts:
     or ``CheckpointError`` listing the supported ones."""
     from llmrt.families import registry
     from llmrt.kernels.formats import block_kind_of
-    from llmrt.weights.gguf_architectures import architecture_for
+    from llmrt.weights.gguf_architectures import header_config
     from llmrt.weights.gguf_file import open_gguf
 
     if source.kind == "safetensors":
@@ -263,9 +263,7 @@ def model_facts(source: ModelSource) -> ModelFacts:
         )
     header = open_gguf(source.path)
     item = str(source.path)
-    architecture = architecture_for(str(header.metadata.get("general.architecture")), item=item)
-    shapes = {tensor.name: tensor.shape for tensor in header.tensors}
-    model_type = architecture.hf_config(header.metadata, shapes, item)["model_type"]
+    model_type = header_config(header, item=item)[1]["model_type"]
     family = registry.family_for_model_type(str(model_type))
     runs_blocks = any(
         len(tensor.dims) == 2 and block_kind_of(int(tensor.tensor_type)) is not None

@@ -32,6 +32,17 @@ NOT_IN_THE_HEADER = {
 }  # fmt: skip
 #: Keys an architecture's header must carry beyond the common shape.
 HEADER_KEYS = {
+    "qwen2moe": (
+        "num_experts", "num_experts_per_tok", "moe_intermediate_size",
+        "shared_expert_intermediate_size", "qkv_bias",
+    ),
+    "qwen3moe": (
+        "num_local_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+    ),
+    "command-r": ("logit_scale", "layer_norm_eps", "use_qk_norm"),
+    "nemotron": ("norm_eps", "head_dim"),
+    "phi3-longrope": ("original_max_position_embeddings",),
+    "stablelm-qk_norm": ("qk_layernorm", "use_qkv_bias"),
     "gemma2": (
         "attn_logit_softcapping", "final_logit_softcapping", "sliding_window",
         "query_pre_attn_scalar",
@@ -54,8 +65,8 @@ COMMON = {
 }
 
 
-def _gemma_norms(name: str, array: np.ndarray) -> np.ndarray:
-    """llama.cpp's Gemma converters store RMSNorm weights as ``1 + w``."""
+def _one_plus_norms(name: str, array: np.ndarray) -> np.ndarray:
+    """llama.cpp's Gemma and Nemotron converters store norm weights as ``1 + w``."""
     return array + 1 if name.endswith("norm.weight") else array
 
 
@@ -83,13 +94,61 @@ def _llama_qk(cfg: Any) -> Callable[[str, np.ndarray], np.ndarray]:
     return permute
 
 
-#: architecture -> (transformers config class, extra config, converter change, metadata).
+#: Token ids inside the tiny vocabulary (some configs default to ids past it).
+SMALL_IDS = {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2}
+#: Phi-3's LongRoPE over an original context of 64: the short factors and the attention
+#: factor serve this test's positions (transformers' generate re-prefills the whole sequence
+#: with the long factors once it passes the original context; llmrt switches per position,
+#: so the two differ past it for Hugging Face checkpoints as much as for GGUF files). The
+#: long factors are checked as read back from the file.
+LONGROPE = {
+    "rope_type": "longrope",
+    "long_factor": [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0],
+    "short_factor": [1.0, 1.1, 1.2, 1.4, 1.6, 2.0, 2.5, 3.0],
+    "rope_theta": 10000.0,
+}
+#: MoE shapes: four experts, two per token.
+EXPERTS = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32}
+
+
+def arch_of(case: str) -> str:
+    """The GGUF architecture a case writes (``phi3-longrope``: ``phi3`` with LongRoPE)."""
+    return case if case == "command-r" else case.split("-")[0]
+
+
+#: case -> (transformers config class, extra config, converter change); a case is a
+#: ``general.architecture``, or one followed by ``-variant``.
 CASES: dict[str, tuple[str, dict[str, Any], str]] = {
     "llama": ("LlamaConfig", {}, "llama"),
     "qwen2": ("Qwen2Config", {}, ""),
     "qwen3": ("Qwen3Config", {"head_dim": 16}, ""),
     "starcoder2": ("Starcoder2Config", {"use_bias": True}, ""),
     "phi3": ("Phi3Config", {"pad_token_id": 0}, ""),
+    "phi3-longrope": (
+        "Phi3Config",
+        {
+            **SMALL_IDS,
+            "head_dim": 16,
+            "original_max_position_embeddings": 64,
+            "rope_parameters": {**LONGROPE, "original_max_position_embeddings": 64},
+        },
+        "",
+    ),
+    "stablelm-qk_norm": ("StableLmConfig", {"qk_layernorm": True, "use_qkv_bias": True}, ""),
+    "qwen2moe": (
+        "Qwen2MoeConfig",
+        {**EXPERTS, "shared_expert_intermediate_size": 48, "norm_topk_prob": False},
+        "experts",
+    ),
+    # llama.cpp's qwen3moe always renormalises the top-k weights (Qwen3-MoE checkpoints do)
+    "qwen3moe": ("Qwen3MoeConfig", {**EXPERTS, "head_dim": 16, "norm_topk_prob": True}, "experts"),
+    "command-r": (
+        "CohereConfig",
+        {**SMALL_IDS, "use_qk_norm": True, "logit_scale": 0.25, "layer_norm_eps": 1e-5},
+        "",
+    ),
+    "nemotron": ("NemotronConfig", {**SMALL_IDS, "head_dim": 16}, "one_plus"),
+    "smollm3": ("SmolLM3Config", {**SMALL_IDS, "num_hidden_layers": 4}, "llama"),
     "olmo2": ("Olmo2Config", {}, ""),
     "stablelm": ("StableLmConfig", {"partial_rotary_factor": 0.5, "use_qkv_bias": True}, ""),
     "gemma3": (
@@ -105,7 +164,7 @@ CASES: dict[str, tuple[str, dict[str, Any], str]] = {
                 "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
             },
         },
-        "gemma",
+        "one_plus",
     ),
     "granite": (
         "GraniteConfig",
@@ -118,7 +177,7 @@ CASES: dict[str, tuple[str, dict[str, Any], str]] = {
         "llama",  # llama.cpp's GraniteModel is a LlamaModel: Q/K rows permuted
     ),
     "gptneox": ("GPTNeoXConfig", {"partial_rotary_factor": 0.25}, "gptneox"),
-    "gemma": ("GemmaConfig", {"head_dim": 16}, "gemma"),
+    "gemma": ("GemmaConfig", {"head_dim": 16}, "one_plus"),
     "gemma2": (
         "Gemma2Config",
         {
@@ -128,7 +187,7 @@ CASES: dict[str, tuple[str, dict[str, Any], str]] = {
             "attn_logit_softcapping": 0.5,
             "final_logit_softcapping": 1.0,
         },  # caps that bite
-        "gemma",
+        "one_plus",
     ),
 }
 
@@ -138,10 +197,10 @@ def bpe() -> Any:
     return train_bpe()
 
 
-def tiny_model(arch: str, vocab: int) -> Any:
-    config_class, extra, _ = CASES[arch]
+def tiny_model(case: str, vocab: int) -> Any:
+    config_class, extra, change = CASES[case]
     config = getattr(transformers, config_class)(vocab_size=vocab, **{**COMMON, **extra})
-    if arch == "starcoder2":
+    if case == "starcoder2":
         config.norm_epsilon = 1e-5
     torch.manual_seed(0)
     # eager: the attention that applies Gemma 2's logit soft-capping (sdpa skips it)
@@ -150,16 +209,18 @@ def tiny_model(arch: str, vocab: int) -> Any:
     with torch.no_grad():
         for name, param in model.named_parameters():
             if "norm" in name and name.endswith("weight"):
-                param.uniform_(0.5, 1.5) if arch not in ("gemma", "gemma2") else param.uniform_(
-                    -0.5, 0.5
-                )
+                # (1 + w) norms: w near 0
+                param.uniform_(-0.5, 0.5) if change == "one_plus" else param.uniform_(0.5, 1.5)
+            elif "norm" in name and name.endswith("bias"):
+                param.uniform_(-0.2, 0.2)
     return model
 
 
-def write_gguf(path: Path, arch: str, model: Any, bpe: Any) -> Path:
-    """``model`` as llama.cpp's converter writes an ``arch`` file."""
+def write_gguf(path: Path, case: str, model: Any, bpe: Any) -> Path:
+    """``model`` as llama.cpp's converter writes a file of the case's architecture."""
     cfg = model.config
-    _, _, change = CASES[arch]
+    _, _, change = CASES[case]
+    arch = arch_of(case)
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(cfg.num_hidden_layers)
     writer.add_context_length(cfg.max_position_embeddings)
@@ -179,8 +240,32 @@ def write_gguf(path: Path, arch: str, model: Any, bpe: Any) -> Path:
     elif arch in ("gptneox", "stablelm"):
         writer.add_layer_norm_eps(cfg.layer_norm_eps)
         writer.add_parallel_residual(cfg.use_parallel_residual)
+    elif arch == "command-r":
+        writer.add_layer_norm_eps(cfg.layer_norm_eps)
+        writer.add_logit_scale(cfg.logit_scale)
+    elif arch == "nemotron":  # the base converter writes norm_eps as both
+        writer.add_layer_norm_rms_eps(cfg.norm_eps)
+        writer.add_layer_norm_eps(cfg.norm_eps)
     else:
         writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    if arch in ("qwen2moe", "qwen3moe"):
+        writer.add_expert_count(cfg.num_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+        if arch == "qwen2moe":
+            writer.add_expert_shared_feed_forward_length(cfg.shared_expert_intermediate_size)
+    if arch == "phi3":  # Phi3MiniModel: the original context always, a window (0: none)
+        original = getattr(cfg, "original_max_position_embeddings", None)
+        writer.add_rope_scaling_orig_ctx_len(original or cfg.max_position_embeddings)
+        writer.add_sliding_window(cfg.sliding_window or 0)
+        if rope.get("rope_type") == "longrope":
+            scale = cfg.max_position_embeddings / original
+            writer.add_rope_scaling_attn_factors(
+                float(np.sqrt(1 + np.log(scale) / np.log(original)))
+            )
+            for which in ("long", "short"):
+                factors = np.asarray(rope[f"{which}_factor"], dtype=np.float32)
+                writer.add_tensor(f"rope_factors_{which}.weight", factors)
     if arch == "granite":
         writer.add_embedding_scale(cfg.embedding_multiplier)
         writer.add_residual_scale(cfg.residual_multiplier)
@@ -196,16 +281,15 @@ def write_gguf(path: Path, arch: str, model: Any, bpe: Any) -> Path:
     arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     names = gguf.get_tensor_name_map(arch_id, cfg.num_hidden_layers)
     permute = {"llama": _llama_qk, "gptneox": _neox_qkv}.get(change, lambda cfg: None)(cfg)
-    for name, tensor in model.state_dict().items():
+    for name, array in _converter_tensors(model, arch):
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
         assert gguf_name is not None, name
-        array = tensor.detach().float().numpy().copy()
         if permute is not None:
             array = permute(gguf_name, array)
-        if change == "gemma":
-            array = _gemma_norms(gguf_name, array)
+        if change == "one_plus":
+            array = _one_plus_norms(gguf_name, array)
         writer.add_tensor(gguf_name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -214,22 +298,46 @@ def write_gguf(path: Path, arch: str, model: Any, bpe: Any) -> Path:
     return path
 
 
+def _converter_tensors(model: Any, arch: str) -> list[tuple[str, np.ndarray]]:
+    """The model's tensors as llama.cpp's converter regroups them before naming: experts'
+    ``gate_up_proj`` split into stacked gate and up (Qwen2MoeModel), StableLM's per-head q/k
+    norms stacked into one ``[heads, head_dim]`` tensor (StableLMModel)."""
+    out: list[tuple[str, np.ndarray]] = []
+    heads: dict[str, list[np.ndarray]] = {}
+    for name, tensor in model.state_dict().items():
+        array = tensor.detach().float().numpy().copy()
+        if name.endswith("mlp.experts.gate_up_proj"):
+            gate, up = np.split(array, 2, axis=1)
+            out += [(name.replace("gate_up_proj", "gate_proj.weight"), gate)]
+            out += [(name.replace("gate_up_proj", "up_proj.weight"), up)]
+        elif name.endswith("mlp.experts.down_proj"):
+            out.append((name + ".weight", array))
+        elif "_layernorm.norms." in name:
+            heads.setdefault(name.split(".norms.")[0] + ".weight", []).append(array)
+        else:
+            out.append((name, array))
+    out += [(name, np.stack(rows)) for name, rows in heads.items()]
+    return out
+
+
 #: Architectures whose GGUF parity is tested elsewhere: gpt2 in tests/parity/test_gpt2_parity.py,
 #: olmo and phi2 (families that declare their own mapping) in tests/unit/test_weights_gguf.py.
 TESTED_ELSEWHERE = ("gpt2", "olmo", "phi2")
 
 
 def test_every_readable_architecture_is_tested() -> None:
-    assert sorted(CASES) == [a for a in supported_architectures() if a not in TESTED_ELSEWHERE]
+    tested = sorted({arch_of(case) for case in CASES})
+    assert tested == [a for a in supported_architectures() if a not in TESTED_ELSEWHERE]
+    assert len(supported_architectures()) >= 16
 
 
-@pytest.mark.parametrize("arch", sorted(CASES))
+@pytest.mark.parametrize("case", sorted(CASES))
 def test_a_gguf_of_each_architecture_runs_like_transformers(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bpe: Any, arch: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bpe: Any, case: str
 ) -> None:
     monkeypatch.setenv("LLMRT_CACHE_DIR", str(tmp_path / "cache"))
-    model = tiny_model(arch, bpe.get_vocab_size())
-    path = write_gguf(tmp_path / f"tiny-{arch}.gguf", arch, model, bpe)
+    model = tiny_model(case, bpe.get_vocab_size())
+    path = write_gguf(tmp_path / f"tiny-{case}.gguf", case, model, bpe)
     ids = bpe.encode("What is the capital of France? Paris").ids
     with torch.no_grad():
         out = model.generate(
@@ -237,7 +345,7 @@ def test_a_gguf_of_each_architecture_runs_like_transformers(
         )
     expected = out[0, len(ids) :].tolist()
     with LLM(model=str(path), overrides=[*SMALL, "kv_cache.dtype=float32"]) as llm:
-        assert llm.recipe.name == f"tiny-{arch}"
+        assert llm.recipe.name == f"tiny-{case}"
         (result,) = llm.generate(
             [ids], SamplingParams(temperature=0.0, max_tokens=STEPS, ignore_eos=True)
         )
@@ -251,6 +359,10 @@ def test_a_gguf_of_each_architecture_runs_like_transformers(
     stated.setdefault("partial_rotary_factor", rope.get("partial_rotary_factor"))
     compared = [k for k in derived if k in stated and k not in NOT_IN_THE_HEADER]
     assert len(compared) >= 10
-    assert set(HEADER_KEYS.get(arch, ())) <= set(compared)
+    assert set(HEADER_KEYS.get(case, HEADER_KEYS.get(arch_of(case), ()))) <= set(compared)
     for key in compared:
         assert derived[key] == pytest.approx(stated[key]), key
+    if rope.get("rope_type") == "longrope":  # the factors come from tensors, not the header
+        scaling = derived["rope_scaling"]
+        for key in ("long_factor", "short_factor", "original_max_position_embeddings"):
+            assert scaling[key] == pytest.approx(rope[key]), key
