@@ -168,6 +168,7 @@ def read_gguf(
     tokenizer = gguf_tokenizer(metadata, item=item)
     tensors: dict[str, CheckpointTensor] = {}
     verb = "reading" if keep_quantized else "dequantizing"
+    stacked: list[GGUFTensor] = []  # quantized 3-D (expert) tensors dequantized
     for tensor in progress(reader.tensors, desc=f"{verb} {path.name}", unit="tensor"):
         if tensor.name in architecture.config_tensors:
             continue  # read into hf_config
@@ -198,10 +199,22 @@ def read_gguf(
                     tensor.tensor_type.name,
                     4 * prod(shape) / 1e6,
                 )
+            elif len(shape) > 2 and tensor.tensor_type != gguf_py.GGMLQuantizationType.F32:
+                stacked.append(tensor)
         values = dequantize_tensor(tensor, shape=shapes[tensor.name], item=f"{item}: {tensor.name}")
         converted = architecture.convert(tensor.name, values, hf_config)
         array = np.ascontiguousarray(converted, dtype=np.float32)
         tensors[hf_name] = torch.from_numpy(array if array.flags.writeable else array.copy())
+    if stacked:
+        _log.warning(
+            "%s: %d stacked expert tensors (%s) dequantized to float32, %.1f MB from %.1f MB "
+            "in the file: llmrt runs mixture-of-experts weights in float",
+            item,
+            len(stacked),
+            ", ".join(sorted({t.tensor_type.name for t in stacked})),
+            sum(4 * prod(t.shape) for t in stacked) / 1e6,
+            sum(t.data.nbytes for t in stacked) / 1e6,
+        )
     return GGUFContents(
         hf_config=hf_config,
         tensors=architecture.regroup(tensors, hf_config),

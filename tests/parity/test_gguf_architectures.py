@@ -5,6 +5,7 @@ greedy tokens on the original model."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -16,9 +17,10 @@ import torch
 from lane_fixtures import module_torch_thread  # noqa: F401  (autouse fixture)
 from model_files import add_bpe_tokenizer, llama_permute, train_bpe
 
+from llmrt.kernels.formats import QuantizedWeight
 from llmrt.sampling.params import SamplingParams
 from llmrt.serving.llm import LLM
-from llmrt.weights.gguf import read_gguf_config
+from llmrt.weights.gguf import read_gguf, read_gguf_config
 from llmrt.weights.gguf_architectures import supported_architectures
 
 transformers = pytest.importorskip("transformers")
@@ -216,8 +218,9 @@ def tiny_model(case: str, vocab: int) -> Any:
     return model
 
 
-def write_gguf(path: Path, case: str, model: Any, bpe: Any) -> Path:
-    """``model`` as llama.cpp's converter writes a file of the case's architecture."""
+def write_gguf(path: Path, case: str, model: Any, bpe: Any, *, q8_0: tuple[str, ...] = ()) -> Path:
+    """``model`` as llama.cpp's converter writes a file of the case's architecture; tensors
+    whose GGUF name contains one of ``q8_0`` are stored as Q8_0 blocks."""
     cfg = model.config
     _, _, change = CASES[case]
     arch = arch_of(case)
@@ -290,6 +293,10 @@ def write_gguf(path: Path, case: str, model: Any, bpe: Any) -> Path:
             array = permute(gguf_name, array)
         if change == "one_plus":
             array = _one_plus_norms(gguf_name, array)
+        if any(part in gguf_name for part in q8_0):
+            blocks = gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0)
+            writer.add_tensor(gguf_name, blocks, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+            continue
         writer.add_tensor(gguf_name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
@@ -366,3 +373,25 @@ def test_a_gguf_of_each_architecture_runs_like_transformers(
         scaling = derived["rope_scaling"]
         for key in ("long_factor", "short_factor", "original_max_position_embeddings"):
             assert scaling[key] == pytest.approx(rope[key]), key
+
+
+def test_quantized_experts_load_in_float_with_a_warning_naming_the_cost(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bpe: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Q8_0 attention stays in blocks; Q8_0 stacked experts are dequantized (the decoder runs
+    experts in float) and one log line says so, with the size it costs: never silently."""
+    monkeypatch.setenv("LLMRT_CACHE_DIR", str(tmp_path / "cache"))
+    model = tiny_model("qwen3moe", bpe.get_vocab_size())
+    path = write_gguf(tmp_path / "q.gguf", "qwen3moe", model, bpe, q8_0=("_exps", "attn_q."))
+    with caplog.at_level(logging.WARNING, logger="llmrt.weights.gguf"):
+        contents = read_gguf(path, keep_quantized=True)
+    (warned,) = [r.getMessage() for r in caplog.records if "expert tensors" in r.getMessage()]
+    layers = COMMON["num_hidden_layers"]
+    assert f"{3 * layers} stacked expert tensors (Q8_0) dequantized to float32" in warned
+    floats = 4 * 3 * layers * 4 * 32 * 64 / 1e6  # gate, up, down: 4 experts of 32 x 64
+    assert f"{floats:.1f} MB from" in warned
+    assert isinstance(contents.tensors["model.layers.0.self_attn.q_proj.weight"], QuantizedWeight)
+    experts = contents.tensors["model.layers.0.mlp.experts.gate_up_proj"]
+    assert isinstance(experts, torch.Tensor) and experts.shape == (4, 64, 64)
+    original = model.state_dict()["model.layers.0.mlp.experts.gate_up_proj"]
+    assert torch.allclose(experts, original, atol=0.02)  # Q8_0's rounding only
