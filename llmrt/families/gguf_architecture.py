@@ -15,6 +15,7 @@ from typing import Any
 
 import attrs
 import numpy as np
+import torch
 
 from llmrt.errors import CheckpointError
 
@@ -69,6 +70,30 @@ class GGUFArchitecture:
             return None
         layer, part, kind = match.groups()
         return self.block_names[part].format(layer=layer) + "." + kind
+
+
+#: llama.cpp's stacked expert tensors (and router) by block part, under intermediate HF names
+#: that ``join_stacked_experts`` turns into the fused ones.
+STACKED_EXPERTS: Mapping[str, str] = {
+    "ffn_gate_inp": "model.layers.{layer}.mlp.gate",
+    "ffn_gate_exps": "model.layers.{layer}.mlp.experts.gate_proj",
+    "ffn_up_exps": "model.layers.{layer}.mlp.experts.up_proj",
+    "ffn_down_exps": "model.layers.{layer}.mlp.experts.down_proj",
+}
+
+
+def join_stacked_experts(tensors: dict[str, Any], hf_config: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``regroup``: llama.cpp stacks each layer's experts into ``ffn_{gate,up,down}_exps``
+    (Mixtral, Qwen-MoE); Hugging Face (transformers 5) keeps ``mlp.experts.gate_up_proj``
+    ``[experts, 2 * inter, hidden]`` (gate rows first) and ``mlp.experts.down_proj``, without
+    a ``.weight`` suffix."""
+    out = dict(tensors)
+    for gate_name in [n for n in tensors if n.endswith(".mlp.experts.gate_proj.weight")]:
+        layer = gate_name.removesuffix("gate_proj.weight")
+        up = out.pop(f"{layer}up_proj.weight")
+        out[f"{layer}gate_up_proj"] = torch.cat([out.pop(gate_name), up], dim=1).contiguous()
+        out[f"{layer}down_proj"] = out.pop(f"{layer}down_proj.weight")
+    return out
 
 
 def metadata_field(metadata: Mapping[str, Any], key: str, item: str) -> Any:

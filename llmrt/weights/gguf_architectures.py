@@ -16,14 +16,15 @@ from typing import Any
 
 import gguf as gguf_py
 import numpy as np
-import torch
 
 from llmrt.errors import CheckpointError
 from llmrt.families import registry
 from llmrt.families.gguf_architecture import (
+    STACKED_EXPERTS,
     ConfigReader,
     GGUFArchitecture,
     Regrouper,
+    join_stacked_experts,
     keep_groups,
     keep_layout,
     metadata_field,
@@ -299,19 +300,6 @@ def _moe_extra(arch: str, *, weights_norm: bool) -> _Extra:
     return extra
 
 
-def _join_experts(tensors: dict[str, Any], hf_config: Mapping[str, Any]) -> dict[str, Any]:
-    """llama.cpp stacks each layer's experts into ``ffn_{gate,up,down}_exps``; Hugging Face
-    (transformers 5) keeps ``mlp.experts.gate_up_proj`` ``[experts, 2 * inter, hidden]`` (gate
-    rows first) and ``mlp.experts.down_proj``, without a ``.weight`` suffix."""
-    out = dict(tensors)
-    for gate_name in [n for n in tensors if n.endswith(".mlp.experts.gate_proj.weight")]:
-        layer = gate_name.removesuffix("gate_proj.weight")
-        up = out.pop(f"{layer}up_proj.weight")
-        out[f"{layer}gate_up_proj"] = torch.cat([out.pop(gate_name), up], dim=1).contiguous()
-        out[f"{layer}down_proj"] = out.pop(f"{layer}down_proj.weight")
-    return out
-
-
 def _one_plus_norms(name: str, values: np.ndarray, hf_config: Mapping[str, Any]) -> np.ndarray:
     """llama.cpp's NemotronModel stores LayerNorm1P's weights as ``1 + w`` (biases as they are)."""
     if name.endswith("norm.weight") and values.dtype.kind == "f":
@@ -327,12 +315,6 @@ def _command_r_extra(metadata: Mapping[str, Any], config: dict[str, Any]) -> dic
     }
 
 
-_EXPERTS = {
-    "ffn_gate_inp": "model.layers.{layer}.mlp.gate",
-    "ffn_gate_exps": "model.layers.{layer}.mlp.experts.gate_proj",
-    "ffn_up_exps": "model.layers.{layer}.mlp.experts.up_proj",
-    "ffn_down_exps": "model.layers.{layer}.mlp.experts.down_proj",
-}
 _SHARED_EXPERT = {
     "ffn_gate_inp_shexp": "model.layers.{layer}.mlp.shared_expert_gate",
     "ffn_gate_shexp": "model.layers.{layer}.mlp.shared_expert.gate_proj",
@@ -516,16 +498,16 @@ LLAMA_CPP_ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType(
                 model_type="qwen2_moe",
                 architecture="Qwen2MoeForCausalLM",
                 extra=_moe_extra("qwen2moe", weights_norm=False),
-                regroup=_join_experts,
-                block_names={**_ATTENTION, **_PRE_NORMS, **_EXPERTS, **_SHARED_EXPERT},
+                regroup=join_stacked_experts,
+                block_names={**_ATTENTION, **_PRE_NORMS, **STACKED_EXPERTS, **_SHARED_EXPERT},
             ),
             _architecture(
                 "qwen3moe",
                 model_type="qwen3_moe",
                 architecture="Qwen3MoeForCausalLM",
                 extra=_moe_extra("qwen3moe", weights_norm=True),
-                regroup=_join_experts,
-                block_names={**_ATTENTION, **_PRE_NORMS, **_QK_NORMS, **_EXPERTS},
+                regroup=join_stacked_experts,
+                block_names={**_ATTENTION, **_PRE_NORMS, **_QK_NORMS, **STACKED_EXPERTS},
             ),
             _architecture(
                 "command-r",
