@@ -300,6 +300,16 @@ def _moe_extra(arch: str, *, weights_norm: bool) -> _Extra:
     return extra
 
 
+def _qwen2moe_groups(tensors: dict[str, Any], hf_config: Mapping[str, Any]) -> dict[str, Any]:
+    """Stacked experts joined; the shared expert's gate as Hugging Face's ``[1, hidden]``
+    (converters before llama.cpp stopped squeezing tensors wrote it 1-D)."""
+    out = join_stacked_experts(tensors, hf_config)
+    for name, tensor in out.items():
+        if name.endswith(".mlp.shared_expert_gate.weight") and tensor.dim() == 1:
+            out[name] = tensor.unsqueeze(0)
+    return out
+
+
 def _one_plus_norms(name: str, values: np.ndarray, hf_config: Mapping[str, Any]) -> np.ndarray:
     """llama.cpp's NemotronModel stores LayerNorm1P's weights as ``1 + w`` (biases as they are)."""
     if name.endswith("norm.weight") and values.dtype.kind == "f":
@@ -498,7 +508,7 @@ LLAMA_CPP_ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType(
                 model_type="qwen2_moe",
                 architecture="Qwen2MoeForCausalLM",
                 extra=_moe_extra("qwen2moe", weights_norm=False),
-                regroup=join_stacked_experts,
+                regroup=_qwen2moe_groups,
                 block_names={**_ATTENTION, **_PRE_NORMS, **STACKED_EXPERTS, **_SHARED_EXPERT},
             ),
             _architecture(

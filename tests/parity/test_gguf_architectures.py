@@ -144,7 +144,16 @@ CASES: dict[str, tuple[str, dict[str, Any], str]] = {
         "",
     ),
     "stablelm-qk_norm": ("StableLmConfig", {"qk_layernorm": True, "use_qkv_bias": True}, ""),
+    # llama.cpp's qwen2moe never renormalises the top-k weights (no header key says so): a
+    # checkpoint with norm_topk_prob=true runs in llama.cpp, and by llmrt from its GGUF,
+    # unrenormalised, as the file means; the cases use false, as Qwen1.5-MoE does
     "qwen2moe": (
+        "Qwen2MoeConfig",
+        {**EXPERTS, "shared_expert_intermediate_size": 48, "norm_topk_prob": False},
+        "experts",
+    ),
+    # as converters wrote it before llama.cpp stopped squeezing tensors: the gate 1-D
+    "qwen2moe-squeezed": (
         "Qwen2MoeConfig",
         {**EXPERTS, "shared_expert_intermediate_size": 48, "norm_topk_prob": False},
         "experts",
@@ -294,7 +303,7 @@ def write_gguf(path: Path, case: str, model: Any, bpe: Any, *, q8_0: tuple[str, 
     arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     names = gguf.get_tensor_name_map(arch_id, cfg.num_hidden_layers)
     permute = {"llama": _llama_qk, "gptneox": _neox_qkv}.get(change, lambda cfg: None)(cfg)
-    for name, array in _converter_tensors(model, arch):
+    for name, array in _converter_tensors(model, squeeze=case.endswith("-squeezed")):
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         gguf_name = names.get_name(name, try_suffixes=(".weight", ".bias"))
@@ -315,14 +324,17 @@ def write_gguf(path: Path, case: str, model: Any, bpe: Any, *, q8_0: tuple[str, 
     return path
 
 
-def _converter_tensors(model: Any, arch: str) -> list[tuple[str, np.ndarray]]:
+def _converter_tensors(model: Any, *, squeeze: bool) -> list[tuple[str, np.ndarray]]:
     """The model's tensors as llama.cpp's converter regroups them before naming: experts'
     ``gate_up_proj`` split into stacked gate and up (Qwen2MoeModel), StableLM's per-head q/k
-    norms stacked into one ``[heads, head_dim]`` tensor (StableLMModel)."""
+    norms stacked into one ``[heads, head_dim]`` tensor (StableLMModel); ``squeeze``: unit
+    dimensions dropped, as older converters did."""
     out: list[tuple[str, np.ndarray]] = []
     heads: dict[str, list[np.ndarray]] = {}
     for name, tensor in model.state_dict().items():
         array = tensor.detach().float().numpy().copy()
+        if squeeze:
+            array = array.squeeze()
         if name.endswith("mlp.experts.gate_up_proj"):
             gate, up = np.split(array, 2, axis=1)
             out += [(name.replace("gate_up_proj", "gate_proj.weight"), gate)]
