@@ -15,6 +15,7 @@ from typing import Any
 
 import attrs
 import numpy as np
+import torch
 
 from llmrt.errors import CheckpointError
 
@@ -25,6 +26,10 @@ ConfigReader = Callable[[Mapping[str, Any], Mapping[str, tuple[int, ...]], str],
 #: ``convert(gguf_name, values, hf_config)``: the tensor in Hugging Face layout (a row
 #: permutation where it can be, so quantized blocks can stay quantized).
 Converter = Callable[[str, np.ndarray, Mapping[str, Any]], np.ndarray]
+#: ``regroup(tensors, hf_config)``: the whole named tensor set after ``convert``, with the
+#: tensors llama.cpp merged or split regrouped the Hugging Face way (stacked experts' gate
+#: and up joined into ``gate_up_proj``, stacked per-head norms split per head).
+Regrouper = Callable[[dict[str, Any], Mapping[str, Any]], dict[str, Any]]
 
 
 def keep_layout(name: str, values: np.ndarray, hf_config: Mapping[str, Any]) -> np.ndarray:
@@ -32,12 +37,20 @@ def keep_layout(name: str, values: np.ndarray, hf_config: Mapping[str, Any]) -> 
     return values
 
 
+def keep_groups(tensors: dict[str, Any], hf_config: Mapping[str, Any]) -> dict[str, Any]:
+    """The regrouper of an architecture whose GGUF tensors map one to one onto HF's."""
+    return tensors
+
+
 @attrs.frozen(kw_only=True)
 class GGUFArchitecture:
     """How one GGUF ``general.architecture`` (``name``) maps to Hugging Face.
 
     ``global_names`` maps whole GGUF tensor names; ``block_names`` maps the part of a
-    ``blk.N.<part>.weight|bias`` name to an HF prefix with ``{layer}``.
+    ``blk.N.<part>.weight|bias`` name to an HF prefix with ``{layer}``. ``config_tensors``
+    names small tensors that are configuration, not weights (Phi-3's LongRoPE factors):
+    ``hf_config`` finds their values in ``metadata`` under their tensor names, and they are
+    not loaded as weights.
     """
 
     name: str
@@ -45,6 +58,8 @@ class GGUFArchitecture:
     global_names: Mapping[str, str]
     block_names: Mapping[str, str]
     convert: Converter = keep_layout
+    regroup: Regrouper = keep_groups
+    config_tensors: tuple[str, ...] = ()
 
     def hf_name(self, gguf_name: str) -> str | None:
         """The Hugging Face parameter name for ``gguf_name``, or None when it has none."""
@@ -55,6 +70,30 @@ class GGUFArchitecture:
             return None
         layer, part, kind = match.groups()
         return self.block_names[part].format(layer=layer) + "." + kind
+
+
+#: llama.cpp's stacked expert tensors (and router) by block part, under intermediate HF names
+#: that ``join_stacked_experts`` turns into the fused ones.
+STACKED_EXPERTS: Mapping[str, str] = {
+    "ffn_gate_inp": "model.layers.{layer}.mlp.gate",
+    "ffn_gate_exps": "model.layers.{layer}.mlp.experts.gate_proj",
+    "ffn_up_exps": "model.layers.{layer}.mlp.experts.up_proj",
+    "ffn_down_exps": "model.layers.{layer}.mlp.experts.down_proj",
+}
+
+
+def join_stacked_experts(tensors: dict[str, Any], hf_config: Mapping[str, Any]) -> dict[str, Any]:
+    """A ``regroup``: llama.cpp stacks each layer's experts into ``ffn_{gate,up,down}_exps``
+    (Mixtral, Qwen-MoE); Hugging Face (transformers 5) keeps ``mlp.experts.gate_up_proj``
+    ``[experts, 2 * inter, hidden]`` (gate rows first) and ``mlp.experts.down_proj``, without
+    a ``.weight`` suffix."""
+    out = dict(tensors)
+    for gate_name in [n for n in tensors if n.endswith(".mlp.experts.gate_proj.weight")]:
+        layer = gate_name.removesuffix("gate_proj.weight")
+        up = out.pop(f"{layer}up_proj.weight")
+        out[f"{layer}gate_up_proj"] = torch.cat([out.pop(gate_name), up], dim=1).contiguous()
+        out[f"{layer}down_proj"] = out.pop(f"{layer}down_proj.weight")
+    return out
 
 
 def metadata_field(metadata: Mapping[str, Any], key: str, item: str) -> Any:

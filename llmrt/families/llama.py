@@ -20,7 +20,9 @@ from llmrt.families.decoder import TensorNames
 from llmrt.families.decoder_family import DecoderFamily
 from llmrt.families.experts import fuse_experts
 from llmrt.families.gguf_architecture import (
+    STACKED_EXPERTS,
     GGUFArchitecture,
+    join_stacked_experts,
     metadata_field,
     reject_rope_scaling,
     token_ids,
@@ -169,6 +171,19 @@ def _gguf_config(
             f"partial rotary ({rope_dim} of head_dim {head_dim}) is not supported",
         )
     reject_rope_scaling(metadata, "llama", item)
+    # llama.cpp writes Mixtral as ``llama`` with stacked experts (expert_count set).
+    experts = metadata.get("llama.expert_count")
+    moe = (
+        {
+            "architectures": ["MixtralForCausalLM"],
+            "model_type": "mixtral",
+            "num_local_experts": int(experts),
+            "num_experts_per_tok": int(metadata_field(metadata, "llama.expert_used_count", item)),
+            "sliding_window": None,
+        }
+        if experts
+        else {}
+    )
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -189,6 +204,7 @@ def _gguf_config(
         "mlp_bias": "blk.0.ffn_up.bias" in shapes,
         "tie_word_embeddings": "output.weight" not in shapes,
         **token_ids(metadata),
+        **moe,
     }
 
 
@@ -215,9 +231,11 @@ GGUF = GGUFArchitecture(
             "ffn_down": "model.layers.{layer}.mlp.down_proj",
             "attn_norm": "model.layers.{layer}.input_layernorm",
             "ffn_norm": "model.layers.{layer}.post_attention_layernorm",
+            **STACKED_EXPERTS,
         }
     ),
     convert=unpermute_qk,
+    regroup=join_stacked_experts,
 )
 
 #: The family the registry serves under ``llama``.

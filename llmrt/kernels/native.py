@@ -30,6 +30,7 @@ import torch
 
 from llmrt.device.cpu_features import pin_torch_isa
 from llmrt.errors import ConfigError, LLMRTError
+from llmrt.lifecycle.progress import progress_step
 from llmrt.paths import default_cache_dir
 
 LIBRARY = "llmrt_kernels"
@@ -257,15 +258,16 @@ def _build(directory: Path) -> None:
 
     directory.mkdir(parents=True, exist_ok=True)
     try:
-        cpp_extension.load(
-            name=LIBRARY,
-            sources=[str(path) for path in _SOURCES],
-            build_directory=str(directory),
-            extra_cflags=list(_cflags()),
-            extra_ldflags=list(_ldflags()),
-            is_python_module=False,
-            verbose=bool(os.environ.get("LLMRT_KERNELS_VERBOSE")),
-        )
+        with progress_step("building llmrt's CPU kernels (once per machine, a minute or more)"):
+            cpp_extension.load(
+                name=LIBRARY,
+                sources=[str(path) for path in _SOURCES],
+                build_directory=str(directory),
+                extra_cflags=list(_cflags()),
+                extra_ldflags=list(_ldflags()),
+                is_python_module=False,
+                verbose=bool(os.environ.get("LLMRT_KERNELS_VERBOSE")),
+            )
     except (OSError, RuntimeError, ImportError) as exc:
         raise KernelUnavailableError(
             f"building the CPU kernels in {directory} failed (needs a C++ compiler and "

@@ -6,6 +6,8 @@ once its step has run ``DELAY_S`` (quick loops print nothing), a one-call step
 (``progress_step``) shows its description while the call runs. ``LLMRT_PROGRESS``
 overrides: ``0`` hides every bar (the CLI sets it for an explicit ``--log-level warning`` or
 ``error``), ``1`` shows them even without a terminal. Bars are removed when their step ends.
+A one-call step counts its elapsed seconds while it runs (a minutes-long compile of the CPU
+kernels shows it is alive).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import threading
 from collections.abc import Iterable, Iterator
 from typing import TypeVar
 
@@ -20,6 +23,8 @@ from tqdm import tqdm
 
 ENV = "LLMRT_PROGRESS"
 DELAY_S = 0.5
+#: How often a one-call step redraws its elapsed time.
+TICK_S = 1.0
 _OFF = frozenset({"0", "off", "false", "no"})
 _ON = frozenset({"1", "on", "true", "yes"})
 
@@ -63,8 +68,8 @@ def progress(
 
 @contextlib.contextmanager
 def progress_step(desc: str) -> Iterator[None]:
-    """A one-step bar (its description and elapsed time) around a single long call, shown
-    from the start when the setting allows one."""
+    """A one-step bar (its description and elapsed time, redrawn every ``TICK_S``) around a
+    single long call, shown from the start when the setting allows one."""
     setting = progress_setting()
     if setting is False:
         yield
@@ -72,12 +77,24 @@ def progress_step(desc: str) -> Iterator[None]:
     bar = tqdm(
         total=1,
         desc=desc,
-        bar_format="{desc}...",
+        bar_format="{desc}... {elapsed}",
         disable=None if setting is None else False,
         leave=False,
         file=sys.stderr,
     )
+    done = threading.Event()
+
+    def tick() -> None:
+        while not done.wait(TICK_S):
+            bar.refresh()
+
+    ticker = threading.Thread(target=tick, name="llmrt-progress", daemon=True)
+    if not bar.disable:
+        ticker.start()
     try:
         yield
     finally:
+        done.set()
+        if ticker.is_alive():
+            ticker.join()
         bar.close()

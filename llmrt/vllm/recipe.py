@@ -32,6 +32,7 @@ import attrs
 
 from llmrt.errors import ConfigError
 from llmrt.recipe.loader import Overrides, Recipe, load_recipe
+from llmrt.weights.model_source import cached_snapshot, parse_hub_id
 
 RECIPE_ENV = "LLMRT_VLLM_RECIPE"
 OVERRIDES_ENV = "LLMRT_VLLM_OVERRIDES"
@@ -175,22 +176,19 @@ def select_recipe(
 def _checkpoint_directory(name: str, env: Mapping[str, str]) -> str | None:
     """``name`` if it is a directory, else its cached Hub snapshot holding weights, else None.
 
-    Only the local cache is read (``try_to_load_from_cache``): vLLM fetched the config, and
-    the weights must be there too (``*.safetensors``), since the recipe reads them."""
+    Only the local cache is read (``model_source.cached_snapshot``, as ``-m`` reads it): vLLM
+    fetched the config, and the weights must be there too (``*.safetensors``), since the
+    recipe reads them."""
     if Path(name).is_dir():
         return name
-    if name.count("/") != 1 or name.startswith((".", "/", "~")):
+    hub_id = parse_hub_id(name)
+    if hub_id is None:
         return None  # not a Hub ``org/model`` id
-    from huggingface_hub import try_to_load_from_cache
-
-    cache = env.get("HF_HUB_CACHE") or (
-        str(Path(env["HF_HOME"]) / "hub") if env.get("HF_HOME") else None
-    )
-    config = try_to_load_from_cache(name, "config.json", cache_dir=cache)
-    if not isinstance(config, str):
+    repo, revision = hub_id
+    snapshot = cached_snapshot(repo, revision=revision, env=env)
+    if snapshot is None or not any(snapshot.glob("*.safetensors")):
         return None
-    snapshot = Path(config).parent
-    return str(snapshot) if any(snapshot.glob("*.safetensors")) else None
+    return str(snapshot)
 
 
 def _as_strings(overrides: Overrides | None) -> tuple[str, ...]:

@@ -47,7 +47,7 @@ from llmrt.kernels.formats import (
 )
 from llmrt.lifecycle.progress import progress
 from llmrt.weights.cache import CachedCheckpoint, CacheEntry, file_digest
-from llmrt.weights.gguf_architectures import architecture_for
+from llmrt.weights.gguf_architectures import header_config
 from llmrt.weights.gguf_file import GGUFTensor, open_gguf
 from llmrt.weights.gguf_tokenizer import gguf_tokenizer
 from llmrt.weights.tokenizer import Tokenizer
@@ -127,14 +127,7 @@ def read_gguf_config(path: Path) -> dict[str, Any]:
     data, no tokenizer): what `family: auto` needs to pick a family."""
     if not path.is_file():
         raise CheckpointError(str(path), "GGUF file not found")
-    reader = open_gguf(path)
-    architecture = _architecture(reader.metadata, str(path))
-    shapes = {t.name: t.shape for t in reader.tensors}
-    return architecture.hf_config(reader.metadata, shapes, str(path))
-
-
-def _architecture(metadata: Mapping[str, Any], item: str) -> GGUFArchitecture:
-    return architecture_for(str(metadata.get("general.architecture")), item=item)
+    return header_config(open_gguf(path), item=str(path))[1]
 
 
 def _read_requantizing(path: Path, *, cache_dir: Path, kind: str) -> GGUFContents:
@@ -169,14 +162,16 @@ def read_gguf(
     item = str(path)
     reader = open_gguf(path)
     metadata = reader.metadata
-    architecture = _architecture(metadata, item)
+    architecture, hf_config = header_config(reader, item=item)
     arch_name = metadata["general.architecture"]
     shapes = {t.name: t.shape for t in reader.tensors}
-    hf_config = architecture.hf_config(metadata, shapes, item)
     tokenizer = gguf_tokenizer(metadata, item=item)
     tensors: dict[str, CheckpointTensor] = {}
     verb = "reading" if keep_quantized else "dequantizing"
+    stacked: list[GGUFTensor] = []  # quantized 3-D (expert) tensors dequantized
     for tensor in progress(reader.tensors, desc=f"{verb} {path.name}", unit="tensor"):
+        if tensor.name in architecture.config_tensors:
+            continue  # read into hf_config
         hf_name = architecture.hf_name(tensor.name)
         if hf_name is None:
             raise CheckpointError(
@@ -204,13 +199,25 @@ def read_gguf(
                     tensor.tensor_type.name,
                     4 * prod(shape) / 1e6,
                 )
+            elif len(shape) > 2 and tensor.tensor_type != gguf_py.GGMLQuantizationType.F32:
+                stacked.append(tensor)
         values = dequantize_tensor(tensor, shape=shapes[tensor.name], item=f"{item}: {tensor.name}")
         converted = architecture.convert(tensor.name, values, hf_config)
         array = np.ascontiguousarray(converted, dtype=np.float32)
         tensors[hf_name] = torch.from_numpy(array if array.flags.writeable else array.copy())
+    if stacked:
+        _log.warning(
+            "%s: %d stacked expert tensors (%s) dequantized to float32, %.1f MB from %.1f MB "
+            "in the file: llmrt runs mixture-of-experts weights in float",
+            item,
+            len(stacked),
+            ", ".join(sorted({t.tensor_type.name for t in stacked})),
+            sum(4 * prod(t.shape) for t in stacked) / 1e6,
+            sum(t.data.nbytes for t in stacked) / 1e6,
+        )
     return GGUFContents(
         hf_config=hf_config,
-        tensors=tensors,
+        tensors=architecture.regroup(tensors, hf_config),
         tokenizer=tokenizer,
         mapping=reader.mapping if keep_quantized else None,
     )

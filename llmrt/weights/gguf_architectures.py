@@ -14,19 +14,26 @@ from collections.abc import Callable, Mapping
 from types import MappingProxyType
 from typing import Any
 
+import gguf as gguf_py
 import numpy as np
 
 from llmrt.errors import CheckpointError
 from llmrt.families import registry
 from llmrt.families.gguf_architecture import (
+    STACKED_EXPERTS,
     ConfigReader,
     GGUFArchitecture,
+    Regrouper,
+    join_stacked_experts,
+    keep_groups,
+    keep_layout,
     metadata_field,
     reject_rope_scaling,
     token_ids,
     unpermute_qk,
     vocab_size,
 )
+from llmrt.weights.gguf_file import GGUFFile
 
 _GLOBAL = MappingProxyType(
     {
@@ -57,6 +64,10 @@ _QK_NORMS = {
 }
 
 
+#: ``extra(metadata, config)``: the keys an architecture adds to the common config.
+_Extra = Callable[[Mapping[str, Any], dict[str, Any]], dict[str, Any]]
+
+
 def _decoder_config(
     *,
     arch: str,
@@ -66,8 +77,10 @@ def _decoder_config(
     eps_key: str,
     eps_name: str,
     partial_rotary: bool = False,
+    rope_scalings: tuple[str, ...] = (),
 ) -> Callable[[Mapping[str, Any], Mapping[str, tuple[int, ...]], str], dict[str, Any]]:
-    """The config reader shared by llama-like decoders: the metadata every converter writes."""
+    """The config reader shared by llama-like decoders: the metadata every converter writes
+    (``rope_scalings``: scaling types the architecture's ``extra`` translates itself)."""
 
     def read(
         metadata: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], item: str
@@ -85,7 +98,8 @@ def _decoder_config(
                 f"{item}: {key('rope.dimension_count')}",
                 f"partial rotary ({rope_dim} of head_dim {head_dim}) is not supported",
             )
-        reject_rope_scaling(metadata, arch, item)
+        if metadata.get(key("rope.scaling.type")) not in rope_scalings:
+            reject_rope_scaling(metadata, arch, item)
         config: dict[str, Any] = {
             "architectures": [architecture],
             "model_type": model_type,
@@ -126,19 +140,39 @@ def _with(
     return combined
 
 
-def _reject_rope_factors(
-    read: Callable[[Mapping[str, Any], Mapping[str, tuple[int, ...]], str], dict[str, Any]],
-) -> Callable[[Mapping[str, Any], Mapping[str, tuple[int, ...]], str], dict[str, Any]]:
-    def checked(
-        metadata: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], item: str
-    ) -> dict[str, Any]:
-        if any(name.startswith("rope_factors") for name in shapes):
-            raise CheckpointError(
-                f"{item}: rope_factors_long.weight", "LongRoPE scaling is not supported"
-            )
-        return read(metadata, shapes, item)
+#: Phi-3's LongRoPE factors: tensors in the file, ``rope_scaling`` lists in ``config.json``.
+_PHI3_ROPE_FACTORS = ("rope_factors_long.weight", "rope_factors_short.weight")
 
-    return checked
+
+def _phi3_extra(metadata: Mapping[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """What llama.cpp's Phi3MiniModel writes beyond the common keys: the original context
+    (always), a sliding window (0: none, Phi-4) and, for the 128k models, LongRoPE's factor
+    tensors and attention factor."""
+    extra: dict[str, Any] = {}
+    if not config.get("sliding_window"):
+        extra["sliding_window"] = None
+    original = metadata.get("phi3.rope.scaling.original_context_length")
+    if original is not None:
+        extra["original_max_position_embeddings"] = int(original)
+    long, short = (metadata.get(name) for name in _PHI3_ROPE_FACTORS)
+    if long is None and short is None:
+        return extra
+    if long is None or short is None or original is None:
+        raise CheckpointError(
+            "phi3 LongRoPE",
+            "needs rope_factors_long, rope_factors_short and "
+            "phi3.rope.scaling.original_context_length together",
+        )
+    scaling: dict[str, Any] = {
+        "rope_type": "longrope",
+        "long_factor": list(long),
+        "short_factor": list(short),
+        "original_max_position_embeddings": int(original),
+    }
+    attention = metadata.get("phi3.rope.scaling.attn_factor")
+    if attention is not None:
+        scaling["attention_factor"] = float(attention)
+    return {**extra, "rope_scaling": scaling}
 
 
 def _gemma_norms(name: str, values: np.ndarray, hf_config: Mapping[str, Any]) -> np.ndarray:
@@ -163,19 +197,33 @@ def _stablelm_extra(metadata: Mapping[str, Any], config: dict[str, Any]) -> dict
     }
 
 
-def _no_qk_layernorm(
-    read: Callable[[Mapping[str, Any], Mapping[str, tuple[int, ...]], str], dict[str, Any]],
-) -> Callable[[Mapping[str, Any], Mapping[str, tuple[int, ...]], str], dict[str, Any]]:
-    def checked(
-        metadata: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], item: str
-    ) -> dict[str, Any]:
-        if "blk.0.attn_q_norm.weight" in shapes:
-            raise CheckpointError(
-                f"{item}: blk.0.attn_q_norm.weight", "StableLM's per-head q/k norms are not read"
-            )
-        return read(metadata, shapes, item)
+def _flag_tensor(key: str, tensor: str) -> Callable[[ConfigReader], ConfigReader]:
+    """A guard setting ``config[key]`` to whether the file holds ``tensor`` (an optional part
+    the header states only by its tensors, like StableLM's and Command-R's q/k norms)."""
 
-    return checked
+    def guard(read: ConfigReader) -> ConfigReader:
+        def flagged(
+            metadata: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], item: str
+        ) -> dict[str, Any]:
+            return {**read(metadata, shapes, item), key: tensor in shapes}
+
+        return flagged
+
+    return guard
+
+
+def _split_head_norms(tensors: dict[str, Any], hf_config: Mapping[str, Any]) -> dict[str, Any]:
+    """StableLM's per-head q/k LayerNorms: llama.cpp stacks them (``[heads, head_dim]``);
+    Hugging Face keeps one ``norms.{h}`` module per head."""
+    out = {}
+    for name, tensor in tensors.items():
+        prefix, _, kind = name.rpartition(".")
+        if not prefix.endswith((".q_layernorm", ".k_layernorm")):
+            out[name] = tensor
+            continue
+        for head, row in enumerate(tensor):
+            out[f"{prefix}.norms.{head}.{kind}"] = row.clone()
+    return out
 
 
 def _gptneox_extra(metadata: Mapping[str, Any], config: dict[str, Any]) -> dict[str, Any]:
@@ -223,6 +271,67 @@ def _granite_extra(metadata: Mapping[str, Any], config: dict[str, Any]) -> dict[
     return out
 
 
+def _moe_extra(arch: str, *, weights_norm: bool) -> _Extra:
+    """Qwen2-MoE / Qwen3-MoE expert counts under ``config.json``'s names. llama.cpp runs every
+    layer sparse and fixes top-k renormalisation per architecture (off for qwen2moe, on for
+    qwen3moe) rather than reading it from the header."""
+
+    def extra(metadata: Mapping[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+        def field(name: str) -> int:
+            return int(metadata_field(metadata, f"{arch}.{name}", "GGUF header"))
+
+        # transformers 5 names Qwen3-MoE's count num_local_experts (num_experts: an alias)
+        count_key = "num_local_experts" if arch == "qwen3moe" else "num_experts"
+        out: dict[str, Any] = {
+            count_key: field("expert_count"),
+            "num_experts_per_tok": field("expert_used_count"),
+            "moe_intermediate_size": field("expert_feed_forward_length"),
+            "norm_topk_prob": weights_norm,
+            "decoder_sparse_step": 1,
+            "mlp_only_layers": [],
+        }
+        shared = metadata.get(f"{arch}.expert_shared_feed_forward_length")
+        if shared is not None:
+            out["shared_expert_intermediate_size"] = int(shared)
+        if arch == "qwen2moe":
+            out["qkv_bias"] = config["attention_bias"]
+        return out
+
+    return extra
+
+
+def _qwen2moe_groups(tensors: dict[str, Any], hf_config: Mapping[str, Any]) -> dict[str, Any]:
+    """Stacked experts joined; the shared expert's gate as Hugging Face's ``[1, hidden]``
+    (converters before llama.cpp stopped squeezing tensors wrote it 1-D)."""
+    out = join_stacked_experts(tensors, hf_config)
+    for name, tensor in out.items():
+        if name.endswith(".mlp.shared_expert_gate.weight") and tensor.dim() == 1:
+            out[name] = tensor.unsqueeze(0)
+    return out
+
+
+def _one_plus_norms(name: str, values: np.ndarray, hf_config: Mapping[str, Any]) -> np.ndarray:
+    """llama.cpp's NemotronModel stores LayerNorm1P's weights as ``1 + w`` (biases as they are)."""
+    if name.endswith("norm.weight") and values.dtype.kind == "f":
+        return values - np.float32(1.0)
+    return values
+
+
+def _command_r_extra(metadata: Mapping[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """Cohere's logit scale; llama.cpp always reads Command-R's LM head from the embedding."""
+    return {
+        "logit_scale": float(metadata.get("command-r.logit_scale") or 1.0),
+        "tie_word_embeddings": True,
+    }
+
+
+_SHARED_EXPERT = {
+    "ffn_gate_inp_shexp": "model.layers.{layer}.mlp.shared_expert_gate",
+    "ffn_gate_shexp": "model.layers.{layer}.mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "model.layers.{layer}.mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "model.layers.{layer}.mlp.shared_expert.down_proj",
+}
+
 
 def _architecture(
     name: str,
@@ -238,6 +347,9 @@ def _architecture(
     guard: Callable[[ConfigReader], ConfigReader] | None = None,
     partial_rotary: bool = False,
     global_names: Mapping[str, str] = _GLOBAL,
+    regroup: Regrouper = keep_groups,
+    config_tensors: tuple[str, ...] = (),
+    rope_scalings: tuple[str, ...] = (),
 ) -> GGUFArchitecture:
     read = _decoder_config(
         arch=name,
@@ -247,18 +359,20 @@ def _architecture(
         eps_key=eps_key,
         eps_name=eps_name,
         partial_rotary=partial_rotary,
+        rope_scalings=rope_scalings,
     )
     if extra is not None:
         read = _with(read, extra)
     if guard is not None:
         read = guard(read)
-    kwargs: dict[str, Any] = {} if convert is None else {"convert": convert}
     return GGUFArchitecture(
         name=name,
         hf_config=read,
         global_names=MappingProxyType(dict(global_names)),
         block_names=MappingProxyType(dict(block_names)),
-        **kwargs,
+        convert=keep_layout if convert is None else convert,
+        regroup=regroup,
+        config_tensors=config_tensors,
     )
 
 
@@ -298,7 +412,9 @@ LLAMA_CPP_ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType(
                 "phi3",
                 model_type="phi3",
                 architecture="Phi3ForCausalLM",
-                guard=_reject_rope_factors,
+                extra=_phi3_extra,
+                config_tensors=_PHI3_ROPE_FACTORS,
+                rope_scalings=("longrope",),
                 block_names={
                     "attn_qkv": "model.layers.{layer}.self_attn.qkv_proj",
                     "attn_output": "model.layers.{layer}.self_attn.o_proj",
@@ -327,8 +443,15 @@ LLAMA_CPP_ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType(
                 eps_name="layer_norm_eps",
                 partial_rotary=True,
                 extra=_stablelm_extra,
-                guard=_no_qk_layernorm,
-                block_names={**_ATTENTION, **_GATED_MLP, **_PRE_NORMS},
+                guard=_flag_tensor("qk_layernorm", "blk.0.attn_q_norm.weight"),
+                regroup=_split_head_norms,
+                block_names={
+                    **_ATTENTION,
+                    **_GATED_MLP,
+                    **_PRE_NORMS,
+                    "attn_q_norm": "model.layers.{layer}.self_attn.q_layernorm",
+                    "attn_k_norm": "model.layers.{layer}.self_attn.k_layernorm",
+                },
             ),
             _architecture(
                 "gemma3",
@@ -381,6 +504,66 @@ LLAMA_CPP_ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType(
                 },
             ),
             _architecture(
+                "qwen2moe",
+                model_type="qwen2_moe",
+                architecture="Qwen2MoeForCausalLM",
+                extra=_moe_extra("qwen2moe", weights_norm=False),
+                regroup=_qwen2moe_groups,
+                block_names={**_ATTENTION, **_PRE_NORMS, **STACKED_EXPERTS, **_SHARED_EXPERT},
+            ),
+            _architecture(
+                "qwen3moe",
+                model_type="qwen3_moe",
+                architecture="Qwen3MoeForCausalLM",
+                extra=_moe_extra("qwen3moe", weights_norm=True),
+                regroup=join_stacked_experts,
+                block_names={**_ATTENTION, **_PRE_NORMS, **_QK_NORMS, **STACKED_EXPERTS},
+            ),
+            _architecture(
+                "command-r",
+                model_type="cohere",
+                architecture="CohereForCausalLM",
+                eps_key="attention.layer_norm_epsilon",
+                eps_name="layer_norm_eps",
+                extra=_command_r_extra,
+                guard=_flag_tensor("use_qk_norm", "blk.0.attn_q_norm.weight"),
+                block_names={
+                    **_ATTENTION,
+                    **_GATED_MLP,
+                    **_QK_NORMS,
+                    "attn_norm": "model.layers.{layer}.input_layernorm",
+                },
+            ),
+            _architecture(
+                "nemotron",
+                model_type="nemotron",
+                architecture="NemotronForCausalLM",
+                hidden_act="relu2",
+                eps_key="attention.layer_norm_epsilon",
+                eps_name="norm_eps",
+                partial_rotary=True,
+                convert=_one_plus_norms,
+                guard=_flag_tensor("mlp_bias", "blk.0.ffn_up.bias"),
+                block_names={
+                    **_ATTENTION,
+                    **_PRE_NORMS,
+                    "ffn_up": "model.layers.{layer}.mlp.up_proj",
+                    "ffn_down": "model.layers.{layer}.mlp.down_proj",
+                },
+            ),
+            _architecture(
+                "smollm3",
+                model_type="smollm3",
+                architecture="SmolLM3ForCausalLM",
+                convert=unpermute_qk,  # llama.cpp's SmolLM3Model is a LlamaModel
+                # llama.cpp fixes the no-RoPE step at 4 and runs no sliding window.
+                extra=lambda metadata, config: {
+                    "no_rope_layer_interval": 4,
+                    "use_sliding_window": False,
+                },
+                block_names={**_ATTENTION, **_GATED_MLP, **_PRE_NORMS},
+            ),
+            _architecture(
                 "gemma",
                 model_type="gemma",
                 architecture="GemmaForCausalLM",
@@ -407,6 +590,20 @@ LLAMA_CPP_ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType(
         )
     }
 )
+
+
+def header_config(header: GGUFFile, *, item: str) -> tuple[GGUFArchitecture, dict[str, Any]]:
+    """The architecture reading ``header`` (a parsed GGUF, ``item`` naming it) and the
+    Hugging Face config it states: the metadata, the tensor shapes and the values of the
+    few tensors that are configuration (``GGUFArchitecture.config_tensors``), no weights."""
+    architecture = architecture_for(str(header.metadata.get("general.architecture")), item=item)
+    shapes = {tensor.name: tensor.shape for tensor in header.tensors}
+    metadata = dict(header.metadata)
+    for tensor in header.tensors:
+        if tensor.name in architecture.config_tensors:
+            values = gguf_py.quants.dequantize(tensor.data, tensor.tensor_type)
+            metadata[tensor.name] = [float(v) for v in np.asarray(values).reshape(-1)]
+    return architecture, architecture.hf_config(metadata, shapes, item)
 
 
 def supported_architectures() -> tuple[str, ...]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Literal
 
@@ -54,19 +55,39 @@ def resolve_model_source(
     path = Path(source).expanduser()
     if path.exists() or _path_like(source):
         return _local(source, path, field=field, gguf_file=gguf_file)
-    match = _HUB_ID.fullmatch(source)
-    if match is None:
+    hub_id = parse_hub_id(source)
+    if hub_id is None:
         raise ConfigError(
             field, source, "no such file or directory, and not a Hub id (org/name[@revision])"
         )
+    repo, revision = hub_id
     return _hub(
-        source,
-        repo=match.group("repo"),
-        revision=match.group("revision"),
-        field=field,
-        gguf_file=gguf_file,
-        download=download,
+        source, repo=repo, revision=revision, field=field, gguf_file=gguf_file, download=download
     )
+
+
+def parse_hub_id(text: str) -> tuple[str, str | None] | None:
+    """``(repo, revision)`` of a Hub id ``org/name[@revision]``; None when ``text`` is none."""
+    match = _HUB_ID.fullmatch(text)
+    return None if match is None else (match.group("repo"), match.group("revision"))
+
+
+def cached_snapshot(
+    repo: str, *, revision: str | None = None, env: Mapping[str, str] | None = None
+) -> Path | None:
+    """The snapshot directory of ``repo`` (at ``revision``) in the local Hub cache that
+    ``env`` (default: the process environment) names; None when it is not cached. The one
+    place llmrt looks a Hub id up without the network (``-m`` and the vLLM plugin)."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        found = snapshot_download(
+            repo, revision=revision, cache_dir=hub_cache_dir(env), local_files_only=True
+        )
+    except (LocalEntryNotFoundError, FileNotFoundError):
+        return None
+    return Path(found)
 
 
 def is_gguf_file(path: Path) -> bool:
@@ -151,12 +172,14 @@ def _stem(path: Path) -> str:
     return path.name.removesuffix(".gguf") or path.name
 
 
-def hub_cache_dir() -> Path:
-    """The Hub cache ``huggingface_hub`` uses, read from the environment now (not at import)."""
-    if os.environ.get("HF_HUB_CACHE"):
-        return Path(os.environ["HF_HUB_CACHE"]).expanduser()
-    home = os.environ.get("HF_HOME") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or "~/.cache", "huggingface"
+def hub_cache_dir(env: Mapping[str, str] | None = None) -> Path:
+    """The Hub cache ``huggingface_hub`` uses, read from ``env`` (default: the process
+    environment) now, not at import."""
+    env = os.environ if env is None else env
+    if env.get("HF_HUB_CACHE"):
+        return Path(env["HF_HUB_CACHE"]).expanduser()
+    home = env.get("HF_HOME") or os.path.join(
+        env.get("XDG_CACHE_HOME") or "~/.cache", "huggingface"
     )
     return Path(home).expanduser() / "hub"
 
@@ -176,15 +199,10 @@ def _hub(
     download: bool,
 ) -> ModelSource:
     from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError
+    from huggingface_hub.errors import HfHubHTTPError
 
     cache = hub_cache_dir()
-    try:
-        snapshot = Path(
-            snapshot_download(repo, revision=revision, cache_dir=cache, local_files_only=True)
-        )
-    except (LocalEntryNotFoundError, FileNotFoundError):
-        snapshot = None
+    snapshot = cached_snapshot(repo, revision=revision)
     # A GGUF repo's cached snapshot holds only the files fetched so far: the one asked for
     # must be there, or it is fetched too (when allowed).
     if snapshot is not None and (gguf_file is None or (snapshot / gguf_file).is_file()):
@@ -249,7 +267,7 @@ def model_facts(source: ModelSource) -> ModelFacts:
     or ``CheckpointError`` listing the supported ones."""
     from llmrt.families import registry
     from llmrt.kernels.formats import block_kind_of
-    from llmrt.weights.gguf_architectures import architecture_for
+    from llmrt.weights.gguf_architectures import header_config
     from llmrt.weights.gguf_file import open_gguf
 
     if source.kind == "safetensors":
@@ -263,9 +281,7 @@ def model_facts(source: ModelSource) -> ModelFacts:
         )
     header = open_gguf(source.path)
     item = str(source.path)
-    architecture = architecture_for(str(header.metadata.get("general.architecture")), item=item)
-    shapes = {tensor.name: tensor.shape for tensor in header.tensors}
-    model_type = architecture.hf_config(header.metadata, shapes, item)["model_type"]
+    model_type = header_config(header, item=item)[1]["model_type"]
     family = registry.family_for_model_type(str(model_type))
     runs_blocks = any(
         len(tensor.dims) == 2 and block_kind_of(int(tensor.tensor_type)) is not None

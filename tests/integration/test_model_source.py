@@ -226,6 +226,21 @@ def test_the_smollm2_gguf_derives_the_tuned_recipe() -> None:
     assert derived == tuned
 
 
+def test_a_checkpoint_directory_derives_the_hf_recipe_as_written(files: dict[str, Any]) -> None:
+    """A Hugging Face directory given with no recipe runs with every default ``recipes/hf.yaml``
+    gives (the family read from ``config.json``), only its path and name set."""
+    directory = files["hf"]
+    derived = recipe_to_dict(load_recipe(str(directory)))
+    written = recipe_to_dict(
+        load_recipe("hf", overrides=[f"checkpoint.path={directory.resolve()}", "family=llama"])
+    )
+    assert derived["name"] == "tiny-llama-hf" and derived["family"] == "llama"
+    for data in (derived, written):
+        for key in ("name", "description"):
+            data.pop(key)
+    assert derived == written
+
+
 def test_a_recipe_given_with_m_keeps_its_settings_and_takes_the_model(
     files: dict[str, Any],
 ) -> None:

@@ -86,3 +86,28 @@ def test_loading_caching_and_compiling_report_progress(
         "compiling prefill",
     ):
         assert step in err, step
+
+
+def test_the_kernel_build_shows_it_is_alive_on_a_terminal_only(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Building the CPU kernels takes minutes on a first run: a forced bar names the step and
+    counts its seconds while the compiler runs; quiet (``0``) shows nothing."""
+    from torch.utils import cpp_extension
+
+    from llmrt.kernels import native
+
+    compiled = []
+    monkeypatch.setattr(progress_module, "TICK_S", 0.05)
+    monkeypatch.setattr(
+        cpp_extension, "load", lambda **kwargs: compiled.append(kwargs) or time.sleep(0.3)
+    )
+    monkeypatch.setenv("LLMRT_PROGRESS", "1")
+    native._build(tmp_path / "build")
+    err = capsys.readouterr().err
+    assert "building llmrt's CPU kernels" in err and "00:00" in err
+    assert err.count("building llmrt's CPU kernels") >= 3  # redrawn while it ran
+    monkeypatch.setenv("LLMRT_PROGRESS", "0")
+    native._build(tmp_path / "build")
+    assert capsys.readouterr().err == ""
+    assert [kwargs["build_directory"] for kwargs in compiled] == [str(tmp_path / "build")] * 2
