@@ -86,7 +86,7 @@ LINEAR_KERNEL_CHOICES: tuple[str, ...] = get_args(LinearKernelChoice)
 
 #: The kernels' activation codes (``csrc/vecmath.h``: the fused decode step and
 #: ``native_mlp_activation``).
-ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3}
+ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "relu2": 4}
 
 
 def native_mlp_activation(

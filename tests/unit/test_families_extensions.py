@@ -115,7 +115,7 @@ def test_a_registered_activation_is_read_from_hidden_act_and_computed_by_its_for
     down = tensors["model.layers.0.mlp.down_proj.weight"]
     expected = (_softsign(x @ gate.T) * (x @ up.T)) @ down.T
     torch.testing.assert_close(mlp(x), expected, rtol=1e-5, atol=1e-6)
-    assert model.backbone.fused_decode_status() == "layers.0: activation ext_softsign"
+    assert model.backbone.fused_decode_status() == ("not fused: activation ext_softsign (layers.0)")
     assert parse_parts({"mlp": {"activation": "ext_softsign"}}).mlp["activation"] == "ext_softsign"
 
 
@@ -128,7 +128,9 @@ def test_a_registered_norm_kind_is_a_norm_part() -> None:
     x = torch.randn(2, 32, generator=torch.Generator().manual_seed(2))
     weight = tensors["model.layers.1.input_layernorm.weight"]
     torch.testing.assert_close(norm(x), _mean_abs_norm(x, weight, None, 1e-3))
-    assert "ext_mean_abs norm" in model.backbone.fused_decode_status()
+    assert model.backbone.fused_decode_status() == (
+        "not fused: norm kind ext_mean_abs (layers.0.attn_norm)"
+    )
 
 
 def test_a_custom_part_names_its_tensors_and_builds_its_module() -> None:
@@ -147,7 +149,7 @@ def test_a_custom_part_names_its_tensors_and_builds_its_module() -> None:
     expected = (torch.tanh(x @ w_in.T) @ w_out.T) * tensors["model.layers.1.mlp.scale"]
     torch.testing.assert_close(mlp(x), expected, rtol=1e-5, atol=1e-6)
     assert model.backbone.fused_decode_status() == (
-        "layers.0: mlp: GatedTanhModule (a part the op does not run)"
+        "not fused: mlp part GatedTanhModule (layers.0)"
     )
 
 
