@@ -4,10 +4,10 @@ Why: at batch 1 a layer's weights take ~0.1 ms to stream, while its ~60 eager to
 cost ~0.5 ms of dispatch, so an eager decode step is mostly overhead; even the embedding,
 RoPE lookup, final norm and LM head as torch ops cost ~0.9 ms of a 6 ms SmolLM2 step. The
 call runs the same parts (token embedding, pre-norm RMSNorm or LayerNorm in their bias,
-weightless and ``(1 + w)`` forms, fused q/k/v with clipping, RoPE and the paged K/V write,
-grouped-query attention over the row's pages, output projection, sequential or parallel
-residuals, gated or plain MLP, final norm, LM head) over the same weights, borrowed from the
-built modules as stored (ggml blocks or float32).
+weightless and ``(1 + w)`` forms, fused q/k/v with clipping and per-head q/k norms, RoPE and
+the paged K/V write, grouped-query attention over the row's pages, output projection,
+sequential or parallel residuals, gated or plain MLP, final norm, LM head) over the same
+weights, borrowed from the built modules as stored (ggml blocks or float32).
 
 A model takes the fused path only when every part is one the call implements; otherwise its
 decode steps stay on the torch ops and ``DecoderBackbone.fused_decode_status()`` says
@@ -170,13 +170,14 @@ class StackLayer(NamedTuple):
 
     #: attn_norm, mlp_norm, and the qkv, o, up, down weights (borrowed).
     tensors: tuple[torch.Tensor, ...]
-    #: qkv, o, up, down, attn_norm and mlp_norm biases.
+    #: qkv, o, up, down, attn_norm and mlp_norm biases; q_norm and k_norm weights.
     biases: tuple[torch.Tensor | None, ...]
     #: qkv, o, up, down weight kinds; heads, KV heads, head_dim, window, activation, gated,
     #: the RoPE table index (-1: none), attn_norm kind, mlp_norm kind (-1: none, a parallel
-    #: layer's MLP reading the attention's normed input), parallel.
+    #: layer's MLP reading the attention's normed input), parallel, q/k norm kind (-1: none).
     ints: tuple[int, ...]
-    #: eps, attention scale, residual multiplier, mlp_norm eps, q/k/v clip (inf: none).
+    #: eps, attention scale, residual multiplier, mlp_norm eps, q/k/v clip (inf: none), q/k
+    #: norm eps.
     floats: tuple[float, ...]
 
 
@@ -188,8 +189,7 @@ def fused_layer_args(layer: DecoderLayer, *, width: int) -> StackLayer:
         raise NotFusable(f"attention part {type(attention).__name__}")
     if layer.post_attn_norm is not None or layer.post_mlp_norm is not None:
         raise NotFusable("post-attention / post-MLP norms")
-    if attention.q_norm is not None or attention.k_norm is not None:
-        raise NotFusable("q/k norms")
+    q_norm, k_norm = _qk_norms(attention)
     if attention.softcap is not None:
         raise NotFusable("attention-logit soft-capping")
     if isinstance(layer.mlp, MoE):
@@ -212,7 +212,13 @@ def fused_layer_args(layer: DecoderLayer, *, width: int) -> StackLayer:
     ]
     return StackLayer(
         tensors=(attn_norm.weight, mlp_norm.weight, *(weight for weight, _, _ in linears)),
-        biases=(*(bias for _, _, bias in linears), attn_norm.bias, mlp_norm.bias),
+        biases=(
+            *(bias for _, _, bias in linears),
+            attn_norm.bias,
+            mlp_norm.bias,
+            None if q_norm is None else q_norm.weight,
+            None if k_norm is None else k_norm.weight,
+        ),
         ints=(
             *(kind for _, kind, _ in linears),
             attention.num_heads,
@@ -225,6 +231,7 @@ def fused_layer_args(layer: DecoderLayer, *, width: int) -> StackLayer:
             attn_norm.kind,
             mlp_norm.kind,
             int(layer.parallel),
+            -1 if q_norm is None else q_norm.kind,
         ),
         floats=(
             attn_norm.eps,
@@ -232,8 +239,32 @@ def fused_layer_args(layer: DecoderLayer, *, width: int) -> StackLayer:
             float(layer.residual_multiplier),
             mlp_norm.eps,
             math.inf if clip is None else float(clip),
+            0.0 if q_norm is None else q_norm.eps,
         ),
     )
+
+
+def _qk_norms(attention: Attention) -> tuple[NormArgs | None, NormArgs | None]:
+    """The per-head q/k norms as the op takes them (one ``[head_dim]`` row each, no bias,
+    the same form for both), or None; ``NotFusable`` for the others."""
+    if attention.q_norm is None and attention.k_norm is None:
+        return None, None
+    if attention.q_norm is None or attention.k_norm is None:
+        raise NotFusable("q/k norms on only one of q and k")
+    if attention.norm_over_proj:
+        raise NotFusable("q/k norms over the whole projection")
+    try:
+        q, k = (
+            _norm(norm, name, width=attention.head_dim)
+            for norm, name in ((attention.q_norm, "q_norm"), (attention.k_norm, "k_norm"))
+        )
+    except NotFusable as exc:
+        raise NotFusable(f"q/k norms: {exc.part}", exc.where) from exc
+    if q.bias is not None or k.bias is not None:
+        raise NotFusable("q/k norms with a bias")
+    if (q.kind, q.eps) != (k.kind, k.eps):
+        raise NotFusable("q/k norms of different forms")
+    return q, k
 
 
 class StackEnds(NamedTuple):

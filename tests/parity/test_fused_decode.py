@@ -38,6 +38,7 @@ FUSABLE = {
     "olmo-weightless-norm-clip-qkv": "weightless LayerNorm, q/k/v clipping after the bias",
     "phi-parallel-layernorm-head-bias": "parallel residual from one LayerNorm, LM-head bias",
     "cohere-parallel-interleaved": "parallel residual from one bias-free LayerNorm",
+    "qwen3-qk-norm-dynamic-rope": "per-head q/k RMSNorm before RoPE",
 }
 #: Fusable variants of the parity cases: (case, config changes).
 VARIANTS = {
@@ -53,12 +54,13 @@ VARIANTS = {
 #: Cases with a part the op does not implement: the status must start with
 #: ``not fused: <part>``.
 NOT_FUSABLE = {
-    "qwen3-qk-norm-dynamic-rope": "q/k norms",
+    "cohere-interleaved-qk-norm-logit-scale": "q/k norms",  # one weight row per head
+    "stablelm-qk-layernorm-parallel": "q/k norms",
     "olmo2-post-norm-qk-norm": "post-attention",
     "gemma2-softcap-window": "post-attention",
     "mixtral-top2-window": "mixture-of-experts",
     "gpt2": "learned position embeddings",
-    "phi-parallel-partial-head-bias-qk-layernorm": "q/k norms",
+    "phi-parallel-partial-head-bias-qk-layernorm": "q/k norms",  # with a bias
 }
 
 
@@ -394,10 +396,10 @@ def _stack_layer(hidden: int, heads: int, kv_heads: int, dim: int, seed: int) ->
         w(hidden, 24),
     ]
     biases = [0.1 * torch.randn((heads + 2 * kv_heads) * dim, generator=gen), None, None, None]
-    biases += [None, None]  # the norms' (RMSNorm: none)
-    # ... window 0, SiLU, gated, RoPE table 0; RMSNorm (0) both, sequential.
-    ints = [0, 0, 0, 0, heads, kv_heads, dim, 0, 0, 1, 0, 0, 0, 0]
-    floats = [1e-6, dim**-0.5, 1.0, 1e-6, math.inf]  # ..., the MLP norm's eps, no clip
+    biases += [None, None, None, None]  # the norms' biases (RMSNorm: none), no q/k norms
+    # ... window 0, SiLU, gated, RoPE table 0; RMSNorm (0) both, sequential, no q/k norms.
+    ints = [0, 0, 0, 0, heads, kv_heads, dim, 0, 0, 1, 0, 0, 0, 0, -1]
+    floats = [1e-6, dim**-0.5, 1.0, 1e-6, math.inf, 0.0]  # ..., MLP norm eps, no clip
     return tensors, biases, ints, floats
 
 

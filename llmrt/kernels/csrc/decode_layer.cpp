@@ -490,7 +490,20 @@ struct LayerSpec {
   bool parallel = false;
   double mlp_eps = 0.0;
   double clip = std::numeric_limits<double>::infinity();  // q/k/v clamped to [-clip, clip]
+  // Per-head q/k norms (Qwen3, Gemma 3): one [head_dim] weight row each, applied to every
+  // query and key head after the bias and clip, before RoPE; kind -1: none.
+  std::optional<at::Tensor> q_norm, k_norm;
+  int64_t qk_norm_kind = -1;
+  double qk_eps = 0.0;
 };
+
+// Each of ``heads`` rows of ``d`` values of ``v`` normalised in place by a per-head q/k norm.
+void qk_norm_heads(const LayerSpec& s, const std::optional<at::Tensor>& weight, float* v,
+                   int64_t heads) {
+  if (s.qk_norm_kind < 0) return;
+  const NormRef n{weight->const_data_ptr<float>(), nullptr, s.qk_norm_kind, s.qk_eps};
+  norm_rows(n, v, heads, s.head_dim, v);
+}
 
 NormRef attn_norm_of(const LayerSpec& s) {
   return {s.attn_norm.const_data_ptr<float>(),
@@ -557,6 +570,15 @@ void check_spec(LayerSpec& s, int64_t width) {
               "llmrt_kernels.decode_layer: unknown MLP norm kind ", s.mlp_norm_kind,
               " (-1, none, only in a parallel layer)");
   TORCH_CHECK(s.clip > 0.0, "llmrt_kernels.decode_layer: q/k/v clip must be positive");
+  TORCH_CHECK(s.qk_norm_kind == -1 || s.qk_norm_kind == llmrt_kernels::kNormRms ||
+                  s.qk_norm_kind == llmrt_kernels::kNormLayer,
+              "llmrt_kernels.decode_layer: unknown q/k norm kind ", s.qk_norm_kind);
+  if (s.qk_norm_kind >= 0) {
+    TORCH_CHECK(s.q_norm.has_value() && s.k_norm.has_value(),
+                "llmrt_kernels.decode_layer: q/k norms need both weights");
+    check_vector(s.q_norm, s.head_dim, "q_norm");
+    check_vector(s.k_norm, s.head_dim, "k_norm");
+  }
 }
 
 void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, const LayerSpec& s) {
@@ -657,6 +679,7 @@ void rope_and_write(const Paged<T>& kv, const LayerSpec& s, const int64_t* pos_p
   for (int64_t j = 0; j < group * d; ++j)
     q[j] = bias != nullptr ? q_in[j] + bias[g * group * d + j] : q_in[j];
   clip_values(q, group * d, s.clip);
+  qk_norm_heads(s, s.q_norm, q, group);
   if (rot > 0)
     for (int64_t j = 0; j < group; ++j) rope_head(q + j * d, cos_p + r * rot, sin_p + r * rot, rot);
   if (!write) return;
@@ -669,6 +692,7 @@ void rope_and_write(const Paged<T>& kv, const LayerSpec& s, const int64_t* pos_p
     }
   clip_values(k_new, d, s.clip);
   clip_values(v_new, d, s.clip);
+  qk_norm_heads(s, s.k_norm, k_new, 1);
   if (rot > 0) rope_head(k_new, cos_p + r * rot, sin_p + r * rot, rot);
   const int64_t p = pos_p[r];
   if (p < 0 || p / kv.block_size >= kv.width) return;
@@ -1232,6 +1256,9 @@ struct LayerParts {
   bool parallel = false;
   double mlp_eps = std::numeric_limits<double>::quiet_NaN();  // NaN: the attention norm's
   double clip = std::numeric_limits<double>::infinity();
+  std::optional<at::Tensor> q_norm, k_norm;
+  int64_t qk_norm_kind = -1;
+  double qk_eps = 0.0;
 };
 
 LayerSpec spec_of(const at::Tensor& attn_norm, const at::Tensor& mlp_norm, const at::Tensor& qkv,
@@ -1253,6 +1280,10 @@ LayerSpec spec_of(const at::Tensor& attn_norm, const at::Tensor& mlp_norm, const
   s.parallel = parts.parallel;
   s.mlp_eps = std::isnan(parts.mlp_eps) ? eps : parts.mlp_eps;
   s.clip = parts.clip;
+  s.q_norm = parts.q_norm;
+  s.k_norm = parts.k_norm;
+  s.qk_norm_kind = parts.qk_norm_kind;
+  s.qk_eps = parts.qk_eps;
   check_spec(s, attn_norm.numel());
   return s;
 }
@@ -1286,34 +1317,39 @@ void decode_layer(const at::Tensor& hidden, const at::Tensor& attn_norm,
 struct DecodeStack : torch::CustomClassHolder {
   std::vector<LayerSpec> layers;
 
-  // Per layer: tensors (attn_norm, mlp_norm, qkv, o, up, down), biases (qkv, o, up, down,
-  // attn_norm, mlp_norm), ints (qkv_kind, o_kind, up_kind, down_kind, num_heads,
-  // num_kv_heads, head_dim, window, activation, gated, rope table index or -1, attn_norm
-  // kind, mlp_norm kind or -1, parallel), floats (eps, scale, residual_multiplier, mlp_norm
-  // eps, q/k/v clip or inf).
+  // Per layer: tensors (attn_norm, mlp_norm, qkv, o, up, down), optional tensors (qkv, o,
+  // up, down biases; attn_norm, mlp_norm biases; q_norm, k_norm weights), ints (qkv_kind,
+  // o_kind, up_kind, down_kind, num_heads, num_kv_heads, head_dim, window, activation,
+  // gated, rope table index or -1, attn_norm kind, mlp_norm kind or -1, parallel, q/k norm
+  // kind or -1), floats (eps, scale, residual_multiplier, mlp_norm eps, q/k/v clip or inf,
+  // q/k norm eps).
   DecodeStack(std::vector<at::Tensor> tensors, c10::List<std::optional<at::Tensor>> biases,
               std::vector<int64_t> ints, std::vector<double> floats) {
     const size_t n = tensors.size() / 6;
-    TORCH_CHECK(tensors.size() == 6 * n && biases.size() == 6 * n && ints.size() == 14 * n &&
-                    floats.size() == 5 * n && n > 0,
-                "llmrt_kernels.DecodeStack: per layer 6 tensors, 6 biases, 14 ints and 5 "
-                "floats; given ", tensors.size(), ", ", biases.size(), ", ", ints.size(), ", ",
-                floats.size());
+    TORCH_CHECK(tensors.size() == 6 * n && biases.size() == 8 * n && ints.size() == 15 * n &&
+                    floats.size() == 6 * n && n > 0,
+                "llmrt_kernels.DecodeStack: per layer 6 tensors, 8 optional tensors, 15 ints "
+                "and 6 floats; given ", tensors.size(), ", ", biases.size(), ", ", ints.size(),
+                ", ", floats.size());
     for (size_t i = 0; i < n; ++i) {
       const at::Tensor* t = tensors.data() + 6 * i;
-      const int64_t* q = ints.data() + 14 * i;
-      const double* f = floats.data() + 5 * i;
+      const int64_t* q = ints.data() + 15 * i;
+      const double* f = floats.data() + 6 * i;
       LayerParts parts;
-      parts.attn_norm_bias = biases.get(6 * i + 4);
-      parts.mlp_norm_bias = biases.get(6 * i + 5);
+      parts.attn_norm_bias = biases.get(8 * i + 4);
+      parts.mlp_norm_bias = biases.get(8 * i + 5);
+      parts.q_norm = biases.get(8 * i + 6);
+      parts.k_norm = biases.get(8 * i + 7);
       parts.attn_norm_kind = q[11];
       parts.mlp_norm_kind = q[12];
       parts.parallel = q[13] != 0;
+      parts.qk_norm_kind = q[14];
       parts.mlp_eps = f[3];
       parts.clip = f[4];
-      layers.push_back(spec_of(t[0], t[1], t[2], q[0], biases.get(6 * i), t[3], q[1],
-                               biases.get(6 * i + 1), t[4], q[2], biases.get(6 * i + 2), t[5],
-                               q[3], biases.get(6 * i + 3), q[4], q[5], q[6], f[0], f[1], q[7],
+      parts.qk_eps = f[5];
+      layers.push_back(spec_of(t[0], t[1], t[2], q[0], biases.get(8 * i), t[3], q[1],
+                               biases.get(8 * i + 1), t[4], q[2], biases.get(8 * i + 2), t[5],
+                               q[3], biases.get(8 * i + 3), q[4], q[5], q[6], f[0], f[1], q[7],
                                q[8], q[9] != 0, f[2], q[10], parts));
       TORCH_CHECK(layers.back().attn_norm.numel() == layers[0].attn_norm.numel(),
                   "llmrt_kernels.DecodeStack: layers of different widths");
