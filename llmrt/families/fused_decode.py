@@ -170,7 +170,7 @@ class StackLayer(NamedTuple):
 
     #: attn_norm, mlp_norm, and the qkv, o, up, down weights (borrowed).
     tensors: tuple[torch.Tensor, ...]
-    #: qkv, o, up, down, attn_norm and mlp_norm biases; q_norm and k_norm weights.
+    #: qkv, o, up, down, attn_norm and mlp_norm biases; q_norm and k_norm weights, biases.
     biases: tuple[torch.Tensor | None, ...]
     #: qkv, o, up, down weight kinds; heads, KV heads, head_dim, window, activation, gated,
     #: the RoPE table index (-1: none), attn_norm kind, mlp_norm kind (-1: none, a parallel
@@ -218,6 +218,8 @@ def fused_layer_args(layer: DecoderLayer, *, width: int) -> StackLayer:
             mlp_norm.bias,
             None if q_norm is None else q_norm.weight,
             None if k_norm is None else k_norm.weight,
+            None if q_norm is None else q_norm.bias,
+            None if k_norm is None else k_norm.bias,
         ),
         ints=(
             *(kind for _, kind, _ in linears),
@@ -245,26 +247,47 @@ def fused_layer_args(layer: DecoderLayer, *, width: int) -> StackLayer:
 
 
 def _qk_norms(attention: Attention) -> tuple[NormArgs | None, NormArgs | None]:
-    """The per-head q/k norms as the op takes them (one ``[head_dim]`` row each, no bias,
-    the same form for both), or None; ``NotFusable`` for the others."""
+    """The per-head q/k norms as the op takes them (weight and bias: one ``[head_dim]`` row
+    for every head, or one row per head flattened; the same form for q and k), or None;
+    ``NotFusable`` for the others."""
     if attention.q_norm is None and attention.k_norm is None:
         return None, None
     if attention.q_norm is None or attention.k_norm is None:
         raise NotFusable("q/k norms on only one of q and k")
     if attention.norm_over_proj:
         raise NotFusable("q/k norms over the whole projection")
-    try:
-        q, k = (
-            _norm(norm, name, width=attention.head_dim)
-            for norm, name in ((attention.q_norm, "q_norm"), (attention.k_norm, "k_norm"))
-        )
-    except NotFusable as exc:
-        raise NotFusable(f"q/k norms: {exc.part}", exc.where) from exc
-    if q.bias is not None or k.bias is not None:
-        raise NotFusable("q/k norms with a bias")
+    q = _qk_norm(attention.q_norm, "q_norm", head_dim=attention.head_dim)
+    k = _qk_norm(attention.k_norm, "k_norm", head_dim=attention.head_dim)
     if (q.kind, q.eps) != (k.kind, k.eps):
         raise NotFusable("q/k norms of different forms")
     return q, k
+
+
+def _qk_norm(norm: Norm, field: str, *, head_dim: int) -> NormArgs:
+    tensors = [t for t in (norm.weight, norm.bias) if t is not None]
+    if all(t.dim() == 1 for t in tensors):
+        try:
+            return _norm(norm, field, width=head_dim)
+        except NotFusable as exc:
+            raise NotFusable(f"q/k norms: {exc.part}", exc.where) from exc
+    if any(t.dim() != 2 or t.shape[-1] != head_dim for t in tensors):
+        raise NotFusable("q/k norms with weights not one row per head", field)
+    if norm.kind not in NORM_KINDS or any(t.dtype != torch.float32 for t in tensors):
+        raise NotFusable(f"q/k norms: norm kind {norm.kind} over {tensors[0].dtype}", field)
+    # One weight (and bias) row per head, flattened to [heads * head_dim]: the op reads
+    # them as rows per head.
+    weight = _rows(norm.weight)
+    if weight is None:
+        weight = torch.ones(tensors[0].numel(), dtype=torch.float32)
+    elif norm.kind.endswith("one_plus"):
+        weight = 1.0 + weight
+    return NormArgs(
+        weight=weight, bias=_rows(norm.bias), kind=NORM_KINDS[norm.kind], eps=float(norm.eps)
+    )
+
+
+def _rows(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.data.reshape(-1).contiguous()
 
 
 class StackEnds(NamedTuple):

@@ -39,6 +39,9 @@ FUSABLE = {
     "phi-parallel-layernorm-head-bias": "parallel residual from one LayerNorm, LM-head bias",
     "cohere-parallel-interleaved": "parallel residual from one bias-free LayerNorm",
     "qwen3-qk-norm-dynamic-rope": "per-head q/k RMSNorm before RoPE",
+    "phi-parallel-partial-head-bias-qk-layernorm": "q/k LayerNorm with a bias, shared by heads",
+    "cohere-interleaved-qk-norm-logit-scale": "q/k LayerNorm with a weight row per head",
+    "stablelm-qk-layernorm-parallel": "q/k LayerNorm per head (stacked tensors), parallel",
 }
 #: Fusable variants of the parity cases: (case, config changes).
 VARIANTS = {
@@ -54,13 +57,10 @@ VARIANTS = {
 #: Cases with a part the op does not implement: the status must start with
 #: ``not fused: <part>``.
 NOT_FUSABLE = {
-    "cohere-interleaved-qk-norm-logit-scale": "q/k norms",  # one weight row per head
-    "stablelm-qk-layernorm-parallel": "q/k norms",
     "olmo2-post-norm-qk-norm": "post-attention",
     "gemma2-softcap-window": "post-attention",
     "mixtral-top2-window": "mixture-of-experts",
     "gpt2": "learned position embeddings",
-    "phi-parallel-partial-head-bias-qk-layernorm": "q/k norms",  # with a bias
 }
 
 
@@ -133,7 +133,9 @@ def _run_both(
     + [("llama-yarn-biases", 8, True), ("gemma-geglu-tied", 8, True)]
     + [("llama-yarn-biases", 1, False), ("mistral-window", 1, False)]
     + [("gpt-neox-parallel-partial", 8, True), ("nemotron-layernorm1p-relu2-partial", 8, True)]
-    + [("phi-parallel-layernorm-head-bias", 1, False)],
+    + [("phi-parallel-layernorm-head-bias", 1, False)]
+    + [("cohere-interleaved-qk-norm-logit-scale", 1, False)]
+    + [("qwen3-qk-norm-dynamic-rope", 8, True)],
 )
 def test_fused_decode_matches_torch_ops(
     case: str, rows: int, pad_row: bool, parity_harness: Any, counted_runs: list[int]
@@ -396,7 +398,7 @@ def _stack_layer(hidden: int, heads: int, kv_heads: int, dim: int, seed: int) ->
         w(hidden, 24),
     ]
     biases = [0.1 * torch.randn((heads + 2 * kv_heads) * dim, generator=gen), None, None, None]
-    biases += [None, None, None, None]  # the norms' biases (RMSNorm: none), no q/k norms
+    biases += [None] * 6  # the norms' biases (RMSNorm: none), no q/k norms
     # ... window 0, SiLU, gated, RoPE table 0; RMSNorm (0) both, sequential, no q/k norms.
     ints = [0, 0, 0, 0, heads, kv_heads, dim, 0, 0, 1, 0, 0, 0, 0, -1]
     floats = [1e-6, dim**-0.5, 1.0, 1e-6, math.inf, 0.0]  # ..., MLP norm eps, no clip

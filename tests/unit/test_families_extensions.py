@@ -344,3 +344,17 @@ def test_a_custom_attention_part_refuses_the_options_it_would_ignore() -> None:
         attrs.evolve(spec, attention=biased, attention_part=part)
     with pytest.raises(ConfigError, match=r"^attention_part: must have tensors"):
         attrs.evolve(spec, attention_part=MLPSpec(intermediate_size=8))
+
+
+def test_q_k_norms_over_the_whole_projection_are_named_by_the_fused_op() -> None:
+    """OLMo-2's q/k norms span every head of the projection: the op normalises per head, so
+    it names the part and the model decodes through the torch ops."""
+
+    def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
+        spec, names = llama.read(cfg, dtype)
+        return attrs.evolve(spec, attention=attrs.evolve(spec.attention, qk_norm="proj")), names
+
+    model, _ = _build(attrs.evolve(llama.FAMILY, name="ext_proj_norm", read=read), CONFIG)
+    assert model.backbone.fused_decode_status() == (
+        "not fused: q/k norms over the whole projection (layers.0)"
+    )

@@ -36,6 +36,7 @@
 #include <atomic>
 #include <thread>
 #include <memory>
+#include <tuple>
 #include <utility>
 #include <cmath>
 #include <cstdint>
@@ -490,19 +491,28 @@ struct LayerSpec {
   bool parallel = false;
   double mlp_eps = 0.0;
   double clip = std::numeric_limits<double>::infinity();  // q/k/v clamped to [-clip, clip]
-  // Per-head q/k norms (Qwen3, Gemma 3): one [head_dim] weight row each, applied to every
-  // query and key head after the bias and clip, before RoPE; kind -1: none.
-  std::optional<at::Tensor> q_norm, k_norm;
+  // Per-head q/k norms (Qwen3, Cohere, StableLM, Phi): applied to every query and key head
+  // after the bias and clip, before RoPE, with one [head_dim] weight (and bias) row for
+  // every head or one row per head ([heads * head_dim]); kind -1: none.
+  std::optional<at::Tensor> q_norm, k_norm, q_norm_bias, k_norm_bias;
   int64_t qk_norm_kind = -1;
   double qk_eps = 0.0;
 };
 
-// Each of ``heads`` rows of ``d`` values of ``v`` normalised in place by a per-head q/k norm.
-void qk_norm_heads(const LayerSpec& s, const std::optional<at::Tensor>& weight, float* v,
+// Heads [first, first + heads) of a q or k norm, their ``d`` values each at ``v`` (in place).
+void qk_norm_heads(const LayerSpec& s, const std::optional<at::Tensor>& weight,
+                   const std::optional<at::Tensor>& bias, float* v, int64_t first,
                    int64_t heads) {
   if (s.qk_norm_kind < 0) return;
-  const NormRef n{weight->const_data_ptr<float>(), nullptr, s.qk_norm_kind, s.qk_eps};
-  norm_rows(n, v, heads, s.head_dim, v);
+  const int64_t d = s.head_dim;
+  const bool per_head = weight->numel() > d;
+  for (int64_t h = 0; h < heads; ++h) {
+    const int64_t row = per_head ? (first + h) * d : 0;
+    const NormRef n{weight->const_data_ptr<float>() + row,
+                    bias.has_value() ? bias->const_data_ptr<float>() + row : nullptr,
+                    s.qk_norm_kind, s.qk_eps};
+    norm_rows(n, v + h * d, 1, d, v + h * d);
+  }
 }
 
 NormRef attn_norm_of(const LayerSpec& s) {
@@ -576,8 +586,13 @@ void check_spec(LayerSpec& s, int64_t width) {
   if (s.qk_norm_kind >= 0) {
     TORCH_CHECK(s.q_norm.has_value() && s.k_norm.has_value(),
                 "llmrt_kernels.decode_layer: q/k norms need both weights");
-    check_vector(s.q_norm, s.head_dim, "q_norm");
-    check_vector(s.k_norm, s.head_dim, "k_norm");
+    for (const auto& [w, b, heads, name] :
+         {std::tuple{&s.q_norm, &s.q_norm_bias, s.num_heads, "q_norm"},
+          std::tuple{&s.k_norm, &s.k_norm_bias, s.num_kv_heads, "k_norm"}}) {
+      const int64_t n = (*w)->numel() == s.head_dim ? s.head_dim : heads * s.head_dim;
+      check_vector(*w, n, name);
+      check_vector(*b, n, name);
+    }
   }
 }
 
@@ -679,7 +694,7 @@ void rope_and_write(const Paged<T>& kv, const LayerSpec& s, const int64_t* pos_p
   for (int64_t j = 0; j < group * d; ++j)
     q[j] = bias != nullptr ? q_in[j] + bias[g * group * d + j] : q_in[j];
   clip_values(q, group * d, s.clip);
-  qk_norm_heads(s, s.q_norm, q, group);
+  qk_norm_heads(s, s.q_norm, s.q_norm_bias, q, g * group, group);
   if (rot > 0)
     for (int64_t j = 0; j < group; ++j) rope_head(q + j * d, cos_p + r * rot, sin_p + r * rot, rot);
   if (!write) return;
@@ -692,7 +707,7 @@ void rope_and_write(const Paged<T>& kv, const LayerSpec& s, const int64_t* pos_p
     }
   clip_values(k_new, d, s.clip);
   clip_values(v_new, d, s.clip);
-  qk_norm_heads(s, s.k_norm, k_new, 1);
+  qk_norm_heads(s, s.k_norm, s.k_norm_bias, k_new, g, 1);
   if (rot > 0) rope_head(k_new, cos_p + r * rot, sin_p + r * rot, rot);
   const int64_t p = pos_p[r];
   if (p < 0 || p / kv.block_size >= kv.width) return;
@@ -1256,7 +1271,7 @@ struct LayerParts {
   bool parallel = false;
   double mlp_eps = std::numeric_limits<double>::quiet_NaN();  // NaN: the attention norm's
   double clip = std::numeric_limits<double>::infinity();
-  std::optional<at::Tensor> q_norm, k_norm;
+  std::optional<at::Tensor> q_norm, k_norm, q_norm_bias, k_norm_bias;
   int64_t qk_norm_kind = -1;
   double qk_eps = 0.0;
 };
@@ -1282,6 +1297,8 @@ LayerSpec spec_of(const at::Tensor& attn_norm, const at::Tensor& mlp_norm, const
   s.clip = parts.clip;
   s.q_norm = parts.q_norm;
   s.k_norm = parts.k_norm;
+  s.q_norm_bias = parts.q_norm_bias;
+  s.k_norm_bias = parts.k_norm_bias;
   s.qk_norm_kind = parts.qk_norm_kind;
   s.qk_eps = parts.qk_eps;
   check_spec(s, attn_norm.numel());
@@ -1318,7 +1335,8 @@ struct DecodeStack : torch::CustomClassHolder {
   std::vector<LayerSpec> layers;
 
   // Per layer: tensors (attn_norm, mlp_norm, qkv, o, up, down), optional tensors (qkv, o,
-  // up, down biases; attn_norm, mlp_norm biases; q_norm, k_norm weights), ints (qkv_kind,
+  // up, down biases; attn_norm, mlp_norm biases; q_norm, k_norm weights and biases), ints
+  // (qkv_kind,
   // o_kind, up_kind, down_kind, num_heads, num_kv_heads, head_dim, window, activation,
   // gated, rope table index or -1, attn_norm kind, mlp_norm kind or -1, parallel, q/k norm
   // kind or -1), floats (eps, scale, residual_multiplier, mlp_norm eps, q/k/v clip or inf,
@@ -1326,9 +1344,9 @@ struct DecodeStack : torch::CustomClassHolder {
   DecodeStack(std::vector<at::Tensor> tensors, c10::List<std::optional<at::Tensor>> biases,
               std::vector<int64_t> ints, std::vector<double> floats) {
     const size_t n = tensors.size() / 6;
-    TORCH_CHECK(tensors.size() == 6 * n && biases.size() == 8 * n && ints.size() == 15 * n &&
+    TORCH_CHECK(tensors.size() == 6 * n && biases.size() == 10 * n && ints.size() == 15 * n &&
                     floats.size() == 6 * n && n > 0,
-                "llmrt_kernels.DecodeStack: per layer 6 tensors, 8 optional tensors, 15 ints "
+                "llmrt_kernels.DecodeStack: per layer 6 tensors, 10 optional tensors, 15 ints "
                 "and 6 floats; given ", tensors.size(), ", ", biases.size(), ", ", ints.size(),
                 ", ", floats.size());
     for (size_t i = 0; i < n; ++i) {
@@ -1336,10 +1354,12 @@ struct DecodeStack : torch::CustomClassHolder {
       const int64_t* q = ints.data() + 15 * i;
       const double* f = floats.data() + 6 * i;
       LayerParts parts;
-      parts.attn_norm_bias = biases.get(8 * i + 4);
-      parts.mlp_norm_bias = biases.get(8 * i + 5);
-      parts.q_norm = biases.get(8 * i + 6);
-      parts.k_norm = biases.get(8 * i + 7);
+      parts.attn_norm_bias = biases.get(10 * i + 4);
+      parts.mlp_norm_bias = biases.get(10 * i + 5);
+      parts.q_norm = biases.get(10 * i + 6);
+      parts.k_norm = biases.get(10 * i + 7);
+      parts.q_norm_bias = biases.get(10 * i + 8);
+      parts.k_norm_bias = biases.get(10 * i + 9);
       parts.attn_norm_kind = q[11];
       parts.mlp_norm_kind = q[12];
       parts.parallel = q[13] != 0;
@@ -1347,9 +1367,9 @@ struct DecodeStack : torch::CustomClassHolder {
       parts.mlp_eps = f[3];
       parts.clip = f[4];
       parts.qk_eps = f[5];
-      layers.push_back(spec_of(t[0], t[1], t[2], q[0], biases.get(8 * i), t[3], q[1],
-                               biases.get(8 * i + 1), t[4], q[2], biases.get(8 * i + 2), t[5],
-                               q[3], biases.get(8 * i + 3), q[4], q[5], q[6], f[0], f[1], q[7],
+      layers.push_back(spec_of(t[0], t[1], t[2], q[0], biases.get(10 * i), t[3], q[1],
+                               biases.get(10 * i + 1), t[4], q[2], biases.get(10 * i + 2), t[5],
+                               q[3], biases.get(10 * i + 3), q[4], q[5], q[6], f[0], f[1], q[7],
                                q[8], q[9] != 0, f[2], q[10], parts));
       TORCH_CHECK(layers.back().attn_norm.numel() == layers[0].attn_norm.numel(),
                   "llmrt_kernels.DecodeStack: layers of different widths");
