@@ -136,13 +136,17 @@ def tensor_plan(spec: DecoderSpec, names: TensorNames) -> TensorPlan:
         for slot in ("attn_norm", "post_attn_norm", "mlp_norm", "post_mlp_norm"):
             if getattr(spec, slot):
                 norm(p + getattr(names, slot), hidden, spec.norm)
-        if names.qkv is not None:
+        if spec.attention_part is not None:
+            for name, (shape, how) in spec.attention_part.tensors(prefix=p, hidden=hidden).items():
+                add(name, tuple(shape), how)
+        elif names.qkv is not None:
             linear(p + names.qkv, q_out + 2 * kv_out, hidden, a.qkv_bias)
         else:
             linear(p + names.q, q_out, hidden, a.qkv_bias)
             linear(p + names.k, kv_out, hidden, a.qkv_bias)
             linear(p + names.v, kv_out, hidden, a.qkv_bias)
-        linear(p + names.o, hidden, q_out, a.o_bias)
+        if spec.attention_part is None:
+            linear(p + names.o, hidden, q_out, a.o_bias)
         if a.qk_norm is not None:
             for template, heads in ((names.q_norm, a.num_heads), (names.k_norm, a.num_kv_heads)):
                 if a.qk_norm == "proj":
@@ -570,14 +574,23 @@ def build_decoder(
             slot: norm(p + getattr(names, slot), spec.norm) if getattr(spec, slot) else None
             for slot in ("attn_norm", "post_attn_norm", "mlp_norm", "post_mlp_norm")
         }
-        attention = Attention(
-            spec=a,
-            qkv=fused_qkv(p),
-            o=linear(p + names.o, bias=a.o_bias),
-            q_norm=qk_norm(p, names.q_norm, a.num_heads),
-            k_norm=qk_norm(p, names.k_norm, a.num_kv_heads),
-            window=layer.window,
-        )
+        attention: nn.Module
+        if spec.attention_part is not None:
+            attention = spec.attention_part.build(
+                prefix=p,
+                linear=lambda *prefixes, bias=False: linear(*prefixes, bias=bias),
+                take=take,
+                window=layer.window,
+            )
+        else:
+            attention = Attention(
+                spec=a,
+                qkv=fused_qkv(p),
+                o=linear(p + names.o, bias=a.o_bias),
+                q_norm=qk_norm(p, names.q_norm, a.num_heads),
+                k_norm=qk_norm(p, names.k_norm, a.num_kv_heads),
+                window=layer.window,
+            )
         if layer.moe:
             assert spec.moe is not None
             mlp: nn.Module = mixture(p, spec.moe)

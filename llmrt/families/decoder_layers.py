@@ -262,7 +262,7 @@ class DecoderLayer(nn.Module):
         self,
         *,
         parallel: bool,
-        attention: Attention,
+        attention: nn.Module,
         mlp: nn.Module,
         norms: Mapping[str, Norm | None],
         rope: int | None,

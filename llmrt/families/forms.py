@@ -5,7 +5,7 @@ A registered form is a part like any built-in: ``MLPSpec.activation`` / ``NormSp
 accept its name, ``hfparts.activation`` maps its Hugging Face ``hidden_act`` names onto it,
 and the decoder computes it with the given torch function. The fused CPU decode op knows
 only its own kernels' forms: a model using another decodes through the torch ops, and
-``fused_decode_status()`` names the part (``activation relu2``, ``norm kind ...``).
+``fused_decode_status()`` names the part (``not fused: activation quick_gelu (layers.0)``).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ HF_ACTIVATIONS: dict[str, str] = {
     "relu": "relu",
     "relu2": "relu2",
 }
-#: Norm kinds built into ``decoder_layers.Norm`` (the fused op runs the RMS ones).
+#: Norm kinds built into ``decoder_layers.Norm`` (the fused op runs all four).
 BUILTIN_NORMS: tuple[str, ...] = ("rms", "rms_one_plus", "layer", "layer_one_plus")
 _NORMS: dict[str, NormForm] = {}
 

@@ -3,25 +3,28 @@
 Why: at batch 1 a layer's weights take ~0.1 ms to stream, while its ~60 eager torch ops
 cost ~0.5 ms of dispatch, so an eager decode step is mostly overhead; even the embedding,
 RoPE lookup, final norm and LM head as torch ops cost ~0.9 ms of a 6 ms SmolLM2 step. The
-call runs the same parts (token embedding, pre-norm RMSNorm, fused q/k/v with RoPE and the
-paged K/V write, grouped-query attention over the row's pages, output projection, gated or
-plain MLP, final norm, LM head) over the same weights, borrowed from the built modules as
-stored (ggml blocks or float32).
+call runs the same parts (token embedding, pre-norm RMSNorm or LayerNorm in their bias,
+weightless and ``(1 + w)`` forms, fused q/k/v with clipping and per-head q/k norms, RoPE and
+the paged K/V write, grouped-query attention over the row's pages, output projection,
+sequential or parallel residuals, gated or plain MLP, final norm, LM head) over the same
+weights, borrowed from the built modules as stored (ggml blocks or float32).
 
 A model takes the fused path only when every part is one the call implements; otherwise its
-decode steps stay on the torch ops and ``DecoderBackbone.fused_decode_status()`` names the
-first part that is not. Prefill, CUDA, compiled steps and CUDA-graph captures never use it.
+decode steps stay on the torch ops and ``DecoderBackbone.fused_decode_status()`` says
+``not fused: <part> (<where>)`` for the first part that is not. Prefill, CUDA, compiled steps
+and CUDA-graph captures never use it.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol, get_args
 
 import torch
 
 from llmrt.errors import ConfigError, DeviceError
-from llmrt.families.decoder_layers import MLP, DecoderLayer, MoE, Norm
+from llmrt.families.decoder_layers import MLP, Attention, DecoderLayer, MoE, Norm
 from llmrt.families.layers import (
     ACTIVATIONS,
     Embedding,
@@ -87,8 +90,26 @@ DENSE_F32 = 0
 BOUNDS_ERROR = "llmrt_kernels.bounds:"
 
 
+#: Norm kinds of the op (``layer_norm.h``): the ``(1 + w)`` forms are given ``1 + w``.
+NORM_KINDS = {"rms": 0, "rms_one_plus": 0, "layer": 1, "layer_one_plus": 1}
+
+
 class NotFusable(Exception):
-    """A layer has a part the fused op does not implement (the message says which)."""
+    """A part the fused op does not implement: ``part`` names it, ``where`` the module that
+    has it (``layers.3``, ``lm_head``); ``str()`` is the status ``not fused: <part>
+    (<where>)``."""
+
+    def __init__(self, part: str, where: str = "") -> None:
+        super().__init__(part, where)
+        self.part = part
+        self.where = where
+
+    def at(self, where: str) -> NotFusable:
+        """The same refusal inside ``where`` (``layers.3`` around ``mlp``: ``layers.3.mlp``)."""
+        return NotFusable(self.part, f"{where}.{self.where}" if self.where else where)
+
+    def __str__(self) -> str:
+        return f"not fused: {self.part}" + (f" ({self.where})" if self.where else "")
 
 
 def _linear(module: Any, field: str) -> tuple[torch.Tensor, int, torch.Tensor | None]:
@@ -97,35 +118,51 @@ def _linear(module: Any, field: str) -> tuple[torch.Tensor, int, torch.Tensor | 
     if isinstance(module, FrozenLinear):
         weight = module.weight
         if weight.dtype != torch.float32 or not weight.is_contiguous():
-            raise NotFusable(f"{field}: weights are {weight.dtype}, not contiguous float32")
+            raise NotFusable(f"{weight.dtype} weights, not contiguous float32", field)
         return weight.data, DENSE_F32, _float_or_none(module.bias, field)
     if isinstance(module, StackedLinear):  # row ranges in different block kinds
         blob, code, bias = module.packed()
         return blob, code, _float_or_none(bias, field)
-    raise NotFusable(f"{field}: {type(module).__name__} is not a linear the op runs")
+    raise NotFusable(f"{type(module).__name__} (not a linear the op runs)", field)
 
 
 def _float_or_none(bias: torch.Tensor | None, field: str) -> torch.Tensor | None:
     if bias is None:
         return None
     if bias.dtype != torch.float32:
-        raise NotFusable(f"{field}: bias is {bias.dtype}")
+        raise NotFusable(f"{bias.dtype} bias", field)
     return bias.data.contiguous()
 
 
-def _norm(norm: Norm | None, field: str) -> tuple[torch.Tensor, float]:
+class NormArgs(NamedTuple):
+    """One norm as the op takes it: the weight row (ones for a weightless LayerNorm, ``1 + w``
+    for the ``(1 + w)`` forms; made once here), bias, kind code and eps."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None
+    kind: int
+    eps: float
+
+
+def _norm(norm: Norm | None, field: str, *, width: int) -> NormArgs:
     if norm is None:
-        raise NotFusable(f"{field}: the op needs a pre-norm here")
-    if norm.kind not in ("rms", "rms_one_plus"):
-        raise NotFusable(f"{field}: {norm.kind} norm (the op runs RMSNorm)")
+        raise NotFusable("a layer without a pre-norm", field)
+    if norm.kind not in NORM_KINDS:
+        raise NotFusable(f"norm kind {norm.kind}", field)
     weight = norm.weight
-    if norm.bias is not None or weight is None or weight.dim() != 1:
-        raise NotFusable(f"{field}: only RMSNorm with one weight row and no bias")
-    if weight.dtype != torch.float32:
-        raise NotFusable(f"{field}: {weight.dtype} norm weights, not float32")
-    if norm.kind == "rms":
-        return weight.data.contiguous(), norm.eps
-    return (1.0 + weight.data.float()).contiguous(), norm.eps
+    if weight is not None and weight.dim() != 1:
+        raise NotFusable("a norm with one weight row per head", field)
+    for tensor in (weight, norm.bias):
+        if tensor is not None and tensor.dtype != torch.float32:
+            raise NotFusable(f"{tensor.dtype} norm weights, not float32", field)
+    if weight is None:  # NormSpec: only LayerNorm may have none
+        row = torch.ones(width, dtype=torch.float32)
+    elif norm.kind.endswith("one_plus"):
+        row = (1.0 + weight.data).contiguous()
+    else:
+        row = weight.data.contiguous()
+    bias = None if norm.bias is None else norm.bias.data.contiguous()
+    return NormArgs(weight=row, bias=bias, kind=NORM_KINDS[norm.kind], eps=float(norm.eps))
 
 
 class StackLayer(NamedTuple):
@@ -133,38 +170,40 @@ class StackLayer(NamedTuple):
 
     #: attn_norm, mlp_norm, and the qkv, o, up, down weights (borrowed).
     tensors: tuple[torch.Tensor, ...]
-    #: qkv, o, up, down biases.
+    #: qkv, o, up, down, attn_norm and mlp_norm biases; q_norm and k_norm weights, biases.
     biases: tuple[torch.Tensor | None, ...]
     #: qkv, o, up, down weight kinds; heads, KV heads, head_dim, window, activation, gated,
-    #: and the RoPE table index (-1: none).
+    #: the RoPE table index (-1: none), attn_norm kind, mlp_norm kind (-1: none, a parallel
+    #: layer's MLP reading the attention's normed input), parallel, q/k norm kind (-1: none).
     ints: tuple[int, ...]
-    #: eps, attention scale, residual multiplier.
+    #: eps, attention scale, residual multiplier, mlp_norm eps, q/k/v clip (inf: none), q/k
+    #: norm eps.
     floats: tuple[float, ...]
 
 
-def fused_layer_args(layer: DecoderLayer) -> StackLayer:
-    """The stack's arguments for ``layer`` (weights borrowed), or ``NotFusable``."""
+def fused_layer_args(layer: DecoderLayer, *, width: int) -> StackLayer:
+    """The stack's arguments for ``layer`` of hidden size ``width`` (weights borrowed), or
+    ``NotFusable``."""
     attention = layer.attention
-    if layer.parallel:
-        raise NotFusable("parallel attention + MLP residual")
+    if type(attention) is not Attention:
+        raise NotFusable(f"attention part {type(attention).__name__}")
     if layer.post_attn_norm is not None or layer.post_mlp_norm is not None:
         raise NotFusable("post-attention / post-MLP norms")
-    if attention.q_norm is not None or attention.k_norm is not None:
-        raise NotFusable("q/k norms")
+    q_norm, k_norm = _qk_norms(attention)
     if attention.softcap is not None:
         raise NotFusable("attention-logit soft-capping")
     if isinstance(layer.mlp, MoE):
         raise NotFusable("mixture-of-experts MLP")
-    if not isinstance(layer.mlp, MLP):
-        raise NotFusable(f"mlp: {type(layer.mlp).__name__} (a part the op does not run)")
-    if attention.clip_qkv is not None:
-        raise NotFusable("q/k/v clipping")
+    if type(layer.mlp) is not MLP:
+        raise NotFusable(f"mlp part {type(layer.mlp).__name__}")
     if layer.mlp.activation not in ACTIVATIONS:
         raise NotFusable(f"activation {layer.mlp.activation}")
-    attn_norm, eps = _norm(layer.attn_norm, "attn_norm")
-    mlp_norm, mlp_eps = _norm(layer.mlp_norm, "mlp_norm")
-    if mlp_eps != eps:
-        raise NotFusable("norms with different eps")
+    attn_norm = _norm(layer.attn_norm, "attn_norm", width=width)
+    if layer.parallel and layer.mlp_norm is None:
+        mlp_norm = NormArgs(weight=attn_norm.weight, bias=None, kind=-1, eps=attn_norm.eps)
+    else:
+        mlp_norm = _norm(layer.mlp_norm, "mlp_norm", width=width)
+    clip = attention.clip_qkv
     linears = [
         _linear(attention.qkv, "qkv"),
         _linear(attention.o, "o"),
@@ -172,8 +211,16 @@ def fused_layer_args(layer: DecoderLayer) -> StackLayer:
         _linear(layer.mlp.down, "down"),
     ]
     return StackLayer(
-        tensors=(attn_norm, mlp_norm, *(weight for weight, _, _ in linears)),
-        biases=tuple(bias for _, _, bias in linears),
+        tensors=(attn_norm.weight, mlp_norm.weight, *(weight for weight, _, _ in linears)),
+        biases=(
+            *(bias for _, _, bias in linears),
+            attn_norm.bias,
+            mlp_norm.bias,
+            None if q_norm is None else q_norm.weight,
+            None if k_norm is None else k_norm.weight,
+            None if q_norm is None else q_norm.bias,
+            None if k_norm is None else k_norm.bias,
+        ),
         ints=(
             *(kind for _, kind, _ in linears),
             attention.num_heads,
@@ -183,9 +230,64 @@ def fused_layer_args(layer: DecoderLayer) -> StackLayer:
             ACTIVATIONS[layer.mlp.activation],
             int(bool(layer.mlp.gated)),
             -1 if layer.rope is None else layer.rope,
+            attn_norm.kind,
+            mlp_norm.kind,
+            int(layer.parallel),
+            -1 if q_norm is None else q_norm.kind,
         ),
-        floats=(float(eps), float(attention.scale), float(layer.residual_multiplier)),
+        floats=(
+            attn_norm.eps,
+            float(attention.scale),
+            float(layer.residual_multiplier),
+            mlp_norm.eps,
+            math.inf if clip is None else float(clip),
+            0.0 if q_norm is None else q_norm.eps,
+        ),
     )
+
+
+def _qk_norms(attention: Attention) -> tuple[NormArgs | None, NormArgs | None]:
+    """The per-head q/k norms as the op takes them (weight and bias: one ``[head_dim]`` row
+    for every head, or one row per head flattened; the same form for q and k), or None;
+    ``NotFusable`` for the others."""
+    if attention.q_norm is None and attention.k_norm is None:
+        return None, None
+    if attention.q_norm is None or attention.k_norm is None:
+        raise NotFusable("q/k norms on only one of q and k")
+    if attention.norm_over_proj:
+        raise NotFusable("q/k norms over the whole projection")
+    q = _qk_norm(attention.q_norm, "q_norm", head_dim=attention.head_dim)
+    k = _qk_norm(attention.k_norm, "k_norm", head_dim=attention.head_dim)
+    if (q.kind, q.eps) != (k.kind, k.eps):
+        raise NotFusable("q/k norms of different forms")
+    return q, k
+
+
+def _qk_norm(norm: Norm, field: str, *, head_dim: int) -> NormArgs:
+    tensors = [t for t in (norm.weight, norm.bias) if t is not None]
+    if all(t.dim() == 1 for t in tensors):
+        try:
+            return _norm(norm, field, width=head_dim)
+        except NotFusable as exc:
+            raise NotFusable(f"q/k norms: {exc.part}", exc.where) from exc
+    if any(t.dim() != 2 or t.shape[-1] != head_dim for t in tensors):
+        raise NotFusable("q/k norms with weights not one row per head", field)
+    if norm.kind not in NORM_KINDS or any(t.dtype != torch.float32 for t in tensors):
+        raise NotFusable(f"q/k norms: norm kind {norm.kind} over {tensors[0].dtype}", field)
+    # One weight (and bias) row per head, flattened to [heads * head_dim]: the op reads
+    # them as rows per head.
+    weight = _rows(norm.weight)
+    if weight is None:
+        weight = torch.ones(tensors[0].numel(), dtype=torch.float32)
+    elif norm.kind.endswith("one_plus"):
+        weight = 1.0 + weight
+    return NormArgs(
+        weight=weight, bias=_rows(norm.bias), kind=NORM_KINDS[norm.kind], eps=float(norm.eps)
+    )
+
+
+def _rows(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.data.reshape(-1).contiguous()
 
 
 class StackEnds(NamedTuple):
@@ -195,19 +297,22 @@ class StackEnds(NamedTuple):
     embed: torch.Tensor
     embed_kind: int
     embed_scale: float
-    #: Final RMSNorm weight and eps.
+    #: Final norm weight row and eps.
     norm: torch.Tensor
     eps: float
     #: LM head weight, kind and bias.
     head: torch.Tensor
     head_kind: int
     head_bias: torch.Tensor | None
+    #: Final norm bias and kind (``NORM_KINDS``).
+    norm_bias: torch.Tensor | None
+    norm_kind: int
 
 
 def fused_ends_args(backbone: FusableBackbone) -> StackEnds:
     """The embedding and final norm + LM head arguments, or ``NotFusable``."""
     if backbone.embed_positions is not None:
-        raise NotFusable("embed_positions: learned position embeddings")
+        raise NotFusable("learned position embeddings", "embed_positions")
     vocab = backbone.spec.model.vocab_size
     embed = backbone.embed_tokens
     if isinstance(embed, QuantizedEmbedding):
@@ -215,19 +320,23 @@ def fused_ends_args(backbone: FusableBackbone) -> StackEnds:
     elif embed.weight.dtype == torch.float32 and embed.weight.is_contiguous():
         table, embed_kind = embed.weight.data, DENSE_F32
     else:
-        raise NotFusable(f"embed_tokens: {embed.weight.dtype} rows, not float32 or ggml blocks")
-    norm, eps = _norm(backbone.norm, "norm")
+        raise NotFusable(
+            f"{embed.weight.dtype} embedding rows, not float32 or ggml blocks", "embed_tokens"
+        )
+    norm = _norm(backbone.norm, "norm", width=backbone.spec.model.hidden_size)
     head, head_kind, head_bias = _linear(backbone.lm_head, "lm_head")
     return StackEnds(
         # Ids past the model's vocabulary read its last row, as the torch path clamps them.
         embed=table[:vocab],
         embed_kind=embed_kind,
         embed_scale=float(backbone.spec.embedding_scale),
-        norm=norm,
-        eps=float(eps),
+        norm=norm.weight,
+        eps=norm.eps,
         head=head,
         head_kind=head_kind,
         head_bias=head_bias,
+        norm_bias=norm.bias,
+        norm_kind=norm.kind,
     )
 
 
@@ -256,14 +365,14 @@ class FusedDecode:
         """Every part's arguments, or ``NotFusable`` naming the first part that is not."""
         ok, why = kernels_available()
         if not ok:
-            raise NotFusable(why)
+            raise NotFusable(f"the kernels are not available ({why})")
         layers: list[DecoderLayer] = list(backbone.layers)  # type: ignore[arg-type]
         built = []
         for i, layer in enumerate(layers):
             try:
-                built.append(fused_layer_args(layer))
+                built.append(fused_layer_args(layer, width=backbone.spec.model.hidden_size))
             except NotFusable as exc:
-                raise NotFusable(f"layers.{i}: {exc}") from exc
+                raise exc.at(f"layers.{i}") from exc
         ends = fused_ends_args(backbone)
         dense = all(
             isinstance(linear, FrozenLinear)
@@ -375,5 +484,5 @@ def select_decode_kernel(model: object, *, choice: str, device: torch.device) ->
             level = kernels_isa()[0]
             why = f"the kernels have no vector loops at level {level} (the ops are faster)"
     if choice == "fused" and why is not None:
-        raise ConfigError(field, choice, f"cannot fuse this model's decode layers: {why}")
+        raise ConfigError(field, choice, f"this model's decode steps are {why}")
     return why

@@ -50,11 +50,10 @@ def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
         scale = cfg.positive_float("query_pre_attn_scalar", 256) ** -0.5
         # Gemma 3 keeps ``attn_logit_softcapping`` in its config but transformers never
         # applies it (the reference this family matches); Gemma 2 applies it.
-        softcap = (
-            _optional_cap(cfg, "attn_logit_softcapping", 50.0) if model_type == "gemma2" else None
-        )
-        final_softcap = _optional_cap(
-            cfg, "final_logit_softcapping", 30.0 if model_type == "gemma2" else None
+        gemma2 = model_type == "gemma2"
+        softcap = cfg.optional_positive_float("attn_logit_softcapping", 50.0) if gemma2 else None
+        final_softcap = cfg.optional_positive_float(
+            "final_logit_softcapping", 30.0 if gemma2 else None
         )
         if model_type == "gemma3_text":
             by_kind = hfparts.rope_by_layer_kind(
@@ -101,14 +100,6 @@ def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
     )
     names = TensorNames(mlp_norm="pre_feedforward_layernorm") if extra_norms else TensorNames()
     return spec, names
-
-
-def _optional_cap(cfg: HFConfig, key: str, default: float | None) -> float | None:
-    if key in cfg.raw and cfg.raw[key] is None:
-        return None
-    if key not in cfg.raw and default is None:
-        return None
-    return cfg.positive_float(key, default)
 
 
 #: The family the registry serves under ``gemma``.

@@ -38,6 +38,13 @@ class HFConfig:
         value = self._get(name, default)
         return positive_number(f"config.{name}", value)
 
+    def optional_positive_float(self, name: str, default: float | None) -> float | None:
+        """A positive, finite number field, or None where the config sets null (or leaves it
+        out with no default): the off switch of an optional part (a soft-cap)."""
+        if self.raw.get(name, default) is None:
+            return None
+        return self.positive_float(name, default)
+
     def flag(self, name: str, default: bool) -> bool:
         """A boolean field."""
         value = self._get(name, default)

@@ -229,6 +229,16 @@ def qwen_layer_kinds(cfg: HFConfig, *, num_layers: int) -> list[str]:
     return layer_kinds(cfg, num_layers=num_layers, default=default)
 
 
+def sparse_layers(cfg: HFConfig, *, num_layers: int) -> list[bool]:
+    """Which layers run the experts (Qwen-MoE's ``mlp_only_layers`` and
+    ``decoder_sparse_step``): the others run the dense MLP."""
+    step = cfg.positive_int("decoder_sparse_step", 1)
+    dense = cfg.raw.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or not all(isinstance(i, int) for i in dense):
+        raise CheckpointError("config.mlp_only_layers", f"must list layer indices: {dense!r}")
+    return [i not in dense and (i + 1) % step == 0 for i in range(num_layers)]
+
+
 def with_aliases(cfg: HFConfig, aliases: dict[str, str]) -> HFConfig:
     """``cfg`` with each standard key (``aliases``: standard -> architecture's own, e.g.
     ``max_position_embeddings`` -> ``n_positions``) copied onto the architecture's key where

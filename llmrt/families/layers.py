@@ -86,7 +86,7 @@ LINEAR_KERNEL_CHOICES: tuple[str, ...] = get_args(LinearKernelChoice)
 
 #: The kernels' activation codes (``csrc/vecmath.h``: the fused decode step and
 #: ``native_mlp_activation``).
-ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3}
+ACTIVATIONS = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3, "relu2": 4}
 
 
 def native_mlp_activation(
@@ -434,7 +434,7 @@ def apply_weight_format(model: CausalLM, *, weights: str, field: str) -> int:
     if kind is None:
         return 0
     if not isinstance(model, nn.Module):
-        raise ConfigError(field, weights, f"needs a torch model, got {type(model).__name__}")
+        raise ConfigError(field, weights, f"needs a torch model, not a {type(model).__name__}")
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -648,7 +648,7 @@ def select_gemm_dtype(model: CausalLM, *, choice: str, min_rows: int = GEMM_DTYP
     if choice not in GEMM_DTYPES:
         raise ConfigError(field, choice, f"must be one of {list(GEMM_DTYPES)}")
     if not isinstance(model, nn.Module):
-        raise ConfigError(field, choice, f"needs a torch model, got {type(model).__name__}")
+        raise ConfigError(field, choice, f"needs a torch model, not a {type(model).__name__}")
     linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
     if choice != "float32" and not linears:
         raise ConfigError(

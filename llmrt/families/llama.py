@@ -149,11 +149,7 @@ def _moe(
         activation=activation,
         routing="softmax_topk_normalized" if cfg.flag("norm_topk_prob", False) else "softmax_topk",
     )
-    step = cfg.positive_int("decoder_sparse_step", 1)
-    dense = cfg.raw.get("mlp_only_layers") or []
-    if not isinstance(dense, list) or not all(isinstance(i, int) for i in dense):
-        raise CheckpointError("config.mlp_only_layers", f"must list layer indices, got {dense!r}")
-    return spec, [i not in dense and (i + 1) % step == 0 for i in range(num_layers)]
+    return spec, hfparts.sparse_layers(cfg, num_layers=num_layers)
 
 
 def _gguf_config(

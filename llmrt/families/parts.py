@@ -205,6 +205,49 @@ class CustomPart(Protocol):
     ) -> nn.Module: ...
 
 
+@runtime_checkable
+class CustomAttention(Protocol):
+    """A part from outside the catalogue in a layer's attention slot
+    (``DecoderSpec.attention_part``), declared as ``CustomPart`` is: ``tensors(prefix,
+    hidden)`` names its checkpoint tensors (shape, random init), ``build(prefix, linear,
+    take, window)`` returns its module, with ``window`` the layer's sliding window (None:
+    full). ``DecoderSpec.attention`` still gives the heads and head size the KV cache and
+    the RoPE tables are made for.
+
+    The module is called as ``module(x, rope=, plan=, k_cache=, v_cache=)`` with ``x``
+    ``[B, S, hidden]``, ``rope`` the layer's ``(cos, sin)`` or None, and returns
+    ``[B, S, hidden]``; it writes its K/V and attends through
+    ``llmrt.families.paged_attention.attend`` (``llmrt.families.rope.apply_rope`` rotates
+    q and k), so paging, prefix caching and padding behave as in every other family. The
+    fused CPU decode op has no phase for it: such a model decodes through the torch ops
+    (``fused_decode_status()``: ``not fused: attention part <its class> (layers.N)``)."""
+
+    def tensors(
+        self, *, prefix: str, hidden: int
+    ) -> Mapping[str, tuple[tuple[int, ...], TensorInit]]: ...
+
+    def build(
+        self,
+        *,
+        prefix: str,
+        linear: Callable[..., nn.Module],
+        take: Callable[[str], torch.Tensor],
+        window: int | None,
+    ) -> nn.Module: ...
+
+
+#: ``AttentionSpec`` options the built-in attention computes, which a custom attention part
+#: would silently ignore (its own module decides), with their defaults.
+_BUILTIN_ATTENTION_OPTIONS = {
+    "qkv_bias": False,
+    "o_bias": False,
+    "qk_norm": None,
+    "softcap": None,
+    "clip_qkv": None,
+    "rope_style": "neox",
+}
+
+
 @attrs.frozen(kw_only=True)
 class LayerSpec:
     """What varies between layers: sliding window, which RoPE variant (None: no
@@ -247,11 +290,29 @@ class DecoderSpec:
     final_softcap: float | None = None
     tie_word_embeddings: bool = False
     lm_head_bias: bool = False
+    #: A package's attention module in every layer's attention slot (``CustomAttention``).
+    attention_part: CustomAttention | None = None
 
     def __attrs_post_init__(self) -> None:
         m = self.model
         if self.mlp is not None and not isinstance(self.mlp, MLPSpec | CustomPart):
             raise ConfigError("mlp", self.mlp, "must be an MLPSpec or a CustomPart")
+        if self.attention_part is not None:
+            if not isinstance(self.attention_part, CustomAttention):
+                raise ConfigError(
+                    "attention_part",
+                    type(self.attention_part).__name__,
+                    "must have tensors(prefix=, hidden=) and build(prefix=, linear=, take=, "
+                    "window=) (CustomAttention)",
+                )
+            for option, default in _BUILTIN_ATTENTION_OPTIONS.items():
+                if getattr(self.attention, option) != default:
+                    raise ConfigError(
+                        f"attention.{option}",
+                        getattr(self.attention, option),
+                        "is computed by the built-in attention, which attention_part "
+                        "replaces (the part's module must do it)",
+                    )
         if len(self.layers) != m.num_layers:
             raise ConfigError(
                 "layers", len(self.layers), f"needs one entry per layer ({m.num_layers})"

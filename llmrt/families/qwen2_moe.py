@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import torch
 
-from llmrt.errors import CheckpointError
 from llmrt.families import hfparts
 from llmrt.families.decoder import TensorNames
 from llmrt.families.decoder_family import DecoderFamily
@@ -29,11 +28,7 @@ def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
         shared_intermediate_size=cfg.positive_int("shared_expert_intermediate_size", 5632),
         shared_gate=True,
     )
-    step = cfg.positive_int("decoder_sparse_step", 1)
-    dense = cfg.raw.get("mlp_only_layers") or []
-    if not isinstance(dense, list) or not all(isinstance(i, int) for i in dense):
-        raise CheckpointError("config.mlp_only_layers", f"must list layer indices: {dense!r}")
-    sparse = [i not in dense and (i + 1) % step == 0 for i in range(n)]
+    sparse = hfparts.sparse_layers(cfg, num_layers=n)
     spec = DecoderSpec(
         model=model,
         attention=hfparts.attention(model, qkv_bias=cfg.flag("qkv_bias", True)),

@@ -207,7 +207,7 @@ def quantize(weight: torch.Tensor, *, kind: BlockKind, field: str) -> QuantizedW
             field,
             kind,
             f"block quantization needs [out, in] weights with in a multiple of {per}, "
-            f"got shape {tuple(weight.shape)}",
+            f"not shape {tuple(weight.shape)}",
         )
     values = weight.detach().to(device="cpu", dtype=torch.float32).contiguous().numpy()
     raw = gguf_py.quants.quantize(values, gguf_py.GGMLQuantizationType(GGML_TYPE[kind]))

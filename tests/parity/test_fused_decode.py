@@ -10,6 +10,7 @@ nothing. Architectures with a part the op lacks must say which and decode throug
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,15 +31,36 @@ FUSABLE = {
     "gemma-geglu-tied": "(1 + w) RMSNorm, GELU-tanh, embedding scale, tied head",
     "granite-multipliers": "residual multiplier, attention multiplier as the scale",
     "phi3-longrope-partial-window": "partial rotary, longrope, fused qkv/gate_up names",
+    "gpt-neox-parallel-partial": "parallel residual with its own MLP LayerNorm (with bias)",
+    "stablelm-sequential": "LayerNorm with bias, sequential",
+    "starcoder2-window-biases": "LayerNorm with bias, plain GELU-tanh MLP, window",
+    "nemotron-layernorm1p-relu2-partial": "(1 + w) LayerNorm with bias, relu², partial rotary",
+    "olmo-weightless-norm-clip-qkv": "weightless LayerNorm, q/k/v clipping after the bias",
+    "phi-parallel-layernorm-head-bias": "parallel residual from one LayerNorm, LM-head bias",
+    "cohere-parallel-interleaved": "parallel residual from one bias-free LayerNorm",
+    "qwen3-qk-norm-dynamic-rope": "per-head q/k RMSNorm before RoPE",
+    "phi-parallel-partial-head-bias-qk-layernorm": "q/k LayerNorm with a bias, shared by heads",
+    "cohere-interleaved-qk-norm-logit-scale": "q/k LayerNorm with a weight row per head",
+    "stablelm-qk-layernorm-parallel": "q/k LayerNorm per head (stacked tensors), parallel",
 }
-#: Cases with a part the op does not implement, and the words its reason must contain.
+#: Fusable variants of the parity cases: (case, config changes).
+VARIANTS = {
+    "phi-parallel-layernorm-head-bias": (
+        "phi-parallel-partial-head-bias-qk-layernorm",
+        {"qk_layernorm": False},
+    ),
+    "cohere-parallel-interleaved": (
+        "cohere-interleaved-qk-norm-logit-scale",
+        {"use_qk_norm": False},
+    ),
+}
+#: Cases with a part the op does not implement: the status must start with
+#: ``not fused: <part>``.
 NOT_FUSABLE = {
-    "qwen3-qk-norm-dynamic-rope": "q/k norms",
     "olmo2-post-norm-qk-norm": "post-attention",
     "gemma2-softcap-window": "post-attention",
     "mixtral-top2-window": "mixture-of-experts",
-    "gpt2": "norm",
-    "gpt-neox-parallel-partial": "parallel",
+    "gpt2": "learned position embeddings",
 }
 
 
@@ -57,7 +79,8 @@ def counted_runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 def _build(case: str, parity_harness: Any, *, weights: str | None = None) -> Any:
-    harness = parity_harness(config=case_config(case))
+    base, changes = VARIANTS.get(case, (case, {}))
+    harness = parity_harness(config=case_config(base, **changes))
     if weights is not None:
         apply_weight_format(harness.model, weights=weights, field="checkpoint.weights")
     return harness
@@ -108,7 +131,11 @@ def _run_both(
     ("case", "rows", "pad_row"),
     [(case, 3, True) for case in sorted(FUSABLE)]
     + [("llama-yarn-biases", 8, True), ("gemma-geglu-tied", 8, True)]
-    + [("llama-yarn-biases", 1, False), ("mistral-window", 1, False)],
+    + [("llama-yarn-biases", 1, False), ("mistral-window", 1, False)]
+    + [("gpt-neox-parallel-partial", 8, True), ("nemotron-layernorm1p-relu2-partial", 8, True)]
+    + [("phi-parallel-layernorm-head-bias", 1, False)]
+    + [("cohere-interleaved-qk-norm-logit-scale", 1, False)]
+    + [("qwen3-qk-norm-dynamic-rope", 8, True)],
 )
 def test_fused_decode_matches_torch_ops(
     case: str, rows: int, pad_row: bool, parity_harness: Any, counted_runs: list[int]
@@ -234,7 +261,7 @@ def test_unfusable_layers_say_why_and_use_the_ops(
 ) -> None:
     harness = _build(case, parity_harness)
     why = harness.model.backbone.fused_decode_status()
-    assert why is not None and NOT_FUSABLE[case] in why and "layers." in why
+    assert why is not None and why.startswith(f"not fused: {NOT_FUSABLE[case]}")
     with pytest.raises(ConfigError, match=r"device\.decode_kernel"):
         select_decode_kernel(harness.model, choice="fused", device=torch.device("cpu"))
     assert select_decode_kernel(harness.model, choice="auto", device=torch.device("cpu")) == why
@@ -371,8 +398,10 @@ def _stack_layer(hidden: int, heads: int, kv_heads: int, dim: int, seed: int) ->
         w(hidden, 24),
     ]
     biases = [0.1 * torch.randn((heads + 2 * kv_heads) * dim, generator=gen), None, None, None]
-    ints = [0, 0, 0, 0, heads, kv_heads, dim, 0, 0, 1, 0]
-    floats = [1e-6, dim**-0.5, 1.0]
+    biases += [None] * 6  # the norms' biases (RMSNorm: none), no q/k norms
+    # ... window 0, SiLU, gated, RoPE table 0; RMSNorm (0) both, sequential, no q/k norms.
+    ints = [0, 0, 0, 0, heads, kv_heads, dim, 0, 0, 1, 0, 0, 0, 0, -1]
+    floats = [1e-6, dim**-0.5, 1.0, 1e-6, math.inf, 0.0]  # ..., MLP norm eps, no clip
     return tensors, biases, ints, floats
 
 
@@ -519,7 +548,7 @@ def test_a_step_is_embedding_layers_norm_and_head(rows: int, embed_kind: str) ->
     norm = 1.0 + 0.1 * torch.randn(hidden, generator=gen)
     head = torch.randn(vocab + 3, hidden, generator=gen) * 0.1
     head_bias = torch.randn(vocab + 3, generator=gen)
-    stack.set_ends(embed, kind, 1.5, norm, 1e-6, head, 0, head_bias)
+    stack.set_ends(embed, kind, 1.5, norm, 1e-6, head, 0, head_bias, None, 0)
     assert stack.has_ends()
     cos_cache = torch.rand(64, dim // 2, generator=gen)
     sin_cache = torch.rand(64, dim // 2, generator=gen)
@@ -546,9 +575,9 @@ def test_a_step_is_embedding_layers_norm_and_head(rows: int, embed_kind: str) ->
         assert torch.equal(a, b)
 
     with pytest.raises(RuntimeError, match="final norm weight must hold"):
-        stack.set_ends(embed, kind, 1.0, torch.ones(hidden + 1), 1e-6, head, 0, None)
+        stack.set_ends(embed, kind, 1.0, torch.ones(hidden + 1), 1e-6, head, 0, None, None, 0)
     with pytest.raises(RuntimeError, match="head_bias"):
-        stack.set_ends(embed, kind, 1.0, norm, 1e-6, head, 0, torch.ones(2))
+        stack.set_ends(embed, kind, 1.0, norm, 1e-6, head, 0, torch.ones(2), None, 0)
     with pytest.raises(RuntimeError, match="one position per token"):
         stack.step(tokens, positions[:1], table, [cos_cache], [sin_cache], caches[:2], caches[2:])
     with pytest.raises(RuntimeError, match="RoPE tables"):
@@ -571,8 +600,13 @@ def test_recipes_choose_the_decode_kernel_through_the_container(counted_runs: li
             outputs[choice] = [o.token_ids for o in llm.generate([[3, 4, 5]], params)]
         assert bool(counted_runs) == (choice == "fused")
     assert outputs["fused"] == outputs["ops"]
-    # GPT-2's LayerNorm is not a part the op has: asking for it fails at build, by field.
-    with pytest.raises(ConfigError, match=r"device\.decode_kernel.*layers\.0"):
+    # GPT-2's learned positions are not a part the op has: asking for it fails at build,
+    # naming the part and where it is.
+    with pytest.raises(
+        ConfigError,
+        match=r"device\.decode_kernel: .* not fused: learned position embeddings "
+        r"\(embed_positions\)",
+    ):
         LLM.from_recipe("tiny-gpt2", overrides={"device.decode_kernel": "fused"})
 
 

@@ -26,6 +26,7 @@ TORCH_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu,
     "gelu_tanh": lambda v: F.gelu(v, approximate="tanh"),
     "relu": F.relu,
+    "relu2": lambda v: torch.square(F.relu(v)),
 }
 DTYPES = (torch.float32, torch.bfloat16)
 

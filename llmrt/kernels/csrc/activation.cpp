@@ -31,7 +31,7 @@ namespace {
 using llmrt_kernels::activate;
 using llmrt_kernels::has_avx512;
 using llmrt_kernels::has_avx512_bf16;
-using llmrt_kernels::kRelu;
+using llmrt_kernels::kRelu2;
 using llmrt_kernels::kSilu;
 
 #if defined(LLMRT_X86)
@@ -127,7 +127,7 @@ at::Tensor mlp_activation(const at::Tensor& y, int64_t kind, bool gated, at::Sca
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16,
               "llmrt_kernels.mlp_activation: the output dtype must be float32 or bfloat16, got ",
               dtype);
-  TORCH_CHECK(kind >= kSilu && kind <= kRelu, "llmrt_kernels.mlp_activation: unknown activation ",
+  TORCH_CHECK(kind >= kSilu && kind <= kRelu2, "llmrt_kernels.mlp_activation: unknown activation ",
               kind);
   TORCH_CHECK(y.dim() >= 1 && (!gated || y.size(-1) % 2 == 0),
               "llmrt_kernels.mlp_activation: a gated input needs an even last dim (gate, then up)");

@@ -36,6 +36,7 @@
 #include <atomic>
 #include <thread>
 #include <memory>
+#include <tuple>
 #include <utility>
 #include <cmath>
 #include <cstdint>
@@ -44,6 +45,7 @@
 #include <vector>
 
 #include "cpu.h"
+#include "layer_norm.h"
 #include "linear.h"
 #include "rms_norm.h"
 #include "vecmath.h"
@@ -58,7 +60,8 @@ using llmrt_kernels::exp512;
 using llmrt_kernels::lanes;
 using llmrt_kernels::load16;
 #endif
-using llmrt_kernels::rms_norm_rows_best;
+using llmrt_kernels::NormRef;
+using llmrt_kernels::norm_rows;
 using llmrt_kernels::has_avx2;
 
 // Rotate the leading ``rot`` channels of one head by the row's tables (rotate-half convention).
@@ -479,7 +482,51 @@ struct LayerSpec {
   bool gated;
   double eps, scale, mult;
   int64_t q_width, kv_width, qkv_width, up_rows, inter;
+  // The parts the phases below take (``LayerParts``): norm forms and biases, parallel
+  // attention + MLP, q/k/v clipping.
+  std::optional<at::Tensor> attn_norm_bias, mlp_norm_bias;
+  int64_t attn_norm_kind = llmrt_kernels::kNormRms;
+  int64_t mlp_norm_kind = llmrt_kernels::kNormRms;  // -1: none (a parallel layer's MLP
+                                                    // reads the attention's normed rows)
+  bool parallel = false;
+  double mlp_eps = 0.0;
+  double clip = std::numeric_limits<double>::infinity();  // q/k/v clamped to [-clip, clip]
+  // Per-head q/k norms (Qwen3, Cohere, StableLM, Phi): applied to every query and key head
+  // after the bias and clip, before RoPE, with one [head_dim] weight (and bias) row for
+  // every head or one row per head ([heads * head_dim]); kind -1: none.
+  std::optional<at::Tensor> q_norm, k_norm, q_norm_bias, k_norm_bias;
+  int64_t qk_norm_kind = -1;
+  double qk_eps = 0.0;
 };
+
+// Heads [first, first + heads) of a q or k norm, their ``d`` values each at ``v`` (in place).
+void qk_norm_heads(const LayerSpec& s, const std::optional<at::Tensor>& weight,
+                   const std::optional<at::Tensor>& bias, float* v, int64_t first,
+                   int64_t heads) {
+  if (s.qk_norm_kind < 0) return;
+  const int64_t d = s.head_dim;
+  const bool per_head = weight->numel() > d;
+  for (int64_t h = 0; h < heads; ++h) {
+    const int64_t row = per_head ? (first + h) * d : 0;
+    const NormRef n{weight->const_data_ptr<float>() + row,
+                    bias.has_value() ? bias->const_data_ptr<float>() + row : nullptr,
+                    s.qk_norm_kind, s.qk_eps};
+    norm_rows(n, v + h * d, 1, d, v + h * d);
+  }
+}
+
+NormRef attn_norm_of(const LayerSpec& s) {
+  return {s.attn_norm.const_data_ptr<float>(),
+          s.attn_norm_bias.has_value() ? s.attn_norm_bias->const_data_ptr<float>() : nullptr,
+          s.attn_norm_kind, s.eps};
+}
+
+NormRef mlp_norm_of(const LayerSpec& s) {
+  if (s.mlp_norm_kind < 0) return {};
+  return {s.mlp_norm.const_data_ptr<float>(),
+          s.mlp_norm_bias.has_value() ? s.mlp_norm_bias->const_data_ptr<float>() : nullptr,
+          s.mlp_norm_kind, s.mlp_eps};
+}
 
 void check_float(const at::Tensor& t, const char* name) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat,
@@ -522,6 +569,31 @@ void check_spec(LayerSpec& s, int64_t width) {
   check_vector(s.o_bias, width, "o_bias");
   check_vector(s.up_bias, s.up_rows, "up_bias");
   check_vector(s.down_bias, width, "down_bias");
+  check_vector(s.attn_norm_bias, width, "attn_norm_bias");
+  check_vector(s.mlp_norm_bias, width, "mlp_norm_bias");
+  TORCH_CHECK(s.attn_norm_kind == llmrt_kernels::kNormRms ||
+                  s.attn_norm_kind == llmrt_kernels::kNormLayer,
+              "llmrt_kernels.decode_layer: unknown norm kind ", s.attn_norm_kind);
+  TORCH_CHECK(s.mlp_norm_kind == llmrt_kernels::kNormRms ||
+                  s.mlp_norm_kind == llmrt_kernels::kNormLayer ||
+                  (s.mlp_norm_kind == -1 && s.parallel),
+              "llmrt_kernels.decode_layer: unknown MLP norm kind ", s.mlp_norm_kind,
+              " (-1, none, only in a parallel layer)");
+  TORCH_CHECK(s.clip > 0.0, "llmrt_kernels.decode_layer: q/k/v clip must be positive");
+  TORCH_CHECK(s.qk_norm_kind == -1 || s.qk_norm_kind == llmrt_kernels::kNormRms ||
+                  s.qk_norm_kind == llmrt_kernels::kNormLayer,
+              "llmrt_kernels.decode_layer: unknown q/k norm kind ", s.qk_norm_kind);
+  if (s.qk_norm_kind >= 0) {
+    TORCH_CHECK(s.q_norm.has_value() && s.k_norm.has_value(),
+                "llmrt_kernels.decode_layer: q/k norms need both weights");
+    for (const auto& [w, b, heads, name] :
+         {std::tuple{&s.q_norm, &s.q_norm_bias, s.num_heads, "q_norm"},
+          std::tuple{&s.k_norm, &s.k_norm_bias, s.num_kv_heads, "k_norm"}}) {
+      const int64_t n = (*w)->numel() == s.head_dim ? s.head_dim : heads * s.head_dim;
+      check_vector(*w, n, name);
+      check_vector(*b, n, name);
+    }
+  }
 }
 
 void check_cache(const at::Tensor& k_cache, const at::Tensor& v_cache, const LayerSpec& s) {
@@ -599,7 +671,15 @@ void team_linear(Team& team, const Stream& st, const float* x, int64_t rows, con
   });
 }
 
-// Row ``r``, KV head ``g``: the group's query heads with bias and RoPE (in place, or into
+// q/k/v clipping (OLMo's ``clip_qkv``): ``v`` clamped to [-clip, clip] after its bias, as
+// the torch path clamps the projection's output; nothing for an infinite clip.
+inline void clip_values(float* v, int64_t n, double clip) {
+  if (!std::isfinite(clip)) return;
+  const float c = static_cast<float>(clip);
+  for (int64_t j = 0; j < n; ++j) v[j] = std::clamp(v[j], -c, c);
+}
+
+// Row ``r``, KV head ``g``: the group's query heads with bias (and clip) and RoPE (in place, or into
 // ``q_out`` leaving the row as it is), then, when ``write``, the key's bias and RoPE and the
 // K/V write at the row's position (columns no other task touches).
 template <typename T>
@@ -613,6 +693,8 @@ void rope_and_write(const Paged<T>& kv, const LayerSpec& s, const int64_t* pos_p
   float* q = q_out != nullptr ? q_out : row + g * group * d;
   for (int64_t j = 0; j < group * d; ++j)
     q[j] = bias != nullptr ? q_in[j] + bias[g * group * d + j] : q_in[j];
+  clip_values(q, group * d, s.clip);
+  qk_norm_heads(s, s.q_norm, s.q_norm_bias, q, g * group, group);
   if (rot > 0)
     for (int64_t j = 0; j < group; ++j) rope_head(q + j * d, cos_p + r * rot, sin_p + r * rot, rot);
   if (!write) return;
@@ -623,6 +705,9 @@ void rope_and_write(const Paged<T>& kv, const LayerSpec& s, const int64_t* pos_p
       k_new[j] += bias[s.q_width + g * d + j];
       v_new[j] += bias[s.q_width + s.kv_width + g * d + j];
     }
+  clip_values(k_new, d, s.clip);
+  clip_values(v_new, d, s.clip);
+  qk_norm_heads(s, s.k_norm, s.k_norm_bias, k_new, g, 1);
   if (rot > 0) rope_head(k_new, cos_p + r * rot, sin_p + r * rot, rot);
   const int64_t p = pos_p[r];
   if (p < 0 || p / kv.block_size >= kv.width) return;
@@ -771,9 +856,9 @@ void merge_parts(const LayerSpec& s, int64_t rows, int64_t parts, const float* p
     }
 }
 
-// Rows [r0, r1): h += mult * (proj + bias), then (when ``norm``) normed = RMSNorm(h).
+// Rows [r0, r1): h += mult * (proj + bias), then (when ``norm.w``) normed = norm(h).
 void residual_rows(float* h, const float* proj, const std::optional<at::Tensor>& bias,
-                   double mult, int64_t width, const at::Tensor* norm, double eps, float* normed,
+                   double mult, int64_t width, const NormRef& norm, float* normed,
                    int64_t r0, int64_t r1) {
   const float m = static_cast<float>(mult);
   const float* b = bias.has_value() ? bias->const_data_ptr<float>() : nullptr;
@@ -781,8 +866,21 @@ void residual_rows(float* h, const float* proj, const std::optional<at::Tensor>&
     float* hr = h + r * width;
     const float* pr = proj + r * width;
     for (int64_t j = 0; j < width; ++j) hr[j] += m * (b != nullptr ? pr[j] + b[j] : pr[j]);
-    if (norm != nullptr)
-      rms_norm_rows_best(hr, 1, width, norm->const_data_ptr<float>(), eps, normed + r * width);
+    if (norm.w != nullptr) norm_rows(norm, hr, 1, width, normed + r * width);
+  }
+}
+
+// A parallel layer's attention residual (Phi, Cohere, GPT-NeoX: attention and MLP both read
+// the layer's input), rows [r0, r1): first normed = mlp_norm(h) where the MLP has its own
+// norm (else the attention's normed rows stay its input), then h += mult * (proj + bias).
+// The MLP's residual is then added as a sequential layer's, so h = (x + attn) + mlp in the
+// torch path's order.
+void parallel_residual_rows(float* h, const float* proj, const std::optional<at::Tensor>& bias,
+                            double mult, int64_t width, const NormRef& mlp_norm, float* normed,
+                            int64_t r0, int64_t r1) {
+  for (int64_t r = r0; r < r1; ++r) {
+    if (mlp_norm.w != nullptr) norm_rows(mlp_norm, h + r * width, 1, width, normed + r * width);
+    residual_rows(h, proj, bias, mult, width, NormRef{}, normed, r, r + 1);
   }
 }
 
@@ -833,14 +931,28 @@ struct StepInputs {
 // on this thread's copy, or its share of the shared rows and a barrier.
 void team_residual(const Team& team, const Stream& st, int64_t rows, int64_t width,
                    const float* proj, const std::optional<at::Tensor>& bias, double mult,
-                   const at::Tensor* norm, double eps) {
+                   const NormRef& norm) {
   if (st.own) {
-    residual_rows(st.h, proj, bias, mult, width, norm, eps, st.normed, 0, rows);
+    residual_rows(st.h, proj, bias, mult, width, norm, st.normed, 0, rows);
     return;
   }
   int64_t a, b;
   team.split(rows, a, b);
-  residual_rows(st.h, proj, bias, mult, width, norm, eps, st.normed, a, b);
+  residual_rows(st.h, proj, bias, mult, width, norm, st.normed, a, b);
+  team_barrier(team);
+}
+
+// ``parallel_residual_rows`` by the team, as ``team_residual``.
+void team_parallel_residual(const Team& team, const Stream& st, const LayerSpec& s,
+                            int64_t rows, int64_t width, const float* proj) {
+  if (st.own) {
+    parallel_residual_rows(st.h, proj, s.o_bias, s.mult, width, mlp_norm_of(s), st.normed, 0,
+                           rows);
+    return;
+  }
+  int64_t a, b;
+  team.split(rows, a, b);
+  parallel_residual_rows(st.h, proj, s.o_bias, s.mult, width, mlp_norm_of(s), st.normed, a, b);
   team_barrier(team);
 }
 
@@ -862,8 +974,8 @@ void team_mlp_up(Team& team, const Stream& st, const LayerSpec& s, int64_t rows,
 // One layer; its last residual writes ``next_norm``(h) into the normed rows (the next layer's
 // pre-norm, or the final norm before the LM head).
 template <typename T>
-void layer_by_team(Team& team, const Stream& st, const LayerSpec& s, const at::Tensor* next_norm,
-                   double next_eps, const StepInputs& in, size_t li, Scratch& sc) {
+void layer_by_team(Team& team, const Stream& st, const LayerSpec& s, const NormRef& next_norm,
+                   const StepInputs& in, size_t li, Scratch& sc) {
   const int64_t rows = in.rows, width = in.width;
   const Paged<T> kv = paged<T>(in.k[li], in.v[li], in.table, in.table_width);
   // q/k/v of the pre-normed rows.
@@ -924,13 +1036,17 @@ void layer_by_team(Team& team, const Stream& st, const LayerSpec& s, const at::T
   // Output projection, residual, MLP pre-norm.
   team_linear(team, st, attn, rows, s.o, s.o_kind, s.q_width, sc.proj);
   team_barrier(team);
-  team_residual(team, st, rows, width, sc.proj, s.o_bias, s.mult, &s.mlp_norm, s.eps);
+  if (s.parallel) {
+    team_parallel_residual(team, st, s, rows, width, sc.proj);
+  } else {
+    team_residual(team, st, rows, width, sc.proj, s.o_bias, s.mult, mlp_norm_of(s));
+  }
   // MLP, residual, and the next layer's pre-norm.
   team_mlp_up(team, st, s, rows, width, sc);
   team_barrier(team);
   team_linear(team, st, sc.act, rows, s.down, s.down_kind, s.inter, sc.proj);
   team_barrier(team);
-  team_residual(team, st, rows, width, sc.proj, s.down_bias, s.mult, next_norm, next_eps);
+  team_residual(team, st, rows, width, sc.proj, s.down_bias, s.mult, next_norm);
 }
 
 // A step's ends besides the layers (borrowed): the token embedding (ggml blocks or dense
@@ -944,7 +1060,15 @@ struct Ends {
   at::Tensor head;
   int64_t head_kind;
   std::optional<at::Tensor> head_bias;
+  std::optional<at::Tensor> norm_bias;
+  int64_t norm_kind = llmrt_kernels::kNormRms;
 };
+
+NormRef final_norm_of(const Ends& e) {
+  return {e.norm.const_data_ptr<float>(),
+          e.norm_bias.has_value() ? e.norm_bias->const_data_ptr<float>() : nullptr, e.norm_kind,
+          e.eps};
+}
 
 // Every layer over ``in.h``; with ``ends``, then the final norm and the LM head into
 // ``logits`` ``[rows, vocab]`` in the same team.
@@ -1011,23 +1135,20 @@ void run_stack(const std::vector<LayerSpec>& layers, StepInputs& in, const Ends*
       st.own = true;
       std::copy_n(in.h, rows * width, st.h);
     }
-    if (own || team.tid == 0)
-      rms_norm_rows_best(st.h, rows, width, layers[0].attn_norm.const_data_ptr<float>(),
-                    layers[0].eps, st.normed);
+    if (own || team.tid == 0) norm_rows(attn_norm_of(layers[0]), st.h, rows, width, st.normed);
     if (!own) team_barrier(team);
     for (size_t i = 0; i < layers.size(); ++i) {
       const bool last = i + 1 == layers.size();
-      const at::Tensor* norm = !last ? &layers[i + 1].attn_norm
-                                     : (ends != nullptr ? &ends->norm : nullptr);
-      const double eps = !last ? layers[i + 1].eps : (ends != nullptr ? ends->eps : 0.0);
+      const NormRef norm = !last ? attn_norm_of(layers[i + 1])
+                                 : (ends != nullptr ? final_norm_of(*ends) : NormRef{});
       switch (in.k[i].scalar_type()) {
         case at::kHalf:
-          layer_by_team<c10::Half>(team, st, layers[i], norm, eps, in, i, sc);
+          layer_by_team<c10::Half>(team, st, layers[i], norm, in, i, sc);
           break;
         case at::kBFloat16:
-          layer_by_team<c10::BFloat16>(team, st, layers[i], norm, eps, in, i, sc);
+          layer_by_team<c10::BFloat16>(team, st, layers[i], norm, in, i, sc);
           break;
-        default: layer_by_team<float>(team, st, layers[i], norm, eps, in, i, sc); break;
+        default: layer_by_team<float>(team, st, layers[i], norm, in, i, sc); break;
       }
     }
     if (own && team.tid == 0) std::copy_n(st.h, rows * width, in.h);
@@ -1141,6 +1262,20 @@ void prepare_step(const std::vector<LayerSpec>& layers, const at::Tensor& hidden
   in.v = v;
 }
 
+// A layer's parts beyond the single-layer op's arguments (its defaults: pre-norm RMSNorm
+// without bias, sequential residuals, no clipping).
+struct LayerParts {
+  std::optional<at::Tensor> attn_norm_bias, mlp_norm_bias;
+  int64_t attn_norm_kind = llmrt_kernels::kNormRms;
+  int64_t mlp_norm_kind = llmrt_kernels::kNormRms;
+  bool parallel = false;
+  double mlp_eps = std::numeric_limits<double>::quiet_NaN();  // NaN: the attention norm's
+  double clip = std::numeric_limits<double>::infinity();
+  std::optional<at::Tensor> q_norm, k_norm, q_norm_bias, k_norm_bias;
+  int64_t qk_norm_kind = -1;
+  double qk_eps = 0.0;
+};
+
 LayerSpec spec_of(const at::Tensor& attn_norm, const at::Tensor& mlp_norm, const at::Tensor& qkv,
                   int64_t qkv_kind, const std::optional<at::Tensor>& qkv_bias,
                   const at::Tensor& o, int64_t o_kind, const std::optional<at::Tensor>& o_bias,
@@ -1148,10 +1283,24 @@ LayerSpec spec_of(const at::Tensor& attn_norm, const at::Tensor& mlp_norm, const
                   const at::Tensor& down, int64_t down_kind,
                   const std::optional<at::Tensor>& down_bias, int64_t num_heads,
                   int64_t num_kv_heads, int64_t head_dim, double eps, double scale,
-                  int64_t window, int64_t activation, bool gated, double mult, int64_t rope) {
+                  int64_t window, int64_t activation, bool gated, double mult, int64_t rope,
+                  const LayerParts& parts = {}) {
   LayerSpec s{attn_norm, mlp_norm, qkv, o, up, down, qkv_kind, o_kind, up_kind, down_kind,
               qkv_bias, o_bias, up_bias, down_bias, num_heads, num_kv_heads, head_dim, window,
               activation, rope, gated, eps, scale, mult, 0, 0, 0, 0, 0};
+  s.attn_norm_bias = parts.attn_norm_bias;
+  s.mlp_norm_bias = parts.mlp_norm_bias;
+  s.attn_norm_kind = parts.attn_norm_kind;
+  s.mlp_norm_kind = parts.mlp_norm_kind;
+  s.parallel = parts.parallel;
+  s.mlp_eps = std::isnan(parts.mlp_eps) ? eps : parts.mlp_eps;
+  s.clip = parts.clip;
+  s.q_norm = parts.q_norm;
+  s.k_norm = parts.k_norm;
+  s.q_norm_bias = parts.q_norm_bias;
+  s.k_norm_bias = parts.k_norm_bias;
+  s.qk_norm_kind = parts.qk_norm_kind;
+  s.qk_eps = parts.qk_eps;
   check_spec(s, attn_norm.numel());
   return s;
 }
@@ -1185,25 +1334,43 @@ void decode_layer(const at::Tensor& hidden, const at::Tensor& attn_norm,
 struct DecodeStack : torch::CustomClassHolder {
   std::vector<LayerSpec> layers;
 
-  // Per layer: tensors (attn_norm, mlp_norm, qkv, o, up, down), biases (qkv, o, up, down),
-  // ints (qkv_kind, o_kind, up_kind, down_kind, num_heads, num_kv_heads, head_dim, window,
-  // activation, gated, rope table index or -1), floats (eps, scale, residual_multiplier).
+  // Per layer: tensors (attn_norm, mlp_norm, qkv, o, up, down), optional tensors (qkv, o,
+  // up, down biases; attn_norm, mlp_norm biases; q_norm, k_norm weights and biases), ints
+  // (qkv_kind,
+  // o_kind, up_kind, down_kind, num_heads, num_kv_heads, head_dim, window, activation,
+  // gated, rope table index or -1, attn_norm kind, mlp_norm kind or -1, parallel, q/k norm
+  // kind or -1), floats (eps, scale, residual_multiplier, mlp_norm eps, q/k/v clip or inf,
+  // q/k norm eps).
   DecodeStack(std::vector<at::Tensor> tensors, c10::List<std::optional<at::Tensor>> biases,
               std::vector<int64_t> ints, std::vector<double> floats) {
     const size_t n = tensors.size() / 6;
-    TORCH_CHECK(tensors.size() == 6 * n && biases.size() == 4 * n && ints.size() == 11 * n &&
-                    floats.size() == 3 * n && n > 0,
-                "llmrt_kernels.DecodeStack: per layer 6 tensors, 4 biases, 11 ints and 3 "
-                "floats, got ", tensors.size(), ", ", biases.size(), ", ", ints.size(), ", ",
-                floats.size());
+    TORCH_CHECK(tensors.size() == 6 * n && biases.size() == 10 * n && ints.size() == 15 * n &&
+                    floats.size() == 6 * n && n > 0,
+                "llmrt_kernels.DecodeStack: per layer 6 tensors, 10 optional tensors, 15 ints "
+                "and 6 floats; given ", tensors.size(), ", ", biases.size(), ", ", ints.size(),
+                ", ", floats.size());
     for (size_t i = 0; i < n; ++i) {
       const at::Tensor* t = tensors.data() + 6 * i;
-      const int64_t* q = ints.data() + 11 * i;
-      const double* f = floats.data() + 3 * i;
-      layers.push_back(spec_of(t[0], t[1], t[2], q[0], biases.get(4 * i), t[3], q[1],
-                               biases.get(4 * i + 1), t[4], q[2], biases.get(4 * i + 2), t[5],
-                               q[3], biases.get(4 * i + 3), q[4], q[5], q[6], f[0], f[1], q[7],
-                               q[8], q[9] != 0, f[2], q[10]));
+      const int64_t* q = ints.data() + 15 * i;
+      const double* f = floats.data() + 6 * i;
+      LayerParts parts;
+      parts.attn_norm_bias = biases.get(10 * i + 4);
+      parts.mlp_norm_bias = biases.get(10 * i + 5);
+      parts.q_norm = biases.get(10 * i + 6);
+      parts.k_norm = biases.get(10 * i + 7);
+      parts.q_norm_bias = biases.get(10 * i + 8);
+      parts.k_norm_bias = biases.get(10 * i + 9);
+      parts.attn_norm_kind = q[11];
+      parts.mlp_norm_kind = q[12];
+      parts.parallel = q[13] != 0;
+      parts.qk_norm_kind = q[14];
+      parts.mlp_eps = f[3];
+      parts.clip = f[4];
+      parts.qk_eps = f[5];
+      layers.push_back(spec_of(t[0], t[1], t[2], q[0], biases.get(10 * i), t[3], q[1],
+                               biases.get(10 * i + 1), t[4], q[2], biases.get(10 * i + 2), t[5],
+                               q[3], biases.get(10 * i + 3), q[4], q[5], q[6], f[0], f[1], q[7],
+                               q[8], q[9] != 0, f[2], q[10], parts));
       TORCH_CHECK(layers.back().attn_norm.numel() == layers[0].attn_norm.numel(),
                   "llmrt_kernels.DecodeStack: layers of different widths");
     }
@@ -1215,9 +1382,11 @@ struct DecodeStack : torch::CustomClassHolder {
 
   // The embedding before the layers and the final norm + LM head after them (borrowed), so
   // that ``step`` runs a whole decode step: token ids in, logits out.
+  // ``norm_bias`` and ``norm_kind`` (``layer_norm.h``) give the final norm's form.
   void set_ends(at::Tensor embed, int64_t embed_kind, double embed_scale, at::Tensor norm,
                 double eps, at::Tensor head, int64_t head_kind,
-                std::optional<at::Tensor> head_bias) {
+                std::optional<at::Tensor> head_bias, std::optional<at::Tensor> norm_bias,
+                int64_t norm_kind) {
     const int64_t width = layers[0].attn_norm.numel();
     llmrt_kernels::check_weight(embed, embed_kind, width);
     TORCH_CHECK(embed.size(0) > 0, "llmrt_kernels.DecodeStack: an empty embedding");
@@ -1226,7 +1395,11 @@ struct DecodeStack : torch::CustomClassHolder {
                 "llmrt_kernels.DecodeStack: the final norm weight must hold ", width, " values");
     llmrt_kernels::check_weight(head, head_kind, width);
     check_vector(head_bias, head.size(0), "head_bias");
-    ends = Ends{embed, embed_kind, embed_scale, norm, eps, head, head_kind, head_bias};
+    check_vector(norm_bias, width, "the final norm bias");
+    TORCH_CHECK(norm_kind == llmrt_kernels::kNormRms || norm_kind == llmrt_kernels::kNormLayer,
+                "llmrt_kernels.DecodeStack: unknown final norm kind ", norm_kind);
+    ends = Ends{embed, embed_kind, embed_scale, norm, eps, head, head_kind, head_bias,
+                norm_bias, norm_kind};
   }
 
   bool has_ends() const { return ends.has_value(); }

@@ -22,6 +22,7 @@ inline constexpr int64_t kSilu = 0;
 inline constexpr int64_t kGelu = 1;
 inline constexpr int64_t kGeluTanh = 2;
 inline constexpr int64_t kRelu = 3;
+inline constexpr int64_t kRelu2 = 4;  // relu(x)^2 (Nemotron)
 
 // One value's activation, in float32.
 inline float activate(float v, int64_t kind) {
@@ -31,6 +32,10 @@ inline float activate(float v, int64_t kind) {
     case kGeluTanh: {
       const float inner = 0.79788456080286536f * (v + 0.044715f * v * v * v);
       return 0.5f * v * (1.0f + std::tanh(inner));
+    }
+    case kRelu2: {
+      const float r = v > 0.0f ? v : 0.0f;
+      return r * r;
     }
     default: return v > 0.0f ? v : 0.0f;
   }
