@@ -27,7 +27,7 @@ OVER_LIMIT = {
     "llmrt/families/gemma.py": 98,
     "llmrt/families/gpt2.py": 166,
     "llmrt/families/gpt_neox.py": 86,
-    "llmrt/families/llama.py": 207,
+    "llmrt/families/llama.py": 224,  # seven model types and llama.cpp's llama (Mixtral too)
     "llmrt/families/olmo.py": 83,
     "llmrt/families/phi.py": 98,
 }
