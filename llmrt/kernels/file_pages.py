@@ -31,6 +31,7 @@ _PRESENT = np.uint64(1 << 63)
 _FILE_OR_SHARED = np.uint64(1 << 61)
 _PAGE = mmap.PAGESIZE
 _libc: ctypes.CDLL | None = None
+_released = 0
 
 
 def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
@@ -82,4 +83,12 @@ def release_file_pages(tensor: torch.Tensor) -> int:
         return 0
     if madvise(start, length, mmap.MADV_DONTNEED) != 0:
         return 0
+    global _released
+    _released += length
     return length
+
+
+def released_bytes() -> int:
+    """Bytes ``release_file_pages`` advised away in this process so far (what a build gave
+    back as it copied, before the placement's own release of the whole mapping)."""
+    return _released

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from llmrt.kernels.file_pages import release_file_pages
+from llmrt.kernels.file_pages import release_file_pages, released_bytes
 from llmrt.kernels.formats import QuantizedWeight, StackedWeight, concat_rows
 from llmrt.weights.mapped_pages import mapping_address, mapping_usage
 
@@ -62,8 +62,9 @@ def test_a_file_views_pages_are_given_back_and_still_read_the_file(
     tensor = blocks_of(mapping, slice(None))
     assert int(tensor.sum()) == int(data.sum())
     assert rss(mapping) >= 60 * PAGE
+    before = released_bytes()
     released = release_file_pages(tensor)
-    assert released >= 60 * PAGE
+    assert released >= 60 * PAGE and released_bytes() - before == released
     assert rss(mapping) <= 2 * PAGE  # at most the partial pages at either end
     assert np.array_equal(tensor.numpy().reshape(-1), data)
 
