@@ -18,7 +18,11 @@ import attrs
 import torch
 
 from llmrt.device.base import Device
-from llmrt.device.host_memory import freed_memory_retained, retain_freed_memory
+from llmrt.device.host_memory import (
+    freed_memory_retained,
+    retain_freed_memory,
+    trim_freed_memory,
+)
 from llmrt.device.huge_pages import huge_pages_refused, place_module_weights
 from llmrt.device.torch import TorchDevice
 from llmrt.errors import CheckpointError, ConfigError, DeviceError, IdentityError
@@ -339,10 +343,14 @@ def place_weights(
     # Before the placement too, so its copy is not made beside the file's pages; what it
     # reads there again (views the model still holds, e.g. norms) goes back after it.
     released = [release()] if release is not None else []
+    # The build's freed transients, so neither the placement nor the first steps (faulting
+    # the file's pages back in) stack on top of them.
+    fields_trim = trim_freed_memory()
     if why_not is None:
         fields = place_module_weights(model).log_fields()  # type: ignore[arg-type]
     else:
         fields = {"weights_on_huge_pages": f"off ({why_not})"}
+    fields["freed_heap_trimmed"] = fields_trim
     if gemm_dtype is not None:
         fields["gemm_dtype"] = gemm_dtype
     if release is not None:

@@ -73,3 +73,22 @@ def _mallopt() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
     fn.argtypes = (ctypes.c_int, ctypes.c_int)
     fn.restype = ctypes.c_int
     return fn
+
+
+def trim_freed_memory() -> bool:
+    """Give the free heap back to the kernel now (glibc ``malloc_trim(0)``: the free pages
+    inside the heap too, not only its top); True when some was. Why: a model build frees
+    its transients (row-permuted copies fused into one weight, the GGUF parse) into a heap
+    that keeps up to ``TRIM_THRESHOLD`` of it, so before this call a 3B Q4_K_M build held
+    ~150 MiB it would never reuse at the start of decoding. Called once a build is done;
+    the thresholds stay as they were for the steps that follow."""
+    if platform.libc_ver()[0] != "glibc":
+        return False
+    name = ctypes.util.find_library("c") or "libc.so.6"
+    try:
+        fn = ctypes.CDLL(name).malloc_trim
+    except (OSError, AttributeError):
+        return False
+    fn.argtypes = (ctypes.c_size_t,)
+    fn.restype = ctypes.c_int
+    return bool(fn(0))

@@ -416,8 +416,8 @@ def bind_weight(parts: list[Weight], *, device: torch.device, dtype: torch.dtype
             dense = [p.dequantize() if isinstance(p, QuantizedWeight) else p for p in parts]
             return bind_weight(list(dense), device=device, dtype=dtype)
         kinds = {p.kind for p in quantized}
-        if len(kinds) > 1:
-            return StackedWeight(parts=tuple(quantized))
+        if len(kinds) > 1:  # packed now, while the build's freed parts can still be trimmed
+            return StackedWeight(parts=tuple(quantized)).packed()[2]
         return concat_rows(quantized)
     tensors = [p.to(device=device, dtype=dtype) for p in parts if isinstance(p, torch.Tensor)]
     return tensors[0].contiguous() if len(tensors) == 1 else torch.cat(tensors, dim=0)

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from llmrt.errors import ConfigError
+from llmrt.kernels.file_pages import release_file_pages
 
 #: Storage of linear weights a recipe can ask for (``checkpoint.weights``).
 WeightFormat = Literal["float32", "bfloat16", "int8", "int4", "gguf-native"]
@@ -120,6 +121,7 @@ class QuantizedWeight:
     def select_rows(self, index: torch.Tensor) -> QuantizedWeight:
         """The rows at ``index`` (a row permutation or gather), still quantized."""
         rows = self.blocks.index_select(0, index)
+        release_file_pages(self.blocks)  # a file view's pages: the copy replaces them
         return QuantizedWeight(
             kind=self.kind,
             shape=(int(index.numel()), self.shape[1]),
@@ -141,6 +143,7 @@ class QuantizedWeight:
         blocks = torch.ops.llmrt_kernels.gguf_interleave(
             self.blocks, GGML_TYPE[self.kind], self.shape[1]
         )
+        release_file_pages(self.blocks)
         return QuantizedWeight(
             kind=self.kind, shape=self.shape, blocks=blocks, layout="interleaved"
         )
@@ -180,10 +183,25 @@ def concat_rows(parts: Sequence[QuantizedWeight]) -> QuantizedWeight:
     if len(parts) == 1:
         return parts[0]
     blocks = torch.cat([p.blocks for p in parts], dim=0)
+    offset = 0
+    for p in parts:
+        _moved_into(p.blocks, blocks, offset)
+        offset += p.nbytes
     rows = sum(p.shape[0] for p in parts)
     return QuantizedWeight(
         kind=parts[0].kind, shape=(rows, parts[0].shape[1]), blocks=blocks, layout=parts[0].layout
     )
+
+
+def _moved_into(part: torch.Tensor, whole: torch.Tensor, offset: int) -> None:
+    """Rebind ``part`` (contiguous uint8 blocks, already copied into contiguous uint8
+    ``whole`` at byte ``offset``) onto that copy, in place (``Tensor.set_``), so every
+    holder of it reads the same bytes from the fused buffer. Why: the parts of a fused weight
+    are a checkpoint's tensors (file views, and for llama's Q / K row-unpermuted copies); a
+    checkpoint that kept them kept a second resident copy of every fused weight (a 3B
+    Q4_K_M: 189 MiB of Q / K). A file view's pages are given back first (``file_pages``)."""
+    release_file_pages(part)
+    part.set_(whole.untyped_storage(), offset, part.shape, part.stride())
 
 
 def from_gguf_bytes(
@@ -261,17 +279,43 @@ class StackedWeight:
             offsets.append(at)
             at += -(-p.nbytes // 64) * 64
         rows = self.shape[0]
-        blob = torch.zeros(rows, -(-at // rows), dtype=torch.uint8)
-        flat = blob.view(-1)
+        width = -(-at // rows)
         code = STACKED_TYPE
         fields = [STACKED_MAGIC, len(parts)]
-        views = []
         for i, (p, offset) in enumerate(zip(parts, offsets, strict=True)):
             code |= p.kernel_type << (16 + 10 * i)
+            fields += [p.kernel_type, p.shape[0], int(p.blocks.shape[1]), offset]
+        head = torch.tensor(fields, dtype=torch.int64).view(torch.uint8)
+        done = self._blob(offsets=offsets, shape=(rows, width), head=head)
+        if done is not None:
+            return done, code, self
+        blob = torch.zeros(rows, width, dtype=torch.uint8)
+        flat = blob.view(-1)
+        views = []
+        for p, offset in zip(parts, offsets, strict=True):
             row_bytes = int(p.blocks.shape[1])
-            fields += [p.kernel_type, p.shape[0], row_bytes, offset]
             view = flat[offset : offset + p.nbytes].view(p.shape[0], row_bytes)
             view.copy_(p.blocks)
+            _moved_into(p.blocks, blob, offset)
             views.append(attrs.evolve(p, blocks=view))
-        flat[:header].copy_(torch.tensor(fields, dtype=torch.int64).view(torch.uint8))
+        flat[:header].copy_(head)
         return blob, code, StackedWeight(parts=tuple(views))
+
+    def _blob(
+        self, *, offsets: list[int], shape: tuple[int, int], head: torch.Tensor
+    ) -> torch.Tensor | None:
+        """The blob the parts already view when they are packed as ``packed`` would pack
+        them (one storage of ``shape``, each part at its offset, the header written), else
+        None: packing packed parts copies nothing."""
+        storage = self.parts[0].blocks.untyped_storage()
+        base = storage.data_ptr()
+        if storage.nbytes() != shape[0] * shape[1] or self.parts[0].device.type != "cpu":
+            return None
+        for p, offset in zip(self.parts, offsets, strict=True):
+            if (
+                p.blocks.untyped_storage().data_ptr() != base
+                or p.blocks.data_ptr() != base + offset
+            ):
+                return None
+        blob = torch.empty(0, dtype=torch.uint8).set_(storage, 0, shape, (shape[1], 1))
+        return blob if torch.equal(blob.view(-1)[: head.numel()], head) else None
