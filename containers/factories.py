@@ -11,7 +11,8 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -33,7 +34,7 @@ from llmrt.families.layers import (
 )
 from llmrt.families.prefill_attention import select_attention_kernel
 from llmrt.families.registry import check_family_backend
-from llmrt.kernels.formats import QUANTIZED_FORMATS, dequantized
+from llmrt.kernels.formats import QUANTIZED_FORMATS, QuantizedWeight, dequantized
 from llmrt.kernels.native import require_kernels
 from llmrt.lifecycle.events import component_logger, emit, object_id
 from llmrt.lifecycle.progress import progress_step
@@ -268,6 +269,8 @@ def build_model(
     dtype = torch.bfloat16 if recipe.checkpoint.dtype == "bfloat16" else torch.float32
     native = recipe.checkpoint.weight_format == "gguf-native"
     weights = recipe.checkpoint.weight_format
+    if recipe.device.backend == "ttnn":
+        return build_ttnn_model(recipe=recipe, checkpoint=checkpoint, family=family, device=device)
     with progress_step(f"building the {family.name} model ({weights} weights)"):
         model = family.build(
             hf_config=checkpoint.hf_config,
@@ -313,6 +316,51 @@ def build_model(
             choice=recipe.device.attention_kernel,
             device=torch_device,
         )
+    return model
+
+
+def build_ttnn_model(
+    *, recipe: Recipe, checkpoint: Checkpoint, family: Family, device: Device
+) -> CausalLM:
+    """One ttnn lane's model: a family with ``build_ttnn`` (the decoder families) converts
+    its weights to ``device.ttnn.weight_dtype``; others (a TTTv2 plugin) build on the lane's
+    port device. GGUF blocks are dequantized once first, the cost logged
+    (``weights.dequantized``): ttnn has no kernels for ggml's block formats."""
+    tensors: Mapping[str, Any] = checkpoint.tensors
+    quantized = [t for t in tensors.values() if isinstance(t, QuantizedWeight)]
+    if quantized:
+        started = time.perf_counter()
+        with progress_step(f"dequantizing {len(quantized)} GGUF tensors for ttnn"):
+            tensors = dequantized(tensors)
+        emit(
+            component_logger("model", object_id=device.id),
+            "weights.dequantized",
+            device=device.id,
+            tensors=len(quantized),
+            float32_bytes=sum(
+                t.numel() * t.element_size()
+                for t in tensors.values()
+                if isinstance(t, torch.Tensor)
+            ),
+            seconds=round(time.perf_counter() - started, 3),
+            why="ttnn runs bfloat16/bfloat8_b weights, not ggml blocks",
+        )
+    build_ttnn = getattr(family, "build_ttnn", None)
+    with progress_step(
+        f"building the {family.name} model on ttnn ({recipe.device.ttnn.weight_dtype} weights)"
+    ):
+        if build_ttnn is not None:
+            model: CausalLM = build_ttnn(
+                hf_config=checkpoint.hf_config,
+                tensors=tensors,
+                device=device,
+                weight_dtype=recipe.device.ttnn.weight_dtype,
+            )
+        else:
+            dtype = torch.bfloat16 if recipe.checkpoint.dtype == "bfloat16" else torch.float32
+            model = family.build(
+                hf_config=checkpoint.hf_config, tensors=tensors, dtype=dtype, device=device
+            )
     return model
 
 

@@ -1509,6 +1509,38 @@ class FakeTtnn:
     def reshape(self, input_tensor: Any, shape: Sequence[int]) -> Any:
         return input_tensor.reshape(shape)
 
+    def concat(
+        self,
+        input_tensor: Sequence[Any],
+        dim: int = 0,
+        *,
+        memory_config: Any = None,
+        output_tensor: Any = None,
+        groups: int = 1,
+    ) -> Any:
+        """The tensors joined along ``dim``: one dtype and one layout for all, as ttnn
+        requires (a tile concat off the last two dims keeps tiles whole)."""
+        tensors = list(input_tensor)
+        if not tensors:
+            raise RuntimeError("concat: needs at least one tensor")
+        if output_tensor is not None or groups != 1:
+            raise NotImplementedError("FakeTtnn.concat: output_tensor= and groups= not modelled")
+        specs = {(t._dtype, t._layout) for t in tensors if isinstance(t, Tensor)}
+        if len(specs) != 1 or len(tensors) != sum(isinstance(t, Tensor) for t in tensors):
+            first = next((t for t in tensors if isinstance(t, Tensor)), None)
+            self._record("concat", None if first is None else first._mesh)
+            raise self._violate(
+                "op input", "concat: all tensors must be ttnn tensors of one dtype and layout"
+            )
+        return self._call_op(
+            "concat",
+            lambda *parts: torch.cat(parts, dim=dim),
+            tuple(tensors),
+            {},
+            output=_same_spec,
+            key_extra=(dim,),
+        )
+
     def _call_op(
         self,
         name: str,
@@ -1759,8 +1791,10 @@ _PLACEMENT_KWARGS = frozenset({"memory_config", "program_config", "compute_kerne
 def emulator(*, mesh_shape: Sequence[int]) -> FakeTtnn:
     """The ``emulator`` ttnn module a recipe selects (``device.ttnn.module: emulator``): a
     ``FakeTtnn`` whose system holds the recipe's mesh, strict as a chip (rule violations
-    raise)."""
-    return FakeTtnn(system_mesh_shape=tuple(mesh_shape))
+    raise). Host-write allocations while a trace is live are recorded in ``warnings``, as
+    tt-metal warns of them: eager prefill stages its inputs while the decode trace lives,
+    as tt_transformers' generator does under vLLM."""
+    return FakeTtnn(system_mesh_shape=tuple(mesh_shape), allocation_while_trace_live="warn")
 
 
 def _matmul32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
