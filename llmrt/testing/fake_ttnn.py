@@ -1763,6 +1763,9 @@ def _stored_in_place(fn: Callable[..., Any], dtype: DataType) -> Callable[..., A
     """``fn`` writing into its first argument, then that payload re-stored as ``dtype`` (a
     block-float row takes a new shared exponent when one of its elements is rewritten)."""
 
+    if dtype not in _BLOCK_FLOATS:  # the write already cast to the payload's dtype
+        return fn
+
     def run(target: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         result = fn(target, *args, **kwargs)
         target.copy_(_store(target, dtype))

@@ -11,6 +11,7 @@ runtime's own tokens, so one near-tie does not end the comparison).
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -85,7 +86,8 @@ def overrides(directory: Path, mesh: list[int]) -> list[str]:
         f"checkpoint.path={directory}",
         "device.backend=ttnn",
         "device.kind=null",
-        "device.ttnn.module=emulator",
+        # scripts/tt_check.sh runs these on a chip (LLMRT_TTNN_MODULE=ttnn)
+        f"device.ttnn.module={os.environ.get('LLMRT_TTNN_MODULE', 'emulator')}",
         "device.ttnn.weight_dtype=bfloat16",
         "device.ttnn.trace_region_size=4194304",
         f"device.mesh_shape={mesh}",
