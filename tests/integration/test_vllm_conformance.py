@@ -31,9 +31,9 @@ from __future__ import annotations
 import contextlib
 import math
 import sys
-from pathlib import Path
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 import numpy as np
