@@ -11,6 +11,7 @@ follow from the spec.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any, Protocol
 
 import attrs
@@ -130,9 +131,11 @@ class DecoderFamily:
         tensors: Tensors,
         device: Any,
         weight_dtype: str = "bfloat8_b",
+        cache_dir: Path | None = None,
     ) -> TtnnCausalLM:
         """The model on a ttnn lane (``device``: its ``TtnnDevice``, with ``mesh_device`` and
-        ``ttnn_module``), weights converted once to ``weight_dtype``; ``UnsupportedError``
+        ``ttnn_module``), weights converted once to ``weight_dtype`` (kept in ``cache_dir``
+        for later builds when given); ``UnsupportedError``
         naming the first part the ttnn decoder lacks, before any weight moves."""
         spec, names = self._read(hf_config, torch.float32)
         plan = tensor_plan(spec, names)
@@ -154,6 +157,7 @@ class DecoderFamily:
             mesh_device=device.mesh_device,
             ttnn_module=device.ttnn_module,
             weight_dtype=weight_dtype,
+            cache_dir=cache_dir,
         )
 
     def rename_tensors(

@@ -21,6 +21,7 @@ the decoder families.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -115,11 +116,17 @@ class TtnnDecoder:
         config: TtnnDecoderConfig,
         weights: Mapping[str, torch.Tensor],
         weight_dtype: str = "bfloat8_b",
+        cache_dir: Path | None = None,
     ) -> None:
+        """``cache_dir``: where ``ttnn.as_tensor`` keeps the converted matmul weights (one
+        file per weight, in conversion order), so a later build loads them instead of
+        converting again, as tt_transformers caches its weights; None converts every time."""
         if weight_dtype not in ("bfloat8_b", "bfloat16"):
             raise ConfigError("weight_dtype", weight_dtype, "must be bfloat8_b or bfloat16")
         self._tt, self._mesh, self.config = tt, mesh, config
         self._dtype = getattr(tt, weight_dtype)
+        self._cache_dir = cache_dir
+        self._linears = 0
         self._owned: list[Any] = []
         c = config
         self.embedding = self._put(weights["model.embed_tokens.weight"], layout=tt.ROW_MAJOR_LAYOUT)
@@ -164,7 +171,20 @@ class TtnnDecoder:
 
     def _linear(self, weight: torch.Tensor) -> Any:
         """A Hugging Face ``[out, in]`` weight as ttnn's ``[in, out]`` tile tensor."""
-        return self._put(weight.T.contiguous(), layout=self._tt.TILE_LAYOUT, dtype=self._dtype)
+        if self._cache_dir is None:
+            return self._put(
+                weight.T.contiguous(), layout=self._tt.TILE_LAYOUT, dtype=self._dtype
+            )
+        tt, self._linears = self._tt, self._linears + 1
+        tensor = tt.as_tensor(
+            weight.T.contiguous(),
+            dtype=self._dtype,
+            layout=tt.TILE_LAYOUT,
+            device=self._mesh,
+            cache_file_name=str(self._cache_dir / f"linear{self._linears:04d}"),
+        )
+        self._owned.append(tensor)
+        return tensor
 
     def _norm(self, vector: torch.Tensor) -> Any:
         return self._put(vector.reshape(1, -1), layout=self._tt.TILE_LAYOUT)

@@ -17,12 +17,14 @@ of each row is picked on the device (``ttnn.embedding`` over the row's hidden st
 
 Weights are converted once, at build: projections and the LM head to ``weight_dtype``
 (``bfloat8_b``, tt_transformers' choice for its decoders' matmul weights, or ``bfloat16``),
-norms to bfloat16, the embedding to bfloat16 row-major.
+norms to bfloat16, the embedding to bfloat16 row-major; with a ``cache_dir`` the converted
+matmul weights are kept there by ``ttnn.as_tensor`` and loaded by later builds.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any, cast
 
 import attrs
@@ -155,6 +157,7 @@ class TtnnCausalLM:
         mesh_device: Any,
         ttnn_module: Any,
         weight_dtype: str = "bfloat8_b",
+        cache_dir: Path | None = None,
     ) -> None:
         check_ttnn_parts(spec, names, family=spec.model.family)
         if weight_dtype not in WEIGHT_DTYPES:
@@ -185,6 +188,7 @@ class TtnnCausalLM:
             config=self.decoder_config,
             weights=canonical_weights(spec, names, tensors),
             weight_dtype=weight_dtype,
+            cache_dir=cache_dir,
         )
         tt = ttnn_module
         # Every position as a uint32 id (tt_transformers' rotary indices), sliced per chunk.

@@ -49,7 +49,9 @@ from __future__ import annotations
 
 import enum
 import functools
+import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
 import attrs
@@ -680,6 +682,7 @@ class FakeTtnn:
         self._meshes: list[_MeshDevice] = []
         self._replaying = False
         self.ops_run = 0
+        self.cache_loads = 0
         install_transformer_ops(self)
 
     def __repr__(self) -> str:
@@ -913,6 +916,78 @@ class FakeTtnn:
             topology=topology,
             memory_config=memory_config,
         )
+
+    def as_tensor(
+        self,
+        tensor: torch.Tensor,
+        dtype: _DataType | None = None,
+        *,
+        layout: _Layout = Layout.ROW_MAJOR,
+        device: _MeshDevice | None = None,
+        memory_config: _MemoryConfig | None = None,
+        cache_file_name: str | None = None,
+        preprocess: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        mesh_mapper: TensorToMesh | None = None,
+        use_device_tilizer: bool = False,
+    ) -> _Tensor | None:
+        """``from_torch`` that, given ``cache_file_name``, stores the converted tensor in
+        ``{cache_file_name}_dtype_{DTYPE}_layout_{LAYOUT}.tensorbin`` on first use and loads
+        it from there afterwards, as ttnn does (the file holds this emulator's payload, not
+        ttnn's tensorbin format; ``cache_loads`` counts the loads)."""
+        if preprocess is not None:
+            tensor = preprocess(tensor)
+        if cache_file_name is None:
+            return self.from_torch(
+                tensor,
+                dtype=dtype,
+                layout=layout,
+                device=device,
+                memory_config=memory_config,
+                mesh_mapper=mesh_mapper,
+            )
+        resolved = _INFERRED.get(tensor.dtype) if dtype is None else dtype
+        if resolved is None:
+            raise TypeError(f"as_tensor: no ttnn dtype for {tensor.dtype}")
+        path = Path(f"{cache_file_name}_dtype_{resolved.name}_layout_{layout.name}.tensorbin")
+        if path.is_file():
+            self._record("as_tensor", device, f"load {path}")
+            payload = torch.load(path, weights_only=True)
+            if tuple(payload.shape) != tuple(tensor.shape):
+                raise RuntimeError(
+                    f"as_tensor: {path} holds shape {tuple(payload.shape)}, "
+                    f"not {tuple(tensor.shape)}"
+                )
+            self.cache_loads += 1
+            topology = mesh_mapper
+            if device is not None:  # a host write, held as stored (no re-rounding)
+                self._require_open(device)
+                self._check_host_write("as_tensor", device, allocates=True)
+                topology = topology or TensorToMesh(mesh=device, kind="replicate")
+            return Tensor(
+                fake=self,
+                payload=payload,
+                dtype=resolved,
+                layout=layout,
+                mesh=device,
+                topology=topology,
+                memory_config=memory_config,
+            )
+        made = self.from_torch(
+            tensor,
+            dtype=resolved,
+            layout=layout,
+            device=device,
+            memory_config=memory_config,
+            mesh_mapper=mesh_mapper,
+        )
+        if made is None:
+            raise TypeError("as_tensor: tensor must be a torch tensor")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        torch.save(made._payload, partial)
+        os.replace(partial, path)
+        self._record("as_tensor", device, f"dump {path}")
+        return made
 
     def to_torch(
         self,

@@ -141,3 +141,28 @@ def test_a_part_the_ttnn_decoder_lacks_is_refused_at_build_naming_it(
     shutil.copy(tiny_hf_checkpoint / "tokenizer.json", tmp_path / "tokenizer.json")
     with pytest.raises(UnsupportedError, match=r"attention\.qk_norm='head'"):
         build("hf", overrides(tmp_path, [1, 1])).ready()
+
+
+def test_converted_weights_are_cached_and_loaded_by_the_next_build(
+    checkpoint: tuple[str, Path, Any],
+    build: Callable[..., Any],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The first build converts the matmul weights and keeps them (``ttnn.as_tensor``'s
+    cache files under the cache directory); the second loads every one and generates the
+    same tokens."""
+    monkeypatch.setenv("LLMRT_CACHE_DIR", str(tmp_path))
+    _, directory, _ = checkpoint
+    settings = [*overrides(directory, [1, 1]), "device.ttnn.weight_dtype=bfloat8_b"]
+    runs, loads = [], []
+    for _ in range(2):
+        runtime = build("hf", settings).ready()
+        runs.append(runtime.generate([PROMPTS[0]], steps=2).tokens)
+        loads.append(runtime.container.device.ttnn_module().cache_loads)
+        runtime.close()
+    files = sorted((tmp_path / "ttnn").glob("*/*.tensorbin"))
+    linears = COMMON["num_hidden_layers"] * 7 + 1
+    assert len(files) == linears and all("BFLOAT8_B" in f.name for f in files)
+    assert loads == [0, linears]
+    assert runs[0] == runs[1]
