@@ -39,6 +39,7 @@ OVERRIDES = [
     "device.kind=null",
     "device.ttnn.module=emulator",
     "kv_cache.max_num_blocks=256",
+    "prefill.max_chunk_size=128",
     "decode.lane_capacity=4",
     "warmup.prefill_batch_sizes=[1, 4]",
 ]
