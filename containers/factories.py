@@ -9,9 +9,12 @@ easy to extend (``build_model`` may gain the lane's port device or mesh handle).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -37,10 +40,11 @@ from llmrt.families.layers import (
 )
 from llmrt.families.prefill_attention import select_attention_kernel
 from llmrt.families.registry import check_family_backend
-from llmrt.kernels.formats import QUANTIZED_FORMATS, dequantized
+from llmrt.kernels.formats import QUANTIZED_FORMATS, QuantizedWeight, dequantized
 from llmrt.kernels.native import require_kernels
 from llmrt.lifecycle.events import component_logger, emit, object_id
 from llmrt.lifecycle.progress import progress_step
+from llmrt.paths import default_cache_dir
 from llmrt.recipe.loader import Recipe
 from llmrt.runtime.compiled_step import StepCompiler
 from llmrt.runtime.config import PageTableLayout, TraceConfig
@@ -54,12 +58,14 @@ from llmrt.runtime.prefill.runtime import PrefillRuntime
 from llmrt.runtime.program_compiler import PROGRAM_OPERATIONS, ProgramCompiler
 from llmrt.runtime.trace_compiler import TraceCompiler
 from llmrt.runtime.warmup import CaptureBarrier, WarmupCoordinator, WarmupCoordinatorConfig
+from llmrt.weights.cache import file_digest
 from llmrt.weights.checkpoint import (
     Checkpoint,
     existing_checkpoint_path,
     gguf_config,
     load_checkpoint,
 )
+from llmrt.weights.package_data import package_file
 from llmrt.weights.tokenizer import Tokenizer, byte_tokenizer
 
 #: Fraction of physical memory one lane's KV cache may take when num_blocks is unresolved.
@@ -221,7 +227,7 @@ def load_weights(*, recipe: Recipe, family: Family) -> Checkpoint:
     ``checkpoint.weights: gguf-native`` keeps the GGUF's quantized blocks instead.
     """
     spec = recipe.checkpoint
-    if spec.weight_format in QUANTIZED_FORMATS:
+    if spec.weight_format in QUANTIZED_FORMATS and recipe.device.backend == "torch":
         require_kernels(field="checkpoint.weights", value=spec.weight_format)
     checkpoint = load_checkpoint(
         format=spec.format,
@@ -272,6 +278,8 @@ def build_model(
     dtype = torch.bfloat16 if recipe.checkpoint.dtype == "bfloat16" else torch.float32
     native = recipe.checkpoint.weight_format == "gguf-native"
     weights = recipe.checkpoint.weight_format
+    if recipe.device.backend == "ttnn":
+        return build_ttnn_model(recipe=recipe, checkpoint=checkpoint, family=family, device=device)
     with progress_step(f"building the {family.name} model ({weights} weights)"):
         model = family.build(
             hf_config=checkpoint.hf_config,
@@ -318,6 +326,83 @@ def build_model(
             device=torch_device,
         )
     return model
+
+
+def build_ttnn_model(
+    *, recipe: Recipe, checkpoint: Checkpoint, family: Family, device: Device
+) -> CausalLM:
+    """One ttnn lane's model: a family with ``build_ttnn`` (the decoder families) converts
+    its weights to ``device.ttnn.weight_dtype``; others (a TTTv2 plugin) build on the lane's
+    port device. GGUF blocks are dequantized once first, the cost logged
+    (``weights.dequantized``): ttnn has no kernels for ggml's block formats."""
+    tensors: Mapping[str, Any] = checkpoint.tensors
+    quantized = [t for t in tensors.values() if isinstance(t, QuantizedWeight)]
+    if quantized:
+        started = time.perf_counter()
+        with progress_step(f"dequantizing {len(quantized)} GGUF tensors for ttnn"):
+            tensors = dequantized(tensors)
+        emit(
+            component_logger("model", object_id=device.id),
+            "weights.dequantized",
+            device=device.id,
+            tensors=len(quantized),
+            float32_bytes=sum(
+                t.numel() * t.element_size()
+                for t in tensors.values()
+                if isinstance(t, torch.Tensor)
+            ),
+            seconds=round(time.perf_counter() - started, 3),
+            why="ttnn runs bfloat16/bfloat8_b weights, not ggml blocks",
+        )
+    build_ttnn = getattr(family, "build_ttnn", None)
+    cache_dir = ttnn_weights_cache(recipe=recipe)
+    with progress_step(
+        f"building the {family.name} model on ttnn ({recipe.device.ttnn.weight_dtype} weights)"
+    ):
+        if build_ttnn is not None:
+            model: CausalLM = build_ttnn(
+                hf_config=checkpoint.hf_config,
+                tensors=tensors,
+                device=device,
+                weight_dtype=recipe.device.ttnn.weight_dtype,
+                cache_dir=cache_dir,
+            )
+        else:
+            dtype = torch.bfloat16 if recipe.checkpoint.dtype == "bfloat16" else torch.float32
+            model = family.build(
+                hf_config=checkpoint.hf_config, tensors=tensors, dtype=dtype, device=device
+            )
+    return model
+
+
+TTNN_CACHE_VERSION = 1
+"""Bumped whenever the ttnn decoder's weight conversion changes (old entries are not read)."""
+
+
+def ttnn_weights_cache(*, recipe: Recipe) -> Path | None:
+    """Where a file checkpoint's weights converted for ttnn are kept: keyed by the content
+    digest of its files, the weight dtype and the conversion's version (None: a random
+    checkpoint, rebuilt from its seed at no cost worth caching)."""
+    spec = recipe.checkpoint
+    if spec.format == "random":
+        return None
+    root = default_cache_dir()
+    if spec.format == "gguf":
+        files = [
+            Path(spec.path)
+            if spec.path
+            else package_file(package=spec.package or "", file=spec.file or "")
+        ]
+    else:
+        files = sorted(
+            existing_checkpoint_path(spec.path or "", directory=True).glob("*.safetensors")
+        )
+    digest = hashlib.sha256(
+        "\0".join(file_digest(f, cache_dir=root) for f in files).encode()
+    ).hexdigest()
+    return (
+        root / "ttnn" / f"{digest[:32]}-{recipe.device.ttnn.weight_dtype}-v{TTNN_CACHE_VERSION}"
+    )
 
 
 def place_weights(

@@ -44,6 +44,7 @@ from llmrt.kernels.native import kernels_available
 from llmrt.recipe.loader import load_recipe
 from llmrt.runtime.compiled_step import DecodeStep
 from llmrt.runtime.model_executor import ModelExecutor
+from llmrt.runtime.prefill.plan import PrefillRow
 from llmrt.serving.llm import LLM
 
 DECODE_CONTEXT = 128
@@ -88,6 +89,9 @@ def decode(settings: BenchSettings) -> Report:
             width=layout.width,
         )
         context = context_tokens(llm, rows=rows, length=DECODE_CONTEXT, seed=settings.seed)
+        if sized.recipe.device.backend == "ttnn":
+            _ttnn_decode(report, lane, context=context, table=table, repeats=repeats, sync=sync)
+            return report
         model.prefill_forward(
             tokens=context.to(device),
             start_pos=torch.zeros(rows, dtype=torch.int32, device=device),
@@ -303,7 +307,7 @@ def _bare_decode(
     return Timed(run=run)
 
 
-def _lane_steps(
+def _ttnn_decode(
     report: Report,
     lane: ModelExecutor,
     *,
@@ -312,7 +316,40 @@ def _lane_steps(
     repeats: int,
     sync: Any,
 ) -> None:
-    """Traced vs eager lane steps at the lane capacity; host overhead at batch 8 (or less)."""
+    """On ttnn: the lane's rows prefilled through the lane (the model's forwards take ttnn
+    tensors, and there is no transformers step on the chip to put beside it), then traced vs
+    eager lane steps and the host overhead."""
+    cap = lane.lane_capacity
+    block_size = lane.layout.block_size
+    used = -(-DECODE_CONTEXT // block_size)
+    rows = [
+        PrefillRow(
+            source_row=r,
+            tokens=context[r],
+            slot=r,
+            block_ids=tuple(int(b) for b in table[r, :used]),
+        )
+        for r in range(min(cap, context.shape[0]))
+    ]
+    lane.prefill_forward(rows=rows, sampling_params=[GREEDY] * len(rows))
+    report.note("ttnn: no transformers baseline or bandwidth floor; lane steps only")
+    _lane_steps(
+        report, lane, context=context, table=table, repeats=repeats, sync=sync, bare=False
+    )
+
+
+def _lane_steps(
+    report: Report,
+    lane: ModelExecutor,
+    *,
+    context: torch.Tensor,
+    table: torch.Tensor,
+    repeats: int,
+    sync: Any,
+    bare: bool = True,
+) -> None:
+    """Traced vs eager lane steps at the lane capacity; host overhead at batch 8 (or less).
+    ``bare``: also time the model step alone (on torch tensors; not on ttnn)."""
     cap = lane.lane_capacity
     runtime = lane.decode
     tokens = context[:, -1]
@@ -345,12 +382,17 @@ def _lane_steps(
     device = runtime.config.device.torch_device
     model_step = runtime.model_step
     staged = [
-        (p.tokens.to(device), p.positions.to(device), p.page_table.to(device)) for p in prepared
+        (p.tokens.to(device), p.positions.to(device), p.page_table.to(device))
+        for p in (prepared if bare else ())
     ]
-    raw = {
-        "logits": model_step(tokens=staged[0][0], positions=staged[0][1], page_table=staged[0][2])
-    }
-    finished = runtime.finish(prepared[0], raw)
+    if bare:
+        raw = {
+            "logits": model_step(
+                tokens=staged[0][0], positions=staged[0][1], page_table=staged[0][2]
+            )
+        }
+    else:
+        raw = runtime.body_once(prepared[0])
     forward_cycle = itertools.cycle(staged)
 
     def forward() -> None:
@@ -365,7 +407,6 @@ def _lane_steps(
     calls: dict[str, Timed] = {
         "lane_step": lane_step(rows, None),
         "stage": Timed(run=stage),
-        "model_forward": Timed(run=forward),
         "prepare": Timed(
             run=lambda: runtime.prepare(
                 tokens=tokens[:rows],
@@ -374,9 +415,17 @@ def _lane_steps(
                 sampling_params=[GREEDY] * rows,
             )
         ),
-        "finish": Timed(run=lambda: runtime.finish(prepared[0], raw)),
-        "consume": Timed(run=lambda: runtime.consume(finished, prepared[0])),
     }
+    if bare:
+        finished = runtime.finish(prepared[0], raw)
+        calls["finish"] = Timed(run=lambda: runtime.finish(prepared[0], raw))
+        calls["consume"] = Timed(run=lambda: runtime.consume(finished, prepared[0]))
+    else:  # a ttnn finish submits a host read that only its consume completes
+        calls["finish_consume"] = Timed(
+            run=lambda: runtime.consume(runtime.finish(prepared[0], raw), prepared[0])
+        )
+    if bare:
+        calls["model_forward"] = Timed(run=forward)
     traced = lane.traced is not None and lane.traced.trace_config.decode_enabled
     if traced:
         calls["traced"] = lane_step(cap, True)
@@ -386,7 +435,10 @@ def _lane_steps(
     )
     times = timings.median
     report.section("min_s", rounded(timings.minimum))
-    parts = times["prepare"] + times["stage"] + times["finish"] + times["consume"]
+    finish_consume = times.get("finish_consume", math.nan)
+    if bare:
+        finish_consume = times["finish"] + times["consume"]
+    parts = times["prepare"] + times["stage"] + finish_consume
     step = times["lane_step"]
     report.section(
         "host_overhead",
@@ -394,12 +446,15 @@ def _lane_steps(
             {
                 "rows": rows,
                 "lane_step_s": step,
-                "model_forward_s": times["model_forward"],
+                "model_forward_s": times.get("model_forward", math.nan),
                 "prepare_s": times["prepare"],
                 "stage_s": times["stage"],
-                "finish_s": times["finish"],
-                "consume_s": times["consume"],
-                "fraction_by_difference": ratio(step - times["model_forward"], step),
+                "finish_s": times.get("finish", math.nan),
+                "consume_s": times.get("consume", math.nan),
+                "finish_consume_s": finish_consume,
+                "fraction_by_difference": ratio(
+                    step - times.get("model_forward", math.nan), step
+                ),
             }
         ),
     )

@@ -11,6 +11,7 @@ follow from the spec.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any, Protocol
 
 import attrs
@@ -24,7 +25,8 @@ from llmrt.families.gguf_architecture import GGUFArchitecture
 from llmrt.families.hfconfig import HFConfig
 from llmrt.families.parts import DecoderSpec
 from llmrt.families.tensors import check_tensors
-from llmrt.kernels.formats import CheckpointTensor
+from llmrt.families.ttnn_model import TtnnCausalLM, check_ttnn_parts
+from llmrt.kernels.formats import CheckpointTensor, QuantizedWeight
 
 Tensors = Mapping[str, CheckpointTensor]
 SpecReader = Callable[[HFConfig, torch.dtype], tuple[DecoderSpec, TensorNames]]
@@ -56,7 +58,8 @@ class DecoderFamily:
     weights are stacked for every family; see ``rename_tensors``);
     ``architectures`` the Hugging Face class names (``config.json`` ``architectures``)
     of its checkpoints, which vLLM's plugin registers; ``backends`` the device backends
-    that can run it.
+    that can run it (on ttnn, ``build_ttnn`` refuses at build, naming it, any part the ttnn
+    decoder lacks).
     """
 
     name: str
@@ -67,7 +70,7 @@ class DecoderFamily:
     rename: Renamer | None = None
     gguf: GGUFArchitecture | None = None
     architectures: tuple[str, ...] = ()
-    backends: tuple[str, ...] = ("torch",)
+    backends: tuple[str, ...] = ("torch", "ttnn")
 
     @property
     def gguf_architecture(self) -> str | None:
@@ -105,9 +108,12 @@ class DecoderFamily:
         hf_config: Mapping[str, Any],
         tensors: Tensors,
         dtype: torch.dtype,
-        device: torch.device | str,
-    ) -> PagedCausalLM:
-        """Validate config and every tensor, then build; raises ``CheckpointError`` first."""
+        device: Any,
+    ) -> PagedCausalLM | TtnnCausalLM:
+        """Validate config and every tensor, then build; raises ``CheckpointError`` first.
+        ``device`` is a torch device, or a ttnn lane's port device (``build_ttnn``)."""
+        if hasattr(device, "mesh_device"):  # a ttnn lane's port device
+            return self.build_ttnn(hf_config=hf_config, tensors=tensors, device=device)
         spec, names = self._read(hf_config, dtype)
         plan = tensor_plan(spec, names)
         used = check_tensors(
@@ -117,6 +123,42 @@ class DecoderFamily:
             ignored_suffixes=self.ignored_suffixes,
         )
         return build_decoder(spec=spec, names=names, tensors=used, device=torch.device(device))
+
+    def build_ttnn(
+        self,
+        *,
+        hf_config: Mapping[str, Any],
+        tensors: Tensors,
+        device: Any,
+        weight_dtype: str = "bfloat8_b",
+        cache_dir: Path | None = None,
+    ) -> TtnnCausalLM:
+        """The model on a ttnn lane (``device``: its ``TtnnDevice``, with ``mesh_device`` and
+        ``ttnn_module``), weights converted once to ``weight_dtype`` (kept in ``cache_dir``
+        for later builds when given); ``UnsupportedError``
+        naming the first part the ttnn decoder lacks, before any weight moves."""
+        spec, names = self._read(hf_config, torch.float32)
+        plan = tensor_plan(spec, names)
+        check_ttnn_parts(spec, names, family=self.name)
+        used = check_tensors(
+            tensors=self.rename_tensors(tensors, expected=plan.shapes, config=hf_config),
+            expected=plan.shapes,
+            optional=plan.optional,
+            ignored_suffixes=self.ignored_suffixes,
+        )
+        dense = {
+            name: t.dequantize() if isinstance(t, QuantizedWeight) else t
+            for name, t in used.items()
+        }
+        return TtnnCausalLM(
+            spec=spec,
+            names=names,
+            tensors=dense,
+            mesh_device=device.mesh_device,
+            ttnn_module=device.ttnn_module,
+            weight_dtype=weight_dtype,
+            cache_dir=cache_dir,
+        )
 
     def rename_tensors(
         self,

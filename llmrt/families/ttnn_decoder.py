@@ -11,21 +11,25 @@ half-split rotary layout to interleaved pairs (tt_transformers' ``reverse_permut
 ``ttnn.experimental.rotary_embedding_llama`` rotates them with its pair-swapping
 transformation matrix; attention scores are unchanged by that permutation.
 
-It is a building block, not yet a family: ``prefill`` takes one row's chunk (from position
-0, or after cached blocks) and ``decode`` a batch of rows over the paged KV cache
-(``[blocks, kv_heads, block_size, head_dim]``, ``-1`` page-table entries skip a row). The
-runtime's model protocol and a recipe backend for the decoder families are not built on it.
+``prefill`` takes one row's chunk (from position 0, or after cached blocks; its start is a
+host integer, as tt_transformers' ``chunk_start_idx``) and ``decode`` a batch of rows over
+the paged KV cache (``[blocks, kv_heads, block_size, head_dim]``, ``-1`` page-table entries
+skip a row). ``llmrt.families.ttnn_model`` puts it behind the runtime's model protocol for
+the decoder families.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import attrs
 import torch
 
 from llmrt.errors import ConfigError
+from llmrt.families.rope import RopeSpec
+from llmrt.families.rope import rope_tables as spec_rope_tables
 
 TILE = 32
 
@@ -42,9 +46,11 @@ class TtnnDecoderConfig:
     head_dim: int
     intermediate_size: int
     rms_norm_eps: float
-    rope_theta: float
+    rope: RopeSpec
     max_positions: int
     tie_word_embeddings: bool
+    attention_scale: float | None = None
+    """Scores' scale (None: ``head_dim ** -0.5``)."""
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any]) -> TtnnDecoderConfig:
@@ -65,7 +71,7 @@ class TtnnDecoderConfig:
             head_dim=head_dim,
             intermediate_size=int(hf["intermediate_size"]),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(hf.get("rope_theta", 10000.0)),
+            rope=RopeSpec(head_dim=head_dim, theta=float(hf.get("rope_theta", 10000.0))),
             max_positions=int(hf.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         )
@@ -88,14 +94,15 @@ def rotation_matrix() -> torch.Tensor:
 
 
 def rope_tables(config: TtnnDecoderConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[max_positions, head_dim]`` cos and sin, each angle repeated for its pair."""
-    dim = config.head_dim
-    inv = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    angles = torch.arange(config.max_positions, dtype=torch.float64)[:, None] * inv[None, :]
-    return (
-        torch.cos(angles).repeat_interleave(2, dim=-1).float(),
-        torch.sin(angles).repeat_interleave(2, dim=-1).float(),
+    """``[max_positions, head_dim]`` cos and sin (any ``rope_type`` llmrt's RoPE computes,
+    as transformers computes the angles), each angle repeated for its interleaved pair."""
+    cos, sin = spec_rope_tables(
+        config.rope,
+        max_positions=config.max_positions,
+        dtype=torch.float32,
+        device=torch.device("cpu"),
     )
+    return cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
 
 
 class TtnnDecoder:
@@ -109,11 +116,17 @@ class TtnnDecoder:
         config: TtnnDecoderConfig,
         weights: Mapping[str, torch.Tensor],
         weight_dtype: str = "bfloat8_b",
+        cache_dir: Path | None = None,
     ) -> None:
+        """``cache_dir``: where ``ttnn.as_tensor`` keeps the converted matmul weights (one
+        file per weight, in conversion order), so a later build loads them instead of
+        converting again, as tt_transformers caches its weights; None converts every time."""
         if weight_dtype not in ("bfloat8_b", "bfloat16"):
             raise ConfigError("weight_dtype", weight_dtype, "must be bfloat8_b or bfloat16")
         self._tt, self._mesh, self.config = tt, mesh, config
         self._dtype = getattr(tt, weight_dtype)
+        self._cache_dir = cache_dir
+        self._linears = 0
         self._owned: list[Any] = []
         c = config
         self.embedding = self._put(weights["model.embed_tokens.weight"], layout=tt.ROW_MAJOR_LAYOUT)
@@ -146,7 +159,7 @@ class TtnnDecoder:
         self.cos = self._put(cos, layout=tt.ROW_MAJOR_LAYOUT)
         self.sin = self._put(sin, layout=tt.ROW_MAJOR_LAYOUT)
         self.trans_mat = self._put(rotation_matrix(), layout=tt.TILE_LAYOUT)
-        self.scale = c.head_dim**-0.5
+        self.scale = c.head_dim**-0.5 if c.attention_scale is None else c.attention_scale
 
     # -- weights --------------------------------------------------------------------------
 
@@ -158,7 +171,20 @@ class TtnnDecoder:
 
     def _linear(self, weight: torch.Tensor) -> Any:
         """A Hugging Face ``[out, in]`` weight as ttnn's ``[in, out]`` tile tensor."""
-        return self._put(weight.T.contiguous(), layout=self._tt.TILE_LAYOUT, dtype=self._dtype)
+        if self._cache_dir is None:
+            return self._put(
+                weight.T.contiguous(), layout=self._tt.TILE_LAYOUT, dtype=self._dtype
+            )
+        tt, self._linears = self._tt, self._linears + 1
+        tensor = tt.as_tensor(
+            weight.T.contiguous(),
+            dtype=self._dtype,
+            layout=tt.TILE_LAYOUT,
+            device=self._mesh,
+            cache_file_name=str(self._cache_dir / f"linear{self._linears:04d}"),
+        )
+        self._owned.append(tensor)
+        return tensor
 
     def _norm(self, vector: torch.Tensor) -> Any:
         return self._put(vector.reshape(1, -1), layout=self._tt.TILE_LAYOUT)
@@ -193,6 +219,10 @@ class TtnnDecoder:
         up = tt.linear(h, layer["w3"], dtype=tt.bfloat16)
         down = tt.linear(tt.multiply(gate, up), layer["w2"], dtype=tt.bfloat16)
         return tt.add(x, down)
+
+    def head(self, x: Any) -> Any:
+        """float32 logits of hidden rows ``x`` ``[N, hidden]`` (tile): final norm, LM head."""
+        return self._logits(x)
 
     def _logits(self, x: Any) -> Any:
         tt = self._tt
@@ -255,7 +285,29 @@ class TtnnDecoder:
         chunk_start: int = 0,
         chunk_page_table: Any = None,
     ) -> Any:
-        """Logits ``[S, vocab]`` of one row's chunk at positions ``chunk_start..+S-1``:
+        """Logits ``[S, vocab]`` of one row's chunk (``prefill_hidden``, then ``head``)."""
+        return self._logits(
+            self.prefill_hidden(
+                tokens=tokens,
+                rope_positions=rope_positions,
+                page_table=page_table,
+                kv=kv,
+                chunk_start=chunk_start,
+                chunk_page_table=chunk_page_table,
+            )
+        )
+
+    def prefill_hidden(
+        self,
+        *,
+        tokens: Any,
+        rope_positions: Any,
+        page_table: Any,
+        kv: list[tuple[Any, Any]],
+        chunk_start: int = 0,
+        chunk_page_table: Any = None,
+    ) -> Any:
+        """Hidden rows ``[S, hidden]`` of one row's chunk at positions ``chunk_start..+S-1``:
         ``tokens`` ``[S]``, ``rope_positions`` those positions (uint32), ``page_table``
         ``[1, W]`` the row's blocks (int32); writes the chunk's K/V.
 
@@ -301,4 +353,4 @@ class TtnnDecoder:
             attn = tt.reshape(tt.permute(attn, (0, 2, 1, 3)), (seq, c.num_heads * c.head_dim))
             x = tt.add(x, tt.linear(attn, layer["wo"], dtype=tt.bfloat16))
             x = self._mlp(x, layer)
-        return self._logits(x)
+        return x

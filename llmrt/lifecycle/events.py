@@ -43,6 +43,7 @@ class LifecycleEvent(str, enum.Enum):
     DEVICE_OPENED = "device.opened"
     DEVICE_CLOSED = "device.closed"
     WEIGHTS_PLACED = "weights.placed"
+    WEIGHTS_DEQUANTIZED = "weights.dequantized"
     LANE_READY = "lane.ready"
     CONFIG_SEALED = "config.sealed"
     KV_CONFIGURED = "kv.configured"

@@ -314,6 +314,9 @@ class InductorSpec:
         )
 
 
+TtnnWeightDtype = Literal["bfloat8_b", "bfloat16"]
+
+
 @attrs.frozen(kw_only=True)
 class TtnnSpec:
     """How the ttnn mesh is opened (``device.ttnn``; only with ``device.backend: ttnn``).
@@ -326,6 +329,9 @@ class TtnnSpec:
     implementation: ``ttnn`` (the installed wheel, a chip) or a name registered in the
     ``llmrt.ttnn_modules`` entry-point group (``emulator``: ``llmrt.testing``'s computing
     ttnn emulator, as strict as the chip, for running a TT recipe without one).
+    ``weight_dtype`` is what a decoder family's matmul weights (projections, MLP, LM head)
+    are converted to once at load: ``bfloat8_b`` (tt_transformers' choice) or ``bfloat16``;
+    norms and the embedding stay bfloat16.
     """
 
     l1_small_size: int = 0
@@ -334,6 +340,7 @@ class TtnnSpec:
     dispatch_core_type: DispatchCoreType | None = None
     fabric_config: FabricConfigName = "disabled"
     module: str = "ttnn"
+    weight_dtype: TtnnWeightDtype = "bfloat8_b"
 
     def __attrs_post_init__(self) -> None:
         _check(
@@ -353,6 +360,7 @@ class TtnnSpec:
         if self.dispatch_core_type is not None:
             _one_of("device.ttnn.dispatch_core_type", self.dispatch_core_type, DispatchCoreType)
         _one_of("device.ttnn.fabric_config", self.fabric_config, FabricConfigName)
+        _one_of("device.ttnn.weight_dtype", self.weight_dtype, TtnnWeightDtype)
 
 
 @attrs.frozen(kw_only=True)
@@ -897,7 +905,10 @@ class Recipe:
 
     def _check_placement(self) -> None:
         _positive_int("lanes", self.lanes)
-        if self.checkpoint.weight_format in QUANTIZED_FORMATS:
+        ttnn_dequantizes = (
+            self.device.backend == "ttnn" and self.checkpoint.weight_format == "gguf-native"
+        )
+        if self.checkpoint.weight_format in QUANTIZED_FORMATS and not ttnn_dequantizes:
             device = self.device
             where = device.backend if device.backend != "torch" else f"torch {device.kind}"
             _check(
@@ -905,7 +916,8 @@ class Recipe:
                 "checkpoint.weights",
                 self.checkpoint.weights,
                 f"quantized weights run llmrt's CPU kernels (device.backend=torch, "
-                f"device.kind=cpu); this recipe runs on {where}",
+                f"device.kind=cpu); this recipe runs on {where} (on ttnn, gguf-native "
+                f"blocks are dequantized once at load)",
             )
         _check(
             self.device.gemm_dtype in ("float32", "auto")

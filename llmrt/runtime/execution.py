@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from llmrt.errors import IdentityError, TraceCoverageError
+from llmrt.errors import ConfigError, IdentityError, TraceCoverageError
 from llmrt.runtime.config import TraceConfig
 from llmrt.runtime.decode import DecodeOutput, DecodeOutputLease, DecodeRuntime, PreparedDecode
 from llmrt.runtime.prefill.plan import PrefillChunk, PrefillRow
@@ -170,6 +170,15 @@ class TracedExecutor:
             trace_compiler.borrowed_device,
             eager_executor.prefill.config.device,
         )
+        model = eager_executor.prefill.config.model
+        if trace_config.prefill_enabled and getattr(model, "prefill_from_host", False):
+            raise ConfigError(
+                "trace.mode",
+                trace_config.mode,
+                f"{type(model).__name__} takes each prefill chunk's start from the host (as "
+                "tt_transformers' prefill does), so a captured prefill would replay one start "
+                "for every chunk; use decode_only",
+            )
         self.eager_executor = eager_executor
         self.trace_compiler = trace_compiler
         self.trace_config = trace_config

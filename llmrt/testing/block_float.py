@@ -38,19 +38,19 @@ def round_block_float(values: torch.Tensor, *, mantissa_bits: int) -> torch.Tens
     padded = -(-width // TILE_WIDTH) * TILE_WIDTH
     x = torch.nn.functional.pad(x, (0, padded - width))
     rows = x.reshape(*x.shape[:-1], padded // FACE_WIDTH, FACE_WIDTH).contiguous()
-    bits = rows.view(torch.int32).to(torch.int64) & 0xFFFFFFFF
+    bits = rows.view(torch.int32)  # int32 throughout: every value below fits 25 bits
     exponent = (bits >> 23) & 0xFF
-    negative = (bits >> 31) == 1
+    negative = bits < 0
     zero = (bits & 0x7FFFFFFF) == 0
     shared = torch.where(zero, 0, exponent).amax(dim=-1, keepdim=True)
-    significand = (1 << 23) | (bits & 0x7FFFFF)
+    significand = (bits & 0x7FFFFF) | (1 << 23)
     aligned = significand >> (shared - exponent).clamp(max=31)
     shift = 24 - mantissa_bits
     rest = aligned & ((1 << shift) - 1)
     kept = aligned >> shift
     tie = 1 << (shift - 1)
     up = (rest > tie) | ((rest == tie) & ((kept & 1) == 1))
-    kept = torch.clamp(kept + up.to(torch.int64), max=(1 << mantissa_bits) - 1)
+    kept = torch.clamp(kept + up.to(torch.int32), max=(1 << mantissa_bits) - 1)
     kept = torch.where(zero, 0, kept)
     scale = torch.pow(2.0, (shared - 127 - (mantissa_bits - 1)).to(torch.float64))
     out = kept.to(torch.float64) * scale

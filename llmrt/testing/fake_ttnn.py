@@ -49,7 +49,9 @@ from __future__ import annotations
 
 import enum
 import functools
+import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
 import attrs
@@ -680,6 +682,7 @@ class FakeTtnn:
         self._meshes: list[_MeshDevice] = []
         self._replaying = False
         self.ops_run = 0
+        self.cache_loads = 0
         install_transformer_ops(self)
 
     def __repr__(self) -> str:
@@ -913,6 +916,78 @@ class FakeTtnn:
             topology=topology,
             memory_config=memory_config,
         )
+
+    def as_tensor(
+        self,
+        tensor: torch.Tensor,
+        dtype: _DataType | None = None,
+        *,
+        layout: _Layout = Layout.ROW_MAJOR,
+        device: _MeshDevice | None = None,
+        memory_config: _MemoryConfig | None = None,
+        cache_file_name: str | None = None,
+        preprocess: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        mesh_mapper: TensorToMesh | None = None,
+        use_device_tilizer: bool = False,
+    ) -> _Tensor | None:
+        """``from_torch`` that, given ``cache_file_name``, stores the converted tensor in
+        ``{cache_file_name}_dtype_{DTYPE}_layout_{LAYOUT}.tensorbin`` on first use and loads
+        it from there afterwards, as ttnn does (the file holds this emulator's payload, not
+        ttnn's tensorbin format; ``cache_loads`` counts the loads)."""
+        if preprocess is not None:
+            tensor = preprocess(tensor)
+        if cache_file_name is None:
+            return self.from_torch(
+                tensor,
+                dtype=dtype,
+                layout=layout,
+                device=device,
+                memory_config=memory_config,
+                mesh_mapper=mesh_mapper,
+            )
+        resolved = _INFERRED.get(tensor.dtype) if dtype is None else dtype
+        if resolved is None:
+            raise TypeError(f"as_tensor: no ttnn dtype for {tensor.dtype}")
+        path = Path(f"{cache_file_name}_dtype_{resolved.name}_layout_{layout.name}.tensorbin")
+        if path.is_file():
+            self._record("as_tensor", device, f"load {path}")
+            payload = torch.load(path, weights_only=True)
+            if tuple(payload.shape) != tuple(tensor.shape):
+                raise RuntimeError(
+                    f"as_tensor: {path} holds shape {tuple(payload.shape)}, "
+                    f"not {tuple(tensor.shape)}"
+                )
+            self.cache_loads += 1
+            topology = mesh_mapper
+            if device is not None:  # a host write, held as stored (no re-rounding)
+                self._require_open(device)
+                self._check_host_write("as_tensor", device, allocates=True)
+                topology = topology or TensorToMesh(mesh=device, kind="replicate")
+            return Tensor(
+                fake=self,
+                payload=payload,
+                dtype=resolved,
+                layout=layout,
+                mesh=device,
+                topology=topology,
+                memory_config=memory_config,
+            )
+        made = self.from_torch(
+            tensor,
+            dtype=resolved,
+            layout=layout,
+            device=device,
+            memory_config=memory_config,
+            mesh_mapper=mesh_mapper,
+        )
+        if made is None:
+            raise TypeError("as_tensor: tensor must be a torch tensor")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        torch.save(made._payload, partial)
+        os.replace(partial, path)
+        self._record("as_tensor", device, f"dump {path}")
+        return made
 
     def to_torch(
         self,
@@ -1509,6 +1584,38 @@ class FakeTtnn:
     def reshape(self, input_tensor: Any, shape: Sequence[int]) -> Any:
         return input_tensor.reshape(shape)
 
+    def concat(
+        self,
+        input_tensor: Sequence[Any],
+        dim: int = 0,
+        *,
+        memory_config: Any = None,
+        output_tensor: Any = None,
+        groups: int = 1,
+    ) -> Any:
+        """The tensors joined along ``dim``: one dtype and one layout for all, as ttnn
+        requires (a tile concat off the last two dims keeps tiles whole)."""
+        tensors = list(input_tensor)
+        if not tensors:
+            raise RuntimeError("concat: needs at least one tensor")
+        if output_tensor is not None or groups != 1:
+            raise NotImplementedError("FakeTtnn.concat: output_tensor= and groups= not modelled")
+        specs = {(t._dtype, t._layout) for t in tensors if isinstance(t, Tensor)}
+        if len(specs) != 1 or len(tensors) != sum(isinstance(t, Tensor) for t in tensors):
+            first = next((t for t in tensors if isinstance(t, Tensor)), None)
+            self._record("concat", None if first is None else first._mesh)
+            raise self._violate(
+                "op input", "concat: all tensors must be ttnn tensors of one dtype and layout"
+            )
+        return self._call_op(
+            "concat",
+            lambda *parts: torch.cat(parts, dim=dim),
+            tuple(tensors),
+            {},
+            output=_same_spec,
+            key_extra=(dim,),
+        )
+
     def _call_op(
         self,
         name: str,
@@ -1731,6 +1838,9 @@ def _stored_in_place(fn: Callable[..., Any], dtype: DataType) -> Callable[..., A
     """``fn`` writing into its first argument, then that payload re-stored as ``dtype`` (a
     block-float row takes a new shared exponent when one of its elements is rewritten)."""
 
+    if dtype not in _BLOCK_FLOATS:  # the write already cast to the payload's dtype
+        return fn
+
     def run(target: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         result = fn(target, *args, **kwargs)
         target.copy_(_store(target, dtype))
@@ -1759,8 +1869,10 @@ _PLACEMENT_KWARGS = frozenset({"memory_config", "program_config", "compute_kerne
 def emulator(*, mesh_shape: Sequence[int]) -> FakeTtnn:
     """The ``emulator`` ttnn module a recipe selects (``device.ttnn.module: emulator``): a
     ``FakeTtnn`` whose system holds the recipe's mesh, strict as a chip (rule violations
-    raise)."""
-    return FakeTtnn(system_mesh_shape=tuple(mesh_shape))
+    raise). Host-write allocations while a trace is live are recorded in ``warnings``, as
+    tt-metal warns of them: eager prefill stages its inputs while the decode trace lives,
+    as tt_transformers' generator does under vLLM."""
+    return FakeTtnn(system_mesh_shape=tuple(mesh_shape), allocation_while_trace_live="warn")
 
 
 def _matmul32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

@@ -33,6 +33,7 @@ import math
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -97,13 +98,17 @@ class HFConfig:
 
 @dataclass(frozen=True)
 class Backend:
-    """A recipe, the hf_config vLLM would hold for it, its max_model_len and KV capacity."""
+    """A recipe (with ``LLMRT_VLLM_OVERRIDES``), the hf_config vLLM would hold for it, its
+    max_model_len and KV capacity. ``eager_prefill``: prefill runs eagerly while the decode
+    trace lives (host allocations then, which tt-metal warns of and the fake records)."""
 
     recipe: str
     hf: HFConfig
     max_model_len: int
     capacity: int
     ttnn: bool
+    overrides: str = ""
+    eager_prefill: bool = False
 
 
 TORCH = Backend(
@@ -119,6 +124,32 @@ TTNN = Backend(
     max_model_len=256,
     capacity=64,
     ttnn=True,
+)
+
+
+
+def _doc_exports() -> dict[str, str]:
+    """The ``export NAME=VALUE`` lines of docs/vllm.md's decoder-on-ttnn example."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "vllm.md").read_text()
+    block = text[text.index("LLMRT_VLLM_RECIPE=tiny-llama") - len("export ") :]
+    block = block[: block.index("```")]
+    exports = {}
+    for line in block.strip().splitlines():
+        name, _, value = line.strip().removeprefix("export ").partition("=")
+        exports[name] = value.strip('"')
+    return exports
+
+
+DOC = _doc_exports()
+#: A decoder family on ttnn, with the settings docs/vllm.md gives for it.
+TTNN_DECODER = Backend(
+    recipe=DOC["LLMRT_VLLM_RECIPE"],
+    hf=HFConfig("llama", "llmrt/tiny-llama", num_key_value_heads=2, head_dim=32),
+    max_model_len=512,
+    capacity=128,
+    ttnn=True,
+    overrides=DOC["LLMRT_VLLM_OVERRIDES"],
+    eager_prefill=True,
 )
 
 
@@ -448,7 +479,9 @@ OVERLAP_WAVE = [
 ]
 
 
-@pytest.fixture(scope="module", params=[TORCH, TTNN], ids=["torch", "ttnn"])
+@pytest.fixture(
+    scope="module", params=[TORCH, TTNN, TTNN_DECODER], ids=["torch", "ttnn", "tiny-llama-ttnn"]
+)
 def backend(request: pytest.FixtureRequest) -> Backend:
     return request.param
 
@@ -458,10 +491,10 @@ def expected(
     backend: Backend,
 ) -> Iterator[tuple[list[list[int]], list[list[int]], list[list[int]]]]:
     """``LLM.generate`` on the same recipe (a ttnn recipe over its own fake machine)."""
-    recipe = load_recipe(backend.recipe)
+    recipe = load_recipe(backend.recipe, overrides=backend.overrides.split())
     container = RuntimeContainer(recipe=recipe)
     if backend.ttnn:
-        container.device.ttnn_module.override(providers.Object(FakeTtnn()))
+        container.device.ttnn_module.override(providers.Object(_fake(backend)))
     with LLM(recipe=recipe, container=container) as llm:
         host = [list(o.token_ids) for o in llm.generate(PROMPTS, HOST_WAVE)]
         device = [list(o.token_ids) for o in llm.generate(PROMPTS, DEVICE_WAVE)]
@@ -480,7 +513,8 @@ def _plugin_session(
 ) -> Iterator[PluginSession]:
     """The plugin's worker: a mesh opened through ``ttnn`` (the fake), then the model runner."""
     monkeypatch.setenv("LLMRT_VLLM_RECIPE", backend.recipe)
-    fake = FakeTtnn(system_mesh_shape=mesh_shape)
+    monkeypatch.setenv("LLMRT_VLLM_OVERRIDES", backend.overrides)
+    fake = _fake(backend, system_mesh_shape=mesh_shape)
     monkeypatch.setitem(sys.modules, "ttnn", fake)  # what ``import ttnn`` gives the plugin
     mesh = fake.open_mesh_device(fake.MeshShape(*mesh_shape), trace_region_size=1 << 20)
     kwargs: dict[str, Any] = {"trace_mode": trace_mode, "warmup": warmup}
@@ -498,6 +532,13 @@ def _plugin_session(
         names = fake.call_names()
         assert "event_synchronize" in names
         assert ("execute_trace" in names) == (trace_mode != "none")
+
+
+def _fake(backend: Backend, *, system_mesh_shape: tuple[int, int] = (1, 1)) -> FakeTtnn:
+    return FakeTtnn(
+        system_mesh_shape=system_mesh_shape,
+        allocation_while_trace_live="warn" if backend.eager_prefill else "raise",
+    )
 
 
 @pytest.fixture
@@ -538,7 +579,7 @@ def test_overlapped_steps_under_async_scheduling_generate_what_llm_generate_does
     backend: Backend, monkeypatch: pytest.MonkeyPatch, expected: Expected, trace_mode: str
 ) -> None:
     """Step k+1 submitted before step k is read, with the host inputs that lag one step."""
-    if backend.ttnn and trace_mode == "none":
+    if backend.ttnn and not backend.eager_prefill and trace_mode == "none":
         pytest.skip("toy-ttnn captures its traces at startup: eager steps would allocate")
     with _plugin_session(backend, monkeypatch, trace_mode=trace_mode) as session:
         overlapped = session.run_overlapped(_requests(OVERLAP_WAVE), late=1)
@@ -559,6 +600,8 @@ def test_multi_chip_meshes_take_the_plugins_per_device_kv_heads(
     """N300, T3K and Galaxy: the plugin divides the KV heads over the mesh's devices; the
     model loads, allocates and generates what ``LLM.generate`` does (a ttnn lane runs
     replicated over its chips: the torch backend leaves the mesh unused)."""
+    if backend.eager_prefill and mesh_shape != (1, 2):
+        pytest.skip("the decoder family's 1x2 case stands for the larger meshes (seconds each)")
     with _plugin_session(backend, monkeypatch, mesh_shape=mesh_shape) as session:
         heads = backend.hf.num_key_value_heads
         devices = mesh_shape[0] * mesh_shape[1]

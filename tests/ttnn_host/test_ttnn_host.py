@@ -193,7 +193,9 @@ def test_the_fakes_block_floats_are_the_wheels_bit_for_bit(shape: tuple[int, ...
 
 
 #: The computing ops the fake runs for a tt_transformers-style decoder.
-EMULATED_OPS = ("matmul", "linear", "rms_norm", "silu", "softmax", "embedding", "typecast")
+EMULATED_OPS = (
+    "matmul", "linear", "rms_norm", "silu", "softmax", "embedding", "typecast", "concat"
+)
 
 
 @pytest.mark.parametrize("name", EMULATED_OPS)

@@ -165,7 +165,8 @@ RULES: list[tuple[dict[str, Any], str, str]] = [
     ({"serving.max_num_seqs": 5}, "serving.max_num_seqs", "lanes * decode.lane_capacity"),
     ({"device.backend": "ttnn", "device.mesh_shape": [1, 3], "lanes": 2}, "lanes",
      "must divide the 3 chips"),
-    ({"device.backend": "ttnn"}, "device.backend", "family 'llama' supports torch only"),
+    ({"device.ttnn.weight_dtype": "bfloat4_b", "device.backend": "ttnn"},
+     "device.ttnn.weight_dtype", "must be one of"),
     ({**TT, "device.backend": "torch"}, "device.backend", "family 'toy_ttnn' supports ttnn only"),
     ({**TT, "family": "auto", "device.backend": "torch"}, "device.backend",
      "family 'toy_ttnn' supports ttnn only"),
@@ -254,6 +255,22 @@ def test_ttnn_mesh_splits_into_lanes() -> None:
     recipe = build(**TT, **{"device.mesh_shape": [2, 4], "lanes": 4})
     assert recipe.device.mesh_shape == (2, 4)
     assert recipe.lanes == 4
+
+
+def test_decoder_families_run_on_ttnn_and_gguf_blocks_are_dequantized_there() -> None:
+    """A decoder family validates on ttnn (its parts are checked at build); gguf-native
+    weights are accepted there (dequantized once at load), int8/int4 are not."""
+    recipe = build(**{"device.backend": "ttnn"})
+    assert (recipe.family, recipe.device.ttnn.weight_dtype) == ("llama", "bfloat8_b")
+    data = tiny()
+    data["model"] = {}
+    overrides = {
+        **GGUF,
+        "tokenizer.source": "checkpoint",
+        "checkpoint.weights": "gguf-native",
+        "device.backend": "ttnn",
+    }
+    assert recipe_from_dict(data, overrides=overrides).device.backend == "ttnn"
 
 
 def test_cuda_device_takes_an_index() -> None:

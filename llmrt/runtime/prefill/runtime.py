@@ -233,12 +233,23 @@ class PrefillRuntime:
 
     def body(self, inputs: PrefillInputs, signature: PrefillSignature) -> dict[str, torch.Tensor]:
         """The device program of one step: model prefill returning last-token logits."""
-        logits = self._step(
+        host: dict[str, int] = {}
+        if getattr(self.config.model, "prefill_from_host", False):
+            if inputs.active_rows <= 0:
+                raise RequestError(
+                    "start_pos",
+                    f"{type(self.config.model).__name__} prefills rows sharing one start "
+                    "position (prefill_from_host); this step's rows start at different ones",
+                )
+            host = {"chunk_start": inputs.chunk_start, "active_rows": inputs.active_rows}
+        step: Any = self._step  # a prefill_from_host model takes the two host values too
+        logits = step(
             tokens=inputs.tokens,
             start_pos=inputs.start_pos,
             seq_lens=inputs.seq_lens,
             page_table=inputs.page_table,
             last_token_index=inputs.last_token_index,
+            **host,
         )
         return {"logits": logits}
 

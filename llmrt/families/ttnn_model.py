@@ -1,0 +1,351 @@
+"""The decoder families on a ttnn mesh: ``TtnnDecoder`` behind the runtime's model protocol.
+
+Why: a recipe pairing a decoder family (Llama, Mistral, Qwen2, Qwen3 without q/k norms,
+SmolLM2, ...) with ``device.backend: ttnn`` builds this model on the lane's mesh, so
+prefill, paged KV fill and update, paged decode attention, sampling and traces run through
+the same runtime as on the CPU. ``ttnn_parts_refusal`` names the first part of a
+``DecoderSpec`` the ttnn path does not compute (q/k norms, sliding windows, experts,
+learned positions, ...); ``build_ttnn_model`` refuses it before any weight moves.
+
+Prefill follows tt_transformers' generator: one user at a time, the chunk's start position
+a host integer (``chunk_start_idx``), not a device tensor. The model declares
+``prefill_from_host = True`` and the runtime passes ``chunk_start`` (the start every row of
+the step shares; ttnn's wave rules keep cached rows out of waves) and ``active_rows``
+(padding rows after them are not computed; their logits repeat row 0's). The last token
+of each row is picked on the device (``ttnn.embedding`` over the row's hidden states with
+``last_token_index``), so only those rows pass through the LM head.
+
+Weights are converted once, at build: projections and the LM head to ``weight_dtype``
+(``bfloat8_b``, tt_transformers' choice for its decoders' matmul weights, or ``bfloat16``),
+norms to bfloat16, the embedding to bfloat16 row-major; with a ``cache_dir`` the converted
+matmul weights are kept there by ``ttnn.as_tensor`` and loaded by later builds.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any, cast
+
+import attrs
+import torch
+
+from llmrt.errors import ConfigError, UnsupportedError
+from llmrt.families.base import AttentionMetadata, KVCacheView
+from llmrt.families.decoder import TensorNames
+from llmrt.families.parts import DecoderSpec, MLPSpec
+from llmrt.families.ttnn_decoder import TILE, TtnnDecoder, TtnnDecoderConfig
+
+WEIGHT_DTYPES = ("bfloat8_b", "bfloat16")
+KV_DTYPE = torch.bfloat16
+"""What the model asks of its KV cache (the recipe's ``kv_cache.dtype`` decides the stored one)."""
+
+
+def ttnn_parts_refusal(spec: DecoderSpec, names: TensorNames) -> tuple[str, object, str] | None:
+    """``(part, value, why)`` for the first part the ttnn decoder lacks (None: it runs)."""
+    a = spec.attention
+    checks: list[tuple[bool, str, object, str]] = [
+        (spec.positions == "rope", "positions", spec.positions, "RoPE only"),
+        (len(spec.ropes) == 1, "ropes", len(spec.ropes), "one RoPE variant for every layer"),
+        (all(layer.rope == 0 for layer in spec.layers), "layers.rope", "...",
+         "RoPE in every layer"),
+        (all(layer.window is None for layer in spec.layers), "layers.window", "sliding",
+         "no sliding-window attention"),
+        (spec.moe is None and not any(layer.moe for layer in spec.layers), "moe", "experts",
+         "dense MLPs only"),
+        (isinstance(spec.mlp, MLPSpec), "mlp", type(spec.mlp).__name__, "the catalogue's MLP"),
+        (a.qk_norm is None, "attention.qk_norm", a.qk_norm, "no q/k norms"),
+        (a.softcap is None, "attention.softcap", a.softcap, "no score softcap"),
+        (a.clip_qkv is None, "attention.clip_qkv", a.clip_qkv, "no q/k/v clamp"),
+        (not a.o_bias, "attention.o_bias", a.o_bias, "no output-projection bias"),
+        (a.rope_style == "neox", "attention.rope_style", a.rope_style,
+         "neox pairs (loaded as interleaved pairs)"),
+        (a.head_dim % TILE == 0, "attention.head_dim", a.head_dim, f"a multiple of {TILE}"),
+        (spec.norm.kind == "rms" and spec.norm.weight, "norm.kind", spec.norm.kind,
+         "RMSNorm with a weight"),
+        (spec.residual == "sequential", "residual", spec.residual, "sequential residuals"),
+        (spec.attn_norm and spec.mlp_norm, "attn_norm/mlp_norm", False, "pre-norm layers"),
+        (not (spec.post_attn_norm or spec.post_mlp_norm), "post_attn_norm/post_mlp_norm", True,
+         "no post-norms"),
+        (spec.final_norm, "final_norm", False, "a final norm"),
+        (spec.embedding_scale == 1.0, "embedding_scale", spec.embedding_scale, "1"),
+        (spec.residual_multiplier == 1.0, "residual_multiplier", spec.residual_multiplier, "1"),
+        (spec.logit_scale == 1.0, "logit_scale", spec.logit_scale, "1"),
+        (spec.final_softcap is None, "final_softcap", spec.final_softcap, "no logit softcap"),
+        (not spec.lm_head_bias, "lm_head_bias", True, "no LM-head bias"),
+        (names.qkv is None and names.gate_up is None and not names.transposed,
+         "tensor names", "fused or transposed", "separate [out, in] q/k/v and gate/up weights"),
+    ]  # fmt: skip
+    if isinstance(spec.mlp, MLPSpec):
+        mlp = spec.mlp
+        checks += [
+            (mlp.kind == "gated" and mlp.activation == "silu", "mlp.activation",
+             f"{mlp.kind} {mlp.activation}", "a SiLU-gated MLP"),
+            (not mlp.bias, "mlp.bias", True, "no MLP biases"),
+        ]  # fmt: skip
+    if spec.ropes:
+        rope = spec.ropes[0]
+        checks += [
+            (rope.head_dim == a.head_dim, "ropes.head_dim", rope.head_dim,
+             f"full rotary width {a.head_dim}"),
+            (rope.kind != "dynamic", "ropes.kind", rope.kind,
+             "fixed tables (dynamic NTK rescales per length)"),
+        ]  # fmt: skip
+    for ok, part, value, why in checks:
+        if not ok:
+            return part, value, why
+    return None
+
+
+def check_ttnn_parts(spec: DecoderSpec, names: TensorNames, *, family: str) -> None:
+    """``UnsupportedError`` naming the first part of ``family``'s model the ttnn decoder lacks."""
+    refusal = ttnn_parts_refusal(spec, names)
+    if refusal is not None:
+        part, value, why = refusal
+        raise UnsupportedError(
+            f"device.backend=ttnn: family {family}'s model has part {part}={value!r}; the "
+            f"ttnn decoder computes {why} (run it with device.backend=torch)"
+        )
+
+
+def canonical_weights(
+    spec: DecoderSpec, names: TensorNames, tensors: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """The family's tensors under the Llama names ``TtnnDecoder`` reads."""
+    out = {"model.embed_tokens.weight": tensors[names.embed]}
+    out["model.norm.weight"] = tensors[names.final_norm + ".weight"]
+    if names.lm_head in tensors and not spec.tie_word_embeddings:
+        out["lm_head.weight"] = tensors[names.lm_head]
+    pairs = {
+        "input_layernorm": names.attn_norm,
+        "post_attention_layernorm": names.mlp_norm,
+        "self_attn.q_proj": names.q,
+        "self_attn.k_proj": names.k,
+        "self_attn.v_proj": names.v,
+        "self_attn.o_proj": names.o,
+        "mlp.gate_proj": names.gate,
+        "mlp.up_proj": names.up,
+        "mlp.down_proj": names.down,
+    }
+    for i in range(spec.model.num_layers):
+        src, dst = names.layer.format(i=i), f"model.layers.{i}."
+        for ours, theirs in pairs.items():
+            for suffix in (".weight", ".bias"):
+                if src + theirs + suffix in tensors:
+                    out[dst + ours + suffix] = tensors[src + theirs + suffix]
+    return out
+
+
+@attrs.frozen(kw_only=True, eq=False)
+class _BoundKV:
+    pairs: tuple[tuple[Any, Any], ...]
+    block_size: int
+
+
+class TtnnCausalLM:
+    """A decoder family's model on a borrowed ttnn mesh; owns its device weights (``close``)."""
+
+    prefill_from_host = True
+    """The runtime passes ``chunk_start`` and ``active_rows`` to ``prefill_forward``."""
+
+    def __init__(
+        self,
+        *,
+        spec: DecoderSpec,
+        names: TensorNames,
+        tensors: Mapping[str, torch.Tensor],
+        mesh_device: Any,
+        ttnn_module: Any,
+        weight_dtype: str = "bfloat8_b",
+        cache_dir: Path | None = None,
+    ) -> None:
+        check_ttnn_parts(spec, names, family=spec.model.family)
+        if weight_dtype not in WEIGHT_DTYPES:
+            raise ConfigError("weight_dtype", weight_dtype, f"must be one of {WEIGHT_DTYPES}")
+        a, m = spec.attention, spec.model
+        mlp = cast(MLPSpec, spec.mlp)  # ttnn_parts_refusal checked it
+        self.config = attrs.evolve(m, dtype=torch.bfloat16)
+        self.decoder_config = TtnnDecoderConfig(
+            vocab_size=m.vocab_size,
+            hidden_size=m.hidden_size,
+            num_layers=m.num_layers,
+            num_heads=a.num_heads,
+            num_kv_heads=a.num_kv_heads,
+            head_dim=a.head_dim,
+            intermediate_size=mlp.intermediate_size,
+            rms_norm_eps=spec.norm.eps,
+            rope=spec.ropes[0],
+            max_positions=m.max_position_embeddings,
+            tie_word_embeddings=spec.tie_word_embeddings,
+            attention_scale=a.scale,
+        )
+        self._tt = ttnn_module
+        self.borrowed_mesh = mesh_device
+        self.weight_dtype = weight_dtype
+        self._decoder: TtnnDecoder | None = TtnnDecoder(
+            tt=ttnn_module,
+            mesh=mesh_device,
+            config=self.decoder_config,
+            weights=canonical_weights(spec, names, tensors),
+            weight_dtype=weight_dtype,
+            cache_dir=cache_dir,
+        )
+        tt = ttnn_module
+        # Every position as a uint32 id (tt_transformers' rotary indices), sliced per chunk.
+        self._positions = tt.from_torch(
+            torch.arange(m.max_position_embeddings, dtype=torch.int32),
+            dtype=tt.uint32,
+            layout=tt.ROW_MAJOR_LAYOUT,
+            device=mesh_device,
+        )
+        self._kv: _BoundKV | None = None
+
+    # -- the model protocol --------------------------------------------------------------
+
+    @property
+    def supports_batched_prefill_outputs(self) -> bool:
+        return True
+
+    def attention_metadata(self) -> AttentionMetadata:
+        c = self.decoder_config
+        return AttentionMetadata(
+            num_layers=c.num_layers,
+            num_kv_heads=c.num_kv_heads,
+            head_dim=c.head_dim,
+            kv_dtypes=(KV_DTYPE,) * c.num_layers,
+        )
+
+    def iter_executor_named_modules(self) -> Iterator[tuple[str, Any]]:
+        return iter(())
+
+    @property
+    def kv_bound(self) -> bool:
+        return self._kv is not None
+
+    def set_kv_cache(self, cache: KVCacheView | None) -> None:
+        """Validate every layer's K/V (a tile float ttnn tensor on this mesh, the expected
+        shape) before binding any; ``None`` unbinds; a rejected cache changes nothing."""
+        if cache is None:
+            self._kv = None
+            return
+        tt, meta = self._tt, self.attention_metadata()
+        block_size = cache.block_size
+        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+            raise ConfigError("kv_cache.block_size", block_size, "must be a positive integer")
+        keys, values = tuple(cache.keys), tuple(cache.values)
+        for field, tensors in (("kv_cache.keys", keys), ("kv_cache.values", values)):
+            if len(tensors) != meta.num_layers:
+                raise ConfigError(
+                    field, len(tensors), f"needs one tensor per layer ({meta.num_layers})"
+                )
+        floats = (tt.float32, tt.bfloat16, tt.bfloat8_b)
+        expected: tuple[int, ...] | None = None
+        for layer in range(meta.num_layers):
+            for field, tensor in (
+                (f"kv_cache.keys[{layer}]", keys[layer]),
+                (f"kv_cache.values[{layer}]", values[layer]),
+            ):
+                if not isinstance(tensor, tt.Tensor):
+                    raise ConfigError(field, type(tensor).__name__, "must be a ttnn.Tensor")
+                mesh = tensor.device()
+                if mesh is None or mesh.id() != self.borrowed_mesh.id():
+                    raise ConfigError(
+                        field, repr(tensor), f"must be on mesh {self.borrowed_mesh.id()}"
+                    )
+                shape = tuple(int(d) for d in tensor.shape)
+                if expected is None:
+                    if len(shape) != 4 or shape[0] <= 0:
+                        raise ConfigError(field, shape, "must be 4-d with >= 1 block")
+                    expected = meta.kv_shape(shape[0], block_size)
+                if shape != expected:
+                    raise ConfigError(field, shape, f"expected shape {expected}")
+                if tensor.dtype not in floats or tensor.layout != tt.TILE_LAYOUT:
+                    raise ConfigError(field, tensor.dtype, f"expected one of {floats} in tiles")
+        self._kv = _BoundKV(pairs=tuple(zip(keys, values, strict=True)), block_size=block_size)
+
+    def _bound(self) -> tuple[TtnnDecoder, _BoundKV]:
+        if self._decoder is None:
+            raise ConfigError("model", "closed", "the ttnn model's weights were deallocated")
+        if self._kv is None:
+            raise ConfigError("kv_cache", None, "no KV cache is bound (set_kv_cache)")
+        return self._decoder, self._kv
+
+    def prefill_forward(
+        self,
+        *,
+        tokens: Any,
+        start_pos: Any,
+        seq_lens: Any,
+        page_table: Any,
+        last_token_index: Any,
+        chunk_start: int | None = None,
+        active_rows: int | None = None,
+    ) -> Any:
+        """float32 logits ``[B, vocab]`` of each row's last token; writes the rows' K/V.
+
+        ``start_pos``/``seq_lens`` (device) are not read: ``chunk_start`` (host) is every
+        row's start, and tokens past a row's length only write K/V slots the row's later
+        tokens overwrite before any query reads them (or ``-1`` pages, skipped)."""
+        decoder, kv = self._bound()
+        if chunk_start is None or active_rows is None:
+            raise ConfigError(
+                "prefill_forward",
+                "chunk_start/active_rows missing",
+                "the ttnn decoder's prefill takes the chunk's start and active rows from the "
+                "host (prefill_from_host), as tt_transformers' chunk_start_idx",
+            )
+        tt = self._tt
+        batch, seq = (int(d) for d in tokens.shape)
+        if not 0 < active_rows <= batch:
+            raise ConfigError("active_rows", active_rows, f"must be in [1, {batch}]")
+        end = chunk_start + seq
+        if chunk_start < 0 or end > self.decoder_config.max_positions:
+            raise ConfigError(
+                "chunk_start",
+                chunk_start,
+                f"positions {chunk_start}..{end - 1} must lie within max_position_embeddings="
+                f"{self.decoder_config.max_positions}",
+            )
+        width = int(page_table.shape[1])
+        rope = self._positions[chunk_start:end]
+        picked = []
+        for row in range(active_rows):
+            table = page_table[row : row + 1, :]
+            chunk_table = None
+            if chunk_start:
+                chunk_table = page_table[row : row + 1, chunk_start // kv.block_size : width]
+            hidden = decoder.prefill_hidden(
+                tokens=tt.reshape(tokens[row : row + 1, :], (seq,)),
+                rope_positions=rope,
+                page_table=table,
+                kv=list(kv.pairs),
+                chunk_start=chunk_start,
+                chunk_page_table=chunk_table,
+            )
+            rows = tt.to_layout(hidden, tt.ROW_MAJOR_LAYOUT)
+            picked.append(tt.embedding(last_token_index[row : row + 1], rows))
+        picked += [picked[0]] * (batch - active_rows)
+        last = picked[0] if batch == 1 else tt.concat(picked, 0)
+        return decoder.head(tt.to_layout(last, tt.TILE_LAYOUT))
+
+    def decode_forward(self, *, tokens: Any, positions: Any, page_table: Any) -> Any:
+        """float32 logits ``[B, vocab]``; writes each row's K/V at ``positions``."""
+        decoder, kv = self._bound()
+        tt = self._tt
+        return decoder.decode(
+            tokens=tokens,
+            positions=positions,
+            rope_positions=tt.typecast(positions, tt.uint32),
+            page_table=page_table,
+            kv=list(kv.pairs),
+        )
+
+    def close(self) -> None:
+        """Deallocate the device weights; idempotent."""
+        if self._decoder is not None:
+            self._decoder.close()
+            self._decoder = None
+        if self._positions is not None:
+            self._tt.deallocate(self._positions)
+            self._positions = None
+
