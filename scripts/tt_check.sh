@@ -38,7 +38,7 @@ out=${TT_CHECK_OUT:-tt-check}
 chips=${TT_CHECK_CHIPS:-1}
 port=${TT_CHECK_PORT:-8765}
 recipe=smollm2-135m
-on_tt=(--set device.backend=ttnn --set device.kind=null --set device.ttnn.module=ttnn)
+on_tt=(--set device.backend=ttnn --set device.ttnn.module=ttnn)
 
 status=0
 summary=()
@@ -93,7 +93,7 @@ step "4/5 mixed serving bench" 900 mixed.json \
   --max-new-tokens 32 --json
 step "5/5 vLLM plugin smoke" 900 vllm.txt \
   env LLMRT_VLLM_RECIPE="$recipe" \
-  LLMRT_VLLM_OVERRIDES="device.backend=ttnn device.kind=null device.ttnn.module=ttnn" \
+  LLMRT_VLLM_OVERRIDES="device.backend=ttnn device.ttnn.module=ttnn" \
   VLLM_PLUGINS=tt,tt_model_registry,llmrt MESH_DEVICE=N150 \
   python scripts/vllm_smoke.py --port "$port" --model HuggingFaceTB/SmolLM2-135M-Instruct
 ((dry_run)) && exit 0

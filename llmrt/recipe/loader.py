@@ -146,8 +146,8 @@ def load_recipe_with(
     source, text = _read_source(name_or_path)
     raw = _parse_yaml(text, source)
     expanded = _expand_env(raw, [], env)
-    _apply_overrides(expanded, first)
-    _apply_overrides(expanded, then)
+    given = _apply_overrides(expanded, first) | _apply_overrides(expanded, then)
+    _follow_overrides(expanded, given)
     return _structure(expanded)
 
 
@@ -164,7 +164,7 @@ def recipe_from_dict(data: Mapping[str, Any], *, overrides: Overrides | None = N
     raw = _plain(data)
     if not isinstance(raw, dict):
         raise RecipeError("recipe", data, "must be a mapping of recipe sections")
-    _apply_overrides(raw, overrides)
+    _follow_overrides(raw, _apply_overrides(raw, overrides))
     return _structure(raw)
 
 
@@ -417,8 +417,11 @@ def _override_items(overrides: Overrides | None) -> list[tuple[str, Any, bool]]:
     return items
 
 
-def _apply_overrides(raw: dict[str, Any], overrides: Overrides | None) -> None:
+def _apply_overrides(raw: dict[str, Any], overrides: Overrides | None) -> set[str]:
+    """Apply ``overrides`` to ``raw``; the dotted keys they set."""
+    keys: set[str] = set()
     for key, given, is_text in _override_items(overrides):
+        keys.add(key)
         parts = key.split(".")
         if not all(parts):
             raise RecipeError("overrides", key, "is not a dotted field path (e.g. trace.mode)")
@@ -427,6 +430,25 @@ def _apply_overrides(raw: dict[str, Any], overrides: Overrides | None) -> None:
         if isinstance(value, dict):
             _check_override_keys(parts, value)
         _set_path(raw, parts, value)
+    return keys
+
+
+def _follow_overrides(raw: dict[str, Any], given: set[str]) -> None:
+    """Dependent fields follow an override that makes the file's value meaningless.
+
+    ``device.kind`` picks a torch device: a recipe written for the CPU says ``kind: cpu``,
+    and ``--set device.backend=ttnn`` on it means "this model on ttnn", not a conflict, so
+    the file's ``kind`` is dropped unless an override set it too (then the schema says why
+    the pair is invalid).
+    """
+    device = raw.get("device")
+    if (
+        "device.backend" in given
+        and "device.kind" not in given
+        and isinstance(device, dict)
+        and device.get("backend", "torch") != "torch"
+    ):
+        device.pop("kind", None)
 
 
 def _check_override_keys(path: _FieldPath, mapping: dict[Any, Any]) -> None:

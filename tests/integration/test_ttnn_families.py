@@ -85,7 +85,6 @@ def overrides(directory: Path, mesh: list[int]) -> list[str]:
     return [
         f"checkpoint.path={directory}",
         "device.backend=ttnn",
-        "device.kind=null",
         # scripts/tt_check.sh runs these on a chip (LLMRT_TTNN_MODULE=ttnn)
         f"device.ttnn.module={os.environ.get('LLMRT_TTNN_MODULE', 'emulator')}",
         "device.ttnn.weight_dtype=bfloat16",

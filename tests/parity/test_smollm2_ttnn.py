@@ -39,7 +39,6 @@ PARITY_TEXTS = [
 ]
 OVERRIDES = [
     "device.backend=ttnn",
-    "device.kind=null",
     "device.ttnn.module=emulator",
     "kv_cache.max_num_blocks=256",
     "prefill.max_chunk_size=128",

@@ -402,3 +402,15 @@ def test_recipe_to_dict_is_plain_data() -> None:
 def test_dumped_yaml_loads_back_equal(tmp_path: Path, name: str) -> None:
     recipe = load_recipe(name, env=NO_ENV)
     assert load_recipe(write(tmp_path, dump_recipe_yaml(recipe)), env=NO_ENV) == recipe
+
+
+def test_a_backend_override_drops_the_files_torch_device_kind() -> None:
+    """``--set device.backend=ttnn`` on a CPU recipe (``kind: cpu``) means "this model on
+    ttnn": the torch-only field follows; given together, the pair is still refused."""
+    assert load_recipe("smollm2-135m").device.kind == "cpu"
+    moved = load_recipe("smollm2-135m", overrides=["device.backend=ttnn"])
+    assert (moved.device.backend, moved.device.kind) == ("ttnn", None)
+    with pytest.raises(RecipeError, match=r"device\.kind"):
+        load_recipe("smollm2-135m", overrides=["device.backend=ttnn", "device.kind=cpu"])
+    data = yaml.safe_load(dump_recipe_yaml(load_recipe("smollm2-135m")))
+    assert recipe_from_dict(data, overrides={"device.backend": "ttnn"}).device.kind is None
