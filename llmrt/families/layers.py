@@ -56,12 +56,14 @@ LARGE_GEMM_MIN_ROWS = 128
 #: dequantize + GEMM longer (one SmolLM2 layer, 2 threads: 1.7 against 1.9-8 ms at 32 rows,
 #: 3.9 against 2.7-3.4 ms at 64), and short prompts skip dequantizing every weight.
 INTERLEAVED_GEMM_MIN_ROWS = 48
-#: Rows from which interleaved blocks run a float32 GEMM where the CPU has no integer
-#: kernels (``int8_dot_supported``). With them, a float32-mode linear never dequantizes:
-#: from 16 rows the kernels run an integer GEMM (``interleaved_gemm.cpp``), which beat
-#: dequantize + MKL sgemm at every size and shape tried (SmolLM2's linears at 16-512 rows,
-#: 2 threads, medians of alternated runs: 1.1-2.5x), with the decode kernels' numerics (two
-#: 8-bit activation levels; SmolLM2's parity logits within ~1e-2 of the float32 reference).
+#: Rows from which interleaved blocks run a float32 GEMM where the integer GEMM does not win
+#: at every size (``integer_gemm_supported``: below AVX-512 VNNI). With VNNI, a float32-mode
+#: linear never dequantizes: from 16 rows the kernels run an integer GEMM
+#: (``interleaved_gemm.cpp``), which beat dequantize + MKL sgemm at every size and shape
+#: tried (SmolLM2's linears at 16-512 rows, 2 threads, medians of alternated runs:
+#: 1.1-2.5x), with the decode kernels' numerics (two 8-bit activation levels; SmolLM2's
+#: parity logits within ~1e-2 of the float32 reference). At AVX2 its 16-bit variant runs
+#: from 16 rows up to here (1.1-2.3x the AVX2 sgemm's speed at 16-64 rows, 0.9x at 512).
 INTERLEAVED_FLOAT32_GEMM_MIN_ROWS = 128
 
 

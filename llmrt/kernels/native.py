@@ -236,8 +236,11 @@ def int8_dot_supported() -> bool:
 
 @functools.cache
 def integer_gemm_supported() -> bool:
-    """Whether the running level has the interleaved layout's many-row integer GEMM
-    (AVX-512 VNNI); without it prefill-sized calls dequantize and run a float GEMM."""
+    """Whether the running level's integer GEMM over the interleaved layout beats dequantize +
+    float GEMM at every row count (AVX-512 VNNI). At AVX2 the kernels run their own integer
+    GEMM from 16 rows, but it loses to MKL's sgemm from ~128 rows
+    (``INTERLEAVED_FLOAT32_GEMM_MIN_ROWS``), so there prefill-sized calls dequantize and run a
+    float GEMM."""
     if not kernels_loaded():
         return False
     return bool(torch.ops.llmrt_kernels.integer_gemm_supported())

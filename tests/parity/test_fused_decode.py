@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -523,6 +527,69 @@ def test_a_row_with_no_keys_in_its_window_attends_to_nothing_on_any_team() -> No
         outs.append(y)
     assert all(torch.isfinite(y).all() for y in outs)
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-6)
+
+
+#: A child process pinned to one CPU runs the stack on a team larger than it: every barrier
+#: crossing has a waiter that must give the CPU back to the thread it waits for.
+_OVERSUBSCRIBED_CHILD = """
+import os, sys
+os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+import torch
+sys.path.insert(0, sys.argv[1])
+from test_fused_decode import _oversubscribed_runs
+want, got = _oversubscribed_runs(threads=int(sys.argv[2]))
+for y in got:
+    assert torch.equal(y, got[0])
+torch.testing.assert_close(got[0], want, rtol=0, atol=1e-5)
+print("steps", len(got))
+"""
+
+
+def _oversubscribed_runs(*, threads: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """The two-layer stack's step on one thread, then 30 steps on ``threads`` threads (each
+    from the same inputs): the child of the oversubscription test."""
+    from llmrt.kernels.native import load_kernels
+
+    load_kernels()
+    hidden, heads, kv_heads, dim = 32, 6, 3, 16
+    layers = [_stack_layer(hidden, heads, kv_heads, dim, seed) for seed in (1, 2)]
+    stack = _stack(layers)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(3, hidden, generator=gen)
+    cos, sin = torch.rand(3, dim, generator=gen), torch.rand(3, dim, generator=gen)
+    caches = [torch.randn(8, kv_heads, 8, dim, generator=gen) for _ in range(4)]
+    table = torch.tensor([[6, 1, -1, -1], [2, -1, -1, -1], [0, 3, 4, -1]], dtype=torch.int32)
+    positions = torch.tensor([12, 5, 20])
+
+    def run(count: int) -> torch.Tensor:
+        y = x.clone()
+        copies = [c.clone() for c in caches]
+        with _threads(count):
+            stack.run(y, [cos], [sin], copies[:2], copies[2:], table, positions)
+        return y
+
+    want = run(1)
+    return want, [run(threads) for _ in range(30)]
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs sched_setaffinity")
+@pytest.mark.parametrize("threads", [2, 6])
+def test_a_team_larger_than_its_cpus_finishes_with_the_one_thread_result(threads: int) -> None:
+    """Pinned to one CPU, a team of 2 or 6 threads runs the fused stack step after step to
+    the same result each time, the one-thread result within rounding (a larger team splits
+    the attention over key parts). A waiter that spins or yields instead of sleeping holds the CPU
+    the late thread needs (a step stalled for minutes on a loaded host); the child's time
+    limit is far beyond what the steps take, so only a stall fails it."""
+    here = Path(__file__).resolve().parent
+    run = subprocess.run(
+        [sys.executable, "-c", _OVERSUBSCRIBED_CHILD, str(here), str(threads)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=here.parents[1],
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    assert "steps 30" in run.stdout
 
 
 @pytest.mark.parametrize("rows", [2, 7])

@@ -9,12 +9,22 @@ float32 accumulation and one 256th of an 8-bit step of each block.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 from test_kernels_gguf_blocks import KINDS, random_weight, reference
 
-from llmrt.device.cpu_features import ISA_VARIABLE, CpuFeatures, isa_at_least
+from llmrt.device.cpu_features import (
+    ISA_VARIABLE,
+    TORCH_ISA_VARIABLES,
+    CpuFeatures,
+    isa_at_least,
+)
 from llmrt.errors import ConfigError
 from llmrt.families.layers import (
     QuantizedEmbedding,
@@ -77,8 +87,9 @@ def test_interleave_follows_the_layout_and_dequantizes_exactly(kind: str, cols: 
 
 
 @pytest.mark.parametrize("kind", KINDS)
-# 1-15 rows: the tile loop; from 16 the integer GEMM (6-row tiles, so 17 and 33 end in a
-# partial tile); 70 output rows end in a partial panel of 32 columns.
+# 1-15 rows: the tile loop; from 16 the integer GEMM (6-row tiles with VNNI, 4 at AVX2, so
+# 17 and 33 end in a partial tile; at AVX2, 130 rows dequantize); 70 output rows end in a
+# partial panel of 32 (VNNI) or 16 (AVX2) columns.
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 15, 16, 17, 33, 130])
 @pytest.mark.parametrize("cols", [96, 160, 576])
 def test_linear_on_interleaved_blocks_is_within_the_two_level_bound(
@@ -94,7 +105,7 @@ def test_linear_on_interleaved_blocks_is_within_the_two_level_bound(
     got = linear(x).double()
     error = (got - x.double() @ w64.T).abs()
     assert bool((error <= two_level_bound(x, w64)).all())
-    if rows >= 16 and integer_gemm_supported():
+    if rows >= 16 and (integer_gemm_supported() or (int8_dot_supported() and rows < 128)):
         # The integer GEMM quantizes each row as the one-row loop does: the two differ only
         # in float32 summation order (a loose pack or scale would show far above that).
         alone = torch.cat([linear(x[r : r + 1]) for r in range(rows)]).double()
@@ -103,6 +114,50 @@ def test_linear_on_interleaved_blocks_is_within_the_two_level_bound(
     # One 8-bit level would be off by up to 256 times more: the second level is there.
     one_level = (two_level_bound(x, w64) - 1e-5 * (x.double().abs() @ w64.abs().T)) * 256
     assert float(error.max()) < float(one_level.max()) / 16
+
+
+_AVX2_GEMM_CHILD = """
+import sys, torch
+from test_kernels_gguf_blocks import random_weight
+from llmrt.families.layers import QuantizedLinear
+from llmrt.kernels.native import load_kernels
+load_kernels()
+out = {}
+for kind in ("q4_0", "q4_1", "q8_0"):
+    linear = QuantizedLinear(weight=random_weight(kind, rows=70, cols=160, seed=3).interleaved())
+    for rows in (16, 17, 33, 100):
+        x = torch.randn(rows, 160, generator=torch.Generator().manual_seed(rows))
+        out[kind, rows] = linear(x)
+torch.save(out, sys.argv[1])
+"""
+
+
+@pytest.mark.skipif(
+    not isa_at_least("avx512_vnni") or bool(os.environ.get(ISA_VARIABLE)),
+    reason="compares the CPU's own VNNI GEMM with the AVX2 one (needs AVX-512 VNNI)",
+)
+def test_the_avx2_integer_gemm_gives_the_vnni_gemms_bits(tmp_path: Path) -> None:
+    """Both GEMMs sum 256 * sum(w h) + sum(w l) exactly per block (dpbusd per level against
+    one madd on h and l joined into 16 bits) and scale it in the same float32 steps, so a
+    child forced to avx2 must return this process's bits: 4-bit and 8-bit kinds, whole and
+    partial tiles and panels (70 output columns)."""
+    here = Path(__file__).resolve().parent
+    outs = {}
+    for level in ("avx2", ""):
+        path = tmp_path / f"{level or 'native'}.pt"
+        env = {k: v for k, v in os.environ.items() if k not in TORCH_ISA_VARIABLES}
+        run = subprocess.run(
+            [sys.executable, "-c", _AVX2_GEMM_CHILD, str(path)],
+            env={**env, ISA_VARIABLE: level, "PYTHONPATH": str(here)},
+            capture_output=True,
+            text=True,
+            cwd=here.parents[1],
+        )
+        assert run.returncode == 0, run.stderr[-3000:]
+        outs[level] = torch.load(path)
+    assert outs["avx2"].keys() == outs[""].keys()
+    for key, got in outs["avx2"].items():
+        assert torch.equal(got, outs[""][key]), key
 
 
 @pytest.mark.parametrize("kind", ["q4_0", "q4_1"])

@@ -370,16 +370,23 @@ Paged<T> paged(const at::Tensor& k_cache, const at::Tensor& v_cache, const int64
 // Rows up to which every thread keeps its own residual stream and prepared activations.
 constexpr int64_t kPrivateRows = 4;
 
-// A barrier for the team: waiters spin on the generation word (pausing, then yielding the
-// core after a while). Why not ``omp barrier``: libgomp's took ~0.3 us per crossing at two
-// threads in a loop of barriers (this one ~0.03 us), and a step crosses ~150; SmolLM2's
-// batch-1 step measured 2% faster (median of 50, interleaved in one process).
+// A barrier for the team: waiters spin on the generation word for a bounded while (pausing),
+// then sleep on it (``std::atomic::wait``: a futex on Linux) until the last arrival wakes
+// them. Why not ``omp barrier``: libgomp's took ~0.3 us per crossing at two threads in a loop
+// of barriers (this one ~0.03 us), and a step crosses ~150; SmolLM2's batch-1 step measured
+// 2% faster (median of 50, interleaved in one process). Why sleep rather than spin or yield
+// on: with the cores oversubscribed (other processes, or a team larger than the CPUs) a
+// waiter that keeps running takes the time slices the late thread needs; a spin that fell
+// back to ``sched_yield`` stalled a step for minutes on a loaded 2-core host.
 struct SpinBarrier {
   alignas(64) std::atomic<int> arrived{0};
   alignas(64) std::atomic<int> generation{0};
+  // Waiters past their spin (asleep or about to be); the last arrival wakes them only then.
+  alignas(64) std::atomic<int> sleepers{0};
   int size = 1;
-  // Pauses before a waiter yields its core; none when the team outnumbers the CPUs (a
-  // spinning waiter would hold the core the last arrival needs).
+  // Pauses before a waiter sleeps (~0.1-0.5 ms, longer than a phase's usual imbalance); none
+  // when the team outnumbers the CPUs (a spinning waiter would hold the core the last
+  // arrival needs).
   int spins = 4096;
 };
 
@@ -461,16 +468,21 @@ inline void team_barrier(const Team& team) {
   const int gen = team.generation++;
   if (b.arrived.fetch_add(1, std::memory_order_acq_rel) == b.size - 1) {
     b.arrived.store(0, std::memory_order_relaxed);
-    b.generation.store(gen + 1, std::memory_order_release);
+    // seq_cst store, then load: either a waiter's seq_cst ``sleepers`` increment is seen
+    // here (and it is woken), or its seq_cst re-check below sees the new generation.
+    b.generation.store(gen + 1, std::memory_order_seq_cst);
+    if (b.sleepers.load(std::memory_order_seq_cst) > 0) b.generation.notify_all();
     return;
   }
-  for (int spins = 0; b.generation.load(std::memory_order_acquire) == gen; ++spins) {
-    if (spins < b.spins) {
-      llmrt_kernels::cpu_relax();
-    } else {
-      std::this_thread::yield();
-    }
+  for (int spins = 0; spins < b.spins; ++spins) {
+    if (b.generation.load(std::memory_order_acquire) != gen) return;
+    llmrt_kernels::cpu_relax();
   }
+  b.sleepers.fetch_add(1, std::memory_order_seq_cst);
+  // ``wait`` returns once the word differs from ``gen`` (it re-checks before sleeping, so a
+  // store between the check and the sleep is not lost), or spuriously: hence the loop.
+  while (b.generation.load(std::memory_order_seq_cst) == gen) b.generation.wait(gen);
+  b.sleepers.fetch_sub(1, std::memory_order_relaxed);
 }
 
 // A layer's weights (borrowed) and shape, checked once.

@@ -865,7 +865,9 @@ at::Tensor gguf_interleave(const at::Tensor& blocks, int64_t kind, int64_t in_fe
 
 // The decode kernels' integer dots: AVX2 (maddubs) or AVX-512 VNNI (dpbusd).
 bool int8_dot_supported_op() { return llmrt_kernels::has_avx2(); }
-// The many-row integer GEMM (interleaved_gemm.cpp): AVX-512 VNNI only.
+// Whether the many-row integer GEMM (interleaved_gemm.cpp) beats dequantize + float32 GEMM at
+// every row count: AVX-512 VNNI. The AVX2 one runs from kInterleavedGemmMinRowsAvx2 rows but
+// loses to MKL's sgemm from ~128 rows, where the Python policy dequantizes instead.
 bool integer_gemm_supported_op() { return has_avx512_vnni(); }
 
 }  // namespace

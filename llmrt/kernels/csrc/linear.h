@@ -64,6 +64,11 @@ void interleaved_gemm_range(const uint8_t* prep, int64_t rows, const uint8_t* w,
 // Activation rows from which interleaved blocks take the integer GEMM over the tile loop
 // (SmolLM2's linears, 2 threads: 1.3-1.6x at 16 rows, 1.4-1.8x at 32, 1.7-2.8x from 64).
 constexpr int64_t kInterleavedGemmMinRows = 16;
+// The same at AVX2 (its 16-bit product loop against the AVX2 tile loop and dequantize + MKL
+// sgemm, one thread, forced avx2, CPU time: 0.43-0.63x the sgemm's at 16 rows, 0.76-0.88x at
+// 64, 1.06x at 512; the tile loop is slower than either from 16 rows). Above ~128 rows the
+// Python policy dequantizes (``integer_gemm_supported`` is false at AVX2).
+constexpr int64_t kInterleavedGemmMinRowsAvx2 = 16;
 // Whether ``rows`` activation rows of a linear of ``kind`` run the integer GEMM.
 bool takes_integer_gemm(int64_t kind, int64_t rows);
 // bfloat16 bits of the dequantized weight; false (nothing written) where this CPU or kind
