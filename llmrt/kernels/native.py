@@ -40,6 +40,7 @@ _SOURCES = (
     _CSRC / "kquants.cpp",
     _CSRC / "stacked.cpp",
     _CSRC / "interleaved.cpp",
+    _CSRC / "interleaved_neon.cpp",
     _CSRC / "interleaved_gemm.cpp",
     _CSRC / "decode_layer.cpp",
     _CSRC / "activation.cpp",
@@ -226,7 +227,8 @@ def kernels_isa() -> tuple[str, str, bool]:
 @functools.cache
 def int8_dot_supported() -> bool:
     """Whether the running level has the interleaved layout's integer-dot decode kernels
-    (AVX2 ``maddubs`` or AVX-512 VNNI ``dpbusd``); False too when the kernels do not load
+    (AVX2 ``maddubs``, AVX-512 VNNI ``dpbusd``, arm64 NEON ``smull``/``sdot``/``smmla``);
+    False too when the kernels do not load
     (asked once per process)."""
     if not kernels_loaded():
         return False
