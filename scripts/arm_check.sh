@@ -50,17 +50,26 @@ case "$MODE" in
     ;;
 esac
 
+# Whether $1 is newer than every project file it was built from (its -MMD list).
+up_to_date() {
+  local dep
+  for dep in $(sed 's/\\$//; s/^[^:]*://' "$1.d"); do
+    [[ $dep == llmrt/* && "$dep" -nt "$1" ]] && return 1
+  done
+  [[ -f "$1" ]]
+}
+
 # Compile every source (in parallel, one per core), each into $OUT.
 status=0
 pids=()
 srcs=(llmrt/kernels/csrc/*.cpp)
 for src in "${srcs[@]}"; do
   obj="$OUT/$(basename "$src" .cpp).o"
-  if [[ "$MODE" == --run && "$obj" -nt "$src" && -z "$(find llmrt/kernels/csrc -name '*.h' -newer "$obj")" ]]; then
+  if [[ "$MODE" == --run && -f "$obj.d" ]] && up_to_date "$obj"; then
     pids+=(0)
     continue
   fi
-  $CXX "${FLAGS[@]}" -c "$src" -o "$obj" 2>"$obj.log" &
+  $CXX "${FLAGS[@]}" -MMD -MF "$obj.d" -c "$src" -o "$obj" 2>"$obj.log" &
   pids+=($!)
   while (( $(jobs -rp | wc -l) >= $(nproc) )); do wait -n || true; done
 done

@@ -53,6 +53,11 @@ _SOURCES = (
 )
 
 
+def _compiler() -> str:
+    """The C++ compiler torch's cpp_extension builds with: ``$CXX``, else ``c++``."""
+    return os.environ.get("CXX", "c++")
+
+
 @functools.cache
 def _openmp_flags() -> tuple[str, ...]:
     """``("-fopenmp",)`` where the C++ compiler takes it, else ``()`` with a warning.
@@ -62,7 +67,7 @@ def _openmp_flags() -> tuple[str, ...]:
     the ``libgomp.so.1`` torch already loaded (same soname), so both share one thread pool.
     Apple clang rejects a bare ``-fopenmp``: there the library builds without it.
     """
-    compiler = os.environ.get("CXX", "c++")
+    compiler = _compiler()
     with tempfile.TemporaryDirectory() as tmp:
         source = Path(tmp) / "omp.cpp"
         source.write_text(
@@ -113,6 +118,9 @@ def build_directories() -> tuple[Path, ...]:
     # The flags as asked for (whether the compiler takes -fopenmp is asked only when building,
     # so a load never runs the compiler).
     digest.update(" ".join(("-O3", "-fno-math-errno", "-fopenmp", "-fopenmp")).encode())
+    # The compiler as named (torch's cpp_extension builds with $CXX): a gcc and a clang build
+    # of the same sources are different libraries (scripts/clang_check.sh builds both).
+    digest.update(_compiler().encode())
     digest.update(f"{torch.__version__}|{sys.implementation.cache_tag}".encode())
     name = digest.hexdigest()[:16]
     return (Path(__file__).parent / "_build" / name, default_cache_dir() / "kernels" / name)

@@ -56,8 +56,9 @@ OP = "llmrt_kernels::"
 INTERLEAVED = 256
 
 
-def run_arm(calls: list[tuple[str, list[object]]], *, cpu: str, forced: str,
-            tmp_path: Path) -> list[object]:
+def run_arm(
+    calls: list[tuple[str, list[object]]], *, cpu: str, forced: str, tmp_path: Path
+) -> list[object]:
     """The results of ``calls`` (``(op, args)``, ``("$", i)`` for call i's result) run by the
     arm64 driver under qemu on ``cpu`` with ``LLMRT_KERNELS_ISA=forced``."""
     calls_file, out_file = tmp_path / "calls.pt", tmp_path / "out.pt"
@@ -87,7 +88,8 @@ def test_the_arm64_kernels_match_the_references(
 ) -> None:
     """One driver run per level (qemu startup dominates): the level it ran at, the
     interleaved layout, and every Q4_0/Q4_1/Q8_0 product (both layouts, 1-11 activation rows,
-    widths whose last group is partial), the K-quant products and RMSNorm."""
+    widths whose last group is partial), the K-quant, Q5 and 16-bit float products, RMSNorm
+    and SiLU * up (float32 and bfloat16 out)."""
     calls: list[tuple[str, list[object]]] = [(OP + "kernels_isa", [])]
     checks = []
     rng = np.random.default_rng(7)
@@ -104,16 +106,22 @@ def test_the_arm64_kernels_match_the_references(
             checks.append(("int8", len(calls) - 1, (w, x)))
             calls.append((OP + "gguf_linear", [x, w.blocks, tid, cols, None]))
             checks.append(("float", len(calls) - 1, (w, x)))
-    for kind, cols in (("q4_k", 512), ("q5_k", 256), ("q6_k", 768), ("q5_0", 96)):
+    for kind, cols, rows_m in (("q4_k", 512, 3), ("q5_k", 256, 5), ("q6_k", 768, 1),
+                               ("q5_0", 96, 6), ("q5_1", 160, 2), ("f16", 40, 3),
+                               ("bf16", 200, 5)):  # fmt: skip
         blocks = torch.from_numpy(random_blocks(kind, 13, cols, seed=cols, scale=10.0))
         kw = QuantizedWeight(kind=kind, shape=(13, cols), blocks=blocks)  # type: ignore[arg-type]
-        x = torch.from_numpy(rng.standard_normal((3, cols)).astype(np.float32))
+        x = torch.from_numpy(rng.standard_normal((rows_m, cols)).astype(np.float32))
         calls.append((OP + "gguf_linear", [x, kw.blocks, kw.kernel_type, cols, None]))
         checks.append(("kquant", len(calls) - 1, (kw, x)))
     xn = torch.from_numpy(rng.standard_normal((5, 200)).astype(np.float32))
     wn = torch.from_numpy(rng.uniform(0.5, 1.5, 200).astype(np.float32))
     calls.append((OP + "rms_norm", [xn, wn, 1e-5]))
     checks.append(("rms", len(calls) - 1, (xn, wn)))
+    gate_up = torch.from_numpy((3 * rng.standard_normal((4, 2 * 37))).astype(np.float32))
+    for dtype, code in ((torch.float32, 6), (torch.bfloat16, 15)):  # c10::ScalarType codes
+        calls.append((OP + "mlp_activation", [gate_up, 0, True, code]))  # 0: SiLU
+        checks.append(("silu", len(calls) - 1, (gate_up, dtype)))
 
     results = run_arm(calls, cpu=cpu, forced=forced, tmp_path=tmp_path)
 
@@ -137,17 +145,24 @@ def test_the_arm64_kernels_match_the_references(
             assert bool((err <= bound).all()), (what, w.kind, tuple(x.shape), float(err.max()))
         elif what == "kquant":
             kw, x = data
-            dense = torch.from_numpy(
-                np.asarray(
-                    gguf.quants.dequantize(kw.blocks.numpy(), gguf.GGMLQuantizationType(GGML_TYPE[kw.kind])),
-                    dtype=np.float64,
-                ).reshape(kw.shape)
-            )
+            qtype = gguf.GGMLQuantizationType(GGML_TYPE[kw.kind])
+            values = gguf.quants.dequantize(kw.blocks.numpy(), qtype)
+            dense = torch.from_numpy(np.asarray(values, dtype=np.float64).reshape(kw.shape))
             expected = x.double() @ dense.T
-            groups = x.double().abs().reshape(x.shape[0], -1, 32).amax(-1).repeat_interleave(32, -1)
-            bound = 2e-5 * (groups @ dense.abs().T) + 1e-5 * (x.double().abs() @ dense.abs().T) + 1e-6
+            bound = 1e-5 * (x.double().abs() @ dense.abs().T) + 1e-6
+            if kw.kind not in ("f16", "bf16"):  # two-level activations (test_kernels_kquants)
+                x64 = x.double().abs().reshape(x.shape[0], -1, 32)
+                groups = x64.amax(-1).repeat_interleave(32, -1)
+                bound = bound + 2e-5 * (groups @ dense.abs().T)
             err = (got.double() - expected).abs()
             assert bool((err <= bound).all()), (kw.kind, float(err.max()))
+        elif what == "silu":
+            gate_up, dtype = data
+            g, u = gate_up.double()[:, :37], gate_up.double()[:, 37:]
+            expected = g / (1 + torch.exp(-g)) * u
+            assert got.dtype == dtype
+            rtol, atol = (1e-5, 1e-6) if dtype == torch.float32 else (2**-8, 1e-6)
+            assert torch.allclose(got.double(), expected, rtol=rtol, atol=atol)
         else:
             xn, wn = data
             x64 = xn.double()

@@ -24,6 +24,7 @@
 #include "blocks.h"
 #include "cpu.h"
 #include "interleaved_layout.h"
+#include "neon_dot.h"
 #include "prefetch.h"
 #include "tiles.h"
 
@@ -68,41 +69,7 @@ inline TwoLevel two_level_block_neon(const float* x, int8_t* h0, int8_t* l0, int
   return {amax / 127.0f, vaddvq_s32(sh), vaddvq_s32(sl)};
 }
 
-// ---- the integer dot product, per level --------------------------------------------------
-
-// acc + the products of a and b, summed into four 32-bit lanes (which bytes go to which lane
-// differs per level; the kernels only ever use a block's total).
-struct NeonDot {
-  static inline int32x4_t dot(int32x4_t acc, int8x16_t a, int8x16_t b) {
-    int16x8_t t = vmull_s8(vget_low_s8(a), vget_low_s8(b));
-    t = vmlal_high_s8(t, a, b);
-    return vpadalq_s16(acc, t);
-  }
-  // a1.b1 + a2.b2 in one 16-bit pass (4-bit weights only: four products of <= 15 * 127).
-  static inline int32x4_t dot2(int32x4_t acc, int8x16_t a1, int8x16_t b1, int8x16_t a2,
-                               int8x16_t b2) {
-    int16x8_t t = vmull_s8(vget_low_s8(a1), vget_low_s8(b1));
-    t = vmlal_high_s8(t, a1, b1);
-    t = vmlal_s8(t, vget_low_s8(a2), vget_low_s8(b2));
-    t = vmlal_high_s8(t, a2, b2);
-    return vpadalq_s16(acc, t);
-  }
-};
-
-struct DotprodDot {
-  LLMRT_DOTPROD static inline int32x4_t dot(int32x4_t acc, int8x16_t a, int8x16_t b) {
-#if defined(__clang__)
-    return vreinterpretq_s32_s8(
-        __builtin_neon_vdotq_v(vreinterpretq_s8_s32(acc), a, b, 34));
-#else
-    return vdotq_s32(acc, a, b);
-#endif
-  }
-  LLMRT_DOTPROD static inline int32x4_t dot2(int32x4_t acc, int8x16_t a1, int8x16_t b1,
-                                             int8x16_t a2, int8x16_t b2) {
-    return dot(dot(acc, a1, b1), a2, b2);
-  }
-};
+// ---- the integer dot products: neon_dot.h; i8mm's matrix multiply -----------------------
 
 LLMRT_I8MM inline int32x4_t mmla(int32x4_t acc, int8x16_t a, int8x16_t b) {
 #if defined(__clang__)
@@ -303,10 +270,8 @@ LLMRT_I8MM void q4_tile_i8mm(const uint8_t* prep, int64_t prep_stride, const uin
 
 // ---- entry points per level --------------------------------------------------------------
 
-// Each level's entry is flattened: the shared templates (and the dot products they call)
-// are inlined into a function compiled for that level, so the sdot/smmla helpers never
-// become calls and the baseline entry never contains them.
-#define LLMRT_FLATTEN __attribute__((flatten))
+// Each level's entry is flattened (LLMRT_FLATTEN, neon_dot.h): the baseline entry never
+// contains sdot/smmla, and the others never call them.
 
 template <typename Dot>
 struct NeonTile {
