@@ -65,7 +65,9 @@ def _openmp_flags() -> tuple[str, ...]:
     Why: ``at::parallel_for`` is an OpenMP pragma in the headers and the fused step's team
     is an OpenMP region, so without it the kernels run on one thread. The library links
     the ``libgomp.so.1`` torch already loaded (same soname), so both share one thread pool.
-    Apple clang rejects a bare ``-fopenmp``: there the library builds without it.
+    clang (with libomp-dev) links LLVM's ``libomp`` instead, a second pool beside torch's
+    (warned: not measured here, but both pools' idle threads spin on the same cores). Apple
+    clang rejects a bare ``-fopenmp``: there the library builds without it.
     """
     compiler = _compiler()
     with tempfile.TemporaryDirectory() as tmp:
@@ -81,6 +83,15 @@ def _openmp_flags() -> tuple[str, ...]:
             )
         except (OSError, subprocess.TimeoutExpired):
             return ()
+        llvm_runtime = probe.returncode == 0 and b"libomp." in (Path(tmp) / "omp").read_bytes()
+    if llvm_runtime:
+        warnings.warn(
+            f"{compiler} builds llmrt's CPU kernels against LLVM's OpenMP runtime (libomp), "
+            "beside the libgomp torch uses: two thread pools in one process, whose idle "
+            "threads may spin on the same cores (build with g++ to share torch's pool)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     if probe.returncode == 0:
         return ("-fopenmp",)
     warnings.warn(
