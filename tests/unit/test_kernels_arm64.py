@@ -35,11 +35,26 @@ RUNNER = ARM_DIR / "op_runner"
 QEMU = shutil.which("qemu-aarch64")
 SYSROOT = Path("/usr/aarch64-linux-gnu")
 
-pytestmark = pytest.mark.skipif(
-    QEMU is None or not RUNNER.is_file() or not SYSROOT.is_dir(),
-    reason="needs qemu-aarch64, the aarch64 libc (g++-aarch64-linux-gnu) and the arm64 op "
-    f"runner at {RUNNER} (scripts/arm_check.sh --run builds it and runs this module)",
-)
+CSRC = Path(__file__).resolve().parents[2] / "llmrt" / "kernels" / "csrc"
+
+
+def _stale() -> bool:
+    """Whether a kernel source changed after the driver was built (it would test old code)."""
+    built = RUNNER.stat().st_mtime
+    return any(p.stat().st_mtime > built for p in CSRC.iterdir() if p.suffix in (".cpp", ".h"))
+
+
+pytestmark = [
+    pytest.mark.skipif(
+        QEMU is None or not RUNNER.is_file() or not SYSROOT.is_dir(),
+        reason="needs qemu-aarch64, the aarch64 libc (g++-aarch64-linux-gnu) and the arm64 op "
+        f"runner at {RUNNER} (scripts/arm_check.sh --run builds it and runs this module)",
+    ),
+    pytest.mark.skipif(
+        RUNNER.is_file() and _stale(),
+        reason=f"{RUNNER} is older than the kernel sources: scripts/arm_check.sh --run rebuilds it",
+    ),
+]
 
 #: (qemu CPU model, LLMRT_KERNELS_ISA or "" for the detected level, the level that must run)
 LEVELS = [
