@@ -41,6 +41,7 @@ _SOURCES = (
     _CSRC / "kquants.cpp",
     _CSRC / "stacked.cpp",
     _CSRC / "interleaved.cpp",
+    _CSRC / "interleaved_neon.cpp",
     _CSRC / "interleaved_gemm.cpp",
     _CSRC / "decode_layer.cpp",
     _CSRC / "activation.cpp",
@@ -53,6 +54,11 @@ _SOURCES = (
 )
 
 
+def _compiler() -> str:
+    """The C++ compiler torch's cpp_extension builds with: ``$CXX``, else ``c++``."""
+    return os.environ.get("CXX", "c++")
+
+
 @functools.cache
 def _openmp_flags() -> tuple[str, ...]:
     """``("-fopenmp",)`` where the C++ compiler takes it, else ``()`` with a warning.
@@ -60,9 +66,11 @@ def _openmp_flags() -> tuple[str, ...]:
     Why: ``at::parallel_for`` is an OpenMP pragma in the headers and the fused step's team
     is an OpenMP region, so without it the kernels run on one thread. The library links
     the ``libgomp.so.1`` torch already loaded (same soname), so both share one thread pool.
-    Apple clang rejects a bare ``-fopenmp``: there the library builds without it.
+    clang (with libomp-dev) links LLVM's ``libomp`` instead, a second pool beside torch's
+    (warned: not measured here, but both pools' idle threads spin on the same cores). Apple
+    clang rejects a bare ``-fopenmp``: there the library builds without it.
     """
-    compiler = os.environ.get("CXX", "c++")
+    compiler = _compiler()
     with tempfile.TemporaryDirectory() as tmp:
         source = Path(tmp) / "omp.cpp"
         source.write_text(
@@ -76,6 +84,15 @@ def _openmp_flags() -> tuple[str, ...]:
             )
         except (OSError, subprocess.TimeoutExpired):
             return ()
+        llvm_runtime = probe.returncode == 0 and b"libomp." in (Path(tmp) / "omp").read_bytes()
+    if llvm_runtime:
+        warnings.warn(
+            f"{compiler} builds llmrt's CPU kernels against LLVM's OpenMP runtime (libomp), "
+            "beside the libgomp torch uses: two thread pools in one process, whose idle "
+            "threads may spin on the same cores (build with g++ to share torch's pool)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     if probe.returncode == 0:
         return ("-fopenmp",)
     warnings.warn(
@@ -113,6 +130,9 @@ def build_directories() -> tuple[Path, ...]:
     # The flags as asked for (whether the compiler takes -fopenmp is asked only when building,
     # so a load never runs the compiler).
     digest.update(" ".join(("-O3", "-fno-math-errno", "-fopenmp", "-fopenmp")).encode())
+    # The compiler as named (torch's cpp_extension builds with $CXX): a gcc and a clang build
+    # of the same sources are different libraries (scripts/clang_check.sh builds both).
+    digest.update(_compiler().encode())
     digest.update(f"{torch.__version__}|{sys.implementation.cache_tag}".encode())
     name = digest.hexdigest()[:16]
     return (Path(__file__).parent / "_build" / name, default_cache_dir() / "kernels" / name)
@@ -227,7 +247,8 @@ def kernels_isa() -> tuple[str, str, bool]:
 @functools.cache
 def int8_dot_supported() -> bool:
     """Whether the running level has the interleaved layout's integer-dot decode kernels
-    (AVX2 ``maddubs`` or AVX-512 VNNI ``dpbusd``); False too when the kernels do not load
+    (AVX2 ``maddubs``, AVX-512 VNNI ``dpbusd``, arm64 NEON ``smull``/``sdot``/``smmla``);
+    False too when the kernels do not load
     (asked once per process)."""
     if not kernels_loaded():
         return False

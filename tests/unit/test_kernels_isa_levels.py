@@ -3,7 +3,9 @@
 ``LLMRT_KERNELS_ISA=<level>`` makes a process run only that level's code (and the policies
 read the same level), so the AVX2 and scalar paths another CPU runs are checked here against
 the same independent references (gguf-py's dequantization, torch's ops, the torch-ops decode
-path). The CPU's own level is the ordinary test run.
+path). The CPU's own level is the ordinary test run. The arm64 levels (neon, dotprod, i8mm)
+run from an x86 host under qemu-user in ``test_kernels_arm64.py`` (``scripts/arm_check.sh
+--run``); on an arm64 host this module covers them as it covers x86's.
 """
 
 from __future__ import annotations

@@ -92,8 +92,9 @@ void activate_rows(const at::Tensor& y, at::Tensor& out, int64_t kind, bool gate
   // float32 and rounds to bfloat16 as c10 does (nearest even, as vcvtneps2bf16).
   const bool simd = kind == kSilu && (std::is_same_v<Out, float> ? has_avx512() : has_avx512_bf16());
   const bool avx2 = kind == kSilu && !simd && llmrt_kernels::has_avx2();
+  const bool neon = kind == kSilu && llmrt_kernels::has_neon();  // arm64: vecmath.h
   at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
-    std::vector<float> buf(avx2 && !std::is_same_v<Out, float> ? inter : 0);
+    std::vector<float> buf((avx2 || neon) && !std::is_same_v<Out, float> ? inter : 0);
     for (int64_t r = r0; r < r1; ++r) {
       const In* gate = src + r * width;
       const In* up = gated ? gate + inter : nullptr;
@@ -109,6 +110,14 @@ void activate_rows(const at::Tensor& y, at::Tensor& out, int64_t kind, bool gate
           llmrt_kernels::silu_row_avx2<In>(gate, up, buf.data(), inter);
           for (int64_t j = 0; j < inter; ++j) dst[r * inter + j] = static_cast<Out>(buf[j]);
         }
+        continue;
+      }
+#elif defined(LLMRT_ARM64)
+      if (neon) {
+        float* o = std::is_same_v<Out, float> ? reinterpret_cast<float*>(dst + r * inter) : buf.data();
+        llmrt_kernels::silu_row_neon<In>(gate, up, o, inter);
+        if constexpr (!std::is_same_v<Out, float>)
+          for (int64_t j = 0; j < inter; ++j) dst[r * inter + j] = static_cast<Out>(buf[j]);
         continue;
       }
 #endif

@@ -56,6 +56,21 @@ inline int omp_get_thread_num() { return 0; }
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,f16c,fma")))
 #endif
 
+// arm64: functions marked LLMRT_DOTPROD / LLMRT_I8MM are compiled for Armv8.2-A with the dot
+// product (and the int8 matrix multiply) whatever the build flags say (NEON itself is in
+// every AArch64 build). GCC spells the extensions as an arch, clang as features; clang before
+// 16 declares the sdot/smmla intrinsics only under the global -march, so
+// interleaved_neon.cpp calls its builtins there.
+#if defined(LLMRT_ARM64)
+#if defined(__clang__)
+#define LLMRT_DOTPROD __attribute__((target("dotprod")))
+#define LLMRT_I8MM __attribute__((target("dotprod,i8mm")))
+#else
+#define LLMRT_DOTPROD __attribute__((target("arch=armv8.2-a+dotprod")))
+#define LLMRT_I8MM __attribute__((target("arch=armv8.2-a+dotprod+i8mm")))
+#endif
+#endif
+
 namespace llmrt_kernels {
 
 // The ordered levels; names index by value (x86 and arm64 share the numbers 0-3).

@@ -29,6 +29,7 @@
 #include "cpu.h"
 #include "prefetch.h"
 #include "interleaved_layout.h"
+#include "interleaved_neon.h"
 #include "linear.h"
 #include "tiles.h"
 
@@ -207,6 +208,7 @@ LLMRT_AVX2 void dequant_rows_avx2(const uint8_t* w, int64_t row_bytes, int64_t k
 //                     Q8_0: int32 128 * (256 * sum h + sum l) in the block's first lane
 //                     (removes the +128 of the stored quants)
 constexpr int64_t kGroupPrep = 2 * 128 + 64 + 64;
+static_assert(kGroupPrep == llmrt_kernels::kInterleavedGroupPrep);
 
 #if defined(LLMRT_X86)
 template <bool AVX512>
@@ -745,7 +747,7 @@ void portable_rows(const float* x, int64_t rows_m, const uint8_t* w, int64_t row
 namespace llmrt_kernels {
 
 int64_t interleaved_prep_bytes(int64_t base, int64_t k) {
-  if (!llmrt_kernels::has_avx2()) return 0;
+  if (!llmrt_kernels::has_avx2() && !llmrt_kernels::has_neon()) return 0;
   const int64_t nb = k / kBlock;
   return (nb + group_of(base) - 1) / group_of(base) * kGroupPrep;
 }
@@ -762,6 +764,9 @@ void interleaved_prepare(const float* x, int64_t r0, int64_t r1, int64_t base, i
     else
       prepare_row_avx2(x + r * k, k, base, prep + r * per_row);
   }
+#elif defined(LLMRT_ARM64)
+  for (int64_t r = r0; r < r1; ++r)
+    llmrt_kernels::interleaved_prepare_row_neon(x + r * k, k, base, prep + r * per_row);
 #else
   (void)x;
   (void)r0;
@@ -772,6 +777,13 @@ void interleaved_prepare(const float* x, int64_t r0, int64_t r1, int64_t base, i
 void interleaved_range(const float* x, int64_t rows_m, const uint8_t* w, int64_t row_bytes,
                        int64_t base, int64_t k, const uint8_t* prep, float* y, int64_t n,
                        int64_t n0, int64_t n1) {
+#if defined(LLMRT_ARM64)
+  if (llmrt_kernels::has_neon()) {  // interleaved_neon.cpp: neon, dotprod, i8mm
+    llmrt_kernels::interleaved_range_neon(prep, interleaved_prep_bytes(base, k), rows_m, w,
+                                          row_bytes, base, k, y, n, n0, n1);
+    return;
+  }
+#endif
   if (!llmrt_kernels::has_avx2()) {
     portable_rows(x, rows_m, w, row_bytes, base, k, y, n, n0, n1);
     return;
@@ -864,10 +876,11 @@ at::Tensor gguf_interleave(const at::Tensor& blocks, int64_t kind, int64_t in_fe
 }
 
 // The decode kernels' integer dots: AVX2 (maddubs) or AVX-512 VNNI (dpbusd).
-bool int8_dot_supported_op() { return llmrt_kernels::has_avx2(); }
+bool int8_dot_supported_op() { return llmrt_kernels::has_avx2() || llmrt_kernels::has_neon(); }
 // Whether the many-row integer GEMM (interleaved_gemm.cpp) beats dequantize + float32 GEMM at
 // every row count: AVX-512 VNNI. The AVX2 one runs from kInterleavedGemmMinRowsAvx2 rows but
-// loses to MKL's sgemm from ~128 rows, where the Python policy dequantizes instead.
+// loses to MKL's sgemm from ~128 rows, where the Python policy dequantizes instead; arm64 has
+// none yet (prefill dequantizes there).
 bool integer_gemm_supported_op() { return has_avx512_vnni(); }
 
 }  // namespace

@@ -38,6 +38,7 @@
 #include "blocks.h"
 #include "interleaved_layout.h"  // LLMRT_VNNI
 #include "kquant_blocks.h"
+#include "neon_dot.h"
 #include "prefetch.h"
 
 namespace {
@@ -586,6 +587,81 @@ LLMRT_VNNI void range_vnni(const uint8_t* prep, int64_t rows_m, const uint8_t* w
 }
 #endif
 
+// ---- arm64: the row tiles with NEON integer dots (neon_dot.h) -----------------------------
+
+#if defined(LLMRT_ARM64)
+// Rows [0, RT) of prepared x against one weight row: each block unpacked once (unpack_block,
+// which the compiler vectorizes), then per group, level and 16-weight half an int8 dot
+// (weights <= 63, so NeonDot's 16-bit pairs cannot overflow), scaled in float.
+template <typename Dot, int64_t KIND, int RT>
+inline void row_tile_neon(const PGroup* px, int64_t groups, const uint8_t* row, int64_t nb,
+                          float* y, int64_t ldy, int64_t n) {
+  constexpr int64_t G = groups_per_block(KIND);
+  constexpr int64_t bb = kquant_block_bytes(KIND);
+  float32x4_t acc[RT];
+  float macc[RT];
+  for (int r = 0; r < RT; ++r) {
+    acc[r] = vdupq_n_f32(0.0f);
+    macc[r] = 0.0f;
+  }
+  WGroup g[G];
+  const int32x4_t zero = vdupq_n_s32(0);
+  for (int64_t b = 0; b < nb; ++b) {
+    unpack_block<KIND>(row + b * bb, g);
+    for (int64_t i = 0; i < G; ++i) {
+      const int8x16_t w0 = vreinterpretq_s8_u8(vld1q_u8(g[i].q));
+      const int8x16_t w1 = vreinterpretq_s8_u8(vld1q_u8(g[i].q + 16));
+      const float32x4_t a = {g[i].a8[0], g[i].a8[0], g[i].a8[4], g[i].a8[4]};
+      for (int r = 0; r < RT; ++r) {
+        const PGroup& p = px[r * groups + b * G + i];
+        for (int l = 0; l < kLevels; ++l) {
+          // lanes 0-1: the first 16 weights, 2-3: the second
+          const int32x4_t s = vpaddq_s32(Dot::dot(zero, w0, vld1q_s8(p.q[l])),
+                                         Dot::dot(zero, w1, vld1q_s8(p.q[l] + 16)));
+          acc[r] = vfmaq_f32(acc[r], vcvtq_f32_s32(s), vmulq_n_f32(a, p.d[l]));
+        }
+        macc[r] += g[i].b[0] * p.c[0] + g[i].b[1] * p.c[1];
+      }
+    }
+  }
+  for (int r = 0; r < RT; ++r) y[r * ldy + n] = vaddvq_f32(acc[r]) - macc[r];
+}
+
+template <typename Dot, int64_t KIND>
+inline void range_neon_tiles(const uint8_t* prep, int64_t rows_m, const uint8_t* w, int64_t rb,
+                             int64_t k, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  const int64_t nb = k / kquant_block_weights(KIND), groups = k / 32;
+  const PGroup* px = reinterpret_cast<const PGroup*>(prep);
+  llmrt_kernels::AheadPrefetch ahead(w + n0 * rb, w + n1 * rb);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * rb;
+    ahead.upto(row + rb);
+    int64_t r = 0;
+    for (; r + kRowTile <= rows_m; r += kRowTile)
+      row_tile_neon<Dot, KIND, kRowTile>(px + r * groups, groups, row, nb, y + r * ldy, ldy, n);
+    switch (rows_m - r) {
+      case 3: row_tile_neon<Dot, KIND, 3>(px + r * groups, groups, row, nb, y + r * ldy, ldy, n); break;
+      case 2: row_tile_neon<Dot, KIND, 2>(px + r * groups, groups, row, nb, y + r * ldy, ldy, n); break;
+      case 1: row_tile_neon<Dot, KIND, 1>(px + r * groups, groups, row, nb, y + r * ldy, ldy, n); break;
+      default: break;
+    }
+  }
+}
+
+template <int64_t KIND>
+LLMRT_FLATTEN void range_neon(const uint8_t* prep, int64_t rows_m, const uint8_t* w, int64_t rb,
+                              int64_t k, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  range_neon_tiles<llmrt_kernels::NeonDot, KIND>(prep, rows_m, w, rb, k, y, ldy, n0, n1);
+}
+
+template <int64_t KIND>
+LLMRT_DOTPROD LLMRT_FLATTEN void range_dotprod(const uint8_t* prep, int64_t rows_m,
+                                               const uint8_t* w, int64_t rb, int64_t k, float* y,
+                                               int64_t ldy, int64_t n0, int64_t n1) {
+  range_neon_tiles<llmrt_kernels::DotprodDot, KIND>(prep, rows_m, w, rb, k, y, ldy, n0, n1);
+}
+#endif  // LLMRT_ARM64
+
 // ---- 16-bit float rows ---------------------------------------------------------------------
 
 template <int64_t KIND>
@@ -643,6 +719,39 @@ LLMRT_AVX2 void half_range_avx2(const float* x, int64_t rows_m, const uint16_t* 
   }
 }
 #endif
+
+#if defined(LLMRT_ARM64)
+template <int64_t KIND>
+inline float32x4_t load4_neon(const uint16_t* p) {
+  if constexpr (KIND == kBF16)
+    return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16));
+  else
+    return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p)));
+}
+
+// half_range_avx2 in NEON (fp16 conversion and FMA are in every AArch64 CPU).
+template <int64_t KIND>
+void half_range_neon(const float* x, int64_t rows_m, const uint16_t* w, int64_t k, float* y,
+                     int64_t ldy, int64_t n0, int64_t n1) {
+  llmrt_kernels::AheadPrefetch ahead(w + n0 * k, w + n1 * k);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint16_t* row = w + n * k;
+    ahead.upto(row + k);
+    for (int64_t r = 0; r < rows_m; ++r) {
+      const float* xr = x + r * k;
+      float32x4_t a0 = vdupq_n_f32(0.0f), a1 = vdupq_n_f32(0.0f);
+      int64_t j = 0;
+      for (; j + 8 <= k; j += 8) {
+        a0 = vfmaq_f32(a0, load4_neon<KIND>(row + j), vld1q_f32(xr + j));
+        a1 = vfmaq_f32(a1, load4_neon<KIND>(row + j + 4), vld1q_f32(xr + j + 4));
+      }
+      float s = vaddvq_f32(vaddq_f32(a0, a1));
+      for (; j < k; ++j) s += f16ish<KIND>(row[j]) * xr[j];
+      y[r * ldy + n] = s;
+    }
+  }
+}
+#endif  // LLMRT_ARM64
 
 // ---- dequantization ------------------------------------------------------------------------
 
@@ -702,6 +811,12 @@ void range_kind(const float* x, int64_t rows_m, const uint8_t* w, int64_t rb, in
       return;
     }
 #endif
+#if defined(LLMRT_ARM64)
+    if (llmrt_kernels::has_neon()) {
+      half_range_neon<KIND>(x, rows_m, wh, k, y, ldy, n0, n1);
+      return;
+    }
+#endif
     half_range_scalar<KIND>(x, rows_m, wh, k, y, ldy, n0, n1);
   } else {
 #if defined(LLMRT_X86)
@@ -713,6 +828,16 @@ void range_kind(const float* x, int64_t rows_m, const uint8_t* w, int64_t rb, in
     }
     if (llmrt_kernels::has_avx2()) {
       range_avx2<KIND>(prep, rows_m, w, rb, k, y, ldy, n0, n1);
+      return;
+    }
+#endif
+#if defined(LLMRT_ARM64)
+    if (llmrt_kernels::has_dotprod()) {
+      range_dotprod<KIND>(prep, rows_m, w, rb, k, y, ldy, n0, n1);
+      return;
+    }
+    if (llmrt_kernels::has_neon()) {
+      range_neon<KIND>(prep, rows_m, w, rb, k, y, ldy, n0, n1);
       return;
     }
 #endif

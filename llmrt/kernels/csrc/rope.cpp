@@ -26,7 +26,9 @@
 
 // torch rounds the two products before their sum: keep the compiler from fusing them (GCC's
 // pragma; the standard one for compilers that honour it).
+#if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC optimize("fp-contract=off")
+#endif
 #pragma STDC FP_CONTRACT OFF
 
 namespace {

@@ -7,6 +7,8 @@
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#elif defined(__aarch64__)
+#include <arm_neon.h>
 #endif
 
 #include <cmath>
@@ -160,5 +162,61 @@ LLMRT_AVX2 inline void silu_row_avx2(const In* g, const In* u, float* out, int64
 }
 
 #endif  // LLMRT_X86
+
+#if defined(LLMRT_ARM64)
+// ---- arm64 NEON (every AArch64 CPU): 4 lanes, exp256's steps; tails through a zeroed buffer
+
+inline float32x4_t load4(const float* p) { return vld1q_f32(p); }
+inline float32x4_t load4(const c10::Half* p) {
+  return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(reinterpret_cast<const uint16_t*>(p))));
+}
+inline float32x4_t load4(const c10::BFloat16* p) {
+  return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(reinterpret_cast<const uint16_t*>(p)), 16));
+}
+
+inline float32x4_t exp128(float32x4_t x) {
+  x = vminq_f32(vmaxq_f32(x, vdupq_n_f32(-87.0f)), vdupq_n_f32(88.0f));
+  const float32x4_t n = vrndnq_f32(vmulq_n_f32(x, 1.44269504088896341f));
+  float32x4_t r = vfmsq_f32(x, n, vdupq_n_f32(0.693359375f));
+  r = vfmsq_f32(r, n, vdupq_n_f32(-2.12194440e-4f));
+  float32x4_t p = vdupq_n_f32(1.0f / 5040.0f);
+  p = vfmaq_f32(vdupq_n_f32(1.0f / 720.0f), p, r);
+  p = vfmaq_f32(vdupq_n_f32(1.0f / 120.0f), p, r);
+  p = vfmaq_f32(vdupq_n_f32(1.0f / 24.0f), p, r);
+  p = vfmaq_f32(vdupq_n_f32(1.0f / 6.0f), p, r);
+  p = vfmaq_f32(vdupq_n_f32(0.5f), p, r);
+  p = vfmaq_f32(vdupq_n_f32(1.0f), p, r);
+  p = vfmaq_f32(vdupq_n_f32(1.0f), p, r);
+  const int32x4_t e = vshlq_n_s32(vaddq_s32(vcvtnq_s32_f32(n), vdupq_n_s32(127)), 23);
+  return vmulq_f32(p, vreinterpretq_f32_s32(e));
+}
+
+inline float32x4_t silu128(float32x4_t v) {
+  return vdivq_f32(v, vaddq_f32(vdupq_n_f32(1.0f), exp128(vnegq_f32(v))));
+}
+
+// out[j] = silu(g[j]) * u[j] (u == nullptr: silu(g[j])) in float32.
+template <typename In>
+inline void silu_row_neon(const In* g, const In* u, float* out, int64_t n) {
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    float32x4_t a = silu128(load4(g + j));
+    if (u != nullptr) a = vmulq_f32(a, load4(u + j));
+    vst1q_f32(out + j, a);
+  }
+  if (j < n) {
+    In gb[4], ub[4];
+    float ob[4];
+    std::memset(static_cast<void*>(gb), 0, sizeof(gb));
+    std::memset(static_cast<void*>(ub), 0, sizeof(ub));
+    std::memcpy(static_cast<void*>(gb), g + j, static_cast<size_t>(n - j) * sizeof(In));
+    if (u != nullptr) std::memcpy(static_cast<void*>(ub), u + j, static_cast<size_t>(n - j) * sizeof(In));
+    float32x4_t a = silu128(load4(gb));
+    if (u != nullptr) a = vmulq_f32(a, load4(ub));
+    vst1q_f32(ob, a);
+    std::memcpy(out + j, ob, static_cast<size_t>(n - j) * sizeof(float));
+  }
+}
+#endif  // LLMRT_ARM64
 
 }  // namespace llmrt_kernels
