@@ -875,7 +875,7 @@ at::Tensor gguf_interleave(const at::Tensor& blocks, int64_t kind, int64_t in_fe
   return out;
 }
 
-// The decode kernels' integer dots: AVX2 (maddubs) or AVX-512 VNNI (dpbusd).
+// The decode kernels' integer dots: AVX2 (maddubs), AVX-512 VNNI (dpbusd) or arm64 NEON.
 bool int8_dot_supported_op() { return llmrt_kernels::has_avx2() || llmrt_kernels::has_neon(); }
 // Whether the many-row integer GEMM (interleaved_gemm.cpp) beats dequantize + float32 GEMM at
 // every row count: AVX-512 VNNI. The AVX2 one runs from kInterleavedGemmMinRowsAvx2 rows but
