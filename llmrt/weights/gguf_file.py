@@ -90,9 +90,35 @@ class GGUFFile:
     mapping: mmap.mmap | None = None
 
 
-def open_gguf(path: Path) -> GGUFFile:
-    """Parse the GGUF file at `path`; damage or an unsupported layout is a `CheckpointError`."""
+#: At most one parsed file kept by ``open_gguf(..., hand_on=True)`` for the next open, which
+#: takes it when it opens the same unchanged file (any other open drops it): ``-m FILE`` reads the header to derive a recipe, then the loader opens
+#: the file again; the second open takes this one (a vocabulary's header costs ~50 ms to parse
+#: and its strings megabytes to hold twice). Keyed by the file's identity and modification.
+_handed_on: dict[tuple[str, int, int, int], GGUFFile] = {}
+
+
+def open_gguf(path: Path, *, hand_on: bool = False) -> GGUFFile:
+    """Parse the GGUF file at `path`; damage or an unsupported layout is a `CheckpointError`.
+
+    ``hand_on`` keeps the result for the next ``open_gguf``: if that opens the same unchanged
+    file it takes the result instead of parsing again; either way it is dropped then.
+    """
     item = str(path)
+    try:
+        stat = path.stat()
+        key = (str(path.resolve()), stat.st_ino, stat.st_size, stat.st_mtime_ns)
+    except OSError as exc:
+        raise CheckpointError(item, f"cannot map GGUF file: {exc}") from exc
+    parsed = _handed_on.pop(key, None)
+    _handed_on.clear()  # kept for the next open only, whichever file it opens
+    if parsed is None:
+        parsed = _parse_file(path, item=item)
+    if hand_on:
+        _handed_on[key] = parsed
+    return parsed
+
+
+def _parse_file(path: Path, *, item: str) -> GGUFFile:
     try:
         with path.open("rb") as handle:
             mapped = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)

@@ -279,7 +279,8 @@ def model_facts(source: ModelSource) -> ModelFacts:
         return ModelFacts(
             family=registry.family_for_model_type(str(model_type)).name, runs_blocks=False
         )
-    header = open_gguf(source.path)
+    # The loader opens the file next (when a model is built): it takes this parse.
+    header = open_gguf(source.path, hand_on=True)
     item = str(source.path)
     model_type = header_config(header, item=item)[1]["model_type"]
     family = registry.family_for_model_type(str(model_type))

@@ -181,3 +181,49 @@ def test_damaged_file_is_a_checkpoint_error_naming_it(tmp_path: Path, how: str) 
     with pytest.raises(CheckpointError) as caught:
         open_gguf(path)
     assert str(path) in str(caught.value)
+
+
+def test_a_handed_on_parse_serves_the_next_open_of_the_same_file_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``-m FILE`` reads the header to derive a recipe, then the loader opens the file: one
+    parse between them, and only while the file is unchanged."""
+    import os
+
+    import llmrt.weights.gguf_file as gguf_file
+
+    path = write_sample(tmp_path / "sample.gguf")
+    parses: list[Path] = []
+    parse = gguf_file._parse_file
+
+    def counted(file: Path, *, item: str) -> Any:
+        parses.append(file)
+        return parse(file, item=item)
+
+    monkeypatch.setattr(gguf_file, "_parse_file", counted)
+    monkeypatch.setattr(gguf_file, "_handed_on", {})
+    first = open_gguf(path, hand_on=True)
+    assert open_gguf(path) is first and len(parses) == 1
+    again = open_gguf(path)  # taken once: the next open parses
+    assert again is not first and len(parses) == 2
+    open_gguf(path, hand_on=True)
+    stat = path.stat()
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+    changed = open_gguf(path)
+    assert len(parses) == 4 and changed.metadata["general.architecture"] == "llama"
+    assert gguf_file._handed_on == {}
+
+
+def test_model_facts_hands_its_parse_to_the_load(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import llmrt.weights.gguf_file as gguf_file
+    from llmrt.weights.model_source import model_facts, resolve_model_source
+
+    path = write_sample(tmp_path / "sample.gguf")
+    monkeypatch.setattr(gguf_file, "_handed_on", {})
+    facts = model_facts(resolve_model_source(str(path)))
+    assert facts.family == "llama"
+    assert [key[0] for key in gguf_file._handed_on] == [str(path.resolve())]
+    handed = next(iter(gguf_file._handed_on.values()))
+    assert open_gguf(path) is handed
