@@ -91,9 +91,10 @@ class GGUFFile:
 
 
 #: At most one parsed file kept by ``open_gguf(..., hand_on=True)`` for the next open, which
-#: takes it when it opens the same unchanged file (any other open drops it): ``-m FILE`` reads the header to derive a recipe, then the loader opens
-#: the file again; the second open takes this one (a vocabulary's header costs ~50 ms to parse
-#: and its strings megabytes to hold twice). Keyed by the file's identity and modification.
+#: takes it when it opens the same unchanged file (any other open drops it): ``-m FILE`` reads
+#: the header to derive a recipe, then the loader opens the file again and takes this parse (a
+#: vocabulary's header costs ~50 ms to parse and megabytes to hold twice). Keyed by the file's
+#: identity and modification time.
 _handed_on: dict[tuple[str, int, int, int], GGUFFile] = {}
 
 
