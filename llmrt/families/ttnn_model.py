@@ -35,6 +35,7 @@ from llmrt.families.base import AttentionMetadata, KVCacheView
 from llmrt.families.decoder import TensorNames
 from llmrt.families.parts import DecoderSpec, MLPSpec
 from llmrt.families.ttnn_decoder import TILE, TtnnDecoder, TtnnDecoderConfig
+from llmrt.families.ttnn_kv import checked_kv_cache
 
 WEIGHT_DTYPES = ("bfloat8_b", "bfloat16")
 KV_DTYPE = torch.bfloat16
@@ -228,39 +229,13 @@ class TtnnCausalLM:
         if cache is None:
             self._kv = None
             return
-        tt, meta = self._tt, self.attention_metadata()
-        block_size = cache.block_size
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
-            raise ConfigError("kv_cache.block_size", block_size, "must be a positive integer")
-        keys, values = tuple(cache.keys), tuple(cache.values)
-        for field, tensors in (("kv_cache.keys", keys), ("kv_cache.values", values)):
-            if len(tensors) != meta.num_layers:
-                raise ConfigError(
-                    field, len(tensors), f"needs one tensor per layer ({meta.num_layers})"
-                )
-        floats = (tt.float32, tt.bfloat16, tt.bfloat8_b)
-        expected: tuple[int, ...] | None = None
-        for layer in range(meta.num_layers):
-            for field, tensor in (
-                (f"kv_cache.keys[{layer}]", keys[layer]),
-                (f"kv_cache.values[{layer}]", values[layer]),
-            ):
-                if not isinstance(tensor, tt.Tensor):
-                    raise ConfigError(field, type(tensor).__name__, "must be a ttnn.Tensor")
-                mesh = tensor.device()
-                if mesh is None or mesh.id() != self.borrowed_mesh.id():
-                    raise ConfigError(
-                        field, repr(tensor), f"must be on mesh {self.borrowed_mesh.id()}"
-                    )
-                shape = tuple(int(d) for d in tensor.shape)
-                if expected is None:
-                    if len(shape) != 4 or shape[0] <= 0:
-                        raise ConfigError(field, shape, "must be 4-d with >= 1 block")
-                    expected = meta.kv_shape(shape[0], block_size)
-                if shape != expected:
-                    raise ConfigError(field, shape, f"expected shape {expected}")
-                if tensor.dtype not in floats or tensor.layout != tt.TILE_LAYOUT:
-                    raise ConfigError(field, tensor.dtype, f"expected one of {floats} in tiles")
+        keys, values, block_size = checked_kv_cache(
+            self._tt,
+            cache,
+            meta=self.attention_metadata(),
+            mesh_id=self.borrowed_mesh.id(),
+            tiles=True,
+        )
         self._kv = _BoundKV(pairs=tuple(zip(keys, values, strict=True)), block_size=block_size)
 
     def _bound(self) -> tuple[TtnnDecoder, _BoundKV]:

@@ -35,6 +35,7 @@ import torch
 
 from llmrt.errors import ConfigError
 from llmrt.families.base import AttentionMetadata, KVCacheView, ModelConfig
+from llmrt.families.ttnn_kv import checked_kv_cache
 
 TOY_OPS = ("toy_paged_write", "toy_paged_sum")
 """The ops ``install_toy_ops`` registers on a fake ttnn module."""
@@ -220,44 +221,13 @@ class ToyTtnnModel:
         if cache is None:
             self._kv = None
             return
-        tt = self._tt
-        meta = self.attention_metadata()
-        block_size = cache.block_size
-        if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
-            raise ConfigError("kv_cache.block_size", block_size, "must be a positive integer")
-        keys, values = tuple(cache.keys), tuple(cache.values)
-        for field, tensors in (("kv_cache.keys", keys), ("kv_cache.values", values)):
-            if len(tensors) != meta.num_layers:
-                raise ConfigError(
-                    field, len(tensors), f"needs one tensor per layer ({meta.num_layers})"
-                )
-        floats = (tt.float32, tt.bfloat16, tt.bfloat8_b)
-        expected: tuple[int, ...] | None = None
-        for layer in range(meta.num_layers):
-            for field, tensor in (
-                (f"kv_cache.keys[{layer}]", keys[layer]),
-                (f"kv_cache.values[{layer}]", values[layer]),
-            ):
-                if not isinstance(tensor, tt.Tensor):
-                    raise ConfigError(field, type(tensor).__name__, "must be a ttnn.Tensor")
-                mesh = tensor.device()
-                if (
-                    tensor.storage_type() != tt.StorageType.DEVICE
-                    or mesh is None
-                    or mesh.id() != self.borrowed_mesh.id()
-                ):
-                    raise ConfigError(
-                        field, repr(tensor), f"must be on mesh {self.borrowed_mesh.id()}"
-                    )
-                shape = tuple(int(d) for d in tensor.shape)
-                if expected is None:
-                    if len(shape) != 4 or shape[0] <= 0:
-                        raise ConfigError(field, shape, "must be 4-d with >= 1 block")
-                    expected = meta.kv_shape(shape[0], block_size)
-                if shape != expected:
-                    raise ConfigError(field, shape, f"expected shape {expected}")
-                if tensor.dtype not in floats:
-                    raise ConfigError(field, tensor.dtype, f"expected one of {floats}")
+        keys, values, block_size = checked_kv_cache(
+            self._tt,
+            cache,
+            meta=self.attention_metadata(),
+            mesh_id=self.borrowed_mesh.id(),
+            tiles=False,
+        )
         self._kv = _BoundKV(keys=keys, values=values, block_size=block_size)
 
     def _bound(self) -> _BoundKV:
