@@ -19,6 +19,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from model_files import CHAT_TEMPLATE, SPECIALS
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import models, pre_tokenizers, trainers
 
@@ -29,13 +30,7 @@ from llmrt.weights import Checkpoint, load_checkpoint
 
 transformers = pytest.importorskip("transformers")
 
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 USER_DEFINED = "<think>"
-CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + "
-    "message['content'] + '<|im_end|>' + '\n' }}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
-)
 CORPUS = [
     "The quick brown fox jumps over the lazy dog. It's 12:45 and they'll be late!",
     "def fibonacci(n: int) -> int:\n    return n if n < 2 else fib(n - 1) + fib(n - 2)\n",
