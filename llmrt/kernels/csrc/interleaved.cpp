@@ -463,28 +463,15 @@ LLMRT_VNNI void q8_tile(const uint8_t* prep, int64_t prep_stride, const uint8_t*
   }
 }
 
-// The kernel for ``base`` over activation rows [r, r + MT) and a chunk of weight rows
-// (run_tiles drives the chunks and the activation tiles).
-struct VnniTile {
-  int64_t base;
-  const uint8_t* prep;
-  int64_t prep_stride;
-  const uint8_t* w;
-  int64_t row_bytes, nb;
-  float* y;
-  int64_t ldy;
-
-  template <int MT>
-  void run(int64_t r, int64_t c0, int64_t c1) const {
-    const uint8_t* p = prep + r * prep_stride;
-    float* yr = y + r * ldy;
-    switch (base) {
-      case kQ4_0: q4_tile<kQ4_0, MT>(p, prep_stride, w, row_bytes, nb, yr, ldy, c0, c1); break;
-      case kQ4_1: q4_tile<kQ4_1, MT>(p, prep_stride, w, row_bytes, nb, yr, ldy, c0, c1); break;
-      default: q8_tile<MT>(p, prep_stride, w, row_bytes, nb, yr, ldy, c0, c1); break;
-    }
-  }
+// The VNNI kernels for InterleavedTile (interleaved_layout.h): 8 activation rows per pass.
+struct VnniKernels {
+  static constexpr int kMaxRows = 8;
+  template <int64_t BASE, int MT, typename... Args>
+  static void q4(Args... args) { q4_tile<BASE, MT>(args...); }
+  template <int MT, typename... Args>
+  static void q8(Args... args) { q8_tile<MT>(args...); }
 };
+using VnniTile = llmrt_kernels::InterleavedTile<VnniKernels>;
 
 // ---- AVX2 (+FMA, F16C): the same layout and prepared activations, 256 bits at a time ----
 //
@@ -692,32 +679,15 @@ LLMRT_AVX2 void q8_tile_avx2(const uint8_t* prep, int64_t prep_stride, const uin
   }
 }
 
-// ``VnniTile`` for AVX2: up to 4 activation rows per pass (16 ymm registers).
-struct Avx2Tile {
-  int64_t base;
-  const uint8_t* prep;
-  int64_t prep_stride;
-  const uint8_t* w;
-  int64_t row_bytes, nb;
-  float* y;
-  int64_t ldy;
-
-  template <int MT>
-  void run(int64_t r, int64_t c0, int64_t c1) const {
-    if constexpr (MT > 4) {
-      run<4>(r, c0, c1);
-      run<MT - 4>(r + 4, c0, c1);
-    } else {
-      const uint8_t* p = prep + r * prep_stride;
-      float* yr = y + r * ldy;
-      switch (base) {
-        case kQ4_0: q4_tile_avx2<kQ4_0, MT>(p, prep_stride, w, row_bytes, nb, yr, ldy, c0, c1); break;
-        case kQ4_1: q4_tile_avx2<kQ4_1, MT>(p, prep_stride, w, row_bytes, nb, yr, ldy, c0, c1); break;
-        default: q8_tile_avx2<MT>(p, prep_stride, w, row_bytes, nb, yr, ldy, c0, c1); break;
-      }
-    }
-  }
+// The AVX2 kernels for InterleavedTile: up to 4 activation rows per pass (16 ymm registers).
+struct Avx2Kernels {
+  static constexpr int kMaxRows = 4;
+  template <int64_t BASE, int MT, typename... Args>
+  static void q4(Args... args) { q4_tile_avx2<BASE, MT>(args...); }
+  template <int MT, typename... Args>
+  static void q8(Args... args) { q8_tile_avx2<MT>(args...); }
 };
+using Avx2Tile = llmrt_kernels::InterleavedTile<Avx2Kernels>;
 
 LLMRT_VNNI void prepare_row_avx512(const float* x, int64_t k, int64_t base, uint8_t* prep) {
   prepare_row<true>(x, k, base, prep);

@@ -143,4 +143,40 @@ LLMRT_AVX2 inline TwoLevel two_level_block_avx2(const float* x, int8_t* h0, int8
 
 #endif  // LLMRT_X86
 
+// One instruction set's tile kernels over the interleaved layout, for activation rows
+// [r, r + MT) and weight rows [c0, c1) (run_tiles, tiles.h, drives the chunks and tiles).
+// ``Kernels`` names that level's kernels: ``q4<BASE, MT>`` (Q4_0 / Q4_1) and ``q8<MT>``, each
+// taking (prep, prep_stride, w, row_bytes, nb, y, ldy, c0, c1), and ``kMaxRows``, the rows one
+// pass keeps in registers (a taller tile runs as passes of kMaxRows).
+template <typename Kernels>
+struct InterleavedTile {
+  int64_t base;
+  const uint8_t* prep;
+  int64_t prep_stride;
+  const uint8_t* w;
+  int64_t row_bytes, nb;
+  float* y;
+  int64_t ldy;
+
+  template <int MT>
+  void run(int64_t r, int64_t c0, int64_t c1) const {
+    if constexpr (MT > Kernels::kMaxRows) {
+      run<Kernels::kMaxRows>(r, c0, c1);
+      run<MT - Kernels::kMaxRows>(r + Kernels::kMaxRows, c0, c1);
+    } else {
+      const uint8_t* p = prep + r * prep_stride;
+      float* yr = y + r * ldy;
+      switch (base) {
+        case kQ4_0:
+          Kernels::template q4<kQ4_0, MT>(p, prep_stride, w, row_bytes, nb, yr, ldy, c0, c1);
+          break;
+        case kQ4_1:
+          Kernels::template q4<kQ4_1, MT>(p, prep_stride, w, row_bytes, nb, yr, ldy, c0, c1);
+          break;
+        default: Kernels::template q8<MT>(p, prep_stride, w, row_bytes, nb, yr, ldy, c0, c1); break;
+      }
+    }
+  }
+};
+
 }  // namespace llmrt_kernels

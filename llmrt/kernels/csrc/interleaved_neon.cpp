@@ -273,27 +273,17 @@ LLMRT_I8MM void q4_tile_i8mm(const uint8_t* prep, int64_t prep_stride, const uin
 // Each level's entry is flattened (LLMRT_FLATTEN, neon_dot.h): the baseline entry never
 // contains sdot/smmla, and the others never call them.
 
+// The NEON kernels for InterleavedTile (interleaved_layout.h) with ``Dot``'s integer dots.
 template <typename Dot>
-struct NeonTile {
-  int64_t base;
-  const uint8_t* prep;
-  int64_t prep_stride;
-  const uint8_t* w;
-  int64_t row_bytes, nb;
-  float* y;
-  int64_t ldy;
-
-  template <int MT>
-  void run(int64_t r, int64_t c0, int64_t c1) const {
-    const uint8_t* p = prep + r * prep_stride;
-    float* yr = y + r * ldy;
-    switch (base) {
-      case kQ4_0: q4_tile<Dot, kQ4_0, MT>(p, prep_stride, w, row_bytes, nb, yr, ldy, c0, c1); break;
-      case kQ4_1: q4_tile<Dot, kQ4_1, MT>(p, prep_stride, w, row_bytes, nb, yr, ldy, c0, c1); break;
-      default: q8_tile<Dot, MT>(p, prep_stride, w, row_bytes, nb, yr, ldy, c0, c1); break;
-    }
-  }
+struct NeonKernels {
+  static constexpr int kMaxRows = 8;
+  template <int64_t BASE, int MT, typename... Args>
+  static void q4(Args... args) { q4_tile<Dot, BASE, MT>(args...); }
+  template <int MT, typename... Args>
+  static void q8(Args... args) { q8_tile<Dot, MT>(args...); }
 };
+template <typename Dot>
+using NeonTile = llmrt_kernels::InterleavedTile<NeonKernels<Dot>>;
 
 LLMRT_FLATTEN void range_neon(const NeonTile<NeonDot>& tile, int64_t rows_m, int64_t n0, int64_t n1) {
   if (rows_m == 1) return tile.run<1>(0, n0, n1);
