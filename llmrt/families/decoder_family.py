@@ -17,6 +17,8 @@ from typing import Any, Protocol
 import attrs
 import torch
 
+from llmrt.errors import CheckpointError
+from llmrt.families import registry
 from llmrt.families.base import ModelConfig
 from llmrt.families.causal_lm import PagedCausalLM
 from llmrt.families.decoder import TensorInit, TensorNames, TensorPlan, build_decoder, tensor_plan
@@ -177,6 +179,11 @@ class DecoderFamily:
     def _read(
         self, hf_config: Mapping[str, Any], dtype: torch.dtype
     ) -> tuple[DecoderSpec, TensorNames]:
-        cfg = HFConfig(raw=hf_config)
-        cfg.check_model_type(self.model_types)
-        return self.read(cfg, dtype)
+        model_type = hf_config.get("model_type")
+        if model_type is not None and model_type not in self.model_types:
+            raise CheckpointError(
+                "config.model_type",
+                f"{model_type!r} is not handled by family {self.name!r} (accepts "
+                f"{', '.join(self.model_types)}){registry.claimed_by(str(model_type))}",
+            )
+        return self.read(HFConfig(raw=hf_config), dtype)

@@ -259,7 +259,7 @@ BAD_CONFIGS: list[tuple[str, dict[str, Any], str]] = [
     ),
     ("gpt2", _without(GPT2, "n_embd"), "config.n_embd"),
     ("gpt2", {**GPT2, "n_head": 5}, "config.n_head"),
-    ("gpt2", {**GPT2, "activation_function": "relu"}, "config.activation_function"),
+    ("gpt2", {**GPT2, "activation_function": "tanh"}, "config.activation_function"),
     (
         "gpt2",
         {**GPT2, "scale_attn_by_inverse_layer_idx": True},
