@@ -46,7 +46,8 @@ NAMES = TensorNames(
 def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
     """Map a GPT-2 ``config.json`` onto parts (``CheckpointError`` naming a field)."""
     hfparts.reject_flags(cfg, UNSUPPORTED)
-    model = hfparts.read_common(cfg, family="gpt2", dtype=dtype, names=ALIASES)
+    names = {**ALIASES, "num_key_value_heads": None}  # no grouped K/V heads
+    model = hfparts.read_common(cfg, family="gpt2", dtype=dtype, names=names)
     scale = model.head_dim**-0.5 if cfg.flag("scale_attn_weights", True) else 1.0
     spec = DecoderSpec(
         model=model,

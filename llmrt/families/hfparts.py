@@ -92,17 +92,19 @@ def read_common(
     family: str,
     dtype: torch.dtype,
     head_dim_default: int | None = None,
-    names: Mapping[str, str] | None = None,
+    names: Mapping[str, str | None] | None = None,
 ) -> ModelConfig:
     """The reads every decoder config starts with: reject what no family implements, then
     the model config from ``hidden_size`` and the standard head keys. ``names`` maps a
     standard key to the architecture's own (GPT-2's ``n_embd``, transformers'
-    ``attribute_map``): the standard key wins where the file gives both, and errors name the
-    architecture's key otherwise."""
+    ``attribute_map``: the standard key wins where the file gives both, and errors name the
+    architecture's key otherwise), or to None where the architecture has no such option
+    (``num_key_value_heads``: every head its own K/V)."""
     own = names or {}
 
     def key(standard: str) -> str:
-        return standard if cfg.has(standard) else own.get(standard, standard)
+        alias = own.get(standard, standard)
+        return standard if alias is None or cfg.has(standard) else alias
 
     reject_common(cfg)
     hidden = cfg.positive_int(key("hidden_size"))
@@ -110,7 +112,7 @@ def read_common(
         cfg,
         hidden=hidden,
         heads_key=key("num_attention_heads"),
-        kv_key=key("num_key_value_heads"),
+        kv_key=None if own.get("num_key_value_heads", "") is None else key("num_key_value_heads"),
         head_dim_default=head_dim_default,
     )
     return model_config(
