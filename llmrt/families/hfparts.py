@@ -128,7 +128,10 @@ def read_common(
 
 def attention(model: ModelConfig, *, scale: float | None = None, **options: Any) -> AttentionSpec:
     """The attention part over ``model``'s head geometry; ``scale`` defaults to
-    ``head_dim ** -0.5``, ``options`` are the rest of ``AttentionSpec``."""
+    ``head_dim ** -0.5``, ``options`` are the rest of ``AttentionSpec`` (``qk_norm_spec``
+    is dropped without a ``qk_norm``: it describes nothing then, and equal parts stay equal)."""
+    if options.get("qk_norm") is None:
+        options.pop("qk_norm_spec", None)
     return AttentionSpec(
         num_heads=model.num_heads,
         num_kv_heads=model.num_kv_heads,
