@@ -124,7 +124,7 @@ def placement(draw: st.DrawFn) -> tuple[DeviceSpec, int]:
 
 
 def _family_of(model: dict[str, Any]) -> str:
-    return family_for_model_type(str(model["model_type"])).name
+    return family_for_model_type(str(model.get("model_type", "llama"))).name
 
 
 @st.composite
