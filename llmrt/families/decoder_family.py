@@ -3,9 +3,9 @@
 A family module supplies one function, ``read(cfg, dtype) -> (DecoderSpec, TensorNames)``,
 that maps a Hugging Face ``config.json`` onto parts and checkpoint names (rejecting, by
 field, every option it does not implement), plus what the registry records about it:
-model types, the config keys a random checkpoint needs, its GGUF architecture and the
-backends it runs on. Shapes, random initialisation, validation and the model itself all
-follow from the spec.
+model types, the config keys a random checkpoint needs, the backends it runs on and, from a
+package, any GGUF architecture it adds. Shapes, random initialisation, validation and the
+model itself all follow from the spec.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ from typing import Any, Protocol
 import attrs
 import torch
 
+from llmrt.errors import CheckpointError
+from llmrt.families import registry
 from llmrt.families.base import ModelConfig
 from llmrt.families.causal_lm import PagedCausalLM
 from llmrt.families.decoder import TensorInit, TensorNames, TensorPlan, build_decoder, tensor_plan
@@ -52,8 +54,9 @@ class DecoderFamily:
 
     ``required_keys`` are the ``config.json`` keys a random checkpoint of each model type
     must give (``recipes validate`` checks them before anything loads);
-    ``gguf`` says how it reads GGUF files (its ``general.architecture``, config, tensor
-    names and layouts; None: it reads none);
+    ``gguf`` says how it reads GGUF files of an architecture llama.cpp's table in the
+    weights layer lacks (its ``general.architecture``, config, tensor names and layouts; a
+    package's family; None: only the table's files whose ``model_type`` it claims);
     ``rename`` maps a checkpoint's own tensor names onto ``read``'s (after the per-expert
     weights are stacked for every family; see ``rename_tensors``);
     ``architectures`` the Hugging Face class names (``config.json`` ``architectures``)
@@ -177,6 +180,11 @@ class DecoderFamily:
     def _read(
         self, hf_config: Mapping[str, Any], dtype: torch.dtype
     ) -> tuple[DecoderSpec, TensorNames]:
-        cfg = HFConfig(raw=hf_config)
-        cfg.check_model_type(self.model_types)
-        return self.read(cfg, dtype)
+        model_type = hf_config.get("model_type")
+        if model_type is not None and model_type not in self.model_types:
+            raise CheckpointError(
+                "config.model_type",
+                f"{model_type!r} is not handled by family {self.name!r} (accepts "
+                f"{', '.join(self.model_types)}){registry.claimed_by(str(model_type))}",
+            )
+        return self.read(HFConfig(raw=hf_config), dtype)

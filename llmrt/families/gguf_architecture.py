@@ -1,10 +1,10 @@
-"""How a family reads GGUF files: the map from one ``general.architecture`` to Hugging Face
-form (config from the metadata, tensor names, llama.cpp's layout changes undone).
+"""How GGUF files of one ``general.architecture`` are read in Hugging Face form (config from
+the metadata, tensor names, llama.cpp's layout changes undone).
 
-A family declares its ``GGUFArchitecture`` (``DecoderFamily.gguf``) beside its config
-mapping, so the GGUF loader (``llmrt.weights.gguf``) learns every architecture from the
-registry and adding one touches only the family's module. The metadata helpers here are
-shared by those declarations.
+llmrt's own map of llama.cpp's architectures is a data table in the weights layer
+(``llmrt.weights.gguf_architectures``); a package's family that reads another declares its
+``GGUFArchitecture`` (``DecoderFamily.gguf``), which the GGUF loader finds through the
+registry. The metadata helpers and layout converters here are shared by both.
 """
 
 from __future__ import annotations
@@ -50,7 +50,8 @@ class GGUFArchitecture:
     ``blk.N.<part>.weight|bias`` name to an HF prefix with ``{layer}``. ``config_tensors``
     names small tensors that are configuration, not weights (Phi-3's LongRoPE factors):
     ``hf_config`` finds their values in ``metadata`` under their tensor names, and they are
-    not loaded as weights.
+    not loaded as weights. ``model_types`` are the ``model_type`` values its configs state
+    (the families claiming them run its files; README's family table lists them).
     """
 
     name: str
@@ -60,6 +61,7 @@ class GGUFArchitecture:
     convert: Converter = keep_layout
     regroup: Regrouper = keep_groups
     config_tensors: tuple[str, ...] = ()
+    model_types: tuple[str, ...] = ()
 
     def hf_name(self, gguf_name: str) -> str | None:
         """The Hugging Face parameter name for ``gguf_name``, or None when it has none."""

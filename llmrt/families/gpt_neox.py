@@ -3,32 +3,28 @@ fused q/k/v, partial rotary, plain GELU MLP with biases and the parallel residua
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import Any
-
 import torch
 
-from llmrt.errors import CheckpointError
 from llmrt.families import hfparts
 from llmrt.families.decoder import TensorNames
 from llmrt.families.decoder_family import DecoderFamily
 from llmrt.families.hfconfig import HFConfig
 from llmrt.families.parts import DecoderSpec, LayerSpec, MLPSpec, NormSpec
-from llmrt.kernels.formats import CheckpointTensor
+from llmrt.families.renames import LegacyNames
 
 MODEL_TYPES: tuple[str, ...] = ("gpt_neox",)
 NAMES = TensorNames(
     embed="gpt_neox.embed_in.weight",
     final_norm="gpt_neox.final_layer_norm",
     layer="gpt_neox.layers.{i}.",
-    attn_norm="input_layernorm",
-    mlp_norm="post_attention_layernorm",
     qkv="attention.query_key_value",
     qkv_interleaved=True,
     o="attention.dense",
     up="mlp.dense_h_to_4h",
     down="mlp.dense_4h_to_h",
 )
+#: transformers' current key -> the name older GPT-NeoX configs use for it.
+LEGACY_KEYS = {"partial_rotary_factor": "rotary_pct", "rope_theta": "rotary_emb_base"}
 #: Buffers older checkpoints carry (causal masks, rotary tables).
 IGNORED_SUFFIXES: tuple[str, ...] = (
     ".attention.bias",
@@ -41,26 +37,16 @@ def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
     """Map a GPT-NeoX ``config.json`` onto parts (``CheckpointError`` naming a field)."""
     hfparts.reject_common(cfg)
     hidden = cfg.positive_int("hidden_size")
-    heads = cfg.positive_int("num_attention_heads")
-    if hidden % heads:
-        raise CheckpointError(
-            "config.num_attention_heads", f"must divide hidden_size={hidden}, got {heads}"
-        )
-    geometry = (heads, heads, hidden // heads)
-    model = hfparts.model_config(cfg, family="gpt_neox", dtype=dtype, hidden=hidden, heads=geometry)
+    heads = hfparts.head_geometry(cfg, hidden=hidden, kv_key=None)  # no grouped KV heads
+    model = hfparts.model_config(cfg, family="gpt_neox", dtype=dtype, hidden=hidden, heads=heads)
     bias = cfg.flag("attention_bias", True)
     parallel = cfg.flag("use_parallel_residual", True)
-    if "rotary_pct" in cfg.raw and "partial_rotary_factor" not in cfg.raw:
-        cfg = HFConfig(raw={**cfg.raw, "partial_rotary_factor": cfg.raw["rotary_pct"]})
-    if "rotary_emb_base" in cfg.raw and "rope_theta" not in cfg.raw:
-        cfg = HFConfig(raw={**cfg.raw, "rope_theta": cfg.raw["rotary_emb_base"]})
+    # Older configs' names for the rotary share and base (the current names win).
+    legacy = {new: cfg.raw[old] for new, old in LEGACY_KEYS.items() if old in cfg.raw}
+    cfg = HFConfig(raw={**legacy, **cfg.raw})
     spec = DecoderSpec(
         model=model,
-        attention=hfparts.attention(
-            model,
-            qkv_bias=bias,
-            o_bias=bias,
-        ),
+        attention=hfparts.attention(model, qkv_bias=bias, o_bias=bias),
         mlp=MLPSpec(
             kind="plain",
             activation=hfparts.activation(cfg, "hidden_act", "gelu"),
@@ -76,21 +62,6 @@ def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
     return spec, NAMES
 
 
-def canonical_names(
-    tensors: Mapping[str, CheckpointTensor],
-    *,
-    expected: Mapping[str, tuple[int, ...]],
-    config: Mapping[str, Any],
-) -> dict[str, CheckpointTensor]:
-    """Older checkpoints name the LM head ``embed_out``; map it onto ``lm_head``."""
-    renamed = dict(tensors)
-    if "embed_out.weight" in renamed:
-        if "lm_head.weight" in renamed:
-            raise CheckpointError("embed_out.weight", "duplicates lm_head.weight")
-        renamed["lm_head.weight"] = renamed.pop("embed_out.weight")
-    return renamed
-
-
 #: The family the registry serves under ``gpt_neox``.
 FAMILY = DecoderFamily(
     name="gpt_neox",
@@ -99,5 +70,5 @@ FAMILY = DecoderFamily(
     read=read,
     required_keys=hfparts.DECODER_KEYS,
     ignored_suffixes=IGNORED_SUFFIXES,
-    rename=canonical_names,
+    rename=LegacyNames({"embed_out.weight": "lm_head.weight"}),
 )

@@ -79,18 +79,6 @@ class HFConfig:
                 raise CheckpointError(f"config.{name}", f"must be token id(s), got {value!r}")
         return tuple(items)
 
-    def check_model_type(self, accepted: tuple[str, ...]) -> str | None:
-        """Reject a ``model_type`` the family does not implement; None when absent."""
-        model_type = self.raw.get("model_type")
-        if model_type is None:
-            return None
-        if model_type not in accepted:
-            raise CheckpointError(
-                "config.model_type",
-                f"{model_type!r} is not handled by this family (accepts {', '.join(accepted)})",
-            )
-        return str(model_type)
-
     def reject_if(self, name: str, *, present: bool, reason: str) -> None:
         """Raise for a field whose value asks for something this family does not implement."""
         if present:

@@ -7,6 +7,7 @@ the field for anything the parts cannot compute.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -14,7 +15,7 @@ import torch
 from llmrt.errors import CheckpointError
 from llmrt.families.base import ModelConfig
 from llmrt.families.hfconfig import HFConfig
-from llmrt.families.parts import HF_ACTIVATIONS, Activation, AttentionSpec
+from llmrt.families.parts import HF_ACTIVATIONS, Activation, AttentionSpec, Routing
 from llmrt.families.rope import RopeSpec, read_rope, read_rope_params, rope_parameters
 
 LAYER_KINDS = ("full_attention", "sliding_attention")
@@ -86,19 +87,51 @@ def model_config(
 
 
 def read_common(
-    cfg: HFConfig, *, family: str, dtype: torch.dtype, head_dim_default: int | None = None
+    cfg: HFConfig,
+    *,
+    family: str,
+    dtype: torch.dtype,
+    head_dim_default: int | None = None,
+    names: Mapping[str, str | None] | None = None,
 ) -> ModelConfig:
-    """The reads every Llama-style config starts with: reject what no family implements,
-    then the model config from ``hidden_size`` and the standard head keys."""
+    """The reads every decoder config starts with: reject what no family implements, then
+    the model config from ``hidden_size`` and the standard head keys. ``names`` maps a
+    standard key to the architecture's own (GPT-2's ``n_embd``, transformers'
+    ``attribute_map``: the standard key wins where the file gives both, and errors name the
+    architecture's key otherwise), or to None where the architecture has no such option
+    (``num_key_value_heads``: every head its own K/V)."""
+    own = names or {}
+
+    def key(standard: str) -> str:
+        alias = own.get(standard, standard)
+        return standard if alias is None or cfg.has(standard) else alias
+
     reject_common(cfg)
-    hidden = cfg.positive_int("hidden_size")
-    heads = head_geometry(cfg, hidden=hidden, head_dim_default=head_dim_default)
-    return model_config(cfg, family=family, dtype=dtype, hidden=hidden, heads=heads)
+    hidden = cfg.positive_int(key("hidden_size"))
+    heads = head_geometry(
+        cfg,
+        hidden=hidden,
+        heads_key=key("num_attention_heads"),
+        kv_key=None if own.get("num_key_value_heads", "") is None else key("num_key_value_heads"),
+        head_dim_default=head_dim_default,
+    )
+    return model_config(
+        cfg,
+        family=family,
+        dtype=dtype,
+        hidden=hidden,
+        heads=heads,
+        layers_key=key("num_hidden_layers"),
+        positions_key=key("max_position_embeddings"),
+    )
 
 
 def attention(model: ModelConfig, *, scale: float | None = None, **options: Any) -> AttentionSpec:
     """The attention part over ``model``'s head geometry; ``scale`` defaults to
-    ``head_dim ** -0.5``, ``options`` are the rest of ``AttentionSpec``."""
+    ``head_dim ** -0.5``, ``options`` are the rest of ``AttentionSpec`` (``qk_norm_spec``
+    is dropped without a ``qk_norm``: it describes nothing then, and equal parts stay equal)."""
+    if options.get("qk_norm") is None:
+        options.pop("qk_norm_spec", None)
     return AttentionSpec(
         num_heads=model.num_heads,
         num_kv_heads=model.num_kv_heads,
@@ -229,6 +262,19 @@ def qwen_layer_kinds(cfg: HFConfig, *, num_layers: int) -> list[str]:
     return layer_kinds(cfg, num_layers=num_layers, default=default)
 
 
+def layer_windows(kinds: list[str], window: int | None) -> list[int | None]:
+    """Each layer's sliding window: ``window`` for the ``sliding_attention`` layers, None for
+    the others; a sliding layer without a window is a ``CheckpointError``."""
+    if "sliding_attention" in kinds and window is None:
+        raise CheckpointError("config.sliding_window", "required by sliding_attention layers")
+    return [window if kind == "sliding_attention" else None for kind in kinds]
+
+
+def routing(cfg: HFConfig) -> Routing:
+    """The experts' routing: top-k weights renormalised when ``norm_topk_prob`` is set."""
+    return "softmax_topk_normalized" if cfg.flag("norm_topk_prob", False) else "softmax_topk"
+
+
 def sparse_layers(cfg: HFConfig, *, num_layers: int) -> list[bool]:
     """Which layers run the experts (Qwen-MoE's ``mlp_only_layers`` and
     ``decoder_sparse_step``): the others run the dense MLP."""
@@ -237,14 +283,6 @@ def sparse_layers(cfg: HFConfig, *, num_layers: int) -> list[bool]:
     if not isinstance(dense, list) or not all(isinstance(i, int) for i in dense):
         raise CheckpointError("config.mlp_only_layers", f"must list layer indices: {dense!r}")
     return [i not in dense and (i + 1) % step == 0 for i in range(num_layers)]
-
-
-def with_aliases(cfg: HFConfig, aliases: dict[str, str]) -> HFConfig:
-    """``cfg`` with each standard key (``aliases``: standard -> architecture's own, e.g.
-    ``max_position_embeddings`` -> ``n_positions``) copied onto the architecture's key where
-    given: transformers' ``attribute_map`` lets the standard name win when both appear."""
-    given = {own: cfg.raw[std] for std, own in aliases.items() if cfg.raw.get(std) is not None}
-    return cfg if not given else HFConfig(raw={**cfg.raw, **given})
 
 
 def reject_common(cfg: HFConfig) -> None:
@@ -259,6 +297,14 @@ def reject_common(cfg: HFConfig) -> None:
         present=bool(cfg.raw.get("use_bidirectional_attention")),
         reason="bidirectional attention is unsupported (causal decoders only)",
     )
+
+
+def reject_flags(cfg: HFConfig, names: tuple[str, ...]) -> None:
+    """Reject each boolean option of ``names`` that the config sets true: an architecture's
+    switches for what the parts do not compute."""
+    for name in names:
+        present = cfg.flag(name, False)
+        cfg.reject_if(name, present=present, reason="unsupported option (no part computes it)")
 
 
 def reject_value(cfg: HFConfig, name: str, *, allowed: Any, reason: str) -> None:

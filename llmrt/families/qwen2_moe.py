@@ -24,7 +24,7 @@ def read(cfg: HFConfig, dtype: torch.dtype) -> tuple[DecoderSpec, TensorNames]:
         top_k=cfg.positive_int("num_experts_per_tok", 4),
         intermediate_size=cfg.positive_int("moe_intermediate_size", 1408),
         activation=act,
-        routing="softmax_topk_normalized" if cfg.flag("norm_topk_prob", False) else "softmax_topk",
+        routing=hfparts.routing(cfg),
         shared_intermediate_size=cfg.positive_int("shared_expert_intermediate_size", 5632),
         shared_gate=True,
     )

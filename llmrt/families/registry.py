@@ -12,7 +12,7 @@ initialisation, GGUF architecture, backends) is read from the family object itse
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from importlib.metadata import EntryPoint, entry_points
 from types import TracebackType
 from typing import Any
@@ -159,16 +159,31 @@ def family_for_model_type(model_type: str) -> Family:
     )
 
 
-def family_table() -> str:
-    """The served families as a Markdown table (README's list is this, checked by a test)."""
+def claimed_by(model_type: str) -> str:
+    """``"; family 'x' reads it (family: x or auto)"`` naming the families that claim
+    ``model_type`` (for an error about a recipe naming another family), else ``""``."""
+    names = [family.name for family in _loadable_families() if model_type in family.model_types]
+    if not names:
+        return ""
+    which = " or ".join(f"family: {name}" for name in names)
+    return f"; family {' / '.join(repr(n) for n in names)} reads it ({which}, or family: auto)"
+
+
+def family_table(gguf: Mapping[str, Sequence[str]] | None = None) -> str:
+    """The served families as a Markdown table: each with its model types and the GGUF
+    architectures it runs (its own ``gguf`` declaration, and ``gguf``: family name -> the
+    ``general.architecture`` names of llama.cpp's table that map onto it). README's list is
+    ``llmrt.weights.gguf_architectures.family_table()``, which passes that table."""
     rows = [
         "| family | `model_type` | GGUF architecture |",
         "| --- | --- | --- |",
     ]
     for family in user_families():
-        gguf = getattr(family, "gguf_architecture", None)
+        own = getattr(family, "gguf_architecture", None)
+        archs = sorted({*([own] if own else []), *(gguf or {}).get(family.name, ())})
         types = ", ".join(f"`{t}`" for t in family.model_types)
-        rows.append(f"| `{family.name}` | {types} | {f'`{gguf}`' if gguf else '-'} |")
+        runs = ", ".join(f"`{arch}`" for arch in archs) or "-"
+        rows.append(f"| `{family.name}` | {types} | {runs} |")
     return "\n".join(rows) + "\n"
 
 

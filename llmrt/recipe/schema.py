@@ -862,12 +862,13 @@ class Recipe:
             family = family_registry.get_family(self.family)
         except FamilyError as exc:
             raise RecipeError("model.model_type", model_type, str(exc)) from exc
+        hint = family_registry.claimed_by(model_type) or "; use family: auto or one that does"
         _check(
             model_type in family.model_types,
             "model.model_type",
             model_type,
             f"is not handled by family {self.family} (it handles "
-            f"{', '.join(family.model_types)}); use family: auto or the family that does",
+            f"{', '.join(family.model_types)}){hint}",
         )
         return family
 

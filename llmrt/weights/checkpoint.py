@@ -20,6 +20,7 @@ import attrs
 import torch
 
 from llmrt.errors import CheckpointError, ConfigError, LLMRTError
+from llmrt.families import registry
 from llmrt.kernels.formats import CheckpointTensor, QuantizedWeight
 from llmrt.paths import default_cache_dir
 from llmrt.weights.gguf import load_gguf, read_gguf_config
@@ -312,7 +313,8 @@ def _check_model_type(hf_config: Mapping[str, Any], model_types: Collection[str]
     if model_types is not None and model_type not in model_types:
         raise CheckpointError(
             "config.model_type",
-            f"unknown model_type {model_type!r}; expected one of {sorted(model_types)}",
+            f"unknown model_type {model_type!r}; expected one of {sorted(model_types)}"
+            f"{registry.claimed_by(str(model_type))}",
         )
 
 

@@ -1,11 +1,12 @@
-"""llama.cpp architectures whose GGUF files llmrt reads into Hugging Face form, beside the ones
-families declare themselves (``DecoderFamily.gguf``: ``llama``, ``gpt2``).
+"""llama.cpp architectures whose GGUF files llmrt reads into Hugging Face form: one data table
+keyed by ``general.architecture``, so a family module holds only its ``config.json`` mapping.
 
-Each entry maps one ``general.architecture`` to a ``config.json`` (with the ``model_type`` a
-family claims), Hugging Face tensor names and the conversions llama.cpp's converter applied
-(Gemma's norms are stored as ``1 + w``). ``architecture_for`` looks a name up: a family's own
-declaration first, then this table; the family that runs a file is then the one that claims
-its ``model_type`` (``family_for_model_type``).
+Each entry maps one architecture to a ``config.json`` (with the ``model_type`` a family
+claims), Hugging Face tensor names and the conversions llama.cpp's converter applied
+(Q/K rows interleaved for llama-derived files, Gemma's norms stored as ``1 + w``, GPT-2's
+Conv1D weights as Linear). ``architecture_for`` looks a name up: a family's own declaration
+first (``DecoderFamily.gguf``, how a package adds one), then this table; the family that
+runs a file is then the one that claims its ``model_type`` (``family_for_model_type``).
 """
 
 from __future__ import annotations
@@ -74,13 +75,14 @@ def _decoder_config(
     model_type: str,
     architecture: str,
     hidden_act: str,
-    eps_key: str,
+    eps_key: str | None,
     eps_name: str,
     partial_rotary: bool = False,
     rope_scalings: tuple[str, ...] = (),
 ) -> Callable[[Mapping[str, Any], Mapping[str, tuple[int, ...]], str], dict[str, Any]]:
     """The config reader shared by llama-like decoders: the metadata every converter writes
-    (``rope_scalings``: scaling types the architecture's ``extra`` translates itself)."""
+    (``rope_scalings``: scaling types the architecture's ``extra`` translates itself;
+    ``eps_key`` None: the architecture's norms state no epsilon, OLMo's)."""
 
     def read(
         metadata: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], item: str
@@ -112,13 +114,14 @@ def _decoder_config(
             "head_dim": head_dim,
             "max_position_embeddings": int(metadata_field(metadata, key("context_length"), item)),
             "rope_theta": float(metadata.get(key("rope.freq_base")) or 10000.0),
-            eps_name: float(metadata_field(metadata, key(eps_key), item)),
             "hidden_act": hidden_act,
             "attention_bias": "blk.0.attn_q.bias" in shapes,
             "tie_word_embeddings": "output.weight" not in shapes,
             **rotary,
             **token_ids(metadata),
         }
+        if eps_key is not None:
+            config[eps_name] = float(metadata_field(metadata, key(eps_key), item))
         window = metadata.get(key("attention.sliding_window"))
         if window is not None:
             config["sliding_window"] = int(window)
@@ -325,6 +328,87 @@ def _command_r_extra(metadata: Mapping[str, Any], config: dict[str, Any]) -> dic
     }
 
 
+def _mixtral_extra(metadata: Mapping[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """llama.cpp writes Mixtral as ``llama`` with stacked experts (``expert_count`` set)."""
+    experts = metadata.get("llama.expert_count")
+    if not experts:
+        return {}
+    return {
+        "architectures": ["MixtralForCausalLM"],
+        "model_type": "mixtral",
+        "num_local_experts": int(experts),
+        "num_experts_per_tok": int(metadata_field(metadata, "llama.expert_used_count", "GGUF")),
+        "sliding_window": None,
+    }
+
+
+def _olmo_extra(metadata: Mapping[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """llama.cpp's OlmoModel: Llama's keys and tensors, no norm weights, ``clamp_kqv``."""
+    clip = metadata.get("olmo.attention.clamp_kqv")
+    return {"clip_qkv": None if clip is None else float(clip)}
+
+
+def _gpt2_config(
+    metadata: Mapping[str, Any], shapes: Mapping[str, tuple[int, ...]], item: str
+) -> dict[str, Any]:
+    """A llama.cpp ``gpt2`` GGUF's metadata as a GPT-2 ``config.json`` (GPT-2's own keys)."""
+
+    def field(key: str) -> Any:
+        return metadata_field(metadata, f"gpt2.{key}", item)
+
+    hidden = int(field("embedding_length"))
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": vocab_size(metadata, shapes, "gpt2"),
+        "n_embd": hidden,
+        "n_layer": int(field("block_count")),
+        "n_head": int(field("attention.head_count")),
+        "n_positions": int(field("context_length")),
+        "n_inner": int(metadata.get("gpt2.feed_forward_length") or 4 * hidden),
+        "layer_norm_epsilon": float(field("attention.layer_norm_epsilon")),
+        "activation_function": "gelu_new",
+        "tie_word_embeddings": "output.weight" not in shapes,
+        **token_ids(metadata),
+    }
+
+
+_CONV1D = (".attn_qkv.weight", ".attn_output.weight", ".ffn_up.weight", ".ffn_down.weight")
+
+
+def _gpt2_conv1d(name: str, values: np.ndarray, hf_config: Mapping[str, Any]) -> np.ndarray:
+    """GPT-2's Hugging Face projections are Conv1D (``[in, out]``); GGUF stores them as Linear."""
+    return values.T if name.endswith(_CONV1D) else values
+
+
+#: llama.cpp's ``gpt2`` in Hugging Face form (its config keys are GPT-2's own).
+_GPT2 = GGUFArchitecture(
+    name="gpt2",
+    hf_config=_gpt2_config,
+    global_names=MappingProxyType(
+        {
+            "token_embd.weight": "transformer.wte.weight",
+            "position_embd.weight": "transformer.wpe.weight",
+            "output_norm.weight": "transformer.ln_f.weight",
+            "output_norm.bias": "transformer.ln_f.bias",
+            "output.weight": "lm_head.weight",
+        }
+    ),
+    block_names=MappingProxyType(
+        {
+            "attn_norm": "transformer.h.{layer}.ln_1",
+            "attn_qkv": "transformer.h.{layer}.attn.c_attn",
+            "attn_output": "transformer.h.{layer}.attn.c_proj",
+            "ffn_norm": "transformer.h.{layer}.ln_2",
+            "ffn_up": "transformer.h.{layer}.mlp.c_fc",
+            "ffn_down": "transformer.h.{layer}.mlp.c_proj",
+        }
+    ),
+    convert=_gpt2_conv1d,
+    model_types=("gpt2",),
+)
+
+
 _SHARED_EXPERT = {
     "ffn_gate_inp_shexp": "model.layers.{layer}.mlp.shared_expert_gate",
     "ffn_gate_shexp": "model.layers.{layer}.mlp.shared_expert.gate_proj",
@@ -340,8 +424,9 @@ def _architecture(
     architecture: str,
     block_names: Mapping[str, str],
     hidden_act: str = "silu",
-    eps_key: str = "attention.layer_norm_rms_epsilon",
+    eps_key: str | None = "attention.layer_norm_rms_epsilon",
     eps_name: str = "rms_norm_eps",
+    model_types: tuple[str, ...] = (),
     extra: Callable[[Mapping[str, Any], dict[str, Any]], dict[str, Any]] | None = None,
     convert: Callable[[str, np.ndarray, Mapping[str, Any]], np.ndarray] | None = None,
     guard: Callable[[ConfigReader], ConfigReader] | None = None,
@@ -373,14 +458,65 @@ def _architecture(
         convert=keep_layout if convert is None else convert,
         regroup=regroup,
         config_tensors=config_tensors,
+        model_types=model_types or (model_type,),
     )
 
 
-#: llama.cpp's architectures beyond those families declare, by ``general.architecture``.
+#: llama.cpp's architectures llmrt reads, by ``general.architecture`` (a family's own ``gguf``
+#: declaration, from a package, adds one or wins over an entry here).
 LLAMA_CPP_ARCHITECTURES: Mapping[str, GGUFArchitecture] = MappingProxyType(
     {
         arch.name: arch
         for arch in (
+            _GPT2,
+            _architecture(
+                "llama",  # Llama 1-3, SmolLM2, Mistral; Mixtral with expert_count
+                model_type="llama",
+                model_types=("llama", "mixtral"),
+                architecture="LlamaForCausalLM",
+                convert=unpermute_qk,
+                extra=_mixtral_extra,
+                guard=_flag_tensor("mlp_bias", "blk.0.ffn_up.bias"),
+                regroup=join_stacked_experts,
+                block_names={**_ATTENTION, **_GATED_MLP, **_PRE_NORMS, **STACKED_EXPERTS},
+            ),
+            _architecture(
+                "olmo",
+                model_type="olmo",
+                architecture="OlmoForCausalLM",
+                eps_key=None,  # OLMo's LayerNorm has a fixed eps and no weights
+                convert=unpermute_qk,
+                extra=_olmo_extra,
+                global_names={
+                    "token_embd.weight": "model.embed_tokens.weight",
+                    "output.weight": "lm_head.weight",
+                },
+                block_names={**_ATTENTION, **_GATED_MLP},
+            ),
+            _architecture(
+                "phi2",  # separate q/k/v tensors, NeoX RoPE (no q/k permutation)
+                model_type="phi",
+                architecture="PhiForCausalLM",
+                hidden_act="gelu_new",
+                eps_key="attention.layer_norm_epsilon",
+                eps_name="layer_norm_eps",
+                partial_rotary=True,
+                extra=lambda metadata, config: {"tie_word_embeddings": False},
+                global_names={
+                    "token_embd.weight": "model.embed_tokens.weight",
+                    "output_norm.weight": "model.final_layernorm.weight",
+                    "output_norm.bias": "model.final_layernorm.bias",
+                    "output.weight": "lm_head.weight",
+                    "output.bias": "lm_head.bias",
+                },
+                block_names={
+                    **_ATTENTION,
+                    "attn_norm": "model.layers.{layer}.input_layernorm",
+                    "attn_output": "model.layers.{layer}.self_attn.dense",
+                    "ffn_up": "model.layers.{layer}.mlp.fc1",
+                    "ffn_down": "model.layers.{layer}.mlp.fc2",
+                },
+            ),
             _architecture(
                 "qwen2",
                 model_type="qwen2",
@@ -604,6 +740,17 @@ def header_config(header: GGUFFile, *, item: str) -> tuple[GGUFArchitecture, dic
             values = gguf_py.quants.dequantize(tensor.data, tensor.tensor_type)
             metadata[tensor.name] = [float(v) for v in np.asarray(values).reshape(-1)]
     return architecture, architecture.hf_config(metadata, shapes, item)
+
+
+def family_table() -> str:
+    """README's table of the served families, with the GGUF architectures each one runs (an
+    entry here runs under the family claiming one of its ``model_types``)."""
+    runs: dict[str, list[str]] = {}
+    for family in registry.user_families():
+        for name, architecture in LLAMA_CPP_ARCHITECTURES.items():
+            if set(architecture.model_types) & set(family.model_types):
+                runs.setdefault(family.name, []).append(name)
+    return registry.family_table(runs)
 
 
 def supported_architectures() -> tuple[str, ...]:

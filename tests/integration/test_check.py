@@ -13,7 +13,7 @@ import yaml
 
 from llmrt.cli.check import SMALL_VOCAB, small_config
 from llmrt.cli.main import main
-from llmrt.families import llama, registry
+from llmrt.families import llama, mistral, registry
 from llmrt.families.hfconfig import HFConfig
 
 
@@ -30,14 +30,14 @@ RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 
 def _theta_ten_thousand(cfg: HFConfig, dtype: torch.dtype) -> Any:
     """A family author's slip: RoPE's base read as 10000 when the config gives none, where
-    transformers' Mixtral defaults to 1e6 (what the shipped llama family once did)."""
-    spec, names = llama.read(cfg, dtype)
+    transformers' Mixtral defaults to 1e6 (what the shipped family once did)."""
+    spec, names = mistral.read(cfg, dtype)
     if "rope_theta" not in cfg.raw and "rope_parameters" not in cfg.raw:
         spec = attrs.evolve(spec, ropes=(attrs.evolve(spec.ropes[0], theta=10000.0),))
     return spec, names
 
 
-WRONG_DEFAULT = attrs.evolve(llama.FAMILY, name="wrong_default", read=_theta_ten_thousand)
+WRONG_DEFAULT = attrs.evolve(mistral.FAMILY, name="wrong_default", read=_theta_ten_thousand)
 
 
 def test_check_passes_for_a_correct_family(capsys: pytest.CaptureFixture[str]) -> None:
@@ -88,7 +88,7 @@ def test_check_fails_a_family_that_reads_a_default_differently(
     assert status == 1, out
     assert out.rstrip().endswith("FAILED") and "family wrong_default" in out
     assert main(["check", recipe, "--steps", "4"]) == 0
-    assert "family llama" in capsys.readouterr().out
+    assert "family mistral" in capsys.readouterr().out
 
 
 def test_check_wraps_token_ids_into_the_shrunk_vocabulary(
@@ -123,7 +123,7 @@ def test_validate_resolves_a_directory_model_type(
     path.write_text(yaml.safe_dump(recipe))
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
     assert main(["recipes", "validate", str(path)]) == 0
-    assert "family llama, model_type qwen2" in capsys.readouterr().out
+    assert "family qwen2, model_type qwen2" in capsys.readouterr().out
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "no_such_arch"}))
     assert main(["recipes", "validate", str(path)]) == 2
     err = capsys.readouterr().err
@@ -149,4 +149,4 @@ def test_check_a_hugging_face_directory(tmp_path: Any, capsys: pytest.CaptureFix
     )
     hf.save_pretrained(tmp_path)
     assert main(["check", str(tmp_path), "--steps", "4"]) == 0
-    assert "family llama" in capsys.readouterr().out
+    assert "family qwen3" in capsys.readouterr().out

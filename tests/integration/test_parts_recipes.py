@@ -107,7 +107,7 @@ def test_check_declared_olmo2_parts_against_transformers(
 ) -> None:
     """OLMo-2's post-norm residual (norms on the attention and MLP outputs only) and q/k
     RMSNorm over the whole projection, declared in a recipe, against Olmo2ForCausalLM.
-    (Gemma-2's parts are checked against the gemma family in tests/unit.)"""
+    (Gemma-2's parts are checked against the gemma2 family in tests/unit.)"""
     recipe = yaml.safe_load(Path("recipes/tiny-parts.yaml").read_text())
     recipe["model"] = {
         "model_type": "olmo2",

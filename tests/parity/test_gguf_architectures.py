@@ -350,7 +350,7 @@ def _converter_tensors(model: Any, *, squeeze: bool) -> list[tuple[str, np.ndarr
 
 
 #: Architectures whose GGUF parity is tested elsewhere: gpt2 in tests/parity/test_gpt2_parity.py,
-#: olmo and phi2 (families that declare their own mapping) in tests/unit/test_weights_gguf.py.
+#: olmo and phi2 in tests/unit/test_weights_gguf.py.
 TESTED_ELSEWHERE = ("gpt2", "olmo", "phi2")
 
 

@@ -1,4 +1,5 @@
-"""llmrt's Llama family vs transformers (Llama / Llama-3 RoPE / Qwen2 / Mistral) on paged KV."""
+"""llmrt's Llama, Qwen2 and Mistral families vs transformers (Llama / Llama-3 RoPE / Qwen2 /
+Mistral) on paged KV."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
-from llmrt.families.llama import FAMILY
+from llmrt.families.registry import family_for_model_type
 
 COMMON: dict[str, Any] = {
     "vocab_size": 256,
@@ -105,14 +106,16 @@ def harness(request: pytest.FixtureRequest, parity_harness: Any, torch_device: s
     torch.manual_seed(0)
     model, raw = CASES[request.param]()
     hf_model = _randomise(model, seed=1)
-    return parity_harness(family=FAMILY, hf_model=hf_model, hf_config=raw, device=torch_device)
+    family = family_for_model_type(raw["model_type"])  # llama, qwen2, mistral
+    return parity_harness(family=family, hf_model=hf_model, hf_config=raw, device=torch_device)
 
 
 def test_hf_tensor_names_are_exactly_expected(harness: Any) -> None:
     hf_model = harness.hf_model
     config = hf_model.config.to_dict()
-    expected = FAMILY.expected_tensors(config)
-    optional = FAMILY.optional_tensors(config)
+    family = family_for_model_type(config["model_type"])
+    expected = family.expected_tensors(config)
+    optional = family.optional_tensors(config)
     state = {name: tuple(t.shape) for name, t in hf_model.state_dict().items()}
     assert {n: s for n, s in expected.items() if n not in optional} == {
         n: s for n, s in state.items() if n not in optional

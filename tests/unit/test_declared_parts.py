@@ -16,7 +16,7 @@ import torch
 import yaml
 
 from llmrt.errors import RecipeError
-from llmrt.families import gemma, llama
+from llmrt.families import gemma2, llama
 from llmrt.families.declared import parse_parts
 from llmrt.families.decoder import TensorNames
 from llmrt.families.hfconfig import HFConfig
@@ -56,7 +56,7 @@ def test_declared_llama_parts_are_the_llama_family_decoder() -> None:
     assert names == expected_names
 
 
-def test_declared_gemma2_parts_are_the_gemma_family_decoder() -> None:
+def test_declared_gemma2_parts_are_the_gemma2_family_decoder() -> None:
     config = {
         "model_type": "gemma2",
         **SIZES,
@@ -84,7 +84,7 @@ def test_declared_gemma2_parts_are_the_gemma_family_decoder() -> None:
         "tensor_names": {"mlp_norm": "pre_feedforward_layernorm"},
     }
     spec, names = _read(parts, config)
-    expected, expected_names = gemma.read(HFConfig(raw=config), torch.float32)
+    expected, expected_names = gemma2.read(HFConfig(raw=config), torch.float32)
     _same_decoder(spec, expected)
     assert names == expected_names
     assert [layer.window for layer in spec.layers] == [6, None, 6, None]

@@ -6,6 +6,7 @@ from importlib.metadata import EntryPoint
 
 import attrs
 import pytest
+import torch
 
 from llmrt.errors import FamilyError
 from llmrt.families import gpt2, llama, registry
@@ -46,8 +47,12 @@ def test_unknown_family_lists_the_known_ones() -> None:
 
 @pytest.mark.parametrize(
     ("model_type", "family"),
-    [("llama", "llama"), ("mistral", "llama"), ("qwen2", "llama"), ("gpt2", "gpt2")],
-)
+    [
+        ("llama", "llama"), ("mistral", "mistral"), ("mixtral", "mistral"), ("qwen2", "qwen2"),
+        ("qwen3_moe", "qwen3"), ("granite", "granite"), ("gemma3_text", "gemma3"),
+        ("gpt2", "gpt2"),
+    ],
+)  # fmt: skip
 def test_auto_resolves_model_types(model_type: str, family: str) -> None:
     assert registry.family_for_model_type(model_type).name == family
 
@@ -77,13 +82,16 @@ def test_entry_point_must_be_a_family_named_like_itself(monkeypatch: pytest.Monk
 
 def test_model_type_claimed_twice_is_ambiguous(monkeypatch: pytest.MonkeyPatch) -> None:
     _use(
-        monkeypatch, ("llama", "llmrt.families.llama:FAMILY"), ("impostor", f"{__name__}:IMPOSTOR")
+        monkeypatch,
+        ("llama", "llmrt.families.llama:FAMILY"),
+        ("gpt2", "llmrt.families.gpt2:FAMILY"),
+        ("impostor", f"{__name__}:IMPOSTOR"),
     )
     with pytest.raises(
         FamilyError, match="'llama' is claimed by several families: impostor, llama"
     ):
         registry.family_for_model_type("llama")
-    assert registry.family_for_model_type("qwen2") is llama.FAMILY
+    assert registry.family_for_model_type("gpt2") is gpt2.FAMILY
 
 
 def test_register_is_a_context_manager_and_never_shadows() -> None:
@@ -124,16 +132,43 @@ def test_each_familys_architectures_are_transformers_classes_of_its_model_types(
             continue
         assert set(declared) == {MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[t] for t in family.model_types}
         assert all(served[arch] == family.name for arch in declared)
-    assert sorted(registry.gguf_architectures()) == ["gpt2", "llama", "olmo", "phi2"]
-    assert registry.gguf_architectures()["llama"] is llama.GGUF
+    # llama.cpp's architectures are the weights layer's table, none a shipped family's own;
+    # each runs under the one family claiming each model type its files state.
+    from llmrt.weights.gguf_architectures import LLAMA_CPP_ARCHITECTURES
+
+    assert registry.gguf_architectures() == {}
+    for name, gguf in LLAMA_CPP_ARCHITECTURES.items():
+        assert gguf.name == name and gguf.model_types, name
+        for model_type in gguf.model_types:
+            registry.family_for_model_type(model_type)
+
+
+def test_a_recipe_naming_the_old_family_of_a_model_type_is_told_the_new_one() -> None:
+    """Llama's family once claimed Mistral, Mixtral, Qwen2/3 and Granite; each now has its
+    own family, and the error for ``family: llama`` over such a config names it."""
+    from llmrt.errors import CheckpointError
+
+    qwen2 = {
+        "model_type": "qwen2",
+        "vocab_size": 32,
+        "hidden_size": 16,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "intermediate_size": 32,
+        "max_position_embeddings": 64,
+    }
+    with pytest.raises(CheckpointError, match=r"not handled by family 'llama'.*family: qwen2"):
+        llama.FAMILY.model_config(qwen2, dtype=torch.float32)
+    assert registry.get_family("qwen2").model_config(qwen2, dtype=torch.float32).num_layers == 1
 
 
 def test_readme_lists_exactly_the_registered_families() -> None:
-    """README's family table is ``family_table()`` (regenerate it from there)."""
+    """README's family table is ``gguf_architectures.family_table()`` (regenerate it from
+    there): every family, its model types and the GGUF architectures it runs."""
     import re
     from pathlib import Path
 
-    from llmrt.families.registry import family_table
+    from llmrt.weights.gguf_architectures import family_table
 
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     block = re.search(r"<!-- families:begin[^>]*-->\n(.*?)<!-- families:end -->", readme, re.S)
@@ -145,7 +180,7 @@ def test_readme_lists_exactly_the_registered_families() -> None:
     "module",
     ["cohere", "nemotron", "helium", "glm", "smollm3", "qwen2_moe", "olmo2",
      "phi3", "stablelm", "starcoder2"],
-)  # fmt: skip  (olmo, phi: plus a GGUF mapping)
+)  # fmt: skip
 def test_a_family_is_one_short_module_of_parts(module: str) -> None:
     """A family is a config mapping: one module of at most 60 lines, a plain
     ``DecoderFamily`` (no ``build`` override, nothing replaced after the build)."""

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from llmrt.errors import CheckpointError, ConfigError, KVCacheStateError
-from llmrt.families import gpt2, llama
+from llmrt.families import gpt2, llama, registry
 from llmrt.families.base import CausalLM, Family, ModelConfig
 from llmrt.families.hfconfig import HFConfig
 from llmrt.families.rope import inverse_frequencies, read_rope
@@ -237,12 +237,12 @@ BAD_CONFIGS: list[tuple[str, dict[str, Any], str]] = [
         "config.rope_parameters.rope_theta",
     ),
     (
-        "llama",
+        "mistral",
         {**LLAMA, "model_type": "mistral", "sliding_window": 0},
         "config.sliding_window",
     ),
     (
-        "llama",
+        "qwen2",
         {
             **LLAMA,
             "model_type": "qwen2",
@@ -259,7 +259,7 @@ BAD_CONFIGS: list[tuple[str, dict[str, Any], str]] = [
     ),
     ("gpt2", _without(GPT2, "n_embd"), "config.n_embd"),
     ("gpt2", {**GPT2, "n_head": 5}, "config.n_head"),
-    ("gpt2", {**GPT2, "activation_function": "relu"}, "config.activation_function"),
+    ("gpt2", {**GPT2, "activation_function": "tanh"}, "config.activation_function"),
     (
         "gpt2",
         {**GPT2, "scale_attn_by_inverse_layer_idx": True},
@@ -271,7 +271,7 @@ BAD_CONFIGS: list[tuple[str, dict[str, Any], str]] = [
 
 @pytest.mark.parametrize(("name", "config", "field"), BAD_CONFIGS, ids=[b[2] for b in BAD_CONFIGS])
 def test_bad_config_field_is_named(name: str, config: dict[str, Any], field: str) -> None:
-    family = FAMILIES[name][0]
+    family = FAMILIES[name][0] if name in FAMILIES else registry.get_family(name)
     with pytest.raises(CheckpointError) as info:
         family.model_config(config, dtype=torch.float32)
     assert info.value.item == field
@@ -280,18 +280,20 @@ def test_bad_config_field_is_named(name: str, config: dict[str, Any], field: str
 
 
 def test_sliding_windows_follow_the_model_type() -> None:
-    mistral = llama.FAMILY.spec({**LLAMA, "model_type": "mistral", "sliding_window": 64},
-                                dtype=torch.float32)
+    mistral = registry.get_family("mistral").spec(
+        {**LLAMA, "model_type": "mistral", "sliding_window": 64}, dtype=torch.float32
+    )
     assert [layer.window for layer in mistral.layers] == [64, 64]
     qwen2 = {**LLAMA, "model_type": "qwen2", "use_sliding_window": True, "sliding_window": 32}
-    spec = llama.FAMILY.spec({**qwen2, "max_window_layers": 1}, dtype=torch.float32)
+    family = registry.get_family("qwen2")
+    spec = family.spec({**qwen2, "max_window_layers": 1}, dtype=torch.float32)
     assert [layer.window for layer in spec.layers] == [None, 32]
-    spec = llama.FAMILY.spec({**qwen2, "use_sliding_window": False}, dtype=torch.float32)
+    spec = family.spec({**qwen2, "use_sliding_window": False}, dtype=torch.float32)
     assert [layer.window for layer in spec.layers] == [None, None]
 
 
 def test_qwen2_has_qkv_bias_but_no_o_bias() -> None:
-    names = llama.FAMILY.expected_tensors({**LLAMA, "model_type": "qwen2"})
+    names = registry.get_family("qwen2").expected_tensors({**LLAMA, "model_type": "qwen2"})
     assert "model.layers.0.self_attn.q_proj.bias" in names
     assert "model.layers.0.self_attn.o_proj.bias" not in names
     assert "model.layers.0.self_attn.q_proj.bias" not in llama.FAMILY.expected_tensors(LLAMA)

@@ -4,9 +4,9 @@ with no ``build`` override and no module replaced after the build; whatever more
 belongs in the parts catalogue or its declarations).
 
 Lines of code: lines with a token other than a comment or a docstring (blank lines,
-comments and docstrings, which say why, are free). The modules still over the limit are
-named in ``OVER_LIMIT`` with their count: one may shrink (then it leaves the table) but
-never grow, and no other module may pass the limit.
+comments and docstrings, which say why, are free). llama.cpp's GGUF declarations live in
+the weights layer's table (``llmrt/weights/gguf_architectures.py``), shared reads in
+``hfparts`` and declared renames in ``renames``, so no family module carries them.
 """
 
 from __future__ import annotations
@@ -21,16 +21,6 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 LIMIT = 60
-#: Shipped family modules over ``LIMIT`` today (module -> its lines of code), mostly their
-#: llama.cpp GGUF declarations (metadata -> config.json, tensor names) and checkpoint renames.
-OVER_LIMIT = {
-    "llmrt/families/gemma.py": 98,
-    "llmrt/families/gpt2.py": 166,
-    "llmrt/families/gpt_neox.py": 86,
-    "llmrt/families/llama.py": 224,  # seven model types and llama.cpp's llama (Mixtral too)
-    "llmrt/families/olmo.py": 83,
-    "llmrt/families/phi.py": 98,
-}
 _SKIPPED = {tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT}
 
 
@@ -79,20 +69,15 @@ def test_the_modules_are_found() -> None:
     modules = _family_modules()
     assert "llmrt/families/llama.py" in modules and "llmrt/families/qwen2_moe.py" in modules
     assert "docs/examples/llmrt-arcee/llmrt_arcee/__init__.py" in modules
-    assert set(OVER_LIMIT) <= set(modules)
 
 
 @pytest.mark.parametrize("module", _family_modules())
 def test_a_family_module_fits_the_limit(module: str) -> None:
-    count = code_lines((ROOT / module).read_text(encoding="utf-8"))
-    if module not in OVER_LIMIT:
-        assert count <= LIMIT, f"{module}: {count} lines of code, over the limit of {LIMIT}"
-        return
-    assert count <= OVER_LIMIT[module], (
-        f"{module}: {count} lines of code, grew past the {OVER_LIMIT[module]} it had "
-        f"(the limit is {LIMIT})"
-    )
-    assert count > LIMIT, f"{module} fits the limit now ({count}): remove it from OVER_LIMIT"
+    source = (ROOT / module).read_text(encoding="utf-8")
+    count = code_lines(source)
+    assert count <= LIMIT, f"{module}: {count} lines of code, over the limit of {LIMIT}"
+    # Laid out as the formatter lays it out: no statements packed past it to fit the count.
+    assert "fmt: skip" not in source and "fmt: off" not in source, module
 
 
 def test_every_shipped_family_is_a_plain_decoder_family() -> None:

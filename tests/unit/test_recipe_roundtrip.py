@@ -9,6 +9,7 @@ from typing import Any, get_args
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from llmrt.families.registry import family_for_model_type
 from llmrt.recipe.loader import (
     CheckpointSpec,
     DecodeSpec,
@@ -123,7 +124,7 @@ def placement(draw: st.DrawFn) -> tuple[DeviceSpec, int]:
 
 
 def _family_of(model: dict[str, Any]) -> str:
-    return "gpt2" if model.get("model_type") == "gpt2" else "llama"
+    return family_for_model_type(str(model.get("model_type", "llama"))).name
 
 
 @st.composite

@@ -446,19 +446,21 @@ def test_the_loader_learns_architectures_from_the_registry(
     import attrs
 
     from llmrt.families import llama, registry
+    from llmrt.weights.gguf_architectures import LLAMA_CPP_ARCHITECTURES
 
+    reference_map = LLAMA_CPP_ARCHITECTURES["llama"]
     model = tiny_llama(len(bpe_meta["tokens"]))
     path = write_llama_gguf(tmp_path / "variant.gguf", model, bpe_meta, arch="llama_variant")
 
     def config(meta: Any, shapes: Any, item: str) -> dict[str, Any]:
         as_llama = {k.replace("llama_variant.", "llama.", 1): v for k, v in meta.items()}
-        return {**llama.GGUF.hf_config(as_llama, shapes, item), "model_type": "llama_variant"}
+        return {**reference_map.hf_config(as_llama, shapes, item), "model_type": "llama_variant"}
 
     variant = attrs.evolve(
         llama.FAMILY,
         name="llama_variant",
         model_types=("llama_variant",),
-        gguf=attrs.evolve(llama.GGUF, name="llama_variant", hf_config=config),
+        gguf=attrs.evolve(reference_map, name="llama_variant", hf_config=config),
     )
     with pytest.raises(CheckpointError, match=r"general\.architecture.*'llama_variant'"):
         load(path)
