@@ -1911,9 +1911,7 @@ class FakeTtnn:
             same = payloads.get(id(raw))
             if same is not None:
                 return same
-            return self._op_output(
-                raw, template, spec, kwargs.get("memory_config"), spread=spread
-            )
+            return self._op_output(raw, template, spec, kwargs.get("memory_config"), spread=spread)
 
         outputs = _wrap(result, wrap)
         if capture is not None:
@@ -1949,9 +1947,9 @@ class FakeTtnn:
             dtype=dtype,
             layout=layout,
             mesh=mesh,
-            topology=None if mesh is None else TensorToMesh(
-                mesh=mesh, kind="devices" if spread else "replicate"
-            ),
+            topology=None
+            if mesh is None
+            else TensorToMesh(mesh=mesh, kind="devices" if spread else "replicate"),
             created_in=None if mesh is None else mesh._capture,
             memory_config=memory_config or template._memory_config,
         )

@@ -142,7 +142,11 @@ def shard_2d(
     for d in dims:
         if d is not None:
             _check_dim(d, tensor.dim(), "ShardTensor2dMesh")
-    if dims[0] is not None and dims[1] is not None and dims[0] % tensor.dim() == dims[1] % tensor.dim():
+    if (
+        dims[0] is not None
+        and dims[1] is not None
+        and dims[0] % tensor.dim() == dims[1] % tensor.dim()
+    ):
         raise RuntimeError(f"ShardTensor2dMesh: dims {list(dims)} name one dimension twice")
     pieces = []
     for row in _split(tensor, dims[0], rows, "ShardTensor2dMesh"):
@@ -161,7 +165,9 @@ def concat_1d(shards: list[torch.Tensor], *, dim: int) -> torch.Tensor:
     return torch.cat(shards, dim=dim)
 
 
-def concat_2d(shards: list[torch.Tensor], *, dims: tuple[int, int], grid: tuple[int, int]) -> torch.Tensor:
+def concat_2d(
+    shards: list[torch.Tensor], *, dims: tuple[int, int], grid: tuple[int, int]
+) -> torch.Tensor:
     """``ConcatMesh2dToTensor``: each mesh row's devices joined along ``dims[1]``, the rows
     along ``dims[0]``."""
     rows, cols = grid
