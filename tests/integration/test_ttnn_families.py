@@ -4,8 +4,8 @@ Tiny random Llama (GQA) and Qwen2 (q/k/v biases, tied head) checkpoints saved by
 transformers load from the ``hf`` recipe with ``device.backend=ttnn`` and the emulator, on a
 1x1 mesh, a 1x2 mesh (N300) and a 1x8 mesh (T3K) with tensor-parallel layers (weights
 column/row-sharded over the lane's chips, each chip holding its share of the KV heads), and
-run the product's path: batched and chunked prefill over the paged cache, traced paged decode, device
-sampling. Their greedy tokens are transformers' float32 greedy tokens wherever the
+run the product's path: batched and chunked prefill over the paged cache, traced paged
+decode, device sampling. Their greedy tokens are transformers' float32 greedy tokens wherever the
 reference's top-2 margin exceeds the stated bfloat16 tolerance (teacher-forced on the
 runtime's own tokens, so one near-tie does not end the comparison).
 """

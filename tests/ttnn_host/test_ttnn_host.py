@@ -65,7 +65,8 @@ def param_names(obj: Any) -> set[str]:
         fn = fn.function
     signatures = getattr(fn, "__nb_signature__", None)
     if not signatures:  # a registered operation object: its type's __call__ holds them
-        signatures = getattr(getattr(type(fn), "__call__", None), "__nb_signature__", None)
+        call = type(fn).__dict__.get("__call__")
+        signatures = getattr(call, "__nb_signature__", None)
     if not signatures:
         return set(inspect.signature(fn).parameters)
     names: set[str] = set()

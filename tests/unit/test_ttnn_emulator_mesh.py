@@ -230,7 +230,7 @@ def test_collective_arguments_are_checked_as_ttnn_checks_them(
     ids = fake.from_torch(torch.zeros(2, 32, dtype=torch.int32), dtype=fake.int32, device=mesh)
     with pytest.raises(TtnnRuleViolation, match="INT32 is not BFLOAT16"):
         fake.all_reduce(ids)
-    with pytest.raises(TypeError, match="topology must be a ttnn.Topology"):
+    with pytest.raises(TypeError, match=r"topology must be a ttnn\.Topology"):
         fake.all_gather(value, 0, topology="ring")
     with pytest.raises(NotImplementedError, match="output_tensor"):
         fake.all_gather(value, 0, output_tensor=value)
