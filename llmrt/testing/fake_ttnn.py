@@ -347,7 +347,7 @@ class MeshDevice:
         self._trace_region_size = trace_region_size
         self._num_command_queues = num_command_queues
         self._parent = parent
-        self._fabric = fake._fabric if parent is None else parent._fabric
+        self._fabric: FabricConfig = fake._fabric if parent is None else parent._fabric
         self._program_cache: set[tuple[Any, ...]] = set()
         self._trace_bytes: dict[int, int] = {}
         self._submeshes: list[MeshDevice] = []
@@ -602,6 +602,7 @@ def _getattr_op(name: str) -> Callable[[torch.Tensor], Any]:
 _DataType = DataType
 _DispatchCoreConfig = DispatchCoreConfig
 _FabricConfig = FabricConfig
+_Topology = Topology
 _Layout = Layout
 _MemoryConfig = MemoryConfig
 _MeshDevice = MeshDevice
@@ -1690,7 +1691,7 @@ class FakeTtnn:
         output_tensor: Any = None,
         subdevice_id: Any = None,
         num_links: int | None = None,
-        topology: Topology | None = None,
+        topology: _Topology | None = None,
     ) -> Any:
         """Each device's tensor joined along ``dim`` with the others of its ring (every device,
         or those along ``cluster_axis``): ``output_shape[dim] = input_shape[dim] * ring``."""
@@ -1712,7 +1713,7 @@ class FakeTtnn:
         memory_config: Any = None,
         output_tensor: Any = None,
         num_links: int | None = None,
-        topology: Topology | None = None,
+        topology: _Topology | None = None,
     ) -> Any:
         """The ring's sum, device ``i`` of the ring keeping chunk ``i`` along ``dim``
         (``output_shape[dim] = input_shape[dim] / ring``): bfloat16, bfloat8_b or float32,
@@ -1740,7 +1741,7 @@ class FakeTtnn:
         subdevice_id: Any = None,
         memory_config: Any = None,
         num_links: int | None = None,
-        topology: Topology | None = None,
+        topology: _Topology | None = None,
     ) -> Any:
         """The ring's sum on every device of it (the input's shape and dtype): bfloat16,
         bfloat8_b or float32, rank 2 or more."""
