@@ -111,16 +111,19 @@ def overrides(directory: Path, mesh: list[int]) -> list[str]:
 
 
 def _tensor_parallel_tokens(
-    directory: Path, mesh: list[int], build: Callable[..., Any]
+    directory: Path, mesh: list[int], build: Callable[..., Any], *, lanes: int = 1
 ) -> list[list[int]]:
-    """Greedy tokens of ``PROMPTS`` on one lane over ``mesh``, checked to be tensor-parallel:
-    each chip holds its share of the KV heads and the steps ran the collectives."""
-    runtime = build("hf", overrides(directory, mesh)).ready()
-    chips = mesh[0] * mesh[1]
+    """Greedy tokens of ``PROMPTS`` on ``lanes`` lanes over ``mesh``, checked to be
+    tensor-parallel: each chip holds its share of the KV heads and the steps ran the
+    collectives."""
+    runtime = build("hf", [*overrides(directory, mesh), f"lanes={lanes}"]).ready()
+    chips = mesh[0] * mesh[1] // lanes
+    assert len(runtime.container.lanes()) == lanes
     lane = runtime.container.lanes()[0]
     model = lane.model()
     assert isinstance(model, TtnnCausalLM)
     assert model.borrowed_mesh.get_num_devices() == chips
+    assert tuple(model.borrowed_mesh.shape) == (1, chips)
     meta = model.attention_metadata()
     assert (meta.tensor_parallel, meta.kv_heads_per_device) == (chips, meta.num_kv_heads // chips)
     fake = runtime.container.device.ttnn_module()
@@ -185,7 +188,20 @@ def test_a_1x8_tensor_parallel_lane_gives_the_one_chip_tokens(
     )
 
 
-def test_heads_that_do_not_split_over_the_lane_are_refused_naming_them(
+@pytest.mark.slow
+def test_a_galaxy_as_four_1x8_lanes_gives_the_one_chip_tokens(
+    tmp_path: Path, tiny_hf_checkpoint: Path, build: Callable[..., Any]
+) -> None:
+    """Galaxy's layout: a 4x8 mesh as four data-parallel 1x8 lanes, each tensor-parallel
+    over its row (minutes on the emulator's 32 chips)."""
+    hf = _hf("llama", **EIGHT_HEADS)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    shutil.copy(tiny_hf_checkpoint / "tokenizer.json", tmp_path / "tokenizer.json")
+    one = _tensor_parallel_tokens(tmp_path, [1, 1], build)
+    assert _tensor_parallel_tokens(tmp_path, [4, 8], build, lanes=4) == one
+
+
+def test_heads_that_do_not_split_over_a_1x8_lane_are_named(
     checkpoint: tuple[str, Path, Any], build: Callable[..., Any]
 ) -> None:
     """Two KV heads cannot be split over a 1x8 lane's chips (the vLLM plugin's per-device KV
