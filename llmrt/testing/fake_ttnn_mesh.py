@@ -15,6 +15,7 @@ chips' values; they combine the stacked payload along the rings ``cluster_axis``
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -108,11 +109,11 @@ def per_device(func: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def mesh_grid(shape: Sequence[int]) -> tuple[int, int]:
+    """``(rows, columns)`` of a mesh shape (a 1-D mesh is one row)."""
     dims = [int(d) for d in shape]
     if len(dims) == 1:
         return 1, dims[0]
-    rows, cols = dims[0], int(torch.tensor(dims[1:]).prod())
-    return rows, cols
+    return dims[0], math.prod(dims[1:])
 
 
 def _split(tensor: torch.Tensor, dim: int | None, parts: int, what: str) -> list[torch.Tensor]:
