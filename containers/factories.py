@@ -112,6 +112,7 @@ def open_device(*, recipe: Recipe, ttnn_module: Any = None) -> Device:
         from llmrt.device.ttnn import open_ttnn_device
 
         tt = spec.ttnn
+        assert tt.fabric_config is not None  # the recipe resolves it (tensor-parallel lanes)
         device: Device = open_ttnn_device(
             mesh_shape=spec.mesh_shape or (1, recipe.lanes),
             ttnn_module=ttnn_module,

@@ -7,7 +7,8 @@
 #      LLMRT_TTNN_MODULE=ttnn (tiny random Llama and Qwen2 through the containers: prefill,
 #      chunked prefill, traced paged decode; greedy tokens equal transformers' float32 ones
 #      where the top-2 margin exceeds the stated bfloat16 tolerance). 1x2 cases need two
-#      chips: TT_CHECK_CHIPS=2 (N300) or more selects them;
+#      chips: TT_CHECK_CHIPS=2 (N300) or more selects them; 1x8 (tensor-parallel lanes
+#      over eight chips, the same tokens as one chip) TT_CHECK_CHIPS=8 (T3K) or more;
 #   2. SmolLM2-135M-Instruct on the chip answers "What is the capital of France?" with Paris
 #      (`llmrt generate`, GGUF blocks dequantized once to bfloat8_b/bfloat16 weights);
 #   3. traced vs eager decode step time (`llmrt bench --workload decode`, the lane step at
@@ -79,6 +80,7 @@ fi
 
 meshes="1x1 or refused"
 ((chips >= 2)) && meshes="1x1 or 1x2 or refused"
+((chips >= 8)) && meshes="1x1 or 1x2 or 1x8 or refused"
 step "1/5 parity vs transformers" 900 parity.txt \
   env LLMRT_TTNN_MODULE=ttnn pytest -q -p no:cacheprovider -k "$meshes" \
   tests/integration/test_ttnn_families.py

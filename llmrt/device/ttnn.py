@@ -963,13 +963,17 @@ def open_ttnn_device(
 
 
 def _submesh_shape(dims: tuple[int, ...], n: int) -> tuple[int, int]:
+    """The shape of each of ``n`` lanes: chips of one mesh row (``1 x chips``) where a row
+    holds whole lanes (a tensor-parallel lane's chips in a row, as tt_transformers lays out
+    a Galaxy's 1x8 lanes), else whole rows."""
     if len(dims) != 2:
         raise DeviceError(f"lanes: only 2-D meshes can be split, got mesh shape {list(dims)}")
     rows, cols = dims
-    if cols % n == 0:
-        return rows, cols // n
-    if rows % n == 0:
-        return rows // n, cols
+    chips, left = divmod(rows * cols, n)
+    if not left and cols % chips == 0:
+        return 1, chips
+    if not left and chips % cols == 0 and rows % (chips // cols) == 0:
+        return chips // cols, cols
     raise ConfigError(
         "lanes", n, f"must divide the mesh's rows or columns (mesh shape {list(dims)})"
     )

@@ -65,8 +65,17 @@ class AttentionMetadata:
     """Memory order of each K/V tensor's dimensions, outermost first (None: row-major).
     ``(0, 2, 1, 3)`` stores a block's tokens outermost, so a row's pages read back as one
     ``[tokens, heads, head_dim]`` run without a transposing copy; the shape stays ``kv_shape``."""
+    tensor_parallel: int = attrs.field(default=1, validator=_positive)
+    """Chips the model's KV heads are split over (a ttnn lane's tensor-parallel layers): each
+    chip's K/V holds ``num_kv_heads / tensor_parallel`` heads, as the vLLM TT plugin sizes it."""
 
     def __attrs_post_init__(self) -> None:
+        if self.num_kv_heads % self.tensor_parallel:
+            raise ConfigError(
+                "num_kv_heads",
+                self.num_kv_heads,
+                f"must divide over the {self.tensor_parallel} tensor-parallel chips",
+            )
         if len(self.kv_dtypes) != self.num_layers:
             raise ConfigError(
                 "kv_dtypes", self.kv_dtypes, f"needs one dtype per layer ({self.num_layers})"
@@ -74,9 +83,14 @@ class AttentionMetadata:
         if self.kv_dim_order is not None and sorted(self.kv_dim_order) != [0, 1, 2, 3]:
             raise ConfigError("kv_dim_order", self.kv_dim_order, "must be a permutation of 0..3")
 
+    @property
+    def kv_heads_per_device(self) -> int:
+        return self.num_kv_heads // self.tensor_parallel
+
     def kv_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
-        """One layer's K (or V) shape: ``(num_blocks, num_kv_heads, block_size, head_dim)``."""
-        return (num_blocks, self.num_kv_heads, block_size, self.head_dim)
+        """One layer's K (or V) shape on each chip: ``(num_blocks, kv_heads_per_device,
+        block_size, head_dim)`` (every head with one chip)."""
+        return (num_blocks, self.kv_heads_per_device, block_size, self.head_dim)
 
 
 @runtime_checkable

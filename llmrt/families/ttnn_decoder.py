@@ -16,6 +16,18 @@ host integer, as tt_transformers' ``chunk_start_idx``) and ``decode`` a batch of
 the paged KV cache (``[blocks, kv_heads, block_size, head_dim]``, ``-1`` page-table entries
 skip a row). ``llmrt.families.ttnn_model`` puts it behind the runtime's model protocol for
 the decoder families.
+
+Tensor parallelism across the mesh's chips (a lane's submesh; every chip of it), as
+tt_transformers lays out a 1xN mesh (N300, T3K, a Galaxy row): q/k/v, gate and up weights
+are column-sharded (``ShardTensorToMesh`` on the output dimension: each chip computes
+``num_heads / N`` query heads, ``num_kv_heads / N`` KV heads and ``intermediate / N`` MLP
+columns), the output and down projections row-sharded (each chip's partial sum), combined
+by ``reduce_scatter`` then ``all_gather`` (tt_transformers' all-reduce on such a mesh); the
+LM head is column-sharded over the vocabulary and its logits all-gathered. Each chip's KV
+cache holds its ``num_kv_heads / N`` heads, as the vLLM TT plugin allocates it. Norms, the
+embedding, RoPE tables and the residual stream are replicated. Heads, KV heads, MLP width,
+hidden size and vocabulary must divide by N (``tensor_parallel_refusal`` names the first
+that does not).
 """
 
 from __future__ import annotations
@@ -77,6 +89,34 @@ class TtnnDecoderConfig:
         )
 
 
+def tensor_parallel_refusal(config: TtnnDecoderConfig, devices: int) -> tuple[str, int] | None:
+    """``(field, value)`` of the first dimension that does not split over ``devices`` chips."""
+    for field, value in (
+        ("num_key_value_heads", config.num_kv_heads),
+        ("num_attention_heads", config.num_heads),
+        ("intermediate_size", config.intermediate_size),
+        ("hidden_size", config.hidden_size),
+        ("vocab_size", config.vocab_size),
+    ):
+        if value % devices:
+            return field, value
+    return None
+
+
+def check_tensor_parallel(config: TtnnDecoderConfig, devices: int) -> None:
+    """``ConfigError`` naming the first dimension a ``devices``-chip lane cannot split."""
+    refusal = tensor_parallel_refusal(config, devices)
+    if refusal is not None:
+        field, value = refusal
+        raise ConfigError(
+            field,
+            value,
+            f"tensor-parallel layers over the lane's {devices} chips need it divisible by "
+            f"{devices} (each chip holds 1/{devices}); use a lane of fewer chips (more lanes "
+            "or a smaller device.mesh_shape)",
+        )
+
+
 def interleave_rotary_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
     """Rows of a q/k projection (or bias) reordered per head from half-split to interleaved
     rotary pairs: row ``i`` of the first half and row ``i`` of the second become ``2i, 2i+1``."""
@@ -124,6 +164,10 @@ class TtnnDecoder:
         if weight_dtype not in ("bfloat8_b", "bfloat16"):
             raise ConfigError("weight_dtype", weight_dtype, "must be bfloat8_b or bfloat16")
         self._tt, self._mesh, self.config = tt, mesh, config
+        self.devices = int(mesh.get_num_devices())
+        check_tensor_parallel(config, self.devices)
+        self.heads = config.num_heads // self.devices
+        self.kv_heads = config.num_kv_heads // self.devices
         self._dtype = getattr(tt, weight_dtype)
         self._cache_dir = cache_dir
         self._linears = 0
@@ -136,10 +180,10 @@ class TtnnDecoder:
             layer = {
                 "attn_norm": self._norm(weights[p + "input_layernorm.weight"]),
                 "mlp_norm": self._norm(weights[p + "post_attention_layernorm.weight"]),
-                "wo": self._linear(weights[p + "self_attn.o_proj.weight"]),
-                "w1": self._linear(weights[p + "mlp.gate_proj.weight"]),
-                "w2": self._linear(weights[p + "mlp.down_proj.weight"]),
-                "w3": self._linear(weights[p + "mlp.up_proj.weight"]),
+                "wo": self._linear(weights[p + "self_attn.o_proj.weight"], shard=-2),
+                "w1": self._linear(weights[p + "mlp.gate_proj.weight"], shard=-1),
+                "w2": self._linear(weights[p + "mlp.down_proj.weight"], shard=-2),
+                "w3": self._linear(weights[p + "mlp.up_proj.weight"], shard=-1),
             }
             for name, heads in (("q", c.num_heads), ("k", c.num_kv_heads), ("v", c.num_kv_heads)):
                 w = weights[f"{p}self_attn.{name}_proj.weight"]
@@ -147,14 +191,14 @@ class TtnnDecoder:
                 if name != "v":
                     w = interleave_rotary_rows(w, heads)
                     b = None if b is None else interleave_rotary_rows(b, heads)
-                layer[f"w{name}"] = self._linear(w)
-                layer[f"b{name}"] = None if b is None else self._norm(b)
+                layer[f"w{name}"] = self._linear(w, shard=-1)
+                layer[f"b{name}"] = None if b is None else self._norm(b, shard=-1)
             self.layers.append(layer)
         self.final_norm = self._norm(weights["model.norm.weight"])
         head = weights.get("lm_head.weight")
         if head is None or c.tie_word_embeddings:
             head = weights["model.embed_tokens.weight"]
-        self.lm_head = self._linear(head)
+        self.lm_head = self._linear(head, shard=-1)
         cos, sin = rope_tables(c)
         self.cos = self._put(cos, layout=tt.ROW_MAJOR_LAYOUT)
         self.sin = self._put(sin, layout=tt.ROW_MAJOR_LAYOUT)
@@ -163,31 +207,59 @@ class TtnnDecoder:
 
     # -- weights --------------------------------------------------------------------------
 
-    def _put(self, host: torch.Tensor, *, layout: Any, dtype: Any = None) -> Any:
+    def _mapper(self, shard: int | None) -> Any:
+        """Replicated on every chip (None, or one chip), else split along ``shard``."""
+        if shard is None or self.devices == 1:
+            return None
+        return self._tt.ShardTensorToMesh(self._mesh, dim=shard)
+
+    def _put(
+        self, host: torch.Tensor, *, layout: Any, dtype: Any = None, shard: int | None = None
+    ) -> Any:
         tt = self._tt
-        tensor = tt.from_torch(host, dtype=dtype or tt.bfloat16, layout=layout, device=self._mesh)
+        tensor = tt.from_torch(
+            host,
+            dtype=dtype or tt.bfloat16,
+            layout=layout,
+            device=self._mesh,
+            mesh_mapper=self._mapper(shard),
+        )
         self._owned.append(tensor)
         return tensor
 
-    def _linear(self, weight: torch.Tensor) -> Any:
-        """A Hugging Face ``[out, in]`` weight as ttnn's ``[in, out]`` tile tensor."""
+    def _linear(self, weight: torch.Tensor, *, shard: int) -> Any:
+        """A Hugging Face ``[out, in]`` weight as ttnn's ``[in, out]`` tile tensor, split
+        over the chips along ``shard`` (-1: columns, -2: rows)."""
         if self._cache_dir is None:
             return self._put(
-                weight.T.contiguous(), layout=self._tt.TILE_LAYOUT, dtype=self._dtype
+                weight.T.contiguous(), layout=self._tt.TILE_LAYOUT, dtype=self._dtype, shard=shard
             )
         tt, self._linears = self._tt, self._linears + 1
+        split = "" if self.devices == 1 else f"_tp{self.devices}_dim{shard}"
         tensor = tt.as_tensor(
             weight.T.contiguous(),
             dtype=self._dtype,
             layout=tt.TILE_LAYOUT,
             device=self._mesh,
-            cache_file_name=str(self._cache_dir / f"linear{self._linears:04d}"),
+            mesh_mapper=self._mapper(shard),
+            cache_file_name=str(self._cache_dir / f"linear{self._linears:04d}{split}"),
         )
         self._owned.append(tensor)
         return tensor
 
-    def _norm(self, vector: torch.Tensor) -> Any:
-        return self._put(vector.reshape(1, -1), layout=self._tt.TILE_LAYOUT)
+    def _norm(self, vector: torch.Tensor, *, shard: int | None = None) -> Any:
+        return self._put(vector.reshape(1, -1), layout=self._tt.TILE_LAYOUT, shard=shard)
+
+    def _all_reduce(self, partial: Any) -> Any:
+        """The chips' partial sums added, on every chip: ``reduce_scatter`` then
+        ``all_gather`` along the hidden dimension, as tt_transformers composes it on a 1xN
+        mesh (one chip: the value itself)."""
+        if self.devices == 1:
+            return partial
+        tt = self._tt
+        topology = tt.Topology.Linear if self.devices == 2 else tt.Topology.Ring
+        scattered = tt.reduce_scatter(partial, -1, num_links=1, topology=topology)
+        return tt.all_gather(scattered, -1, num_links=1, topology=topology)
 
     def close(self) -> None:
         """Deallocate the device weights; idempotent."""
@@ -218,7 +290,7 @@ class TtnnDecoder:
         gate = tt.linear(h, layer["w1"], activation="silu", dtype=tt.bfloat16)
         up = tt.linear(h, layer["w3"], dtype=tt.bfloat16)
         down = tt.linear(tt.multiply(gate, up), layer["w2"], dtype=tt.bfloat16)
-        return tt.add(x, down)
+        return tt.add(x, self._all_reduce(down))
 
     def head(self, x: Any) -> Any:
         """float32 logits of hidden rows ``x`` ``[N, hidden]`` (tile): final norm, LM head."""
@@ -227,7 +299,11 @@ class TtnnDecoder:
     def _logits(self, x: Any) -> Any:
         tt = self._tt
         h = tt.rms_norm(x, epsilon=self.config.rms_norm_eps, weight=self.final_norm)
-        return tt.linear(h, self.lm_head, dtype=tt.float32)
+        logits = tt.linear(h, self.lm_head, dtype=tt.float32)
+        if self.devices == 1:
+            return logits
+        topology = tt.Topology.Linear if self.devices == 2 else tt.Topology.Ring
+        return tt.all_gather(logits, -1, num_links=1, topology=topology)
 
     def decode(
         self,
@@ -249,9 +325,9 @@ class TtnnDecoder:
         cos, sin = (tt.reshape(t, (1, batch, 1, c.head_dim)) for t in (cos, sin))
         for layer, (k_cache, v_cache) in zip(self.layers, kv, strict=True):
             h = tt.rms_norm(x, epsilon=c.rms_norm_eps, weight=layer["attn_norm"])
-            q = tt.reshape(self._project(h, layer, "q"), (1, batch, c.num_heads, c.head_dim))
-            k = tt.reshape(self._project(h, layer, "k"), (1, batch, c.num_kv_heads, c.head_dim))
-            v = tt.reshape(self._project(h, layer, "v"), (1, batch, c.num_kv_heads, c.head_dim))
+            q = tt.reshape(self._project(h, layer, "q"), (1, batch, self.heads, c.head_dim))
+            k = tt.reshape(self._project(h, layer, "k"), (1, batch, self.kv_heads, c.head_dim))
+            v = tt.reshape(self._project(h, layer, "v"), (1, batch, self.kv_heads, c.head_dim))
             q = tt.experimental.rotary_embedding_llama(
                 q, cos, sin, self.trans_mat, is_decode_mode=True
             )
@@ -270,8 +346,8 @@ class TtnnDecoder:
                 page_table_tensor=page_table,
                 scale=self.scale,
             )
-            attn = tt.reshape(attn, (batch, c.num_heads * c.head_dim))
-            x = tt.add(x, tt.linear(attn, layer["wo"], dtype=tt.bfloat16))
+            attn = tt.reshape(attn, (batch, self.heads * c.head_dim))
+            x = tt.add(x, self._all_reduce(tt.linear(attn, layer["wo"], dtype=tt.bfloat16)))
             x = self._mlp(x, layer)
         return self._logits(x)
 
@@ -334,9 +410,9 @@ class TtnnDecoder:
 
         for layer, (k_cache, v_cache) in zip(self.layers, kv, strict=True):
             h = tt.rms_norm(x, epsilon=c.rms_norm_eps, weight=layer["attn_norm"])
-            q = heads(self._project(h, layer, "q"), c.num_heads)
-            k = heads(self._project(h, layer, "k"), c.num_kv_heads)
-            v = heads(self._project(h, layer, "v"), c.num_kv_heads)
+            q = heads(self._project(h, layer, "q"), self.heads)
+            k = heads(self._project(h, layer, "k"), self.kv_heads)
+            v = heads(self._project(h, layer, "v"), self.kv_heads)
             q = tt.experimental.rotary_embedding_llama(q, cos, sin, self.trans_mat)
             k = tt.experimental.rotary_embedding_llama(k, cos, sin, self.trans_mat)
             fill_table = page_table if chunk_page_table is None else chunk_page_table
@@ -350,7 +426,7 @@ class TtnnDecoder:
                 attn = tt.transformer.scaled_dot_product_attention(
                     q, k, v, is_causal=True, scale=self.scale
                 )
-            attn = tt.reshape(tt.permute(attn, (0, 2, 1, 3)), (seq, c.num_heads * c.head_dim))
-            x = tt.add(x, tt.linear(attn, layer["wo"], dtype=tt.bfloat16))
+            attn = tt.reshape(tt.permute(attn, (0, 2, 1, 3)), (seq, self.heads * c.head_dim))
+            x = tt.add(x, self._all_reduce(tt.linear(attn, layer["wo"], dtype=tt.bfloat16)))
             x = self._mlp(x, layer)
         return x

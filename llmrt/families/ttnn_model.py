@@ -214,6 +214,7 @@ class TtnnCausalLM:
             num_kv_heads=c.num_kv_heads,
             head_dim=c.head_dim,
             kv_dtypes=(KV_DTYPE,) * c.num_layers,
+            tensor_parallel=int(self.borrowed_mesh.get_num_devices()),
         )
 
     def iter_executor_named_modules(self) -> Iterator[tuple[str, Any]]:
@@ -323,4 +324,3 @@ class TtnnCausalLM:
         if self._positions is not None:
             self._tt.deallocate(self._positions)
             self._positions = None
-

@@ -325,10 +325,17 @@ class TtnnSpec:
     ``open_mesh_device`` arguments; traces need a trace region), ``num_command_queues`` is 1
     or 2, ``dispatch_core_type`` picks the dispatch cores (None: ttnn's default, worker),
     ``fabric_config`` is passed to ``ttnn.set_fabric_config`` before the mesh opens (a fabric
-    needs two chips or more; ``disabled`` is ttnn's default). ``module`` is the ttnn
-    implementation: ``ttnn`` (the installed wheel, a chip) or a name registered in the
-    ``llmrt.ttnn_modules`` entry-point group (``emulator``: ``llmrt.testing``'s computing
-    ttnn emulator, as strict as the chip, for running a TT recipe without one).
+    needs two chips or more; None: ``fabric_1d`` when a lane's layers are tensor-parallel,
+    whose all-gathers and reduce-scatters need it, else ``disabled``, ttnn's default).
+    ``tensor_parallel`` is the chips each lane's model splits its layers over (column/row
+    sharded weights, KV heads split, as tt_transformers lays out N300, T3K and a Galaxy row):
+    ``lanes * tensor_parallel`` must be the mesh's chips and a lane spans one mesh row (1xN);
+    None: the mesh's chips over ``lanes``. So ``[1, 2]`` is one 2-chip lane (N300), ``[1, 8]``
+    one 8-chip lane (T3K), ``[4, 8]`` with ``lanes: 4`` four 1x8 lanes (Galaxy).
+    ``module`` is the ttnn implementation: ``ttnn`` (the installed wheel, a chip) or a name
+    registered in the ``llmrt.ttnn_modules`` entry-point group (``emulator``:
+    ``llmrt.testing``'s computing ttnn emulator, as strict as the chip, for running a TT
+    recipe without one).
     ``weight_dtype`` is what a decoder family's matmul weights (projections, MLP, LM head)
     are converted to once at load: ``bfloat8_b`` (tt_transformers' choice) or ``bfloat16``;
     norms and the embedding stay bfloat16.
@@ -338,7 +345,8 @@ class TtnnSpec:
     trace_region_size: int = DEFAULT_TRACE_REGION_SIZE
     num_command_queues: int = 1
     dispatch_core_type: DispatchCoreType | None = None
-    fabric_config: FabricConfigName = "disabled"
+    fabric_config: FabricConfigName | None = None
+    tensor_parallel: int | None = None
     module: str = "ttnn"
     weight_dtype: TtnnWeightDtype = "bfloat8_b"
 
@@ -359,7 +367,10 @@ class TtnnSpec:
         )
         if self.dispatch_core_type is not None:
             _one_of("device.ttnn.dispatch_core_type", self.dispatch_core_type, DispatchCoreType)
-        _one_of("device.ttnn.fabric_config", self.fabric_config, FabricConfigName)
+        if self.fabric_config is not None:
+            _one_of("device.ttnn.fabric_config", self.fabric_config, FabricConfigName)
+        if self.tensor_parallel is not None:
+            _positive_int("device.ttnn.tensor_parallel", self.tensor_parallel)
         _one_of("device.ttnn.weight_dtype", self.weight_dtype, TtnnWeightDtype)
 
 
@@ -680,6 +691,7 @@ class Recipe:
         self._check_identity()
         self._check_model()
         self._check_tokenizer()
+        self._derive_tensor_parallel()
         self._check_placement()
         self._derive_warmup()
         self._check_family_backend()
@@ -976,6 +988,63 @@ class Recipe:
                 f"must divide the {chips} chips of device.mesh_shape={list(mesh)} "
                 "into equal lane sub-meshes",
             )
+        if self.device.backend == "ttnn":
+            self._check_tensor_parallel()
+
+    def _check_tensor_parallel(self) -> None:
+        """A lane is ``tensor_parallel`` chips of one mesh row, the lanes cover the mesh, and
+        tensor-parallel lanes have a fabric for their collectives."""
+        tt, mesh = self.device.ttnn, self.device.mesh_shape
+        tp = tt.tensor_parallel
+        assert tp is not None  # _derive_tensor_parallel resolved it
+        chips = math.prod(mesh) if mesh is not None else self.lanes
+        where = (
+            f"device.mesh_shape={list(mesh)}" if mesh is not None else "the mesh (one chip a lane)"
+        )
+        hint = f" (lanes={chips // tp} with tensor_parallel={tp})" if chips % tp == 0 else ""
+        _check(
+            self.lanes * tp == chips,
+            "device.ttnn.tensor_parallel",
+            tp,
+            f"lanes ({self.lanes}) x tensor_parallel must be the {chips} chips of {where}{hint}",
+        )
+        if mesh is not None:
+            rows, cols = mesh
+            _check(
+                cols % tp == 0 or rows == 1,
+                "device.ttnn.tensor_parallel",
+                tp,
+                f"a tensor-parallel lane spans chips of one mesh row (1xN, as tt_transformers "
+                f"lays out N300, T3K and each Galaxy row); {tp} chips do not fit the {cols} "
+                f"columns of {list(mesh)}: 2-D tensor parallelism is not built (use "
+                f"lanes={rows} with tensor_parallel={cols}, or fewer chips a lane)",
+            )
+        _check(
+            tp == 1 or tt.fabric_config != "disabled",
+            "device.ttnn.fabric_config",
+            tt.fabric_config,
+            f"tensor_parallel={tp} needs a fabric for its all-gathers and reduce-scatters "
+            "(fabric_1d, the default for tensor-parallel lanes)",
+        )
+
+    def _derive_tensor_parallel(self) -> None:
+        """Resolve ``device.ttnn.tensor_parallel`` (None: the chips of a lane) and
+        ``device.ttnn.fabric_config`` (None: ``fabric_1d`` for tensor-parallel lanes, else
+        ``disabled``); ``_check_placement`` validates what they resolve to."""
+        if self.device.backend != "ttnn" or not _is_int(self.lanes) or self.lanes < 1:
+            return
+        tt = self.device.ttnn
+        mesh = self.device.mesh_shape
+        chips = math.prod(mesh) if mesh is not None else self.lanes
+        tp = tt.tensor_parallel
+        if tp is None:
+            tp = chips // self.lanes if chips % self.lanes == 0 else 1
+        fabric = tt.fabric_config
+        if fabric is None:
+            fabric = "fabric_1d" if tp > 1 else "disabled"
+        if (tp, fabric) != (tt.tensor_parallel, tt.fabric_config):
+            ttnn = attrs.evolve(tt, tensor_parallel=tp, fabric_config=fabric)
+            object.__setattr__(self, "device", attrs.evolve(self.device, ttnn=ttnn))
 
     def _derive_warmup(self) -> None:
         """Fit the warmup geometry to the prefill settings it depends on.

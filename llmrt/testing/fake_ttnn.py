@@ -41,8 +41,13 @@ otherwise.
 Calls of ttnn ops are recorded like API calls (replays are not: a replay records only
 ``execute_trace``). Ops run inside a capture are recorded on the trace's tape;
 ``execute_trace`` replays the tape against the tensors' current payloads, so refreshed inputs
-change a replay's results and Python values are baked at capture, as on a chip. Multi-device
-tensors keep one logical payload plus their replicate/shard topology.
+change a replay's results and Python values are baked at capture, as on a chip. A
+multi-device tensor keeps one payload while every chip holds the same value (replicated) and
+a payload stacked per device once they differ (sharded by a mesh mapper, or computed from
+such a tensor: each op runs once per chip on its own values); the collective ops
+``all_gather``, ``reduce_scatter`` and ``all_reduce`` combine the chips' values
+(``llmrt.testing.fake_ttnn_mesh``) and need a fabric (``set_fabric_config`` before the mesh
+opens), as on a chip.
 """
 
 from __future__ import annotations
@@ -58,7 +63,9 @@ import attrs
 import torch
 
 from llmrt.errors import ConfigError
+from llmrt.testing import fake_ttnn_mesh as per_mesh
 from llmrt.testing.block_float import MANTISSA_BITS, round_block_float
+from llmrt.testing.fake_ttnn_mesh import Shards
 from llmrt.testing.fake_ttnn_transformer import install as install_transformer_ops
 
 TILE_SIZE = 32
@@ -266,19 +273,39 @@ L1_MEMORY_CONFIG = MemoryConfig("L1")
 
 @attrs.frozen(eq=False)
 class TensorToMesh:
-    """A mesh mapper: replicate, or shard along ``dim``."""
+    """A mesh mapper (replicate; shard along ``dim``; shard a 2-D mesh along ``dims``) or,
+    as ``devices``, the topology of an op's per-device results."""
 
     mesh: MeshDevice
-    kind: Literal["replicate", "shard"]
+    kind: Literal["replicate", "shard", "shard2d", "devices"]
     dim: int = 0
+    dims: tuple[int | None, int | None] = (None, None)
+    grid: tuple[int, int] | None = None
+
+    @property
+    def spread(self) -> bool:
+        """The tensor's payload is stacked per device (its chips hold different values)."""
+        return self.kind != "replicate" and self.mesh.get_num_devices() > 1
 
 
 @attrs.frozen(eq=False)
 class MeshToTensor:
-    """A mesh composer concatenating device tensors along ``dim``."""
+    """A mesh composer concatenating device tensors along ``dim`` (a 2-D one: each mesh
+    row's along ``dims[1]``, the rows along ``dims[0]``)."""
 
     mesh: MeshDevice
     dim: int
+    dims: tuple[int, int] | None = None
+    grid: tuple[int, int] | None = None
+
+
+class Topology(enum.Enum):
+    """``ttnn.Topology``: the fabric route a collective takes."""
+
+    Ring = 0
+    Linear = 1
+    Mesh = 2
+    Torus = 3
 
 
 @attrs.define(eq=False)
@@ -320,6 +347,7 @@ class MeshDevice:
         self._trace_region_size = trace_region_size
         self._num_command_queues = num_command_queues
         self._parent = parent
+        self._fabric: FabricConfig = fake._fabric if parent is None else parent._fabric
         self._program_cache: set[tuple[Any, ...]] = set()
         self._trace_bytes: dict[int, int] = {}
         self._submeshes: list[MeshDevice] = []
@@ -417,10 +445,11 @@ class Tensor:
     @property
     def shape(self) -> Shape:
         dims = list(self._payload.shape)
-        topo = self._topology
-        if topo is not None and topo.kind == "shard" and dims:
-            dims[topo.dim] //= topo.mesh.get_num_devices()
-        return Shape(dims)
+        return Shape(dims[1:] if self._spread else dims)
+
+    @property
+    def _spread(self) -> bool:
+        return self._topology is not None and self._topology.spread
 
     @property
     def padded_shape(self) -> Shape:
@@ -468,9 +497,10 @@ class Tensor:
         raw: Sequence[Any] = first if isinstance(first, Sequence) else shape
         dims = tuple(int(d) for d in raw)
         if self._mesh is None:
+            devices = tuple(self._payload.shape[:1]) if self._spread else ()
             return Tensor(
                 fake=self._fake,
-                payload=self._payload.reshape(dims),
+                payload=self._payload.reshape(devices + dims),
                 dtype=self._dtype,
                 layout=self._layout,
                 mesh=None,
@@ -572,6 +602,7 @@ def _getattr_op(name: str) -> Callable[[torch.Tensor], Any]:
 _DataType = DataType
 _DispatchCoreConfig = DispatchCoreConfig
 _FabricConfig = FabricConfig
+_Topology = Topology
 _Layout = Layout
 _MemoryConfig = MemoryConfig
 _MeshDevice = MeshDevice
@@ -647,6 +678,7 @@ class FakeTtnn:
     DispatchCoreType = DispatchCoreType
     DispatchCoreAxis = DispatchCoreAxis
     DispatchCoreConfig = DispatchCoreConfig
+    Topology = Topology
 
     def __init__(
         self,
@@ -867,6 +899,30 @@ class FakeTtnn:
         """Deprecated ttnn spelling of ``concat_mesh_to_tensor_composer``."""
         return self.concat_mesh_to_tensor_composer(mesh_device, dim)
 
+    def ShardTensor2dMesh(
+        self,
+        mesh_device: _MeshDevice,
+        mesh_shape: tuple[int, int],
+        dims: tuple[int | None, int | None],
+    ) -> TensorToMesh:
+        """Device ``(r, c)`` of the ``mesh_shape`` grid holds chunk ``r`` along ``dims[0]``
+        and chunk ``c`` along ``dims[1]`` (None: that mesh axis replicates)."""
+        grid = _grid_2d("ShardTensor2dMesh", mesh_device, mesh_shape)
+        return TensorToMesh(
+            mesh=mesh_device, kind="shard2d", dims=_dims_2d("ShardTensor2dMesh", dims), grid=grid
+        )
+
+    def ConcatMesh2dToTensor(
+        self, mesh_device: _MeshDevice, mesh_shape: tuple[int, int], dims: tuple[int, int]
+    ) -> MeshToTensor:
+        """Each ``mesh_shape`` row's device tensors joined along ``dims[1]``, the rows along
+        ``dims[0]``."""
+        grid = _grid_2d("ConcatMesh2dToTensor", mesh_device, mesh_shape)
+        first, second = _dims_2d("ConcatMesh2dToTensor", dims)
+        if first is None or second is None:
+            raise TypeError("ConcatMesh2dToTensor: dims must be two integers")
+        return MeshToTensor(mesh=mesh_device, dim=second, dims=(first, second), grid=grid)
+
     # host <-> device
 
     def from_torch(
@@ -909,7 +965,7 @@ class FakeTtnn:
                 topology = TensorToMesh(mesh=device, kind="replicate")
         return Tensor(
             fake=self,
-            payload=_store(tensor.detach().clone(), resolved),
+            payload=_store(_distribute(tensor.detach(), topology).clone(), resolved),
             dtype=resolved,
             layout=layout,
             mesh=device,
@@ -952,10 +1008,11 @@ class FakeTtnn:
         if path.is_file():
             self._record("as_tensor", device, f"load {path}")
             payload = torch.load(path, weights_only=True)
-            if tuple(payload.shape) != tuple(tensor.shape):
+            expected = tuple(_distribute(tensor.to("meta"), mesh_mapper).shape)
+            if tuple(payload.shape) != expected:
                 raise RuntimeError(
-                    f"as_tensor: {path} holds shape {tuple(payload.shape)}, "
-                    f"not {tuple(tensor.shape)}"
+                    f"as_tensor: {path} holds shape {tuple(payload.shape)}, not {expected} "
+                    f"(shape {tuple(tensor.shape)} through {mesh_mapper!r})"
                 )
             self.cache_loads += 1
             topology = mesh_mapper
@@ -1092,7 +1149,11 @@ class FakeTtnn:
                 f"{host_tensor!r} was not mapped to {mesh!r} (from_torch(..., mesh_mapper=...))",
             )
         with torch.no_grad():
-            device_tensor._payload.copy_(host_tensor._payload)
+            if host_tensor._spread and not device_tensor._spread:  # the chips now differ
+                device_tensor._payload = host_tensor._payload.clone()
+                device_tensor._topology = host_tensor._topology
+            else:  # a replicated host value broadcasts to every chip's copy
+                device_tensor._payload.copy_(host_tensor._payload)
 
     def deallocate(self, tensor: _Tensor, force: bool = True) -> None:
         """Free a device tensor; a second deallocation is a violation here."""
@@ -1305,6 +1366,8 @@ class FakeTtnn:
             target = args[0] if args else None
             if output is None and isinstance(target, Tensor):  # in place: stored as the dtype
                 func = _stored_in_place(fn, target._dtype)
+                if any(t._spread for t in _tensors((args, kwargs))):
+                    self._spread(target)
             return self._call_op(
                 name, func, args, kwargs, output=_same_spec if output == "same" else None
             )
@@ -1616,6 +1679,159 @@ class FakeTtnn:
             key_extra=(dim,),
         )
 
+    # collectives (tt_transformers' all-reduce on a 1xN mesh: reduce_scatter then all_gather)
+
+    def all_gather(
+        self,
+        input_tensor: Any,
+        dim: int,
+        *,
+        cluster_axis: int | None = None,
+        memory_config: Any = None,
+        output_tensor: Any = None,
+        subdevice_id: Any = None,
+        num_links: int | None = None,
+        topology: _Topology | None = None,
+    ) -> Any:
+        """Each device's tensor joined along ``dim`` with the others of its ring (every device,
+        or those along ``cluster_axis``): ``output_shape[dim] = input_shape[dim] * ring``."""
+        self._collective_checks(
+            "all_gather", input_tensor, dim, cluster_axis, output_tensor, num_links, topology
+        )
+        return self._collective(
+            "all_gather", input_tensor, cluster_axis,
+            lambda shards, rings: per_mesh.gathered(shards, rings, dim), key=(dim,),
+        )  # fmt: skip
+
+    def reduce_scatter(
+        self,
+        input_tensor: Any,
+        dim: int,
+        *,
+        cluster_axis: int | None = None,
+        subdevice_id: Any = None,
+        memory_config: Any = None,
+        output_tensor: Any = None,
+        num_links: int | None = None,
+        topology: _Topology | None = None,
+    ) -> Any:
+        """The ring's sum, device ``i`` of the ring keeping chunk ``i`` along ``dim``
+        (``output_shape[dim] = input_shape[dim] / ring``): bfloat16, bfloat8_b or float32,
+        rank 2 or more, ``dim`` divisible by the ring size, as ttnn requires."""
+        ring = self._collective_checks(
+            "reduce_scatter", input_tensor, dim, cluster_axis, output_tensor, num_links, topology
+        )
+        size = int(input_tensor.shape[dim])
+        if size % ring:
+            self._record("reduce_scatter", input_tensor._mesh)
+            raise self._violate(
+                "op input",
+                f"reduce_scatter: dim {dim} ({size}) is not divisible by the {ring} devices",
+            )
+        return self._collective(
+            "reduce_scatter", input_tensor, cluster_axis,
+            lambda shards, rings: per_mesh.scattered(shards, rings, dim), key=(dim,),
+        )  # fmt: skip
+
+    def all_reduce(
+        self,
+        input_tensor: Any,
+        *,
+        cluster_axis: int | None = None,
+        subdevice_id: Any = None,
+        memory_config: Any = None,
+        num_links: int | None = None,
+        topology: _Topology | None = None,
+    ) -> Any:
+        """The ring's sum on every device of it (the input's shape and dtype): bfloat16,
+        bfloat8_b or float32, rank 2 or more."""
+        self._collective_checks(
+            "all_reduce", input_tensor, None, cluster_axis, None, num_links, topology
+        )
+        return self._collective(
+            "all_reduce", input_tensor, cluster_axis,
+            lambda shards, rings: per_mesh.reduced(shards, rings), key=(),
+        )  # fmt: skip
+
+    def _collective_checks(
+        self,
+        name: str,
+        tensor: Any,
+        dim: int | None,
+        cluster_axis: int | None,
+        output_tensor: Any,
+        num_links: int | None,
+        topology: Any,
+    ) -> int:
+        """The ring size once the arguments are ones ttnn accepts (else its error)."""
+        if not isinstance(tensor, Tensor):
+            raise TypeError(f"{name}: input_tensor must be a ttnn.Tensor, got {type(tensor)}")
+        mesh = tensor._mesh
+        if output_tensor is not None:
+            raise NotImplementedError(f"FakeTtnn.{name}: output_tensor= is not modelled")
+        if topology is not None and not isinstance(topology, Topology):
+            raise TypeError(f"{name}: topology must be a ttnn.Topology, got {topology!r}")
+        if num_links is not None and not _is_count(num_links):
+            raise TypeError(f"{name}: num_links must be a positive integer, got {num_links!r}")
+
+        def refuse(detail: str) -> TtnnRuleViolation:
+            self._record(name, mesh)
+            return self._violate("op input", f"{name}: {detail}")
+
+        if mesh is None:
+            raise refuse("input_tensor is a host tensor")
+        rank = len(tensor.shape)
+        if dim is not None and not -rank <= dim < rank:
+            raise refuse(f"dim {dim} is out of range for a rank-{rank} tensor")
+        if name != "all_gather":
+            if rank < 2:
+                raise refuse("input must be rank 2 or greater")
+            if tensor._dtype not in (DataType.BFLOAT16, DataType.BFLOAT8_B, DataType.FLOAT32):
+                raise refuse(f"dtype {tensor._dtype.name} is not BFLOAT16, BFLOAT8_B or FLOAT32")
+        if cluster_axis is not None and cluster_axis not in range(mesh.shape.dims()):
+            raise refuse(f"cluster_axis {cluster_axis} is not an axis of {mesh.shape!r}")
+        if mesh.get_num_devices() > 1 and mesh._fabric is FabricConfig.DISABLED:
+            self._record(name, mesh)
+            raise self._violate(
+                "fabric",
+                f"{name} on {mesh!r}: the mesh was opened without a fabric "
+                "(set_fabric_config(FABRIC_1D...) before open_mesh_device)",
+            )
+        grid = per_mesh.mesh_grid(list(mesh.shape))
+        return len(per_mesh.rings(grid, cluster_axis)[0])
+
+    def _collective(
+        self,
+        name: str,
+        tensor: _Tensor,
+        cluster_axis: int | None,
+        combine: Callable[[list[torch.Tensor], list[list[int]]], list[torch.Tensor]],
+        *,
+        key: tuple[Any, ...],
+    ) -> Any:
+        """Run ``combine`` over every device's value; a result every device shares is held
+        once (replicated), else stacked per device."""
+        mesh = tensor._mesh
+        assert mesh is not None
+        devices = mesh.get_num_devices()
+        rings = per_mesh.rings(per_mesh.mesh_grid(list(mesh.shape)), cluster_axis)
+
+        def run(payload: torch.Tensor | Shards) -> torch.Tensor | Shards:
+            if isinstance(payload, Shards):
+                shards = list(payload.stacked.unbind(0))
+            else:
+                shards = [payload] * devices
+            out = combine(shards, rings)
+            if all(o is out[0] for o in out):
+                return out[0].clone()
+            return Shards(torch.stack(out))
+
+        run.__name__ = name
+        return self._call_op(
+            name, run, (tensor,), {}, output=_same_spec, key_extra=(*key, cluster_axis),
+            collective=True,
+        )  # fmt: skip
+
     def _call_op(
         self,
         name: str,
@@ -1625,11 +1841,20 @@ class FakeTtnn:
         *,
         output: OutputSpec | None = None,
         key_extra: tuple[Any, ...] = (),
+        collective: bool = False,
     ) -> Any:
         """A ttnn op called by name: recorded on the mesh of its first tensor, then run."""
         first = next(_tensors((args, kwargs)), None)
         self._record(name, None if first is None else first._mesh)
-        return self._run_op(func, args, kwargs, name=name, output=output, key_extra=key_extra)
+        return self._run_op(
+            func,
+            args,
+            kwargs,
+            name=name,
+            output=output,
+            key_extra=key_extra,
+            collective=collective,
+        )
 
     def _run_op_method(
         self, func: Callable[..., Any], tensor: _Tensor, *args: Any, **kw: Any
@@ -1645,7 +1870,10 @@ class FakeTtnn:
         name: str | None = None,
         output: OutputSpec | None = None,
         key_extra: tuple[Any, ...] = (),
+        collective: bool = False,
     ) -> Any:
+        """Run ``func`` on the payloads (once per chip where they differ; a ``collective``
+        gets the whole mesh's values), record it on a capture's tape, wrap its outputs."""
         name = name or str(getattr(func, "__name__", repr(func)))
         inputs = list(_tensors((args, kwargs)))
         if not inputs:
@@ -1660,6 +1888,8 @@ class FakeTtnn:
         for tensor in inputs:
             self._require_allocated(tensor, name)
         capture = mesh._capture
+        if not collective and mesh.get_num_devices() > 1:
+            func = per_mesh.per_device(func)  # each chip runs the op on its own values
         key = _program_key(name, args, kwargs, key_extra)
         if key not in mesh._program_cache:
             if capture is not None:
@@ -1676,11 +1906,13 @@ class FakeTtnn:
         else:
             spec = output(inputs, kwargs)
 
-        def wrap(payload: torch.Tensor) -> _Tensor:
-            same = payloads.get(id(payload))
+        def wrap(payload: torch.Tensor | Shards) -> _Tensor:
+            spread = isinstance(payload, Shards)
+            raw = payload.stacked if isinstance(payload, Shards) else payload
+            same = payloads.get(id(raw))
             if same is not None:
                 return same
-            return self._op_output(payload, template, spec, kwargs.get("memory_config"))
+            return self._op_output(raw, template, spec, kwargs.get("memory_config"), spread=spread)
 
         outputs = _wrap(result, wrap)
         if capture is not None:
@@ -1699,6 +1931,8 @@ class FakeTtnn:
         template: _Tensor,
         spec: tuple[_DataType, _Layout] | None,
         memory_config: _MemoryConfig | None,
+        *,
+        spread: bool = False,
     ) -> _Tensor:
         """A new device tensor; ``spec`` (the op's dtype and layout) or, for a torch function a
         test opted into, the dtype ttnn would infer and the template's layout."""
@@ -1714,7 +1948,9 @@ class FakeTtnn:
             dtype=dtype,
             layout=layout,
             mesh=mesh,
-            topology=template._topology,
+            topology=None
+            if mesh is None
+            else TensorToMesh(mesh=mesh, kind="devices" if spread else "replicate"),
             created_in=None if mesh is None else mesh._capture,
             memory_config=memory_config or template._memory_config,
         )
@@ -1728,6 +1964,8 @@ class FakeTtnn:
         if len(new) != len(old):
             raise self._violate("trace replay", f"{name} changed its output structure")
         for fresh, kept in zip(new, old, strict=True):
+            if isinstance(fresh, Shards):
+                fresh = fresh.stacked
             if isinstance(kept, Tensor):
                 if not isinstance(fresh, torch.Tensor) or fresh.shape != kept._payload.shape:
                     raise self._violate("trace replay", f"{name} changed an output shape")
@@ -1748,6 +1986,16 @@ class FakeTtnn:
             if self._allocation_policy == "raise":
                 raise self._violate("allocation while a trace is live", detail)
             self._warnings.append(detail)
+
+    def _spread(self, tensor: _Tensor) -> None:
+        """Give each chip its own copy of a replicated tensor an op is about to write per chip
+        (a KV cache written with tensor-parallel heads): the chips' values may now differ."""
+        mesh = tensor._mesh
+        if tensor._spread or mesh is None or mesh.get_num_devices() < 2:
+            return
+        devices = mesh.get_num_devices()
+        tensor._payload = tensor._payload.unsqueeze(0).repeat(devices, *[1] * tensor._payload.dim())
+        tensor._topology = TensorToMesh(mesh=mesh, kind="devices")
 
     def _require_allocated(self, tensor: _Tensor, name: str) -> None:
         if not tensor._allocated and not self._replaying:
@@ -1772,13 +2020,10 @@ class FakeTtnn:
             raise RuntimeError(
                 f"to_torch: {tensor!r} spans {devices} devices; pass a mesh_composer"
             )
-        if topology.kind == "replicate":
-            shards = [value] * devices
-        else:
-            shards = list(torch.chunk(value, devices, dim=topology.dim))
-        if value.dim() == 0:
-            return torch.stack(shards)
-        return torch.cat(shards, dim=mesh_composer.dim)
+        shards = list(value.unbind(0)) if topology.spread else [value] * devices
+        if mesh_composer.dims is not None and mesh_composer.grid is not None:
+            return per_mesh.concat_2d(shards, dims=mesh_composer.dims, grid=mesh_composer.grid)
+        return per_mesh.concat_1d(shards, dim=mesh_composer.dim)
 
     def _host_scalar(self, tensor: _Tensor, what: str) -> torch.Tensor:
         mesh = tensor._mesh
@@ -1805,7 +2050,7 @@ def _program_key(
         if isinstance(value, Tensor):
             return (
                 "tensor",
-                tuple(value._payload.shape),
+                tuple(value.shape),
                 value._dtype,
                 value._layout,
                 value._memory_config,
@@ -1958,7 +2203,7 @@ def _leaves(tree: Any) -> Iterator[Any]:
 
 def _unwrap(tree: Any) -> Any:
     if isinstance(tree, Tensor):
-        return tree._payload
+        return Shards(tree._payload) if tree._spread else tree._payload
     if isinstance(tree, dict):
         return {k: _unwrap(v) for k, v in tree.items()}
     if isinstance(tree, (tuple, list)):
@@ -1966,8 +2211,8 @@ def _unwrap(tree: Any) -> Any:
     return tree
 
 
-def _wrap(tree: Any, wrap_tensor: Callable[[torch.Tensor], Tensor]) -> Any:
-    if isinstance(tree, torch.Tensor):
+def _wrap(tree: Any, wrap_tensor: Callable[[torch.Tensor | Shards], Tensor]) -> Any:
+    if isinstance(tree, (torch.Tensor, Shards)):
         return wrap_tensor(tree)
     if isinstance(tree, dict):
         return {k: _wrap(v, wrap_tensor) for k, v in tree.items()}
@@ -1985,6 +2230,44 @@ def _rebuild(original: tuple[Any, ...] | list[Any], items: list[Any]) -> Any:
         return type(original)(items)
     except TypeError:
         return type(original)(*items)
+
+
+def _distribute(tensor: torch.Tensor, topology: TensorToMesh | None) -> torch.Tensor:
+    """The payload ``topology`` (a mesh mapper) gives ``tensor``: itself when replicated,
+    else stacked per device."""
+    if topology is None or not topology.spread:
+        return tensor
+    devices = topology.mesh.get_num_devices()
+    if topology.kind == "shard":
+        return per_mesh.shard_1d(tensor, dim=topology.dim, devices=devices)
+    if topology.kind == "shard2d" and topology.grid is not None:
+        return per_mesh.shard_2d(tensor, dims=topology.dims, grid=topology.grid)
+    raise TypeError(f"{topology!r} is not a mesh mapper")
+
+
+def _grid_2d(name: str, mesh: MeshDevice, mesh_shape: Any) -> tuple[int, int]:
+    """``mesh_shape`` (two positive integers) as the grid over ``mesh``'s devices."""
+    shape = tuple(mesh_shape) if isinstance(mesh_shape, (tuple, list, MeshShape)) else ()
+    if len(shape) != 2 or not all(_is_count(d) for d in shape):
+        raise TypeError(f"{name}: mesh_shape must be two positive integers, got {mesh_shape!r}")
+    if shape[0] * shape[1] != mesh.get_num_devices():
+        raise RuntimeError(
+            f"{name}: mesh_shape {list(shape)} does not cover the mesh's "
+            f"{mesh.get_num_devices()} devices"
+        )
+    return int(shape[0]), int(shape[1])
+
+
+def _dims_2d(name: str, dims: Any) -> tuple[int | None, int | None]:
+    pair = tuple(dims) if isinstance(dims, (tuple, list)) else ()
+    ok = all(d is None or (isinstance(d, int) and not isinstance(d, bool)) for d in pair)
+    if len(pair) != 2 or not ok:
+        raise TypeError(f"{name}: dims must be two integers (or None), got {dims!r}")
+    return pair[0], pair[1]
+
+
+def _is_count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 def _describe_torch(tensor: torch.Tensor | None) -> str:

@@ -118,9 +118,10 @@ class VLLMAdapterConfig:
         """The KV heads the plugin allocates per device: the model's over the lane's chips.
 
         The plugin's ``_kv_cache_shape`` (tensor parallelism is the model's business:
-        ``num_kv_heads // min(devices per lane, num_kv_heads)``). It sizes vLLM's pool; the
-        lane holds the recipe's KV (replicated on each of its chips: the ttnn path has no
-        tensor-parallel layers yet)."""
+        ``num_kv_heads // min(devices per lane, num_kv_heads)``). It sizes vLLM's pool; a
+        decoder family's lane holds the same heads per chip (its tensor-parallel layers split
+        them over the lane's chips, ``resolve`` checks the two agree); a model without
+        tensor-parallel layers keeps every head on each chip."""
         return self.num_kv_heads // min(self.devices_per_lane, self.num_kv_heads)
 
     @property
@@ -155,6 +156,14 @@ class VLLMAdapterConfig:
             )
         first = group.lanes[0]
         meta = first.kv_cache.borrowed_model.attention_metadata()
+        if meta.tensor_parallel > 1 and meta.tensor_parallel != mesh_devices // lanes:
+            raise ConfigError(
+                "tt_data_parallel",
+                lanes,
+                f"gives {mesh_devices // lanes} of vLLM's {mesh_devices} devices a lane, but "
+                f"the lanes' models are tensor-parallel over {meta.tensor_parallel} chips "
+                "(the recipe's device.ttnn.tensor_parallel)",
+            )
         kv = first.kv_cache.config
         for lane in group.lanes[1:]:
             other = lane.kv_cache

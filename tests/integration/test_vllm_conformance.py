@@ -516,6 +516,11 @@ def _plugin_session(
     monkeypatch.setenv("LLMRT_VLLM_OVERRIDES", backend.overrides)
     fake = _fake(backend, system_mesh_shape=mesh_shape)
     monkeypatch.setitem(sys.modules, "ttnn", fake)  # what ``import ttnn`` gives the plugin
+    if mesh_shape != (1, 1):  # the plugin's worker: a fabric for a multi-chip mesh (a ring
+        # on a Galaxy), before it opens the mesh
+        galaxy = mesh_shape == (4, 8)
+        fabric = fake.FabricConfig.FABRIC_1D_RING if galaxy else fake.FabricConfig.FABRIC_1D
+        fake.set_fabric_config(fabric)
     mesh = fake.open_mesh_device(fake.MeshShape(*mesh_shape), trace_region_size=1 << 20)
     kwargs: dict[str, Any] = {"trace_mode": trace_mode, "warmup": warmup}
     if backend.ttnn:
@@ -526,6 +531,8 @@ def _plugin_session(
     yield replay
     replay.model.close()
     fake.close_mesh_device(mesh)
+    if mesh_shape != (1, 1):
+        fake.set_fabric_config(fake.FabricConfig.DISABLED)
     assert fake.violations == ()
     if backend.ttnn:  # the model ran on the plugin's mesh (its lane submeshes): reads
         # synchronized, traces replayed when traced
@@ -598,8 +605,9 @@ def test_multi_chip_meshes_take_the_plugins_per_device_kv_heads(
     mesh_shape: tuple[int, int],
 ) -> None:
     """N300, T3K and Galaxy: the plugin divides the KV heads over the mesh's devices; the
-    model loads, allocates and generates what ``LLM.generate`` does (a ttnn lane runs
-    replicated over its chips: the torch backend leaves the mesh unused)."""
+    model loads, allocates and generates what ``LLM.generate`` does (a decoder family's lane
+    is tensor-parallel over its chips, each holding the plugin's heads per device; the toy
+    runs replicated; the torch backend leaves the mesh unused)."""
     if backend.eager_prefill and mesh_shape != (1, 2):
         pytest.skip("the decoder family's 1x2 case stands for the larger meshes (seconds each)")
     with _plugin_session(backend, monkeypatch, mesh_shape=mesh_shape) as session:

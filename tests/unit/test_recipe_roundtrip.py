@@ -93,18 +93,28 @@ def placement(draw: st.DrawFn) -> tuple[DeviceSpec, int]:
     if draw(st.booleans()):
         rows, cols = draw(st.integers(1, 4)), draw(st.integers(1, 8))
         chips = rows * cols
-        lanes = draw(st.sampled_from([n for n in range(1, chips + 1) if chips % n == 0]))
+        # a lane is chips of one mesh row (its tensor-parallel layers)
+        lanes = draw(
+            st.sampled_from([n for n in range(1, chips + 1) if chips % n == 0
+                             and (rows == 1 or cols % (chips // n) == 0)])
+        )  # fmt: skip
         mesh = draw(st.sampled_from([None, (rows, cols)]))
         if mesh is None:
             lanes = draw(st.integers(1, 8))
         opened = chips if mesh is not None else lanes
-        fabrics = list(get_args(FabricConfigName)) if opened >= 2 else ["disabled"]
+        tp = opened // lanes
+        fabrics: list[str | None] = [None, *get_args(FabricConfigName)] if opened >= 2 else [None]
+        if opened < 2:
+            fabrics.append("disabled")
+        if tp > 1:
+            fabrics.remove("disabled")
         ttnn = TtnnSpec(
             l1_small_size=draw(st.integers(0, 1 << 20)),
             trace_region_size=draw(st.integers(1, 1 << 30)),
             num_command_queues=draw(st.sampled_from([1, 2])),
             dispatch_core_type=draw(st.sampled_from([None, *get_args(DispatchCoreType)])),
             fabric_config=draw(st.sampled_from(fabrics)),
+            tensor_parallel=draw(st.sampled_from([None, tp])),
         )
         device = DeviceSpec(backend="ttnn", mesh_shape=mesh, num_threads=threads, ttnn=ttnn)
         return device, lanes

@@ -255,6 +255,60 @@ def test_ttnn_mesh_splits_into_lanes() -> None:
     recipe = build(**TT, **{"device.mesh_shape": [2, 4], "lanes": 4})
     assert recipe.device.mesh_shape == (2, 4)
     assert recipe.lanes == 4
+    assert recipe.device.ttnn.tensor_parallel == 2  # two chips of a row each
+
+
+@pytest.mark.parametrize(
+    ("mesh", "lanes", "tensor_parallel", "fabric"),
+    [
+        ([1, 1], 1, 1, "disabled"),  # one chip (N150)
+        ([1, 2], 1, 2, "fabric_1d"),  # N300: one lane over both chips
+        ([1, 2], 2, 1, "disabled"),  # N300 as two data-parallel lanes
+        ([1, 8], 1, 8, "fabric_1d"),  # T3K
+        ([4, 8], 4, 8, "fabric_1d"),  # Galaxy: four 1x8 lanes
+        ([4, 8], 32, 1, "disabled"),  # Galaxy: 32 one-chip lanes
+    ],
+    ids=["n150", "n300", "n300-dp2", "t3k", "galaxy-dp4", "galaxy-dp32"],
+)
+def test_tensor_parallel_degree_and_fabric_follow_the_mesh_and_lanes(
+    mesh: list[int], lanes: int, tensor_parallel: int, fabric: str
+) -> None:
+    """Left unset, ``device.ttnn.tensor_parallel`` is a lane's chips and the fabric is
+    ``fabric_1d`` exactly when a lane's layers span chips (their collectives need it)."""
+    recipe = build(**TT, **{"device.mesh_shape": mesh, "lanes": lanes})
+    assert recipe.device.ttnn.tensor_parallel == tensor_parallel
+    assert recipe.device.ttnn.fabric_config == fabric
+    stated = build(
+        **TT, **{"device.mesh_shape": mesh, "lanes": lanes,
+                 "device.ttnn.tensor_parallel": tensor_parallel}
+    )  # fmt: skip
+    assert stated == recipe
+
+
+@pytest.mark.parametrize(
+    ("settings", "field", "message"),
+    [
+        ({"device.mesh_shape": [1, 8], "device.ttnn.tensor_parallel": 4},
+         "device.ttnn.tensor_parallel", r"lanes \(1\) x tensor_parallel must be the 8 chips.*"
+         r"lanes=2 with tensor_parallel=4"),
+        ({"device.mesh_shape": [4, 8], "device.ttnn.tensor_parallel": 8},
+         "device.ttnn.tensor_parallel", r"lanes=4 with tensor_parallel=8"),
+        ({"device.mesh_shape": [4, 8], "lanes": 1},
+         "device.ttnn.tensor_parallel", r"one mesh row .* 2-D tensor parallelism is not built"),
+        ({"device.mesh_shape": [4, 8], "lanes": 2},
+         "device.ttnn.tensor_parallel", r"16 chips do not fit the 8 columns"),
+        ({"device.mesh_shape": [1, 8], "device.ttnn.fabric_config": "disabled"},
+         "device.ttnn.fabric_config", r"tensor_parallel=8 needs a fabric"),
+        ({"device.ttnn.tensor_parallel": 0}, "device.ttnn.tensor_parallel", "positive integer"),
+    ],
+    ids=["t3k-half", "galaxy-one-lane-of-8", "galaxy-2d", "galaxy-2x8", "no-fabric", "zero"],
+)  # fmt: skip
+def test_invalid_mesh_lane_and_tensor_parallel_combinations_are_named(
+    settings: dict[str, Any], field: str, message: str
+) -> None:
+    with pytest.raises(RecipeError, match=message) as error:
+        build(**TT, **settings)
+    assert error.value.field == field
 
 
 def test_decoder_families_run_on_ttnn_and_gguf_blocks_are_dequantized_there() -> None:

@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
+from llmrt.errors import ConfigError
 from llmrt.families.ttnn_decoder import TtnnDecoder, TtnnDecoderConfig
 from llmrt.testing.fake_ttnn import FakeTtnn
 
@@ -209,3 +211,47 @@ def test_a_decode_step_captured_as_a_trace_replays_like_eager(
             assert torch.equal(got, fake.to_torch(eager_cache)[written[0], :, written[1]])
     fake.release_trace(mesh, trace)
     model.close()
+
+
+def test_tensor_parallel_weights_are_cached_per_split_and_shard_the_heads(
+    tmp_path: Path,
+) -> None:
+    """On a 1x2 mesh every matmul weight is one chip's half (q/k/v/gate/up/LM head by
+    columns, o/down by rows), kept in cache files named for the split (a 1x1 build's files
+    are not loaded by it) and loaded by the next 1x2 build."""
+    hf = _hf_model("llama")
+    config = TtnnDecoderConfig.from_hf(hf.config.to_dict())
+    weights = hf.state_dict()
+    for shape, loads in (((1, 1), 0), ((1, 2), 0), ((1, 2), 15)):
+        fake = FakeTtnn(system_mesh_shape=shape)
+        if shape != (1, 1):
+            fake.set_fabric_config(fake.FabricConfig.FABRIC_1D)
+        mesh = fake.open_mesh_device(fake.MeshShape(*shape))
+        model = TtnnDecoder(tt=fake, mesh=mesh, config=config, weights=weights, cache_dir=tmp_path)
+        assert fake.cache_loads == loads
+        chips = shape[1]
+        layer = model.layers[0]
+        q_width = config.num_heads * config.head_dim
+        assert tuple(layer["wq"].shape) == (config.hidden_size, q_width // chips)
+        assert tuple(layer["wo"].shape) == (q_width // chips, config.hidden_size)
+        assert tuple(layer["w2"].shape) == (config.intermediate_size // chips, config.hidden_size)
+        assert tuple(model.lm_head.shape) == (config.hidden_size, config.vocab_size // chips)
+        assert (model.heads, model.kv_heads) == (
+            config.num_heads // chips,
+            config.num_kv_heads // chips,
+        )
+        model.close()
+    names = sorted(p.name for p in tmp_path.glob("*.tensorbin"))
+    assert len(names) == 2 * 15  # 2 layers x 7 + the LM head, once per split
+    assert sum("_tp2_dim-1" in n for n in names) == 2 * 5 + 1  # q, k, v, gate, up; LM head
+    assert sum("_tp2_dim-2" in n for n in names) == 2 * 2  # o, down
+
+
+def test_heads_that_do_not_split_over_the_mesh_are_refused() -> None:
+    fake = FakeTtnn(system_mesh_shape=(1, 8))
+    fake.set_fabric_config(fake.FabricConfig.FABRIC_1D)
+    mesh = fake.open_mesh_device(fake.MeshShape(1, 8))
+    hf = _hf_model("llama")  # two KV heads
+    config = TtnnDecoderConfig.from_hf(hf.config.to_dict())
+    with pytest.raises(ConfigError, match=r"num_key_value_heads: .*divisible by 8"):
+        TtnnDecoder(tt=fake, mesh=mesh, config=config, weights=hf.state_dict())

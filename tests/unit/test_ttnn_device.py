@@ -353,6 +353,22 @@ def test_lanes_are_submeshes_with_distinct_stable_ids() -> None:
         single.lanes(2)
 
 
+@pytest.mark.parametrize(
+    ("mesh", "lanes", "lane_shape"),
+    [((1, 8), 1, (1, 8)), ((1, 8), 4, (1, 2)), ((4, 8), 4, (1, 8)), ((4, 8), 32, (1, 1)),
+     ((2, 4), 2, (1, 4)), ((4, 8), 2, (2, 8))],
+)  # fmt: skip
+def test_lanes_are_chips_of_one_mesh_row_where_a_row_holds_whole_lanes(
+    mesh: tuple[int, int], lanes: int, lane_shape: tuple[int, int]
+) -> None:
+    """A Galaxy's four lanes are its 1x8 rows (a tensor-parallel lane's chips share a row's
+    links, as tt_transformers lays them out), not 4x2 blocks; lanes wider than a row take
+    whole rows."""
+    device, _ = open_device(mesh)
+    made = device.lanes(lanes)
+    assert {tuple(lane.mesh_device.shape) for lane in made} == {lane_shape}
+
+
 def test_lane_owns_its_tensors() -> None:
     device, _ = open_device((1, 2))
     lane0, lane1 = device.lanes(2)
