@@ -101,6 +101,13 @@ def usable_cpu_features(cpuinfo: str = CPUINFO) -> CpuFeatures:
 
 #: The kernels' instruction-set levels in order (``csrc/cpu.h``), per architecture.
 X86_LEVELS: tuple[str, ...] = ("scalar", "avx2", "avx512", "avx512_vnni")
+#: Levels beside the order (``csrc/cpu.h``): each is the level it extends plus its flags.
+#: ``avx_vnni`` is avx2 plus AVX-VNNI (the 256-bit ``vpdpbusd``: Intel Alder Lake and later
+#: clients, AMD Zen 5; Intel Sapphire Rapids and later beside AVX-512). A CPU of the avx2
+#: level with it is detected as ``avx_vnni``; it can be forced on any CPU with AVX2 and
+#: AVX-VNNI (one with AVX-512 then runs as an AVX2 CPU with AVX-VNNI); forcing a level of
+#: the order below the CPU's own drops it, as it drops AVX-512 BF16 and AMX.
+BESIDE_LEVELS: dict[str, str] = {"avx_vnni": "avx2"}
 ARM64_LEVELS: tuple[str, ...] = ("scalar", "neon", "dotprod", "i8mm")
 #: The /proc/cpuinfo flags each level needs (x86: AVX2 + FMA + F16C; AVX-512 F/BW/VL/DQ;
 #: AVX-512 VNNI. arm64: Advanced SIMD, its dot product, the int8 matrix multiply).
@@ -109,6 +116,7 @@ LEVEL_FLAGS: dict[str, frozenset[str]] = {
     "avx2": frozenset({"avx2", "fma", "f16c"}),
     "avx512": frozenset({"avx512f", "avx512bw", "avx512vl", "avx512dq"}),
     "avx512_vnni": frozenset({"avx512_vnni"}),
+    "avx_vnni": frozenset({"avx_vnni"}),
     "neon": frozenset({"asimd"}),
     "dotprod": frozenset({"asimddp"}),
     "i8mm": frozenset({"i8mm"}),
@@ -128,8 +136,18 @@ def isa_levels(machine: str | None = None) -> tuple[str, ...]:
 
 
 def detected_isa_level(features: CpuFeatures, machine: str | None = None) -> str:
-    """The highest level whose flags (and every lower level's) ``features`` lists. arm64
-    without a flags line (macOS) counts as ``neon``, which every AArch64 CPU has."""
+    """The highest level whose flags (and every lower level's) ``features`` lists, named
+    ``avx_vnni`` where that is avx2 and the CPU has AVX-VNNI. arm64 without a flags line
+    (macOS) counts as ``neon``, which every AArch64 CPU has."""
+    best = _chain_level(features, machine)
+    for beside, base in BESIDE_LEVELS.items():
+        if best == base and LEVEL_FLAGS[beside] <= features.flags:
+            return beside
+    return best
+
+
+def _chain_level(features: CpuFeatures, machine: str | None = None) -> str:
+    """The highest level of the order whose flags (and every lower level's) are listed."""
     levels = isa_levels(machine)
     best = "scalar"
     for level in levels[1:]:
@@ -142,6 +160,23 @@ def detected_isa_level(features: CpuFeatures, machine: str | None = None) -> str
     return best
 
 
+def forceable_levels(features: CpuFeatures, machine: str | None = None) -> tuple[str, ...]:
+    """The values ``LLMRT_KERNELS_ISA`` may take on this CPU, lowest first: the order up to
+    the CPU's level, with each level beside it after the level it extends where the CPU has
+    its flags (x86 with AVX-VNNI: ``avx_vnni`` after ``avx2``)."""
+    levels = isa_levels(machine)
+    chain = levels[: levels.index(_chain_level(features, machine)) + 1]
+    allowed: list[str] = []
+    for level in chain:
+        allowed.append(level)
+        allowed += [
+            beside
+            for beside, base in BESIDE_LEVELS.items()
+            if base == level and levels is X86_LEVELS and LEVEL_FLAGS[beside] <= features.flags
+        ]
+    return tuple(allowed)
+
+
 def isa_level(features: CpuFeatures | None = None, *, machine: str | None = None) -> str:
     """The level this process runs at: ``LLMRT_KERNELS_ISA`` when set (any level at or below
     the CPU's), else the CPU's own. A value that is not a level, or one above the CPU, is a
@@ -152,9 +187,14 @@ def isa_level(features: CpuFeatures | None = None, *, machine: str | None = None
     if not forced:
         return detected
     levels = isa_levels(machine)
-    allowed = list(levels[: levels.index(detected) + 1])
+    allowed = list(forceable_levels(cpu, machine))
     if forced not in allowed:
-        why = "is above this CPU" if forced in levels else "is not a level"
+        if forced in levels:
+            why = "is above this CPU"
+        elif levels is X86_LEVELS and forced in BESIDE_LEVELS:
+            why = f"needs {sorted(LEVEL_FLAGS[forced])}, which this CPU does not list"
+        else:
+            why = "is not a level"
         raise ConfigError(
             ISA_VARIABLE, forced, f"{why}; this CPU ({detected}) runs one of {allowed}"
         )
@@ -162,9 +202,18 @@ def isa_level(features: CpuFeatures | None = None, *, machine: str | None = None
 
 
 def isa_at_least(level: str, features: CpuFeatures | None = None) -> bool:
-    """Whether the running level (``isa_level``) includes ``level`` (same architecture)."""
+    """Whether the running level (``isa_level``) includes ``level`` (same architecture).
+    A level beside the order (``avx_vnni``) is included where it runs by name, or where the
+    CPU runs at its own level and has its flags (an AVX-512 CPU with AVX-VNNI)."""
     levels = isa_levels()
-    running = _running_level(features if features is not None else read_cpu_features())
+    cpu = features if features is not None else read_cpu_features()
+    running = _running_level(cpu)
+    if level in BESIDE_LEVELS and levels is X86_LEVELS:
+        if running == level:
+            return True
+        own = running == detected_isa_level(cpu) and LEVEL_FLAGS[level] <= cpu.flags
+        return own and levels.index(running) >= levels.index(BESIDE_LEVELS[level])
+    running = BESIDE_LEVELS.get(running, running)
     return level in levels and levels.index(running) >= levels.index(level)
 
 
@@ -179,9 +228,11 @@ def _running_level(features: CpuFeatures) -> str:
 
 def _above_level(flag: str, level: str) -> bool:
     """Whether a CPU of x86 ``level`` lacks ``flag`` (the vector extensions past it)."""
-    if level == "avx512_vnni" or level not in X86_LEVELS:
+    if level == "avx512_vnni" or level not in (*X86_LEVELS, *BESIDE_LEVELS):
         return flag in AMX_FLAGS or flag in ("avx512_bf16", "avx512_fp16")
     wide = flag.startswith(("avx512", "amx", "avx_vnni", "avx_ifma", "avx_ne", "avx10"))
+    if level == "avx_vnni":
+        return wide and flag != "avx_vnni"
     if level == "avx512":
         return wide and flag not in ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512cd")
     if level == "avx2":
@@ -196,6 +247,7 @@ TORCH_ISA_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_
 _TORCH_CAPS: dict[str, tuple[str, str, str]] = {
     "scalar": ("default", "SSE41", "SSE4_2"),
     "avx2": ("avx2", "AVX2", "AVX2"),
+    "avx_vnni": ("avx2", "AVX2_VNNI", "AVX2"),
     "avx512": ("avx512", "AVX512_CORE", "AVX512"),
     "avx512_vnni": ("avx512", "AVX512_CORE_VNNI", "AVX512"),
 }

@@ -42,6 +42,7 @@ _SOURCES = (
     _CSRC / "stacked.cpp",
     _CSRC / "interleaved.cpp",
     _CSRC / "interleaved_neon.cpp",
+    _CSRC / "interleaved_avxvnni.cpp",
     _CSRC / "interleaved_gemm.cpp",
     _CSRC / "decode_layer.cpp",
     _CSRC / "activation.cpp",
@@ -236,20 +237,21 @@ def python_entry() -> ModuleType | None:
     return module
 
 
-def kernels_isa() -> tuple[str, str, bool]:
+def kernels_isa() -> tuple[str, str, bool, bool]:
     """(the level the loaded kernels run at, the CPU's level, whether their AVX-512 BF16
-    paths run): ``csrc/cpu.h``'s reading, which ``llmrt.device.cpu_features.isa_level``
-    must agree with."""
-    run, cpu, bf16 = torch.ops.llmrt_kernels.kernels_isa()
-    return str(run), str(cpu), bf16 == "bf16"
+    paths run, whether their AVX-VNNI paths may run): ``csrc/cpu.h``'s reading, which
+    ``llmrt.device.cpu_features.isa_level`` and ``isa_at_least("avx_vnni")`` must agree
+    with."""
+    run, cpu, bf16, avx_vnni = torch.ops.llmrt_kernels.kernels_isa()
+    return str(run), str(cpu), bf16 == "bf16", avx_vnni == "avx_vnni"
 
 
 @functools.cache
 def int8_dot_supported() -> bool:
     """Whether the running level has the interleaved layout's integer-dot decode kernels
-    (AVX2 ``maddubs``, AVX-512 VNNI ``dpbusd``, arm64 NEON ``smull``/``sdot``/``smmla``);
-    False too when the kernels do not load
-    (asked once per process)."""
+    (AVX2 ``maddubs``, AVX-VNNI and AVX-512 VNNI ``dpbusd``, arm64 NEON
+    ``smull``/``sdot``/``smmla``); False too when the kernels do not load (asked once per
+    process)."""
     if not kernels_loaded():
         return False
     return bool(torch.ops.llmrt_kernels.int8_dot_supported())
@@ -261,7 +263,9 @@ def integer_gemm_supported() -> bool:
     float GEMM at every row count (AVX-512 VNNI). At AVX2 the kernels run their own integer
     GEMM from 16 rows, but it loses to MKL's sgemm from ~128 rows
     (``INTERLEAVED_FLOAT32_GEMM_MIN_ROWS``), so there prefill-sized calls dequantize and run a
-    float GEMM."""
+    float GEMM. At avx_vnni too: its micro tile (vpdpwssd) took 0.86-0.89x AVX2's time on
+    SmolLM2's 1536x576 Q4_1 but 0.94-1.00x on the 576x1536 down projection, which still lost
+    to sgemm by 1.08-1.14x at 128-256 rows (one thread)."""
     if not kernels_loaded():
         return False
     return bool(torch.ops.llmrt_kernels.integer_gemm_supported())
@@ -274,7 +278,7 @@ def vector_kernels() -> bool:
     ops are faster and the policies take them."""
     if not kernels_loaded():
         return False
-    return kernels_isa()[0] in ("avx2", "avx512", "avx512_vnni")
+    return kernels_isa()[0] in ("avx2", "avx_vnni", "avx512", "avx512_vnni")
 
 
 def _build(directory: Path) -> None:

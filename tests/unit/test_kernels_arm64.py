@@ -140,7 +140,7 @@ def test_the_arm64_kernels_match_the_references(
 
     results = run_arm(calls, cpu=cpu, forced=forced, tmp_path=tmp_path)
 
-    run_level, cpu_level, _ = results[0]  # type: ignore[misc]
+    run_level, cpu_level, _, _ = results[0]  # type: ignore[misc]
     assert run_level == level
     assert cpu_level == {"cortex-a72": "neon", "neoverse-n1": "dotprod", "max": "i8mm"}[cpu]
     for what, i, data in checks:

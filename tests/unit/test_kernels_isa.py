@@ -20,6 +20,8 @@ from llmrt.device.cpu_features import (
     TORCH_ISA_VARIABLES,
     CpuFeatures,
     detected_isa_level,
+    forceable_levels,
+    isa_at_least,
     isa_level,
     isa_levels,
     read_cpu_features,
@@ -31,8 +33,15 @@ SKYLAKE_X = CpuFeatures(
     vendor="GenuineIntel",
     flags=frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"}),
 )
-#: The levels this machine has (each test that runs code at a level runs it at each of these).
-LEVELS = isa_levels()[: isa_levels().index(detected_isa_level(read_cpu_features())) + 1]
+#: Intel Alder Lake / AMD Zen 5 class: AVX2 with AVX-VNNI, no AVX-512.
+ALDER_LAKE = CpuFeatures(vendor="GenuineIntel", flags=AVX2_ONLY.flags | {"avx_vnni"})
+#: Intel Sapphire Rapids class: AVX-512 VNNI and AVX-VNNI.
+SAPPHIRE_RAPIDS = CpuFeatures(
+    vendor="GenuineIntel", flags=SKYLAKE_X.flags | {"avx512_vnni", "avx_vnni", "avx512_bf16"}
+)
+#: The levels this machine can be forced to (each test that runs code at a level runs it at
+#: each of these), its own last.
+LEVELS = forceable_levels(read_cpu_features())
 
 
 @pytest.mark.parametrize(
@@ -45,6 +54,11 @@ LEVELS = isa_levels()[: isa_levels().index(detected_isa_level(read_cpu_features(
         (set(SKYLAKE_X.flags), "x86_64", "avx512"),
         (set(SKYLAKE_X.flags) | {"avx512_vnni"}, "x86_64", "avx512_vnni"),
         ({"avx512_vnni"}, "x86_64", "scalar"),  # a level needs every level below it
+        ({"avx2", "fma", "f16c", "avx_vnni"}, "x86_64", "avx_vnni"),
+        ({"avx2", "fma", "avx_vnni"}, "x86_64", "scalar"),  # avx_vnni extends avx2
+        (set(SKYLAKE_X.flags) | {"avx_vnni"}, "x86_64", "avx512"),  # named by the order
+        (set(SAPPHIRE_RAPIDS.flags), "x86_64", "avx512_vnni"),
+        ({"fp", "asimd", "avx_vnni"}, "aarch64", "neon"),  # an x86 level only on x86
         ({"fp", "asimd"}, "aarch64", "neon"),
         ({"fp", "asimd", "asimddp"}, "aarch64", "dotprod"),
         ({"fp", "asimd", "asimddp", "i8mm"}, "aarch64", "i8mm"),
@@ -68,6 +82,62 @@ def test_a_forced_level_at_or_below_the_cpu_is_taken(monkeypatch: pytest.MonkeyP
 
 
 @pytest.mark.parametrize(
+    ("cpu", "levels"),
+    [
+        (AVX2_ONLY, ("scalar", "avx2")),
+        (ALDER_LAKE, ("scalar", "avx2", "avx_vnni")),
+        (SKYLAKE_X, ("scalar", "avx2", "avx512")),
+        (SAPPHIRE_RAPIDS, ("scalar", "avx2", "avx_vnni", "avx512", "avx512_vnni")),
+    ],
+    ids=["avx2", "alder_lake", "skylake_x", "sapphire_rapids"],
+)
+def test_avx_vnni_is_forceable_beside_the_order_wherever_the_cpu_has_it(
+    monkeypatch: pytest.MonkeyPatch, cpu: CpuFeatures, levels: tuple[str, ...]
+) -> None:
+    assert forceable_levels(cpu, "x86_64") == levels
+    monkeypatch.delenv(ISA_VARIABLE, raising=False)
+    assert isa_level(cpu, machine="x86_64") == levels[-1]
+    for forced in levels:
+        monkeypatch.setenv(ISA_VARIABLE, forced)
+        assert isa_level(cpu, machine="x86_64") == forced
+
+
+def test_avx_vnni_includes_avx2_and_only_its_own_extension(monkeypatch: pytest.MonkeyPatch) -> None:
+    """avx_vnni runs the avx2 paths plus AVX-VNNI's, never AVX-512's; a forced level of the
+    order below the CPU's own stands for a CPU without AVX-VNNI; the CPU's own level keeps it."""
+    monkeypatch.setattr(cpu_features, "isa_levels", lambda machine=None: cpu_features.X86_LEVELS)
+    expected = {  # forced level -> (avx2, avx_vnni, avx512, avx512_vnni) included
+        "avx2": (True, False, False, False),
+        "avx_vnni": (True, True, False, False),
+        "avx512": (True, False, True, False),
+        "avx512_vnni": (True, True, True, True),  # the CPU's own level: every bit it has
+        "scalar": (False, False, False, False),
+    }
+    for forced, included in expected.items():
+        monkeypatch.setenv(ISA_VARIABLE, forced)
+        got = tuple(
+            isa_at_least(lv, SAPPHIRE_RAPIDS)
+            for lv in ("avx2", "avx_vnni", "avx512", "avx512_vnni")
+        )
+        assert got == included, forced
+    monkeypatch.setenv(ISA_VARIABLE, "avx2")  # an Alder Lake forced to plain AVX2
+    assert not isa_at_least("avx_vnni", ALDER_LAKE)
+    monkeypatch.delenv(ISA_VARIABLE)
+    assert isa_at_least("avx_vnni", ALDER_LAKE) and isa_at_least("avx2", ALDER_LAKE)
+    assert not isa_at_least("avx512", ALDER_LAKE)
+
+
+def test_avx_vnni_on_a_cpu_without_it_names_what_is_missing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv(ISA_VARIABLE, "avx_vnni")
+    with pytest.raises(ConfigError, match=r"needs \['avx_vnni'\], which this CPU does not list"):
+        isa_level(SKYLAKE_X, machine="x86_64")
+    with pytest.raises(ConfigError, match="is not a level"):
+        isa_level(CpuFeatures(flags=frozenset({"asimd", "avx_vnni"})), machine="aarch64")
+
+
+@pytest.mark.parametrize(
     ("forced", "why"),
     [("avx512_vnni", "is above this CPU"), ("portable", "is not a level"), ("AVX2", "not a level")],
 )
@@ -85,7 +155,7 @@ def test_the_policies_see_only_the_forced_levels_flags(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     info = tmp_path / "cpuinfo"
-    flags = " ".join(sorted(SKYLAKE_X.flags | {"avx512_vnni", "avx512_bf16", "amx_bf16", "sse2"}))
+    flags = " ".join(sorted(SAPPHIRE_RAPIDS.flags | {"amx_bf16", "sse2"}))
     info.write_text(f"vendor_id\t: GenuineIntel\nflags\t\t: {flags}\n\n")
     monkeypatch.setattr(cpu_features, "amx_permitted", lambda: True)
     monkeypatch.setattr(cpu_features, "isa_levels", lambda machine=None: cpu_features.X86_LEVELS)
@@ -101,6 +171,11 @@ def test_the_policies_see_only_the_forced_levels_flags(
     monkeypatch.setenv(ISA_VARIABLE, "avx2")
     avx2_flags = cpu_features.usable_cpu_features(str(info)).flags
     assert not any(f.startswith("avx512") for f in avx2_flags)
+    assert "avx_vnni" not in avx2_flags
+    monkeypatch.setenv(ISA_VARIABLE, "avx_vnni")
+    vnni_flags = cpu_features.usable_cpu_features(str(info)).flags
+    assert {"avx2", "avx_vnni", "sse2"} <= vnni_flags
+    assert not vnni_flags & {"avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16"}
     monkeypatch.setenv(ISA_VARIABLE, "scalar")
     assert cpu_features.usable_cpu_features(str(info)).flags == {"sse2"}
 
@@ -111,9 +186,10 @@ from llmrt.device.cpu_features import isa_level
 from llmrt.kernels.native import integer_gemm_supported, int8_dot_supported, kernels_isa
 from llmrt.kernels.native import load_kernels, vector_kernels
 load_kernels()
-run, cpu, bf16 = kernels_isa()
-print(run, cpu, bf16, isa_level(), int8_dot_supported(), integer_gemm_supported(),
-      vector_kernels(), torch.backends.cpu.get_cpu_capability())
+from llmrt.device.cpu_features import isa_at_least
+run, cpu, bf16, avx_vnni = kernels_isa()
+print(run, cpu, bf16, avx_vnni, isa_at_least("avx_vnni"), isa_level(), int8_dot_supported(),
+      integer_gemm_supported(), vector_kernels(), torch.backends.cpu.get_cpu_capability())
 """
 
 
@@ -130,15 +206,18 @@ def _probe(level: str) -> list[str]:
 
 @pytest.mark.parametrize("level", LEVELS)
 def test_the_kernels_and_the_policies_run_the_same_forced_level(level: str) -> None:
-    run, cpu, bf16, python, int8, gemm, vector, aten = _probe(level)
+    run, cpu, bf16, avx_vnni, python_avx_vnni, python, int8, gemm, vector, aten = _probe(level)
     assert (run, python, cpu) == (level, level, LEVELS[-1])
+    assert avx_vnni == python_avx_vnni  # the kernels and the policies agree on AVX-VNNI
+    assert avx_vnni == str(level == "avx_vnni" or (level == cpu and "avx_vnni" in LEVELS))
     x86 = "avx2" in isa_levels()
     assert int8 == str(x86 and level != "scalar")
     assert gemm == str(level == "avx512_vnni")
     assert vector == str(x86 and level != "scalar")
     if level != LEVELS[-1]:
         assert bf16 == "False"  # a lower level stands for a CPU without the extras
-        assert aten.lower() == {"scalar": "default", "avx2": "avx2"}.get(level, "avx512")
+        aten_level = {"scalar": "default", "avx2": "avx2", "avx_vnni": "avx2"}
+        assert aten.lower() == aten_level.get(level, "avx512")
 
 
 def test_an_unknown_level_stops_the_kernels_from_loading() -> None:

@@ -3,9 +3,10 @@
 ``LLMRT_KERNELS_ISA=<level>`` makes a process run only that level's code (and the policies
 read the same level), so the AVX2 and scalar paths another CPU runs are checked here against
 the same independent references (gguf-py's dequantization, torch's ops, the torch-ops decode
-path). The CPU's own level is the ordinary test run. The arm64 levels (neon, dotprod, i8mm)
-run from an x86 host under qemu-user in ``test_kernels_arm64.py`` (``scripts/arm_check.sh
---run``); on an arm64 host this module covers them as it covers x86's.
+path); on a CPU with AVX-VNNI the avx_vnni level too (slow, like avx512). The CPU's own level
+is the ordinary test run. The arm64 levels (neon, dotprod, i8mm) run from an x86 host under
+qemu-user in ``test_kernels_arm64.py`` (``scripts/arm_check.sh --run``); on an arm64 host this
+module covers them as it covers x86's.
 """
 
 from __future__ import annotations
@@ -20,8 +21,7 @@ import pytest
 from llmrt.device.cpu_features import (
     ISA_VARIABLE,
     TORCH_ISA_VARIABLES,
-    detected_isa_level,
-    isa_levels,
+    forceable_levels,
     read_cpu_features,
 )
 
@@ -35,8 +35,8 @@ MODULES = (
     TESTS / "unit" / "test_kernels_rope.py",
     TESTS / "parity" / "test_fused_decode.py",
 )
-_CPU = detected_isa_level(read_cpu_features())
-LOWER = isa_levels()[: isa_levels().index(_CPU)]
+#: The levels this CPU can be forced to below its own (x86 with AVX-VNNI: avx_vnni too).
+LOWER = forceable_levels(read_cpu_features())[:-1]
 
 
 #: Levels the default run covers (the common AVX2 CPUs and the scalar loops); the rest are

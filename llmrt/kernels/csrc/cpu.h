@@ -4,8 +4,17 @@
 // Levels (each includes the ones before it):
 //   x86-64: scalar < avx2 (AVX2 + FMA + F16C) < avx512 (F, BW, VL, DQ) < avx512_vnni
 //   arm64:  scalar < neon < dotprod < i8mm
-// plus one capability bit beside the x86 order: AVX-512 BF16 (vcvtneps2bf16), kept only at
-// the CPU's own level (a forced lower level stands for a CPU without it).
+// plus two capability bits beside the x86 order, each kept only at the CPU's own level (a
+// forced level stands for a CPU with that level's features and nothing more):
+//   - AVX-512 BF16 (vcvtneps2bf16);
+//   - AVX-VNNI (the VEX-encoded 256-bit vpdpbusd; CPUID 7.1 EAX bit 4, AVX state): Intel
+//     Alder Lake and later client CPUs and AMD Zen 5, mostly without AVX-512, and Intel
+//     Sapphire Rapids and later beside AVX-512 VNNI. It has its own name, ``avx_vnni``:
+//     avx2 plus the bit. A CPU of the avx2 level with the bit is reported as ``avx_vnni``;
+//     ``LLMRT_KERNELS_ISA=avx_vnni`` is allowed wherever the CPU has AVX2 and AVX-VNNI (an
+//     AVX-512 CPU too: it then runs as an AVX2 CPU with AVX-VNNI), and forcing ``avx2``,
+//     ``avx512`` or ``avx512_vnni`` below the CPU's own level drops the bit. Kernels take
+//     the AVX-512 VNNI paths first, then AVX-VNNI's, then AVX2's.
 //
 // Detection: x86 reads CPUID and the OS's saved-register state (XGETBV: YMM for AVX2, the
 // opmask/ZMM state for AVX-512), so a VM or kernel that does not save the wide registers
@@ -19,7 +28,7 @@
 // see one anyway, it runs the scalar loops and ``isa_error()`` says why (the
 // ``kernels_isa`` op raises it).
 //
-// Functions marked LLMRT_AVX2 / LLMRT_AVX512 / LLMRT_VNNI are compiled for that level
+// Functions marked LLMRT_AVX2 / LLMRT_AVX_VNNI / LLMRT_AVX512 / LLMRT_VNNI are compiled for that level
 // whatever the build flags say; callers take them only when the matching predicate holds.
 #pragma once
 
@@ -54,6 +63,8 @@ inline int omp_get_thread_num() { return 0; }
 #define LLMRT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,f16c,fma")))
 #define LLMRT_AVX512_BF16 \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,f16c,fma")))
+// AVX2 + AVX-VNNI (gcc 11+, clang 12+): the 256-bit _mm256_dpbusd_avx_epi32.
+#define LLMRT_AVX_VNNI __attribute__((target("avxvnni,avx2,fma,f16c")))
 #endif
 
 // arm64: functions marked LLMRT_DOTPROD / LLMRT_I8MM are compiled for Armv8.2-A with the dot
@@ -100,8 +111,22 @@ inline void cpu_relax() {
 // What the CPU (and OS) offer: its level and capability bits.
 struct CpuIsa {
   int level = kIsaScalar;
-  bool bf16 = false;  // x86: AVX-512 BF16 (needs the avx512 register state)
+  bool bf16 = false;      // x86: AVX-512 BF16 (needs the avx512 register state)
+  bool avx_vnni = false;  // x86: AVX-VNNI (needs the avx2 level)
 };
+
+#if defined(LLMRT_X86)
+// The name of the level beside the x86 order (avx2 + AVX-VNNI).
+constexpr const char* kIsaAvxVnniName = "avx_vnni";
+#endif
+
+// A level's name: its place in the order, or ``avx_vnni`` for an avx2 CPU with AVX-VNNI.
+inline const char* isa_name_of(const CpuIsa& isa) {
+#if defined(LLMRT_X86)
+  if (isa.level == kIsaAvx2 && isa.avx_vnni) return kIsaAvxVnniName;
+#endif
+  return kIsaNames[isa.level];
+}
 
 #if defined(LLMRT_X86)
 inline uint64_t xgetbv0() {
@@ -127,13 +152,15 @@ inline CpuIsa detect_cpu_isa() {
   const bool avx2 = b7 & (1u << 5);
   if (!(ymm_state && avx2 && fma && f16c)) return isa;
   isa.level = kIsaAvx2;
+  unsigned a71 = 0, b71 = 0, c71 = 0, d71 = 0;
+  const bool leaf71 = a7 >= 1 && __get_cpuid_count(7, 1, &a71, &b71, &c71, &d71);
+  isa.avx_vnni = leaf71 && (a71 & (1u << 4));
   const bool f = b7 & (1u << 16), dq = b7 & (1u << 17), bw = b7 & (1u << 30),
              vl = b7 & (1u << 31);
   if (!(zmm_state && f && dq && bw && vl)) return isa;
   isa.level = kIsaAvx512;
   if (c7 & (1u << 11)) isa.level = kIsaAvx512Vnni;
-  unsigned a71 = 0, b71 = 0, c71 = 0, d71 = 0;
-  if (__get_cpuid_count(7, 1, &a71, &b71, &c71, &d71)) isa.bf16 = a71 & (1u << 5);
+  isa.bf16 = leaf71 && (a71 & (1u << 5));
 #elif defined(LLMRT_ARM64)
   isa.level = kIsaNeon;  // Advanced SIMD is part of every AArch64 profile Linux and macOS run
 #if defined(__linux__)
@@ -164,38 +191,53 @@ struct IsaState {
   std::string error;
 };
 
-inline std::string allowed_levels(int upto) {
+// The names LLMRT_KERNELS_ISA may take on a CPU ``cpu``, in order (x86: avx_vnni after avx2).
+inline std::string allowed_levels(const CpuIsa& cpu) {
   std::string s;
-  for (int i = 0; i <= upto; ++i) s += std::string(i ? ", " : "") + kIsaNames[i];
+  for (int i = 0; i <= cpu.level; ++i) {
+    s += std::string(i ? ", " : "") + kIsaNames[i];
+#if defined(LLMRT_X86)
+    if (i == kIsaAvx2 && cpu.avx_vnni) s += std::string(", ") + kIsaAvxVnniName;
+#endif
+  }
   return s;
 }
 
-inline IsaState make_isa_state(const char* forced) {
+// The CPU's own name runs every bit it has; a chain level below it runs without the bits;
+// ``avx_vnni`` runs avx2 + AVX-VNNI wherever the CPU has both.
+inline IsaState make_isa_state(const char* forced, const CpuIsa& cpu) {
   IsaState st;
-  st.cpu = detect_cpu_isa();
+  st.cpu = cpu;
   st.run = st.cpu;
   if (forced == nullptr || forced[0] == '\0') return st;
+  if (std::strcmp(forced, isa_name_of(st.cpu)) == 0) return st;
+#if defined(LLMRT_X86)
+  if (std::strcmp(forced, kIsaAvxVnniName) == 0 && st.cpu.level >= kIsaAvx2 && st.cpu.avx_vnni) {
+    st.run = CpuIsa{kIsaAvx2, false, true};
+    return st;
+  }
+#endif
   for (int i = 0; i < kIsaCount; ++i) {
     if (std::strcmp(forced, kIsaNames[i]) != 0) continue;
     if (i > st.cpu.level) break;
-    if (i < st.cpu.level) st.run = CpuIsa{i, false};
+    st.run = CpuIsa{i, false, false};
     return st;
   }
   st.error = std::string("LLMRT_KERNELS_ISA=") + forced + " is not one of this CPU's levels (" +
-             allowed_levels(st.cpu.level) + ")";
+             allowed_levels(st.cpu) + ")";
   st.run = CpuIsa{};
   std::fprintf(stderr, "llmrt_kernels: %s; running the scalar loops\n", st.error.c_str());
   return st;
 }
 
 inline const IsaState& isa_state() {
-  static const IsaState st = make_isa_state(std::getenv("LLMRT_KERNELS_ISA"));
+  static const IsaState st = make_isa_state(std::getenv("LLMRT_KERNELS_ISA"), detect_cpu_isa());
   return st;
 }
 
 inline int isa_level() { return isa_state().run.level; }
-inline const char* isa_name() { return kIsaNames[isa_level()]; }
-inline const char* cpu_isa_name() { return kIsaNames[isa_state().cpu.level]; }
+inline const char* isa_name() { return isa_name_of(isa_state().run); }
+inline const char* cpu_isa_name() { return isa_name_of(isa_state().cpu); }
 inline const std::string& isa_error() { return isa_state().error; }
 
 #if defined(LLMRT_X86)
@@ -203,6 +245,7 @@ inline bool has_avx2() { return isa_level() >= kIsaAvx2; }
 inline bool has_avx512() { return isa_level() >= kIsaAvx512; }
 inline bool has_avx512_vnni() { return isa_level() >= kIsaAvx512Vnni; }
 inline bool has_avx512_bf16() { return has_avx512() && isa_state().run.bf16; }
+inline bool has_avx_vnni() { return has_avx2() && isa_state().run.avx_vnni; }
 inline bool has_neon() { return false; }
 inline bool has_dotprod() { return false; }
 inline bool has_i8mm() { return false; }
@@ -211,6 +254,7 @@ inline bool has_avx2() { return false; }
 inline bool has_avx512() { return false; }
 inline bool has_avx512_vnni() { return false; }
 inline bool has_avx512_bf16() { return false; }
+inline bool has_avx_vnni() { return false; }
 #if defined(LLMRT_ARM64)
 inline bool has_neon() { return isa_level() >= kIsaNeon; }
 inline bool has_dotprod() { return isa_level() >= kIsaDotprod; }

@@ -28,6 +28,7 @@
 #include "blocks.h"
 #include "cpu.h"
 #include "prefetch.h"
+#include "interleaved_avxvnni.h"
 #include "interleaved_layout.h"
 #include "interleaved_neon.h"
 #include "linear.h"
@@ -759,6 +760,11 @@ void interleaved_range(const float* x, int64_t rows_m, const uint8_t* w, int64_t
     return;
   }
 #if defined(LLMRT_X86)
+  if (!has_avx512_vnni() && llmrt_kernels::has_avx_vnni()) {  // interleaved_avxvnni.cpp
+    llmrt_kernels::interleaved_range_avx_vnni(prep, interleaved_prep_bytes(base, k), rows_m, w,
+                                              row_bytes, base, k, y, n, n0, n1);
+    return;
+  }
   if (!has_avx512_vnni()) {
     const Avx2Tile tile{base, prep, interleaved_prep_bytes(base, k), w, row_bytes, k / kBlock, y, n};
     if (rows_m == 1) {

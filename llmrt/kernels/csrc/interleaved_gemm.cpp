@@ -397,8 +397,59 @@ LLMRT_AVX2 void micro_tile_avx2(const uint8_t* panel, const Levels& a, int64_t r
     for (int c = 0; c < 2; ++c) _mm256_storeu_ps(y + r * ldy + 8 * c, f[r][c]);
 }
 
+// ``micro_tile_avx2`` at the avx_vnni level: vpdpwssd (the 16-bit pairs' products summed
+// into the accumulator, AVX-VNNI) in place of vpmaddwd + vpaddd, so each step of a row is one
+// instruction per 8 columns instead of two; the same integers (no pair reaches -32768 * -32768)
+// and float steps, so the same bits.
+template <int R>
+LLMRT_AVX_VNNI void micro_tile_avx_vnni(const uint8_t* panel, const Levels& a, int64_t r0,
+                                        float* y, int64_t ldy) {
+  __m256 f[R][2];
+  for (int r = 0; r < R; ++r) f[r][0] = f[r][1] = _mm256_setzero_ps();
+  const uint8_t* rows = a.rows + r0 * a.stride;
+  for (int64_t b = 0; b < a.nb; ++b) {
+    const uint8_t* o = panel + b * kPanelBlock2;
+    const uint8_t* xs = rows + 2 * b * kBlock;
+    __m256i acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+    for (int s = 0; s < 16; ++s) {
+      const __m256i w0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + (2 * s) * 32));
+      const __m256i w1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + (2 * s + 1) * 32));
+      for (int r = 0; r < R; ++r) {
+        int32_t pair;
+        std::memcpy(&pair, xs + r * a.stride + 4 * s, 4);
+        const __m256i xv = _mm256_set1_epi32(pair);
+        acc[r][0] = _mm256_dpwssd_avx_epi32(acc[r][0], w0, xv);
+        acc[r][1] = _mm256_dpwssd_avx_epi32(acc[r][1], w1, xv);
+      }
+    }
+    const float* d = reinterpret_cast<const float*>(o + 16 * 2 * 32);
+    for (int r = 0; r < R; ++r) {
+      const float* scales = reinterpret_cast<const float*>(rows + r * a.stride + 2 * a.k);
+      const __m256 dx = _mm256_set1_ps(scales[b]);
+      const __m256 sx = _mm256_set1_ps(scales[a.nb + b]);
+      for (int c = 0; c < 2; ++c) {
+        f[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][c]),
+                                  _mm256_mul_ps(_mm256_loadu_ps(d + 8 * c), dx), f[r][c]);
+        f[r][c] = _mm256_fmadd_ps(_mm256_loadu_ps(d + kCols2 + 8 * c), sx, f[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 2; ++c) _mm256_storeu_ps(y + r * ldy + 8 * c, f[r][c]);
+}
+
 void run_tile_avx2(int64_t rows, const uint8_t* panel, const Levels& a, int64_t r0, float* y,
                    int64_t ldy) {
+  if (llmrt_kernels::has_avx_vnni()) {
+    switch (rows) {
+      case 4: micro_tile_avx_vnni<4>(panel, a, r0, y, ldy); break;
+      case 3: micro_tile_avx_vnni<3>(panel, a, r0, y, ldy); break;
+      case 2: micro_tile_avx_vnni<2>(panel, a, r0, y, ldy); break;
+      default: micro_tile_avx_vnni<1>(panel, a, r0, y, ldy); break;
+    }
+    return;
+  }
   switch (rows) {
     case 4: micro_tile_avx2<4>(panel, a, r0, y, ldy); break;
     case 3: micro_tile_avx2<3>(panel, a, r0, y, ldy); break;

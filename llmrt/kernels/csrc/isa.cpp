@@ -11,11 +11,13 @@
 
 namespace {
 
-// [the level the kernels run at, the CPU's level, "bf16" when AVX-512 BF16 paths run or ""].
+// [the level the kernels run at, the CPU's level, "bf16" when AVX-512 BF16 paths run or "",
+// "avx_vnni" when AVX-VNNI paths may run (has_avx_vnni) or ""].
 std::vector<std::string> kernels_isa() {
   TORCH_CHECK(llmrt_kernels::isa_error().empty(), "llmrt_kernels: ", llmrt_kernels::isa_error());
   return {llmrt_kernels::isa_name(), llmrt_kernels::cpu_isa_name(),
-          llmrt_kernels::has_avx512_bf16() ? "bf16" : ""};
+          llmrt_kernels::has_avx512_bf16() ? "bf16" : "",
+          llmrt_kernels::has_avx_vnni() ? "avx_vnni" : ""};
 }
 
 }  // namespace
