@@ -482,12 +482,19 @@ using VnniTile = llmrt_kernels::InterleavedTile<VnniKernels>;
 // 2 * 15 * 127, the sum fits s16). Q8_0: the stored q + 128 is turned back into q and
 // multiplied as |q| x sign(h, q) (at most 2 * 128 * 127 per pair), so no correction term.
 
-LLMRT_AVX2 inline __m256i dot_u4(__m256i wl, __m256i wh, const uint8_t* a_lo, const uint8_t* a_hi) {
+LLMRT_AVX2 inline __m256i dot_u4(__m256i wl, __m256i wh, const uint8_t* a_lo, const uint8_t* a_hi,
+                                 __m256i widen) {
   const __m256i p = _mm256_add_epi16(
       _mm256_maddubs_epi16(wl, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a_lo))),
       _mm256_maddubs_epi16(wh, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a_hi))));
-  return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+  return _mm256_madd_epi16(p, widen);
 }
+
+// The widening multipliers of the two levels: the high level's pair sums times 256 in the
+// same vpmaddwd that widens them (the exact integer ``(sum << 8)`` was, one shift fewer per
+// 64 weights), the low level's times 1.
+LLMRT_AVX2 inline __m256i widen_high() { return _mm256_set1_epi16(256); }
+LLMRT_AVX2 inline __m256i widen_low() { return _mm256_set1_epi16(1); }
 
 LLMRT_AVX2 inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -550,9 +557,9 @@ LLMRT_AVX2 inline void q4_group_avx2(const uint8_t* o, int64_t c, __m256 dm, con
   for (int half = 0; half < halves; ++half) {
     const __m256i z = group_half(o, c, half);
     const __m256i wl = _mm256_and_si256(z, low), wh = _mm256_and_si256(_mm256_srli_epi16(z, 4), low);
-    const __m256i ih = dot_u4(wl, wh, p + 32 * half, p + 64 + 32 * half);
-    const __m256i il = dot_u4(wl, wh, p + 128 + 32 * half, p + 192 + 32 * half);
-    const __m256i iv = _mm256_add_epi32(_mm256_slli_epi32(ih, 8), il);
+    const __m256i ih = dot_u4(wl, wh, p + 32 * half, p + 64 + 32 * half, widen_high());
+    const __m256i il = dot_u4(wl, wh, p + 128 + 32 * half, p + 192 + 32 * half, widen_low());
+    const __m256i iv = _mm256_add_epi32(ih, il);
     // lanes 0-3: block 2 * half, 4-7: block 2 * half + 1
     const __m256 dl = _mm256_permutevar8x32_ps(
         d4, _mm256_setr_epi32(2 * half, 2 * half, 2 * half, 2 * half, 2 * half + 1, 2 * half + 1,
@@ -596,9 +603,10 @@ LLMRT_AVX2 inline Q4GroupW q4_group_unpack(const uint8_t* o, int64_t c) {
 LLMRT_AVX2 inline void q4_group_dot(const Q4GroupW& g, const uint8_t* p, __m256& acc,
                                     __m256& macc) {
   for (int half = 0; half < g.halves; ++half) {
-    const __m256i ih = dot_u4(g.wl[half], g.wh[half], p + 32 * half, p + 64 + 32 * half);
-    const __m256i il = dot_u4(g.wl[half], g.wh[half], p + 128 + 32 * half, p + 192 + 32 * half);
-    const __m256i iv = _mm256_add_epi32(_mm256_slli_epi32(ih, 8), il);
+    const __m256i ih =
+        dot_u4(g.wl[half], g.wh[half], p + 32 * half, p + 64 + 32 * half, widen_high());
+    const __m256i il = dot_u4(g.wl[half], g.wh[half], p + 128 + 32 * half, p + 192 + 32 * half, widen_low());
+    const __m256i iv = _mm256_add_epi32(ih, il);
     const __m256 scale = _mm256_loadu_ps(reinterpret_cast<const float*>(p + 256) + 8 * half);
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iv), _mm256_mul_ps(g.dl[half], scale), acc);
   }
@@ -621,9 +629,9 @@ LLMRT_AVX2 __attribute__((always_inline)) inline void q4_full_group_avx2(const u
   for (int half = 0; half < 2; ++half) {
     const __m256i z = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + 32 * half));
     const __m256i wl = _mm256_and_si256(z, low), wh = _mm256_and_si256(_mm256_srli_epi16(z, 4), low);
-    const __m256i ih = dot_u4(wl, wh, p + 32 * half, p + 64 + 32 * half);
-    const __m256i il = dot_u4(wl, wh, p + 128 + 32 * half, p + 192 + 32 * half);
-    const __m256i iv = _mm256_add_epi32(_mm256_slli_epi32(ih, 8), il);
+    const __m256i ih = dot_u4(wl, wh, p + 32 * half, p + 64 + 32 * half, widen_high());
+    const __m256i il = dot_u4(wl, wh, p + 128 + 32 * half, p + 192 + 32 * half, widen_low());
+    const __m256i iv = _mm256_add_epi32(ih, il);
     const __m256 dl = _mm256_permutevar8x32_ps(
         d4, half == 0 ? _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1)
                       : _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3));
@@ -702,9 +710,10 @@ LLMRT_AVX2 __attribute__((always_inline)) inline void q8_block_avx2(__m256i q, _
   const __m256i ones = _mm256_set1_epi16(1);
   const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * i));
   const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + 32 * i));
-  const __m256i ih = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(h, q)), ones);
+  const __m256i ih =
+      _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(h, q)), widen_high());
   const __m256i il = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(l, q)), ones);
-  const __m256i iv = _mm256_add_epi32(_mm256_slli_epi32(ih, 8), il);
+  const __m256i iv = _mm256_add_epi32(ih, il);
   const __m256 s = _mm256_mul_ps(d, _mm256_loadu_ps(reinterpret_cast<const float*>(p + 256) + 8 * i));
   acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iv), s, acc);
 }
@@ -787,9 +796,10 @@ LLMRT_AVX2 void q8_tile_avx2(const uint8_t* prep, int64_t prep_stride, const uin
           const uint8_t* p = prep + r * prep_stride + gi * kGroupPrep;
           const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * i));
           const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + 32 * i));
-          const __m256i ih = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(h, q)), ones);
+          const __m256i ih =
+      _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(h, q)), widen_high());
           const __m256i il = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(l, q)), ones);
-          const __m256i iv = _mm256_add_epi32(_mm256_slli_epi32(ih, 8), il);
+          const __m256i iv = _mm256_add_epi32(ih, il);
           const __m256 s = _mm256_mul_ps(
               d, _mm256_loadu_ps(reinterpret_cast<const float*>(p + 256) + 8 * i));
           acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iv), s, acc[r]);
