@@ -211,6 +211,20 @@ constexpr int64_t kGroupPrep = 2 * 128 + 64 + 64;
 static_assert(kGroupPrep == llmrt_kernels::kInterleavedGroupPrep);
 
 #if defined(LLMRT_X86)
+// AVX2, Q8_0: a prepared group's two levels joined into 16-bit activations in place,
+// x16 = 256 h + l (|x16| <= 32639; int16, natural order, bytes 0-127), the form the AVX2
+// Q8_0 loops multiply with vpmaddwd (the ``q8_avx2`` comment).
+LLMRT_AVX2 void join_levels_q8_avx2(uint8_t* p) {
+  __m256i x[4];
+  for (int q = 0; q < 4; ++q) {
+    const __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * q)));
+    const __m256i l =
+        _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 128 + 16 * q)));
+    x[q] = _mm256_add_epi16(_mm256_slli_epi16(h, 8), l);
+  }
+  for (int q = 0; q < 4; ++q) _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 32 * q), x[q]);
+}
+
 template <bool AVX512>
 inline void prepare_row(const float* x, int64_t k, int64_t base, uint8_t* prep) {
   const int64_t nb = k / kBlock, g = group_of(base), ng = (nb + g - 1) / g;
@@ -239,6 +253,8 @@ inline void prepare_row(const float* x, int64_t k, int64_t base, uint8_t* prep) 
       sx[4 + i] = dx * (static_cast<float>(sum_h) + static_cast<float>(sum_l) / 256.0f);
     }
   }
+  if (!AVX512 && base == kQ8_0)
+    for (int64_t gi = 0; gi < ng; ++gi) join_levels_q8_avx2(prep + gi * kGroupPrep);
 }
 
 // ---- kernels -----------------------------------------------------------------------------
@@ -473,14 +489,14 @@ struct VnniKernels {
 };
 using VnniTile = llmrt_kernels::InterleavedTile<VnniKernels>;
 
-// ---- AVX2 (+FMA, F16C): the same layout and prepared activations, 256 bits at a time ----
+// ---- AVX2 (+FMA, F16C): the same layout, 256 bits at a time ---------------------------
 //
-// vpmaddubsw (u8 x s8 -> pairs summed to s16) then vpmaddwd by ones (-> s32, 4 bytes per
-// lane), as ggml's AVX2 quant dots do. A lane's four bytes belong to one block, so each half
-// of a 4-bit group (two blocks, 32 bytes) lines up with 8 of the prepared 16 per-lane scales.
-// 4-bit: the low and high nibbles' s16 pair sums are added before widening (each at most
-// 2 * 15 * 127, the sum fits s16). Q8_0: the stored q + 128 is turned back into q and
-// multiplied as |q| x sign(h, q) (at most 2 * 128 * 127 per pair), so no correction term.
+// 4-bit: the prepared activations as they are; vpmaddubsw (u8 x s8 -> pairs summed to s16)
+// then vpmaddwd (-> s32, 4 bytes per lane), as ggml's AVX2 quant dots do. A lane's four bytes
+// belong to one block, so each half of a 4-bit group (two blocks, 32 bytes) lines up with 8
+// of the prepared 16 per-lane scales. The low and high nibbles' s16 pair sums are added
+// before widening (each at most 2 * 15 * 127, the sum fits s16). Q8_0: the two levels joined
+// into 16 bits at preparation and 16-bit products (``q8_block_avx2``).
 
 LLMRT_AVX2 inline __m256i dot_u4(__m256i wl, __m256i wh, const uint8_t* a_lo, const uint8_t* a_hi,
                                  __m256i widen) {
@@ -702,18 +718,31 @@ LLMRT_AVX2 void q4_tile_avx2(const uint8_t* prep, int64_t prep_stride, const uin
   }
 }
 
-// One Q8_0 block (quants ``q`` as stored, +128; its scale ``d``) against one row's prepared
-// block (``p`` the group's, ``i`` the block in it), into ``acc``: the tile loop's operations.
-LLMRT_AVX2 __attribute__((always_inline)) inline void q8_block_avx2(__m256i q, __m256i aq, __m256 d,
+// Q8_0 at AVX2 (``q8_avx2``): the activations joined into 16 bits at preparation
+// (``join_levels_q8_avx2``) and the weights widened to 16 bits (the stored q + 128 less
+// 128), so one vpmaddwd per 16 weights takes both levels, where vpmaddubsw took each level
+// separately after vpsignb/vpabsb (the products' sign moved onto the activations) and a
+// vpmaddwd widened each. Each lane's sum (4 products, |q| <= 128, |x16| <= 32639: below 2^24)
+// converts to float32 exactly. A block's weights as two 16-lane vectors:
+struct Q8Wide {
+  __m256i w0, w1;
+};
+
+LLMRT_AVX2 inline Q8Wide q8_widen(const uint8_t* q) {
+  const __m256i bias = _mm256_set1_epi16(128);
+  return {_mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))), bias),
+          _mm256_sub_epi16(
+              _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))), bias)};
+}
+
+// One Q8_0 block (widened weights, scale ``d``) against one row's prepared block (``p`` the
+// group's, ``i`` the block in it), into ``acc``.
+LLMRT_AVX2 __attribute__((always_inline)) inline void q8_block_avx2(const Q8Wide& w, __m256 d,
                                                                     const uint8_t* p, int64_t i,
                                                                     __m256& acc) {
-  const __m256i ones = _mm256_set1_epi16(1);
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * i));
-  const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + 32 * i));
-  const __m256i ih =
-      _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(h, q)), widen_high());
-  const __m256i il = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(l, q)), ones);
-  const __m256i iv = _mm256_add_epi32(ih, il);
+  const __m256i* x = reinterpret_cast<const __m256i*>(p + 64 * i);
+  const __m256i iv = _mm256_add_epi32(_mm256_madd_epi16(w.w0, _mm256_loadu_si256(x)),
+                                      _mm256_madd_epi16(w.w1, _mm256_loadu_si256(x + 1)));
   const __m256 s = _mm256_mul_ps(d, _mm256_loadu_ps(reinterpret_cast<const float*>(p + 256) + 8 * i));
   acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iv), s, acc);
 }
@@ -726,7 +755,6 @@ LLMRT_AVX2 __attribute__((always_inline)) inline void q8_block_avx2(__m256i q, _
 template <int R>
 LLMRT_AVX2 void q8_rows_m1_avx2(const uint8_t* prep, const uint8_t* row, int64_t row_bytes,
                                 int64_t nb, float* y, llmrt_kernels::AheadPrefetch& pf) {
-  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
   const int64_t full = nb / 2, groups = full + (nb % 2);
   const int64_t slice = R * row_bytes / groups;
   __m256 acc[R];
@@ -743,10 +771,8 @@ LLMRT_AVX2 void q8_rows_m1_avx2(const uint8_t* prep, const uint8_t* row, int64_t
       const __m128 d2 = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(dd)));
 #pragma GCC unroll 2
       for (int i = 0; i < 2; ++i) {
-        const __m256i q = _mm256_xor_si256(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + 32 * i)), flip);
         const __m256 d = _mm256_broadcastss_ps(i == 0 ? d2 : _mm_movehdup_ps(d2));
-        q8_block_avx2(q, _mm256_abs_epi8(q), d, p, i, acc[r]);
+        q8_block_avx2(q8_widen(o + 32 * i), d, p, i, acc[r]);
       }
     }
   }
@@ -755,9 +781,7 @@ LLMRT_AVX2 void q8_rows_m1_avx2(const uint8_t* prep, const uint8_t* row, int64_t
     const uint8_t* p = prep + full * kGroupPrep;
     for (int r = 0; r < R; ++r) {
       const uint8_t* o = row + r * row_bytes + full * 68;
-      const __m256i q =
-          _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(o)), flip);
-      q8_block_avx2(q, _mm256_abs_epi8(q), _mm256_set1_ps(half_at(o + 32)), p, 0, acc[r]);
+      q8_block_avx2(q8_widen(o), _mm256_set1_ps(half_at(o + 32)), p, 0, acc[r]);
     }
   }
 #pragma GCC unroll 8
@@ -778,8 +802,6 @@ LLMRT_AVX2 void q8_tile_avx2(const uint8_t* prep, int64_t prep_stride, const uin
     return;
   }
   const int64_t ng = (nb + 1) / 2;
-  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-  const __m256i ones = _mm256_set1_epi16(1);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * row_bytes;
     __m256 acc[MT];
@@ -788,22 +810,10 @@ LLMRT_AVX2 void q8_tile_avx2(const uint8_t* prep, int64_t prep_stride, const uin
       const int64_t c = std::min<int64_t>(2, nb - 2 * gi);
       const uint8_t* o = row + gi * 2 * 34;
       for (int64_t i = 0; i < c; ++i) {
-        const __m256i q = _mm256_xor_si256(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + 32 * i)), flip);
-        const __m256i aq = _mm256_abs_epi8(q);
+        const Q8Wide wq = q8_widen(o + 32 * i);
         const __m256 d = _mm256_set1_ps(half_at(o + 32 * c + 2 * i));
-        for (int r = 0; r < MT; ++r) {
-          const uint8_t* p = prep + r * prep_stride + gi * kGroupPrep;
-          const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * i));
-          const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + 32 * i));
-          const __m256i ih =
-      _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(h, q)), widen_high());
-          const __m256i il = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(l, q)), ones);
-          const __m256i iv = _mm256_add_epi32(ih, il);
-          const __m256 s = _mm256_mul_ps(
-              d, _mm256_loadu_ps(reinterpret_cast<const float*>(p + 256) + 8 * i));
-          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iv), s, acc[r]);
-        }
+        for (int r = 0; r < MT; ++r)
+          q8_block_avx2(wq, d, prep + r * prep_stride + gi * kGroupPrep, i, acc[r]);
       }
     }
     for (int r = 0; r < MT; ++r) y[r * ldy + n] = hsum8(acc[r]);
