@@ -172,16 +172,18 @@ def test_interleaved_linear_is_deterministic_and_row_independent(kind: str) -> N
         assert torch.equal(linear(x[r : r + 1])[0], batch[r])
 
 
-@pytest.mark.parametrize("kind", ["q4_0", "q4_1"])
-@pytest.mark.parametrize("cols", [96, 576, 1536])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("cols", [96, 160, 576, 1536])
 @pytest.mark.parametrize("rows", [1, 3, 4, 7, 101])
 def test_one_activation_row_matches_the_batched_rows_bit_for_bit(
     kind: str, cols: int, rows: int
 ) -> None:
     # One activation row runs its own loop (four weight rows per pass over the prepared
-    # activations, the rest one at a time); its sums must equal, bit for bit, those the
-    # batched tile loop computes for the same row, whatever the row count and the last
-    # group's width (96 columns: a lone group of 3 blocks; 576: 4 groups and one of 2).
+    # activations, the rest one at a time; whole groups apart from the last, narrower one);
+    # its sums must equal, bit for bit, those the batched tile loop computes for the same
+    # row, whatever the row count and the last group's width (96 columns: a lone 4-bit group
+    # of 3 blocks, Q8_0 a group and a lone block; 160: a 4-bit group of 1; 576: 4 groups and
+    # one of 2).
     weight = random_weight(kind, rows=rows, cols=cols, seed=rows + cols).interleaved()
     linear = QuantizedLinear(weight=weight)
     x = torch.randn(5, cols)

@@ -212,6 +212,20 @@ constexpr int64_t kGroupPrep = 2 * 128 + 64 + 64;
 static_assert(kGroupPrep == llmrt_kernels::kInterleavedGroupPrep);
 
 #if defined(LLMRT_X86)
+// AVX2, Q8_0: a prepared group's two levels joined into 16-bit activations in place,
+// x16 = 256 h + l (|x16| <= 32639; int16, natural order, bytes 0-127), the form the AVX2
+// Q8_0 loops multiply with vpmaddwd (the ``q8_avx2`` comment).
+LLMRT_AVX2 void join_levels_q8_avx2(uint8_t* p) {
+  __m256i x[4];
+  for (int q = 0; q < 4; ++q) {
+    const __m256i h = _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * q)));
+    const __m256i l =
+        _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 128 + 16 * q)));
+    x[q] = _mm256_add_epi16(_mm256_slli_epi16(h, 8), l);
+  }
+  for (int q = 0; q < 4; ++q) _mm256_storeu_si256(reinterpret_cast<__m256i*>(p + 32 * q), x[q]);
+}
+
 template <bool AVX512>
 inline void prepare_row(const float* x, int64_t k, int64_t base, uint8_t* prep) {
   const int64_t nb = k / kBlock, g = group_of(base), ng = (nb + g - 1) / g;
@@ -240,6 +254,8 @@ inline void prepare_row(const float* x, int64_t k, int64_t base, uint8_t* prep) 
       sx[4 + i] = dx * (static_cast<float>(sum_h) + static_cast<float>(sum_l) / 256.0f);
     }
   }
+  if (!AVX512 && base == kQ8_0)
+    for (int64_t gi = 0; gi < ng; ++gi) join_levels_q8_avx2(prep + gi * kGroupPrep);
 }
 
 // ---- kernels -----------------------------------------------------------------------------
@@ -474,27 +490,53 @@ struct VnniKernels {
 };
 using VnniTile = llmrt_kernels::InterleavedTile<VnniKernels>;
 
-// ---- AVX2 (+FMA, F16C): the same layout and prepared activations, 256 bits at a time ----
+// ---- AVX2 (+FMA, F16C): the same layout, 256 bits at a time ---------------------------
 //
-// vpmaddubsw (u8 x s8 -> pairs summed to s16) then vpmaddwd by ones (-> s32, 4 bytes per
-// lane), as ggml's AVX2 quant dots do. A lane's four bytes belong to one block, so each half
-// of a 4-bit group (two blocks, 32 bytes) lines up with 8 of the prepared 16 per-lane scales.
-// 4-bit: the low and high nibbles' s16 pair sums are added before widening (each at most
-// 2 * 15 * 127, the sum fits s16). Q8_0: the stored q + 128 is turned back into q and
-// multiplied as |q| x sign(h, q) (at most 2 * 128 * 127 per pair), so no correction term.
+// 4-bit: the prepared activations as they are; vpmaddubsw (u8 x s8 -> pairs summed to s16)
+// then vpmaddwd (-> s32, 4 bytes per lane), as ggml's AVX2 quant dots do. A lane's four bytes
+// belong to one block, so each half of a 4-bit group (two blocks, 32 bytes) lines up with 8
+// of the prepared 16 per-lane scales. The low and high nibbles' s16 pair sums are added
+// before widening (each at most 2 * 15 * 127, the sum fits s16). Q8_0: the two levels joined
+// into 16 bits at preparation and 16-bit products (``q8_block_avx2``).
 
-LLMRT_AVX2 inline __m256i dot_u4(__m256i wl, __m256i wh, const uint8_t* a_lo, const uint8_t* a_hi) {
+LLMRT_AVX2 inline __m256i dot_u4(__m256i wl, __m256i wh, const uint8_t* a_lo, const uint8_t* a_hi,
+                                 __m256i widen) {
   const __m256i p = _mm256_add_epi16(
       _mm256_maddubs_epi16(wl, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a_lo))),
       _mm256_maddubs_epi16(wh, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a_hi))));
-  return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+  return _mm256_madd_epi16(p, widen);
 }
+
+// The widening multipliers of the two levels: the high level's pair sums times 256 in the
+// same vpmaddwd that widens them (the exact integer ``(sum << 8)`` was, one shift fewer per
+// 64 weights), the low level's times 1.
+LLMRT_AVX2 inline __m256i widen_high() { return _mm256_set1_epi16(256); }
+LLMRT_AVX2 inline __m256i widen_low() { return _mm256_set1_epi16(1); }
 
 LLMRT_AVX2 inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_add_ps(s, _mm_movehl_ps(s, s));
   s = _mm_add_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
+}
+
+// ``c`` (1-3) fp16 values at ``p`` in the low words of a vector, zeros above, read with loads
+// of exactly their bytes into a general register. Why not a copy into a zeroed stack array and
+// a vector load: the load spans the copy's narrower stores and waits out a failed store
+// forward, for every weight row's last group (SmolLM2's 576-wide linears: ~20% of the
+// one-row kernel's samples).
+inline __m128i halves_of(const uint8_t* p, int64_t c) {
+  uint32_t lo = 0;
+  uint16_t hi = 0;
+  if (c >= 2) {
+    std::memcpy(&lo, p, 4);
+    if (c == 3) std::memcpy(&hi, p + 4, 2);
+  } else {
+    uint16_t one;
+    std::memcpy(&one, p, 2);
+    lo = one;
+  }
+  return _mm_cvtsi64_si128(static_cast<long long>((static_cast<uint64_t>(hi) << 32) | lo));
 }
 
 // d (lanes 0-3) and m (lanes 4-7; Q4_0: -8 d) of a group's ``c`` blocks (zeros past c).
@@ -507,11 +549,8 @@ LLMRT_AVX2 inline __m256 group_dm_avx2(const uint8_t* o, int64_t c) {
                          : _mm_mul_ps(d, _mm_set1_ps(-8.0f));
     return _mm256_set_m128(m, d);
   }
-  alignas(16) uint16_t dh[4] = {0, 0, 0, 0}, mh[4] = {0, 0, 0, 0};
-  std::memcpy(dh, o + 16 * c, 2 * c);
-  if (BASE == kQ4_1) std::memcpy(mh, o + 18 * c, 2 * c);
-  const __m128 d = _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(dh)));
-  const __m128 m = BASE == kQ4_1 ? _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(mh)))
+  const __m128 d = _mm_cvtph_ps(halves_of(o + 16 * c, c));
+  const __m128 m = BASE == kQ4_1 ? _mm_cvtph_ps(halves_of(o + 18 * c, c))
                                  : _mm_mul_ps(d, _mm_set1_ps(-8.0f));
   return _mm256_set_m128(m, d);
 }
@@ -535,9 +574,9 @@ LLMRT_AVX2 inline void q4_group_avx2(const uint8_t* o, int64_t c, __m256 dm, con
   for (int half = 0; half < halves; ++half) {
     const __m256i z = group_half(o, c, half);
     const __m256i wl = _mm256_and_si256(z, low), wh = _mm256_and_si256(_mm256_srli_epi16(z, 4), low);
-    const __m256i ih = dot_u4(wl, wh, p + 32 * half, p + 64 + 32 * half);
-    const __m256i il = dot_u4(wl, wh, p + 128 + 32 * half, p + 192 + 32 * half);
-    const __m256i iv = _mm256_add_epi32(_mm256_slli_epi32(ih, 8), il);
+    const __m256i ih = dot_u4(wl, wh, p + 32 * half, p + 64 + 32 * half, widen_high());
+    const __m256i il = dot_u4(wl, wh, p + 128 + 32 * half, p + 192 + 32 * half, widen_low());
+    const __m256i iv = _mm256_add_epi32(ih, il);
     // lanes 0-3: block 2 * half, 4-7: block 2 * half + 1
     const __m256 dl = _mm256_permutevar8x32_ps(
         d4, _mm256_setr_epi32(2 * half, 2 * half, 2 * half, 2 * half, 2 * half + 1, 2 * half + 1,
@@ -581,34 +620,73 @@ LLMRT_AVX2 inline Q4GroupW q4_group_unpack(const uint8_t* o, int64_t c) {
 LLMRT_AVX2 inline void q4_group_dot(const Q4GroupW& g, const uint8_t* p, __m256& acc,
                                     __m256& macc) {
   for (int half = 0; half < g.halves; ++half) {
-    const __m256i ih = dot_u4(g.wl[half], g.wh[half], p + 32 * half, p + 64 + 32 * half);
-    const __m256i il = dot_u4(g.wl[half], g.wh[half], p + 128 + 32 * half, p + 192 + 32 * half);
-    const __m256i iv = _mm256_add_epi32(_mm256_slli_epi32(ih, 8), il);
+    const __m256i ih =
+        dot_u4(g.wl[half], g.wh[half], p + 32 * half, p + 64 + 32 * half, widen_high());
+    const __m256i il = dot_u4(g.wl[half], g.wh[half], p + 128 + 32 * half, p + 192 + 32 * half, widen_low());
+    const __m256i iv = _mm256_add_epi32(ih, il);
     const __m256 scale = _mm256_loadu_ps(reinterpret_cast<const float*>(p + 256) + 8 * half);
     acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iv), _mm256_mul_ps(g.dl[half], scale), acc);
   }
   macc = _mm256_fmadd_ps(g.dm, _mm256_loadu_ps(reinterpret_cast<const float*>(p + 320)), macc);
 }
 
+// One whole group (4 blocks) of a 4-bit kind against one row's prepared group ``p``: the
+// operations of ``q4_group_avx2`` at c = 4 in the same order (so the same bits), with the
+// block count known to the compiler. Why: with ``c`` a run-time value GCC kept the R rows'
+// accumulators of ``q4_rows_m1_avx2`` on the stack (a load and a store around every FMA, the
+// halves' loop not unrolled); SmolLM2's Q4_1 GEMV ran at 9.4-9.6 GB/s from L2, one thread.
+template <int64_t BASE>
+LLMRT_AVX2 __attribute__((always_inline)) inline void q4_full_group_avx2(const uint8_t* o,
+                                                                         const uint8_t* p,
+                                                                         __m256& acc,
+                                                                         __m256& macc) {
+  const __m256i low = _mm256_set1_epi8(15);
+  const __m256 dm = group_dm_avx2<BASE>(o, 4);
+  const __m256 d4 = _mm256_castps128_ps256(_mm256_castps256_ps128(dm));
+  for (int half = 0; half < 2; ++half) {
+    const __m256i z = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + 32 * half));
+    const __m256i wl = _mm256_and_si256(z, low), wh = _mm256_and_si256(_mm256_srli_epi16(z, 4), low);
+    const __m256i ih = dot_u4(wl, wh, p + 32 * half, p + 64 + 32 * half, widen_high());
+    const __m256i il = dot_u4(wl, wh, p + 128 + 32 * half, p + 192 + 32 * half, widen_low());
+    const __m256i iv = _mm256_add_epi32(ih, il);
+    const __m256 dl = _mm256_permutevar8x32_ps(
+        d4, half == 0 ? _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1)
+                      : _mm256_setr_epi32(2, 2, 2, 2, 3, 3, 3, 3));
+    const __m256 scale = _mm256_loadu_ps(reinterpret_cast<const float*>(p + 256) + 8 * half);
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iv), _mm256_mul_ps(dl, scale), acc);
+  }
+  macc = _mm256_fmadd_ps(dm, _mm256_loadu_ps(reinterpret_cast<const float*>(p + 320)), macc);
+}
+
 // R weight rows against one activation row (the prepared groups loaded from L1 per row;
-// ``pf`` keeps the chunk's stream requested ahead, as in ``q4_rows_m1``).
+// ``pf`` keeps the chunk's stream requested ahead, as in ``q4_rows_m1``): whole groups
+// through ``q4_full_group_avx2`` (accumulators in registers), the last group of fewer
+// blocks, if any, through ``q4_group_avx2``.
 template <int64_t BASE, int R>
 LLMRT_AVX2 void q4_rows_m1_avx2(const uint8_t* prep, const uint8_t* row, int64_t row_bytes,
                                 int64_t nb, float* y, llmrt_kernels::AheadPrefetch& pf) {
   constexpr int64_t gb = 4 * block_bytes_of(BASE);
-  const int64_t groups = (nb + 3) / 4;
+  const int64_t full = nb / 4, c = nb - 4 * full, groups = full + (c > 0 ? 1 : 0);
   const int64_t slice = R * row_bytes / groups;
   __m256 acc[R], macc[R];
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) acc[r] = macc[r] = _mm256_setzero_ps();
-  for (int64_t gi = 0; gi < groups; ++gi) {
+  for (int64_t gi = 0; gi < full; ++gi) {
     pf.upto(row + slice * (gi + 1));
-    const int64_t c = std::min<int64_t>(4, nb - 4 * gi);
     const uint8_t* p = prep + gi * kGroupPrep;
+    const uint8_t* o = row + gi * gb;
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) q4_full_group_avx2<BASE>(o + r * row_bytes, p, acc[r], macc[r]);
+  }
+  if (c > 0) {
+    pf.upto(row + R * row_bytes);
+    const uint8_t* p = prep + full * kGroupPrep;
     for (int r = 0; r < R; ++r) {
-      const uint8_t* o = row + r * row_bytes + gi * gb;
+      const uint8_t* o = row + r * row_bytes + full * gb;
       q4_group_avx2(o, c, group_dm_avx2<BASE>(o, c), p, acc[r], macc[r]);
     }
   }
+#pragma GCC unroll 8
   for (int r = 0; r < R; ++r) y[r] = hsum8(_mm256_add_ps(acc[r], macc[r]));
 }
 
@@ -641,39 +719,102 @@ LLMRT_AVX2 void q4_tile_avx2(const uint8_t* prep, int64_t prep_stride, const uin
   }
 }
 
-// MT (<= 4) activation rows against Q8_0 weight rows [n0, n1).
+// Q8_0 at AVX2 (``q8_avx2``): the activations joined into 16 bits at preparation
+// (``join_levels_q8_avx2``) and the weights widened to 16 bits (the stored q + 128 less
+// 128), so one vpmaddwd per 16 weights takes both levels, where vpmaddubsw took each level
+// separately after vpsignb/vpabsb (the products' sign moved onto the activations) and a
+// vpmaddwd widened each. Each lane's sum (4 products, |q| <= 128, |x16| <= 32639: below 2^24)
+// converts to float32 exactly. A block's weights as two 16-lane vectors:
+struct Q8Wide {
+  __m256i w0, w1;
+};
+
+LLMRT_AVX2 inline Q8Wide q8_widen(const uint8_t* q) {
+  const __m256i bias = _mm256_set1_epi16(128);
+  return {_mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q))), bias),
+          _mm256_sub_epi16(
+              _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16))), bias)};
+}
+
+// One Q8_0 block (widened weights, scale ``d``) against one row's prepared block (``p`` the
+// group's, ``i`` the block in it), into ``acc``.
+LLMRT_AVX2 __attribute__((always_inline)) inline void q8_block_avx2(const Q8Wide& w, __m256 d,
+                                                                    const uint8_t* p, int64_t i,
+                                                                    __m256& acc) {
+  const __m256i* x = reinterpret_cast<const __m256i*>(p + 64 * i);
+  const __m256i iv = _mm256_add_epi32(_mm256_madd_epi16(w.w0, _mm256_loadu_si256(x)),
+                                      _mm256_madd_epi16(w.w1, _mm256_loadu_si256(x + 1)));
+  const __m256 s = _mm256_mul_ps(d, _mm256_loadu_ps(reinterpret_cast<const float*>(p + 256) + 8 * i));
+  acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iv), s, acc);
+}
+
+// R Q8_0 weight rows against one activation row, whole groups (2 blocks, both scales in one
+// conversion) with the accumulators in registers, then the last lone block: the same
+// operations in the same order as ``q8_tile_avx2``'s, so the same bits. Why: that loop,
+// one row at a time with ``c`` a run-time value and each scale converted in scalar code, read
+// the Q8_0 LM head at ~9 GB/s (one thread, forced avx2).
+template <int R>
+LLMRT_AVX2 void q8_rows_m1_avx2(const uint8_t* prep, const uint8_t* row, int64_t row_bytes,
+                                int64_t nb, float* y, llmrt_kernels::AheadPrefetch& pf) {
+  const int64_t full = nb / 2, groups = full + (nb % 2);
+  const int64_t slice = R * row_bytes / groups;
+  __m256 acc[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t gi = 0; gi < full; ++gi) {
+    pf.upto(row + slice * (gi + 1));
+    const uint8_t* p = prep + gi * kGroupPrep;
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* o = row + r * row_bytes + gi * 68;
+      uint32_t dd;
+      std::memcpy(&dd, o + 64, 4);
+      const __m128 d2 = _mm_cvtph_ps(_mm_cvtsi32_si128(static_cast<int>(dd)));
+#pragma GCC unroll 2
+      for (int i = 0; i < 2; ++i) {
+        const __m256 d = _mm256_broadcastss_ps(i == 0 ? d2 : _mm_movehdup_ps(d2));
+        q8_block_avx2(q8_widen(o + 32 * i), d, p, i, acc[r]);
+      }
+    }
+  }
+  if (full < groups) {
+    pf.upto(row + R * row_bytes);
+    const uint8_t* p = prep + full * kGroupPrep;
+    for (int r = 0; r < R; ++r) {
+      const uint8_t* o = row + r * row_bytes + full * 68;
+      q8_block_avx2(q8_widen(o), _mm256_set1_ps(half_at(o + 32)), p, 0, acc[r]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) y[r] = hsum8(acc[r]);
+}
+
+// MT (<= 4) activation rows against Q8_0 weight rows [n0, n1) (one row: ``q8_rows_m1_avx2``).
 template <int MT>
 LLMRT_AVX2 void q8_tile_avx2(const uint8_t* prep, int64_t prep_stride, const uint8_t* w,
                              int64_t row_bytes, int64_t nb, float* y, int64_t ldy, int64_t n0,
                              int64_t n1) {
+  if constexpr (MT == 1) {
+    llmrt_kernels::AheadPrefetch pf(w + n0 * row_bytes, w + n1 * row_bytes);
+    int64_t n = n0;
+    for (; n + kRowsM1 <= n1; n += kRowsM1)
+      q8_rows_m1_avx2<kRowsM1>(prep, w + n * row_bytes, row_bytes, nb, y + n, pf);
+    for (; n < n1; ++n) q8_rows_m1_avx2<1>(prep, w + n * row_bytes, row_bytes, nb, y + n, pf);
+    return;
+  }
   const int64_t ng = (nb + 1) / 2;
-  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-  const __m256i ones = _mm256_set1_epi16(1);
-  llmrt_kernels::AheadPrefetch pf(w + n0 * row_bytes, w + n1 * row_bytes);
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * row_bytes;
-    if constexpr (MT == 1) pf.upto(row + row_bytes);
     __m256 acc[MT];
     for (int r = 0; r < MT; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t gi = 0; gi < ng; ++gi) {
       const int64_t c = std::min<int64_t>(2, nb - 2 * gi);
       const uint8_t* o = row + gi * 2 * 34;
       for (int64_t i = 0; i < c; ++i) {
-        const __m256i q = _mm256_xor_si256(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + 32 * i)), flip);
-        const __m256i aq = _mm256_abs_epi8(q);
+        const Q8Wide wq = q8_widen(o + 32 * i);
         const __m256 d = _mm256_set1_ps(half_at(o + 32 * c + 2 * i));
-        for (int r = 0; r < MT; ++r) {
-          const uint8_t* p = prep + r * prep_stride + gi * kGroupPrep;
-          const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * i));
-          const __m256i l = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 128 + 32 * i));
-          const __m256i ih = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(h, q)), ones);
-          const __m256i il = _mm256_madd_epi16(_mm256_maddubs_epi16(aq, _mm256_sign_epi8(l, q)), ones);
-          const __m256i iv = _mm256_add_epi32(_mm256_slli_epi32(ih, 8), il);
-          const __m256 s = _mm256_mul_ps(
-              d, _mm256_loadu_ps(reinterpret_cast<const float*>(p + 256) + 8 * i));
-          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iv), s, acc[r]);
-        }
+        for (int r = 0; r < MT; ++r)
+          q8_block_avx2(wq, d, prep + r * prep_stride + gi * kGroupPrep, i, acc[r]);
       }
     }
     for (int r = 0; r < MT; ++r) y[r * ldy + n] = hsum8(acc[r]);
