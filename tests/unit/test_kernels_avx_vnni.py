@@ -4,7 +4,9 @@ micro tile (``csrc/interleaved_gemm.cpp``) against the avx2 level's.
 Both form, per 32-bit lane, the exact integer 256 * (w . h) + (w . l) of a block's weights
 and the two int8 levels of its activations (AVX2 with vpmaddubsw + vpmaddwd, AVX-VNNI with
 vpdpbusd) and scale it in the same float32 steps in the same order, so a child forced to
-``avx_vnni`` must return the bits of one forced to ``avx2``: every interleaved kind, 1-15
+``avx_vnni`` must return the bits of one forced to ``avx2`` (but for the Q8_0 decode tile: at
+AVX2 it multiplies 16-bit joined activations and scales in another order, so the two agree to
+float32 rounding: 1e-6 of the largest output): every interleaved kind, 1-15
 activation rows (the one-row loop, whole and partial tiles of 4), 16-100 rows (the integer
 GEMM, whose AVX-VNNI micro tile sums the same int16 pairs with vpdpwssd), widths whose last
 group holds 1-4 blocks, weight row counts that are not a multiple of the one-row loop's 4. The
@@ -73,4 +75,9 @@ def test_the_avx_vnni_tiles_give_the_avx2_tiles_bits(tmp_path: Path) -> None:
     assert vnni.pop("isa")[::3] == ("avx_vnni", True)
     assert avx2.keys() == vnni.keys() and len(avx2) == 3 * 5 * 11
     for key, want in avx2.items():
-        assert torch.equal(vnni[key], want), key
+        if key[0] == "q8_0" and key[2] < 16:
+            # the AVX2 Q8_0 tile joins the levels to 16 bits and scales in another order
+            scale = float(want.abs().max())
+            torch.testing.assert_close(vnni[key], want, rtol=0, atol=1e-6 * scale, msg=str(key))
+        else:
+            assert torch.equal(vnni[key], want), key

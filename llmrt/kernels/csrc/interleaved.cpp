@@ -254,7 +254,8 @@ inline void prepare_row(const float* x, int64_t k, int64_t base, uint8_t* prep) 
       sx[4 + i] = dx * (static_cast<float>(sum_h) + static_cast<float>(sum_l) / 256.0f);
     }
   }
-  if (!AVX512 && base == kQ8_0)
+  // Only the AVX2 tile reads Q8_0 groups as 16-bit values; AvxVnniTile keeps the two levels.
+  if (!AVX512 && base == kQ8_0 && !llmrt_kernels::has_avx_vnni())
     for (int64_t gi = 0; gi < ng; ++gi) join_levels_q8_avx2(prep + gi * kGroupPrep);
 }
 
