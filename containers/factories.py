@@ -306,7 +306,12 @@ def build_model(
         quantized = recipe.checkpoint.weight_format in QUANTIZED_FORMATS
         repacking = progress_step("repacking weights for the CPU kernels") if quantized else None
         with repacking or contextlib.nullcontext():
-            select_weight_layout(model, choice=recipe.device.weight_layout, device=torch_device)
+            select_weight_layout(
+                model,
+                choice=recipe.device.weight_layout,
+                device=torch_device,
+                on_replaced=checkpoint.follow_relayout,
+            )
         if torch_device.type == "cpu":
             place_weights(
                 model=model,
