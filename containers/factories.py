@@ -437,7 +437,11 @@ def place_weights(
     # the file's pages back in) stack on top of them.
     fields_trim = trim_freed_memory()
     if why_not is None:
-        fields = place_module_weights(model).log_fields()  # type: ignore[arg-type]
+        followers = () if checkpoint is None else checkpoint.storage_views()
+        fields = place_module_weights(
+            model,  # type: ignore[arg-type]
+            followers=followers,
+        ).log_fields()
     else:
         fields = {"weights_on_huge_pages": f"off ({why_not})"}
     fields["freed_heap_trimmed"] = fields_trim

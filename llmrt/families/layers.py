@@ -616,7 +616,8 @@ def select_weight_layout(
             changed += isinstance(module, QuantizedLinear)
             stack = stacks.get(id(module))
             if stack is not None:  # its StackedWeight lists the old part
-                stack.weight = StackedWeight(parts=tuple(p.weight for p in stack.parts))
+                parts = [p for p in stack.parts if isinstance(p, QuantizedLinear)]
+                stack.weight = StackedWeight(parts=tuple(p.weight for p in parts))
         if on_replaced is not None:
             on_replaced(old, new)
         del old, new, modules

@@ -116,13 +116,21 @@ class Checkpoint:
             same = (tensor.kind, tensor.layout, tensor.shape[1])
             if same != (old.kind, old.layout, old.shape[1]):
                 continue
-            offset = blocks.storage_offset() - old.blocks.storage_offset()
+            offset = int(blocks.storage_offset()) - int(old.blocks.storage_offset())
             start, rest = divmod(offset, row_bytes)
             if rest or start < 0 or start + tensor.shape[0] > old.shape[0]:
                 continue
             self.tensors[name] = new.rows(start, tensor.shape[0])
             moved += 1
         return moved
+
+    def storage_views(self) -> tuple[torch.Tensor, ...]:
+        """The tensors holding the checkpoint's bytes (a quantized weight's blocks), for a
+        caller that moves a model's storages and the checkpoint's views of them with it
+        (``place_module_weights``)."""
+        return tuple(
+            t.blocks if isinstance(t, QuantizedWeight) else t for t in self.tensors.values()
+        )
 
     def _in_mapping(self, address: int) -> bool:
         """Whether ``address`` lies in one of the file mappings (a view of the file)."""
