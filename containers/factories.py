@@ -27,6 +27,7 @@ from llmrt.device.host_memory import (
     trim_freed_memory,
 )
 from llmrt.device.huge_pages import huge_pages_refused, place_module_weights
+from llmrt.device.library_pages import release_library_pages
 from llmrt.device.torch import TorchDevice
 from llmrt.errors import CheckpointError, ConfigError, DeviceError, IdentityError
 from llmrt.families.base import CausalLM, Family
@@ -447,6 +448,9 @@ def place_weights(
     fields["freed_heap_trimmed"] = fields_trim
     if gemm_dtype is not None:
         fields["gemm_dtype"] = gemm_dtype
+    # Libraries' pages read once at import (libtorch's operator registrations): the steps
+    # fault back what they run.
+    fields["library_pages_released"] = release_library_pages().log_field()
     if release is not None:
         released.append(release())
         skipped = [r.skipped for r in released if r.skipped is not None]

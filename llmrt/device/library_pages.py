@@ -1,0 +1,110 @@
+"""Giving back the resident pages of read-only file mappings (loaded libraries' code).
+
+Why: ``import torch`` runs libtorch's static initializers (thousands of operator
+registrations), which read ~60 MiB of its code and read-only data once; those pages stay in
+the process's resident set for its whole life although a decode step runs a small part of
+them. Given back once a model is built, a 3B Q4_K_M one-shot ``generate`` peaked 65 MiB
+lower (2225 -> 2160 MiB for a 1921 MiB file). They are clean page-cache pages like the
+GGUF's own (``llmrt.weights.mapped_pages``): a page used later faults back in from the page
+cache (a minor fault; the file's bytes stay cached).
+
+``madvise(MADV_DONTNEED)`` would discard a written private page, so only mappings that are
+not writable and hold no anonymous page (``Anonymous`` in ``/proc/self/smaps``: a page
+copied on write, e.g. relocated data made read-only afterwards) are advised. Linux only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import mmap
+import re
+import sys
+from pathlib import Path
+
+import attrs
+
+SMAPS = Path("/proc/self/smaps")
+_HEADER = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) (\S+) \S+ \S+ \S+\s*(.*)$")
+
+
+@attrs.frozen(kw_only=True)
+class LibraryPageRelease:
+    """What ``release_library_pages`` did: ``released_bytes`` (the advised mappings'
+    resident bytes before) over ``mappings`` mappings, or why it did nothing."""
+
+    released_bytes: int
+    mappings: int
+    skipped: str | None = None
+
+    def log_field(self) -> int | str:
+        return f"0 ({self.skipped})" if self.skipped else self.released_bytes
+
+
+@attrs.frozen(kw_only=True)
+class _Mapping:
+    start: int
+    end: int
+    perms: str
+    path: str
+    rss: int
+    anonymous: int
+
+
+def release_library_pages(*, smaps: Path = SMAPS) -> LibraryPageRelease:
+    """Drop the resident pages of every read-only file mapping that holds only file pages
+    (see the module doc); a page read again faults back in."""
+    if not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_DONTNEED"):
+        return LibraryPageRelease(released_bytes=0, mappings=0, skipped=f"{sys.platform}")
+    try:
+        text = smaps.read_text(encoding="ascii", errors="replace")
+    except OSError:
+        return LibraryPageRelease(released_bytes=0, mappings=0, skipped=f"{smaps} is unreadable")
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+    madvise = libc.madvise
+    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    madvise.restype = ctypes.c_int
+    released = count = 0
+    for mapping in _mappings(text):
+        if not _clean_file_mapping(mapping):
+            continue
+        if madvise(mapping.start, mapping.end - mapping.start, mmap.MADV_DONTNEED) == 0:
+            released += mapping.rss
+            count += 1
+    return LibraryPageRelease(released_bytes=released, mappings=count)
+
+
+def _clean_file_mapping(mapping: _Mapping) -> bool:
+    """A mapping of a file (not ``[vdso]`` and the like), not writable, with resident pages
+    and none of them anonymous."""
+    return (
+        mapping.path.startswith("/")
+        and "w" not in mapping.perms
+        and mapping.rss > 0
+        and mapping.anonymous == 0
+    )
+
+
+def _mappings(text: str) -> list[_Mapping]:
+    """The mappings ``smaps`` lists, with their ``Rss`` and ``Anonymous`` bytes."""
+    found: list[tuple[re.Match[str], dict[str, int]]] = []
+    for line in text.splitlines():
+        match = _HEADER.match(line)
+        if match is not None:
+            found.append((match, {}))
+            continue
+        name, _, value = line.partition(":")
+        if found and name in ("Rss", "Anonymous"):
+            found[-1][1][name] = int(value.split()[0]) * 1024
+    return [
+        _Mapping(
+            start=int(match.group(1), 16),
+            end=int(match.group(2), 16),
+            perms=match.group(3),
+            path=match.group(4),
+            rss=fields["Rss"],
+            anonymous=fields["Anonymous"],
+        )
+        for match, fields in found
+        if "Rss" in fields and "Anonymous" in fields
+    ]
