@@ -281,6 +281,10 @@ def build_model(
     weights = recipe.checkpoint.weight_format
     if recipe.device.backend == "ttnn":
         return build_ttnn_model(recipe=recipe, checkpoint=checkpoint, family=family, device=device)
+    if device.torch_device.type == "cpu":
+        # A small model's build peaks before ``place_weights`` gives them back: libraries'
+        # pages read once at import go back here too (what the build runs faults back).
+        release_library_pages()
     with progress_step(f"building the {family.name} model ({weights} weights)"):
         model = family.build(
             hf_config=checkpoint.hf_config,
