@@ -71,6 +71,10 @@ def test_two_lanes_from_one_checkpoint_hold_each_weight_once(
         assert in_file or address in held, f"{name}: a buffer no lane's model reads"
     fused = checkpoint.tensors["model.layers.0.self_attn.q_proj.weight"]
     assert isinstance(fused, QuantizedWeight) and fused.layout == "interleaved"
+    # An unfused weight stays the file's view (its pages went back; the lanes copied it).
+    single = checkpoint.tensors["model.layers.0.self_attn.o_proj.weight"]
+    assert isinstance(single, QuantizedWeight) and single.layout == "ggml"
+    assert begin <= single.blocks.data_ptr() < begin + len(mapping)
     fresh = load_checkpoint(format="gguf", path=str(path), keep_quantized=True)
     for name, tensor in checkpoint.tensors.items():
         original = fresh.tensors[name]
