@@ -27,7 +27,7 @@ from llmrt.device.host_memory import (
     trim_freed_memory,
 )
 from llmrt.device.huge_pages import huge_pages_refused, place_module_weights
-from llmrt.device.library_pages import release_library_pages
+from llmrt.device.library_pages import release_import_pages
 from llmrt.device.torch import TorchDevice
 from llmrt.errors import CheckpointError, ConfigError, DeviceError, IdentityError
 from llmrt.families.base import CausalLM, Family
@@ -137,7 +137,7 @@ def open_device(*, recipe: Recipe, ttnn_module: Any = None) -> Device:
         # only the imports touched (libtorch's operator registrations) go back; released
         # after the build instead, the pages its steps run faulted back at ~0.1 ms each
         # here and a SmolLM2 one-shot took seconds longer.
-        host["library_pages_released"] = release_library_pages().log_field()
+        host["library_pages_released"] = release_import_pages().log_field()
     emit(component_logger("device", object_id=device.id), "device.opened", device=device.id, **host)
     return device
 

@@ -22,12 +22,15 @@ import ctypes.util
 import mmap
 import re
 import sys
+import threading
 from pathlib import Path
 
 import attrs
 
 SMAPS = Path("/proc/self/smaps")
 _HEADER = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) (\S+) \S+ \S+ \S+\s*(.*)$")
+_lock = threading.Lock()
+_done = False  # process-wide: the imports' pages go back once
 
 
 @attrs.frozen(kw_only=True)
@@ -74,6 +77,20 @@ def release_library_pages(*, smaps: Path = SMAPS) -> LibraryPageRelease:
             released += mapping.rss
             count += 1
     return LibraryPageRelease(released_bytes=released, mappings=count)
+
+
+def release_import_pages() -> LibraryPageRelease:
+    """``release_library_pages`` the first time a process calls it (the pages only its
+    imports touched); later calls give nothing back and say so. Why once: a later release
+    would drop the pages a running model's steps use (a second device, a test session)."""
+    global _done
+    with _lock:
+        if _done:
+            return LibraryPageRelease(
+                released_bytes=0, mappings=0, skipped="given back once in this process"
+            )
+        _done = True
+        return release_library_pages()
 
 
 def _clean_file_mapping(mapping: _Mapping) -> bool:

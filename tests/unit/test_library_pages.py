@@ -11,7 +11,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from llmrt.device.library_pages import release_library_pages
+from llmrt.device import library_pages
+from llmrt.device.library_pages import release_import_pages, release_library_pages
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs smaps")
 
@@ -57,3 +58,11 @@ def test_an_unreadable_smaps_is_named(tmp_path: Path) -> None:
     done = release_library_pages(smaps=tmp_path / "missing")
     assert done.released_bytes == 0 and done.skipped is not None and "missing" in done.skipped
     assert done.log_field() == f"0 ({done.skipped})"
+
+
+def test_the_imports_pages_go_back_once_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(library_pages, "_done", False)
+    first = release_import_pages()
+    assert first.skipped is None
+    again = release_import_pages()
+    assert again.released_bytes == 0 and again.skipped == "given back once in this process"
