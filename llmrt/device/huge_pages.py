@@ -10,8 +10,8 @@ Most kernels give huge pages only to mappings advised with ``MADV_HUGEPAGE``
 (``/sys/kernel/mm/transparent_hugepage/enabled``: ``madvise``), and never to memory that was
 touched before the advice. So a model's weights are copied, once at build, into one fresh
 advised mapping (``place_module_weights``); the copy rebinds the tensors in place
-(``Tensor.set_``), so every holder of a weight (a checkpoint shared by lanes, tied modules)
-sees the same placed storage and the old one is freed.
+(``Tensor.set_``), so every holder of a weight (tied modules, and the checkpoint's own views
+of it, passed as ``followers``) sees the same placed storage and the old one is freed.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import mmap
 import sys
 import threading
 import weakref
+from collections.abc import Iterable
 from pathlib import Path
 
 import attrs
@@ -92,13 +93,23 @@ class WeightPlacement:
         }
 
 
-def place_module_weights(module: torch.nn.Module) -> WeightPlacement:
+def place_module_weights(
+    module: torch.nn.Module, *, followers: Iterable[torch.Tensor] = ()
+) -> WeightPlacement:
     """Copy every CPU parameter and buffer storage of ``module`` into one mapping advised onto
     huge pages and rebind the tensors to it in place (values, shapes, strides and aliasing
     between tensors of one storage are kept). Storages an earlier call placed are skipped.
+    ``followers`` (borrowed: a checkpoint's own views of weights the module fused or
+    repacked) are rebound too where they view one of the module's storages, so they do not
+    keep the old storage alive beside the copy.
 
     The caller checks ``huge_pages_unavailable()`` first; the module must not be running."""
     groups = _storage_groups(module)
+    for tensor in followers:
+        if tensor.device.type == "cpu" and tensor.layout == torch.strided and tensor.numel():
+            group = groups.get(tensor.untyped_storage().data_ptr())
+            if group is not None and not any(tensor is held for held in group[1]):
+                group[1].append(tensor)
     todo = {ptr: group for ptr, group in groups.items() if not _is_placed(ptr)}
     offsets: dict[int, int] = {}
     total = 0

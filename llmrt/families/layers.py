@@ -8,6 +8,7 @@ ones (``checkpoint.weights: int8 | int4``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal, get_args
 
 import torch
@@ -554,13 +555,27 @@ def auto_interleaved_kinds(cpu: CpuFeatures | None = None) -> tuple[str, ...]:
     return AUTO_INTERLEAVED_KINDS
 
 
+#: Called with each ggml weight ``select_weight_layout`` replaced and its copy, as soon as
+#: every module reads the copy (``Checkpoint.follow_relayout``: the checkpoint's views of
+#: the old buffer move too, so it is freed before the next weight is copied).
+OnRelayout = Callable[[QuantizedWeight, QuantizedWeight], object]
+
+
 def select_weight_layout(
-    model: CausalLM, *, choice: str, device: torch.device, cpu: CpuFeatures | None = None
+    model: CausalLM,
+    *,
+    choice: str,
+    device: torch.device,
+    cpu: CpuFeatures | None = None,
+    on_replaced: OnRelayout | None = None,
 ) -> int:
     """Put the block-quantized linears of ``model`` in the layout ``choice`` means (``auto``:
     ``auto_interleaved_kinds(cpu)``); returns how many linears changed. Interleaving copies
     each weight once; an embedding tied to an interleaved LM head looks its rows up in the
-    same copy, so the ggml blocks are released when nothing else holds them."""
+    same copy. Weights are copied one at a time and every module that read one (and
+    ``on_replaced``, for holders outside the model) moves to its copy before the next, so
+    the ggml blocks are released as the copies are made when nothing else holds them: the
+    build peaks at about one copy of the weights, not two."""
     field = "device.weight_layout"
     if choice not in WEIGHT_LAYOUT_CHOICES:
         raise ConfigError(field, choice, f"must be one of {list(WEIGHT_LAYOUT_CHOICES)}")
@@ -573,27 +588,39 @@ def select_weight_layout(
     if choice == "auto" and not int8_dot_supported():
         return 0
     kinds = auto_interleaved_kinds(cpu) if choice == "auto" else None
-    # id of a replaced ggml weight -> (that weight, kept alive so the id stays its own; the
-    # interleaved copy every module that shared it moves to).
-    replaced: dict[int, tuple[QuantizedWeight, QuantizedWeight]] = {}
-    changed = 0
+    # id of a ggml weight to replace -> (that weight, the modules reading it); the entry
+    # keeps the weight alive, so its id stays its own until it is popped.
+    readers: dict[int, tuple[QuantizedWeight, list[_BlockWeightModule]]] = {}
+    stacks: dict[int, StackedLinear] = {}  # id of a part's module -> its stacked linear
     for module in model.modules():
+        if isinstance(module, StackedLinear):
+            stacks.update((id(part), module) for part in module.parts)
         if not isinstance(module, QuantizedLinear) or module.weight.layout == "interleaved":
             continue
         if kinds is not None and module.weight.kind not in kinds:
             continue
         if module.weight.kind not in INTERLEAVABLE_KINDS:
             continue
-        old = module.weight
-        if id(old) not in replaced:
-            replaced[id(old)] = (old, old.interleaved())
-        module.use_weight(replaced[id(old)][1])
-        changed += 1
+        readers.setdefault(id(module.weight), (module.weight, []))[1].append(module)
     for module in model.modules():
-        if isinstance(module, QuantizedEmbedding) and id(module.weight) in replaced:
-            module.use_weight(replaced[id(module.weight)][1])
-    if changed:
-        _forget_fused_decode(model)
+        if isinstance(module, QuantizedEmbedding) and id(module.weight) in readers:
+            readers[id(module.weight)][1].append(module)
+    if readers:
+        _forget_fused_decode(model)  # it borrows the weights being replaced
+    changed = 0
+    while readers:
+        old, modules = readers.pop(next(iter(readers)))
+        new = old.interleaved()
+        for module in modules:
+            module.use_weight(new)
+            changed += isinstance(module, QuantizedLinear)
+            stack = stacks.get(id(module))
+            if stack is not None:  # its StackedWeight lists the old part
+                parts = [p for p in stack.parts if isinstance(p, QuantizedLinear)]
+                stack.weight = StackedWeight(parts=tuple(p.weight for p in parts))
+        if on_replaced is not None:
+            on_replaced(old, new)
+        del old, new, modules
     return changed
 
 

@@ -56,6 +56,10 @@ INTERLEAVABLE_KINDS: tuple[str, ...] = ("q4_0", "q4_1", "q8_0")
 #: blocks, for the integer-dot kernels; same bytes per block, rows stay independent).
 BlockLayout = Literal["ggml", "interleaved"]
 BLOCK_LAYOUTS: tuple[str, ...] = get_args(BlockLayout)
+#: Layouts whose row ``r`` of blocks holds exactly row ``r`` of the matrix, so a row range of
+#: the weight is that range of its blocks (``QuantizedWeight.rows``). A layout that packs
+#: several rows together (a repack for another kernel) is left out.
+ROW_LAYOUTS: tuple[str, ...] = ("ggml", "interleaved")
 #: Added to the ggml type id in the kernel ops for interleaved blocks (``kInterleaved`` in
 #: csrc/linear.h).
 INTERLEAVED_TYPE = 256
@@ -126,6 +130,20 @@ class QuantizedWeight:
             kind=self.kind,
             shape=(int(index.numel()), self.shape[1]),
             blocks=rows,
+            layout=self.layout,
+        )
+
+    def rows(self, start: int, count: int) -> QuantizedWeight:
+        """Rows ``[start, start + count)`` as a view of the same blocks (no copy); only for a
+        layout in ``ROW_LAYOUTS``."""
+        if self.layout not in ROW_LAYOUTS:
+            raise ValueError(f"the {self.layout} layout does not keep rows apart")
+        if start < 0 or count <= 0 or start + count > self.shape[0]:
+            raise ValueError(f"rows [{start}, {start + count}) of a weight of {self.shape[0]}")
+        return QuantizedWeight(
+            kind=self.kind,
+            shape=(count, self.shape[1]),
+            blocks=self.blocks[start : start + count],
             layout=self.layout,
         )
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import attrs
 import numpy as np
@@ -23,12 +24,14 @@ from llmrt.runtime.decode import DecodeOutput
 from llmrt.runtime.lane_group import LaneGroupExecutor
 from llmrt.runtime.prefill.plan import PrefillRow
 from llmrt.runtime.prefill.result_collector import PrefillOutput
-from llmrt.sampling.guided import GuidedDecoding
 from llmrt.sampling.params import SamplingParams
 from llmrt.serving.block_pool import BlockAllocator
 from llmrt.serving.request import Request, RequestStatus
 from llmrt.serving.scheduler import PrefillWork, Scheduler, SchedulerConfig
 from llmrt.weights.tokenizer import DetokenizerStream, Tokenizer
+
+if TYPE_CHECKING:  # imported where first used: llguidance costs ~3 MiB and 20 ms
+    from llmrt.sampling.guided import GuidedDecoding
 
 
 @attrs.frozen(kw_only=True)
@@ -98,6 +101,8 @@ class Engine:
     def guided(self) -> GuidedDecoding:
         """The structured-output compiler for this engine's tokenizer (built on first use)."""
         if self._guided is None:
+            from llmrt.sampling.guided import GuidedDecoding
+
             eos = self.tokenizer.eos_token_ids
             if not eos:
                 raise UnsupportedError(

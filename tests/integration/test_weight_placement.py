@@ -51,10 +51,12 @@ def test_each_lane_places_its_weights_and_logs_it(build: Any, lifecycle_log: Pat
     assert root_device_opened(lifecycle_log)["kv_huge_pages"] == "advised"
     assert all("MiB in" in e["weights_placed"] for e in events)
     # Each lane's model is built (its q/k/v fused) from the checkpoint on its own, so each
-    # places its own tensors, all of them in one mapping.
-    assert [e["weights_shared"] for e in events] == [0, 0]
-    assert len(model_storages(placed, 0)) == len(model_storages(placed, 1)) == 1
-    assert model_storages(placed, 0) != model_storages(placed, 1)
+    # places its own copies, in one mapping. What a model reads straight from the checkpoint
+    # (norms, the tied embedding) moved with lane 0's placement (the checkpoint's views
+    # follow it), so lane 1 reads those there instead of placing a second copy.
+    assert events[0]["weights_shared"] == 0 and events[1]["weights_shared"] > 0
+    first, second = model_storages(placed, 0), model_storages(placed, 1)
+    assert len(first) == 1 and len(second) == 2 and first < second
 
 
 def test_switched_off_the_weights_stay_where_they_were_built(

@@ -117,6 +117,28 @@ def test_a_second_placement_moves_nothing_and_a_freed_one_is_forgotten() -> None
     assert not huge_pages._is_placed(storage)
 
 
+@linux_only
+@pytest.mark.skipif(huge_pages_unavailable() is not None, reason=str(huge_pages_unavailable()))
+def test_followers_of_a_placed_storage_move_with_it_and_others_stay() -> None:
+    """A checkpoint's own views of a weight the model holds (other tensor objects, other
+    offsets) are rebound with it, so nothing keeps the old storage; a tensor of a storage
+    the module does not hold is left where it is."""
+    layer = torch.nn.Linear(64, 32, bias=False)
+    rows = layer.weight.detach()[8:24]  # a view at an offset, another tensor object
+    expected = rows.clone()
+    elsewhere = torch.arange(10.0)
+    at = elsewhere.data_ptr()
+    old = layer.weight.untyped_storage().data_ptr()
+
+    place_module_weights(layer, followers=[rows, elsewhere])
+
+    placed = layer.weight.untyped_storage().data_ptr()
+    assert placed != old and rows.untyped_storage().data_ptr() == placed
+    assert rows.data_ptr() == layer.weight.data_ptr() + 8 * 64 * 4
+    assert torch.equal(rows, expected)
+    assert elsewhere.data_ptr() == at
+
+
 def test_an_empty_module_places_nothing() -> None:
     placement = place_module_weights(torch.nn.ReLU())
     assert (placement.placed_bytes, placement.storages, placement.skipped) == (0, 0, 0)
