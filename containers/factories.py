@@ -27,7 +27,6 @@ from llmrt.device.host_memory import (
     trim_freed_memory,
 )
 from llmrt.device.huge_pages import huge_pages_refused, place_module_weights
-from llmrt.device.library_pages import release_import_pages
 from llmrt.device.torch import TorchDevice
 from llmrt.errors import CheckpointError, ConfigError, DeviceError, IdentityError
 from llmrt.families.base import CausalLM, Family
@@ -133,12 +132,6 @@ def open_device(*, recipe: Recipe, ttnn_module: Any = None) -> Device:
     if spec.retain_freed_memory and device.kind == "cpu":
         why_not = retain_freed_memory()
         host["freed_memory"] = "retained" if why_not is None else f"released ({why_not})"
-    if device.kind == "cpu":
-        # Opened once every module is imported and before any weight is read: the pages
-        # only the imports touched (libtorch's operator registrations) go back; released
-        # after the build instead, the pages its steps run faulted back at ~0.1 ms each
-        # here and a SmolLM2 one-shot took seconds longer.
-        host["library_pages_released"] = release_import_pages().log_field()
     emit(component_logger("device", object_id=device.id), "device.opened", device=device.id, **host)
     return device
 
