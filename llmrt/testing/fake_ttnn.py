@@ -1958,8 +1958,8 @@ class FakeTtnn:
     def _replay(self, op: _TapeOp) -> None:
         result = op.func(*_unwrap(op.args), **_unwrap(op.kwargs))
         self.ops_run += 1
-        new = list(_leaves(result))
-        old = list(_leaves(op.outputs))
+        new = list(per_mesh.leaves(result))
+        old = list(per_mesh.leaves(op.outputs))
         name = getattr(op.func, "__name__", repr(op.func))
         if len(new) != len(old):
             raise self._violate("trace replay", f"{name} changed its output structure")
@@ -2185,20 +2185,9 @@ def _poison(dtype: torch.dtype) -> float | int:
 
 
 def _tensors(tree: Any) -> Iterator[Tensor]:
-    for leaf in _leaves(tree):
+    for leaf in per_mesh.leaves(tree):
         if isinstance(leaf, Tensor):
             yield leaf
-
-
-def _leaves(tree: Any) -> Iterator[Any]:
-    if isinstance(tree, (tuple, list)):
-        for item in tree:
-            yield from _leaves(item)
-    elif isinstance(tree, Mapping):
-        for item in tree.values():
-            yield from _leaves(item)
-    else:
-        yield tree
 
 
 def _unwrap(tree: Any) -> Any:

@@ -34,13 +34,14 @@ class Shards:
         return int(self.stacked.shape[0])
 
 
-def _leaves(tree: Any) -> Iterator[Any]:
+def leaves(tree: Any) -> Iterator[Any]:
+    """Every non-container item of nested tuples, lists and mappings (an op's arguments)."""
     if isinstance(tree, (tuple, list)):
         for item in tree:
-            yield from _leaves(item)
+            yield from leaves(item)
     elif isinstance(tree, Mapping):
         for item in tree.values():
-            yield from _leaves(item)
+            yield from leaves(item)
     else:
         yield tree
 
@@ -82,7 +83,7 @@ def per_device(func: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(func)
     def run(*args: Any, **kwargs: Any) -> Any:
-        counts = {leaf.count for leaf in _leaves((args, kwargs)) if isinstance(leaf, Shards)}
+        counts = {leaf.count for leaf in leaves((args, kwargs)) if isinstance(leaf, Shards)}
         if not counts:
             return func(*args, **kwargs)
         if len(counts) != 1:
