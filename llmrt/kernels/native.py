@@ -39,6 +39,7 @@ _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = (
     _CSRC / "gguf_blocks.cpp",
     _CSRC / "kquants.cpp",
+    _CSRC / "kquant_gemm.cpp",
     _CSRC / "stacked.cpp",
     _CSRC / "interleaved.cpp",
     _CSRC / "interleaved_neon.cpp",
@@ -265,6 +266,21 @@ def integer_gemm_supported() -> bool:
     if not kernels_loaded():
         return False
     return bool(torch.ops.llmrt_kernels.integer_gemm_supported())
+
+
+#: The K-quant kinds the kernels' integer GEMM runs (``csrc/kquant_gemm.cpp``).
+KQUANT_GEMM_KINDS = ("q4_k", "q5_k", "q6_k")
+
+
+@functools.cache
+def kquant_gemm_max_rows() -> int:
+    """Activation rows up to which a K-quant linear (``KQUANT_GEMM_KINDS``) runs the kernels'
+    integer GEMM rather than dequantize + float GEMM: where the running level's GEMM measured
+    faster (every row count at AVX2, up to 256 at AVX-512 VNNI); 0 where it has none or the
+    kernels do not load (asked once per process)."""
+    if not kernels_loaded():
+        return 0
+    return int(torch.ops.llmrt_kernels.kquant_gemm_max_rows())
 
 
 @functools.cache
