@@ -241,7 +241,8 @@ class QuantizedLinear(_BlockWeightModule):
 
     Few rows (decode) run the in-register kernel, which reads the blocks once per call;
     from ``GEMM_MIN_ROWS`` rows (prefill) the weight is dequantized for the call and the
-    float GEMM (``kernel``, as for ``FrozenLinear``) does the work.
+    float GEMM (``kernel``, as for ``FrozenLinear``) does the work, except where the kernels'
+    integer GEMM is faster (interleaved blocks; the K-quants up to ``kquant_gemm_max_rows``).
     """
 
     def __init__(self, *, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> None:
