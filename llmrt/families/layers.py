@@ -33,7 +33,6 @@ from llmrt.kernels.formats import (
     quantize,
 )
 from llmrt.kernels.native import (
-    KQUANT_GEMM_KINDS,
     int8_dot_supported,
     integer_gemm_supported,
     kernels_loaded,
@@ -301,8 +300,8 @@ class QuantizedLinear(_BlockWeightModule):
             return False
         if self.gemm_dtype != torch.float32 and rows >= self.gemm_dtype_min_rows:
             return True
-        if self.weight.kind in KQUANT_GEMM_KINDS and rows <= kquant_gemm_max_rows():
-            return False  # the kernels' integer GEMM (csrc/kquant_gemm.cpp) is faster
+        if rows <= kquant_gemm_max_rows(self.ggml_type):
+            return False  # the kernels' panel GEMM (csrc/kquant_gemm.cpp) is faster
         if self.weight.layout != "interleaved":
             return True
         return not integer_gemm_supported() and rows >= INTERLEAVED_FLOAT32_GEMM_MIN_ROWS

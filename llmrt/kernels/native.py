@@ -268,19 +268,16 @@ def integer_gemm_supported() -> bool:
     return bool(torch.ops.llmrt_kernels.integer_gemm_supported())
 
 
-#: The K-quant kinds the kernels' integer GEMM runs (``csrc/kquant_gemm.cpp``).
-KQUANT_GEMM_KINDS = ("q4_k", "q5_k", "q6_k")
-
-
 @functools.cache
-def kquant_gemm_max_rows() -> int:
-    """Activation rows up to which a K-quant linear (``KQUANT_GEMM_KINDS``) runs the kernels'
-    integer GEMM rather than dequantize + float GEMM: where the running level's GEMM measured
-    faster (every row count at AVX2, up to 256 at AVX-512 VNNI); 0 where it has none or the
-    kernels do not load (asked once per process)."""
+def kquant_gemm_max_rows(kernel_type: int) -> int:
+    """Activation rows up to which a linear over blocks of ``kernel_type`` (a kernel type code)
+    runs the kernels' panel GEMM (``csrc/kquant_gemm.cpp``) rather than dequantize + float
+    GEMM, where the running level's GEMM measured faster: the K-quants Q4_K, Q5_K, Q6_K at
+    every row count at AVX2 and up to 256 at AVX-512 VNNI, interleaved Q4_0 / Q4_1 at AVX2
+    below VNNI; 0 for the rest, or where the kernels do not load."""
     if not kernels_loaded():
         return 0
-    return int(torch.ops.llmrt_kernels.kquant_gemm_max_rows())
+    return int(torch.ops.llmrt_kernels.kquant_gemm_max_rows(kernel_type))
 
 
 @functools.cache

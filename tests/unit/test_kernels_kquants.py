@@ -116,7 +116,7 @@ def test_prefill_rows_take_the_integer_gemm_up_to_its_measured_limit() -> None:
 
     w = weight("q4_k", 48, 512, seed=3)
     layer = QuantizedLinear(weight=w)
-    limit = kquant_gemm_max_rows()
+    limit = kquant_gemm_max_rows(w.kernel_type)
     x = torch.randn(2, 20, 512)
     assert layer.runs_gemm(40) == (limit < 40)
     above = max(limit + 1, layer.gemm_min_rows)

@@ -107,9 +107,13 @@ void kquant_dequantize(const uint8_t* w, int64_t row_bytes, int64_t kind, int64_
 // a[2g + h] and b[2g + h] of w = a * q - b, q the unsigned quants.
 void kquant_unpack_scales(const uint8_t* blk, int64_t kind, float* a, float* b);
 
-// Many rows against a Q4_K / Q5_K / Q6_K weight (kquant_gemm.cpp): the integer GEMM, taken by
-// linear_into from kKquantGemmMinRows rows where ``takes_kquant_gemm`` says so (AVX2 and up).
+// Many rows against a Q4_K / Q5_K / Q6_K weight, or (AVX2 without VNNI) an interleaved Q4_0 /
+// Q4_1 one (kquant_gemm.cpp): the integer GEMM, taken by linear_into where
+// ``takes_kquant_gemm`` says so (``kind`` the kernel type code, layout bit included).
 constexpr int64_t kKquantGemmMinRows = 8;
+// Interleaved Q4 at AVX2: from here the panels' loop replaces dequantize + sgemm (below it the
+// interleaved layout's own AVX2 GEMM is faster).
+constexpr int64_t kQ4GemmMinRowsAvx2 = 128;
 // Rows up to which the GEMM beats dequantize + MKL's sgemm (``kquant_gemm_max_rows``; the
 // Python policy dequantizes above it). Measured with Llama-3.2-1B's ffn_gate (Q4_K 8192x2048)
 // and ffn_down (Q6_K 2048x8192), 2 threads, alternated in one process: forced AVX2 2.4-4x at
@@ -117,7 +121,7 @@ constexpr int64_t kKquantGemmMinRows = 8;
 // 256-bit vpdpbusd tile against the AVX-512 sgemm) 2.5-3x at 16-64 rows, 1.1x and 0.86x at
 // 512, so up to 256.
 constexpr int64_t kKquantGemmMaxRowsVnni = 256;
-int64_t kquant_gemm_max_rows();
+int64_t kquant_gemm_max_rows(int64_t kind);
 bool takes_kquant_gemm(int64_t kind, int64_t rows);
 void kquant_gemm(const float* x, int64_t rows, const uint8_t* w, int64_t rb, int64_t kind,
                  int64_t k, float* y, int64_t n);

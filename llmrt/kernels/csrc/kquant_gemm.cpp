@@ -38,6 +38,9 @@
 
 namespace {
 
+using llmrt_kernels::kInterleaved;
+using llmrt_kernels::kQ4_0;
+using llmrt_kernels::kQ4_1;
 using llmrt_kernels::kQ4_K;
 using llmrt_kernels::kQ5_K;
 using llmrt_kernels::kQ6_K;
@@ -93,6 +96,26 @@ LLMRT_AVX2 inline __m256i group_avx2(const uint8_t* blk, int grp) {
   }
 }
 
+// Eight columns' 32 quants of one group (``v[c]``: eight dwords, dword s = quants 4s..4s+3)
+// stored as the group's eight steps (step s: dword s of every column): an 8x8 dword transpose.
+LLMRT_AVX2 inline void store_steps(const __m256i v[kCols], uint8_t* o) {
+  const __m256i t0 = _mm256_unpacklo_epi32(v[0], v[1]), t1 = _mm256_unpackhi_epi32(v[0], v[1]);
+  const __m256i t2 = _mm256_unpacklo_epi32(v[2], v[3]), t3 = _mm256_unpackhi_epi32(v[2], v[3]);
+  const __m256i t4 = _mm256_unpacklo_epi32(v[4], v[5]), t5 = _mm256_unpackhi_epi32(v[4], v[5]);
+  const __m256i t6 = _mm256_unpacklo_epi32(v[6], v[7]), t7 = _mm256_unpackhi_epi32(v[6], v[7]);
+  // u[s]: steps s (low lane) and s + 4 (high lane) of columns 0-3; u[4 + s] of columns 4-7.
+  const __m256i u[8] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2),
+                        _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3),
+                        _mm256_unpacklo_epi64(t4, t6), _mm256_unpackhi_epi64(t4, t6),
+                        _mm256_unpacklo_epi64(t5, t7), _mm256_unpackhi_epi64(t5, t7)};
+  for (int st = 0; st < 4; ++st) {
+    _mm256_store_si256(reinterpret_cast<__m256i*>(o + 32 * st),
+                       _mm256_permute2x128_si256(u[st], u[4 + st], 0x20));
+    _mm256_store_si256(reinterpret_cast<__m256i*>(o + 32 * (st + 4)),
+                       _mm256_permute2x128_si256(u[st], u[4 + st], 0x31));
+  }
+}
+
 // Weight rows [n0, n0 + cols) (cols <= kCols; the rest of the panel is zero) packed into
 // ``out`` (k / 32 * kGroupBytes bytes): per group, the eight columns' 32 quants (eight dwords
 // each) become the group's eight steps by an 8x8 dword transpose in registers; the scales
@@ -109,25 +132,7 @@ LLMRT_AVX2 void pack_panel_avx2(const uint8_t* w, int64_t rb, int64_t k, int64_t
     for (int gi = 0; gi < 8; ++gi) {
       __m256i v[kCols];
       for (int c = 0; c < kCols; ++c) v[c] = group_avx2<KIND>(src[c], gi);
-      // 8x8 transpose of dwords: out[s] = dword s of v[0..7].
-      const __m256i t0 = _mm256_unpacklo_epi32(v[0], v[1]), t1 = _mm256_unpackhi_epi32(v[0], v[1]);
-      const __m256i t2 = _mm256_unpacklo_epi32(v[2], v[3]), t3 = _mm256_unpackhi_epi32(v[2], v[3]);
-      const __m256i t4 = _mm256_unpacklo_epi32(v[4], v[5]), t5 = _mm256_unpackhi_epi32(v[4], v[5]);
-      const __m256i t6 = _mm256_unpacklo_epi32(v[6], v[7]), t7 = _mm256_unpackhi_epi32(v[6], v[7]);
-      const __m256i u0 = _mm256_unpacklo_epi64(t0, t2), u1 = _mm256_unpackhi_epi64(t0, t2);
-      const __m256i u2 = _mm256_unpacklo_epi64(t1, t3), u3 = _mm256_unpackhi_epi64(t1, t3);
-      const __m256i u4 = _mm256_unpacklo_epi64(t4, t6), u5 = _mm256_unpackhi_epi64(t4, t6);
-      const __m256i u6 = _mm256_unpacklo_epi64(t5, t7), u7 = _mm256_unpackhi_epi64(t5, t7);
-      // u0: steps 0 (low lane) and 4 (high lane) of columns 0-3; u4 the same of columns 4-7.
-      uint8_t* o = out + (blk * 8 + gi) * kGroupBytes;
-      const __m256i* steps[4][2] = {{&u0, &u4}, {&u1, &u5}, {&u2, &u6}, {&u3, &u7}};
-      for (int s = 0; s < 4; ++s) {
-        const __m256i a = *steps[s][0], b = *steps[s][1];
-        _mm256_store_si256(reinterpret_cast<__m256i*>(o + 32 * s),
-                           _mm256_permute2x128_si256(a, b, 0x20));
-        _mm256_store_si256(reinterpret_cast<__m256i*>(o + 32 * (s + 4)),
-                           _mm256_permute2x128_si256(a, b, 0x31));
-      }
+      store_steps(v, out + (blk * 8 + gi) * kGroupBytes);
     }
     float a[16], b[16];
     for (int64_t c = 0; c < kCols; ++c) {
@@ -144,6 +149,39 @@ LLMRT_AVX2 void pack_panel_avx2(const uint8_t* w, int64_t rb, int64_t k, int64_t
         f[2 * kCols + c] = b[2 * gi];
         f[3 * kCols + c] = b[2 * gi + 1];
       }
+    }
+  }
+}
+
+// pack_panel_avx2 for Q4_0 / Q4_1 in the interleaved layout (interleaved_layout.h): each
+// 32-weight block is one group, its nibbles split into bytes (low: weights 0-15, high:
+// 16-31), a = d and b = -m for both halves (Q4_0: m = -8 d).
+template <int64_t BASE>
+LLMRT_AVX2 void pack_panel_q4_avx2(const uint8_t* w, int64_t rb, int64_t k, int64_t n0,
+                                   int64_t cols, uint8_t* out) {
+  const int64_t nb = k / 32;
+  const __m128i low = _mm_set1_epi8(0x0F);
+  for (int64_t blk = 0; blk < nb; ++blk) {
+    __m256i v[kCols];
+    float a[kCols], b[kCols];
+    for (int c = 0; c < kCols; ++c) {
+      if (c >= cols) {
+        v[c] = _mm256_setzero_si256();
+        a[c] = b[c] = 0.0f;
+        continue;
+      }
+      const llmrt_kernels::BlockRef ref = llmrt_kernels::block_at(w + (n0 + c) * rb, BASE, nb, blk);
+      const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(ref.q));
+      v[c] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low), _mm_and_si128(raw, low));
+      a[c] = ref.d;
+      b[c] = -ref.m;
+    }
+    uint8_t* o = out + blk * kGroupBytes;
+    store_steps(v, o);
+    float* f = reinterpret_cast<float*>(o + 256);
+    for (int c = 0; c < kCols; ++c) {
+      f[c] = f[kCols + c] = a[c];
+      f[2 * kCols + c] = f[3 * kCols + c] = b[c];
     }
   }
 }
@@ -300,6 +338,8 @@ LLMRT_VNNI void rows_vnni(const PGroup* px, int64_t rows, int64_t groups, const 
 void pack_kind(const uint8_t* w, int64_t rb, int64_t kind, int64_t k, int64_t n0, int64_t cols,
                uint8_t* out) {
   switch (kind) {
+    case kQ4_0 | kInterleaved: pack_panel_q4_avx2<kQ4_0>(w, rb, k, n0, cols, out); break;
+    case kQ4_1 | kInterleaved: pack_panel_q4_avx2<kQ4_1>(w, rb, k, n0, cols, out); break;
     case kQ4_K: pack_panel_avx2<kQ4_K>(w, rb, k, n0, cols, out); break;
     case kQ5_K: pack_panel_avx2<kQ5_K>(w, rb, k, n0, cols, out); break;
     default: pack_panel_avx2<kQ6_K>(w, rb, k, n0, cols, out); break;
@@ -317,6 +357,8 @@ void rows_kind(const PGroup* px, int64_t rows, int64_t groups, const uint8_t* pa
     return;
   }
   switch (kind) {
+    case kQ4_0 | kInterleaved:  // 4-bit quants, one scale per 32: the Q4_K loop
+    case kQ4_1 | kInterleaved:
     case kQ4_K: rows_avx2<kQ4_K>(px, rows, groups, panel, y, ldy, cols); break;
     case kQ5_K: rows_avx2<kQ5_K>(px, rows, groups, panel, y, ldy, cols); break;
     default: rows_avx2<kQ6_K>(px, rows, groups, panel, y, ldy, cols); break;
@@ -328,24 +370,31 @@ void rows_kind(const PGroup* px, int64_t rows, int64_t groups, const uint8_t* pa
 
 namespace llmrt_kernels {
 
-int64_t kquant_gemm_max_rows() {
+int64_t kquant_gemm_max_rows(int64_t kind) {
+  if (kind == (kQ4_0 | kInterleaved) || kind == (kQ4_1 | kInterleaved))
+    return has_avx2() && !has_avx512_vnni() ? INT64_MAX : 0;
+  if (kind != kQ4_K && kind != kQ5_K && kind != kQ6_K) return 0;
   if (has_avx512_vnni()) return kKquantGemmMaxRowsVnni;
   return has_avx2() ? INT64_MAX : 0;
 }
 
+int64_t kquant_gemm_min_rows(int64_t kind) {
+  return (kind & kInterleaved) ? kQ4GemmMinRowsAvx2 : kKquantGemmMinRows;
+}
+
 bool takes_kquant_gemm(int64_t kind, int64_t rows) {
-  if (kind != kQ4_K && kind != kQ5_K && kind != kQ6_K) return false;
-  return has_avx2() && rows >= kKquantGemmMinRows;
+  return rows >= kquant_gemm_min_rows(kind) && rows <= kquant_gemm_max_rows(kind);
 }
 
 void kquant_gemm(const float* x, int64_t rows, const uint8_t* w, int64_t rb, int64_t kind,
                  int64_t k, float* y, int64_t n) {
 #if defined(LLMRT_X86)
-  TORCH_CHECK(takes_kquant_gemm(kind, rows), "llmrt_kernels: no K-quant GEMM for type ", kind);
+  TORCH_CHECK(kquant_gemm_max_rows(kind) > 0, "llmrt_kernels: no K-quant GEMM for type ", kind);
   const int64_t groups = k / 32;
+  const int64_t prep_kind = (kind & kInterleaved) ? kQ4_K : kind;  // any K-quant: PGroups
   std::vector<uint8_t> prep(static_cast<size_t>(rows * groups) * sizeof(PGroup));
   at::parallel_for(0, rows, 8, [&](int64_t r0, int64_t r1) {
-    kquant_prepare(x, r0, r1, kind, k, prep.data());
+    kquant_prepare(x, r0, r1, prep_kind, k, prep.data());
   });
   const PGroup* px = reinterpret_cast<const PGroup*>(prep.data());
   const int64_t panels = (n + kCols - 1) / kCols, panel_bytes = groups * kGroupBytes;
@@ -379,5 +428,5 @@ void kquant_gemm(const float* x, int64_t rows, const uint8_t* w, int64_t rb, int
 }  // namespace llmrt_kernels
 
 TORCH_LIBRARY_FRAGMENT(llmrt_kernels, m) {
-  m.def("kquant_gemm_max_rows() -> int", &llmrt_kernels::kquant_gemm_max_rows);
+  m.def("kquant_gemm_max_rows(int kind) -> int", &llmrt_kernels::kquant_gemm_max_rows);
 }
