@@ -1,5 +1,6 @@
-// Many activation rows against a K-quant weight (Q4_K, Q5_K, Q6_K in ggml's blocks): an
-// integer GEMM (AVX2 vpmaddubsw / vpmaddwd).
+// Many activation rows against a K-quant weight (Q4_K, Q5_K, Q6_K in ggml's blocks), and at
+// AVX2 below VNNI against interleaved Q4_0 / Q4_1 from 128 rows: an integer GEMM (AVX2
+// vpmaddubsw / vpmaddwd; AVX-512 VNNI vpdpbusd on 256-bit vectors, 6-row tiles).
 //
 // Why: without it a prefill-sized call dequantized the whole weight to float32 (8 bytes
 // written and read per weight, the K-quant unpack in portable loops) and ran MKL's sgemm.
@@ -17,6 +18,10 @@
 // pair sums add up in int16 over as many steps as cannot overflow (|h|, |l| <= 127: Q4_K
 // q <= 15, 8 steps <= 30480; Q5_K q <= 31, 4 steps; Q6_K q <= 63, 2 steps), then one vpmaddwd
 // widens them, so most steps cost two vpmaddubsw and two vpaddw per row.
+//
+// Not a load-time repack: the panels are rebuilt per call (an AVX2 unpack and 8x8 dword
+// transpose, ~1 instruction per 8 weights, paid once per call and shared by every row), so
+// the blocks stay the only resident copy and decode keeps its block-direct kernels.
 
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
@@ -402,7 +407,7 @@ void kquant_gemm(const float* x, int64_t rows, const uint8_t* w, int64_t rb, int
   const int64_t blocks = (panels + per_block - 1) / per_block;
   const int64_t tile_rows = has_avx512_vnni() ? kRowsVnni : kRows;
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    std::vector<uint8_t, std::allocator<uint8_t>> raw(
+    std::vector<uint8_t> raw(
         static_cast<size_t>(per_block * panel_bytes + 32));
     uint8_t* packed = reinterpret_cast<uint8_t*>(
         (reinterpret_cast<uintptr_t>(raw.data()) + 31) & ~static_cast<uintptr_t>(31));
