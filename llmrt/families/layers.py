@@ -37,6 +37,7 @@ from llmrt.kernels.native import (
     int8_dot_supported,
     integer_gemm_supported,
     kernels_loaded,
+    kquant_gemm_max_rows,
     load_kernels,
     vector_kernels,
 )
@@ -240,7 +241,8 @@ class QuantizedLinear(_BlockWeightModule):
 
     Few rows (decode) run the in-register kernel, which reads the blocks once per call;
     from ``GEMM_MIN_ROWS`` rows (prefill) the weight is dequantized for the call and the
-    float GEMM (``kernel``, as for ``FrozenLinear``) does the work.
+    float GEMM (``kernel``, as for ``FrozenLinear``) does the work, except where the kernels'
+    integer GEMM is faster (interleaved blocks; the K-quants up to ``kquant_gemm_max_rows``).
     """
 
     def __init__(self, *, weight: QuantizedWeight, bias: torch.Tensor | None = None) -> None:
@@ -299,6 +301,8 @@ class QuantizedLinear(_BlockWeightModule):
             return False
         if self.gemm_dtype != torch.float32 and rows >= self.gemm_dtype_min_rows:
             return True
+        if rows <= kquant_gemm_max_rows(self.ggml_type):
+            return False  # the kernels' panel GEMM (csrc/kquant_gemm.cpp) is faster
         if self.weight.layout != "interleaved":
             return True
         return not integer_gemm_supported() and rows >= INTERLEAVED_FLOAT32_GEMM_MIN_ROWS

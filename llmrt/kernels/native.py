@@ -39,6 +39,7 @@ _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = (
     _CSRC / "gguf_blocks.cpp",
     _CSRC / "kquants.cpp",
+    _CSRC / "kquant_gemm.cpp",
     _CSRC / "stacked.cpp",
     _CSRC / "interleaved.cpp",
     _CSRC / "interleaved_neon.cpp",
@@ -269,6 +270,18 @@ def integer_gemm_supported() -> bool:
     if not kernels_loaded():
         return False
     return bool(torch.ops.llmrt_kernels.integer_gemm_supported())
+
+
+@functools.cache
+def kquant_gemm_max_rows(kernel_type: int) -> int:
+    """Activation rows up to which a linear over blocks of ``kernel_type`` (a kernel type code)
+    runs the kernels' panel GEMM (``csrc/kquant_gemm.cpp``) rather than dequantize + float
+    GEMM, where the running level's GEMM measured faster: the K-quants Q4_K, Q5_K, Q6_K at
+    every row count at AVX2 and up to 256 at AVX-512 VNNI, interleaved Q4_0 / Q4_1 at AVX2
+    below VNNI; 0 for the rest, or where the kernels do not load."""
+    if not kernels_loaded():
+        return 0
+    return int(torch.ops.llmrt_kernels.kquant_gemm_max_rows(kernel_type))
 
 
 @functools.cache

@@ -33,7 +33,7 @@ from llmrt.families.layers import (
     select_weight_layout,
 )
 from llmrt.kernels.formats import BLOCK_BYTES, QuantizedWeight, concat_rows
-from llmrt.kernels.native import int8_dot_supported, integer_gemm_supported
+from llmrt.kernels.native import int8_dot_supported, integer_gemm_supported, kquant_gemm_max_rows
 
 GROUP = {"q4_0": 4, "q4_1": 4, "q8_0": 2}
 #: Widths whose last group holds 1, 2, 3 or 4 blocks (and several groups).
@@ -88,8 +88,9 @@ def test_interleave_follows_the_layout_and_dequantizes_exactly(kind: str, cols: 
 
 @pytest.mark.parametrize("kind", KINDS)
 # 1-15 rows: the tile loop; from 16 the integer GEMM (6-row tiles with VNNI, 4 at AVX2, so
-# 17 and 33 end in a partial tile; at AVX2, 130 rows dequantize); 70 output rows end in a
-# partial panel of 32 (VNNI) or 16 (AVX2) columns.
+# 17 and 33 end in a partial tile; at AVX2, 130 rows take kquant_gemm.cpp's panels for the
+# 4-bit kinds, of 8 columns and 4-row tiles, and dequantize for Q8_0); 70 output rows end in
+# a partial panel of 32 (VNNI) or 16 (AVX2) columns.
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 15, 16, 17, 33, 130])
 @pytest.mark.parametrize("cols", [96, 160, 576])
 def test_linear_on_interleaved_blocks_is_within_the_two_level_bound(
@@ -105,7 +106,8 @@ def test_linear_on_interleaved_blocks_is_within_the_two_level_bound(
     got = linear(x).double()
     error = (got - x.double() @ w64.T).abs()
     assert bool((error <= two_level_bound(x, w64)).all())
-    if rows >= 16 and (integer_gemm_supported() or (int8_dot_supported() and rows < 128)):
+    panels = kquant_gemm_max_rows(linear.ggml_type) >= rows
+    if rows >= 16 and (integer_gemm_supported() or (int8_dot_supported() and rows < 128) or panels):
         # The integer GEMM quantizes each row as the one-row loop does: the two differ only
         # in float32 summation order (a loose pack or scale would show far above that).
         alone = torch.cat([linear(x[r : r + 1]) for r in range(rows)]).double()
@@ -351,8 +353,10 @@ def test_interleaved_rows_keep_the_integer_kernel_where_a_gemm_would_be_float32(
         return "bf16-gemm" if layer.gemm_input_dtype(rows) == torch.bfloat16 else "f32-gemm"
 
     # float32 GEMMs (the default gemm_dtype) never replace the kernels under 128 rows, nor
-    # at any size where the CPU runs them (from 16 rows they run an integer GEMM).
-    big = "kernel" if integer_gemm_supported() else "f32-gemm"
+    # at any size where the CPU runs them (from 16 rows they run an integer GEMM; at AVX2
+    # below VNNI, from 128 rows the panel GEMM of csrc/kquant_gemm.cpp).
+    panels = kquant_gemm_max_rows(linear.ggml_type) >= 4096
+    big = "kernel" if integer_gemm_supported() or panels else "f32-gemm"
     assert [path(linear, r) for r in (47, 48, 127, 128, 4096)] == ["kernel"] * 3 + [big] * 2
     linear.gemm_dtype = torch.bfloat16
     linear.gemm_dtype_min_rows = 128

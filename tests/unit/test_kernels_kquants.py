@@ -88,15 +88,43 @@ def test_linear_is_the_float_product_within_its_bound(kind: str) -> None:
                 )
 
 
-def test_prefill_rows_dequantize_and_match_the_float_product() -> None:
-    """From ``gemm_min_rows`` rows a ``QuantizedLinear`` dequantizes and runs a GEMM."""
+@pytest.mark.parametrize("kind", ["q4_k", "q5_k", "q6_k"])
+def test_integer_gemm_is_the_float_product_within_its_bound(kind: str) -> None:
+    """From ``kKquantGemmMinRows`` (8) rows the K-quants run the kernels' integer GEMM
+    (``csrc/kquant_gemm.cpp``, per-call panels of 8 output columns, tiles of 4 or 6 rows): odd
+    row and column counts exercise every tail, against gguf-py's dequantization."""
+    torch.manual_seed(1)
+    for n, k in ((1, 256), (13, 768), (45, 512), (67, 1536)):
+        w = weight(kind, n, k, seed=n * 7 + k)
+        dense = reference(kind, w.blocks.numpy(), k)
+        for m in (8, 9, 11, 13, 37, 70):
+            x = torch.randn(m, k) * torch.rand(m, 1) * 4
+            error = (linear(w, x) - x @ dense.T).abs()
+            bound = gemv_bound(kind, dense, x)
+            assert (error <= bound).all(), (
+                f"{kind} [{n}, {k}] x {m} rows: error {error.max():.3g}, "
+                f"bound there {bound.flatten()[error.argmax()]:.3g}"
+            )
+
+
+def test_prefill_rows_take_the_integer_gemm_up_to_its_measured_limit() -> None:
+    """A K-quant ``QuantizedLinear`` runs the integer GEMM (``gguf_linear``) up to
+    ``kquant_gemm_max_rows`` rows and dequantizes + runs a float GEMM above it; both match
+    the float product."""
     from llmrt.families.layers import QuantizedLinear
+    from llmrt.kernels.native import kquant_gemm_max_rows
 
     w = weight("q4_k", 48, 512, seed=3)
     layer = QuantizedLinear(weight=w)
+    limit = kquant_gemm_max_rows(w.kernel_type)
     x = torch.randn(2, 20, 512)
-    assert layer.runs_gemm(40)
-    torch.testing.assert_close(layer(x), x @ w.dequantize().T, rtol=1e-5, atol=1e-4)
+    assert layer.runs_gemm(40) == (limit < 40)
+    above = max(limit + 1, layer.gemm_min_rows)
+    assert layer.runs_gemm(above)
+    torch.testing.assert_close(layer(x), x @ w.dequantize().T, rtol=1e-4, atol=2e-3)
+    rows = min(above, 300)
+    x = torch.randn(rows, 512)
+    torch.testing.assert_close(layer(x), x @ w.dequantize().T, rtol=1e-4, atol=2e-3)
 
 
 def test_embedding_rows_come_from_the_blocks() -> None:

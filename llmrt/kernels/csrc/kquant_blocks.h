@@ -103,6 +103,29 @@ void kquant_range(const float* x, int64_t rows_m, const uint8_t* w, int64_t row_
 void kquant_dequantize(const uint8_t* w, int64_t row_bytes, int64_t kind, int64_t k, float* out,
                        int64_t r0, int64_t r1);
 
+// A Q4_K / Q5_K / Q6_K block's scales (kquants.cpp): for group g (32 weights) and half h,
+// a[2g + h] and b[2g + h] of w = a * q - b, q the unsigned quants.
+void kquant_unpack_scales(const uint8_t* blk, int64_t kind, float* a, float* b);
+
+// Many rows against a Q4_K / Q5_K / Q6_K weight, or (AVX2 without VNNI) an interleaved Q4_0 /
+// Q4_1 one (kquant_gemm.cpp): the integer GEMM, taken by linear_into where
+// ``takes_kquant_gemm`` says so (``kind`` the kernel type code, layout bit included).
+constexpr int64_t kKquantGemmMinRows = 8;
+// Interleaved Q4 at AVX2: from here the panels' loop replaces dequantize + sgemm (below it the
+// interleaved layout's own AVX2 GEMM is faster).
+constexpr int64_t kQ4GemmMinRowsAvx2 = 128;
+// Rows up to which the GEMM beats dequantize + MKL's sgemm (``kquant_gemm_max_rows``; the
+// Python policy dequantizes above it). Measured with Llama-3.2-1B's ffn_gate (Q4_K 8192x2048)
+// and ffn_down (Q6_K 2048x8192), 2 threads, alternated in one process: forced AVX2 2.4-4x at
+// 16-64 rows, 1.3x (Q4_K) and 1.0x (Q6_K) at 512, so every row count; AVX-512 VNNI (its
+// 256-bit vpdpbusd tile against the AVX-512 sgemm) 2.5-3x at 16-64 rows, 1.1x and 0.86x at
+// 512, so up to 256.
+constexpr int64_t kKquantGemmMaxRowsVnni = 256;
+int64_t kquant_gemm_max_rows(int64_t kind);
+bool takes_kquant_gemm(int64_t kind, int64_t rows);
+void kquant_gemm(const float* x, int64_t rows, const uint8_t* w, int64_t rb, int64_t kind,
+                 int64_t k, float* y, int64_t n);
+
 // A stacked weight (stacked.cpp): a linear whose row ranges are stored in different kinds (a
 // fused q/k/v of a llama.cpp mix), kept as one uint8 ``[rows, X]`` blob: a header of int64s
 // (kStackedMagic, parts, then kind, rows, row_bytes, byte offset per part) and each part's

@@ -892,6 +892,18 @@ void kquant_range(const float* x, int64_t rows_m, const uint8_t* w, int64_t row_
   }
 }
 
+void kquant_unpack_scales(const uint8_t* blk, int64_t kind, float* a, float* b) {
+  float a2[8][2], b2[8][2];
+  switch (kind) {
+    case kQ4_K: kquant_scales<kQ4_K>(blk, a2, b2); break;
+    case kQ5_K: kquant_scales<kQ5_K>(blk, a2, b2); break;
+    case kQ6_K: kquant_scales<kQ6_K>(blk, a2, b2); break;
+    default: TORCH_CHECK(false, "llmrt_kernels: kquant_unpack_scales has no type ", kind);
+  }
+  std::memcpy(a, a2, sizeof(a2));
+  std::memcpy(b, b2, sizeof(b2));
+}
+
 void kquant_dequantize(const uint8_t* w, int64_t row_bytes, int64_t kind, int64_t k, float* out,
                        int64_t r0, int64_t r1) {
   switch (kind) {
