@@ -1,8 +1,9 @@
 """dependency_injector, imported without probing for the web frameworks it integrates with.
 
 Why: importing ``dependency_injector.containers`` imports FastAPI (its wiring's ``Depends``
-markers), pydantic and pydantic-settings (``Configuration.from_pydantic``) and werkzeug
-(Flask's request scope) whenever they are installed; FastAPI is, for ``llmrt serve``. That
+markers), pydantic and pydantic-settings (``Configuration.from_pydantic``), werkzeug
+(Flask's request scope) and Starlette (its ``Request`` marker, which also imports anyio:
+~30 ms at load 12 on 2 cores) whenever they are installed; FastAPI is, for ``llmrt serve``. That
 was ~0.6-0.9 s of every ``llmrt`` process here, a third of a one-shot ``llmrt generate``.
 llmrt uses none of those integrations (containers are built from recipes; the server uses
 FastAPI's own ``Depends``), so for that one import the probes are answered "not installed",
@@ -16,7 +17,7 @@ import importlib
 import sys
 
 #: Optional packages dependency_injector probes for at import.
-PROBED = ("fastapi", "fast_depends", "flask", "werkzeug", "pydantic_settings")
+PROBED = ("fastapi", "fast_depends", "flask", "werkzeug", "pydantic_settings", "starlette")
 
 
 def import_dependency_injector() -> None:

@@ -54,6 +54,12 @@ GEMM_MIN_ROWS = 16
 #: 11 ms in-register vs 51 ms dequantize + GEMM at 16 rows; even at 128).
 DEQUANTIZE_BUDGET_BYTES = 32 << 20
 LARGE_GEMM_MIN_ROWS = 128
+#: Bytes of dequantized weight a dequantize + GEMM call holds at a time: a larger weight is
+#: dequantized and multiplied a slice of its output rows at a time. Why: the whole
+#: dequantized weight is a transient the size of its float form, which a prefill's peak RSS
+#: carries (a 3B Q4_K_M's fused gate/up in bfloat16 is 96 MiB: a 130-token prompt at AMX
+#: bfloat16 peaked 135 MiB above a 3-token one); slices this size keep the GEMM's width.
+DEQUANTIZE_SLICE_BYTES = 16 << 20
 #: ``GEMM_MIN_ROWS`` for interleaved blocks: their integer-dot kernel keeps up with
 #: dequantize + GEMM longer (one SmolLM2 layer, 2 threads: 1.7 against 1.9-8 ms at 32 rows,
 #: 3.9 against 2.7-3.4 ms at 64), and short prompts skip dequantizing every weight.
@@ -279,20 +285,31 @@ class QuantizedLinear(_BlockWeightModule):
         dtype = self.gemm_input_dtype(rows)
         x = x.to(dtype)
         if self.runs_gemm(rows):
-            if dtype == torch.float32:
-                dense = torch.ops.llmrt_kernels.gguf_dequantize(
-                    self.blocks, self.ggml_type, self.in_features
-                )
-                return _matmul(x, dense, self.bias, kernel=self.kernel)
-            weight = torch.ops.llmrt_kernels.gguf_dequantize_bf16(
-                self.blocks, self.ggml_type, self.in_features
-            )
-            bias = None if self.bias is None else self.bias.to(dtype)
-            return _matmul(x, weight, bias, kernel=self.kernel)
+            return self._dequantized_gemm(x, dtype)
         out: torch.Tensor = torch.ops.llmrt_kernels.gguf_linear(
             x, self.blocks, self.ggml_type, self.in_features, self.bias
         )
         return out
+
+    def _dequantized_gemm(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """``x W^T + b`` by dequantizing ``W`` to ``dtype`` and a float GEMM, at most
+        ``DEQUANTIZE_SLICE_BYTES`` of dequantized rows at a time."""
+        bias = None if self.bias is None else self.bias.to(dtype)
+        step = max(64, DEQUANTIZE_SLICE_BYTES // (dtype.itemsize * self.in_features))
+        outs = []
+        for start in range(0, self.out_features, step):
+            blocks = self.blocks[start : start + step]
+            if dtype == torch.float32:
+                dense = torch.ops.llmrt_kernels.gguf_dequantize(
+                    blocks, self.ggml_type, self.in_features
+                )
+            else:
+                dense = torch.ops.llmrt_kernels.gguf_dequantize_bf16(
+                    blocks, self.ggml_type, self.in_features
+                )
+            part = None if bias is None else bias[start : start + step]
+            outs.append(_matmul(x, dense, part, kernel=self.kernel))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
     def runs_gemm(self, rows: int) -> bool:
         """Whether ``rows`` activation rows run dequantize + GEMM (else the in-register

@@ -91,6 +91,42 @@ def _check_blocks(instance: QuantizedWeight, attribute: object, blocks: torch.Te
         )
 
 
+#: Bytes up to which a build-time copy of weight blocks (fusing parts, permuting rows,
+#: packing a stacked weight; the kernels' interleave takes the same bound) runs on the calling
+#: thread instead of torch's thread team. Why: every parallel region wakes the team, and where
+#: the cores are busy with other work that costs a scheduler time slice per call: on this
+#: 2-core VM at load ~12 a 1 MiB ``torch.cat`` took 40 ms on 2 threads and 0.05 ms on one,
+#: and a SmolLM2 build's few hundred such copies 7.7 s against 0.9 s. One thread copies a
+#: block this size in milliseconds, so nothing is lost where the cores are free.
+SERIAL_COPY_BYTES = 32 << 20
+
+
+def copy_blocks(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` for same-shape uint8 blocks; on the calling thread up to
+    ``SERIAL_COPY_BYTES`` on the CPU (numpy's single-threaded copy), else torch's."""
+    if _serial(src):
+        np.copyto(dst.numpy(), src.numpy())
+    else:
+        dst.copy_(src)
+
+
+def _serial(t: torch.Tensor) -> bool:
+    return t.device.type == "cpu" and t.numel() * t.element_size() <= SERIAL_COPY_BYTES
+
+
+def _take_rows(blocks: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``blocks.index_select(0, index)`` (a new buffer from torch's allocator, so aligned as
+    the kernels expect), on the calling thread up to ``SERIAL_COPY_BYTES``."""
+    if not _serial(blocks):
+        return blocks.index_select(0, index)
+    picked = index.cpu().numpy()
+    if picked.size and (picked.min() < 0 or picked.max() >= blocks.shape[0]):
+        raise IndexError(f"row index out of range for {blocks.shape[0]} rows")
+    rows = torch.empty((picked.size, blocks.shape[1]), dtype=blocks.dtype)
+    np.take(blocks.numpy(), picked, axis=0, out=rows.numpy(), mode="clip")  # bounds checked
+    return rows
+
+
 @attrs.frozen(kw_only=True, eq=False)
 class QuantizedWeight:
     """A ``[out, in]`` weight as ``out`` rows of ggml blocks (``blocks``: uint8 ``[out, bytes]``).
@@ -124,7 +160,7 @@ class QuantizedWeight:
 
     def select_rows(self, index: torch.Tensor) -> QuantizedWeight:
         """The rows at ``index`` (a row permutation or gather), still quantized."""
-        rows = self.blocks.index_select(0, index)
+        rows = _take_rows(self.blocks, index)
         release_file_pages(self.blocks)  # a file view's pages: the copy replaces them
         return QuantizedWeight(
             kind=self.kind,
@@ -200,12 +236,16 @@ def concat_rows(parts: Sequence[QuantizedWeight]) -> QuantizedWeight:
         )
     if len(parts) == 1:
         return parts[0]
-    blocks = torch.cat([p.blocks for p in parts], dim=0)
-    offset = 0
+    rows = sum(p.shape[0] for p in parts)
+    blocks = torch.empty(
+        (rows, int(parts[0].blocks.shape[1])), dtype=torch.uint8, device=parts[0].device
+    )
+    offset = row = 0
     for p in parts:
+        copy_blocks(blocks[row : row + p.shape[0]], p.blocks)
         _moved_into(p.blocks, blocks, offset)
         offset += p.nbytes
-    rows = sum(p.shape[0] for p in parts)
+        row += p.shape[0]
     return QuantizedWeight(
         kind=parts[0].kind, shape=(rows, parts[0].shape[1]), blocks=blocks, layout=parts[0].layout
     )
@@ -307,16 +347,17 @@ class StackedWeight:
         done = self._blob(offsets=offsets, shape=(rows, width), head=head)
         if done is not None:
             return done, code, self
-        blob = torch.zeros(rows, width, dtype=torch.uint8)
+        blob = torch.empty(rows, width, dtype=torch.uint8)
+        blob.numpy().fill(0)  # on this thread: see SERIAL_COPY_BYTES
         flat = blob.view(-1)
         views = []
         for p, offset in zip(parts, offsets, strict=True):
             row_bytes = int(p.blocks.shape[1])
             view = flat[offset : offset + p.nbytes].view(p.shape[0], row_bytes)
-            view.copy_(p.blocks)
+            copy_blocks(view, p.blocks)
             _moved_into(p.blocks, blob, offset)
             views.append(attrs.evolve(p, blocks=view))
-        flat[:header].copy_(head)
+        copy_blocks(flat[:header], head)
         return blob, code, StackedWeight(parts=tuple(views))
 
     def _blob(

@@ -1,13 +1,14 @@
 """``llmrt.containers`` imports dependency_injector without the web frameworks it probes for
-(FastAPI, pydantic-settings, werkzeug, Flask: ~0.6-0.9 s of every process), and leaves them
-importable afterwards. Fresh interpreters, since a test session has imported them already."""
+(FastAPI, pydantic-settings, werkzeug, Flask, Starlette: ~0.6-0.9 s of every process), and
+leaves them importable afterwards. Fresh interpreters, since a test session has imported them
+already."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
-PROBED = "('fastapi', 'fast_depends', 'flask', 'werkzeug', 'pydantic_settings')"
+PROBED = "('fastapi', 'fast_depends', 'flask', 'werkzeug', 'pydantic_settings', 'starlette')"
 
 
 def _run(code: str) -> list[str]:

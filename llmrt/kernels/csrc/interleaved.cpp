@@ -987,7 +987,10 @@ at::Tensor gguf_interleave(const at::Tensor& blocks, int64_t kind, int64_t in_fe
   const int64_t rows = blocks.size(0), rb = blocks.size(1), nb = in_features / kBlock;
   const uint8_t* src = blocks.const_data_ptr<uint8_t>();
   uint8_t* dst = out.mutable_data_ptr<uint8_t>();
-  at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
+  // Up to 32 MiB on the calling thread (formats.SERIAL_COPY_BYTES): a parallel region wakes
+  // torch's team, a scheduler time slice per call where other work holds the cores.
+  const int64_t grain = std::max<int64_t>(64, (int64_t{32} << 20) / std::max<int64_t>(rb, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) interleave_row(src + r * rb, dst + r * rb, kind, nb);
   });
   return out;
