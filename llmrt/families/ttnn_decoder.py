@@ -24,10 +24,15 @@ are column-sharded (``ShardTensorToMesh`` on the output dimension: each chip com
 columns), the output and down projections row-sharded (each chip's partial sum), combined
 by ``reduce_scatter`` then ``all_gather`` (tt_transformers' all-reduce on such a mesh); the
 LM head is column-sharded over the vocabulary and its logits all-gathered. Each chip's KV
-cache holds its ``num_kv_heads / N`` heads, as the vLLM TT plugin allocates it. Norms, the
-embedding, RoPE tables and the residual stream are replicated. Heads, KV heads, MLP width,
-hidden size and vocabulary must divide by N (``tensor_parallel_refusal`` names the first
-that does not).
+cache holds its ``num_kv_heads / N`` heads, as the vLLM TT plugin allocates it. With fewer
+KV heads than chips (N a multiple of them: 2 KV heads on a T3K's 8 chips) each chip holds
+one KV head, the one its query heads read: every KV head's k/v projection rows (and bias)
+are replicated on the ``N / num_kv_heads`` chips of its query group before the column
+split, as tt-metal's models replicate KV heads when ``n_kv_heads < num_devices`` and as the
+vLLM TT plugin sizes the cache (``num_kv_heads // min(N, num_kv_heads)`` = 1). Norms, the
+embedding, RoPE tables and the residual stream are replicated. Heads, MLP width, hidden
+size and vocabulary must divide by N, KV heads divide by N or divide N
+(``tensor_parallel_refusal`` names the first that does not).
 """
 
 from __future__ import annotations
@@ -90,9 +95,12 @@ class TtnnDecoderConfig:
 
 
 def tensor_parallel_refusal(config: TtnnDecoderConfig, devices: int) -> tuple[str, int] | None:
-    """``(field, value)`` of the first dimension that does not split over ``devices`` chips."""
+    """``(field, value)`` of the first dimension that does not split over ``devices`` chips
+    (KV heads fewer than the chips are replicated when they divide the chips)."""
+    kv = config.num_kv_heads
+    if (kv % devices) if kv >= devices else (devices % kv):
+        return "num_key_value_heads", kv
     for field, value in (
-        ("num_key_value_heads", config.num_kv_heads),
         ("num_attention_heads", config.num_heads),
         ("intermediate_size", config.intermediate_size),
         ("hidden_size", config.hidden_size),
@@ -112,8 +120,13 @@ def check_tensor_parallel(config: TtnnDecoderConfig, devices: int) -> None:
             field,
             value,
             f"tensor-parallel layers over the lane's {devices} chips need it divisible by "
-            f"{devices} (each chip holds 1/{devices}); use a lane of fewer chips (more lanes "
-            "or a smaller device.mesh_shape)",
+            f"{devices} (each chip holds 1/{devices})"
+            + (
+                f", or for KV heads a divisor of {devices} (each replicated)"
+                if field == "num_key_value_heads"
+                else ""
+            )
+            + "; use a lane of fewer chips (more lanes or a smaller device.mesh_shape)",
         )
 
 
@@ -123,6 +136,16 @@ def interleave_rotary_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
     dim = weight.shape[0] // heads
     per_head = weight.reshape(heads, 2, dim // 2, *weight.shape[1:])
     return per_head.transpose(1, 2).reshape(weight.shape)
+
+
+def replicate_kv_rows(weight: torch.Tensor, heads: int, copies: int) -> torch.Tensor:
+    """Rows of a k/v projection (or bias) with each of its ``heads`` heads' rows repeated
+    ``copies`` times in place: split into ``heads * copies`` equal column shards, chip ``d``
+    holds head ``d // copies``, the KV head of the query heads chip ``d`` computes."""
+    if copies == 1:
+        return weight
+    per_head = weight.reshape(heads, 1, weight.shape[0] // heads, *weight.shape[1:])
+    return per_head.expand(heads, copies, *per_head.shape[2:]).reshape(-1, *weight.shape[1:])
 
 
 def rotation_matrix() -> torch.Tensor:
@@ -167,7 +190,9 @@ class TtnnDecoder:
         self.devices = int(mesh.get_num_devices())
         check_tensor_parallel(config, self.devices)
         self.heads = config.num_heads // self.devices
-        self.kv_heads = config.num_kv_heads // self.devices
+        self.kv_heads = max(1, config.num_kv_heads // self.devices)
+        # Chips holding each KV head: 1 splits them as every other dimension.
+        kv_copies = max(1, self.devices // config.num_kv_heads)
         self._dtype = getattr(tt, weight_dtype)
         self._cache_dir = cache_dir
         self._linears = 0
@@ -191,6 +216,9 @@ class TtnnDecoder:
                 if name != "v":
                     w = interleave_rotary_rows(w, heads)
                     b = None if b is None else interleave_rotary_rows(b, heads)
+                if name != "q":
+                    w = replicate_kv_rows(w, heads, kv_copies)
+                    b = None if b is None else replicate_kv_rows(b, heads, kv_copies)
                 layer[f"w{name}"] = self._linear(w, shard=-1)
                 layer[f"b{name}"] = None if b is None else self._norm(b, shard=-1)
             self.layers.append(layer)

@@ -125,7 +125,9 @@ def _tensor_parallel_tokens(
     assert model.borrowed_mesh.get_num_devices() == chips
     assert tuple(model.borrowed_mesh.shape) == (1, chips)
     meta = model.attention_metadata()
-    assert (meta.tensor_parallel, meta.kv_heads_per_device) == (chips, meta.num_kv_heads // chips)
+    # the vLLM TT plugin's per-chip heads: split, or one replicated head when fewer than chips
+    heads = meta.num_kv_heads // chips if meta.num_kv_heads >= chips else 1
+    assert (meta.tensor_parallel, meta.kv_heads_per_device) == (chips, heads)
     fake = runtime.container.device.ttnn_module()
     before = fake.call_names()
     tokens: list[list[int]] = runtime.generate(list(PROMPTS), steps=STEPS).tokens
@@ -202,14 +204,52 @@ def test_a_galaxy_as_four_1x8_lanes_gives_the_one_chip_tokens(
     assert _tensor_parallel_tokens(tmp_path, [4, 8], build, lanes=4) == one
 
 
+@pytest.mark.parametrize(
+    ("kind", "meshes"),
+    [("llama", [[1, 4], [1, 8]]), ("qwen2", [[1, 8]])],
+    ids=["llama", "qwen2"],
+)
+def test_fewer_kv_heads_than_chips_are_replicated_and_give_the_one_chip_tokens(
+    kind: str,
+    meshes: list[list[int]],
+    tmp_path: Path,
+    tiny_hf_checkpoint: Path,
+    build: Callable[..., Any],
+) -> None:
+    """Two KV heads on a T3K lane (and on 1x4): each chip holds the one KV head its query
+    heads read (the vLLM plugin's ``2 // min(8, 2)``), replicated over 4 (2) chips with
+    Qwen2's k/v biases; the tokens are the one-chip lane's."""
+    hf = _hf(kind, num_attention_heads=8, num_key_value_heads=2)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    shutil.copy(tiny_hf_checkpoint / "tokenizer.json", tmp_path / "tokenizer.json")
+    one = _tensor_parallel_tokens(tmp_path, [1, 1], build)
+    for mesh in meshes:
+        assert _tensor_parallel_tokens(tmp_path, mesh, build) == one, mesh
+    _check_against_transformers(
+        kind, hf, one, f"1x1 and {meshes}", at_least=len(PROMPTS) * STEPS // 3
+    )
+
+
 def test_heads_that_do_not_split_over_a_1x8_lane_are_named(
     checkpoint: tuple[str, Path, Any], build: Callable[..., Any]
 ) -> None:
-    """Two KV heads cannot be split over a 1x8 lane's chips (the vLLM plugin's per-device KV
-    holds ``num_kv_heads / devices`` heads): the build names the field."""
+    """Four query heads cannot be split over a 1x8 lane's chips: the build names the field."""
     _, directory, _ = checkpoint
-    with pytest.raises(ConfigError, match=r"num_key_value_heads.*divisible by 8"):
+    with pytest.raises(ConfigError, match=r"num_attention_heads.*divisible by 8"):
         build("hf", overrides(directory, [1, 8])).ready()
+
+
+def test_kv_heads_that_neither_split_nor_replicate_over_a_1x8_lane_are_named(
+    tmp_path: Path, tiny_hf_checkpoint: Path, build: Callable[..., Any]
+) -> None:
+    """Three KV heads neither divide over 8 chips nor replicate evenly onto them."""
+    _hf("llama", hidden_size=768, num_attention_heads=24, num_key_value_heads=3).save_pretrained(
+        tmp_path, safe_serialization=True
+    )
+    shutil.copy(tiny_hf_checkpoint / "tokenizer.json", tmp_path / "tokenizer.json")
+    divisor = r"num_key_value_heads: .*or for KV heads a divisor of 8.*got 3"
+    with pytest.raises(ConfigError, match=divisor):
+        build("hf", overrides(tmp_path, [1, 8])).ready()
 
 
 def test_a_part_the_ttnn_decoder_lacks_is_refused_at_build_naming_it(
