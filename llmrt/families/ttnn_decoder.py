@@ -23,15 +23,17 @@ are column-sharded (``ShardTensorToMesh`` on the output dimension: each chip com
 ``num_heads / N`` query heads, ``num_kv_heads / N`` KV heads and ``intermediate / N`` MLP
 columns), the output and down projections row-sharded (each chip's partial sum), combined
 by ``reduce_scatter`` then ``all_gather`` (tt_transformers' all-reduce on such a mesh); the
-LM head is column-sharded over the vocabulary and its logits all-gathered. Each chip's KV
+LM head is column-sharded over the vocabulary (zero-padded, as tt_transformers' LM head
+pads to its ``padded_vocab_size``, to whole tiles on every chip when the vocabulary does
+not split so) and its logits all-gathered, then cut back to the vocabulary. Each chip's KV
 cache holds its ``num_kv_heads / N`` heads, as the vLLM TT plugin allocates it. With fewer
 KV heads than chips (N a multiple of them: 2 KV heads on a T3K's 8 chips) each chip holds
 one KV head, the one its query heads read: every KV head's k/v projection rows (and bias)
 are replicated on the ``N / num_kv_heads`` chips of its query group before the column
 split, as tt-metal's models replicate KV heads when ``n_kv_heads < num_devices`` and as the
 vLLM TT plugin sizes the cache (``num_kv_heads // min(N, num_kv_heads)`` = 1). Norms, the
-embedding, RoPE tables and the residual stream are replicated. Heads, MLP width, hidden
-size and vocabulary must divide by N, KV heads divide by N or divide N
+embedding, RoPE tables and the residual stream are replicated. Heads, MLP width and hidden
+size must divide by N, KV heads divide by N or divide N
 (``tensor_parallel_refusal`` names the first that does not).
 """
 
@@ -104,7 +106,6 @@ def tensor_parallel_refusal(config: TtnnDecoderConfig, devices: int) -> tuple[st
         ("num_attention_heads", config.num_heads),
         ("intermediate_size", config.intermediate_size),
         ("hidden_size", config.hidden_size),
-        ("vocab_size", config.vocab_size),
     ):
         if value % devices:
             return field, value
@@ -128,6 +129,15 @@ def check_tensor_parallel(config: TtnnDecoderConfig, devices: int) -> None:
             )
             + "; use a lane of fewer chips (more lanes or a smaller device.mesh_shape)",
         )
+
+
+def padded_vocab_size(vocab: int, devices: int) -> int:
+    """The LM head's columns over ``devices`` chips: the vocabulary rounded up to whole tiles
+    on every chip (itself on one chip, where ttnn pads the last tile)."""
+    if devices == 1:
+        return vocab
+    step = TILE * devices
+    return -(-vocab // step) * step
 
 
 def interleave_rotary_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
@@ -226,6 +236,9 @@ class TtnnDecoder:
         head = weights.get("lm_head.weight")
         if head is None or c.tie_word_embeddings:
             head = weights["model.embed_tokens.weight"]
+        self.padded_vocab = padded_vocab_size(c.vocab_size, self.devices)
+        if self.padded_vocab != c.vocab_size:
+            head = torch.nn.functional.pad(head, (0, 0, 0, self.padded_vocab - c.vocab_size))
         self.lm_head = self._linear(head, shard=-1)
         cos, sin = rope_tables(c)
         self.cos = self._put(cos, layout=tt.ROW_MAJOR_LAYOUT)
@@ -331,7 +344,10 @@ class TtnnDecoder:
         if self.devices == 1:
             return logits
         topology = tt.Topology.Linear if self.devices == 2 else tt.Topology.Ring
-        return tt.all_gather(logits, -1, num_links=1, topology=topology)
+        logits = tt.all_gather(logits, -1, num_links=1, topology=topology)
+        if self.padded_vocab == self.config.vocab_size:
+            return logits
+        return logits[:, : self.config.vocab_size]
 
     def decode(
         self,
