@@ -198,6 +198,8 @@ class TtnnDecoder:
             raise ConfigError("weight_dtype", weight_dtype, "must be bfloat8_b or bfloat16")
         self._tt, self._mesh, self.config = tt, mesh, config
         self.devices = int(mesh.get_num_devices())
+        dims = [int(d) for d in mesh.shape]
+        self._grid = (1, self.devices) if len(dims) != 2 else (dims[0], dims[1])
         check_tensor_parallel(config, self.devices)
         self.heads = config.num_heads // self.devices
         self.kv_heads = max(1, config.num_kv_heads // self.devices)
@@ -291,16 +293,49 @@ class TtnnDecoder:
     def _norm(self, vector: torch.Tensor, *, shard: int | None = None) -> Any:
         return self._put(vector.reshape(1, -1), layout=self._tt.TILE_LAYOUT, shard=shard)
 
+    def _axes(self) -> list[tuple[int | None, Any]]:
+        """``(cluster_axis, topology)`` of each mesh axis a collective runs along: the row
+        (no axis) on a 1xN lane; on a lane of several rows (a Galaxy's 4x8 as one lane) the
+        rows (axis 1), then the columns (axis 0), as ttnn's 1-D fabric needs a
+        ``cluster_axis`` on a 2-D mesh. A two-chip axis is a line, a longer one a ring."""
+        tt = self._tt
+        rows, cols = self._grid
+
+        def topology(size: int) -> Any:
+            return tt.Topology.Linear if size == 2 else tt.Topology.Ring
+
+        if rows == 1:
+            return [(None, topology(cols))]
+        return [(1, topology(cols)), (0, topology(rows))]
+
+    def _all_gather(self, value: Any) -> Any:
+        """Every chip's ``value`` joined along the last dimension in device order (row-major
+        over a 2-D lane: each row's chips, then the rows), on every chip."""
+        tt = self._tt
+        for axis, topology in self._axes():
+            value = tt.all_gather(
+                value, -1, cluster_axis=axis, num_links=1, topology=topology
+            )
+        return value
+
     def _all_reduce(self, partial: Any) -> Any:
         """The chips' partial sums added, on every chip: ``reduce_scatter`` then
         ``all_gather`` along the hidden dimension, as tt_transformers composes it on a 1xN
-        mesh (one chip: the value itself)."""
+        mesh; on a 2-D lane reduce-scattered along its rows, then its columns, and gathered
+        back in the reverse order (one chip: the value itself)."""
         if self.devices == 1:
             return partial
         tt = self._tt
-        topology = tt.Topology.Linear if self.devices == 2 else tt.Topology.Ring
-        scattered = tt.reduce_scatter(partial, -1, num_links=1, topology=topology)
-        return tt.all_gather(scattered, -1, num_links=1, topology=topology)
+        axes = self._axes()
+        for axis, topology in axes:
+            partial = tt.reduce_scatter(
+                partial, -1, cluster_axis=axis, num_links=1, topology=topology
+            )
+        for axis, topology in reversed(axes):
+            partial = tt.all_gather(
+                partial, -1, cluster_axis=axis, num_links=1, topology=topology
+            )
+        return partial
 
     def close(self) -> None:
         """Deallocate the device weights; idempotent."""
@@ -343,8 +378,7 @@ class TtnnDecoder:
         logits = tt.linear(h, self.lm_head, dtype=tt.float32)
         if self.devices == 1:
             return logits
-        topology = tt.Topology.Linear if self.devices == 2 else tt.Topology.Ring
-        logits = tt.all_gather(logits, -1, num_links=1, topology=topology)
+        logits = self._all_gather(logits)
         if self.padded_vocab == self.config.vocab_size:
             return logits
         return logits[:, : self.config.vocab_size]

@@ -1831,6 +1831,9 @@ class FakeTtnn:
                 "(set_fabric_config(FABRIC_1D...) before open_mesh_device)",
             )
         grid = per_mesh.mesh_grid(list(mesh.shape))
+        fabric_2d = mesh._fabric.name.startswith("FABRIC_2D")
+        if name == "all_gather" and cluster_axis is None and min(grid) > 1 and not fabric_2d:
+            raise refuse("1D fabric on a 2D mesh_device requires cluster_axis to be set")
         return len(per_mesh.rings(grid, cluster_axis)[0])
 
     def _collective(

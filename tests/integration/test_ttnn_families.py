@@ -126,7 +126,9 @@ def _tensor_parallel_tokens(
     model = lane.model()
     assert isinstance(model, TtnnCausalLM)
     assert model.borrowed_mesh.get_num_devices() == chips
-    assert tuple(model.borrowed_mesh.shape) == (1, chips)
+    # a lane is chips of one mesh row, or whole rows (a 2-D lane)
+    shape = (1, chips) if mesh[1] % chips == 0 else (chips // mesh[1], mesh[1])
+    assert tuple(model.borrowed_mesh.shape) == shape
     meta = model.attention_metadata()
     # the vLLM TT plugin's per-chip heads: split, or one replicated head when fewer than chips
     heads = meta.num_kv_heads // chips if meta.num_kv_heads >= chips else 1
@@ -233,7 +235,7 @@ def test_a_galaxy_as_four_1x8_lanes_gives_the_one_chip_tokens(
 
 @pytest.mark.parametrize(
     ("kind", "meshes"),
-    [("llama", [[1, 4], [1, 8]]), ("qwen2", [[1, 8]])],
+    [("llama", [[1, 4], [1, 8]]), ("qwen2", [[1, 8], [2, 4]])],
     ids=["llama", "qwen2"],
 )
 def test_fewer_kv_heads_than_chips_are_replicated_and_give_the_one_chip_tokens(
@@ -243,9 +245,10 @@ def test_fewer_kv_heads_than_chips_are_replicated_and_give_the_one_chip_tokens(
     tiny_hf_checkpoint: Path,
     build: Callable[..., Any],
 ) -> None:
-    """Two KV heads on a T3K lane (and on 1x4): each chip holds the one KV head its query
-    heads read (the vLLM plugin's ``2 // min(8, 2)``), replicated over 4 (2) chips with
-    Qwen2's k/v biases; the tokens are the one-chip lane's until a near-tie
+    """Two KV heads on a T3K lane (and on 1x4, and on a 2x4 lane: 2-D tensor parallelism,
+    its collectives along each mesh axis): each chip holds the one KV head its query heads
+    read (the vLLM plugin's ``2 // min(8, 2)``), replicated over 4 (2) chips with Qwen2's
+    k/v biases; the tokens are the one-chip lane's until a near-tie
     (``_agree_where_clear``) and transformers' where the margin is clear."""
     hf = _hf(kind, num_attention_heads=8, num_key_value_heads=2)
     hf.save_pretrained(tmp_path, safe_serialization=True)
@@ -256,6 +259,22 @@ def test_fewer_kv_heads_than_chips_are_replicated_and_give_the_one_chip_tokens(
         tokens = _tensor_parallel_tokens(tmp_path, mesh, build)
         _check_against_transformers(kind, hf, tokens, f"{mesh}", at_least=len(PROMPTS) * STEPS // 3)
         assert _agree_where_clear(hf, one, tokens, f"{mesh}") >= len(PROMPTS) * STEPS // 2
+
+
+@pytest.mark.slow
+def test_a_galaxy_as_one_4x8_lane_gives_the_one_chip_tokens(
+    tmp_path: Path, tiny_hf_checkpoint: Path, build: Callable[..., Any]
+) -> None:
+    """Galaxy's 32 chips as one 2-D tensor-parallel lane: 32 query heads one a chip, 8 KV
+    heads each replicated on 4 chips, the vocabulary padded to whole tiles on every chip,
+    reductions along the rows then the columns (a minute on the emulator's 32 chips)."""
+    hf = _hf("llama", num_attention_heads=32, num_key_value_heads=8)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    shutil.copy(tiny_hf_checkpoint / "tokenizer.json", tmp_path / "tokenizer.json")
+    one = _tensor_parallel_tokens(tmp_path, [1, 1], build)
+    tokens = _tensor_parallel_tokens(tmp_path, [4, 8], build, lanes=1)
+    _check_against_transformers("llama", hf, tokens, "4x8", at_least=len(PROMPTS) * STEPS // 3)
+    assert _agree_where_clear(hf, one, tokens, "4x8") >= len(PROMPTS) * STEPS // 2
 
 
 def test_heads_that_do_not_split_over_a_1x8_lane_are_named(

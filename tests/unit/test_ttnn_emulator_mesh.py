@@ -309,3 +309,23 @@ def test_collectives_need_a_fabric() -> None:
     value = fake.from_torch(torch.zeros(2, 64), dtype=fake.bfloat16, device=mesh)
     with pytest.raises(TtnnRuleViolation, match="opened without a fabric"):
         fake.all_gather(value, -1)
+
+
+def test_an_all_gather_on_a_2d_mesh_over_a_1d_fabric_names_its_axis() -> None:
+    """ttnn 0.81.1: "1D fabric on a 2D mesh_device requires cluster_axis to be set"."""
+    fake, mesh = _open((2, 4))
+    tensor = _distinct(fake, mesh, torch.randn(8, 2, 32), fake.bfloat16)
+    with pytest.raises(TtnnRuleViolation, match="requires cluster_axis to be set"):
+        fake.all_gather(tensor, -1)
+    assert len(_per_chip(fake, mesh, fake.all_gather(tensor, -1, cluster_axis=1))) == 8
+
+
+def test_a_2d_reduce_scatter_without_an_axis_reduces_each_axis_in_turn() -> None:
+    """ttnn 0.81.1 on a non-line mesh: axis 0, then axis 1; chip ``(r, c)`` keeps chunk
+    ``r * cols + c`` of the sum (float32: exact to rounding)."""
+    fake, mesh = _open((2, 4))
+    chips = torch.randn(8, 32, 256)
+    scattered = fake.reduce_scatter(_distinct(fake, mesh, chips, fake.float32), -1)
+    total = chips.double().sum(0)
+    for d, chip in enumerate(_per_chip(fake, mesh, scattered)):
+        assert torch.allclose(chip.double(), total[:, 32 * d : 32 * (d + 1)], atol=1e-5)
