@@ -35,6 +35,14 @@ vLLM TT plugin sizes the cache (``num_kv_heads // min(N, num_kv_heads)`` = 1). N
 embedding, RoPE tables and the residual stream are replicated. Heads, MLP width and hidden
 size must divide by N, KV heads divide by N or divide N
 (``tensor_parallel_refusal`` names the first that does not).
+
+A lane of several mesh rows (a Galaxy's 4x8 as one lane, 2x4 on the emulator) is split the
+same way over all N of its chips in device order (row-major, as ``ShardTensorToMesh``
+places the shards); its collectives run per mesh axis, since ttnn's 1-D fabric needs a
+``cluster_axis`` on a 2-D mesh: an all-reduce is a ``reduce_scatter`` along the rows, then
+along the columns, and the ``all_gather``s back in reverse order, the logits' gather along
+the rows, then the columns. (tt_transformers' Galaxy path instead splits each weight over
+both axes with ``ShardTensor2dMesh`` and distributes its norms; that layout is not built.)
 """
 
 from __future__ import annotations
