@@ -238,7 +238,7 @@ def test_a_galaxy_as_four_1x8_lanes_gives_the_one_chip_tokens(
     [("llama", [[1, 4], [1, 8]]), ("qwen2", [[1, 8], [2, 4]])],
     ids=["llama", "qwen2"],
 )
-def test_fewer_kv_heads_than_chips_are_replicated_and_give_the_one_chip_tokens(
+def test_fewer_kv_heads_than_a_1x8_lanes_chips_are_replicated_and_give_the_one_chip_tokens(
     kind: str,
     meshes: list[list[int]],
     tmp_path: Path,
