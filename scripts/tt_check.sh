@@ -8,7 +8,8 @@
 #      chunked prefill, traced paged decode; greedy tokens equal transformers' float32 ones
 #      where the top-2 margin exceeds the stated bfloat16 tolerance). 1x2 cases need two
 #      chips: TT_CHECK_CHIPS=2 (N300) or more selects them; 1x8 (tensor-parallel lanes
-#      over eight chips, the same tokens as one chip) TT_CHECK_CHIPS=8 (T3K) or more;
+#      over eight chips, the same tokens as one chip up to near-ties; two KV heads
+#      replicated over 1x4, 1x8 and a 2x4 lane) TT_CHECK_CHIPS=8 (T3K) or more;
 #   2. SmolLM2-135M-Instruct on the chip answers "What is the capital of France?" with Paris
 #      (`llmrt generate`, GGUF blocks dequantized once to bfloat8_b/bfloat16 weights);
 #   3. traced vs eager decode step time (`llmrt bench --workload decode`, the lane step at

@@ -67,14 +67,19 @@ class AttentionMetadata:
     ``[tokens, heads, head_dim]`` run without a transposing copy; the shape stays ``kv_shape``."""
     tensor_parallel: int = attrs.field(default=1, validator=_positive)
     """Chips the model's KV heads are split over (a ttnn lane's tensor-parallel layers): each
-    chip's K/V holds ``num_kv_heads / tensor_parallel`` heads, as the vLLM TT plugin sizes it."""
+    chip's K/V holds ``num_kv_heads / tensor_parallel`` heads, or one head when the chips
+    outnumber the heads (each head replicated on the ``tensor_parallel / num_kv_heads``
+    chips whose query heads read it), as the vLLM TT plugin sizes it
+    (``num_kv_heads // min(devices, num_kv_heads)``)."""
 
     def __attrs_post_init__(self) -> None:
-        if self.num_kv_heads % self.tensor_parallel:
+        heads, chips = self.num_kv_heads, self.tensor_parallel
+        if (heads % chips) if heads >= chips else (chips % heads):
             raise ConfigError(
                 "num_kv_heads",
-                self.num_kv_heads,
-                f"must divide over the {self.tensor_parallel} tensor-parallel chips",
+                heads,
+                f"must divide over the {chips} tensor-parallel chips, or divide them "
+                "(each head replicated on an equal share of the chips)",
             )
         if len(self.kv_dtypes) != self.num_layers:
             raise ConfigError(
@@ -85,7 +90,7 @@ class AttentionMetadata:
 
     @property
     def kv_heads_per_device(self) -> int:
-        return self.num_kv_heads // self.tensor_parallel
+        return self.num_kv_heads // min(self.tensor_parallel, self.num_kv_heads)
 
     def kv_shape(self, num_blocks: int, block_size: int) -> tuple[int, int, int, int]:
         """One layer's K (or V) shape on each chip: ``(num_blocks, kv_heads_per_device,

@@ -23,11 +23,26 @@ are column-sharded (``ShardTensorToMesh`` on the output dimension: each chip com
 ``num_heads / N`` query heads, ``num_kv_heads / N`` KV heads and ``intermediate / N`` MLP
 columns), the output and down projections row-sharded (each chip's partial sum), combined
 by ``reduce_scatter`` then ``all_gather`` (tt_transformers' all-reduce on such a mesh); the
-LM head is column-sharded over the vocabulary and its logits all-gathered. Each chip's KV
-cache holds its ``num_kv_heads / N`` heads, as the vLLM TT plugin allocates it. Norms, the
-embedding, RoPE tables and the residual stream are replicated. Heads, KV heads, MLP width,
-hidden size and vocabulary must divide by N (``tensor_parallel_refusal`` names the first
-that does not).
+LM head is column-sharded over the vocabulary (zero-padded, as tt_transformers' LM head
+pads to its ``padded_vocab_size``, to whole tiles on every chip when the vocabulary does
+not split so) and its logits all-gathered, then cut back to the vocabulary. Each chip's KV
+cache holds its ``num_kv_heads / N`` heads, as the vLLM TT plugin allocates it. With fewer
+KV heads than chips (N a multiple of them: 2 KV heads on a T3K's 8 chips) each chip holds
+one KV head, the one its query heads read: every KV head's k/v projection rows (and bias)
+are replicated on the ``N / num_kv_heads`` chips of its query group before the column
+split, as tt-metal's models replicate KV heads when ``n_kv_heads < num_devices`` and as the
+vLLM TT plugin sizes the cache (``num_kv_heads // min(N, num_kv_heads)`` = 1). Norms, the
+embedding, RoPE tables and the residual stream are replicated. Heads, MLP width and hidden
+size must divide by N, KV heads divide by N or divide N
+(``tensor_parallel_refusal`` names the first that does not).
+
+A lane of several mesh rows (a Galaxy's 4x8 as one lane, 2x4 on the emulator) is split the
+same way over all N of its chips in device order (row-major, as ``ShardTensorToMesh``
+places the shards); its collectives run per mesh axis, since ttnn's 1-D fabric needs a
+``cluster_axis`` on a 2-D mesh: an all-reduce is a ``reduce_scatter`` along the rows, then
+along the columns, and the ``all_gather``s back in reverse order, the logits' gather along
+the rows, then the columns. (tt_transformers' Galaxy path instead splits each weight over
+both axes with ``ShardTensor2dMesh`` and distributes its norms; that layout is not built.)
 """
 
 from __future__ import annotations
@@ -90,13 +105,15 @@ class TtnnDecoderConfig:
 
 
 def tensor_parallel_refusal(config: TtnnDecoderConfig, devices: int) -> tuple[str, int] | None:
-    """``(field, value)`` of the first dimension that does not split over ``devices`` chips."""
+    """``(field, value)`` of the first dimension that does not split over ``devices`` chips
+    (KV heads fewer than the chips are replicated when they divide the chips)."""
+    kv = config.num_kv_heads
+    if (kv % devices) if kv >= devices else (devices % kv):
+        return "num_key_value_heads", kv
     for field, value in (
-        ("num_key_value_heads", config.num_kv_heads),
         ("num_attention_heads", config.num_heads),
         ("intermediate_size", config.intermediate_size),
         ("hidden_size", config.hidden_size),
-        ("vocab_size", config.vocab_size),
     ):
         if value % devices:
             return field, value
@@ -112,9 +129,23 @@ def check_tensor_parallel(config: TtnnDecoderConfig, devices: int) -> None:
             field,
             value,
             f"tensor-parallel layers over the lane's {devices} chips need it divisible by "
-            f"{devices} (each chip holds 1/{devices}); use a lane of fewer chips (more lanes "
-            "or a smaller device.mesh_shape)",
+            f"{devices} (each chip holds 1/{devices})"
+            + (
+                f", or for KV heads a divisor of {devices} (each replicated)"
+                if field == "num_key_value_heads"
+                else ""
+            )
+            + "; use a lane of fewer chips (more lanes or a smaller device.mesh_shape)",
         )
+
+
+def padded_vocab_size(vocab: int, devices: int) -> int:
+    """The LM head's columns over ``devices`` chips: the vocabulary rounded up to whole tiles
+    on every chip (itself on one chip, where ttnn pads the last tile)."""
+    if devices == 1:
+        return vocab
+    step = TILE * devices
+    return -(-vocab // step) * step
 
 
 def interleave_rotary_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
@@ -123,6 +154,16 @@ def interleave_rotary_rows(weight: torch.Tensor, heads: int) -> torch.Tensor:
     dim = weight.shape[0] // heads
     per_head = weight.reshape(heads, 2, dim // 2, *weight.shape[1:])
     return per_head.transpose(1, 2).reshape(weight.shape)
+
+
+def replicate_kv_rows(weight: torch.Tensor, heads: int, copies: int) -> torch.Tensor:
+    """Rows of a k/v projection (or bias) with each of its ``heads`` heads' rows repeated
+    ``copies`` times in place: split into ``heads * copies`` equal column shards, chip ``d``
+    holds head ``d // copies``, the KV head of the query heads chip ``d`` computes."""
+    if copies == 1:
+        return weight
+    per_head = weight.reshape(heads, 1, weight.shape[0] // heads, *weight.shape[1:])
+    return per_head.expand(heads, copies, *per_head.shape[2:]).reshape(-1, *weight.shape[1:])
 
 
 def rotation_matrix() -> torch.Tensor:
@@ -165,9 +206,13 @@ class TtnnDecoder:
             raise ConfigError("weight_dtype", weight_dtype, "must be bfloat8_b or bfloat16")
         self._tt, self._mesh, self.config = tt, mesh, config
         self.devices = int(mesh.get_num_devices())
+        dims = [int(d) for d in mesh.shape]
+        self._grid = (1, self.devices) if len(dims) != 2 else (dims[0], dims[1])
         check_tensor_parallel(config, self.devices)
         self.heads = config.num_heads // self.devices
-        self.kv_heads = config.num_kv_heads // self.devices
+        self.kv_heads = max(1, config.num_kv_heads // self.devices)
+        # Chips holding each KV head: 1 splits them as every other dimension.
+        kv_copies = max(1, self.devices // config.num_kv_heads)
         self._dtype = getattr(tt, weight_dtype)
         self._cache_dir = cache_dir
         self._linears = 0
@@ -191,6 +236,9 @@ class TtnnDecoder:
                 if name != "v":
                     w = interleave_rotary_rows(w, heads)
                     b = None if b is None else interleave_rotary_rows(b, heads)
+                if name != "q":
+                    w = replicate_kv_rows(w, heads, kv_copies)
+                    b = None if b is None else replicate_kv_rows(b, heads, kv_copies)
                 layer[f"w{name}"] = self._linear(w, shard=-1)
                 layer[f"b{name}"] = None if b is None else self._norm(b, shard=-1)
             self.layers.append(layer)
@@ -198,6 +246,9 @@ class TtnnDecoder:
         head = weights.get("lm_head.weight")
         if head is None or c.tie_word_embeddings:
             head = weights["model.embed_tokens.weight"]
+        self.padded_vocab = padded_vocab_size(c.vocab_size, self.devices)
+        if self.padded_vocab != c.vocab_size:
+            head = torch.nn.functional.pad(head, (0, 0, 0, self.padded_vocab - c.vocab_size))
         self.lm_head = self._linear(head, shard=-1)
         cos, sin = rope_tables(c)
         self.cos = self._put(cos, layout=tt.ROW_MAJOR_LAYOUT)
@@ -250,16 +301,49 @@ class TtnnDecoder:
     def _norm(self, vector: torch.Tensor, *, shard: int | None = None) -> Any:
         return self._put(vector.reshape(1, -1), layout=self._tt.TILE_LAYOUT, shard=shard)
 
+    def _axes(self) -> list[tuple[int | None, Any]]:
+        """``(cluster_axis, topology)`` of each mesh axis a collective runs along: the row
+        (no axis) on a 1xN lane; on a lane of several rows (a Galaxy's 4x8 as one lane) the
+        rows (axis 1), then the columns (axis 0), as ttnn's 1-D fabric needs a
+        ``cluster_axis`` on a 2-D mesh. A two-chip axis is a line, a longer one a ring."""
+        tt = self._tt
+        rows, cols = self._grid
+
+        def topology(size: int) -> Any:
+            return tt.Topology.Linear if size == 2 else tt.Topology.Ring
+
+        if rows == 1:
+            return [(None, topology(cols))]
+        return [(1, topology(cols)), (0, topology(rows))]
+
+    def _all_gather(self, value: Any) -> Any:
+        """Every chip's ``value`` joined along the last dimension in device order (row-major
+        over a 2-D lane: each row's chips, then the rows), on every chip."""
+        tt = self._tt
+        for axis, topology in self._axes():
+            value = tt.all_gather(
+                value, -1, cluster_axis=axis, num_links=1, topology=topology
+            )
+        return value
+
     def _all_reduce(self, partial: Any) -> Any:
         """The chips' partial sums added, on every chip: ``reduce_scatter`` then
         ``all_gather`` along the hidden dimension, as tt_transformers composes it on a 1xN
-        mesh (one chip: the value itself)."""
+        mesh; on a 2-D lane reduce-scattered along its rows, then its columns, and gathered
+        back in the reverse order (one chip: the value itself)."""
         if self.devices == 1:
             return partial
         tt = self._tt
-        topology = tt.Topology.Linear if self.devices == 2 else tt.Topology.Ring
-        scattered = tt.reduce_scatter(partial, -1, num_links=1, topology=topology)
-        return tt.all_gather(scattered, -1, num_links=1, topology=topology)
+        axes = self._axes()
+        for axis, topology in axes:
+            partial = tt.reduce_scatter(
+                partial, -1, cluster_axis=axis, num_links=1, topology=topology
+            )
+        for axis, topology in reversed(axes):
+            partial = tt.all_gather(
+                partial, -1, cluster_axis=axis, num_links=1, topology=topology
+            )
+        return partial
 
     def close(self) -> None:
         """Deallocate the device weights; idempotent."""
@@ -302,8 +386,10 @@ class TtnnDecoder:
         logits = tt.linear(h, self.lm_head, dtype=tt.float32)
         if self.devices == 1:
             return logits
-        topology = tt.Topology.Linear if self.devices == 2 else tt.Topology.Ring
-        return tt.all_gather(logits, -1, num_links=1, topology=topology)
+        logits = self._all_gather(logits)
+        if self.padded_vocab == self.config.vocab_size:
+            return logits
+        return logits[:, : self.config.vocab_size]
 
     def decode(
         self,

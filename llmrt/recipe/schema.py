@@ -329,9 +329,11 @@ class TtnnSpec:
     whose all-gathers and reduce-scatters need it, else ``disabled``, ttnn's default).
     ``tensor_parallel`` is the chips each lane's model splits its layers over (column/row
     sharded weights, KV heads split, as tt_transformers lays out N300, T3K and a Galaxy row):
-    ``lanes * tensor_parallel`` must be the mesh's chips and a lane spans one mesh row (1xN);
-    None: the mesh's chips over ``lanes``. So ``[1, 2]`` is one 2-chip lane (N300), ``[1, 8]``
-    one 8-chip lane (T3K), ``[4, 8]`` with ``lanes: 4`` four 1x8 lanes (Galaxy).
+    ``lanes * tensor_parallel`` must be the mesh's chips and a lane spans one mesh row (1xN)
+    or whole rows (a 2-D lane: weights split over all its chips, collectives along each mesh
+    axis); None: the mesh's chips over ``lanes``. So ``[1, 2]`` is one 2-chip lane (N300),
+    ``[1, 8]`` one 8-chip lane (T3K), ``[4, 8]`` with ``lanes: 4`` four 1x8 lanes (Galaxy)
+    or with ``lanes: 1`` one 4x8 lane of 32 chips.
     ``module`` is the ttnn implementation: ``ttnn`` (the installed wheel, a chip) or a name
     registered in the ``llmrt.ttnn_modules`` entry-point group (``emulator``:
     ``llmrt.testing``'s computing ttnn emulator, as strict as the chip, for running a TT
@@ -992,8 +994,8 @@ class Recipe:
             self._check_tensor_parallel()
 
     def _check_tensor_parallel(self) -> None:
-        """A lane is ``tensor_parallel`` chips of one mesh row, the lanes cover the mesh, and
-        tensor-parallel lanes have a fabric for their collectives."""
+        """A lane is ``tensor_parallel`` chips of one mesh row or whole rows, the lanes cover
+        the mesh, and tensor-parallel lanes have a fabric for their collectives."""
         tt, mesh = self.device.ttnn, self.device.mesh_shape
         tp = tt.tensor_parallel
         assert tp is not None  # _derive_tensor_parallel resolved it
@@ -1011,13 +1013,14 @@ class Recipe:
         if mesh is not None:
             rows, cols = mesh
             _check(
-                cols % tp == 0 or rows == 1,
+                cols % tp == 0 or rows == 1 or (tp % cols == 0 and rows % (tp // cols) == 0),
                 "device.ttnn.tensor_parallel",
                 tp,
                 f"a tensor-parallel lane spans chips of one mesh row (1xN, as tt_transformers "
-                f"lays out N300, T3K and each Galaxy row); {tp} chips do not fit the {cols} "
-                f"columns of {list(mesh)}: 2-D tensor parallelism is not built (use "
-                f"lanes={rows} with tensor_parallel={cols}, or fewer chips a lane)",
+                f"lays out N300, T3K and each Galaxy row) or whole rows (a 2-D lane, its "
+                f"collectives along each mesh axis); {tp} chips are neither in the {cols} "
+                f"columns of {list(mesh)} (use lanes={rows} with tensor_parallel={cols}, "
+                "or fewer chips a lane)",
             )
         _check(
             tp == 1 or tt.fabric_config != "disabled",

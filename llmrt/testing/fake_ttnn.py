@@ -1717,7 +1717,9 @@ class FakeTtnn:
     ) -> Any:
         """The ring's sum, device ``i`` of the ring keeping chunk ``i`` along ``dim``
         (``output_shape[dim] = input_shape[dim] / ring``): bfloat16, bfloat8_b or float32,
-        rank 2 or more, ``dim`` divisible by the ring size, as ttnn requires."""
+        rank 2 or more, ``dim`` divisible by the ring size, as ttnn requires. Summed as the
+        chip sums (``_ccl_numerics``): in the tensor's dtype, not float32; without
+        ``cluster_axis`` a 2-D mesh reduces along axis 0, then axis 1, as ttnn does."""
         ring = self._collective_checks(
             "reduce_scatter", input_tensor, dim, cluster_axis, output_tensor, num_links, topology
         )
@@ -1728,9 +1730,14 @@ class FakeTtnn:
                 "op input",
                 f"reduce_scatter: dim {dim} ({size}) is not divisible by the {ring} devices",
             )
+        register, stored = _ccl_numerics(input_tensor._dtype)
+        direct = self._direct_reduce_scatter(input_tensor, dim, ring, topology)
         return self._collective(
             "reduce_scatter", input_tensor, cluster_axis,
-            lambda shards, rings: per_mesh.scattered(shards, rings, dim), key=(dim,),
+            lambda shards, rings: per_mesh.scattered(
+                shards, rings, dim, direct=direct, register=register, stored=stored
+            ),
+            key=(dim,), per_axis=True,
         )  # fmt: skip
 
     def all_reduce(
@@ -1744,14 +1751,40 @@ class FakeTtnn:
         topology: _Topology | None = None,
     ) -> Any:
         """The ring's sum on every device of it (the input's shape and dtype): bfloat16,
-        bfloat8_b or float32, rank 2 or more."""
+        bfloat8_b or float32, rank 2 or more; summed in the tensor's dtype as
+        ``reduce_scatter`` (without ``cluster_axis`` a 2-D mesh reduces per axis)."""
         self._collective_checks(
             "all_reduce", input_tensor, None, cluster_axis, None, num_links, topology
         )
+        register, _ = _ccl_numerics(input_tensor._dtype)
         return self._collective(
             "all_reduce", input_tensor, cluster_axis,
-            lambda shards, rings: per_mesh.reduced(shards, rings), key=(),
+            lambda shards, rings: per_mesh.reduced(shards, rings, register=register), key=(),
+            per_axis=True,
         )  # fmt: skip
+
+    def _direct_reduce_scatter(
+        self, tensor: _Tensor, dim: int, ring: int, topology: _Topology | None
+    ) -> bool:
+        """Whether ttnn 0.81.1 takes its one-shot ``reduce_scatter_minimal_direct`` path: a
+        ring (``Topology.Ring``, or none given on a ring fabric), tile layout, each device's
+        chunk whole tiles along ``dim``, and at most 512 KiB of padded input per device
+        (``k_direct_rs_max_input_bytes``); otherwise the store-and-forward kernels."""
+        mesh = tensor._mesh
+        assert mesh is not None
+        if topology is None:
+            ring_fabric = mesh._fabric is FabricConfig.FABRIC_1D_RING
+            topology = Topology.Ring if ring_fabric else Topology.Linear
+        if topology is not Topology.Ring or tensor._layout is not Layout.TILE:
+            return False
+        padded = list(tensor.padded_shape)
+        rank = len(padded)
+        if dim % rank >= rank - 2 and (padded[dim] // ring) % TILE_SIZE:
+            return False
+        size = 1
+        for d in padded:
+            size *= d
+        return size * _CCL_BYTES.get(tensor._dtype, 4) <= 512 << 10
 
     def _collective_checks(
         self,
@@ -1798,6 +1831,9 @@ class FakeTtnn:
                 "(set_fabric_config(FABRIC_1D...) before open_mesh_device)",
             )
         grid = per_mesh.mesh_grid(list(mesh.shape))
+        fabric_2d = mesh._fabric.name.startswith("FABRIC_2D")
+        if name == "all_gather" and cluster_axis is None and min(grid) > 1 and not fabric_2d:
+            raise refuse("1D fabric on a 2D mesh_device requires cluster_axis to be set")
         return len(per_mesh.rings(grid, cluster_axis)[0])
 
     def _collective(
@@ -1808,20 +1844,29 @@ class FakeTtnn:
         combine: Callable[[list[torch.Tensor], list[list[int]]], list[torch.Tensor]],
         *,
         key: tuple[Any, ...],
+        per_axis: bool = False,
     ) -> Any:
         """Run ``combine`` over every device's value; a result every device shares is held
-        once (replicated), else stacked per device."""
+        once (replicated), else stacked per device. ``per_axis``: without ``cluster_axis``
+        a mesh of more than one row and column runs it along axis 0, then axis 1 (ttnn's
+        reductions on a non-line mesh)."""
         mesh = tensor._mesh
         assert mesh is not None
         devices = mesh.get_num_devices()
-        rings = per_mesh.rings(per_mesh.mesh_grid(list(mesh.shape)), cluster_axis)
+        grid = per_mesh.mesh_grid(list(mesh.shape))
+        if per_axis and cluster_axis is None and min(grid) > 1:
+            ring_sets = [per_mesh.rings(grid, 0), per_mesh.rings(grid, 1)]
+        else:
+            ring_sets = [per_mesh.rings(grid, cluster_axis)]
 
         def run(payload: torch.Tensor | Shards) -> torch.Tensor | Shards:
             if isinstance(payload, Shards):
                 shards = list(payload.stacked.unbind(0))
             else:
                 shards = [payload] * devices
-            out = combine(shards, rings)
+            out = shards
+            for rings in ring_sets:
+                out = combine(out, rings)
             if all(o is out[0] for o in out):
                 return out[0].clone()
             return Shards(torch.stack(out))
@@ -2158,6 +2203,35 @@ def _resolve_fail(fail: Mapping[str, int | Iterable[int]]) -> dict[str, frozense
                 raise ConfigError(f"fail.{name}", n, "call numbers are integers >= 1")
         resolved[name] = frozenset(wanted)
     return resolved
+
+
+#: Bytes a device stores per element (block floats with their shared exponents), for the
+#: direct reduce-scatter's size gate.
+_CCL_BYTES: Mapping[DataType, float] = {
+    DataType.FLOAT32: 4,
+    DataType.BFLOAT16: 2,
+    DataType.BFLOAT8_B: 1088 / 1024,
+}
+
+
+def _ccl_numerics(dtype: DataType) -> tuple[per_mesh.Rounding, per_mesh.Rounding]:
+    """How a reduction's partial sums are rounded on the chip: in the destination register
+    (float32 with fp32 accumulation, which ttnn turns on for float32 tensors only, else
+    bfloat16) and when a partial is stored and sent on (the tensor's dtype)."""
+    if dtype is DataType.FLOAT32:
+        return _as_float, _as_float
+
+    def register(value: torch.Tensor) -> torch.Tensor:
+        return value.to(torch.bfloat16).float()
+
+    def stored(value: torch.Tensor) -> torch.Tensor:
+        return _store(value, dtype).float()
+
+    return register, stored
+
+
+def _as_float(value: torch.Tensor) -> torch.Tensor:
+    return value.float()
 
 
 def _store(tensor: torch.Tensor, dtype: DataType) -> torch.Tensor:

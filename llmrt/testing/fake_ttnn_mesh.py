@@ -203,22 +203,82 @@ def gathered(shards: list[torch.Tensor], groups: list[list[int]], dim: int) -> l
     return out
 
 
-def reduced(shards: list[torch.Tensor], groups: list[list[int]]) -> list[torch.Tensor]:
-    """Each device's ``all_reduce`` result: its ring's values summed in float32."""
+Rounding = Callable[[torch.Tensor], torch.Tensor]
+"""A value rounded to the format a chip holds it in (float32 torch values in and out)."""
+
+
+def folded(blocks: Sequence[torch.Tensor], register: Rounding) -> torch.Tensor:
+    """``blocks`` summed as ttnn 0.81.1's reduce kernels fold them into the destination
+    register (``reduce_scatter_minimal_direct_compute.cpp``, ``all_reduce_async``'s
+    ``reduction.cpp``): pairwise ``add_tiles`` accumulating into DST, each pair's sum added to
+    the accumulator and rounded to the register's format (bfloat16 unless the tensor is
+    float32, where fp32 accumulation is on); an odd count starts from the first block."""
+    values = [b.float() for b in blocks]
+    acc: torch.Tensor | None = None
+    if len(values) % 2:
+        acc, values = register(values[0]), values[1:]
+    for a, b in zip(values[0::2], values[1::2], strict=True):
+        pair = a + b
+        acc = register(pair if acc is None else acc + pair)
+    assert acc is not None
+    return acc
+
+
+def relayed(own: torch.Tensor, left: Sequence[torch.Tensor], right: Sequence[torch.Tensor],
+            stored: Rounding) -> torch.Tensor:
+    """A store-and-forward reduction's result on its owner: each side's partial accumulated hop
+    by hop from the far end (every hop's partial stored in the tensor's dtype before it is
+    sent on), the owner adding the nearer-side partials to its own value."""
+
+    def partial(hops: Sequence[torch.Tensor]) -> torch.Tensor | None:
+        acc: torch.Tensor | None = None
+        for value in hops:
+            acc = value.float() if acc is None else stored(acc + value.float())
+        return acc
+
+    total = own.float()
+    for side in (partial(left), partial(right)):
+        if side is not None:
+            total = stored(total + side)
+    return total
+
+
+def reduced(
+    shards: list[torch.Tensor], groups: list[list[int]], *, register: Rounding
+) -> list[torch.Tensor]:
+    """Each device's ``all_reduce`` result: its ring's values folded in device order (the
+    gathered blocks ``all_reduce_async`` reduces on every device)."""
     out: list[torch.Tensor] = [shards[0]] * len(shards)
     for ring in groups:
-        total = torch.stack([shards[d].float() for d in ring]).sum(0)
+        total = folded([shards[d] for d in ring], register)
         for d in ring:
             out[d] = total
     return out
 
 
-def scattered(shards: list[torch.Tensor], groups: list[list[int]], dim: int) -> list[torch.Tensor]:
+def scattered(
+    shards: list[torch.Tensor],
+    groups: list[list[int]],
+    dim: int,
+    *,
+    direct: bool,
+    register: Rounding,
+    stored: Rounding,
+) -> list[torch.Tensor]:
     """Each device's ``reduce_scatter`` result: chunk ``i`` (its place in its ring) of the
-    ring's float32 sum along ``dim``."""
+    ring's sum along ``dim``. ``direct``: ttnn 0.81.1's one-shot path (a ring, a small tile
+    input), the owner folding its own chunk then the others' in device order
+    (``folded``); otherwise the store-and-forward line/ring kernels, modelled as partials
+    relayed towards the owner from both ends of the line (``relayed``: exact for two
+    devices, one rounding of a two-term sum; for longer rings the order of 0.81.1's
+    bidirectional ring kernel is approximated, its per-hop rounding in the dtype kept)."""
     out: list[torch.Tensor] = [shards[0]] * len(shards)
     for ring in groups:
-        total = torch.stack([shards[d].float() for d in ring]).sum(0)
-        for d, piece in zip(ring, torch.chunk(total, len(ring), dim=dim), strict=True):
-            out[d] = piece
+        pieces = [torch.chunk(shards[d], len(ring), dim=dim) for d in ring]
+        for i, owner in enumerate(ring):
+            mine = [p[i] for p in pieces]
+            if direct:
+                out[owner] = folded([mine[i], *mine[:i], *mine[i + 1 :]], register)
+            else:
+                out[owner] = relayed(mine[i], mine[:i], mine[:i:-1], stored)
     return out

@@ -120,8 +120,9 @@ class VLLMAdapterConfig:
         The plugin's ``_kv_cache_shape`` (tensor parallelism is the model's business:
         ``num_kv_heads // min(devices per lane, num_kv_heads)``). It sizes vLLM's pool; a
         decoder family's lane holds the same heads per chip (its tensor-parallel layers split
-        them over the lane's chips, ``resolve`` checks the two agree); a model without
-        tensor-parallel layers keeps every head on each chip."""
+        them over the lane's chips, or hold one replicated head a chip when the chips
+        outnumber them; ``resolve`` checks the two agree); a model without tensor-parallel
+        layers keeps every head on each chip."""
         return self.num_kv_heads // min(self.devices_per_lane, self.num_kv_heads)
 
     @property

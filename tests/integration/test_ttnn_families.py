@@ -7,7 +7,9 @@ column/row-sharded over the lane's chips, each chip holding its share of the KV 
 run the product's path: batched and chunked prefill over the paged cache, traced paged
 decode, device sampling. Their greedy tokens are transformers' float32 greedy tokens wherever the
 reference's top-2 margin exceeds the stated bfloat16 tolerance (teacher-forced on the
-runtime's own tokens, so one near-tie does not end the comparison).
+runtime's own tokens, so one near-tie does not end the comparison); a tensor-parallel lane's
+tokens equal the one-chip lane's up to the first such near-tie (the chips' bfloat16 partial
+sums and bfloat16 collectives round differently from one chip's matmul).
 """
 
 from __future__ import annotations
@@ -27,8 +29,9 @@ from llmrt.families.ttnn_model import TtnnCausalLM
 transformers = pytest.importorskip("transformers")
 
 #: |ttnn - float32| logits over the float32 logits' largest magnitude with bfloat16 weights
-#: and activations (measured 0.016 on these models); a token is compared where the
-#: reference's top-2 margin exceeds twice it.
+#: and activations (measured 0.016 on these models on one chip; on a 1x8 lane, with the
+#: collectives reducing in bfloat16, 0.014 for the 8-query/2-KV-head Llama and Qwen2 against
+#: 0.013 on one chip); a token is compared where the reference's top-2 margin exceeds twice it.
 TOLERANCE = 0.03
 STEPS = 6
 PROMPTS = (
@@ -123,9 +126,13 @@ def _tensor_parallel_tokens(
     model = lane.model()
     assert isinstance(model, TtnnCausalLM)
     assert model.borrowed_mesh.get_num_devices() == chips
-    assert tuple(model.borrowed_mesh.shape) == (1, chips)
+    # a lane is chips of one mesh row, or whole rows (a 2-D lane)
+    shape = (1, chips) if mesh[1] % chips == 0 else (chips // mesh[1], mesh[1])
+    assert tuple(model.borrowed_mesh.shape) == shape
     meta = model.attention_metadata()
-    assert (meta.tensor_parallel, meta.kv_heads_per_device) == (chips, meta.num_kv_heads // chips)
+    # the vLLM TT plugin's per-chip heads: split, or one replicated head when fewer than chips
+    heads = meta.num_kv_heads // chips if meta.num_kv_heads >= chips else 1
+    assert (meta.tensor_parallel, meta.kv_heads_per_device) == (chips, heads)
     fake = runtime.container.device.ttnn_module()
     before = fake.call_names()
     tokens: list[list[int]] = runtime.generate(list(PROMPTS), steps=STEPS).tokens
@@ -153,6 +160,27 @@ def _check_against_transformers(
     assert compared >= at_least  # the comparison really ran
 
 
+def _agree_where_clear(hf: Any, one: list[list[int]], other: list[list[int]], where: str) -> int:
+    """``other`` (a tensor-parallel lane's tokens) equals ``one`` (the one-chip lane's) up to
+    each prompt's first step where transformers' float32 top-2 margin, on their common
+    prefix, is within the bfloat16 tolerance: there the chips' partial sums, rounded to
+    bfloat16 and reduced in bfloat16 as ttnn 0.81.1's collectives do, may pick the other
+    token, and the two continuations part. Returns the steps compared."""
+    compared = 0
+    with torch.no_grad():
+        for prompt, a, b in zip(PROMPTS, one, other, strict=True):
+            logits = hf(torch.tensor([prompt + a])).logits[0, len(prompt) - 1 : -1]
+            scale = float(logits.abs().max())
+            top2 = logits.topk(2).values
+            clear = (top2[:, 0] - top2[:, 1]) > 2 * TOLERANCE * scale
+            for step, (x, y) in enumerate(zip(a, b, strict=True)):
+                if x != y:
+                    assert not clear[step], f"{where}: {b} vs one chip's {a} at step {step}"
+                    break
+                compared += 1
+    return compared
+
+
 @pytest.mark.parametrize("mesh", [[1, 1], [1, 2]], ids=["1x1", "1x2"])
 def test_greedy_tokens_follow_transformers_float32(
     checkpoint: tuple[str, Path, Any], mesh: list[int], build: Callable[..., Any]
@@ -175,17 +203,19 @@ def test_a_1x8_tensor_parallel_lane_gives_the_one_chip_tokens(
     build: Callable[..., Any],
 ) -> None:
     """T3K's layout: the same checkpoint on a 1x1 lane and on tensor-parallel 1x8 (and 1x2)
-    lanes emits the same greedy tokens, and they are transformers' where its top-2 margin
-    allows (these eight-head models separate less: a third of the steps are clear)."""
+    lanes: each lane's tokens are transformers' where its top-2 margin allows (these
+    eight-head models separate less: a third of the steps are clear), and the lanes emit the
+    same tokens until a step whose margin is within the bfloat16 tolerance
+    (``_agree_where_clear``)."""
     hf = _hf(kind, **EIGHT_HEADS)
     hf.save_pretrained(tmp_path, safe_serialization=True)
     shutil.copy(tiny_hf_checkpoint / "tokenizer.json", tmp_path / "tokenizer.json")
     one = _tensor_parallel_tokens(tmp_path, [1, 1], build)
+    _check_against_transformers(kind, hf, one, "1x1", at_least=len(PROMPTS) * STEPS // 3)
     for mesh in meshes:
-        assert _tensor_parallel_tokens(tmp_path, mesh, build) == one, mesh
-    _check_against_transformers(
-        kind, hf, one, f"1x1 and {meshes}", at_least=len(PROMPTS) * STEPS // 3
-    )
+        tokens = _tensor_parallel_tokens(tmp_path, mesh, build)
+        _check_against_transformers(kind, hf, tokens, f"{mesh}", at_least=len(PROMPTS) * STEPS // 3)
+        assert _agree_where_clear(hf, one, tokens, f"{mesh}") >= len(PROMPTS) * STEPS // 2
 
 
 @pytest.mark.slow
@@ -199,17 +229,74 @@ def test_a_galaxy_as_four_1x8_lanes_gives_the_one_chip_tokens(
     hf.save_pretrained(tmp_path, safe_serialization=True)
     shutil.copy(tiny_hf_checkpoint / "tokenizer.json", tmp_path / "tokenizer.json")
     one = _tensor_parallel_tokens(tmp_path, [1, 1], build)
-    assert _tensor_parallel_tokens(tmp_path, [4, 8], build, lanes=4) == one
+    tokens = _tensor_parallel_tokens(tmp_path, [4, 8], build, lanes=4)
+    assert _agree_where_clear(hf, one, tokens, "4x8") >= len(PROMPTS) * STEPS // 2
+
+
+@pytest.mark.parametrize(
+    ("kind", "meshes"),
+    [("llama", [[1, 4], [1, 8]]), ("qwen2", [[1, 8], [2, 4]])],
+    ids=["llama", "qwen2"],
+)
+def test_fewer_kv_heads_than_a_1x8_lanes_chips_are_replicated_and_give_the_one_chip_tokens(
+    kind: str,
+    meshes: list[list[int]],
+    tmp_path: Path,
+    tiny_hf_checkpoint: Path,
+    build: Callable[..., Any],
+) -> None:
+    """Two KV heads on a T3K lane (and on 1x4, and on a 2x4 lane: 2-D tensor parallelism,
+    its collectives along each mesh axis): each chip holds the one KV head its query heads
+    read (the vLLM plugin's ``2 // min(8, 2)``), replicated over 4 (2) chips with Qwen2's
+    k/v biases; the tokens are the one-chip lane's until a near-tie
+    (``_agree_where_clear``) and transformers' where the margin is clear."""
+    hf = _hf(kind, num_attention_heads=8, num_key_value_heads=2)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    shutil.copy(tiny_hf_checkpoint / "tokenizer.json", tmp_path / "tokenizer.json")
+    one = _tensor_parallel_tokens(tmp_path, [1, 1], build)
+    _check_against_transformers(kind, hf, one, "1x1", at_least=len(PROMPTS) * STEPS // 3)
+    for mesh in meshes:
+        tokens = _tensor_parallel_tokens(tmp_path, mesh, build)
+        _check_against_transformers(kind, hf, tokens, f"{mesh}", at_least=len(PROMPTS) * STEPS // 3)
+        assert _agree_where_clear(hf, one, tokens, f"{mesh}") >= len(PROMPTS) * STEPS // 2
+
+
+@pytest.mark.slow
+def test_a_galaxy_as_one_4x8_lane_gives_the_one_chip_tokens(
+    tmp_path: Path, tiny_hf_checkpoint: Path, build: Callable[..., Any]
+) -> None:
+    """Galaxy's 32 chips as one 2-D tensor-parallel lane: 32 query heads one a chip, 8 KV
+    heads each replicated on 4 chips, the vocabulary padded to whole tiles on every chip,
+    reductions along the rows then the columns (a minute on the emulator's 32 chips)."""
+    hf = _hf("llama", num_attention_heads=32, num_key_value_heads=8)
+    hf.save_pretrained(tmp_path, safe_serialization=True)
+    shutil.copy(tiny_hf_checkpoint / "tokenizer.json", tmp_path / "tokenizer.json")
+    one = _tensor_parallel_tokens(tmp_path, [1, 1], build)
+    tokens = _tensor_parallel_tokens(tmp_path, [4, 8], build, lanes=1)
+    _check_against_transformers("llama", hf, tokens, "4x8", at_least=len(PROMPTS) * STEPS // 3)
+    assert _agree_where_clear(hf, one, tokens, "4x8") >= len(PROMPTS) * STEPS // 2
 
 
 def test_heads_that_do_not_split_over_a_1x8_lane_are_named(
     checkpoint: tuple[str, Path, Any], build: Callable[..., Any]
 ) -> None:
-    """Two KV heads cannot be split over a 1x8 lane's chips (the vLLM plugin's per-device KV
-    holds ``num_kv_heads / devices`` heads): the build names the field."""
+    """Four query heads cannot be split over a 1x8 lane's chips: the build names the field."""
     _, directory, _ = checkpoint
-    with pytest.raises(ConfigError, match=r"num_key_value_heads.*divisible by 8"):
+    with pytest.raises(ConfigError, match=r"num_attention_heads.*divisible by 8"):
         build("hf", overrides(directory, [1, 8])).ready()
+
+
+def test_kv_heads_that_neither_split_nor_replicate_over_a_1x8_lane_are_named(
+    tmp_path: Path, tiny_hf_checkpoint: Path, build: Callable[..., Any]
+) -> None:
+    """Three KV heads neither divide over 8 chips nor replicate evenly onto them."""
+    _hf("llama", hidden_size=768, num_attention_heads=24, num_key_value_heads=3).save_pretrained(
+        tmp_path, safe_serialization=True
+    )
+    shutil.copy(tiny_hf_checkpoint / "tokenizer.json", tmp_path / "tokenizer.json")
+    divisor = r"num_key_value_heads: .*or for KV heads a divisor of 8.*got 3"
+    with pytest.raises(ConfigError, match=divisor):
+        build("hf", overrides(tmp_path, [1, 8])).ready()
 
 
 def test_a_part_the_ttnn_decoder_lacks_is_refused_at_build_naming_it(

@@ -7,6 +7,7 @@ single-lane replay of its whole session lives in ``test_vllm_conformance.py``.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -531,3 +532,35 @@ def test_a_mesh_the_lanes_cannot_split_evenly_is_refused() -> None:
     ):
         _init(lanes=3, mesh=mesh, batch=12)
     fake.close_mesh_device(mesh)
+
+
+def test_a_t3k_lane_with_fewer_kv_heads_than_chips_takes_the_plugins_one_head_per_chip(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two KV heads on a T3K: the plugin's ``2 // min(8, 2)`` = 1 head per chip is what the
+    decoder family's tensor-parallel lane holds (each KV head replicated on 4 chips); two
+    heads per chip are refused naming the split. tests/integration/test_vllm_conformance.py
+    generates through it (slow)."""
+    from llmrt.testing.fake_ttnn import FakeTtnn
+
+    monkeypatch.setenv(
+        "LLMRT_VLLM_OVERRIDES",
+        "device.backend=ttnn model.hidden_size=256 model.num_attention_heads=8",
+    )
+    fake = FakeTtnn(system_mesh_shape=(1, 8))
+    monkeypatch.setitem(sys.modules, "ttnn", fake)  # what ``import ttnn`` gives the plugin
+    fake.set_fabric_config(fake.FabricConfig.FABRIC_1D)
+    mesh = fake.open_mesh_device(fake.MeshShape(1, 8), trace_region_size=1 << 20)
+    model = _init(lanes=1, mesh=mesh, batch=4)
+    try:
+        assert model.config.kv_heads_per_device == 1
+        with pytest.raises(ConfigError, match=r"2 KV heads over 8 device\(s\) per lane are 1"):
+            model.allocate_kv_cache((NUM_BLOCKS, 2, 16, 32), torch.bfloat16, 2)
+        (handle,) = model.allocate_kv_cache((NUM_BLOCKS, 1, 16, 32), torch.bfloat16, 2)
+        meta = model.group.lanes[0].kv_cache.borrowed_model.attention_metadata()
+        assert (meta.tensor_parallel, meta.kv_heads_per_device) == (8, 1)
+        assert tuple(handle.keys[0].shape) == (NUM_BLOCKS, 1, 16, 32)  # per chip
+    finally:
+        model.close()
+        fake.close_mesh_device(mesh)
+        fake.set_fabric_config(fake.FabricConfig.DISABLED)

@@ -32,7 +32,7 @@ import contextlib
 import math
 import sys
 from collections.abc import Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -491,15 +491,24 @@ def expected(
     backend: Backend,
 ) -> Iterator[tuple[list[list[int]], list[list[int]], list[list[int]]]]:
     """``LLM.generate`` on the same recipe (a ttnn recipe over its own fake machine)."""
-    recipe = load_recipe(backend.recipe, overrides=backend.overrides.split())
+    yield tuple(_generated(backend, HOST_WAVE, DEVICE_WAVE, OVERLAP_WAVE))  # type: ignore[misc]
+
+
+def _generated(
+    backend: Backend, *waves: list[SamplingParams], mesh_shape: tuple[int, int] = (1, 1)
+) -> list[list[list[int]]]:
+    """``LLM.generate``'s tokens of ``PROMPTS`` for each wave, on a ``mesh_shape`` mesh."""
+    overrides = backend.overrides.split()
+    if mesh_shape != (1, 1):
+        mesh = f"device.mesh_shape={list(mesh_shape)}"
+        overrides += [mesh, "device.ttnn.fabric_config=fabric_1d"]
+    recipe = load_recipe(backend.recipe, overrides=overrides)
     container = RuntimeContainer(recipe=recipe)
     if backend.ttnn:
-        container.device.ttnn_module.override(providers.Object(_fake(backend)))
+        fake = _fake(backend, system_mesh_shape=mesh_shape)
+        container.device.ttnn_module.override(providers.Object(fake))
     with LLM(recipe=recipe, container=container) as llm:
-        host = [list(o.token_ids) for o in llm.generate(PROMPTS, HOST_WAVE)]
-        device = [list(o.token_ids) for o in llm.generate(PROMPTS, DEVICE_WAVE)]
-        overlap = [list(o.token_ids) for o in llm.generate(PROMPTS, OVERLAP_WAVE)]
-    yield host, device, overlap
+        return [[list(o.token_ids) for o in llm.generate(PROMPTS, wave)] for wave in waves]
 
 
 @contextlib.contextmanager
@@ -618,6 +627,31 @@ def test_multi_chip_meshes_take_the_plugins_per_device_kv_heads(
         device = session.run(_requests(DEVICE_WAVE), late=1, on_device=True, async_path=True)
 
         assert device == expected[1]
+
+
+@pytest.mark.slow
+def test_a_t3k_with_fewer_kv_heads_than_chips_takes_the_plugins_one_head_per_chip(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Two KV heads on a T3K's 8 chips: the plugin allocates ``2 // min(8, 2)`` = 1 head per
+    chip, the decoder family's lane replicates each KV head on the 4 chips of its query group
+    and generates what ``LLM.generate`` does on the same 1x8 mesh (the 1x8 lane's tokens
+    equal the one-chip lane's where bfloat16 leaves a margin: tests/integration/
+    test_ttnn_families.py; here one penalized row starts on a near-tie). A minute and a half
+    on the emulator's 8 chips: test_vllm_adapter.py checks the allocation in the default
+    suite."""
+    backend = replace(
+        TTNN_DECODER,
+        overrides=f"{TTNN_DECODER.overrides} model.hidden_size=256 model.num_attention_heads=8",
+    )
+    (expected,) = _generated(backend, DEVICE_WAVE, mesh_shape=(1, 8))
+    with _plugin_session(backend, monkeypatch, mesh_shape=(1, 8)) as session:
+        assert session.kv_heads == 1
+        meta = session.model.group.lanes[0].kv_cache.borrowed_model.attention_metadata()
+        assert (meta.tensor_parallel, meta.kv_heads_per_device) == (8, 1)
+        device = session.run(_requests(DEVICE_WAVE), late=1, on_device=True, async_path=True)
+
+        assert device == expected
 
 
 def test_warmup_skipped_with_traces_on_warms_and_captures_at_the_first_request(

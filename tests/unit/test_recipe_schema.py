@@ -267,8 +267,10 @@ def test_ttnn_mesh_splits_into_lanes() -> None:
         ([1, 8], 1, 8, "fabric_1d"),  # T3K
         ([4, 8], 4, 8, "fabric_1d"),  # Galaxy: four 1x8 lanes
         ([4, 8], 32, 1, "disabled"),  # Galaxy: 32 one-chip lanes
+        ([4, 8], 1, 32, "fabric_1d"),  # Galaxy as one 2-D lane of 32 chips
+        ([4, 8], 2, 16, "fabric_1d"),  # Galaxy as two 2x8 lanes
     ],
-    ids=["n150", "n300", "n300-dp2", "t3k", "galaxy-dp4", "galaxy-dp32"],
+    ids=["n150", "n300", "n300-dp2", "t3k", "galaxy-dp4", "galaxy-dp32", "galaxy-2d", "2x8"],
 )
 def test_tensor_parallel_degree_and_fabric_follow_the_mesh_and_lanes(
     mesh: list[int], lanes: int, tensor_parallel: int, fabric: str
@@ -293,15 +295,13 @@ def test_tensor_parallel_degree_and_fabric_follow_the_mesh_and_lanes(
          r"lanes=2 with tensor_parallel=4"),
         ({"device.mesh_shape": [4, 8], "device.ttnn.tensor_parallel": 8},
          "device.ttnn.tensor_parallel", r"lanes=4 with tensor_parallel=8"),
-        ({"device.mesh_shape": [4, 8], "lanes": 1},
-         "device.ttnn.tensor_parallel", r"one mesh row .* 2-D tensor parallelism is not built"),
-        ({"device.mesh_shape": [4, 8], "lanes": 2},
-         "device.ttnn.tensor_parallel", r"16 chips do not fit the 8 columns"),
+        ({"device.mesh_shape": [4, 6], "lanes": 3},
+         "device.ttnn.tensor_parallel", r"one mesh row .* or whole rows .* 8 chips are neither"),
         ({"device.mesh_shape": [1, 8], "device.ttnn.fabric_config": "disabled"},
          "device.ttnn.fabric_config", r"tensor_parallel=8 needs a fabric"),
         ({"device.ttnn.tensor_parallel": 0}, "device.ttnn.tensor_parallel", "positive integer"),
     ],
-    ids=["t3k-half", "galaxy-one-lane-of-8", "galaxy-2d", "galaxy-2x8", "no-fabric", "zero"],
+    ids=["t3k-half", "galaxy-one-lane-of-8", "rows-split-unevenly", "no-fabric", "zero"],
 )  # fmt: skip
 def test_invalid_mesh_lane_and_tensor_parallel_combinations_are_named(
     settings: dict[str, Any], field: str, message: str

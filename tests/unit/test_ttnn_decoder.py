@@ -12,11 +12,12 @@ import itertools
 from collections.abc import Iterator
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 
 from llmrt.errors import ConfigError
-from llmrt.families.ttnn_decoder import TtnnDecoder, TtnnDecoderConfig
+from llmrt.families.ttnn_decoder import TtnnDecoder, TtnnDecoderConfig, tensor_parallel_refusal
 from llmrt.testing.fake_ttnn import FakeTtnn
 
 transformers = pytest.importorskip("transformers")
@@ -251,7 +252,44 @@ def test_heads_that_do_not_split_over_the_mesh_are_refused() -> None:
     fake = FakeTtnn(system_mesh_shape=(1, 8))
     fake.set_fabric_config(fake.FabricConfig.FABRIC_1D)
     mesh = fake.open_mesh_device(fake.MeshShape(1, 8))
-    hf = _hf_model("llama")  # two KV heads
+    hf = _hf_model("llama")  # four query heads, two KV heads
     config = TtnnDecoderConfig.from_hf(hf.config.to_dict())
-    with pytest.raises(ConfigError, match=r"num_key_value_heads: .*divisible by 8"):
+    with pytest.raises(ConfigError, match=r"num_attention_heads: .*divisible by 8"):
         TtnnDecoder(tt=fake, mesh=mesh, config=config, weights=hf.state_dict())
+    for kv, chips in ((3, 8), (12, 8), (2, 3)):
+        refusal = tensor_parallel_refusal(attrs.evolve(config, num_kv_heads=kv), chips)
+        assert refusal == ("num_key_value_heads", kv)
+    for kv, chips in ((2, 8), (1, 8), (8, 8), (16, 8)):
+        wider = attrs.evolve(config, num_kv_heads=kv, num_heads=16)
+        assert tensor_parallel_refusal(wider, chips) is None
+
+
+def test_fewer_kv_heads_than_chips_put_each_chip_the_kv_head_its_query_heads_read() -> None:
+    """Two KV heads on a 1x4 mesh: chip ``d`` computes query heads ``d`` (of four) and holds
+    KV head ``d // 2`` (grouped-query attention's group of query head ``d``), its k/v
+    projection columns and bias that head's rows."""
+    fake = FakeTtnn(system_mesh_shape=(1, 4))
+    fake.set_fabric_config(fake.FabricConfig.FABRIC_1D)
+    mesh = fake.open_mesh_device(fake.MeshShape(1, 4))
+    hf = _hf_model("qwen2")  # four query heads, two KV heads, q/k/v biases
+    config = TtnnDecoderConfig.from_hf(hf.config.to_dict())
+    weights = hf.state_dict()
+    model = TtnnDecoder(
+        tt=fake, mesh=mesh, config=config, weights=weights, weight_dtype="bfloat16"
+    )
+    assert (model.heads, model.kv_heads) == (1, 1)
+    d = config.head_dim
+    composer = fake.ConcatMeshToTensor(mesh, dim=-1)
+    v_weight = weights["model.layers.0.self_attn.v_proj.weight"]
+    v_bias = weights["model.layers.0.self_attn.v_proj.bias"]
+    wv = fake.to_torch(model.layers[0]["wv"], mesh_composer=composer)
+    bv = fake.to_torch(model.layers[0]["bv"], mesh_composer=composer)
+    assert tuple(wv.shape) == (config.hidden_size, 4 * d)
+    for chip in range(4):
+        head = chip // 2
+        expected = v_weight[head * d : (head + 1) * d].T.to(torch.bfloat16).float()
+        assert torch.equal(wv[:, chip * d : (chip + 1) * d].float(), expected)
+        expected_bias = v_bias[head * d : (head + 1) * d].to(torch.bfloat16).float()
+        assert torch.equal(bv[0, chip * d : (chip + 1) * d].float(), expected_bias)
+    model.close()
+    fake.close_mesh_device(mesh)

@@ -140,17 +140,83 @@ def test_reduce_scatter_leaves_chip_d_the_dth_chunk_of_the_sum(
         assert torch.allclose(chip.double(), total[:, 8 * d : 8 * (d + 1)], atol=1e-5)
 
 
-def test_all_reduce_sums_on_every_chip_rounded_to_the_input_dtype(
+def _bf16(value: torch.Tensor) -> torch.Tensor:
+    return value.to(torch.bfloat16).float()
+
+
+def _pairwise_bf16(blocks: list[torch.Tensor]) -> torch.Tensor:
+    """ttnn 0.81.1's reduce kernels (``reduce_scatter_minimal_direct_compute.cpp``,
+    ``all_reduce_async``'s ``reduction.cpp``) on bfloat16 tiles: blocks added pairwise,
+    ``add_tiles`` accumulating each pair into a bfloat16 destination register."""
+    acc = _bf16(blocks[0].float() + blocks[1].float())
+    for a, b in zip(blocks[2::2], blocks[3::2], strict=True):
+        acc = _bf16(acc + (a.float() + b.float()))
+    return acc
+
+
+def test_all_reduce_sums_in_bfloat16_as_the_chip_folds_the_blocks(
     t3k: tuple[FakeTtnn, object],
 ) -> None:
+    """A bfloat16 all-reduce accumulates in bfloat16 (ttnn turns fp32 accumulation on for
+    float32 tensors only), not in float32 rounded once."""
     fake, mesh = t3k
-    chips = torch.randn(8, 2, 32)
+    torch.manual_seed(1)
+    chips = torch.randn(8, 2, 32).to(torch.bfloat16)
     reduced = fake.all_reduce(_distinct(fake, mesh, chips, fake.bfloat16))
     assert reduced.dtype == fake.bfloat16 and tuple(reduced.shape) == (2, 32)
-    total = chips.to(torch.bfloat16).float().sum(0)
+    expected = _pairwise_bf16(list(chips))
+    once = _bf16(chips.float().sum(0))
+    assert not torch.equal(expected, once)  # the data tells the two apart
     for chip in _per_chip(fake, mesh, reduced):
         assert chip.dtype == torch.bfloat16
-        assert torch.allclose(chip.float(), total, rtol=2**-7, atol=1e-2)
+        assert torch.equal(chip.float(), expected)
+
+
+def test_a_ring_reduce_scatter_folds_each_chunk_on_its_owner_in_bfloat16(
+    t3k: tuple[FakeTtnn, object],
+) -> None:
+    """T3K's ring, a decode-sized input: 0.81.1's one-shot direct path, chip ``d`` folding
+    its own chunk first, then the other chips' in device order."""
+    fake, mesh = t3k
+    torch.manual_seed(2)
+    chips = torch.randn(8, 32, 256).to(torch.bfloat16)
+    tensor = _distinct(fake, mesh, chips, fake.bfloat16)
+    scattered = fake.reduce_scatter(tensor, -1, topology=fake.Topology.Ring)
+    assert scattered.dtype == fake.bfloat16 and tuple(scattered.shape) == (32, 32)
+    differs = False
+    for d, chip in enumerate(_per_chip(fake, mesh, scattered)):
+        pieces = [c[:, 32 * d : 32 * (d + 1)] for c in chips]
+        expected = _pairwise_bf16([pieces[d], *pieces[:d], *pieces[d + 1 :]])
+        assert torch.equal(chip.float(), expected)
+        differs |= not torch.equal(expected, _bf16(torch.stack(pieces).float().sum(0)))
+    assert differs
+
+
+def test_a_two_chip_reduce_scatter_rounds_the_sum_once() -> None:
+    """N300's line: one addition per element, its bfloat16 rounding the only one."""
+    fake, mesh = _open((1, 2))
+    chips = torch.randn(2, 32, 64).to(torch.bfloat16)
+    scattered = fake.reduce_scatter(
+        _distinct(fake, mesh, chips, fake.bfloat16), -1, topology=fake.Topology.Linear
+    )
+    total = _bf16(chips[0].float() + chips[1].float())
+    for d, chip in enumerate(_per_chip(fake, mesh, scattered)):
+        assert torch.equal(chip.float(), total[:, 32 * d : 32 * (d + 1)])
+
+
+def test_a_line_reduce_scatter_stays_within_its_bfloat16_roundings() -> None:
+    """Eight chips on a line (store-and-forward, each hop's partial stored in bfloat16): the
+    error against the exact sum is bounded by one bfloat16 rounding per addition."""
+    fake, mesh = _open((1, 8))
+    chips = torch.randn(8, 32, 256).to(torch.bfloat16)
+    scattered = fake.reduce_scatter(
+        _distinct(fake, mesh, chips, fake.bfloat16), -1, topology=fake.Topology.Linear
+    )
+    exact = chips.double().sum(0)
+    bound = 7 * 2**-8 * chips.double().abs().sum(0)  # (n - 1) unit roundoffs of |terms|
+    for d, chip in enumerate(_per_chip(fake, mesh, scattered)):
+        part = slice(32 * d, 32 * (d + 1))
+        assert bool(((chip.double() - exact[:, part]).abs() <= bound[:, part]).all())
 
 
 def test_reduce_scatter_then_all_gather_is_the_row_parallel_matmul(
@@ -243,3 +309,23 @@ def test_collectives_need_a_fabric() -> None:
     value = fake.from_torch(torch.zeros(2, 64), dtype=fake.bfloat16, device=mesh)
     with pytest.raises(TtnnRuleViolation, match="opened without a fabric"):
         fake.all_gather(value, -1)
+
+
+def test_an_all_gather_on_a_2d_mesh_over_a_1d_fabric_names_its_axis() -> None:
+    """ttnn 0.81.1: "1D fabric on a 2D mesh_device requires cluster_axis to be set"."""
+    fake, mesh = _open((2, 4))
+    tensor = _distinct(fake, mesh, torch.randn(8, 2, 32), fake.bfloat16)
+    with pytest.raises(TtnnRuleViolation, match="requires cluster_axis to be set"):
+        fake.all_gather(tensor, -1)
+    assert len(_per_chip(fake, mesh, fake.all_gather(tensor, -1, cluster_axis=1))) == 8
+
+
+def test_a_2d_reduce_scatter_without_an_axis_reduces_each_axis_in_turn() -> None:
+    """ttnn 0.81.1 on a non-line mesh: axis 0, then axis 1; chip ``(r, c)`` keeps chunk
+    ``r * cols + c`` of the sum (float32: exact to rounding)."""
+    fake, mesh = _open((2, 4))
+    chips = torch.randn(8, 32, 256)
+    scattered = fake.reduce_scatter(_distinct(fake, mesh, chips, fake.float32), -1)
+    total = chips.double().sum(0)
+    for d, chip in enumerate(_per_chip(fake, mesh, scattered)):
+        assert torch.allclose(chip.double(), total[:, 32 * d : 32 * (d + 1)], atol=1e-5)

@@ -60,3 +60,34 @@ def test_a_right_cache_passes_and_each_wrong_tensor_is_named() -> None:
     host = attrs.evolve(good, keys=(tt.from_torch(torch.zeros(4, 2, 32, 32), tt.bfloat16), kv()))
     with pytest.raises(ConfigError, match=r"must be on mesh"):
         checked_kv_cache(tt, host, meta=META, mesh_id=mesh.id(), tiles=False)
+
+
+@pytest.mark.parametrize(
+    ("kv_heads", "chips", "per_chip"),
+    [(8, 8, 1), (16, 8, 2), (2, 8, 1), (1, 8, 1), (4, 2, 2)],
+)
+def test_each_chip_holds_the_plugins_kv_heads(kv_heads: int, chips: int, per_chip: int) -> None:
+    """Split when the chips divide the heads, one replicated head when the heads divide the
+    chips: the vLLM TT plugin's ``num_kv_heads // min(devices, num_kv_heads)``."""
+    meta = AttentionMetadata(
+        num_layers=1,
+        num_kv_heads=kv_heads,
+        head_dim=32,
+        kv_dtypes=(torch.bfloat16,),
+        tensor_parallel=chips,
+    )
+    assert meta.kv_shape(5, 16) == (5, per_chip, 16, 32)
+
+
+@pytest.mark.parametrize(("kv_heads", "chips"), [(3, 8), (12, 8), (2, 3)])
+def test_kv_heads_that_neither_split_nor_replicate_evenly_are_refused(
+    kv_heads: int, chips: int
+) -> None:
+    with pytest.raises(ConfigError, match=rf"^num_kv_heads: must divide over the {chips} "):
+        AttentionMetadata(
+            num_layers=1,
+            num_kv_heads=kv_heads,
+            head_dim=32,
+            kv_dtypes=(torch.bfloat16,),
+            tensor_parallel=chips,
+        )
