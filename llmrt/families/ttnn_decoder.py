@@ -1,7 +1,10 @@
 """A Llama-style decoder on ttnn ops, laid out the way tt-metal's ``tt_transformers`` does it.
 
 Why: the runtime's traces, mesh lanes and device sampling exist for Tenstorrent chips; this
-is the decoder (GQA, RoPE with ``rope_theta``, optional q/k/v biases as Qwen2 has, a tied or
+is the decoder (GQA; RoPE with ``rope_theta`` and any fixed-table scaling: linear, llama3,
+yarn with its attention factor folded into cos/sin, longrope; optional q/k/v biases as Qwen2
+has; Qwen3's per-head q/k RMSNorm before RoPE, as tt_transformers' ``q_norm``/``k_norm``;
+per-layer sliding windows, passed to ttnn's SDPA ops as ``sliding_window_size``; a tied or
 separate LM head) computed with ttnn ops only, so it runs on a chip or on llmrt's ttnn
 emulator unchanged. Weights are converted once from Hugging Face tensors: projections and
 the LM head to ``weight_dtype`` (``bfloat8_b`` as tt_transformers' performance setting, or
@@ -9,7 +12,8 @@ the LM head to ``weight_dtype`` (``bfloat8_b`` as tt_transformers' performance s
 to bfloat16 row-major. q/k projection rows are permuted per head from Hugging Face's
 half-split rotary layout to interleaved pairs (tt_transformers' ``reverse_permute``), so
 ``ttnn.experimental.rotary_embedding_llama`` rotates them with its pair-swapping
-transformation matrix; attention scores are unchanged by that permutation.
+transformation matrix; attention scores are unchanged by that permutation, and q/k norm
+weights (one ``head_dim`` vector each) are permuted the same way.
 
 ``prefill`` takes one row's chunk (from position 0, or after cached blocks; its start is a
 host integer, as tt_transformers' ``chunk_start_idx``) and ``decode`` a batch of rows over
@@ -40,7 +44,8 @@ import attrs
 import torch
 
 from llmrt.errors import ConfigError
-from llmrt.families.rope import RopeSpec
+from llmrt.families.hfconfig import HFConfig
+from llmrt.families.rope import RopeSpec, read_rope
 from llmrt.families.rope import rope_tables as spec_rope_tables
 
 TILE = 32
@@ -63,15 +68,36 @@ class TtnnDecoderConfig:
     tie_word_embeddings: bool
     attention_scale: float | None = None
     """Scores' scale (None: ``head_dim ** -0.5``)."""
+    qk_norm_eps: float | None = None
+    """Per-head RMSNorm of q and k before RoPE with this epsilon (Qwen3; None: no q/k norm)."""
+    windows: tuple[int | None, ...] = ()
+    """Each layer's sliding window (None: full attention; empty: no layer has one)."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.windows and len(self.windows) != self.num_layers:
+            raise ConfigError(
+                "windows", len(self.windows), f"needs one entry per layer ({self.num_layers})"
+            )
+        for window in self.windows:
+            if window is not None and (isinstance(window, bool) or window <= 0):
+                raise ConfigError("windows", window, "a sliding window must be a positive int")
+
+    def window(self, layer: int) -> int | None:
+        """Layer ``layer``'s sliding window (None: it attends to every earlier position)."""
+        return self.windows[layer] if self.windows else None
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any]) -> TtnnDecoderConfig:
+        """A Llama-style ``config.json`` (its ``rope_scaling`` read as the families read it)."""
         heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
         head_dim = int(hf.get("head_dim") or hidden // heads)
-        scaling = hf.get("rope_scaling")
-        if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-            raise ConfigError("rope_scaling", scaling, "the ttnn decoder has default RoPE only")
+        max_positions = int(hf.get("max_position_embeddings", 2048))
+        rope = read_rope(HFConfig(raw=hf), head_dim=head_dim, max_positions=max_positions)
+        if rope.head_dim != head_dim:
+            raise ConfigError(
+                "partial_rotary_factor", rope.head_dim / head_dim, "the ttnn decoder rotates all"
+            )
         if head_dim % TILE:
             raise ConfigError("head_dim", head_dim, f"must be a multiple of the {TILE}-wide tile")
         return cls(
@@ -83,8 +109,8 @@ class TtnnDecoderConfig:
             head_dim=head_dim,
             intermediate_size=int(hf["intermediate_size"]),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope=RopeSpec(head_dim=head_dim, theta=float(hf.get("rope_theta", 10000.0))),
-            max_positions=int(hf.get("max_position_embeddings", 2048)),
+            rope=rope,
+            max_positions=max_positions,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         )
 
@@ -193,6 +219,11 @@ class TtnnDecoder:
                     b = None if b is None else interleave_rotary_rows(b, heads)
                 layer[f"w{name}"] = self._linear(w, shard=-1)
                 layer[f"b{name}"] = None if b is None else self._norm(b, shard=-1)
+            for name in ("q", "k"):  # one head_dim weight, on every chip
+                norm = weights[f"{p}self_attn.{name}_norm.weight"] if c.qk_norm_eps else None
+                layer[f"{name}_norm"] = (
+                    None if norm is None else self._norm(interleave_rotary_rows(norm, 1))
+                )
             self.layers.append(layer)
         self.final_norm = self._norm(weights["model.norm.weight"])
         head = weights.get("lm_head.weight")
@@ -279,6 +310,19 @@ class TtnnDecoder:
         sin = tt.to_layout(tt.embedding(rope_positions, self.sin), tt.TILE_LAYOUT)
         return cos, sin
 
+    def _head_norm(self, heads: Any, layer: Mapping[str, Any], name: str) -> Any:
+        """q or k heads (``head_dim`` last) RMS-normalized per head when the model has q/k
+        norms (Qwen3), as tt_transformers' ``q_norm``/``k_norm`` before RoPE; else as they are."""
+        weight = layer[f"{name}_norm"]
+        if weight is None:
+            return heads
+        return self._tt.rms_norm(heads, epsilon=self.config.qk_norm_eps, weight=weight)
+
+    def _window(self, layer: int) -> dict[str, int]:
+        """``sliding_window_size`` for the SDPA ops of a windowed layer (none: no keyword)."""
+        window = self.config.window(layer)
+        return {} if window is None else {"sliding_window_size": window}
+
     def _project(self, h: Any, layer: Mapping[str, Any], name: str) -> Any:
         bias = layer[f"b{name}"]
         kwargs = {} if bias is None else {"bias": bias}
@@ -323,11 +367,12 @@ class TtnnDecoder:
         x = self._embed(tokens)
         cos, sin = self._rope(rope_positions)
         cos, sin = (tt.reshape(t, (1, batch, 1, c.head_dim)) for t in (cos, sin))
-        for layer, (k_cache, v_cache) in zip(self.layers, kv, strict=True):
+        for index, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv, strict=True)):
             h = tt.rms_norm(x, epsilon=c.rms_norm_eps, weight=layer["attn_norm"])
             q = tt.reshape(self._project(h, layer, "q"), (1, batch, self.heads, c.head_dim))
             k = tt.reshape(self._project(h, layer, "k"), (1, batch, self.kv_heads, c.head_dim))
             v = tt.reshape(self._project(h, layer, "v"), (1, batch, self.kv_heads, c.head_dim))
+            q, k = self._head_norm(q, layer, "q"), self._head_norm(k, layer, "k")
             q = tt.experimental.rotary_embedding_llama(
                 q, cos, sin, self.trans_mat, is_decode_mode=True
             )
@@ -345,6 +390,7 @@ class TtnnDecoder:
                 cur_pos_tensor=positions,
                 page_table_tensor=page_table,
                 scale=self.scale,
+                **self._window(index),
             )
             attn = tt.reshape(attn, (batch, self.heads * c.head_dim))
             x = tt.add(x, self._all_reduce(tt.linear(attn, layer["wo"], dtype=tt.bfloat16)))
@@ -408,11 +454,12 @@ class TtnnDecoder:
         def heads(t: Any, n: int) -> Any:
             return tt.permute(tt.reshape(t, (1, seq, n, c.head_dim)), (0, 2, 1, 3))
 
-        for layer, (k_cache, v_cache) in zip(self.layers, kv, strict=True):
+        for index, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv, strict=True)):
             h = tt.rms_norm(x, epsilon=c.rms_norm_eps, weight=layer["attn_norm"])
             q = heads(self._project(h, layer, "q"), self.heads)
             k = heads(self._project(h, layer, "k"), self.kv_heads)
             v = heads(self._project(h, layer, "v"), self.kv_heads)
+            q, k = self._head_norm(q, layer, "q"), self._head_norm(k, layer, "k")
             q = tt.experimental.rotary_embedding_llama(q, cos, sin, self.trans_mat)
             k = tt.experimental.rotary_embedding_llama(k, cos, sin, self.trans_mat)
             fill_table = page_table if chunk_page_table is None else chunk_page_table
@@ -420,11 +467,17 @@ class TtnnDecoder:
             tt.experimental.paged_fill_cache(v_cache, v, fill_table, batch_idx=0)
             if chunk_start:
                 attn = tt.transformer.chunked_scaled_dot_product_attention(
-                    q, k_cache, v_cache, page_table, chunk_start, scale=self.scale
+                    q,
+                    k_cache,
+                    v_cache,
+                    page_table,
+                    chunk_start,
+                    scale=self.scale,
+                    **self._window(index),
                 )
             else:
                 attn = tt.transformer.scaled_dot_product_attention(
-                    q, k, v, is_causal=True, scale=self.scale
+                    q, k, v, is_causal=True, scale=self.scale, **self._window(index)
                 )
             attn = tt.reshape(tt.permute(attn, (0, 2, 1, 3)), (seq, self.heads * c.head_dim))
             x = tt.add(x, self._all_reduce(tt.linear(attn, layer["wo"], dtype=tt.bfloat16)))

@@ -1,11 +1,13 @@
 """The decoder families on a ttnn mesh: ``TtnnDecoder`` behind the runtime's model protocol.
 
-Why: a recipe pairing a decoder family (Llama, Mistral, Qwen2, Qwen3 without q/k norms,
+Why: a recipe pairing a decoder family (Llama with any fixed-table RoPE scaling, Mistral
+with its sliding window, Qwen2 with or without windowed layers, Qwen3 with its q/k norms,
 SmolLM2, ...) with ``device.backend: ttnn`` builds this model on the lane's mesh, so
 prefill, paged KV fill and update, paged decode attention, sampling and traces run through
 the same runtime as on the CPU. ``ttnn_parts_refusal`` names the first part of a
-``DecoderSpec`` the ttnn path does not compute (q/k norms, sliding windows, experts,
-learned positions, ...); ``build_ttnn_model`` refuses it before any weight moves.
+``DecoderSpec`` the ttnn path does not compute (experts, learned positions, partial rotary,
+q/k norms over the whole projection, LayerNorm, ...); ``build_ttnn_model`` refuses it
+before any weight moves.
 
 Prefill follows tt_transformers' generator: one user at a time, the chunk's start position
 a host integer (``chunk_start_idx``), not a device tensor. The model declares
@@ -50,12 +52,15 @@ def ttnn_parts_refusal(spec: DecoderSpec, names: TensorNames) -> tuple[str, obje
         (len(spec.ropes) == 1, "ropes", len(spec.ropes), "one RoPE variant for every layer"),
         (all(layer.rope == 0 for layer in spec.layers), "layers.rope", "...",
          "RoPE in every layer"),
-        (all(layer.window is None for layer in spec.layers), "layers.window", "sliding",
-         "no sliding-window attention"),
         (spec.moe is None and not any(layer.moe for layer in spec.layers), "moe", "experts",
          "dense MLPs only"),
         (isinstance(spec.mlp, MLPSpec), "mlp", type(spec.mlp).__name__, "the catalogue's MLP"),
-        (a.qk_norm is None, "attention.qk_norm", a.qk_norm, "no q/k norms"),
+        (a.qk_norm in (None, "head"), "attention.qk_norm", a.qk_norm,
+         "q/k norms per head only (not over the whole projection)"),
+        (not a.qk_norm_per_head_weights, "attention.qk_norm_per_head_weights", True,
+         "one q and one k norm weight shared by the heads"),
+        (a.qk_norm is None or (a.qk_norm_spec.kind == "rms" and a.qk_norm_spec.weight),
+         "attention.qk_norm_spec.kind", a.qk_norm_spec.kind, "q/k RMSNorm with a weight"),
         (a.softcap is None, "attention.softcap", a.softcap, "no score softcap"),
         (a.clip_qkv is None, "attention.clip_qkv", a.clip_qkv, "no q/k/v clamp"),
         (not a.o_bias, "attention.o_bias", a.o_bias, "no output-projection bias"),
@@ -89,9 +94,10 @@ def ttnn_parts_refusal(spec: DecoderSpec, names: TensorNames) -> tuple[str, obje
         checks += [
             (rope.head_dim == a.head_dim, "ropes.head_dim", rope.head_dim,
              f"full rotary width {a.head_dim}"),
-            (rope.kind != "dynamic", "ropes.kind", rope.kind,
-             "fixed tables (dynamic NTK rescales per length)"),
         ]  # fmt: skip
+        # Every rope kind is a table of angles per position up to max_position_embeddings
+        # (yarn's attention factor folded in, longrope's two ranges, dynamic NTK's default
+        # angles: it rescales only past the positions the runtime serves), as on the CPU.
     for ok, part, value, why in checks:
         if not ok:
             return part, value, why
@@ -109,6 +115,28 @@ def check_ttnn_parts(spec: DecoderSpec, names: TensorNames, *, family: str) -> N
         )
 
 
+def decoder_config(spec: DecoderSpec) -> TtnnDecoderConfig:
+    """The ``TtnnDecoderConfig`` of a family's parts (``ttnn_parts_refusal`` passed)."""
+    a, m = spec.attention, spec.model
+    mlp = cast(MLPSpec, spec.mlp)  # ttnn_parts_refusal checked it
+    return TtnnDecoderConfig(
+        vocab_size=m.vocab_size,
+        hidden_size=m.hidden_size,
+        num_layers=m.num_layers,
+        num_heads=a.num_heads,
+        num_kv_heads=a.num_kv_heads,
+        head_dim=a.head_dim,
+        intermediate_size=mlp.intermediate_size,
+        rms_norm_eps=spec.norm.eps,
+        rope=spec.ropes[0],
+        max_positions=m.max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        attention_scale=a.scale,
+        qk_norm_eps=None if a.qk_norm is None else a.qk_norm_spec.eps,
+        windows=tuple(layer.window for layer in spec.layers),
+    )
+
+
 def canonical_weights(
     spec: DecoderSpec, names: TensorNames, tensors: Mapping[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
@@ -117,7 +145,9 @@ def canonical_weights(
     out["model.norm.weight"] = tensors[names.final_norm + ".weight"]
     if names.lm_head in tensors and not spec.tie_word_embeddings:
         out["lm_head.weight"] = tensors[names.lm_head]
+    qk_norms = {"self_attn.q_norm": names.q_norm, "self_attn.k_norm": names.k_norm}
     pairs = {
+        **(qk_norms if spec.attention.qk_norm is not None else {}),
         "input_layernorm": names.attn_norm,
         "post_attention_layernorm": names.mlp_norm,
         "self_attn.q_proj": names.q,
@@ -163,23 +193,9 @@ class TtnnCausalLM:
         check_ttnn_parts(spec, names, family=spec.model.family)
         if weight_dtype not in WEIGHT_DTYPES:
             raise ConfigError("weight_dtype", weight_dtype, f"must be one of {WEIGHT_DTYPES}")
-        a, m = spec.attention, spec.model
-        mlp = cast(MLPSpec, spec.mlp)  # ttnn_parts_refusal checked it
+        m = spec.model
         self.config = attrs.evolve(m, dtype=torch.bfloat16)
-        self.decoder_config = TtnnDecoderConfig(
-            vocab_size=m.vocab_size,
-            hidden_size=m.hidden_size,
-            num_layers=m.num_layers,
-            num_heads=a.num_heads,
-            num_kv_heads=a.num_kv_heads,
-            head_dim=a.head_dim,
-            intermediate_size=mlp.intermediate_size,
-            rms_norm_eps=spec.norm.eps,
-            rope=spec.ropes[0],
-            max_positions=m.max_position_embeddings,
-            tie_word_embeddings=spec.tie_word_embeddings,
-            attention_scale=a.scale,
-        )
+        self.decoder_config = decoder_config(spec)
         self._tt = ttnn_module
         self.borrowed_mesh = mesh_device
         self.weight_dtype = weight_dtype
