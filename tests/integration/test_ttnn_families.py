@@ -1,8 +1,10 @@
 """The decoder families on the ttnn backend, through the containers, on llmrt's ttnn emulator.
 
-Tiny random Llama (GQA) and Qwen2 (q/k/v biases, tied head) checkpoints saved by
-transformers load from the ``hf`` recipe with ``device.backend=ttnn`` and the emulator, on a
-1x1 mesh, a 1x2 mesh (N300) and a 1x8 mesh (T3K) with tensor-parallel layers (weights
+Tiny random Llama (GQA), Qwen2 (q/k/v biases, tied head), Qwen3 (per-head q/k RMSNorm),
+Mistral (a sliding window shorter than the prompts) and Llama with llama3 RoPE scaling
+checkpoints saved by transformers load from the ``hf`` recipe with ``device.backend=ttnn``
+and the emulator, on a 1x1 mesh, a 1x2 mesh (N300) and, for Llama and Qwen2, a 1x8 mesh
+(T3K) with tensor-parallel layers (weights
 column/row-sharded over the lane's chips, each chip holding its share of the KV heads), and
 run the product's path: batched and chunked prefill over the paged cache, traced paged
 decode, device sampling. Their greedy tokens are transformers' float32 greedy tokens wherever the
@@ -59,21 +61,41 @@ COMMON = {
 EIGHT_HEADS = {"num_attention_heads": 8, "num_key_value_heads": 8}
 
 
+#: A window shorter than three of the four prompts (and than the first chunk).
+WINDOW = 8
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+    "rope_theta": 10000.0,
+}
+#: Each kind's transformers class prefix and config changes.
+KINDS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("Llama", {}),
+    "qwen2": ("Qwen2", {"tie_word_embeddings": True}),
+    "qwen3": ("Qwen3", {}),
+    "mistral": ("Mistral", {"sliding_window": WINDOW}),
+    "llama3-rope": ("Llama", {"rope_parameters": LLAMA3_ROPE}),
+}
+
+
 def _hf(kind: str, **changes: Any) -> Any:
     torch.manual_seed(0)
-    if kind == "llama":
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**COMMON, **changes}))
-    else:
-        config = transformers.Qwen2Config(**{**COMMON, "tie_word_embeddings": True, **changes})
-        model = transformers.Qwen2ForCausalLM(config)
+    name, own = KINDS[kind]
+    config = getattr(transformers, f"{name}Config")(**{**COMMON, **own, **changes})
+    model = getattr(transformers, f"{name}ForCausalLM")(config)
     with torch.no_grad():  # random init is tiny: widen it so logits separate
-        for p in model.parameters():
+        for pname, p in model.named_parameters():
             if p.dim() == 2:
                 p.mul_(4.0)
+            elif "q_norm" in pname or "k_norm" in pname:  # channels told apart
+                p.copy_(torch.rand(p.shape) * 1.5 + 0.25)
     return model.eval()
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=list(KINDS))
 def checkpoint(
     request: pytest.FixtureRequest,
     tmp_path_factory: pytest.TempPathFactory,
@@ -162,6 +184,30 @@ def test_greedy_tokens_follow_transformers_float32(
     _check_against_transformers(kind, hf, generated, f"{mesh}", at_least=len(PROMPTS) * STEPS // 2)
 
 
+def test_the_recipe_carries_each_part_to_the_ttnn_decoder(
+    checkpoint: tuple[str, Path, Any], build: Callable[..., Any]
+) -> None:
+    """What the checkpoint declares reaches the decoder the lane runs: the window on every
+    Mistral layer, Qwen3's q/k norm epsilon, the llama3 RoPE and its cos/sin tables."""
+    kind, directory, hf = checkpoint
+    runtime = build("hf", overrides(directory, [1, 1])).ready()
+    model = runtime.container.lanes()[0].model()
+    assert isinstance(model, TtnnCausalLM)
+    config = model.decoder_config
+    layers = COMMON["num_hidden_layers"]
+    assert config.windows == ((WINDOW,) if kind == "mistral" else (None,)) * layers
+    assert config.qk_norm_eps == (COMMON["rms_norm_eps"] if kind == "qwen3" else None)
+    assert config.rope.kind == ("llama3" if kind == "llama3-rope" else "default")
+    if kind == "llama3-rope":  # transformers' own angles: its inverse frequencies per position
+        rotary = hf.model.rotary_emb
+        position = torch.arange(COMMON["max_position_embeddings"])[None]
+        cos, _ = rotary(torch.zeros(1, dtype=torch.float32), position)
+        fake = runtime.container.device.ttnn_module()
+        held = fake.to_torch(model._decoder.cos).float()[:, ::2]  # each angle's pair, once
+        torch.testing.assert_close(held, cos[0, :, : COMMON["head_dim"] // 2].bfloat16().float())
+    runtime.close()
+
+
 @pytest.mark.parametrize(
     ("kind", "meshes"),
     [("llama", [[1, 2], [1, 8]]), ("qwen2", [[1, 8]])],
@@ -215,12 +261,13 @@ def test_heads_that_do_not_split_over_a_1x8_lane_are_named(
 def test_a_part_the_ttnn_decoder_lacks_is_refused_at_build_naming_it(
     tiny_hf_checkpoint: Path, tmp_path: Path, build: Callable[..., Any]
 ) -> None:
-    """Qwen3's q/k norms have no ttnn realisation here: the build names the part."""
-    config = transformers.Qwen3Config(**{**COMMON, "tie_word_embeddings": False})
+    """OLMo2 normalizes q and k over the whole projection (not per head, as Qwen3): the
+    ttnn decoder has no realisation of it, and the build names the part."""
+    config = transformers.Olmo2Config(**{**COMMON, "tie_word_embeddings": False})
     torch.manual_seed(0)
-    transformers.Qwen3ForCausalLM(config).save_pretrained(tmp_path, safe_serialization=True)
+    transformers.Olmo2ForCausalLM(config).save_pretrained(tmp_path, safe_serialization=True)
     shutil.copy(tiny_hf_checkpoint / "tokenizer.json", tmp_path / "tokenizer.json")
-    with pytest.raises(UnsupportedError, match=r"attention\.qk_norm='head'"):
+    with pytest.raises(UnsupportedError, match=r"attention\.qk_norm='proj'"):
         build("hf", overrides(tmp_path, [1, 1])).ready()
 
 
