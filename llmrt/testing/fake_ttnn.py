@@ -1373,6 +1373,7 @@ class FakeTtnn:
             )
 
         op.__name__ = name.rpartition(".")[2]
+        op.__wrapped__ = fn  # type: ignore[attr-defined]  # its parameters, for inspect
         return op
 
     add = _binary_op("add", torch.add)

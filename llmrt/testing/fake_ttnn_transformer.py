@@ -191,6 +191,7 @@ def rotary_embedding_llama(
     cos: torch.Tensor,
     sin: torch.Tensor,
     trans_mat: torch.Tensor,
+    *,
     is_decode_mode: bool = False,
 ) -> torch.Tensor:
     """``x * cos + rotate(x) * sin``; ``rotate`` multiplies each 32-wide tile of the last
