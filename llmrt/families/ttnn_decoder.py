@@ -4,13 +4,15 @@ Why: the runtime's traces, mesh lanes and device sampling exist for Tenstorrent 
 is the decoder (GQA; RoPE with ``rope_theta`` and any fixed-table scaling: linear, llama3,
 yarn with its attention factor folded into cos/sin, longrope; optional q/k/v biases as Qwen2
 has; Qwen3's per-head q/k RMSNorm before RoPE, as tt_transformers' ``q_norm``/``k_norm``;
-per-layer sliding windows, passed to ttnn's SDPA ops as ``sliding_window_size``; a tied or
-separate LM head) computed with ttnn ops only, so it runs on a chip or on llmrt's ttnn
+per-layer sliding windows, passed to ttnn's SDPA ops as ``sliding_window_size``; Granite's
+embedding, residual and logit multipliers; a tied or separate LM head) computed with ttnn ops
+only, so it runs on a chip or on llmrt's ttnn
 emulator unchanged. Weights are converted once from Hugging Face tensors: projections and
 the LM head to ``weight_dtype`` (``bfloat8_b`` as tt_transformers' performance setting, or
 ``bfloat16``) in tile layout as ``[in, out]``, norms and biases to bfloat16, the embedding
 to bfloat16 row-major. q/k projection rows are permuted per head from Hugging Face's
-half-split rotary layout to interleaved pairs (tt_transformers' ``reverse_permute``), so
+half-split rotary layout to interleaved pairs (tt_transformers' ``reverse_permute``; a
+checkpoint whose rows already pair channels GPT-J style, as Helium's, is loaded as it is), so
 ``ttnn.experimental.rotary_embedding_llama`` rotates them with its pair-swapping
 transformation matrix; attention scores are unchanged by that permutation, and q/k norm
 weights (one ``head_dim`` vector each) are permuted the same way.
@@ -72,6 +74,14 @@ class TtnnDecoderConfig:
     """Per-head RMSNorm of q and k before RoPE with this epsilon (Qwen3; None: no q/k norm)."""
     windows: tuple[int | None, ...] = ()
     """Each layer's sliding window (None: full attention; empty: no layer has one)."""
+    rope_interleaved: bool = False
+    """The checkpoint's q/k rows pair channels ``(2i, 2i + 1)`` (GPT-J style) already."""
+    embedding_scale: float = 1.0
+    """Multiplies the embedded tokens (Granite's ``embedding_multiplier``)."""
+    residual_multiplier: float = 1.0
+    """Multiplies each attention and MLP output before the residual add (Granite)."""
+    logit_scale: float = 1.0
+    """Multiplies the logits (Granite: ``1 / logits_scaling``)."""
 
     def __attrs_post_init__(self) -> None:
         if self.windows and len(self.windows) != self.num_layers:
@@ -214,16 +224,16 @@ class TtnnDecoder:
             for name, heads in (("q", c.num_heads), ("k", c.num_kv_heads), ("v", c.num_kv_heads)):
                 w = weights[f"{p}self_attn.{name}_proj.weight"]
                 b = weights.get(f"{p}self_attn.{name}_proj.bias")
-                if name != "v":
+                if name != "v" and not c.rope_interleaved:
                     w = interleave_rotary_rows(w, heads)
                     b = None if b is None else interleave_rotary_rows(b, heads)
                 layer[f"w{name}"] = self._linear(w, shard=-1)
                 layer[f"b{name}"] = None if b is None else self._norm(b, shard=-1)
             for name in ("q", "k"):  # one head_dim weight, on every chip
                 norm = weights[f"{p}self_attn.{name}_norm.weight"] if c.qk_norm_eps else None
-                layer[f"{name}_norm"] = (
-                    None if norm is None else self._norm(interleave_rotary_rows(norm, 1))
-                )
+                if norm is not None and not c.rope_interleaved:
+                    norm = interleave_rotary_rows(norm, 1)
+                layer[f"{name}_norm"] = None if norm is None else self._norm(norm)
             self.layers.append(layer)
         self.final_norm = self._norm(weights["model.norm.weight"])
         head = weights.get("lm_head.weight")
@@ -301,7 +311,14 @@ class TtnnDecoder:
 
     def _embed(self, tokens: Any) -> Any:
         tt = self._tt
-        return tt.to_layout(tt.embedding(tokens, self.embedding), tt.TILE_LAYOUT)
+        x = tt.to_layout(tt.embedding(tokens, self.embedding), tt.TILE_LAYOUT)
+        scale = self.config.embedding_scale
+        return x if scale == 1.0 else tt.multiply(x, scale)
+
+    def _residual(self, x: Any, out: Any) -> Any:
+        """``x + out`` (``out`` times the residual multiplier first when it is not 1)."""
+        tt, multiplier = self._tt, self.config.residual_multiplier
+        return tt.add(x, out if multiplier == 1.0 else tt.multiply(out, multiplier))
 
     def _rope(self, rope_positions: Any) -> tuple[Any, Any]:
         """cos and sin rows of ``rope_positions`` (uint32: ``ttnn.embedding`` ids)."""
@@ -334,7 +351,7 @@ class TtnnDecoder:
         gate = tt.linear(h, layer["w1"], activation="silu", dtype=tt.bfloat16)
         up = tt.linear(h, layer["w3"], dtype=tt.bfloat16)
         down = tt.linear(tt.multiply(gate, up), layer["w2"], dtype=tt.bfloat16)
-        return tt.add(x, self._all_reduce(down))
+        return self._residual(x, self._all_reduce(down))
 
     def head(self, x: Any) -> Any:
         """float32 logits of hidden rows ``x`` ``[N, hidden]`` (tile): final norm, LM head."""
@@ -344,6 +361,8 @@ class TtnnDecoder:
         tt = self._tt
         h = tt.rms_norm(x, epsilon=self.config.rms_norm_eps, weight=self.final_norm)
         logits = tt.linear(h, self.lm_head, dtype=tt.float32)
+        if self.config.logit_scale != 1.0:
+            logits = tt.multiply(logits, self.config.logit_scale)
         if self.devices == 1:
             return logits
         topology = tt.Topology.Linear if self.devices == 2 else tt.Topology.Ring
@@ -393,7 +412,7 @@ class TtnnDecoder:
                 **self._window(index),
             )
             attn = tt.reshape(attn, (batch, self.heads * c.head_dim))
-            x = tt.add(x, self._all_reduce(tt.linear(attn, layer["wo"], dtype=tt.bfloat16)))
+            x = self._residual(x, self._all_reduce(tt.linear(attn, layer["wo"], dtype=tt.bfloat16)))
             x = self._mlp(x, layer)
         return self._logits(x)
 
@@ -480,6 +499,6 @@ class TtnnDecoder:
                     q, k, v, is_causal=True, scale=self.scale, **self._window(index)
                 )
             attn = tt.reshape(tt.permute(attn, (0, 2, 1, 3)), (seq, self.heads * c.head_dim))
-            x = tt.add(x, self._all_reduce(tt.linear(attn, layer["wo"], dtype=tt.bfloat16)))
+            x = self._residual(x, self._all_reduce(tt.linear(attn, layer["wo"], dtype=tt.bfloat16)))
             x = self._mlp(x, layer)
         return x

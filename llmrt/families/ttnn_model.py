@@ -2,9 +2,10 @@
 
 Why: a recipe pairing a decoder family (Llama with any fixed-table RoPE scaling, Mistral
 with its sliding window, Qwen2 with or without windowed layers, Qwen3 with its q/k norms,
-SmolLM2, ...) with ``device.backend: ttnn`` builds this model on the lane's mesh, so
-prefill, paged KV fill and update, paged decode attention, sampling and traces run through
-the same runtime as on the CPU. ``ttnn_parts_refusal`` names the first part of a
+Granite with its multipliers, Helium with GPT-J RoPE pairs, SmolLM2, ...) with
+``device.backend: ttnn`` builds this model on the lane's mesh, so prefill, paged KV fill and
+update, paged decode attention, sampling and traces run through the same runtime as on the
+CPU. ``ttnn_parts_refusal`` names the first part of a
 ``DecoderSpec`` the ttnn path does not compute (experts, learned positions, partial rotary,
 q/k norms over the whole projection, LayerNorm, ...); ``build_ttnn_model`` refuses it
 before any weight moves.
@@ -64,8 +65,6 @@ def ttnn_parts_refusal(spec: DecoderSpec, names: TensorNames) -> tuple[str, obje
         (a.softcap is None, "attention.softcap", a.softcap, "no score softcap"),
         (a.clip_qkv is None, "attention.clip_qkv", a.clip_qkv, "no q/k/v clamp"),
         (not a.o_bias, "attention.o_bias", a.o_bias, "no output-projection bias"),
-        (a.rope_style == "neox", "attention.rope_style", a.rope_style,
-         "neox pairs (loaded as interleaved pairs)"),
         (a.head_dim % TILE == 0, "attention.head_dim", a.head_dim, f"a multiple of {TILE}"),
         (spec.norm.kind == "rms" and spec.norm.weight, "norm.kind", spec.norm.kind,
          "RMSNorm with a weight"),
@@ -74,9 +73,6 @@ def ttnn_parts_refusal(spec: DecoderSpec, names: TensorNames) -> tuple[str, obje
         (not (spec.post_attn_norm or spec.post_mlp_norm), "post_attn_norm/post_mlp_norm", True,
          "no post-norms"),
         (spec.final_norm, "final_norm", False, "a final norm"),
-        (spec.embedding_scale == 1.0, "embedding_scale", spec.embedding_scale, "1"),
-        (spec.residual_multiplier == 1.0, "residual_multiplier", spec.residual_multiplier, "1"),
-        (spec.logit_scale == 1.0, "logit_scale", spec.logit_scale, "1"),
         (spec.final_softcap is None, "final_softcap", spec.final_softcap, "no logit softcap"),
         (not spec.lm_head_bias, "lm_head_bias", True, "no LM-head bias"),
         (names.qkv is None and names.gate_up is None and not names.transposed,
@@ -134,6 +130,10 @@ def decoder_config(spec: DecoderSpec) -> TtnnDecoderConfig:
         attention_scale=a.scale,
         qk_norm_eps=None if a.qk_norm is None else a.qk_norm_spec.eps,
         windows=tuple(layer.window for layer in spec.layers),
+        rope_interleaved=a.rope_style == "interleaved",
+        embedding_scale=spec.embedding_scale,
+        residual_multiplier=spec.residual_multiplier,
+        logit_scale=spec.logit_scale,
     )
 
 

@@ -1,8 +1,9 @@
 """The decoder families on the ttnn backend, through the containers, on llmrt's ttnn emulator.
 
 Tiny random Llama (GQA), Qwen2 (q/k/v biases, tied head), Qwen3 (per-head q/k RMSNorm),
-Mistral (a sliding window shorter than the prompts) and Llama with llama3 RoPE scaling
-checkpoints saved by transformers load from the ``hf`` recipe with ``device.backend=ttnn``
+Mistral (a sliding window shorter than the prompts), Llama with llama3 RoPE scaling, Granite
+(embedding, residual and logit multipliers, its own attention scale) and Helium (GPT-J RoPE
+pairs) checkpoints saved by transformers load from the ``hf`` recipe with ``device.backend=ttnn``
 and the emulator, on a 1x1 mesh, a 1x2 mesh (N300) and, for Llama and Qwen2, a 1x8 mesh
 (T3K) with tensor-parallel layers (weights
 column/row-sharded over the lane's chips, each chip holding its share of the KV heads), and
@@ -78,6 +79,16 @@ KINDS: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3": ("Qwen3", {}),
     "mistral": ("Mistral", {"sliding_window": WINDOW}),
     "llama3-rope": ("Llama", {"rope_parameters": LLAMA3_ROPE}),
+    "granite": (
+        "Granite",
+        {
+            "embedding_multiplier": 2.0,
+            "residual_multiplier": 1.5,
+            "logits_scaling": 4.0,
+            "attention_multiplier": 0.125,
+        },
+    ),
+    "helium": ("Helium", {}),
 }
 
 
@@ -95,17 +106,34 @@ def _hf(kind: str, **changes: Any) -> Any:
     return model.eval()
 
 
+def _saved(
+    kind: str, tmp_path_factory: pytest.TempPathFactory, tiny_hf_checkpoint: Path
+) -> tuple[str, Path, Any]:
+    model = _hf(kind)
+    directory = tmp_path_factory.mktemp(f"ttnn-{kind}")
+    model.save_pretrained(directory, safe_serialization=True)
+    shutil.copy(tiny_hf_checkpoint / "tokenizer.json", directory / "tokenizer.json")
+    return kind, directory, model
+
+
 @pytest.fixture(scope="module", params=list(KINDS))
 def checkpoint(
     request: pytest.FixtureRequest,
     tmp_path_factory: pytest.TempPathFactory,
     tiny_hf_checkpoint: Path,
 ) -> tuple[str, Path, Any]:
-    model = _hf(request.param)
-    directory = tmp_path_factory.mktemp(f"ttnn-{request.param}")
-    model.save_pretrained(directory, safe_serialization=True)
-    shutil.copy(tiny_hf_checkpoint / "tokenizer.json", directory / "tokenizer.json")
-    return request.param, directory, model
+    """Every kind's checkpoint (the parity tests)."""
+    return _saved(request.param, tmp_path_factory, tiny_hf_checkpoint)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def base_checkpoint(
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    tiny_hf_checkpoint: Path,
+) -> tuple[str, Path, Any]:
+    """Llama's and Qwen2's (what does not depend on the parts: caching, mesh splits)."""
+    return _saved(request.param, tmp_path_factory, tiny_hf_checkpoint)
 
 
 def overrides(directory: Path, mesh: list[int]) -> list[str]:
@@ -133,11 +161,16 @@ def overrides(directory: Path, mesh: list[int]) -> list[str]:
 
 
 def _tensor_parallel_tokens(
-    directory: Path, mesh: list[int], build: Callable[..., Any], *, lanes: int = 1
+    directory: Path,
+    mesh: list[int],
+    build: Callable[..., Any],
+    *,
+    lanes: int = 1,
+    inspect: Callable[[TtnnCausalLM, Any], None] | None = None,
 ) -> list[list[int]]:
     """Greedy tokens of ``PROMPTS`` on ``lanes`` lanes over ``mesh``, checked to be
     tensor-parallel: each chip holds its share of the KV heads and the steps ran the
-    collectives."""
+    collectives; ``inspect(model, fake_ttnn)`` looks at the first lane's model first."""
     runtime = build("hf", [*overrides(directory, mesh), f"lanes={lanes}"]).ready()
     chips = mesh[0] * mesh[1] // lanes
     assert len(runtime.container.lanes()) == lanes
@@ -149,6 +182,8 @@ def _tensor_parallel_tokens(
     meta = model.attention_metadata()
     assert (meta.tensor_parallel, meta.kv_heads_per_device) == (chips, meta.num_kv_heads // chips)
     fake = runtime.container.device.ttnn_module()
+    if inspect is not None:
+        inspect(model, fake)
     before = fake.call_names()
     tokens: list[list[int]] = runtime.generate(list(PROMPTS), steps=STEPS).tokens
     collectives = {"reduce_scatter", "all_gather"} & set(fake.call_names()[len(before) :])
@@ -179,33 +214,40 @@ def _check_against_transformers(
 def test_greedy_tokens_follow_transformers_float32(
     checkpoint: tuple[str, Path, Any], mesh: list[int], build: Callable[..., Any]
 ) -> None:
+    """Each kind's greedy tokens are transformers' where its margin allows; on 1x1 the lane's
+    decoder is first checked to carry what the checkpoint declares."""
     kind, directory, hf = checkpoint
-    generated = _tensor_parallel_tokens(directory, mesh, build)
+    inspect = _carries_the_parts(kind, hf) if mesh == [1, 1] else None
+    generated = _tensor_parallel_tokens(directory, mesh, build, inspect=inspect)
     _check_against_transformers(kind, hf, generated, f"{mesh}", at_least=len(PROMPTS) * STEPS // 2)
 
 
-def test_the_recipe_carries_each_part_to_the_ttnn_decoder(
-    checkpoint: tuple[str, Path, Any], build: Callable[..., Any]
-) -> None:
+def _carries_the_parts(kind: str, hf: Any) -> Callable[[TtnnCausalLM, Any], None]:
     """What the checkpoint declares reaches the decoder the lane runs: the window on every
-    Mistral layer, Qwen3's q/k norm epsilon, the llama3 RoPE and its cos/sin tables."""
-    kind, directory, hf = checkpoint
-    runtime = build("hf", overrides(directory, [1, 1])).ready()
-    model = runtime.container.lanes()[0].model()
-    assert isinstance(model, TtnnCausalLM)
-    config = model.decoder_config
-    layers = COMMON["num_hidden_layers"]
-    assert config.windows == ((WINDOW,) if kind == "mistral" else (None,)) * layers
-    assert config.qk_norm_eps == (COMMON["rms_norm_eps"] if kind == "qwen3" else None)
-    assert config.rope.kind == ("llama3" if kind == "llama3-rope" else "default")
-    if kind == "llama3-rope":  # transformers' own angles: its inverse frequencies per position
-        rotary = hf.model.rotary_emb
-        position = torch.arange(COMMON["max_position_embeddings"])[None]
-        cos, _ = rotary(torch.zeros(1, dtype=torch.float32), position)
-        fake = runtime.container.device.ttnn_module()
-        held = fake.to_torch(model._decoder.cos).float()[:, ::2]  # each angle's pair, once
-        torch.testing.assert_close(held, cos[0, :, : COMMON["head_dim"] // 2].bfloat16().float())
-    runtime.close()
+    Mistral layer, Qwen3's q/k norm epsilon, the llama3 RoPE and its cos/sin tables
+    (transformers' own angles), Granite's multipliers, Helium's RoPE pairs."""
+
+    def check(model: TtnnCausalLM, fake: Any) -> None:
+        config = model.decoder_config
+        layers = COMMON["num_hidden_layers"]
+        assert config.windows == ((WINDOW,) if kind == "mistral" else (None,)) * layers
+        assert config.qk_norm_eps == (COMMON["rms_norm_eps"] if kind == "qwen3" else None)
+        assert config.rope.kind == ("llama3" if kind == "llama3-rope" else "default")
+        assert config.rope_interleaved == (kind == "helium")
+        granite = KINDS["granite"][1]
+        assert (config.embedding_scale, config.residual_multiplier, config.logit_scale) == (
+            (granite["embedding_multiplier"], granite["residual_multiplier"], 0.25)
+            if kind == "granite"
+            else (1.0, 1.0, 1.0)
+        )
+        if kind == "llama3-rope":
+            position = torch.arange(COMMON["max_position_embeddings"])[None]
+            cos, _ = hf.model.rotary_emb(torch.zeros(1), position)
+            held = fake.to_torch(model._decoder.cos).float()[:, ::2]  # each pair's angle
+            expected = cos[0, :, : COMMON["head_dim"] // 2].bfloat16().float()
+            torch.testing.assert_close(held, expected)
+
+    return check
 
 
 @pytest.mark.parametrize(
@@ -249,11 +291,11 @@ def test_a_galaxy_as_four_1x8_lanes_gives_the_one_chip_tokens(
 
 
 def test_heads_that_do_not_split_over_a_1x8_lane_are_named(
-    checkpoint: tuple[str, Path, Any], build: Callable[..., Any]
+    base_checkpoint: tuple[str, Path, Any], build: Callable[..., Any]
 ) -> None:
     """Two KV heads cannot be split over a 1x8 lane's chips (the vLLM plugin's per-device KV
     holds ``num_kv_heads / devices`` heads): the build names the field."""
-    _, directory, _ = checkpoint
+    _, directory, _ = base_checkpoint
     with pytest.raises(ConfigError, match=r"num_key_value_heads.*divisible by 8"):
         build("hf", overrides(directory, [1, 8])).ready()
 
@@ -272,7 +314,7 @@ def test_a_part_the_ttnn_decoder_lacks_is_refused_at_build_naming_it(
 
 
 def test_converted_weights_are_cached_and_loaded_by_the_next_build(
-    checkpoint: tuple[str, Path, Any],
+    base_checkpoint: tuple[str, Path, Any],
     build: Callable[..., Any],
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
@@ -281,7 +323,7 @@ def test_converted_weights_are_cached_and_loaded_by_the_next_build(
     cache files under the cache directory); the second loads every one and generates the
     same tokens."""
     monkeypatch.setenv("LLMRT_CACHE_DIR", str(tmp_path))
-    _, directory, _ = checkpoint
+    _, directory, _ = base_checkpoint
     settings = [*overrides(directory, [1, 1]), "device.ttnn.weight_dtype=bfloat8_b"]
     runs, loads = [], []
     for _ in range(2):

@@ -5,8 +5,9 @@ weights), Mistral (a sliding window shorter than the prompts), Qwen2 with one wi
 of two, Llama with llama3 RoPE scaling and Qwen2 with yarn checkpoints: prefill logits of a
 prompt and paged decode logits of a two-row batch, teacher-forced with transformers' greedy
 tokens, stay within the stated tolerance of transformers' and pick its tokens wherever the
-top-2 margin exceeds twice that tolerance. For each part, the same weights without it give
-logits beyond that tolerance, so a decoder ignoring the part fails.
+top-2 margin exceeds twice that tolerance. Granite (embedding, residual and logit
+multipliers) and Helium (GPT-J RoPE pairs) as well. For each part, the same weights without it
+give logits beyond that tolerance, so a decoder ignoring the part fails.
 """
 
 from __future__ import annotations
@@ -64,29 +65,36 @@ YARN_ROPE = {
     "original_max_position_embeddings": 32,
     "rope_theta": 10000.0,
 }
-#: Each kind's transformers classes and config changes, and the same changes without the
-#: part under test (None: the kind has no such part).
-KINDS: dict[str, tuple[str, dict[str, object], dict[str, object] | None]] = {
+GRANITE = {
+    "embedding_multiplier": 2.0,
+    "residual_multiplier": 0.5,
+    "logits_scaling": 2.0,
+    "attention_multiplier": 0.125,
+}
+#: Each kind's transformers class prefix and config changes, and the class and changes that
+#: compute the same weights without the part under test (None: no such part).
+KINDS: dict[str, tuple[str, dict[str, object], tuple[str, dict[str, object]] | None]] = {
     "llama": ("Llama", {}, None),
     "qwen2": ("Qwen2", {"tie_word_embeddings": True}, None),
-    "qwen3": ("Qwen3", {}, None),  # its ablation: q/k norm weights of one (see _hf_model)
-    "mistral": ("Mistral", {"sliding_window": 6}, {"sliding_window": None}),
+    "qwen3": ("Qwen3", {}, ("Qwen3", {})),  # without: q/k norm weights of one
+    "mistral": ("Mistral", {"sliding_window": 6}, ("Mistral", {"sliding_window": None})),
     "qwen2-window": (
         "Qwen2",
         {"use_sliding_window": True, "sliding_window": 6, "max_window_layers": 1},
-        {"use_sliding_window": False},
+        ("Qwen2", {}),
     ),
-    "llama3-rope": ("Llama", {"rope_parameters": LLAMA3_ROPE}, {"rope_parameters": None}),
-    "qwen2-yarn": ("Qwen2", {"rope_parameters": YARN_ROPE}, {"rope_parameters": None}),
+    "llama3-rope": ("Llama", {"rope_parameters": LLAMA3_ROPE}, ("Llama", {})),
+    "qwen2-yarn": ("Qwen2", {"rope_parameters": YARN_ROPE}, ("Qwen2", {})),
+    "granite": ("Granite", GRANITE, ("Llama", {})),
+    "helium": ("Helium", {}, ("Llama", {})),  # without: Llama's half-split RoPE pairs
 }
 
 
-def _hf_model(kind: str, *, ablate: bool = False) -> torch.nn.Module:
-    """``kind``'s tiny checkpoint (seeded); ``ablate``: the same weights without its part."""
+def _hf_model(kind: str) -> torch.nn.Module:
+    """``kind``'s tiny checkpoint (seeded)."""
     torch.manual_seed(0)
-    name, changes, without = KINDS[kind]
-    settings = {**COMMON, **changes, **((without or {}) if ablate else {})}
-    config = getattr(transformers, f"{name}Config")(**settings)
+    name, changes, _ = KINDS[kind]
+    config = getattr(transformers, f"{name}Config")(**{**COMMON, **changes})
     model = getattr(transformers, f"{name}ForCausalLM")(config)
     with torch.no_grad():  # random init is tiny: widen it so logits separate
         for pname, p in model.named_parameters():
@@ -94,10 +102,21 @@ def _hf_model(kind: str, *, ablate: bool = False) -> torch.nn.Module:
                 p.mul_(4.0)
             elif "q_norm" in pname or "k_norm" in pname:  # channels told apart
                 p.copy_(torch.rand(p.shape) * 1.5 + 0.25)
-    if ablate and kind == "qwen3":
-        for pname, p in model.named_parameters():
-            if "q_norm" in pname or "k_norm" in pname:
-                p.data.fill_(1.0)
+    return model.eval()
+
+
+def _without_part(kind: str, hf: torch.nn.Module) -> torch.nn.Module:
+    """``hf``'s weights in a model lacking ``kind``'s part."""
+    without = KINDS[kind][2]
+    assert without is not None
+    name, changes = without
+    config = getattr(transformers, f"{name}Config")(**{**COMMON, **changes})
+    model = getattr(transformers, f"{name}ForCausalLM")(config)
+    state = hf.state_dict()
+    if kind == "qwen3":
+        state = {k: torch.ones_like(v) if "_norm" in k and "self_attn" in k else v
+                 for k, v in state.items()}  # fmt: skip
+    model.load_state_dict(state)
     return model.eval()
 
 
@@ -182,8 +201,8 @@ def test_prefill_and_paged_decode_follow_transformers(
             )
             check(fake.to_torch(logits).float(), references[row][start:end])
 
-    if kind != "llama" and kind != "qwen2":  # the part changes the reference beyond tol
-        ablated = _hf_model(kind, ablate=True)
+    if KINDS[kind][2] is not None:  # the part changes the reference beyond the tolerance
+        ablated = _without_part(kind, hf)
         with torch.no_grad():
             for sequence, reference in zip(sequences, references, strict=True):
                 other = ablated(torch.tensor([sequence])).logits[0]
