@@ -74,6 +74,9 @@ class TtnnDecoderConfig:
     """Per-head RMSNorm of q and k before RoPE with this epsilon (Qwen3; None: no q/k norm)."""
     windows: tuple[int | None, ...] = ()
     """Each layer's sliding window (None: full attention; empty: no layer has one)."""
+    rope_layers: tuple[bool, ...] = ()
+    """Whether each layer rotates q and k (False: a NoPE layer, SmolLM3's every fourth;
+    empty: every layer rotates)."""
     rope_interleaved: bool = False
     """The checkpoint's q/k rows pair channels ``(2i, 2i + 1)`` (GPT-J style) already."""
     embedding_scale: float = 1.0
@@ -84,10 +87,12 @@ class TtnnDecoderConfig:
     """Multiplies the logits (Granite: ``1 / logits_scaling``)."""
 
     def __attrs_post_init__(self) -> None:
-        if self.windows and len(self.windows) != self.num_layers:
-            raise ConfigError(
-                "windows", len(self.windows), f"needs one entry per layer ({self.num_layers})"
-            )
+        for field in ("windows", "rope_layers"):
+            per_layer = getattr(self, field)
+            if per_layer and len(per_layer) != self.num_layers:
+                raise ConfigError(
+                    field, len(per_layer), f"needs one entry per layer ({self.num_layers})"
+                )
         for window in self.windows:
             if window is not None and (isinstance(window, bool) or window <= 0):
                 raise ConfigError("windows", window, "a sliding window must be a positive int")
@@ -335,6 +340,15 @@ class TtnnDecoder:
             return heads
         return self._tt.rms_norm(heads, epsilon=self.config.qk_norm_eps, weight=weight)
 
+    def _rotate(self, index: int, heads: Any, cos: Any, sin: Any, *, decode: bool) -> Any:
+        """q or k heads of layer ``index`` rotated by RoPE (a NoPE layer's as they are)."""
+        if self.config.rope_layers and not self.config.rope_layers[index]:
+            return heads
+        kwargs = {"is_decode_mode": True} if decode else {}
+        return self._tt.experimental.rotary_embedding_llama(
+            heads, cos, sin, self.trans_mat, **kwargs
+        )
+
     def _window(self, layer: int) -> dict[str, int]:
         """``sliding_window_size`` for the SDPA ops of a windowed layer (none: no keyword)."""
         window = self.config.window(layer)
@@ -392,12 +406,8 @@ class TtnnDecoder:
             k = tt.reshape(self._project(h, layer, "k"), (1, batch, self.kv_heads, c.head_dim))
             v = tt.reshape(self._project(h, layer, "v"), (1, batch, self.kv_heads, c.head_dim))
             q, k = self._head_norm(q, layer, "q"), self._head_norm(k, layer, "k")
-            q = tt.experimental.rotary_embedding_llama(
-                q, cos, sin, self.trans_mat, is_decode_mode=True
-            )
-            k = tt.experimental.rotary_embedding_llama(
-                k, cos, sin, self.trans_mat, is_decode_mode=True
-            )
+            q = self._rotate(index, q, cos, sin, decode=True)
+            k = self._rotate(index, k, cos, sin, decode=True)
             for cache, new in ((k_cache, k), (v_cache, v)):
                 tt.experimental.paged_update_cache(
                     cache, new, update_idxs_tensor=positions, page_table=page_table
@@ -479,8 +489,8 @@ class TtnnDecoder:
             k = heads(self._project(h, layer, "k"), self.kv_heads)
             v = heads(self._project(h, layer, "v"), self.kv_heads)
             q, k = self._head_norm(q, layer, "q"), self._head_norm(k, layer, "k")
-            q = tt.experimental.rotary_embedding_llama(q, cos, sin, self.trans_mat)
-            k = tt.experimental.rotary_embedding_llama(k, cos, sin, self.trans_mat)
+            q = self._rotate(index, q, cos, sin, decode=False)
+            k = self._rotate(index, k, cos, sin, decode=False)
             fill_table = page_table if chunk_page_table is None else chunk_page_table
             tt.experimental.paged_fill_cache(k_cache, k, fill_table, batch_idx=0)
             tt.experimental.paged_fill_cache(v_cache, v, fill_table, batch_idx=0)

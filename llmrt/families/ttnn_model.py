@@ -51,8 +51,8 @@ def ttnn_parts_refusal(spec: DecoderSpec, names: TensorNames) -> tuple[str, obje
     checks: list[tuple[bool, str, object, str]] = [
         (spec.positions == "rope", "positions", spec.positions, "RoPE only"),
         (len(spec.ropes) == 1, "ropes", len(spec.ropes), "one RoPE variant for every layer"),
-        (all(layer.rope == 0 for layer in spec.layers), "layers.rope", "...",
-         "RoPE in every layer"),
+        (all(layer.rope in (0, None) for layer in spec.layers), "layers.rope", "...",
+         "one RoPE variant (or none: NoPE layers)"),
         (spec.moe is None and not any(layer.moe for layer in spec.layers), "moe", "experts",
          "dense MLPs only"),
         (isinstance(spec.mlp, MLPSpec), "mlp", type(spec.mlp).__name__, "the catalogue's MLP"),
@@ -75,8 +75,9 @@ def ttnn_parts_refusal(spec: DecoderSpec, names: TensorNames) -> tuple[str, obje
         (spec.final_norm, "final_norm", False, "a final norm"),
         (spec.final_softcap is None, "final_softcap", spec.final_softcap, "no logit softcap"),
         (not spec.lm_head_bias, "lm_head_bias", True, "no LM-head bias"),
-        (names.qkv is None and names.gate_up is None and not names.transposed,
-         "tensor names", "fused or transposed", "separate [out, in] q/k/v and gate/up weights"),
+        (not names.qkv_interleaved and not names.transposed, "tensor names",
+         "per-head fused q/k/v or transposed",
+         "[out, in] weights (q/k/v fused as [q; k; v] rows, or separate)"),
     ]  # fmt: skip
     if isinstance(spec.mlp, MLPSpec):
         mlp = spec.mlp
@@ -130,6 +131,7 @@ def decoder_config(spec: DecoderSpec) -> TtnnDecoderConfig:
         attention_scale=a.scale,
         qk_norm_eps=None if a.qk_norm is None else a.qk_norm_spec.eps,
         windows=tuple(layer.window for layer in spec.layers),
+        rope_layers=tuple(layer.rope is not None for layer in spec.layers),
         rope_interleaved=a.rope_style == "interleaved",
         embedding_scale=spec.embedding_scale,
         residual_multiplier=spec.residual_multiplier,
@@ -140,7 +142,8 @@ def decoder_config(spec: DecoderSpec) -> TtnnDecoderConfig:
 def canonical_weights(
     spec: DecoderSpec, names: TensorNames, tensors: Mapping[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
-    """The family's tensors under the Llama names ``TtnnDecoder`` reads."""
+    """The family's tensors under the Llama names ``TtnnDecoder`` reads; fused projections
+    (Phi-3's ``[q; k; v]`` and ``[gate; up]`` rows) split into their parts on the host."""
     out = {"model.embed_tokens.weight": tensors[names.embed]}
     out["model.norm.weight"] = tensors[names.final_norm + ".weight"]
     if names.lm_head in tensors and not spec.tie_word_embeddings:
@@ -158,12 +161,27 @@ def canonical_weights(
         "mlp.up_proj": names.up,
         "mlp.down_proj": names.down,
     }
+    a = spec.attention
+    fused = {
+        names.qkv: (("self_attn.q_proj", a.num_heads), ("self_attn.k_proj", a.num_kv_heads),
+                    ("self_attn.v_proj", a.num_kv_heads)),
+        names.gate_up: (("mlp.gate_proj", 1), ("mlp.up_proj", 1)),
+    }  # fmt: skip
     for i in range(spec.model.num_layers):
         src, dst = names.layer.format(i=i), f"model.layers.{i}."
         for ours, theirs in pairs.items():
             for suffix in (".weight", ".bias"):
                 if src + theirs + suffix in tensors:
                     out[dst + ours + suffix] = tensors[src + theirs + suffix]
+        for name, parts in fused.items():  # rows split in proportion to the parts' heads
+            for suffix in (".weight", ".bias"):
+                whole = None if name is None else tensors.get(src + name + suffix)
+                if whole is None:
+                    continue
+                shares = [count for _, count in parts]
+                sizes = [len(whole) * share // sum(shares) for share in shares]
+                for (ours, _), piece in zip(parts, whole.split(sizes), strict=True):
+                    out[dst + ours + suffix] = piece
     return out
 
 

@@ -2,8 +2,9 @@
 
 Tiny random Llama (GQA), Qwen2 (q/k/v biases, tied head), Qwen3 (per-head q/k RMSNorm),
 Mistral (a sliding window shorter than the prompts), Llama with llama3 RoPE scaling, Granite
-(embedding, residual and logit multipliers, its own attention scale) and Helium (GPT-J RoPE
-pairs) checkpoints saved by transformers load from the ``hf`` recipe with ``device.backend=ttnn``
+(embedding, residual and logit multipliers, its own attention scale), Helium (GPT-J RoPE
+pairs), Phi-3 (fused q/k/v and gate/up projections) and SmolLM3 (a layer without RoPE)
+checkpoints saved by transformers load from the ``hf`` recipe with ``device.backend=ttnn``
 and the emulator, on a 1x1 mesh, a 1x2 mesh (N300) and, for Llama and Qwen2, a 1x8 mesh
 (T3K) with tensor-parallel layers (weights
 column/row-sharded over the lane's chips, each chip holding its share of the KV heads), and
@@ -89,6 +90,9 @@ KINDS: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "helium": ("Helium", {}),
+    "phi3": ("Phi3", {"pad_token_id": 0}),  # fused [q; k; v] and [gate; up] projections
+    # SmolLM3: its first layer without RoPE
+    "smollm3": ("SmolLM3", {"no_rope_layers": [0, 1], "pad_token_id": 0}),
 }
 
 
@@ -234,6 +238,7 @@ def _carries_the_parts(kind: str, hf: Any) -> Callable[[TtnnCausalLM, Any], None
         assert config.qk_norm_eps == (COMMON["rms_norm_eps"] if kind == "qwen3" else None)
         assert config.rope.kind == ("llama3" if kind == "llama3-rope" else "default")
         assert config.rope_interleaved == (kind == "helium")
+        assert config.rope_layers == ((False, True) if kind == "smollm3" else (True,) * layers)
         granite = KINDS["granite"][1]
         assert (config.embedding_scale, config.residual_multiplier, config.logit_scale) == (
             (granite["embedding_multiplier"], granite["residual_multiplier"], 0.25)
