@@ -299,6 +299,14 @@ class MeshToTensor:
     grid: tuple[int, int] | None = None
 
 
+class GeluVariant(enum.Enum):
+    """``ttnn.GeluVariant``: which GELU ``ttnn.gelu`` computes (0.81.1's members)."""
+
+    Accurate = 0
+    FastLut = 1
+    Tanh = 2
+
+
 class Topology(enum.Enum):
     """``ttnn.Topology``: the fabric route a collective takes."""
 
@@ -679,6 +687,7 @@ class FakeTtnn:
     DispatchCoreAxis = DispatchCoreAxis
     DispatchCoreConfig = DispatchCoreConfig
     Topology = Topology
+    GeluVariant = GeluVariant
 
     def __init__(
         self,
@@ -1552,6 +1561,34 @@ class FakeTtnn:
             (input_tensor,),
             {},
             output=_same_spec,
+        )
+
+    def gelu(
+        self,
+        input_tensor: Any,
+        *,
+        variant: GeluVariant = GeluVariant.Accurate,
+        fast_and_approximate_mode: bool = False,
+        memory_config: Any = None,
+    ) -> Any:
+        """GELU in float32, the input's dtype and layout: ``Accurate`` is erf's (torch's
+        exact gelu), ``Tanh`` the tanh approximation (torch's ``approximate="tanh"``), as
+        ttnn 0.81.1 documents them; its ``FastLut`` piecewise-linear table is not emulated
+        (refused, as is ``fast_and_approximate_mode``, the legacy name for it)."""
+        if not isinstance(variant, GeluVariant):
+            raise TypeError(f"gelu: variant must be a ttnn.GeluVariant, got {variant!r}")
+        if variant is GeluVariant.FastLut or fast_and_approximate_mode:
+            raise NotImplementedError(
+                "the ttnn emulator does not compute gelu's FastLut table (use Accurate or Tanh)"
+            )
+        approximate = "tanh" if variant is GeluVariant.Tanh else "none"
+        return self._call_op(
+            "gelu",
+            lambda x: torch.nn.functional.gelu(x.float(), approximate=approximate),
+            (input_tensor,),
+            {},
+            output=_same_spec,
+            key_extra=(variant,),
         )
 
     def softmax(

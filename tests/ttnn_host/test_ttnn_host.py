@@ -218,7 +218,7 @@ def test_the_fakes_block_floats_are_the_wheels_bit_for_bit(shape: tuple[int, ...
 
 #: The computing ops the fake runs for a tt_transformers-style decoder.
 EMULATED_OPS = (
-    "matmul", "linear", "rms_norm", "silu", "softmax", "embedding", "typecast", "concat",
+    "matmul", "linear", "rms_norm", "silu", "gelu", "softmax", "embedding", "typecast", "concat",
     "all_gather", "reduce_scatter", "all_reduce",
 )
 
@@ -402,6 +402,8 @@ def test_fake_enums_and_recipe_options_name_real_members() -> None:
         fake_members = {m.name for m in getattr(FakeTtnn, name)}
         real_members = {m for m in dir(getattr(ttnn, name)) if m.isupper()}
         assert fake_members <= real_members, name
+    gelu_variants = {m for m in dir(ttnn.GeluVariant) if not m.startswith("_")}
+    assert {m.name for m in FakeTtnn.GeluVariant} <= gelu_variants
     assert {c.upper() for c in FABRIC_CONFIGS} <= {m for m in dir(ttnn.FabricConfig)}
     assert {c.upper() for c in DISPATCH_CORE_TYPES} <= {m for m in dir(ttnn.DispatchCoreType)}
     assert {"type"} <= param_names(ttnn.DispatchCoreConfig)
