@@ -5,7 +5,8 @@ is the decoder (GQA; RoPE with ``rope_theta`` and any fixed-table scaling: linea
 yarn with its attention factor folded into cos/sin, longrope; optional q/k/v biases as Qwen2
 has; Qwen3's per-head q/k RMSNorm before RoPE, as tt_transformers' ``q_norm``/``k_norm``;
 per-layer sliding windows, passed to ttnn's SDPA ops as ``sliding_window_size``; Granite's
-embedding, residual and logit multipliers; a tied or separate LM head) computed with ttnn ops
+embedding, residual and logit multipliers; Gemma's ``1 + weight`` RMSNorms, scaled
+embeddings and GELU (tanh) MLP; a tied or separate LM head) computed with ttnn ops
 only, so it runs on a chip or on llmrt's ttnn
 emulator unchanged. Weights are converted once from Hugging Face tensors: projections and
 the LM head to ``weight_dtype`` (``bfloat8_b`` as tt_transformers' performance setting, or
@@ -51,6 +52,7 @@ from llmrt.families.rope import RopeSpec, read_rope
 from llmrt.families.rope import rope_tables as spec_rope_tables
 
 TILE = 32
+MLP_ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 
 
 @attrs.frozen(kw_only=True)
@@ -85,8 +87,18 @@ class TtnnDecoderConfig:
     """Multiplies each attention and MLP output before the residual add (Granite)."""
     logit_scale: float = 1.0
     """Multiplies the logits (Granite: ``1 / logits_scaling``)."""
+    mlp_activation: str = "silu"
+    """The gated MLP's activation: ``silu``, ``gelu`` (erf) or ``gelu_tanh`` (Gemma)."""
+    norm_unit_offset: bool = False
+    """RMSNorms scale by ``1 + weight`` (Gemma's): the one is added to the weights at load,
+    as tt_transformers' ``add_unit_offset``."""
 
     def __attrs_post_init__(self) -> None:
+        if self.mlp_activation not in MLP_ACTIVATIONS:
+            raise ConfigError(
+                "mlp_activation", self.mlp_activation, f"must be one of {MLP_ACTIVATIONS}"
+            )
+
         for field in ("windows", "rope_layers"):
             per_layer = getattr(self, field)
             if per_layer and len(per_layer) != self.num_layers:
@@ -219,8 +231,8 @@ class TtnnDecoder:
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
             layer = {
-                "attn_norm": self._norm(weights[p + "input_layernorm.weight"]),
-                "mlp_norm": self._norm(weights[p + "post_attention_layernorm.weight"]),
+                "attn_norm": self._layer_norm(weights[p + "input_layernorm.weight"]),
+                "mlp_norm": self._layer_norm(weights[p + "post_attention_layernorm.weight"]),
                 "wo": self._linear(weights[p + "self_attn.o_proj.weight"], shard=-2),
                 "w1": self._linear(weights[p + "mlp.gate_proj.weight"], shard=-1),
                 "w2": self._linear(weights[p + "mlp.down_proj.weight"], shard=-2),
@@ -240,7 +252,7 @@ class TtnnDecoder:
                     norm = interleave_rotary_rows(norm, 1)
                 layer[f"{name}_norm"] = None if norm is None else self._norm(norm)
             self.layers.append(layer)
-        self.final_norm = self._norm(weights["model.norm.weight"])
+        self.final_norm = self._layer_norm(weights["model.norm.weight"])
         head = weights.get("lm_head.weight")
         if head is None or c.tie_word_embeddings:
             head = weights["model.embed_tokens.weight"]
@@ -295,6 +307,12 @@ class TtnnDecoder:
 
     def _norm(self, vector: torch.Tensor, *, shard: int | None = None) -> Any:
         return self._put(vector.reshape(1, -1), layout=self._tt.TILE_LAYOUT, shard=shard)
+
+    def _layer_norm(self, weight: torch.Tensor) -> Any:
+        """A decoder RMSNorm's weight (``1 + weight`` in float32 first for Gemma's norms)."""
+        if self.config.norm_unit_offset:
+            weight = weight.float() + 1.0
+        return self._norm(weight)
 
     def _all_reduce(self, partial: Any) -> Any:
         """The chips' partial sums added, on every chip: ``reduce_scatter`` then
@@ -362,7 +380,13 @@ class TtnnDecoder:
     def _mlp(self, x: Any, layer: Mapping[str, Any]) -> Any:
         tt = self._tt
         h = tt.rms_norm(x, epsilon=self.config.rms_norm_eps, weight=layer["mlp_norm"])
-        gate = tt.linear(h, layer["w1"], activation="silu", dtype=tt.bfloat16)
+        activation = self.config.mlp_activation
+        if activation == "silu":
+            gate = tt.linear(h, layer["w1"], activation="silu", dtype=tt.bfloat16)
+        else:  # ttnn.gelu names the GELU; the fused linear's does not
+            tanh = activation == "gelu_tanh"
+            variant = tt.GeluVariant.Tanh if tanh else tt.GeluVariant.Accurate
+            gate = tt.gelu(tt.linear(h, layer["w1"], dtype=tt.bfloat16), variant=variant)
         up = tt.linear(h, layer["w3"], dtype=tt.bfloat16)
         down = tt.linear(tt.multiply(gate, up), layer["w2"], dtype=tt.bfloat16)
         return self._residual(x, self._all_reduce(down))

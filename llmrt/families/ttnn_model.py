@@ -37,7 +37,7 @@ from llmrt.errors import ConfigError, UnsupportedError
 from llmrt.families.base import AttentionMetadata, KVCacheView
 from llmrt.families.decoder import TensorNames
 from llmrt.families.parts import DecoderSpec, MLPSpec
-from llmrt.families.ttnn_decoder import TILE, TtnnDecoder, TtnnDecoderConfig
+from llmrt.families.ttnn_decoder import MLP_ACTIVATIONS, TILE, TtnnDecoder, TtnnDecoderConfig
 from llmrt.families.ttnn_kv import checked_kv_cache
 
 WEIGHT_DTYPES = ("bfloat8_b", "bfloat16")
@@ -66,8 +66,8 @@ def ttnn_parts_refusal(spec: DecoderSpec, names: TensorNames) -> tuple[str, obje
         (a.clip_qkv is None, "attention.clip_qkv", a.clip_qkv, "no q/k/v clamp"),
         (not a.o_bias, "attention.o_bias", a.o_bias, "no output-projection bias"),
         (a.head_dim % TILE == 0, "attention.head_dim", a.head_dim, f"a multiple of {TILE}"),
-        (spec.norm.kind == "rms" and spec.norm.weight, "norm.kind", spec.norm.kind,
-         "RMSNorm with a weight"),
+        (spec.norm.kind in ("rms", "rms_one_plus") and spec.norm.weight, "norm.kind",
+         spec.norm.kind, "RMSNorm with a weight (w or 1 + w)"),
         (spec.residual == "sequential", "residual", spec.residual, "sequential residuals"),
         (spec.attn_norm and spec.mlp_norm, "attn_norm/mlp_norm", False, "pre-norm layers"),
         (not (spec.post_attn_norm or spec.post_mlp_norm), "post_attn_norm/post_mlp_norm", True,
@@ -82,8 +82,8 @@ def ttnn_parts_refusal(spec: DecoderSpec, names: TensorNames) -> tuple[str, obje
     if isinstance(spec.mlp, MLPSpec):
         mlp = spec.mlp
         checks += [
-            (mlp.kind == "gated" and mlp.activation == "silu", "mlp.activation",
-             f"{mlp.kind} {mlp.activation}", "a SiLU-gated MLP"),
+            (mlp.kind == "gated" and mlp.activation in MLP_ACTIVATIONS, "mlp.activation",
+             f"{mlp.kind} {mlp.activation}", f"a gated MLP with one of {MLP_ACTIVATIONS}"),
             (not mlp.bias, "mlp.bias", True, "no MLP biases"),
         ]  # fmt: skip
     if spec.ropes:
@@ -136,6 +136,8 @@ def decoder_config(spec: DecoderSpec) -> TtnnDecoderConfig:
         embedding_scale=spec.embedding_scale,
         residual_multiplier=spec.residual_multiplier,
         logit_scale=spec.logit_scale,
+        mlp_activation=mlp.activation,
+        norm_unit_offset=spec.norm.kind == "rms_one_plus",
     )
 
 

@@ -3,15 +3,15 @@
 Tiny random Llama (GQA), Qwen2 (q/k/v biases, tied head), Qwen3 (per-head q/k RMSNorm),
 Mistral (a sliding window shorter than the prompts), Llama with llama3 RoPE scaling, Granite
 (embedding, residual and logit multipliers, its own attention scale), Helium (GPT-J RoPE
-pairs), Phi-3 (fused q/k/v and gate/up projections) and SmolLM3 (a layer without RoPE)
-checkpoints saved by transformers load from the ``hf`` recipe with ``device.backend=ttnn``
-and the emulator, on a 1x1 mesh, a 1x2 mesh (N300) and, for Llama and Qwen2, a 1x8 mesh
-(T3K) with tensor-parallel layers (weights
-column/row-sharded over the lane's chips, each chip holding its share of the KV heads), and
-run the product's path: batched and chunked prefill over the paged cache, traced paged
-decode, device sampling. Their greedy tokens are transformers' float32 greedy tokens wherever the
-reference's top-2 margin exceeds the stated bfloat16 tolerance (teacher-forced on the
-runtime's own tokens, so one near-tie does not end the comparison).
+pairs), Phi-3 (fused q/k/v and gate/up projections), SmolLM3 (a layer without RoPE) and
+Gemma (1 + w norms, scaled embeddings, GELU-tanh MLP) checkpoints saved by transformers
+load from the ``hf`` recipe with ``device.backend=ttnn`` and the emulator, on a 1x1 mesh, a
+1x2 mesh (N300) and, for Llama and Qwen2, a 1x8 mesh (T3K) with tensor-parallel layers
+(weights column/row-sharded over the lane's chips, each chip holding its share of the KV
+heads), and run the product's path: batched and chunked prefill over the paged cache,
+traced paged decode, device sampling. Their greedy tokens are transformers' float32 greedy
+tokens wherever the reference's top-2 margin exceeds the stated bfloat16 tolerance
+(teacher-forced on the runtime's own tokens, so one near-tie does not end the comparison).
 """
 
 from __future__ import annotations
@@ -93,6 +93,8 @@ KINDS: dict[str, tuple[str, dict[str, Any]]] = {
     "phi3": ("Phi3", {"pad_token_id": 0}),  # fused [q; k; v] and [gate; up] projections
     # SmolLM3: its first layer without RoPE
     "smollm3": ("SmolLM3", {"no_rope_layers": [0, 1], "pad_token_id": 0}),
+    # Gemma: 1 + w norms, embeddings scaled by sqrt(hidden), GELU (tanh) MLP, tied head
+    "gemma": ("Gemma", {"tie_word_embeddings": True}),
 }
 
 
@@ -243,7 +245,11 @@ def _carries_the_parts(kind: str, hf: Any) -> Callable[[TtnnCausalLM, Any], None
         assert (config.embedding_scale, config.residual_multiplier, config.logit_scale) == (
             (granite["embedding_multiplier"], granite["residual_multiplier"], 0.25)
             if kind == "granite"
-            else (1.0, 1.0, 1.0)
+            else (COMMON["hidden_size"] ** 0.5 if kind == "gemma" else 1.0, 1.0, 1.0)
+        )
+        gemma = kind == "gemma"
+        assert (config.norm_unit_offset, config.mlp_activation) == (
+            (True, "gelu_tanh") if gemma else (False, "silu")
         )
         if kind == "llama3-rope":
             position = torch.arange(COMMON["max_position_embeddings"])[None]

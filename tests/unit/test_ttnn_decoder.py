@@ -6,9 +6,9 @@ of two, Llama with llama3 RoPE scaling and Qwen2 with yarn checkpoints: prefill 
 prompt and paged decode logits of a two-row batch, teacher-forced with transformers' greedy
 tokens, stay within the stated tolerance of transformers' and pick its tokens wherever the
 top-2 margin exceeds twice that tolerance. Granite (embedding, residual and logit
-multipliers), Helium (GPT-J RoPE pairs) and SmolLM3 (a layer without RoPE) as well. For each
-part, the same weights without it give logits beyond that tolerance, so a decoder ignoring
-the part fails.
+multipliers), Helium (GPT-J RoPE pairs), SmolLM3 (a layer without RoPE) and Gemma (1 + w
+norms, scaled embeddings, GELU-tanh MLP) as well. For each part, the same weights without it
+give logits beyond that tolerance, so a decoder ignoring the part fails.
 """
 
 from __future__ import annotations
@@ -90,6 +90,8 @@ KINDS: dict[str, tuple[str, dict[str, object], tuple[str, dict[str, object]] | N
     "helium": ("Helium", {}, ("Llama", {})),  # without: Llama's half-split RoPE pairs
     # SmolLM3: its second layer without RoPE (without the part: RoPE in both, as Llama)
     "smollm3": ("SmolLM3", {"no_rope_layers": [1, 0], "pad_token_id": 0}, ("Llama", {})),
+    # Gemma: 1 + w norms, embeddings scaled by sqrt(hidden), GELU (tanh) MLP, tied head
+    "gemma": ("Gemma", {"tie_word_embeddings": True}, ("Llama", {"tie_word_embeddings": True})),
 }
 
 
