@@ -611,6 +611,7 @@ _DataType = DataType
 _DispatchCoreConfig = DispatchCoreConfig
 _FabricConfig = FabricConfig
 _Topology = Topology
+_GeluVariant = GeluVariant
 _Layout = Layout
 _MemoryConfig = MemoryConfig
 _MeshDevice = MeshDevice
@@ -1567,7 +1568,7 @@ class FakeTtnn:
         self,
         input_tensor: Any,
         *,
-        variant: GeluVariant = GeluVariant.Accurate,
+        variant: _GeluVariant = GeluVariant.Accurate,
         fast_and_approximate_mode: bool = False,
         memory_config: Any = None,
     ) -> Any:
