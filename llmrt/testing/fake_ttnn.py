@@ -31,8 +31,9 @@ the way ttnn documents them (binary ops keep input A's dtype and layout unless `
 given, ``matmul`` needs tile inputs, ``embedding`` needs UINT32 or BFLOAT16 ids and returns
 the weight's dtype in ``layout``, ``typecast``/``to_layout`` convert). ``matmul``, ``linear``
 (bias, transposes, fused activation), ``rms_norm`` (weight, bias, residual), ``silu``,
-``gelu`` (``GeluVariant`` Accurate or Tanh) and ``softmax`` compute in float32 on the values the device holds and round to the output dtype:
-bfloat8_b/bfloat4_b payloads are block floats (``llmrt.testing.block_float``), as on a chip.
+``gelu`` (``GeluVariant`` Accurate or Tanh) and ``softmax`` compute in float32 on the
+values the device holds and round to the output dtype: bfloat8_b/bfloat4_b payloads are
+block floats (``llmrt.testing.block_float``), as on a chip.
 ``experimental`` and ``transformer`` hold a tt_transformers decoder's attention ops (paged KV
 writes, paged decode and causal prefill SDPA, ``rotary_embedding_llama``:
 ``llmrt.testing.fake_ttnn_transformer``).
