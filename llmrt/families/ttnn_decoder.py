@@ -1,15 +1,22 @@
 """A Llama-style decoder on ttnn ops, laid out the way tt-metal's ``tt_transformers`` does it.
 
 Why: the runtime's traces, mesh lanes and device sampling exist for Tenstorrent chips; this
-is the decoder (GQA, RoPE with ``rope_theta``, optional q/k/v biases as Qwen2 has, a tied or
-separate LM head) computed with ttnn ops only, so it runs on a chip or on llmrt's ttnn
+is the decoder (GQA; RoPE with ``rope_theta`` and any fixed-table scaling: linear, llama3,
+yarn with its attention factor folded into cos/sin, longrope; optional q/k/v biases as Qwen2
+has; Qwen3's per-head q/k RMSNorm before RoPE, as tt_transformers' ``q_norm``/``k_norm``;
+per-layer sliding windows, passed to ttnn's SDPA ops as ``sliding_window_size``; Granite's
+embedding, residual and logit multipliers; Gemma's ``1 + weight`` RMSNorms, scaled
+embeddings and GELU (tanh) MLP; a tied or separate LM head) computed with ttnn ops
+only, so it runs on a chip or on llmrt's ttnn
 emulator unchanged. Weights are converted once from Hugging Face tensors: projections and
 the LM head to ``weight_dtype`` (``bfloat8_b`` as tt_transformers' performance setting, or
 ``bfloat16``) in tile layout as ``[in, out]``, norms and biases to bfloat16, the embedding
 to bfloat16 row-major. q/k projection rows are permuted per head from Hugging Face's
-half-split rotary layout to interleaved pairs (tt_transformers' ``reverse_permute``), so
+half-split rotary layout to interleaved pairs (tt_transformers' ``reverse_permute``; a
+checkpoint whose rows already pair channels GPT-J style, as Helium's, is loaded as it is), so
 ``ttnn.experimental.rotary_embedding_llama`` rotates them with its pair-swapping
-transformation matrix; attention scores are unchanged by that permutation.
+transformation matrix; attention scores are unchanged by that permutation, and q/k norm
+weights (one ``head_dim`` vector each) are permuted the same way.
 
 ``prefill`` takes one row's chunk (from position 0, or after cached blocks; its start is a
 host integer, as tt_transformers' ``chunk_start_idx``) and ``decode`` a batch of rows over
@@ -55,10 +62,12 @@ import attrs
 import torch
 
 from llmrt.errors import ConfigError
-from llmrt.families.rope import RopeSpec
+from llmrt.families.hfconfig import HFConfig
+from llmrt.families.rope import RopeSpec, read_rope
 from llmrt.families.rope import rope_tables as spec_rope_tables
 
 TILE = 32
+MLP_ACTIVATIONS = ("silu", "gelu", "gelu_tanh")
 
 
 @attrs.frozen(kw_only=True)
@@ -78,15 +87,59 @@ class TtnnDecoderConfig:
     tie_word_embeddings: bool
     attention_scale: float | None = None
     """Scores' scale (None: ``head_dim ** -0.5``)."""
+    qk_norm_eps: float | None = None
+    """Per-head RMSNorm of q and k before RoPE with this epsilon (Qwen3; None: no q/k norm)."""
+    windows: tuple[int | None, ...] = ()
+    """Each layer's sliding window (None: full attention; empty: no layer has one)."""
+    rope_layers: tuple[bool, ...] = ()
+    """Whether each layer rotates q and k (False: a NoPE layer, SmolLM3's every fourth;
+    empty: every layer rotates)."""
+    rope_interleaved: bool = False
+    """The checkpoint's q/k rows pair channels ``(2i, 2i + 1)`` (GPT-J style) already."""
+    embedding_scale: float = 1.0
+    """Multiplies the embedded tokens (Granite's ``embedding_multiplier``)."""
+    residual_multiplier: float = 1.0
+    """Multiplies each attention and MLP output before the residual add (Granite)."""
+    logit_scale: float = 1.0
+    """Multiplies the logits (Granite: ``1 / logits_scaling``)."""
+    mlp_activation: str = "silu"
+    """The gated MLP's activation: ``silu``, ``gelu`` (erf) or ``gelu_tanh`` (Gemma)."""
+    norm_unit_offset: bool = False
+    """RMSNorms scale by ``1 + weight`` (Gemma's): the one is added to the weights at load,
+    as tt_transformers' ``add_unit_offset``."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.mlp_activation not in MLP_ACTIVATIONS:
+            raise ConfigError(
+                "mlp_activation", self.mlp_activation, f"must be one of {MLP_ACTIVATIONS}"
+            )
+
+        for field in ("windows", "rope_layers"):
+            per_layer = getattr(self, field)
+            if per_layer and len(per_layer) != self.num_layers:
+                raise ConfigError(
+                    field, len(per_layer), f"needs one entry per layer ({self.num_layers})"
+                )
+        for window in self.windows:
+            if window is not None and (isinstance(window, bool) or window <= 0):
+                raise ConfigError("windows", window, "a sliding window must be a positive int")
+
+    def window(self, layer: int) -> int | None:
+        """Layer ``layer``'s sliding window (None: it attends to every earlier position)."""
+        return self.windows[layer] if self.windows else None
 
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any]) -> TtnnDecoderConfig:
+        """A Llama-style ``config.json`` (its ``rope_scaling`` read as the families read it)."""
         heads = int(hf["num_attention_heads"])
         hidden = int(hf["hidden_size"])
         head_dim = int(hf.get("head_dim") or hidden // heads)
-        scaling = hf.get("rope_scaling")
-        if scaling and scaling.get("rope_type", scaling.get("type")) not in (None, "default"):
-            raise ConfigError("rope_scaling", scaling, "the ttnn decoder has default RoPE only")
+        max_positions = int(hf.get("max_position_embeddings", 2048))
+        rope = read_rope(HFConfig(raw=hf), head_dim=head_dim, max_positions=max_positions)
+        if rope.head_dim != head_dim:
+            raise ConfigError(
+                "partial_rotary_factor", rope.head_dim / head_dim, "the ttnn decoder rotates all"
+            )
         if head_dim % TILE:
             raise ConfigError("head_dim", head_dim, f"must be a multiple of the {TILE}-wide tile")
         return cls(
@@ -98,8 +151,8 @@ class TtnnDecoderConfig:
             head_dim=head_dim,
             intermediate_size=int(hf["intermediate_size"]),
             rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope=RopeSpec(head_dim=head_dim, theta=float(hf.get("rope_theta", 10000.0))),
-            max_positions=int(hf.get("max_position_embeddings", 2048)),
+            rope=rope,
+            max_positions=max_positions,
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         )
 
@@ -223,8 +276,8 @@ class TtnnDecoder:
         for i in range(c.num_layers):
             p = f"model.layers.{i}."
             layer = {
-                "attn_norm": self._norm(weights[p + "input_layernorm.weight"]),
-                "mlp_norm": self._norm(weights[p + "post_attention_layernorm.weight"]),
+                "attn_norm": self._layer_norm(weights[p + "input_layernorm.weight"]),
+                "mlp_norm": self._layer_norm(weights[p + "post_attention_layernorm.weight"]),
                 "wo": self._linear(weights[p + "self_attn.o_proj.weight"], shard=-2),
                 "w1": self._linear(weights[p + "mlp.gate_proj.weight"], shard=-1),
                 "w2": self._linear(weights[p + "mlp.down_proj.weight"], shard=-2),
@@ -233,7 +286,7 @@ class TtnnDecoder:
             for name, heads in (("q", c.num_heads), ("k", c.num_kv_heads), ("v", c.num_kv_heads)):
                 w = weights[f"{p}self_attn.{name}_proj.weight"]
                 b = weights.get(f"{p}self_attn.{name}_proj.bias")
-                if name != "v":
+                if name != "v" and not c.rope_interleaved:
                     w = interleave_rotary_rows(w, heads)
                     b = None if b is None else interleave_rotary_rows(b, heads)
                 if name != "q":
@@ -241,8 +294,13 @@ class TtnnDecoder:
                     b = None if b is None else replicate_kv_rows(b, heads, kv_copies)
                 layer[f"w{name}"] = self._linear(w, shard=-1)
                 layer[f"b{name}"] = None if b is None else self._norm(b, shard=-1)
+            for name in ("q", "k"):  # one head_dim weight, on every chip
+                norm = weights[f"{p}self_attn.{name}_norm.weight"] if c.qk_norm_eps else None
+                if norm is not None and not c.rope_interleaved:
+                    norm = interleave_rotary_rows(norm, 1)
+                layer[f"{name}_norm"] = None if norm is None else self._norm(norm)
             self.layers.append(layer)
-        self.final_norm = self._norm(weights["model.norm.weight"])
+        self.final_norm = self._layer_norm(weights["model.norm.weight"])
         head = weights.get("lm_head.weight")
         if head is None or c.tie_word_embeddings:
             head = weights["model.embed_tokens.weight"]
@@ -326,6 +384,12 @@ class TtnnDecoder:
             )
         return value
 
+    def _layer_norm(self, weight: torch.Tensor) -> Any:
+        """A decoder RMSNorm's weight (``1 + weight`` in float32 first for Gemma's norms)."""
+        if self.config.norm_unit_offset:
+            weight = weight.float() + 1.0
+        return self._norm(weight)
+
     def _all_reduce(self, partial: Any) -> Any:
         """The chips' partial sums added, on every chip: ``reduce_scatter`` then
         ``all_gather`` along the hidden dimension, as tt_transformers composes it on a 1xN
@@ -354,7 +418,14 @@ class TtnnDecoder:
 
     def _embed(self, tokens: Any) -> Any:
         tt = self._tt
-        return tt.to_layout(tt.embedding(tokens, self.embedding), tt.TILE_LAYOUT)
+        x = tt.to_layout(tt.embedding(tokens, self.embedding), tt.TILE_LAYOUT)
+        scale = self.config.embedding_scale
+        return x if scale == 1.0 else tt.multiply(x, scale)
+
+    def _residual(self, x: Any, out: Any) -> Any:
+        """``x + out`` (``out`` times the residual multiplier first when it is not 1)."""
+        tt, multiplier = self._tt, self.config.residual_multiplier
+        return tt.add(x, out if multiplier == 1.0 else tt.multiply(out, multiplier))
 
     def _rope(self, rope_positions: Any) -> tuple[Any, Any]:
         """cos and sin rows of ``rope_positions`` (uint32: ``ttnn.embedding`` ids)."""
@@ -362,6 +433,28 @@ class TtnnDecoder:
         cos = tt.to_layout(tt.embedding(rope_positions, self.cos), tt.TILE_LAYOUT)
         sin = tt.to_layout(tt.embedding(rope_positions, self.sin), tt.TILE_LAYOUT)
         return cos, sin
+
+    def _head_norm(self, heads: Any, layer: Mapping[str, Any], name: str) -> Any:
+        """q or k heads (``head_dim`` last) RMS-normalized per head when the model has q/k
+        norms (Qwen3), as tt_transformers' ``q_norm``/``k_norm`` before RoPE; else as they are."""
+        weight = layer[f"{name}_norm"]
+        if weight is None:
+            return heads
+        return self._tt.rms_norm(heads, epsilon=self.config.qk_norm_eps, weight=weight)
+
+    def _rotate(self, index: int, heads: Any, cos: Any, sin: Any, *, decode: bool) -> Any:
+        """q or k heads of layer ``index`` rotated by RoPE (a NoPE layer's as they are)."""
+        if self.config.rope_layers and not self.config.rope_layers[index]:
+            return heads
+        kwargs = {"is_decode_mode": True} if decode else {}
+        return self._tt.experimental.rotary_embedding_llama(
+            heads, cos, sin, self.trans_mat, **kwargs
+        )
+
+    def _window(self, layer: int) -> dict[str, int]:
+        """``sliding_window_size`` for the SDPA ops of a windowed layer (none: no keyword)."""
+        window = self.config.window(layer)
+        return {} if window is None else {"sliding_window_size": window}
 
     def _project(self, h: Any, layer: Mapping[str, Any], name: str) -> Any:
         bias = layer[f"b{name}"]
@@ -371,10 +464,16 @@ class TtnnDecoder:
     def _mlp(self, x: Any, layer: Mapping[str, Any]) -> Any:
         tt = self._tt
         h = tt.rms_norm(x, epsilon=self.config.rms_norm_eps, weight=layer["mlp_norm"])
-        gate = tt.linear(h, layer["w1"], activation="silu", dtype=tt.bfloat16)
+        activation = self.config.mlp_activation
+        if activation == "silu":
+            gate = tt.linear(h, layer["w1"], activation="silu", dtype=tt.bfloat16)
+        else:  # ttnn.gelu names the GELU; the fused linear's does not
+            tanh = activation == "gelu_tanh"
+            variant = tt.GeluVariant.Tanh if tanh else tt.GeluVariant.Accurate
+            gate = tt.gelu(tt.linear(h, layer["w1"], dtype=tt.bfloat16), variant=variant)
         up = tt.linear(h, layer["w3"], dtype=tt.bfloat16)
         down = tt.linear(tt.multiply(gate, up), layer["w2"], dtype=tt.bfloat16)
-        return tt.add(x, self._all_reduce(down))
+        return self._residual(x, self._all_reduce(down))
 
     def head(self, x: Any) -> Any:
         """float32 logits of hidden rows ``x`` ``[N, hidden]`` (tile): final norm, LM head."""
@@ -384,6 +483,8 @@ class TtnnDecoder:
         tt = self._tt
         h = tt.rms_norm(x, epsilon=self.config.rms_norm_eps, weight=self.final_norm)
         logits = tt.linear(h, self.lm_head, dtype=tt.float32)
+        if self.config.logit_scale != 1.0:
+            logits = tt.multiply(logits, self.config.logit_scale)
         if self.devices == 1:
             return logits
         logits = self._all_gather(logits)
@@ -409,17 +510,14 @@ class TtnnDecoder:
         x = self._embed(tokens)
         cos, sin = self._rope(rope_positions)
         cos, sin = (tt.reshape(t, (1, batch, 1, c.head_dim)) for t in (cos, sin))
-        for layer, (k_cache, v_cache) in zip(self.layers, kv, strict=True):
+        for index, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv, strict=True)):
             h = tt.rms_norm(x, epsilon=c.rms_norm_eps, weight=layer["attn_norm"])
             q = tt.reshape(self._project(h, layer, "q"), (1, batch, self.heads, c.head_dim))
             k = tt.reshape(self._project(h, layer, "k"), (1, batch, self.kv_heads, c.head_dim))
             v = tt.reshape(self._project(h, layer, "v"), (1, batch, self.kv_heads, c.head_dim))
-            q = tt.experimental.rotary_embedding_llama(
-                q, cos, sin, self.trans_mat, is_decode_mode=True
-            )
-            k = tt.experimental.rotary_embedding_llama(
-                k, cos, sin, self.trans_mat, is_decode_mode=True
-            )
+            q, k = self._head_norm(q, layer, "q"), self._head_norm(k, layer, "k")
+            q = self._rotate(index, q, cos, sin, decode=True)
+            k = self._rotate(index, k, cos, sin, decode=True)
             for cache, new in ((k_cache, k), (v_cache, v)):
                 tt.experimental.paged_update_cache(
                     cache, new, update_idxs_tensor=positions, page_table=page_table
@@ -431,9 +529,10 @@ class TtnnDecoder:
                 cur_pos_tensor=positions,
                 page_table_tensor=page_table,
                 scale=self.scale,
+                **self._window(index),
             )
             attn = tt.reshape(attn, (batch, self.heads * c.head_dim))
-            x = tt.add(x, self._all_reduce(tt.linear(attn, layer["wo"], dtype=tt.bfloat16)))
+            x = self._residual(x, self._all_reduce(tt.linear(attn, layer["wo"], dtype=tt.bfloat16)))
             x = self._mlp(x, layer)
         return self._logits(x)
 
@@ -494,25 +593,32 @@ class TtnnDecoder:
         def heads(t: Any, n: int) -> Any:
             return tt.permute(tt.reshape(t, (1, seq, n, c.head_dim)), (0, 2, 1, 3))
 
-        for layer, (k_cache, v_cache) in zip(self.layers, kv, strict=True):
+        for index, (layer, (k_cache, v_cache)) in enumerate(zip(self.layers, kv, strict=True)):
             h = tt.rms_norm(x, epsilon=c.rms_norm_eps, weight=layer["attn_norm"])
             q = heads(self._project(h, layer, "q"), self.heads)
             k = heads(self._project(h, layer, "k"), self.kv_heads)
             v = heads(self._project(h, layer, "v"), self.kv_heads)
-            q = tt.experimental.rotary_embedding_llama(q, cos, sin, self.trans_mat)
-            k = tt.experimental.rotary_embedding_llama(k, cos, sin, self.trans_mat)
+            q, k = self._head_norm(q, layer, "q"), self._head_norm(k, layer, "k")
+            q = self._rotate(index, q, cos, sin, decode=False)
+            k = self._rotate(index, k, cos, sin, decode=False)
             fill_table = page_table if chunk_page_table is None else chunk_page_table
             tt.experimental.paged_fill_cache(k_cache, k, fill_table, batch_idx=0)
             tt.experimental.paged_fill_cache(v_cache, v, fill_table, batch_idx=0)
             if chunk_start:
                 attn = tt.transformer.chunked_scaled_dot_product_attention(
-                    q, k_cache, v_cache, page_table, chunk_start, scale=self.scale
+                    q,
+                    k_cache,
+                    v_cache,
+                    page_table,
+                    chunk_start,
+                    scale=self.scale,
+                    **self._window(index),
                 )
             else:
                 attn = tt.transformer.scaled_dot_product_attention(
-                    q, k, v, is_causal=True, scale=self.scale
+                    q, k, v, is_causal=True, scale=self.scale, **self._window(index)
                 )
             attn = tt.reshape(tt.permute(attn, (0, 2, 1, 3)), (seq, self.heads * c.head_dim))
-            x = tt.add(x, self._all_reduce(tt.linear(attn, layer["wo"], dtype=tt.bfloat16)))
+            x = self._residual(x, self._all_reduce(tt.linear(attn, layer["wo"], dtype=tt.bfloat16)))
             x = self._mlp(x, layer)
         return x

@@ -1,11 +1,14 @@
 """The decoder families on a ttnn mesh: ``TtnnDecoder`` behind the runtime's model protocol.
 
-Why: a recipe pairing a decoder family (Llama, Mistral, Qwen2, Qwen3 without q/k norms,
-SmolLM2, ...) with ``device.backend: ttnn`` builds this model on the lane's mesh, so
-prefill, paged KV fill and update, paged decode attention, sampling and traces run through
-the same runtime as on the CPU. ``ttnn_parts_refusal`` names the first part of a
-``DecoderSpec`` the ttnn path does not compute (q/k norms, sliding windows, experts,
-learned positions, ...); ``build_ttnn_model`` refuses it before any weight moves.
+Why: a recipe pairing a decoder family (Llama with any fixed-table RoPE scaling, Mistral
+with its sliding window, Qwen2 with or without windowed layers, Qwen3 with its q/k norms,
+Granite with its multipliers, Helium with GPT-J RoPE pairs, SmolLM2, ...) with
+``device.backend: ttnn`` builds this model on the lane's mesh, so prefill, paged KV fill and
+update, paged decode attention, sampling and traces run through the same runtime as on the
+CPU. ``ttnn_parts_refusal`` names the first part of a
+``DecoderSpec`` the ttnn path does not compute (experts, learned positions, partial rotary,
+q/k norms over the whole projection, LayerNorm, ...); ``build_ttnn_model`` refuses it
+before any weight moves.
 
 Prefill follows tt_transformers' generator: one user at a time, the chunk's start position
 a host integer (``chunk_start_idx``), not a device tensor. The model declares
@@ -34,7 +37,7 @@ from llmrt.errors import ConfigError, UnsupportedError
 from llmrt.families.base import AttentionMetadata, KVCacheView
 from llmrt.families.decoder import TensorNames
 from llmrt.families.parts import DecoderSpec, MLPSpec
-from llmrt.families.ttnn_decoder import TILE, TtnnDecoder, TtnnDecoderConfig
+from llmrt.families.ttnn_decoder import MLP_ACTIVATIONS, TILE, TtnnDecoder, TtnnDecoderConfig
 from llmrt.families.ttnn_kv import checked_kv_cache
 
 WEIGHT_DTYPES = ("bfloat8_b", "bfloat16")
@@ -48,40 +51,39 @@ def ttnn_parts_refusal(spec: DecoderSpec, names: TensorNames) -> tuple[str, obje
     checks: list[tuple[bool, str, object, str]] = [
         (spec.positions == "rope", "positions", spec.positions, "RoPE only"),
         (len(spec.ropes) == 1, "ropes", len(spec.ropes), "one RoPE variant for every layer"),
-        (all(layer.rope == 0 for layer in spec.layers), "layers.rope", "...",
-         "RoPE in every layer"),
-        (all(layer.window is None for layer in spec.layers), "layers.window", "sliding",
-         "no sliding-window attention"),
+        (all(layer.rope in (0, None) for layer in spec.layers), "layers.rope", "...",
+         "one RoPE variant (or none: NoPE layers)"),
         (spec.moe is None and not any(layer.moe for layer in spec.layers), "moe", "experts",
          "dense MLPs only"),
         (isinstance(spec.mlp, MLPSpec), "mlp", type(spec.mlp).__name__, "the catalogue's MLP"),
-        (a.qk_norm is None, "attention.qk_norm", a.qk_norm, "no q/k norms"),
+        (a.qk_norm in (None, "head"), "attention.qk_norm", a.qk_norm,
+         "q/k norms per head only (not over the whole projection)"),
+        (not a.qk_norm_per_head_weights, "attention.qk_norm_per_head_weights", True,
+         "one q and one k norm weight shared by the heads"),
+        (a.qk_norm is None or (a.qk_norm_spec.kind == "rms" and a.qk_norm_spec.weight),
+         "attention.qk_norm_spec.kind", a.qk_norm_spec.kind, "q/k RMSNorm with a weight"),
         (a.softcap is None, "attention.softcap", a.softcap, "no score softcap"),
         (a.clip_qkv is None, "attention.clip_qkv", a.clip_qkv, "no q/k/v clamp"),
         (not a.o_bias, "attention.o_bias", a.o_bias, "no output-projection bias"),
-        (a.rope_style == "neox", "attention.rope_style", a.rope_style,
-         "neox pairs (loaded as interleaved pairs)"),
         (a.head_dim % TILE == 0, "attention.head_dim", a.head_dim, f"a multiple of {TILE}"),
-        (spec.norm.kind == "rms" and spec.norm.weight, "norm.kind", spec.norm.kind,
-         "RMSNorm with a weight"),
+        (spec.norm.kind in ("rms", "rms_one_plus") and spec.norm.weight, "norm.kind",
+         spec.norm.kind, "RMSNorm with a weight (w or 1 + w)"),
         (spec.residual == "sequential", "residual", spec.residual, "sequential residuals"),
         (spec.attn_norm and spec.mlp_norm, "attn_norm/mlp_norm", False, "pre-norm layers"),
         (not (spec.post_attn_norm or spec.post_mlp_norm), "post_attn_norm/post_mlp_norm", True,
          "no post-norms"),
         (spec.final_norm, "final_norm", False, "a final norm"),
-        (spec.embedding_scale == 1.0, "embedding_scale", spec.embedding_scale, "1"),
-        (spec.residual_multiplier == 1.0, "residual_multiplier", spec.residual_multiplier, "1"),
-        (spec.logit_scale == 1.0, "logit_scale", spec.logit_scale, "1"),
         (spec.final_softcap is None, "final_softcap", spec.final_softcap, "no logit softcap"),
         (not spec.lm_head_bias, "lm_head_bias", True, "no LM-head bias"),
-        (names.qkv is None and names.gate_up is None and not names.transposed,
-         "tensor names", "fused or transposed", "separate [out, in] q/k/v and gate/up weights"),
+        (not names.qkv_interleaved and not names.transposed, "tensor names",
+         "per-head fused q/k/v or transposed",
+         "[out, in] weights (q/k/v fused as [q; k; v] rows, or separate)"),
     ]  # fmt: skip
     if isinstance(spec.mlp, MLPSpec):
         mlp = spec.mlp
         checks += [
-            (mlp.kind == "gated" and mlp.activation == "silu", "mlp.activation",
-             f"{mlp.kind} {mlp.activation}", "a SiLU-gated MLP"),
+            (mlp.kind == "gated" and mlp.activation in MLP_ACTIVATIONS, "mlp.activation",
+             f"{mlp.kind} {mlp.activation}", f"a gated MLP with one of {MLP_ACTIVATIONS}"),
             (not mlp.bias, "mlp.bias", True, "no MLP biases"),
         ]  # fmt: skip
     if spec.ropes:
@@ -89,9 +91,10 @@ def ttnn_parts_refusal(spec: DecoderSpec, names: TensorNames) -> tuple[str, obje
         checks += [
             (rope.head_dim == a.head_dim, "ropes.head_dim", rope.head_dim,
              f"full rotary width {a.head_dim}"),
-            (rope.kind != "dynamic", "ropes.kind", rope.kind,
-             "fixed tables (dynamic NTK rescales per length)"),
         ]  # fmt: skip
+        # Every rope kind is a table of angles per position up to max_position_embeddings
+        # (yarn's attention factor folded in, longrope's two ranges, dynamic NTK's default
+        # angles: it rescales only past the positions the runtime serves), as on the CPU.
     for ok, part, value, why in checks:
         if not ok:
             return part, value, why
@@ -109,15 +112,47 @@ def check_ttnn_parts(spec: DecoderSpec, names: TensorNames, *, family: str) -> N
         )
 
 
+def decoder_config(spec: DecoderSpec) -> TtnnDecoderConfig:
+    """The ``TtnnDecoderConfig`` of a family's parts (``ttnn_parts_refusal`` passed)."""
+    a, m = spec.attention, spec.model
+    mlp = cast(MLPSpec, spec.mlp)  # ttnn_parts_refusal checked it
+    return TtnnDecoderConfig(
+        vocab_size=m.vocab_size,
+        hidden_size=m.hidden_size,
+        num_layers=m.num_layers,
+        num_heads=a.num_heads,
+        num_kv_heads=a.num_kv_heads,
+        head_dim=a.head_dim,
+        intermediate_size=mlp.intermediate_size,
+        rms_norm_eps=spec.norm.eps,
+        rope=spec.ropes[0],
+        max_positions=m.max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        attention_scale=a.scale,
+        qk_norm_eps=None if a.qk_norm is None else a.qk_norm_spec.eps,
+        windows=tuple(layer.window for layer in spec.layers),
+        rope_layers=tuple(layer.rope is not None for layer in spec.layers),
+        rope_interleaved=a.rope_style == "interleaved",
+        embedding_scale=spec.embedding_scale,
+        residual_multiplier=spec.residual_multiplier,
+        logit_scale=spec.logit_scale,
+        mlp_activation=mlp.activation,
+        norm_unit_offset=spec.norm.kind == "rms_one_plus",
+    )
+
+
 def canonical_weights(
     spec: DecoderSpec, names: TensorNames, tensors: Mapping[str, torch.Tensor]
 ) -> dict[str, torch.Tensor]:
-    """The family's tensors under the Llama names ``TtnnDecoder`` reads."""
+    """The family's tensors under the Llama names ``TtnnDecoder`` reads; fused projections
+    (Phi-3's ``[q; k; v]`` and ``[gate; up]`` rows) split into their parts on the host."""
     out = {"model.embed_tokens.weight": tensors[names.embed]}
     out["model.norm.weight"] = tensors[names.final_norm + ".weight"]
     if names.lm_head in tensors and not spec.tie_word_embeddings:
         out["lm_head.weight"] = tensors[names.lm_head]
+    qk_norms = {"self_attn.q_norm": names.q_norm, "self_attn.k_norm": names.k_norm}
     pairs = {
+        **(qk_norms if spec.attention.qk_norm is not None else {}),
         "input_layernorm": names.attn_norm,
         "post_attention_layernorm": names.mlp_norm,
         "self_attn.q_proj": names.q,
@@ -128,12 +163,27 @@ def canonical_weights(
         "mlp.up_proj": names.up,
         "mlp.down_proj": names.down,
     }
+    a = spec.attention
+    fused = {
+        names.qkv: (("self_attn.q_proj", a.num_heads), ("self_attn.k_proj", a.num_kv_heads),
+                    ("self_attn.v_proj", a.num_kv_heads)),
+        names.gate_up: (("mlp.gate_proj", 1), ("mlp.up_proj", 1)),
+    }  # fmt: skip
     for i in range(spec.model.num_layers):
         src, dst = names.layer.format(i=i), f"model.layers.{i}."
         for ours, theirs in pairs.items():
             for suffix in (".weight", ".bias"):
                 if src + theirs + suffix in tensors:
                     out[dst + ours + suffix] = tensors[src + theirs + suffix]
+        for name, parts in fused.items():  # rows split in proportion to the parts' heads
+            for suffix in (".weight", ".bias"):
+                whole = None if name is None else tensors.get(src + name + suffix)
+                if whole is None:
+                    continue
+                shares = [count for _, count in parts]
+                sizes = [len(whole) * share // sum(shares) for share in shares]
+                for (ours, _), piece in zip(parts, whole.split(sizes), strict=True):
+                    out[dst + ours + suffix] = piece
     return out
 
 
@@ -163,23 +213,9 @@ class TtnnCausalLM:
         check_ttnn_parts(spec, names, family=spec.model.family)
         if weight_dtype not in WEIGHT_DTYPES:
             raise ConfigError("weight_dtype", weight_dtype, f"must be one of {WEIGHT_DTYPES}")
-        a, m = spec.attention, spec.model
-        mlp = cast(MLPSpec, spec.mlp)  # ttnn_parts_refusal checked it
+        m = spec.model
         self.config = attrs.evolve(m, dtype=torch.bfloat16)
-        self.decoder_config = TtnnDecoderConfig(
-            vocab_size=m.vocab_size,
-            hidden_size=m.hidden_size,
-            num_layers=m.num_layers,
-            num_heads=a.num_heads,
-            num_kv_heads=a.num_kv_heads,
-            head_dim=a.head_dim,
-            intermediate_size=mlp.intermediate_size,
-            rms_norm_eps=spec.norm.eps,
-            rope=spec.ropes[0],
-            max_positions=m.max_position_embeddings,
-            tie_word_embeddings=spec.tie_word_embeddings,
-            attention_scale=a.scale,
-        )
+        self.decoder_config = decoder_config(spec)
         self._tt = ttnn_module
         self.borrowed_mesh = mesh_device
         self.weight_dtype = weight_dtype

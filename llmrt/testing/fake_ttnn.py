@@ -30,9 +30,10 @@ programs). Their operators are exactly the real tensor's (``+ - * / @``, compari
 the way ttnn documents them (binary ops keep input A's dtype and layout unless ``dtype=`` is
 given, ``matmul`` needs tile inputs, ``embedding`` needs UINT32 or BFLOAT16 ids and returns
 the weight's dtype in ``layout``, ``typecast``/``to_layout`` convert). ``matmul``, ``linear``
-(bias, transposes, fused activation), ``rms_norm`` (weight, bias, residual), ``silu`` and
-``softmax`` compute in float32 on the values the device holds and round to the output dtype:
-bfloat8_b/bfloat4_b payloads are block floats (``llmrt.testing.block_float``), as on a chip.
+(bias, transposes, fused activation), ``rms_norm`` (weight, bias, residual), ``silu``,
+``gelu`` (``GeluVariant`` Accurate or Tanh) and ``softmax`` compute in float32 on the
+values the device holds and round to the output dtype: bfloat8_b/bfloat4_b payloads are
+block floats (``llmrt.testing.block_float``), as on a chip.
 ``experimental`` and ``transformer`` hold a tt_transformers decoder's attention ops (paged KV
 writes, paged decode and causal prefill SDPA, ``rotary_embedding_llama``:
 ``llmrt.testing.fake_ttnn_transformer``).
@@ -297,6 +298,14 @@ class MeshToTensor:
     dim: int
     dims: tuple[int, int] | None = None
     grid: tuple[int, int] | None = None
+
+
+class GeluVariant(enum.Enum):
+    """``ttnn.GeluVariant``: which GELU ``ttnn.gelu`` computes (0.81.1's members)."""
+
+    Accurate = 0
+    FastLut = 1
+    Tanh = 2
 
 
 class Topology(enum.Enum):
@@ -603,6 +612,7 @@ _DataType = DataType
 _DispatchCoreConfig = DispatchCoreConfig
 _FabricConfig = FabricConfig
 _Topology = Topology
+_GeluVariant = GeluVariant
 _Layout = Layout
 _MemoryConfig = MemoryConfig
 _MeshDevice = MeshDevice
@@ -679,6 +689,7 @@ class FakeTtnn:
     DispatchCoreAxis = DispatchCoreAxis
     DispatchCoreConfig = DispatchCoreConfig
     Topology = Topology
+    GeluVariant = GeluVariant
 
     def __init__(
         self,
@@ -1373,6 +1384,7 @@ class FakeTtnn:
             )
 
         op.__name__ = name.rpartition(".")[2]
+        op.__wrapped__ = fn  # type: ignore[attr-defined]  # its parameters, for inspect
         return op
 
     add = _binary_op("add", torch.add)
@@ -1551,6 +1563,34 @@ class FakeTtnn:
             (input_tensor,),
             {},
             output=_same_spec,
+        )
+
+    def gelu(
+        self,
+        input_tensor: Any,
+        *,
+        variant: _GeluVariant = GeluVariant.Accurate,
+        fast_and_approximate_mode: bool = False,
+        memory_config: Any = None,
+    ) -> Any:
+        """GELU in float32, the input's dtype and layout: ``Accurate`` is erf's (torch's
+        exact gelu), ``Tanh`` the tanh approximation (torch's ``approximate="tanh"``), as
+        ttnn 0.81.1 documents them; its ``FastLut`` piecewise-linear table is not emulated
+        (refused, as is ``fast_and_approximate_mode``, the legacy name for it)."""
+        if not isinstance(variant, GeluVariant):
+            raise TypeError(f"gelu: variant must be a ttnn.GeluVariant, got {variant!r}")
+        if variant is GeluVariant.FastLut or fast_and_approximate_mode:
+            raise NotImplementedError(
+                "the ttnn emulator does not compute gelu's FastLut table (use Accurate or Tanh)"
+            )
+        approximate = "tanh" if variant is GeluVariant.Tanh else "none"
+        return self._call_op(
+            "gelu",
+            lambda x: torch.nn.functional.gelu(x.float(), approximate=approximate),
+            (input_tensor,),
+            {},
+            output=_same_spec,
+            key_extra=(variant,),
         )
 
     def softmax(

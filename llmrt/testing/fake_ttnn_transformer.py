@@ -6,11 +6,15 @@
 ``ttnn.transformer.chunked_scaled_dot_product_attention`` (a prefill chunk over the row's
 cached positions) and
 ``ttnn.experimental.rotary_embedding_llama`` (``x * cos + (x @ trans_mat) * sin`` per 32-wide
-tile, the transformation matrix swapping pairs as tt_transformers builds it). Layouts follow
-tt_transformers: the KV cache ``[blocks, kv_heads, block_size, head_dim]``, decode queries
-``[1, batch, heads, head_dim]``, prefill ``[batch, heads, seq, head_dim]``; a ``-1`` position
-or page-table entry skips a row. Scores and softmax run in float32 over the held values;
-outputs are rounded to the query's dtype by the fake.
+tile, the transformation matrix swapping pairs as tt_transformers builds it). The three SDPA ops
+take ttnn 0.81.1's ``sliding_window_size``: a query at position ``p`` attends to positions
+``(p - sliding_window_size, p]`` (the 0.81.1 docs of the chunked op; the decode kernel's
+``window_start = cur_pos + 1 - sliding_window_size``), as transformers' sliding windows do;
+the non-causal windowed prefill (a window centred on the query) is not emulated and raises.
+Layouts follow tt_transformers: the KV cache ``[blocks, kv_heads, block_size, head_dim]``,
+decode queries ``[1, batch, heads, head_dim]``, prefill ``[batch, heads, seq, head_dim]``; a
+``-1`` position or page-table entry skips a row. Scores and softmax run in float32 over the
+held values; outputs are rounded to the query's dtype by the fake.
 """
 
 from __future__ import annotations
@@ -78,6 +82,20 @@ def _attend(
     return torch.matmul(weights, v)
 
 
+def _in_window(
+    query_pos: torch.Tensor, key_pos: torch.Tensor, sliding_window_size: int | None
+) -> torch.Tensor:
+    """True where ``key_pos > query_pos - sliding_window_size``: the window's lower bound
+    (everywhere when there is no window; the causal upper bound is the caller's)."""
+    if sliding_window_size is None:
+        return torch.ones(torch.broadcast_shapes(query_pos.shape, key_pos.shape), dtype=torch.bool)
+    if isinstance(sliding_window_size, bool) or int(sliding_window_size) <= 0:
+        raise ValueError(
+            f"sliding_window_size must be a positive integer, got {sliding_window_size!r}"
+        )
+    return key_pos > query_pos - int(sliding_window_size)
+
+
 def paged_sdpa_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -86,8 +104,10 @@ def paged_sdpa_decode(
     cur_pos_tensor: torch.Tensor,
     page_table_tensor: torch.Tensor,
     scale: float | None = None,
+    sliding_window_size: int | None = None,
 ) -> torch.Tensor:
-    """``[1, B, H, D]``: row ``b`` attends to its positions ``0..cur_pos[b]`` (none: zeros)."""
+    """``[1, B, H, D]``: row ``b`` attends to its positions ``0..cur_pos[b]`` (with a window,
+    the last ``sliding_window_size`` of them; none: zeros)."""
     batch, heads, dim = q.shape[1], q.shape[2], q.shape[3]
     block_size = k_cache.shape[2]
     scale = 1.0 / math.sqrt(dim) if scale is None else scale
@@ -101,7 +121,11 @@ def paged_sdpa_decode(
             continue
         keys = k_cache[block[b], :, offset[b], :].transpose(0, 1)  # [kvH, P, D]
         values = v_cache[block[b], :, offset[b], :].transpose(0, 1)
-        allowed = (valid[b] & (positions[b] <= cur)).reshape(1, -1)
+        here = torch.tensor(cur)
+        allowed = (
+            valid[b] & (positions[b] <= cur) & _in_window(here, positions[b], sliding_window_size)
+        )
+        allowed = allowed.reshape(1, -1)
         out[0, b] = _attend(q[0, b].unsqueeze(1), keys, values, allowed, scale)[:, 0]
     return out
 
@@ -113,13 +137,23 @@ def sdpa(
     *,
     is_causal: bool = True,
     scale: float | None = None,
+    sliding_window_size: int | None = None,
 ) -> torch.Tensor:
-    """``[B, H, S, D]`` attention of ``q`` over ``k, v [B, kvH, S, D]`` (causal by default)."""
+    """``[B, H, S, D]`` attention of ``q`` over ``k, v [B, kvH, S, D]`` (causal by default;
+    with ``sliding_window_size``, each query over its last that many positions)."""
     seq, dim = q.shape[2], q.shape[3]
     scale = 1.0 / math.sqrt(dim) if scale is None else scale
     mask = torch.ones(seq, k.shape[2], dtype=torch.bool)
     if is_causal:
         mask = torch.tril(mask)
+    if sliding_window_size is not None:
+        if not is_causal:
+            raise NotImplementedError(
+                "the ttnn emulator computes sliding_window_size with is_causal=True only "
+                "(ttnn 0.81.1 centres a non-causal window on the query)"
+            )
+        rows, cols = torch.arange(seq).reshape(-1, 1), torch.arange(k.shape[2]).reshape(1, -1)
+        mask = mask & _in_window(rows, cols, sliding_window_size)
     return torch.stack([_attend(q[b], k[b], v[b], mask, scale) for b in range(q.shape[0])])
 
 
@@ -131,10 +165,12 @@ def chunked_sdpa(
     chunk_start_idx: int,
     *,
     scale: float | None = None,
+    sliding_window_size: int | None = None,
 ) -> torch.Tensor:
     """``[1, H, S, D]``: query ``i`` (position ``chunk_start_idx + i``) attends causally to
-    the row's cached positions ``0..chunk_start_idx + i`` through ``page_table_tensor [1, W]``
-    (the chunk's own K/V written there first)."""
+    the row's cached positions ``0..chunk_start_idx + i`` (with a window, those in
+    ``(p - sliding_window_size, p]``) through ``page_table_tensor [1, W]`` (the chunk's own
+    K/V written there first)."""
     seq, dim = q.shape[2], q.shape[3]
     block_size = k_cache.shape[2]
     scale = 1.0 / math.sqrt(dim) if scale is None else scale
@@ -144,7 +180,9 @@ def chunked_sdpa(
     keys = k_cache[block[0], :, offset[0], :].transpose(0, 1)  # [kvH, span, D]
     values = v_cache[block[0], :, offset[0], :].transpose(0, 1)
     query_pos = torch.arange(chunk_start_idx, span).reshape(-1, 1)
-    allowed = (positions <= query_pos) & valid
+    allowed = (
+        (positions <= query_pos) & valid & _in_window(query_pos, positions, sliding_window_size)
+    )
     return _attend(q[0], keys, values, allowed, scale).unsqueeze(0)
 
 
@@ -153,6 +191,7 @@ def rotary_embedding_llama(
     cos: torch.Tensor,
     sin: torch.Tensor,
     trans_mat: torch.Tensor,
+    *,
     is_decode_mode: bool = False,
 ) -> torch.Tensor:
     """``x * cos + rotate(x) * sin``; ``rotate`` multiplies each 32-wide tile of the last

@@ -1,15 +1,19 @@
 """The decoder families on the ttnn backend, through the containers, on llmrt's ttnn emulator.
 
-Tiny random Llama (GQA) and Qwen2 (q/k/v biases, tied head) checkpoints saved by
-transformers load from the ``hf`` recipe with ``device.backend=ttnn`` and the emulator, on a
-1x1 mesh, a 1x2 mesh (N300) and a 1x8 mesh (T3K) with tensor-parallel layers (weights
-column/row-sharded over the lane's chips, each chip holding its share of the KV heads), and
-run the product's path: batched and chunked prefill over the paged cache, traced paged
-decode, device sampling. Their greedy tokens are transformers' float32 greedy tokens wherever the
-reference's top-2 margin exceeds the stated bfloat16 tolerance (teacher-forced on the
-runtime's own tokens, so one near-tie does not end the comparison); a tensor-parallel lane's
-tokens equal the one-chip lane's up to the first such near-tie (the chips' bfloat16 partial
-sums and bfloat16 collectives round differently from one chip's matmul).
+Tiny random Llama (GQA), Qwen2 (q/k/v biases, tied head), Qwen3 (per-head q/k RMSNorm),
+Mistral (a sliding window shorter than the prompts), Llama with llama3 RoPE scaling, Granite
+(embedding, residual and logit multipliers, its own attention scale), Helium (GPT-J RoPE
+pairs), Phi-3 (fused q/k/v and gate/up projections), SmolLM3 (a layer without RoPE) and
+Gemma (1 + w norms, scaled embeddings, GELU-tanh MLP) checkpoints saved by transformers
+load from the ``hf`` recipe with ``device.backend=ttnn`` and the emulator, on a 1x1 mesh, a
+1x2 mesh (N300) and, for Llama and Qwen2, a 1x8 mesh (T3K) with tensor-parallel layers
+(weights column/row-sharded over the lane's chips, each chip holding its share of the KV
+heads), and run the product's path: batched and chunked prefill over the paged cache,
+traced paged decode, device sampling. Their greedy tokens are transformers' float32 greedy
+tokens wherever the reference's top-2 margin exceeds the stated bfloat16 tolerance
+(teacher-forced on the runtime's own tokens, so one near-tie does not end the comparison); a
+tensor-parallel lane's tokens equal the one-chip lane's up to the first such near-tie (the
+chips' bfloat16 partial sums and bfloat16 collectives round differently from one chip's matmul).
 """
 
 from __future__ import annotations
@@ -62,31 +66,83 @@ COMMON = {
 EIGHT_HEADS = {"num_attention_heads": 8, "num_key_value_heads": 8}
 
 
+#: A window shorter than three of the four prompts (and than the first chunk).
+WINDOW = 8
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+    "rope_theta": 10000.0,
+}
+#: Each kind's transformers class prefix and config changes.
+KINDS: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("Llama", {}),
+    "qwen2": ("Qwen2", {"tie_word_embeddings": True}),
+    "qwen3": ("Qwen3", {}),
+    "mistral": ("Mistral", {"sliding_window": WINDOW}),
+    "llama3-rope": ("Llama", {"rope_parameters": LLAMA3_ROPE}),
+    "granite": (
+        "Granite",
+        {
+            "embedding_multiplier": 2.0,
+            "residual_multiplier": 1.5,
+            "logits_scaling": 4.0,
+            "attention_multiplier": 0.125,
+        },
+    ),
+    "helium": ("Helium", {}),
+    "phi3": ("Phi3", {"pad_token_id": 0}),  # fused [q; k; v] and [gate; up] projections
+    # SmolLM3: its first layer without RoPE
+    "smollm3": ("SmolLM3", {"no_rope_layers": [0, 1], "pad_token_id": 0}),
+    # Gemma: 1 + w norms, embeddings scaled by sqrt(hidden), GELU (tanh) MLP, tied head
+    "gemma": ("Gemma", {"tie_word_embeddings": True}),
+}
+
+
 def _hf(kind: str, **changes: Any) -> Any:
     torch.manual_seed(0)
-    if kind == "llama":
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**COMMON, **changes}))
-    else:
-        config = transformers.Qwen2Config(**{**COMMON, "tie_word_embeddings": True, **changes})
-        model = transformers.Qwen2ForCausalLM(config)
+    name, own = KINDS[kind]
+    config = getattr(transformers, f"{name}Config")(**{**COMMON, **own, **changes})
+    model = getattr(transformers, f"{name}ForCausalLM")(config)
     with torch.no_grad():  # random init is tiny: widen it so logits separate
-        for p in model.parameters():
+        for pname, p in model.named_parameters():
             if p.dim() == 2:
                 p.mul_(4.0)
+            elif "q_norm" in pname or "k_norm" in pname:  # channels told apart
+                p.copy_(torch.rand(p.shape) * 1.5 + 0.25)
     return model.eval()
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def _saved(
+    kind: str, tmp_path_factory: pytest.TempPathFactory, tiny_hf_checkpoint: Path
+) -> tuple[str, Path, Any]:
+    model = _hf(kind)
+    directory = tmp_path_factory.mktemp(f"ttnn-{kind}")
+    model.save_pretrained(directory, safe_serialization=True)
+    shutil.copy(tiny_hf_checkpoint / "tokenizer.json", directory / "tokenizer.json")
+    return kind, directory, model
+
+
+@pytest.fixture(scope="module", params=list(KINDS))
 def checkpoint(
     request: pytest.FixtureRequest,
     tmp_path_factory: pytest.TempPathFactory,
     tiny_hf_checkpoint: Path,
 ) -> tuple[str, Path, Any]:
-    model = _hf(request.param)
-    directory = tmp_path_factory.mktemp(f"ttnn-{request.param}")
-    model.save_pretrained(directory, safe_serialization=True)
-    shutil.copy(tiny_hf_checkpoint / "tokenizer.json", directory / "tokenizer.json")
-    return request.param, directory, model
+    """Every kind's checkpoint (the parity tests)."""
+    return _saved(request.param, tmp_path_factory, tiny_hf_checkpoint)
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def base_checkpoint(
+    request: pytest.FixtureRequest,
+    tmp_path_factory: pytest.TempPathFactory,
+    tiny_hf_checkpoint: Path,
+) -> tuple[str, Path, Any]:
+    """Llama's and Qwen2's (what does not depend on the parts: caching, mesh splits)."""
+    return _saved(request.param, tmp_path_factory, tiny_hf_checkpoint)
 
 
 def overrides(directory: Path, mesh: list[int]) -> list[str]:
@@ -114,11 +170,16 @@ def overrides(directory: Path, mesh: list[int]) -> list[str]:
 
 
 def _tensor_parallel_tokens(
-    directory: Path, mesh: list[int], build: Callable[..., Any], *, lanes: int = 1
+    directory: Path,
+    mesh: list[int],
+    build: Callable[..., Any],
+    *,
+    lanes: int = 1,
+    inspect: Callable[[TtnnCausalLM, Any], None] | None = None,
 ) -> list[list[int]]:
     """Greedy tokens of ``PROMPTS`` on ``lanes`` lanes over ``mesh``, checked to be
     tensor-parallel: each chip holds its share of the KV heads and the steps ran the
-    collectives."""
+    collectives; ``inspect(model, fake_ttnn)`` looks at the first lane's model first."""
     runtime = build("hf", [*overrides(directory, mesh), f"lanes={lanes}"]).ready()
     chips = mesh[0] * mesh[1] // lanes
     assert len(runtime.container.lanes()) == lanes
@@ -134,6 +195,8 @@ def _tensor_parallel_tokens(
     heads = meta.num_kv_heads // chips if meta.num_kv_heads >= chips else 1
     assert (meta.tensor_parallel, meta.kv_heads_per_device) == (chips, heads)
     fake = runtime.container.device.ttnn_module()
+    if inspect is not None:
+        inspect(model, fake)
     before = fake.call_names()
     tokens: list[list[int]] = runtime.generate(list(PROMPTS), steps=STEPS).tokens
     collectives = {"reduce_scatter", "all_gather"} & set(fake.call_names()[len(before) :])
@@ -185,9 +248,45 @@ def _agree_where_clear(hf: Any, one: list[list[int]], other: list[list[int]], wh
 def test_greedy_tokens_follow_transformers_float32(
     checkpoint: tuple[str, Path, Any], mesh: list[int], build: Callable[..., Any]
 ) -> None:
+    """Each kind's greedy tokens are transformers' where its margin allows; on 1x1 the lane's
+    decoder is first checked to carry what the checkpoint declares."""
     kind, directory, hf = checkpoint
-    generated = _tensor_parallel_tokens(directory, mesh, build)
+    inspect = _carries_the_parts(kind, hf) if mesh == [1, 1] else None
+    generated = _tensor_parallel_tokens(directory, mesh, build, inspect=inspect)
     _check_against_transformers(kind, hf, generated, f"{mesh}", at_least=len(PROMPTS) * STEPS // 2)
+
+
+def _carries_the_parts(kind: str, hf: Any) -> Callable[[TtnnCausalLM, Any], None]:
+    """What the checkpoint declares reaches the decoder the lane runs: the window on every
+    Mistral layer, Qwen3's q/k norm epsilon, the llama3 RoPE and its cos/sin tables
+    (transformers' own angles), Granite's multipliers, Helium's RoPE pairs."""
+
+    def check(model: TtnnCausalLM, fake: Any) -> None:
+        config = model.decoder_config
+        layers = COMMON["num_hidden_layers"]
+        assert config.windows == ((WINDOW,) if kind == "mistral" else (None,)) * layers
+        assert config.qk_norm_eps == (COMMON["rms_norm_eps"] if kind == "qwen3" else None)
+        assert config.rope.kind == ("llama3" if kind == "llama3-rope" else "default")
+        assert config.rope_interleaved == (kind == "helium")
+        assert config.rope_layers == ((False, True) if kind == "smollm3" else (True,) * layers)
+        granite = KINDS["granite"][1]
+        assert (config.embedding_scale, config.residual_multiplier, config.logit_scale) == (
+            (granite["embedding_multiplier"], granite["residual_multiplier"], 0.25)
+            if kind == "granite"
+            else (COMMON["hidden_size"] ** 0.5 if kind == "gemma" else 1.0, 1.0, 1.0)
+        )
+        gemma = kind == "gemma"
+        assert (config.norm_unit_offset, config.mlp_activation) == (
+            (True, "gelu_tanh") if gemma else (False, "silu")
+        )
+        if kind == "llama3-rope":
+            position = torch.arange(COMMON["max_position_embeddings"])[None]
+            cos, _ = hf.model.rotary_emb(torch.zeros(1), position)
+            held = fake.to_torch(model._decoder.cos).float()[:, ::2]  # each pair's angle
+            expected = cos[0, :, : COMMON["head_dim"] // 2].bfloat16().float()
+            torch.testing.assert_close(held, expected)
+
+    return check
 
 
 @pytest.mark.parametrize(
@@ -278,10 +377,10 @@ def test_a_galaxy_as_one_4x8_lane_gives_the_one_chip_tokens(
 
 
 def test_heads_that_do_not_split_over_a_1x8_lane_are_named(
-    checkpoint: tuple[str, Path, Any], build: Callable[..., Any]
+    base_checkpoint: tuple[str, Path, Any], build: Callable[..., Any]
 ) -> None:
     """Four query heads cannot be split over a 1x8 lane's chips: the build names the field."""
-    _, directory, _ = checkpoint
+    _, directory, _ = base_checkpoint
     with pytest.raises(ConfigError, match=r"num_attention_heads.*divisible by 8"):
         build("hf", overrides(directory, [1, 8])).ready()
 
@@ -302,17 +401,18 @@ def test_kv_heads_that_neither_split_nor_replicate_over_a_1x8_lane_are_named(
 def test_a_part_the_ttnn_decoder_lacks_is_refused_at_build_naming_it(
     tiny_hf_checkpoint: Path, tmp_path: Path, build: Callable[..., Any]
 ) -> None:
-    """Qwen3's q/k norms have no ttnn realisation here: the build names the part."""
-    config = transformers.Qwen3Config(**{**COMMON, "tie_word_embeddings": False})
+    """OLMo2 normalizes q and k over the whole projection (not per head, as Qwen3): the
+    ttnn decoder has no realisation of it, and the build names the part."""
+    config = transformers.Olmo2Config(**{**COMMON, "tie_word_embeddings": False})
     torch.manual_seed(0)
-    transformers.Qwen3ForCausalLM(config).save_pretrained(tmp_path, safe_serialization=True)
+    transformers.Olmo2ForCausalLM(config).save_pretrained(tmp_path, safe_serialization=True)
     shutil.copy(tiny_hf_checkpoint / "tokenizer.json", tmp_path / "tokenizer.json")
-    with pytest.raises(UnsupportedError, match=r"attention\.qk_norm='head'"):
+    with pytest.raises(UnsupportedError, match=r"attention\.qk_norm='proj'"):
         build("hf", overrides(tmp_path, [1, 1])).ready()
 
 
 def test_converted_weights_are_cached_and_loaded_by_the_next_build(
-    checkpoint: tuple[str, Path, Any],
+    base_checkpoint: tuple[str, Path, Any],
     build: Callable[..., Any],
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
@@ -321,7 +421,7 @@ def test_converted_weights_are_cached_and_loaded_by_the_next_build(
     cache files under the cache directory); the second loads every one and generates the
     same tokens."""
     monkeypatch.setenv("LLMRT_CACHE_DIR", str(tmp_path))
-    _, directory, _ = checkpoint
+    _, directory, _ = base_checkpoint
     settings = [*overrides(directory, [1, 1]), "device.ttnn.weight_dtype=bfloat8_b"]
     runs, loads = [], []
     for _ in range(2):

@@ -80,6 +80,23 @@ def param_names(obj: Any) -> set[str]:
     return names
 
 
+def positional_count(obj: Any) -> int:
+    """How many arguments a nanobind ttnn op takes by position (those before its ``*``)."""
+    fn = obj
+    while hasattr(fn, "function"):
+        fn = fn.function
+    call = type(fn).__dict__.get("__call__")
+    entries = getattr(fn, "__nb_signature__", None) or getattr(call, "__nb_signature__", ())
+    counts = []
+    for entry in entries:
+        text = entry[0].replace("\\*", "*")
+        end = text.rindex(") ->") if ") ->" in text else text.rindex(")")
+        parts = [p.strip() for p in _split_top_level(text[text.index("(") + 1 : end])]
+        parts = [p for p in parts if p and p not in ("/", "self") and not p.startswith("self:")]
+        counts.append(parts.index("*") if "*" in parts else len(parts))
+    return max(counts)
+
+
 def _split_top_level(text: str) -> list[str]:
     parts, depth, current = [], 0, ""
     for char in text:
@@ -201,7 +218,7 @@ def test_the_fakes_block_floats_are_the_wheels_bit_for_bit(shape: tuple[int, ...
 
 #: The computing ops the fake runs for a tt_transformers-style decoder.
 EMULATED_OPS = (
-    "matmul", "linear", "rms_norm", "silu", "softmax", "embedding", "typecast", "concat",
+    "matmul", "linear", "rms_norm", "silu", "gelu", "softmax", "embedding", "typecast", "concat",
     "all_gather", "reduce_scatter", "all_reduce",
 )
 
@@ -210,6 +227,29 @@ EMULATED_OPS = (
 def test_the_fakes_compute_ops_take_only_the_wheels_parameters(name: str) -> None:
     fake_params = set(inspect.signature(getattr(FakeTtnn(), name)).parameters)
     assert fake_params <= param_names(resolve(name))
+
+
+#: The attention ops the fake computes for a tt_transformers decoder (namespaced).
+EMULATED_ATTENTION_OPS = (
+    "transformer.scaled_dot_product_attention",
+    "transformer.paged_scaled_dot_product_attention_decode",
+    "transformer.chunked_scaled_dot_product_attention",
+    "experimental.paged_update_cache",
+    "experimental.paged_fill_cache",
+    "experimental.rotary_embedding_llama",
+)
+
+
+@pytest.mark.parametrize("name", EMULATED_ATTENTION_OPS)
+def test_the_fakes_attention_ops_take_the_wheels_keywords(name: str) -> None:
+    """Every keyword the fake's op takes (``sliding_window_size`` on the three SDPA ops
+    included) is the wheel's, and it takes no more arguments by position than the wheel."""
+    owner, _, attr = name.partition(".")
+    params = inspect.signature(getattr(getattr(FakeTtnn(), owner), attr)).parameters.values()
+    keywords = {p.name for p in params if p.kind is p.KEYWORD_ONLY}
+    positional = sum(p.kind is p.POSITIONAL_OR_KEYWORD for p in params)
+    assert keywords <= param_names(resolve(name))
+    assert positional <= positional_count(resolve(name))
 
 
 def test_tile_padding_uses_the_pad_value() -> None:
@@ -362,6 +402,8 @@ def test_fake_enums_and_recipe_options_name_real_members() -> None:
         fake_members = {m.name for m in getattr(FakeTtnn, name)}
         real_members = {m for m in dir(getattr(ttnn, name)) if m.isupper()}
         assert fake_members <= real_members, name
+    gelu_variants = {m for m in dir(ttnn.GeluVariant) if not m.startswith("_")}
+    assert {m.name for m in FakeTtnn.GeluVariant} <= gelu_variants
     assert {c.upper() for c in FABRIC_CONFIGS} <= {m for m in dir(ttnn.FabricConfig)}
     assert {c.upper() for c in DISPATCH_CORE_TYPES} <= {m for m in dir(ttnn.DispatchCoreType)}
     assert {"type"} <= param_names(ttnn.DispatchCoreConfig)

@@ -233,3 +233,100 @@ def test_a_chunk_attends_to_the_rows_cached_positions(tt: tuple[FakeTtnn, object
         qh, keys, values, attn_mask=mask, scale=0.25, enable_gqa=True
     )
     torch.testing.assert_close(fake.to_torch(out).float(), ref, **BF16_TOL)
+
+
+def _band(queries: torch.Tensor, keys: torch.Tensor, window: int) -> torch.Tensor:
+    """transformers' sliding-window mask, written out: causal, and fewer than ``window``
+    positions back (``q - k < window``)."""
+    offset = queries[:, None] - keys[None, :]
+    return (offset >= 0) & (offset < window)
+
+
+def test_a_sliding_window_limits_causal_prefill_to_the_last_positions(
+    tt: tuple[FakeTtnn, object],
+) -> None:
+    fake, mesh = tt
+    q = torch.randn(1, H, 40, D, generator=_gen(19))
+    k = torch.randn(1, KVH, 40, D, generator=_gen(20))
+    v = torch.randn(1, KVH, 40, D, generator=_gen(21))
+    out = fake.transformer.scaled_dot_product_attention(
+        _tile(fake, mesh, q),
+        _tile(fake, mesh, k),
+        _tile(fake, mesh, v),
+        is_causal=True,
+        scale=0.3,
+        sliding_window_size=7,
+    )
+    qh, kh, vh = (t.bfloat16().float() for t in (q, k, v))
+    mask = _band(torch.arange(40), torch.arange(40), 7)
+    ref = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=0.3, enable_gqa=True)
+    got = fake.to_torch(out).float()
+    torch.testing.assert_close(got, ref, **BF16_TOL)
+    full = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=0.3, enable_gqa=True)
+    assert not torch.allclose(got[:, :, 7:], full[:, :, 7:], atol=0.05)  # the window bites
+    torch.testing.assert_close(got[:, :, :7], full[:, :, :7], **BF16_TOL)  # not yet full
+    with pytest.raises(NotImplementedError, match="is_causal=True only"):
+        fake.transformer.scaled_dot_product_attention(
+            _tile(fake, mesh, q),
+            _tile(fake, mesh, k),
+            _tile(fake, mesh, v),
+            is_causal=False,
+            sliding_window_size=7,
+        )
+
+
+def test_a_sliding_window_limits_paged_decode_to_each_rows_last_positions(
+    tt: tuple[FakeTtnn, object],
+) -> None:
+    fake, mesh = tt
+    k = torch.randn(BLOCKS, KVH, BS, D, generator=_gen(22))
+    v = torch.randn(BLOCKS, KVH, BS, D, generator=_gen(23))
+    q = torch.randn(1, 3, H, D, generator=_gen(24))
+    table = torch.cat([TABLE, torch.tensor([[4, 6, 8, 10]])])
+    cur = torch.tensor([20, 47, 3])  # row 2 is still inside its window
+    out = fake.transformer.paged_scaled_dot_product_attention_decode(
+        _tile(fake, mesh, q),
+        _tile(fake, mesh, k),
+        _tile(fake, mesh, v),
+        cur_pos_tensor=_int(fake, mesh, cur),
+        page_table_tensor=_int(fake, mesh, table),
+        scale=0.2,
+        sliding_window_size=10,
+    )
+    got = fake.to_torch(out).float()
+    kh, vh, qh = (t.bfloat16().float() for t in (k, v, q))
+    for b in range(3):
+        length = int(cur[b]) + 1
+        keys = _gather(kh, table[b].tolist(), length)[None]
+        values = _gather(vh, table[b].tolist(), length)[None]
+        mask = _band(cur[b : b + 1], torch.arange(length), 10)
+        ref = F.scaled_dot_product_attention(
+            qh[0, b][None, :, None], keys, values, attn_mask=mask, scale=0.2, enable_gqa=True
+        )[0, :, 0]
+        torch.testing.assert_close(got[0, b], ref, **BF16_TOL)
+
+
+def test_a_sliding_window_reaches_back_across_a_chunk_boundary(
+    tt: tuple[FakeTtnn, object],
+) -> None:
+    fake, mesh = tt
+    k = torch.randn(BLOCKS, KVH, BS, D, generator=_gen(25))
+    v = torch.randn(BLOCKS, KVH, BS, D, generator=_gen(26))
+    q = torch.randn(1, H, 8, D, generator=_gen(27))  # positions 16..23
+    out = fake.transformer.chunked_scaled_dot_product_attention(
+        _tile(fake, mesh, q),
+        _tile(fake, mesh, k),
+        _tile(fake, mesh, v),
+        _int(fake, mesh, TABLE[1:]),
+        16,
+        scale=0.25,
+        sliding_window_size=5,
+    )
+    kh, vh, qh = (t.bfloat16().float() for t in (k, v, q))
+    keys = _gather(kh, TABLE[1].tolist(), 24)[None]
+    values = _gather(vh, TABLE[1].tolist(), 24)[None]
+    mask = _band(torch.arange(16, 24), torch.arange(24), 5)
+    ref = F.scaled_dot_product_attention(
+        qh, keys, values, attn_mask=mask, scale=0.25, enable_gqa=True
+    )
+    torch.testing.assert_close(fake.to_torch(out).float(), ref, **BF16_TOL)

@@ -94,6 +94,25 @@ def test_silu_and_softmax_keep_the_input_dtype(tt: tuple[FakeTtnn, object]) -> N
     assert silu.dtype == soft.dtype == fake.bfloat16
 
 
+def test_gelu_computes_the_variant_ttnn_documents(tt: tuple[FakeTtnn, object]) -> None:
+    """``Accurate``: erf's GELU; ``Tanh``: the tanh approximation (both written out here);
+    the unemulated ``FastLut`` table is refused."""
+    fake, mesh = tt
+    x = torch.randn(4, 32, generator=_gen(10)) * 3
+    dev = _dev(fake, mesh, x, fake.bfloat16)
+    held = x.bfloat16().double()
+    erf = 0.5 * held * (1 + torch.erf(held / 2**0.5))
+    tanh = 0.5 * held * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (held + 0.044715 * held**3)))
+    accurate = fake.gelu(dev)
+    approximate = fake.gelu(dev, variant=fake.GeluVariant.Tanh)
+    torch.testing.assert_close(fake.to_torch(accurate).double(), erf, **BF16_TOL)
+    torch.testing.assert_close(fake.to_torch(approximate).double(), tanh, **BF16_TOL)
+    assert accurate.dtype == approximate.dtype == fake.bfloat16
+    for refused in ({"variant": fake.GeluVariant.FastLut}, {"fast_and_approximate_mode": True}):
+        with pytest.raises(NotImplementedError, match="FastLut"):
+            fake.gelu(dev, **refused)
+
+
 def test_row_major_inputs_are_refused_as_ttnn_does(tt: tuple[FakeTtnn, object]) -> None:
     fake, mesh = tt
     rm = fake.from_torch(torch.ones(32, 32), dtype=fake.bfloat16, device=mesh)
