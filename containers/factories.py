@@ -381,7 +381,7 @@ def build_ttnn_model(
     return model
 
 
-TTNN_CACHE_VERSION = 2
+TTNN_CACHE_VERSION = 3
 """Bumped whenever the ttnn decoder's weight conversion changes (old entries are not read)."""
 
 
