@@ -140,4 +140,4 @@ $CXX "${OMP_FLAGS[@]}" -o "$RUNNER" "$OUT/op_runner.o" "${objs[@]}" -L"$LIB" -L"
   -Wl,--no-as-needed -ltorch_cpu -lc10 -Wl,--as-needed -Wl,-rpath-link,"$LIB:$STUBS"
 echo "$LIB:$STUBS" > "$ARM/op_runner.libs"
 echo "built $RUNNER ($(file -b "$RUNNER" | cut -d, -f1-2), OpenMP $OPENMP)"
-LLMRT_ARM64_DIR=$ARM "$PY" -m pytest -q -p no:cacheprovider tests/unit/test_kernels_arm64.py
+LLMRT_ARM64_DIR=$ARM "$PY" -m pytest -q -p no:cacheprovider --tb=short tests/unit/test_kernels_arm64.py
