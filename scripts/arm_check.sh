@@ -7,8 +7,14 @@
 #                                      tests run under qemu-user at every arm64 level
 #                                      (tests/unit/test_kernels_arm64.py, see below)
 #
-# Needs (Debian/Ubuntu): apt-get install g++-aarch64-linux-gnu qemu-user    (clang++ works too:
-# CXX="clang++ --target=aarch64-linux-gnu")
+# Needs (Debian/Ubuntu): apt-get install g++-aarch64-linux-gnu qemu-user
+#
+# Compilers: CXX=aarch64-linux-gnu-g++ (the default) builds with OpenMP (libgomp, as on Linux);
+# CXX="clang++ --target=aarch64-linux-gnu" (the cross sysroot above) builds WITHOUT OpenMP, as
+# Apple clang does on macOS (no aarch64 libomp here either): the kernels then run their
+# parallel loops on torch's thread pool (csrc/parallel.h). Each compiler has its own object
+# directory and driver (op_runner for g++, op_runner-clang for clang); the tests run every
+# driver that is present and current. LLMRT_OPENMP=0/1 overrides the compiler's default.
 #
 # How --run works, and why not Python: PyPI's aarch64 torch wheel is the CUDA build, whose
 # Python module needs the CUDA libraries (gigabytes, and not all of them published for
@@ -29,7 +35,11 @@ PY=${PYTHON:-python3}
 if [[ -x .venv/bin/python && -z "${PYTHON:-}" ]]; then PY=.venv/bin/python; fi
 TORCH_INCLUDE=$("$PY" -c "import os, torch; print(os.path.dirname(torch.__file__) + '/include')")
 PY_INCLUDE=$("$PY" -c "import sysconfig; print(sysconfig.get_paths()['include'])")
-FLAGS=(-std=c++20 -O3 -fno-math-errno -fopenmp -fPIC -Wall -Werror=unused-variable
+if $CXX --version 2>/dev/null | grep -qi clang; then TAG=clang; else TAG=gcc; fi
+OPENMP=${LLMRT_OPENMP:-$([[ $TAG == gcc ]] && echo 1 || echo 0)}
+OMP_FLAGS=()
+[[ $OPENMP == 1 ]] && OMP_FLAGS=(-fopenmp)
+FLAGS=(-std=c++20 -O3 -fno-math-errno "${OMP_FLAGS[@]}" -fPIC -Wall -Werror=unused-variable
        -DTORCH_EXTENSION_NAME=llmrt_kernels -DTORCH_API_INCLUDE_EXTENSION_H
        -isystem "$TORCH_INCLUDE" -isystem "$TORCH_INCLUDE/torch/csrc/api/include"
        -isystem "$PY_INCLUDE")
@@ -41,7 +51,7 @@ case "$MODE" in
     ;;
   --run)
     ARM=${LLMRT_ARM64_DIR:-$("$PY" -c "from llmrt.paths import default_cache_dir as d; print(d() / 'arm64')")}
-    OUT=$ARM/obj
+    OUT=$ARM/obj-$TAG-omp$OPENMP
     mkdir -p "$OUT"
     ;;
   *)
@@ -121,8 +131,13 @@ objs=()
 for src in "${srcs[@]}"; do
   [[ $(basename "$src") == python_entry.cpp ]] || objs+=("$OUT/$(basename "$src" .cpp).o")
 done
-$CXX -fopenmp -o "$ARM/op_runner" "$OUT/op_runner.o" "${objs[@]}" -L"$LIB" -L"$STUBS" \
+case "$TAG-$OPENMP" in
+  gcc-1) RUNNER=$ARM/op_runner ;;
+  clang-0) RUNNER=$ARM/op_runner-clang ;;
+  *) RUNNER=$ARM/op_runner-$TAG-omp$OPENMP ;;
+esac
+$CXX "${OMP_FLAGS[@]}" -o "$RUNNER" "$OUT/op_runner.o" "${objs[@]}" -L"$LIB" -L"$STUBS" \
   -Wl,--no-as-needed -ltorch_cpu -lc10 -Wl,--as-needed -Wl,-rpath-link,"$LIB:$STUBS"
 echo "$LIB:$STUBS" > "$ARM/op_runner.libs"
-echo "built $ARM/op_runner ($(file -b "$ARM/op_runner" | cut -d, -f1-2))"
-LLMRT_ARM64_DIR=$ARM "$PY" -m pytest -q -p no:cacheprovider tests/unit/test_kernels_arm64.py
+echo "built $RUNNER ($(file -b "$RUNNER" | cut -d, -f1-2), OpenMP $OPENMP)"
+LLMRT_ARM64_DIR=$ARM "$PY" -m pytest -q -p no:cacheprovider --tb=short tests/unit/test_kernels_arm64.py

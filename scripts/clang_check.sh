@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # llmrt's CPU kernels built with clang on this (x86-64) machine, and the kernel suite run
-# against that build at this CPU's level and at every level below it (LLMRT_KERNELS_ISA).
+# against that build at this CPU's level and at every level below it (LLMRT_KERNELS_ISA), then
+# built without OpenMP (LLMRT_KERNELS_OPENMP=0, Apple clang's build) against its suite.
 #
 #   apt-get install clang libomp-dev     # once; without libomp-dev the library builds
-#                                        # without OpenMP (one thread per op, with a warning)
+#                                        # without OpenMP (loops on torch's inter-op pool)
 #   scripts/clang_check.sh [CLANGXX]     # default clang++
 #
 # The build directory's name covers the compiler ($CXX), so the clang build sits beside the
@@ -27,3 +28,10 @@ if [[ -x .venv/bin/python && -z "${PYTHON:-}" ]]; then PY=.venv/bin/python; fi
   tests/unit/test_families_norm.py tests/parity/test_fused_decode.py
 # every lower level (the slow ones too)
 "$PY" -m pytest -q -p no:cacheprovider -m "slow or not slow" tests/unit/test_kernels_isa_levels.py
+# built without OpenMP, as Apple clang builds (loops on torch's inter-op pool, csrc/parallel.h)
+export LLMRT_KERNELS_OPENMP=0
+"$PY" -m llmrt.kernels.native
+"$PY" -m pytest -q -p no:cacheprovider \
+  tests/unit/test_kernels_threads.py tests/unit/test_kernels_gguf_blocks.py \
+  tests/unit/test_kernels_interleaved.py tests/unit/test_kernels_kquants.py \
+  tests/unit/test_kernels_causal_attention.py tests/parity/test_fused_decode.py

@@ -20,6 +20,7 @@ import os
 import platform
 import sys
 import warnings
+from collections.abc import Callable
 
 import attrs
 
@@ -42,9 +43,40 @@ class CpuFeatures:
     flags: frozenset[str] = frozenset()
 
 
+#: macOS arm64's ``sysctl`` feature names and the /proc/cpuinfo flags Linux spells them as
+#: (``csrc/cpu.h`` reads the same names with ``sysctlbyname``); Advanced SIMD (``asimd``) is
+#: in every AArch64 CPU, as cpu.h assumes.
+MACOS_ARM_FLAGS: dict[str, str] = {
+    "hw.optional.arm.FEAT_DotProd": "asimddp",
+    "hw.optional.arm.FEAT_I8MM": "i8mm",
+}
+
+
+def _sysctl_int(name: str) -> int:
+    """macOS ``sysctlbyname(name)`` as an int; 0 where it is missing (or off macOS)."""
+    try:
+        libc = ctypes.CDLL(None)
+        value, size = ctypes.c_int(0), ctypes.c_size_t(ctypes.sizeof(ctypes.c_int))
+        found = libc.sysctlbyname(
+            name.encode(), ctypes.byref(value), ctypes.byref(size), None, ctypes.c_size_t(0)
+        )
+    except (OSError, AttributeError):
+        return 0
+    return value.value if found == 0 else 0
+
+
+def macos_arm_flags(sysctl: Callable[[str], int] = _sysctl_int) -> frozenset[str]:
+    """The Linux-style flags of a macOS arm64 CPU (``sysctl(name) -> int``): there is no
+    /proc/cpuinfo, and without them the policies would count an M2 as ``neon`` while the
+    kernels run it at ``i8mm``."""
+    return frozenset({"asimd"}) | {flag for name, flag in MACOS_ARM_FLAGS.items() if sysctl(name)}
+
+
 def read_cpu_features(cpuinfo: str = CPUINFO) -> CpuFeatures:
     """``cpuinfo``'s first CPU; an unreadable file gives empty fields (not Linux, or a
-    sandbox without ``/proc``)."""
+    sandbox without ``/proc``), except on macOS arm64, whose flags come from ``sysctl``."""
+    if sys.platform == "darwin" and platform.machine().lower() in ("arm64", "aarch64"):
+        return CpuFeatures(flags=macos_arm_flags())
     fields: dict[str, str] = {}
     try:
         with open(cpuinfo, encoding="utf-8", errors="replace") as lines:

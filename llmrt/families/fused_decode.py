@@ -38,6 +38,7 @@ from llmrt.families.parts import DecoderSpec
 from llmrt.kernels.native import (
     kernels_available,
     kernels_isa,
+    kernels_openmp,
     python_entry,
     vector_kernels,
 )
@@ -479,10 +480,18 @@ def select_decode_kernel(model: object, *, choice: str, device: torch.device) ->
         why = status() if device.type == "cpu" else f"runs on {device.type}, not the CPU"
         if why is None and choice == "auto" and not vector_kernels():
             # The op's scalar loops lost to torch's ops (float32 SmolLM2 on an AVX2 EPYC
-            # before its AVX2 paths: 2x slower); ``fused`` still runs them.
+            # before its AVX2 paths: 2x slower); ``fused`` still runs them. arm64 is here
+            # too: the step's attention loops (scores, softmax, values) and its activation
+            # have AVX2/AVX-512 code only, so on arm64 the ops path runs (its linears are the
+            # same NEON/sdot/smmla kernels, its elementwise parts torch's vectorised ops).
             backbone.fused_decode = False  # type: ignore[union-attr]
             level = kernels_isa()[0]
             why = f"the kernels have no vector loops at level {level} (the ops are faster)"
+        elif why is None and choice == "auto" and not kernels_openmp():
+            # Built without OpenMP (Apple clang): the step's team of threads is an OpenMP
+            # region, so it would run on one thread; the ops path's loops use torch's pool.
+            backbone.fused_decode = False  # type: ignore[union-attr]
+            why = "the kernels were built without OpenMP (the step would run on one thread)"
     if choice == "fused" and why is not None:
         raise ConfigError(field, choice, f"this model's decode steps are {why}")
     return why

@@ -52,6 +52,7 @@ _SOURCES = (
     _CSRC / "rms_norm.cpp",
     _CSRC / "clock_probe.cpp",
     _CSRC / "isa.cpp",
+    _CSRC / "parallel.cpp",
     _CSRC / "python_entry.cpp",
 )
 
@@ -61,17 +62,34 @@ def _compiler() -> str:
     return os.environ.get("CXX", "c++")
 
 
+#: ``LLMRT_KERNELS_OPENMP=0`` builds the kernels without OpenMP even where the compiler has
+#: it: the build Apple clang makes, so its path (parallel loops on torch's inter-op pool,
+#: ``csrc/parallel.h``) is built and tested on Linux too (``scripts/clang_check.sh``).
+OPENMP_ENV = "LLMRT_KERNELS_OPENMP"
+
+
+def _openmp_wanted() -> bool:
+    value = os.environ.get(OPENMP_ENV, "1")
+    if value not in ("0", "1"):
+        raise ConfigError(OPENMP_ENV, value, "must be 0 (build without OpenMP) or 1 (default)")
+    return value == "1"
+
+
 @functools.cache
 def _openmp_flags() -> tuple[str, ...]:
     """``("-fopenmp",)`` where the C++ compiler takes it, else ``()`` with a warning.
 
     Why: ``at::parallel_for`` is an OpenMP pragma in the headers and the fused step's team
-    is an OpenMP region, so without it the kernels run on one thread. The library links
-    the ``libgomp.so.1`` torch already loaded (same soname), so both share one thread pool.
-    clang (with libomp-dev) links LLVM's ``libomp`` instead, a second pool beside torch's
-    (warned: not measured here, but both pools' idle threads spin on the same cores). Apple
-    clang rejects a bare ``-fopenmp``: there the library builds without it.
+    is an OpenMP region. The library links the ``libgomp.so.1`` torch already loaded (same
+    soname), so both share one thread pool. clang (with libomp-dev) links LLVM's ``libomp``
+    instead, a second pool beside torch's (warned: not measured here, but both pools' idle
+    threads spin on the same cores). Apple clang rejects a bare ``-fopenmp``: there (and with
+    ``LLMRT_KERNELS_OPENMP=0``) the library builds without it, runs its parallel loops on
+    torch's inter-op thread pool (``csrc/parallel.h``) and its fused decode step on one
+    thread, which ``auto`` therefore does not pick (``kernels_openmp``).
     """
+    if not _openmp_wanted():
+        return ()
     compiler = _compiler()
     with tempfile.TemporaryDirectory() as tmp:
         source = Path(tmp) / "omp.cpp"
@@ -98,8 +116,9 @@ def _openmp_flags() -> tuple[str, ...]:
     if probe.returncode == 0:
         return ("-fopenmp",)
     warnings.warn(
-        f"{compiler} does not take -fopenmp: llmrt's CPU kernels build without OpenMP and "
-        "run each op on one thread (about 1/N of the speed on N cores)",
+        f"{compiler} does not take -fopenmp: llmrt's CPU kernels build without OpenMP, run "
+        "their parallel loops on torch's inter-op thread pool and the fused decode step on "
+        "one thread (device.decode_kernel=auto then takes the ops path)",
         RuntimeWarning,
         stacklevel=2,
     )
@@ -132,6 +151,8 @@ def build_directories() -> tuple[Path, ...]:
     # The flags as asked for (whether the compiler takes -fopenmp is asked only when building,
     # so a load never runs the compiler).
     digest.update(" ".join(("-O3", "-fno-math-errno", "-fopenmp", "-fopenmp")).encode())
+    if not _openmp_wanted():  # a build without OpenMP is another library
+        digest.update(f"{OPENMP_ENV}=0".encode())
     # The compiler as named (torch's cpp_extension builds with $CXX): a gcc and a clang build
     # of the same sources are different libraries (scripts/clang_check.sh builds both).
     digest.update(_compiler().encode())
@@ -285,10 +306,29 @@ def kquant_gemm_max_rows(kernel_type: int) -> int:
 
 
 @functools.cache
+def kernels_openmp() -> bool:
+    """Whether the loaded kernels were built with OpenMP (``csrc/parallel.h``): without it
+    their parallel loops run on torch's inter-op pool, but the fused decode step's team runs
+    on one thread. False too when the kernels do not load."""
+    if not kernels_loaded():
+        return False
+    return bool(torch.ops.llmrt_kernels.kernels_openmp())
+
+
+@functools.cache
 def vector_kernels() -> bool:
     """Whether the running level has the vector loops of the kernels' norm, activation and
-    fused-step arithmetic (x86 AVX2 and up); at ``scalar`` (and on arm64 for now) torch's own
-    ops are faster and the policies take them."""
+    fused-step arithmetic (x86 AVX2 and up); at ``scalar`` torch's own ops are faster and the
+    policies take them.
+
+    arm64 (every level) takes torch's ops too, by policy rather than by measurement: the
+    fused step's attention and activation loops are x86-only, and the NEON RMSNorm and
+    SiLU * up (tested under qemu) were never timed on arm64 hardware, while torch's own ops
+    are vectorised there (ATen's NEON ``Vectorized``); so the default never risks being
+    slower than the ops. What arm64 does run natively: every quantized linear (NEON,
+    sdot, smmla; ``int8_dot_supported``) up to the row counts x86 measured, without the x86
+    integer GEMMs (``integer_gemm_supported`` and ``kquant_gemm_max_rows`` are False / 0
+    there), so prefill-sized calls dequantize and run torch's float GEMM (its arm64 BLAS)."""
     if not kernels_loaded():
         return False
     return kernels_isa()[0] in ("avx2", "avx_vnni", "avx512", "avx512_vnni")

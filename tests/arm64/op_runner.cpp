@@ -11,6 +11,7 @@
 // Why not Python: PyPI's aarch64 torch wheel is the CUDA build, and its Python module needs
 // the CUDA libraries; libtorch_cpu alone needs only two of them by name (the build script
 // links stubs for those), so the kernels are linked into this program and run here.
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/ivalue.h>
 #include <torch/csrc/jit/serialization/pickle.h>
@@ -31,6 +32,10 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "op_runner: cannot read %s\n", argv[1]);
     return 2;
   }
+  // torch sizes its inter-op pool (which a build without OpenMP runs its loops on) from
+  // cpuinfo, which under qemu-user reads the x86 host's /proc and sysfs as an arm64 CPU's and
+  // crashes; the intra-op count comes from OMP_NUM_THREADS (the tests set it), so use that.
+  at::set_num_interop_threads(at::get_num_threads());
   const std::vector<char> data((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   const c10::IValue calls = torch::jit::pickle_load(data);
   c10::impl::GenericList results(c10::AnyType::get());

@@ -286,6 +286,24 @@ def test_ops_choice_turns_the_fused_path_off(parity_harness: Any, counted_runs: 
         select_decode_kernel(harness.model, choice="fast", device=torch.device("cpu"))
 
 
+def test_auto_takes_the_ops_where_the_kernels_have_no_openmp(
+    parity_harness: Any, counted_runs: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A library built without OpenMP (Apple clang) would run the step's team on one thread:
+    ``auto`` says so and takes the ops; ``fused`` still runs it (and stays correct)."""
+    import llmrt.families.fused_decode as fused_decode
+
+    if not fused_decode.vector_kernels():
+        pytest.skip("auto already takes the ops at this level (no vector loops)")
+    harness = _build("llama-yarn-biases", parity_harness)
+    monkeypatch.setattr(fused_decode, "kernels_openmp", lambda: False)
+    why = select_decode_kernel(harness.model, choice="auto", device=torch.device("cpu"))
+    assert why is not None and "without OpenMP" in why
+    harness.check_single_prompt()
+    assert counted_runs == []
+    assert select_decode_kernel(harness.model, choice="fused", device=torch.device("cpu")) is None
+
+
 def _decode(harness: Any) -> torch.Tensor:
     """One decode step of two rows at positions 3 and 5 over blocks 1 and 2 of the bound cache."""
     table = torch.tensor([[1, 0], [2, 0]], dtype=torch.int32)

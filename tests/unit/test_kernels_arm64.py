@@ -31,30 +31,45 @@ from llmrt.paths import default_cache_dir
 from llmrt.testing.gguf_blocks import random_blocks
 
 ARM_DIR = Path(os.environ.get("LLMRT_ARM64_DIR") or default_cache_dir() / "arm64")
-RUNNER = ARM_DIR / "op_runner"
 QEMU = shutil.which("qemu-aarch64")
 SYSROOT = Path("/usr/aarch64-linux-gnu")
 
 CSRC = Path(__file__).resolve().parents[2] / "llmrt" / "kernels" / "csrc"
 
+#: The drivers scripts/arm_check.sh builds: g++ with OpenMP, clang without it (as Apple clang
+#: builds on macOS: the parallel loops then run on torch's thread pool, csrc/parallel.h).
+RUNNERS = {"gcc": ARM_DIR / "op_runner", "clang": ARM_DIR / "op_runner-clang"}
 
-def _stale() -> bool:
+
+def _stale(runner: Path) -> bool:
     """Whether a kernel source changed after the driver was built (it would test old code)."""
-    built = RUNNER.stat().st_mtime
+    built = runner.stat().st_mtime
     return any(p.stat().st_mtime > built for p in CSRC.iterdir() if p.suffix in (".cpp", ".h"))
 
 
-pytestmark = [
-    pytest.mark.skipif(
-        QEMU is None or not RUNNER.is_file() or not SYSROOT.is_dir(),
-        reason="needs qemu-aarch64, the aarch64 libc (g++-aarch64-linux-gnu) and the arm64 op "
-        f"runner at {RUNNER} (scripts/arm_check.sh --run builds it and runs this module)",
-    ),
-    pytest.mark.skipif(
-        RUNNER.is_file() and _stale(),
-        reason=f"{RUNNER} is older than the kernel sources: scripts/arm_check.sh --run rebuilds it",
-    ),
-]
+def _runner_param(name: str, runner: Path) -> object:
+    missing = QEMU is None or not runner.is_file() or not SYSROOT.is_dir()
+    stale = runner.is_file() and _stale(runner)
+    build = "scripts/arm_check.sh --run" + (
+        "" if name == "gcc" else ' with CXX="clang++ --target=aarch64-linux-gnu"'
+    )
+    return pytest.param(
+        runner,
+        id=name,
+        marks=[
+            pytest.mark.skipif(
+                missing,
+                reason="needs qemu-aarch64, the aarch64 libc (g++-aarch64-linux-gnu) and the "
+                f"arm64 op runner at {runner} ({build} builds it and runs this module)",
+            ),
+            pytest.mark.skipif(
+                stale, reason=f"{runner} is older than the kernel sources: {build} rebuilds it"
+            ),
+        ],
+    )
+
+
+RUNNER_PARAMS = [_runner_param(name, runner) for name, runner in RUNNERS.items()]
 
 #: (qemu CPU model, LLMRT_KERNELS_ISA or "" for the detected level, the level that must run)
 LEVELS = [
@@ -72,7 +87,7 @@ INTERLEAVED = 256
 
 
 def run_arm(
-    calls: list[tuple[str, list[object]]], *, cpu: str, forced: str, tmp_path: Path
+    calls: list[tuple[str, list[object]]], *, runner: Path, cpu: str, forced: str, tmp_path: Path
 ) -> list[object]:
     """The results of ``calls`` (``(op, args)``, ``("$", i)`` for call i's result) run by the
     arm64 driver under qemu on ``cpu`` with ``LLMRT_KERNELS_ISA=forced``."""
@@ -85,7 +100,7 @@ def run_arm(
     run = subprocess.run(
         [str(QEMU), "-cpu", cpu, "-L", str(SYSROOT), "-E", f"LD_LIBRARY_PATH={libs}",
          "-E", f"OMP_NUM_THREADS={2}", *(["-E", f"LLMRT_KERNELS_ISA={forced}"] if forced else []),
-         str(RUNNER), str(calls_file), str(out_file)],
+         str(runner), str(calls_file), str(out_file)],
         env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
@@ -97,14 +112,17 @@ def ref(i: int) -> tuple[str, int]:
     return ("$", i)
 
 
+@pytest.mark.parametrize("runner", RUNNER_PARAMS)
 @pytest.mark.parametrize(("cpu", "forced", "level"), LEVELS, ids=LEVEL_IDS)
 def test_the_arm64_kernels_match_the_references(
-    cpu: str, forced: str, level: str, tmp_path: Path
+    runner: Path, cpu: str, forced: str, level: str, tmp_path: Path
 ) -> None:
     """One driver run per level (qemu startup dominates): the level it ran at, the
     interleaved layout, and every Q4_0/Q4_1/Q8_0 product (both layouts, 1-11 activation rows,
-    widths whose last group is partial), the K-quant, Q5 and 16-bit float products, RMSNorm
-    and SiLU * up (float32 and bfloat16 out)."""
+    widths whose last group is partial), the K-quant, Q5 and 16-bit float products (fixed and
+    random shapes), RMSNorm and SiLU * up (float32 and bfloat16 out); whether the build has
+    OpenMP, that its parallel loops run on two threads either way, and the policy answers
+    (int8 dots at every vector level, none of the x86 integer GEMMs)."""
     calls: list[tuple[str, list[object]]] = [(OP + "kernels_isa", [])]
     checks = []
     rng = np.random.default_rng(7)
@@ -121,11 +139,21 @@ def test_the_arm64_kernels_match_the_references(
             checks.append(("int8", len(calls) - 1, (w, x)))
             calls.append((OP + "gguf_linear", [x, w.blocks, tid, cols, None]))
             checks.append(("float", len(calls) - 1, (w, x)))
-    for kind, cols, rows_m in (("q4_k", 512, 3), ("q5_k", 256, 5), ("q6_k", 768, 1),
-                               ("q5_0", 96, 6), ("q5_1", 160, 2), ("f16", 40, 3),
-                               ("bf16", 200, 5)):  # fmt: skip
-        blocks = torch.from_numpy(random_blocks(kind, 13, cols, seed=cols, scale=10.0))
-        kw = QuantizedWeight(kind=kind, shape=(13, cols), blocks=blocks)  # type: ignore[arg-type]
+    kquant_cases = [("q4_k", 13, 512, 3), ("q5_k", 13, 256, 5), ("q6_k", 13, 768, 1),
+                    ("q5_0", 13, 96, 6), ("q5_1", 13, 160, 2), ("f16", 13, 40, 3),
+                    ("bf16", 13, 200, 5)]  # fmt: skip
+    # Random shapes per block type: odd and even weight rows and activation rows, so i8mm's
+    # pairs (two weight rows x two activation rows) meet every remainder.
+    for kind in ("q4_k", "q5_k", "q6_k", "q5_0", "q5_1"):
+        qk = 256 if kind.endswith("_k") else 32
+        for _ in range(2):
+            out_rows = int(rng.integers(5, 25))
+            cols, rows_m = qk * int(rng.integers(1, 4)), int(rng.choice([2, 4, 6, 7, 9]))
+            kquant_cases.append((kind, out_rows, cols, rows_m))
+    for kind, out_rows, cols, rows_m in kquant_cases:
+        blocks = torch.from_numpy(random_blocks(kind, out_rows, cols, seed=cols + out_rows,
+                                                scale=10.0))  # fmt: skip
+        kw = QuantizedWeight(kind=kind, shape=(out_rows, cols), blocks=blocks)  # type: ignore[arg-type]
         x = torch.from_numpy(rng.standard_normal((rows_m, cols)).astype(np.float32))
         calls.append((OP + "gguf_linear", [x, kw.blocks, kw.kernel_type, cols, None]))
         checks.append(("kquant", len(calls) - 1, (kw, x)))
@@ -138,13 +166,32 @@ def test_the_arm64_kernels_match_the_references(
         calls.append((OP + "mlp_activation", [gate_up, 0, True, code]))  # 0: SiLU
         checks.append(("silu", len(calls) - 1, (gate_up, dtype)))
 
-    results = run_arm(calls, cpu=cpu, forced=forced, tmp_path=tmp_path)
+    # The build's threads and the policies' questions (what arm64 runs natively).
+    calls.append((OP + "kernels_openmp", []))
+    checks.append(("openmp", len(calls) - 1, runner == RUNNERS["gcc"]))
+    calls.append((OP + "parallel_threads", [4]))
+    checks.append(("threads", len(calls) - 1, 2))  # OMP_NUM_THREADS=2 below
+    calls.append((OP + "int8_dot_supported", []))
+    checks.append(("policy", len(calls) - 1, level != "scalar"))
+    calls.append((OP + "integer_gemm_supported", []))
+    checks.append(("policy", len(calls) - 1, False))
+    for kind in ("q4_k", "q5_k", "q6_k"):  # the x86-only GEMMs are never asked for
+        calls.append((OP + "kquant_gemm_max_rows", [GGML_TYPE[kind]]))
+        checks.append(("policy", len(calls) - 1, 0))
+    for kind in ("q4_0", "q4_1"):
+        calls.append((OP + "kquant_gemm_max_rows", [GGML_TYPE[kind] | INTERLEAVED]))
+        checks.append(("policy", len(calls) - 1, 0))
+
+    results = run_arm(calls, runner=runner, cpu=cpu, forced=forced, tmp_path=tmp_path)
 
     run_level, cpu_level, _, _ = results[0]  # type: ignore[misc]
     assert run_level == level
     assert cpu_level == {"cortex-a72": "neon", "neoverse-n1": "dotprod", "max": "i8mm"}[cpu]
     for what, i, data in checks:
         got = results[i]
+        if what in ("openmp", "threads", "policy"):
+            assert got == data, (what, calls[i], got)
+            continue
         assert isinstance(got, torch.Tensor), (what, i, got)
         if what == "layout":
             assert np.array_equal(got.numpy(), expected_layout(data)), i

@@ -151,6 +151,32 @@ def test_an_unknown_or_too_high_level_names_the_variable_and_the_choices(
     assert "['scalar', 'avx2', 'avx512']" in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("features", "level"),
+    [(set(), "neon"), ({"FEAT_DotProd"}, "dotprod"), ({"FEAT_DotProd", "FEAT_I8MM"}, "i8mm")],
+)
+def test_macos_arm64_reads_its_levels_from_sysctl(
+    monkeypatch: pytest.MonkeyPatch, features: set[str], level: str
+) -> None:
+    """macOS has no /proc/cpuinfo: the flags come from the sysctl names csrc/cpu.h reads, so
+    the policies and LLMRT_KERNELS_ISA see the level the kernels run at (an M2: i8mm)."""
+    asked: list[str] = []
+
+    def sysctl(name: str) -> int:
+        asked.append(name)
+        return int(name.removeprefix("hw.optional.arm.") in features)
+
+    flags = cpu_features.macos_arm_flags(sysctl)
+    assert set(asked) == {"hw.optional.arm.FEAT_DotProd", "hw.optional.arm.FEAT_I8MM"}
+    assert detected_isa_level(CpuFeatures(flags=flags), machine="arm64") == level
+    monkeypatch.setattr(cpu_features.sys, "platform", "darwin")
+    monkeypatch.setattr(cpu_features.platform, "machine", lambda: "arm64")
+    monkeypatch.setattr(cpu_features, "macos_arm_flags", lambda: flags)
+    assert read_cpu_features("/nonexistent").flags == flags
+    monkeypatch.setenv(ISA_VARIABLE, "neon")
+    assert isa_level(read_cpu_features("/nonexistent"), machine="arm64") == "neon"
+
+
 def test_the_policies_see_only_the_forced_levels_flags(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

@@ -1,18 +1,25 @@
-"""llmrt's compiled kernels run on torch's OpenMP thread pool.
+"""llmrt's compiled kernels run on torch's OpenMP thread pool, or, built without OpenMP, on
+torch's inter-op pool.
 
 ``at::parallel_for`` is an OpenMP pragma in torch's headers: a library compiled without
-OpenMP runs every kernel on one thread without any error (the first wave of quantized kernels
-did). The built library must call into OpenMP, and the process must hold one OpenMP runtime
-(torch's), not a second pool competing for the same cores.
+OpenMP would run every kernel on one thread without any error (the first wave of quantized
+kernels did). The default build must call into OpenMP, and the process must hold one OpenMP
+runtime (torch's), not a second pool competing for the same cores. A build without OpenMP
+(``LLMRT_KERNELS_OPENMP=0``, as Apple clang builds; ``scripts/clang_check.sh`` runs this
+module against one) runs its loops on torch's inter-op pool (``csrc/parallel.h``) instead.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+import torch
 
-from llmrt.kernels.native import LIBRARY, load_kernels
+from llmrt.kernels.native import LIBRARY, OPENMP_ENV, kernels_openmp, load_kernels
+
+WITHOUT_OPENMP = os.environ.get(OPENMP_ENV) == "0"
 
 
 def _llvm_openmp_build() -> bool:
@@ -21,11 +28,29 @@ def _llvm_openmp_build() -> bool:
     return b"__kmpc_fork_call" in (load_kernels() / f"{LIBRARY}.so").read_bytes()
 
 
+@pytest.mark.skipif(WITHOUT_OPENMP, reason=f"{OPENMP_ENV}=0 builds without OpenMP")
 def test_kernels_are_compiled_with_openmp() -> None:
     data = (load_kernels() / f"{LIBRARY}.so").read_bytes()
     assert b"GOMP_parallel" in data or b"__kmpc_fork_call" in data, (
         "at::parallel_for compiled as a serial loop"
     )
+    assert kernels_openmp()
+
+
+@pytest.mark.skipif(not WITHOUT_OPENMP, reason=f"runs against a {OPENMP_ENV}=0 build")
+def test_a_build_without_openmp_says_so() -> None:
+    data = (load_kernels() / f"{LIBRARY}.so").read_bytes()
+    assert b"GOMP_parallel" not in data and b"__kmpc_fork_call" not in data
+    assert not kernels_openmp()
+
+
+def test_parallel_loops_run_on_as_many_threads_as_torch_has() -> None:
+    """With or without OpenMP, a parallel loop over 4 items runs on min(4, torch's thread
+    count) threads (each item waits until that many have started, so a serial loop fails)."""
+    load_kernels()
+    threads = torch.get_num_threads()
+    assert torch.ops.llmrt_kernels.parallel_threads(4) == min(4, threads)
+    assert torch.ops.llmrt_kernels.parallel_threads(1) == 1
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc (Linux)")
@@ -66,3 +91,19 @@ def test_old_builds_are_pruned_to_the_most_recently_used(tmp_path: Path) -> None
     assert sorted(removed) == sorted([builds[1], builds[2]])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["digest0", "digest3", "digest4", "notes"]
     assert prune_builds(tmp_path / "absent", keep=builds[0]) == []
+
+
+def test_the_openmp_switch_names_its_own_build_and_rejects_other_values(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from llmrt.errors import ConfigError
+    from llmrt.kernels.native import build_directories
+
+    monkeypatch.setenv(OPENMP_ENV, "1")
+    with_openmp = build_directories()
+    monkeypatch.setenv(OPENMP_ENV, "0")
+    without = build_directories()
+    assert with_openmp[0].name != without[0].name  # two different libraries, side by side
+    monkeypatch.setenv(OPENMP_ENV, "off")
+    with pytest.raises(ConfigError, match=OPENMP_ENV):
+        build_directories()

@@ -23,6 +23,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "parallel.h"
 #include "cpu.h"
 #include "vecmath.h"
 
@@ -93,7 +94,7 @@ void activate_rows(const at::Tensor& y, at::Tensor& out, int64_t kind, bool gate
   const bool simd = kind == kSilu && (std::is_same_v<Out, float> ? has_avx512() : has_avx512_bf16());
   const bool avx2 = kind == kSilu && !simd && llmrt_kernels::has_avx2();
   const bool neon = kind == kSilu && llmrt_kernels::has_neon();  // arm64: vecmath.h
-  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+  llmrt_kernels::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
     std::vector<float> buf((avx2 || neon) && !std::is_same_v<Out, float> ? inter : 0);
     for (int64_t r = r0; r < r1; ++r) {
       const In* gate = src + r * width;

@@ -23,6 +23,8 @@
 #include <limits>
 #include <vector>
 
+#include "parallel.h"
+
 namespace {
 
 // ``n`` dependent adds (rounded up to 8); returns the value so nothing is optimised away.
@@ -57,7 +59,7 @@ double dependent_adds_per_second(int64_t adds) {
   std::vector<int64_t> sums(static_cast<size_t>(nt), 0);
   volatile int64_t one_source = 1;  // a value the compiler cannot fold into the chain
   const int64_t one = one_source;
-  at::parallel_for(0, nt, 1, [&](int64_t a, int64_t b) {
+  llmrt_kernels::parallel_for(0, nt, 1, [&](int64_t a, int64_t b) {
     for (int64_t t = a; t < b; ++t) {
       const auto start = std::chrono::steady_clock::now();
       sums[t] = add_chain(adds, one);

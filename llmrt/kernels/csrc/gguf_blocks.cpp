@@ -28,6 +28,7 @@
 #include <cstring>
 #include <vector>
 
+#include "parallel.h"
 #include "blocks.h"
 #include "cpu.h"
 #include "kquant_blocks.h"
@@ -493,7 +494,7 @@ void linear_into(const float* x, int64_t rows_m, const at::Tensor& w, int64_t ki
     scratch.resize(static_cast<size_t>(prep_bytes));
   uint8_t* prep = scratch.data();
   linear_prepare(x, 0, rows_m, rows_m, kind, k, prep);
-  at::parallel_for(0, n, grain_for(n, rows_m), [&](int64_t n0, int64_t n1) {
+  llmrt_kernels::parallel_for(0, n, grain_for(n, rows_m), [&](int64_t n0, int64_t n1) {
     linear_range(x, rows_m, w, kind, k, prep, y, n0, n1);
   });
 }
@@ -621,7 +622,7 @@ at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t ki
 template <int64_t KIND>
 void run_dequant(const uint8_t* w, int64_t row_bytes, int64_t k, float* out, int64_t rows) {
   const bool simd = has_avx512(), avx2 = llmrt_kernels::has_avx2();
-  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+  llmrt_kernels::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
 #if defined(LLMRT_X86)
     if (simd) {
       dequant_rows_avx512<KIND>(w, row_bytes, k, out, r0, r1);
@@ -654,7 +655,7 @@ void dequantize_rows(const uint8_t* wp, int64_t rb, int64_t kind, int64_t k, flo
     return;
   }
   if (is_kquant_kind(kind)) {
-    at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    llmrt_kernels::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
       kquant_dequantize(wp, rb, kind, k, op, r0, r1);
     });
     return;
@@ -711,7 +712,7 @@ at::Tensor gguf_dequantize_bf16(const at::Tensor& blocks, int64_t kind, int64_t 
                                                  rows))
     return out;
   constexpr int64_t kRows = 16;
-  at::parallel_for(0, (rows + kRows - 1) / kRows, 1, [&](int64_t c0, int64_t c1) {
+  llmrt_kernels::parallel_for(0, (rows + kRows - 1) / kRows, 1, [&](int64_t c0, int64_t c1) {
     std::vector<float> buf(static_cast<size_t>(kRows * in_features));
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t r0 = c * kRows, n = std::min(kRows, rows - r0);

@@ -25,6 +25,7 @@
 #include <cstring>
 #include <vector>
 
+#include "parallel.h"
 #include "blocks.h"
 #include "cpu.h"
 #include "prefetch.h"
@@ -932,7 +933,7 @@ bool interleaved_dequantize_bf16(const uint8_t* w, int64_t row_bytes, int64_t ba
 #if defined(LLMRT_X86)
   static const bool ok = llmrt_kernels::has_avx512_bf16();
   if (!ok || base == kQ8_0) return false;
-  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+  llmrt_kernels::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
     if (base == kQ4_0)
       dequant_rows_bf16_q4<kQ4_0>(w, row_bytes, k, out, r0, r1);
     else
@@ -948,7 +949,7 @@ bool interleaved_dequantize_bf16(const uint8_t* w, int64_t row_bytes, int64_t ba
 void interleaved_dequantize(const uint8_t* w, int64_t row_bytes, int64_t base, int64_t k,
                             float* out, int64_t rows) {
   const bool simd = llmrt_kernels::has_avx512(), avx2 = llmrt_kernels::has_avx2();
-  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+  llmrt_kernels::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
 #if defined(LLMRT_X86)
     if (!simd && avx2) {
       switch (base) {
@@ -990,7 +991,7 @@ at::Tensor gguf_interleave(const at::Tensor& blocks, int64_t kind, int64_t in_fe
   // Up to 32 MiB on the calling thread (formats.SERIAL_COPY_BYTES): a parallel region wakes
   // torch's team, a scheduler time slice per call where other work holds the cores.
   const int64_t grain = std::max<int64_t>(64, (int64_t{32} << 20) / std::max<int64_t>(rb, 1));
-  at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
+  llmrt_kernels::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) interleave_row(src + r * rb, dst + r * rb, kind, nb);
   });
   return out;

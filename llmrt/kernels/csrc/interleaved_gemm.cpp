@@ -35,6 +35,7 @@
 #include <cstring>
 #include <vector>
 
+#include "parallel.h"
 #include "blocks.h"
 #include "interleaved_layout.h"
 #include "linear.h"
@@ -49,13 +50,13 @@ using llmrt_kernels::kQ8_0;
 // 4 x 2, 4 x 3, 3 x 3, 8 x 1 (41-13% more time) on SmolLM2's shapes.
 constexpr int kVecs = 2;
 constexpr int kCols = 16 * kVecs;
-constexpr int kRows = 6;
+[[maybe_unused]] constexpr int kRows = 6;  // (x86 only, as the next two)
 // A panel's bytes per block: 8 steps of kVecs 64-byte vectors, then d[kCols] and m[kCols].
-constexpr int64_t kPanelBlock = 8 * kVecs * 64 + 2 * kCols * 4;
+[[maybe_unused]] constexpr int64_t kPanelBlock = 8 * kVecs * 64 + 2 * kCols * 4;
 // Prepared activation bytes (both levels) a row chunk keeps under, so the chunk stays in L2
 // while each panel passes over it (SmolLM2's MLP down projection at 2048 rows: 100 against
 // 165 GMAC/s at 512).
-constexpr int64_t kChunkBytes = 768 << 10;
+[[maybe_unused]] constexpr int64_t kChunkBytes = 768 << 10;
 
 // A call's activation rows, prepared: row r at ``rows + r * stride`` holds its two levels in
 // natural order (h, then l: k int8 each), then per block dx / 256 and the block's sum of x as
@@ -539,7 +540,7 @@ void interleaved_gemm(const float* x, int64_t rows_m, const uint8_t* w, int64_t 
     const int64_t rows = std::min(chunk, rows_m - c0);
     const float* xc = x + c0 * k;
     uint8_t* prep = levels.data();
-    at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    llmrt_kernels::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
       interleaved_gemm_prepare(xc, r0, r1, k, prep);
     });
     const Levels a{prep, stride, k, k / kBlock};
@@ -547,7 +548,7 @@ void interleaved_gemm(const float* x, int64_t rows_m, const uint8_t* w, int64_t 
     // Panels from a shared counter: a core that runs slower (another tenant's time slice)
     // takes fewer instead of holding the other at the end.
     std::atomic<int64_t> next{0};
-    at::parallel_for(0, panels, 1, [&](int64_t, int64_t) {
+    llmrt_kernels::parallel_for(0, panels, 1, [&](int64_t, int64_t) {
       uint8_t* panel = panel_buffer(panel_bytes);
       for (int64_t p = next.fetch_add(1); p < panels; p = next.fetch_add(1)) {
         const int64_t p0 = p * cols, p1 = std::min(n, (p + 1) * cols);

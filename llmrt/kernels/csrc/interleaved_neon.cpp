@@ -7,8 +7,9 @@
 //            four products of at most 15 * 127 per 16-bit lane; Q8_0: two of at most
 //            128 * 127, so neither overflows)
 //   dotprod  sdot: four int8 products into each 32-bit lane
-//   i8mm     smmla for two activation rows against two weight rows: each 16-byte half block
-//            of both weight rows, and of both activation rows, zipped into 2x8 matrices
+//   i8mm     smmla for two activation rows against two weight rows (Q4_0, Q4_1 and Q8_0):
+//            each 16-byte half block of both weight rows, and of both activation rows,
+//            zipped into 2x8 matrices
 //            (llama.cpp's repack does the weights' zip once at load; here both sides are
 //            zipped in registers, so the layout stays the one every level shares)
 // Q8_0's stored quants carry +128; they are flipped back to int8 here, so its prepared
@@ -71,13 +72,7 @@ inline TwoLevel two_level_block_neon(const float* x, int8_t* h0, int8_t* l0, int
 
 // ---- the integer dot products: neon_dot.h; i8mm's matrix multiply -----------------------
 
-LLMRT_I8MM inline int32x4_t mmla(int32x4_t acc, int8x16_t a, int8x16_t b) {
-#if defined(__clang__)
-  return vreinterpretq_s32_s8(__builtin_neon_vmmlaq_v(vreinterpretq_s8_s32(acc), a, b, 34));
-#else
-  return vmmlaq_s32(acc, a, b);
-#endif
-}
+// (mmla and zip_rows: neon_dot.h)
 
 // ---- weights -----------------------------------------------------------------------------
 
@@ -195,12 +190,6 @@ inline void q8_tile(const uint8_t* prep, int64_t prep_stride, const uint8_t* w,
 
 // ---- i8mm: two activation rows x two weight rows ------------------------------------------
 
-// Rows r, r + 1 of 16 bytes each as the two 2x8 operands of smmla (bytes 0-7, then 8-15).
-inline void zip_rows(int8x16_t a, int8x16_t b, int8x16_t& lo, int8x16_t& hi) {
-  lo = vreinterpretq_s8_s64(vzip1q_s64(vreinterpretq_s64_s8(a), vreinterpretq_s64_s8(b)));
-  hi = vreinterpretq_s8_s64(vzip2q_s64(vreinterpretq_s64_s8(a), vreinterpretq_s64_s8(b)));
-}
-
 // 4-bit weight rows n, n + 1 against activation rows r, r + 1 (pairs of prepared rows at
 // pa, pb): lanes of the result are (r, n), (r, n + 1), (r + 1, n), (r + 1, n + 1).
 template <int64_t BASE>
@@ -268,6 +257,72 @@ LLMRT_I8MM void q4_tile_i8mm(const uint8_t* prep, int64_t prep_stride, const uin
   if (n < n1) q4_tile<DotprodDot, BASE, MT>(prep, prep_stride, w, row_bytes, nb, y, ldy, n, n1);
 }
 
+// Q8_0 weight rows n, n + 1 (int8 after the flip) against activation rows r, r + 1: the
+// same lanes as q4_pair. Per block, each level's two 16-byte halves of both weight rows and
+// both activation rows zipped into smmla's 2x8 operands; the levels joined as 256 h + l in
+// integers (at most 32 * 128 * 127 * 257, far inside int32) and scaled once per block.
+LLMRT_I8MM inline float32x4_t q8_pair(const uint8_t* wa, const uint8_t* wb, int64_t nb,
+                                      const uint8_t* pa, const uint8_t* pb) {
+  const int64_t ng = (nb + 1) / 2;
+  const uint8x16_t flip = vdupq_n_u8(0x80);
+  float32x4_t acc = vdupq_n_f32(0.0f);
+  for (int64_t gi = 0; gi < ng; ++gi) {
+    const int64_t c = std::min<int64_t>(2, nb - 2 * gi);
+    const uint8_t* oa = wa + gi * 2 * 34;
+    const uint8_t* ob = wb + gi * 2 * 34;
+    const uint8_t* qa = pa + gi * kInterleavedGroupPrep;
+    const uint8_t* qb = pb + gi * kInterleavedGroupPrep;
+    const float* fa = reinterpret_cast<const float*>(qa + 256);
+    const float* fb = reinterpret_cast<const float*>(qb + 256);
+    float da[4], db[4];
+    vst1q_f32(da, halves4(oa + 32 * c, c));
+    vst1q_f32(db, halves4(ob + 32 * c, c));
+    for (int i = 0; i < c; ++i) {
+      int8x16_t w[4];
+      for (int j = 0; j < 2; ++j)
+        zip_rows(vreinterpretq_s8_u8(veorq_u8(vld1q_u8(oa + 32 * i + 16 * j), flip)),
+                 vreinterpretq_s8_u8(veorq_u8(vld1q_u8(ob + 32 * i + 16 * j), flip)), w[2 * j],
+                 w[2 * j + 1]);
+      int32x4_t ih = vdupq_n_s32(0), il = vdupq_n_s32(0);
+      for (int lvl = 0; lvl < 2; ++lvl) {
+        const int8_t* ha = reinterpret_cast<const int8_t*>(qa + 128 * lvl + 32 * i);
+        const int8_t* hb = reinterpret_cast<const int8_t*>(qb + 128 * lvl + 32 * i);
+        int32x4_t& s = lvl == 0 ? ih : il;
+        for (int j = 0; j < 2; ++j) {
+          int8x16_t a0, a1;
+          zip_rows(vld1q_s8(ha + 16 * j), vld1q_s8(hb + 16 * j), a0, a1);
+          s = mmla(mmla(s, a0, w[2 * j]), a1, w[2 * j + 1]);
+        }
+      }
+      const int32x4_t iv = vaddq_s32(vshlq_n_s32(ih, 8), il);
+      const float32x4_t dv = {da[i], db[i], da[i], db[i]};
+      const float32x4_t sv = {fa[8 * i], fa[8 * i], fb[8 * i], fb[8 * i]};
+      acc = vfmaq_f32(acc, vcvtq_f32_s32(iv), vmulq_f32(dv, sv));
+    }
+  }
+  return acc;
+}
+
+template <int MT>
+LLMRT_I8MM void q8_tile_i8mm(const uint8_t* prep, int64_t prep_stride, const uint8_t* w,
+                             int64_t row_bytes, int64_t nb, float* y, int64_t ldy, int64_t n0,
+                             int64_t n1) {
+  static_assert(MT % 2 == 0, "smmla pairs activation rows");
+  int64_t n = n0;
+  for (; n + 2 <= n1; n += 2) {
+    const uint8_t* wa = w + n * row_bytes;
+    for (int r = 0; r < MT; r += 2) {
+      const float32x4_t v = q8_pair(wa, wa + row_bytes, nb, prep + r * prep_stride,
+                                    prep + (r + 1) * prep_stride);
+      y[r * ldy + n] = vgetq_lane_f32(v, 0);
+      y[r * ldy + n + 1] = vgetq_lane_f32(v, 1);
+      y[(r + 1) * ldy + n] = vgetq_lane_f32(v, 2);
+      y[(r + 1) * ldy + n + 1] = vgetq_lane_f32(v, 3);
+    }
+  }
+  if (n < n1) q8_tile<DotprodDot, MT>(prep, prep_stride, w, row_bytes, nb, y, ldy, n, n1);
+}
+
 // ---- entry points per level --------------------------------------------------------------
 
 // Each level's entry is flattened (LLMRT_FLATTEN, neon_dot.h): the baseline entry never
@@ -296,22 +351,24 @@ LLMRT_DOTPROD LLMRT_FLATTEN void range_dotprod(const NeonTile<DotprodDot>& tile,
   run_tiles(tile, rows_m, n0, n1, 16);
 }
 
-// i8mm: the 4-bit kinds' even row tiles through smmla, the rest as at dotprod.
+// i8mm: even row tiles through smmla (Q4_0, Q4_1, Q8_0), odd ones as at dotprod.
 struct I8mmTile {
   NeonTile<DotprodDot> dot;
 
   template <int MT>
   LLMRT_I8MM void run(int64_t r, int64_t c0, int64_t c1) const {
     if constexpr (MT % 2 == 0) {
-      if (dot.base != kQ8_0) {
-        const uint8_t* p = dot.prep + r * dot.prep_stride;
-        float* yr = dot.y + r * dot.ldy;
-        if (dot.base == kQ4_0)
-          q4_tile_i8mm<kQ4_0, MT>(p, dot.prep_stride, dot.w, dot.row_bytes, dot.nb, yr, dot.ldy, c0, c1);
-        else
-          q4_tile_i8mm<kQ4_1, MT>(p, dot.prep_stride, dot.w, dot.row_bytes, dot.nb, yr, dot.ldy, c0, c1);
+      const uint8_t* p = dot.prep + r * dot.prep_stride;
+      float* yr = dot.y + r * dot.ldy;
+      if (dot.base == kQ8_0) {
+        q8_tile_i8mm<MT>(p, dot.prep_stride, dot.w, dot.row_bytes, dot.nb, yr, dot.ldy, c0, c1);
         return;
       }
+      if (dot.base == kQ4_0)
+        q4_tile_i8mm<kQ4_0, MT>(p, dot.prep_stride, dot.w, dot.row_bytes, dot.nb, yr, dot.ldy, c0, c1);
+      else
+        q4_tile_i8mm<kQ4_1, MT>(p, dot.prep_stride, dot.w, dot.row_bytes, dot.nb, yr, dot.ldy, c0, c1);
+      return;
     }
     dot.template run<MT>(r, c0, c1);
   }

@@ -36,6 +36,7 @@
 #include <cstring>
 #include <vector>
 
+#include "parallel.h"
 #include "cpu.h"
 #include "interleaved_layout.h"  // LLMRT_VNNI
 #include "kquant_blocks.h"
@@ -55,13 +56,13 @@ using llmrt_kernels::kQK;
 constexpr int kCols = 8;
 // A panel's bytes per 32-weight group: 8 steps of 32 bytes (column c's quants 4s..4s+3 at
 // 4c), then the float a[2][8] and b[2][8] per 16-weight half and column.
-constexpr int64_t kGroupBytes = 8 * 32 + 4 * kCols * 4;
+[[maybe_unused]] constexpr int64_t kGroupBytes = 8 * 32 + 4 * kCols * 4;
 // Activation rows per micro tile (accumulators in registers): AVX2 has 16 vector registers,
 // AVX-512 32.
-constexpr int kRows = 4;
-constexpr int kRowsVnni = 6;
+[[maybe_unused]] constexpr int kRows = 4;
+[[maybe_unused]] constexpr int kRowsVnni = 6;
 // A pack block's panels stay in L2 while every row tile passes over them.
-constexpr int64_t kPackBytes = 256 << 10;
+[[maybe_unused]] constexpr int64_t kPackBytes = 256 << 10;
 
 // kquants.cpp's prepared activation group (kquant_prepare): two int8 levels of 32 values,
 // their scales d[0] = d, d[1] = d / 256, and the sums c[h] per 16-value half.
@@ -398,7 +399,7 @@ void kquant_gemm(const float* x, int64_t rows, const uint8_t* w, int64_t rb, int
   const int64_t groups = k / 32;
   const int64_t prep_kind = (kind & kInterleaved) ? kQ4_K : kind;  // any K-quant: PGroups
   std::vector<uint8_t> prep(static_cast<size_t>(rows * groups) * sizeof(PGroup));
-  at::parallel_for(0, rows, 8, [&](int64_t r0, int64_t r1) {
+  llmrt_kernels::parallel_for(0, rows, 8, [&](int64_t r0, int64_t r1) {
     kquant_prepare(x, r0, r1, prep_kind, k, prep.data());
   });
   const PGroup* px = reinterpret_cast<const PGroup*>(prep.data());
@@ -406,7 +407,7 @@ void kquant_gemm(const float* x, int64_t rows, const uint8_t* w, int64_t rb, int
   const int64_t per_block = std::clamp<int64_t>(kPackBytes / panel_bytes, 1, 16);
   const int64_t blocks = (panels + per_block - 1) / per_block;
   const int64_t tile_rows = has_avx512_vnni() ? kRowsVnni : kRows;
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+  llmrt_kernels::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     std::vector<uint8_t> raw(
         static_cast<size_t>(per_block * panel_bytes + 32));
     uint8_t* packed = reinterpret_cast<uint8_t*>(

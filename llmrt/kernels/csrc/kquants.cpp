@@ -18,7 +18,9 @@
 // instantiated under an AVX2 target (``LLMRT_AVX2``, x86 only) where the CPU has it, with the dot
 // product in intrinsics; the K-quants take an AVX-512 VNNI tile where the CPU has it (one
 // thread, batch 1, against the AVX2 tile: 1.45x for a Q4_K 4096x2048 GEMV, 1.6x for Q6_K
-// 2048x8192). F16 / BF16 rows read float32 x directly (F16C conversion on AVX2).
+// 2048x8192). arm64: the same tiles with NEON widening dots, sdot at +dotprod, and at +i8mm
+// smmla over two weight rows x two activation rows (row_pair_tile_i8mm). F16 / BF16 rows
+// read float32 x directly (F16C conversion on AVX2, fcvtl on arm64).
 
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
@@ -660,6 +662,98 @@ LLMRT_DOTPROD LLMRT_FLATTEN void range_dotprod(const uint8_t* prep, int64_t rows
                                                int64_t ldy, int64_t n0, int64_t n1) {
   range_neon_tiles<llmrt_kernels::DotprodDot, KIND>(prep, rows_m, w, rb, k, y, ldy, n0, n1);
 }
+
+// i8mm: weight rows n, n + 1 (each block unpacked once) against activation rows in pairs
+// (RP pairs per pass): per group, 16-weight half and level, both weight rows' and both
+// activation rows' 16 bytes zipped into smmla's 2x8 operands (llama.cpp's ARM K-quant dots
+// take two rows this way when i8mm is there). Lanes: (r, n), (r, n + 1), (r + 1, n),
+// (r + 1, n + 1). The levels are joined as 256 h + l in integers (16 * 63 * 127 * 257 < 2^31)
+// and scaled once by d[1] (= d[0] / 256 exactly, quantize_group).
+template <int64_t KIND, int RP>
+LLMRT_I8MM inline void row_pair_tile_i8mm(const PGroup* px, int64_t groups, const uint8_t* row,
+                                          int64_t rb, int64_t nb, float* y, int64_t ldy,
+                                          int64_t n) {
+  using llmrt_kernels::mmla;
+  using llmrt_kernels::zip_rows;
+  constexpr int64_t G = groups_per_block(KIND);
+  constexpr int64_t bb = kquant_block_bytes(KIND);
+  float32x4_t acc[RP], macc[RP];
+  for (int i = 0; i < RP; ++i) acc[i] = macc[i] = vdupq_n_f32(0.0f);
+  WGroup ga[G], gb[G];
+  for (int64_t b = 0; b < nb; ++b) {
+    unpack_block<KIND>(row + b * bb, ga);
+    unpack_block<KIND>(row + rb + b * bb, gb);
+    for (int64_t i = 0; i < G; ++i) {
+      int8x16_t w[2][2];
+      for (int h = 0; h < 2; ++h)
+        zip_rows(vreinterpretq_s8_u8(vld1q_u8(ga[i].q + 16 * h)),
+                 vreinterpretq_s8_u8(vld1q_u8(gb[i].q + 16 * h)), w[h][0], w[h][1]);
+      const float32x4_t a[2] = {{ga[i].a8[0], gb[i].a8[0], ga[i].a8[0], gb[i].a8[0]},
+                                {ga[i].a8[4], gb[i].a8[4], ga[i].a8[4], gb[i].a8[4]}};
+      const float32x4_t bw[2] = {{ga[i].b[0], gb[i].b[0], ga[i].b[0], gb[i].b[0]},
+                                 {ga[i].b[1], gb[i].b[1], ga[i].b[1], gb[i].b[1]}};
+      for (int rp = 0; rp < RP; ++rp) {
+        const PGroup& pa = px[(2 * rp) * groups + b * G + i];
+        const PGroup& pb = px[(2 * rp + 1) * groups + b * G + i];
+        const float32x4_t d = {pa.d[1], pa.d[1], pb.d[1], pb.d[1]};
+        for (int h = 0; h < 2; ++h) {
+          int32x4_t s[kLevels];
+          for (int l = 0; l < kLevels; ++l) {
+            int8x16_t x0, x1;
+            zip_rows(vld1q_s8(pa.q[l] + 16 * h), vld1q_s8(pb.q[l] + 16 * h), x0, x1);
+            s[l] = mmla(mmla(vdupq_n_s32(0), x0, w[h][0]), x1, w[h][1]);
+          }
+          const int32x4_t iv = vaddq_s32(vshlq_n_s32(s[0], 8), s[1]);
+          acc[rp] = vfmaq_f32(acc[rp], vcvtq_f32_s32(iv), vmulq_f32(a[h], d));
+          const float32x4_t c = {pa.c[h], pa.c[h], pb.c[h], pb.c[h]};
+          macc[rp] = vfmaq_f32(macc[rp], bw[h], c);
+        }
+      }
+    }
+  }
+  for (int rp = 0; rp < RP; ++rp) {
+    const float32x4_t v = vsubq_f32(acc[rp], macc[rp]);
+    float* y0 = y + (2 * rp) * ldy + n;
+    float* y1 = y0 + ldy;
+    y0[0] = vgetq_lane_f32(v, 0);
+    y0[1] = vgetq_lane_f32(v, 1);
+    y1[0] = vgetq_lane_f32(v, 2);
+    y1[1] = vgetq_lane_f32(v, 3);
+  }
+}
+
+template <int64_t KIND>
+LLMRT_I8MM LLMRT_FLATTEN void range_i8mm(const uint8_t* prep, int64_t rows_m, const uint8_t* w,
+                                         int64_t rb, int64_t k, float* y, int64_t ldy,
+                                         int64_t n0, int64_t n1) {
+  using llmrt_kernels::DotprodDot;
+  if (rows_m < 2) {  // one activation row: nothing to pair (the dotprod tile)
+    range_neon_tiles<DotprodDot, KIND>(prep, rows_m, w, rb, k, y, ldy, n0, n1);
+    return;
+  }
+  const int64_t nb = k / kquant_block_weights(KIND), groups = k / 32;
+  const PGroup* px = reinterpret_cast<const PGroup*>(prep);
+  llmrt_kernels::AheadPrefetch ahead(w + n0 * rb, w + n1 * rb);
+  int64_t n = n0;
+  for (; n + 2 <= n1; n += 2) {
+    const uint8_t* row = w + n * rb;
+    ahead.upto(row + 2 * rb);
+    int64_t r = 0;
+    for (; r + 2 * 2 <= rows_m; r += 2 * 2)
+      row_pair_tile_i8mm<KIND, 2>(px + r * groups, groups, row, rb, nb, y + r * ldy, ldy, n);
+    if (r + 2 <= rows_m) {
+      row_pair_tile_i8mm<KIND, 1>(px + r * groups, groups, row, rb, nb, y + r * ldy, ldy, n);
+      r += 2;
+    }
+    if (r < rows_m) {  // the odd last activation row
+      row_tile_neon<DotprodDot, KIND, 1>(px + r * groups, groups, row, nb, y + r * ldy, ldy, n);
+      row_tile_neon<DotprodDot, KIND, 1>(px + r * groups, groups, row + rb, nb, y + r * ldy, ldy,
+                                         n + 1);
+    }
+  }
+  if (n < n1)  // the odd last weight row
+    range_neon_tiles<DotprodDot, KIND>(prep, rows_m, w, rb, k, y, ldy, n, n1);
+}
 #endif  // LLMRT_ARM64
 
 // ---- 16-bit float rows ---------------------------------------------------------------------
@@ -832,6 +926,10 @@ void range_kind(const float* x, int64_t rows_m, const uint8_t* w, int64_t rb, in
     }
 #endif
 #if defined(LLMRT_ARM64)
+    if (llmrt_kernels::has_i8mm()) {
+      range_i8mm<KIND>(prep, rows_m, w, rb, k, y, ldy, n0, n1);
+      return;
+    }
     if (llmrt_kernels::has_dotprod()) {
       range_dotprod<KIND>(prep, rows_m, w, rb, k, y, ldy, n0, n1);
       return;

@@ -36,6 +36,7 @@
 #include <limits>
 #include <vector>
 
+#include "parallel.h"
 #include "cpu.h"
 #include "vecmath.h"
 
@@ -48,9 +49,9 @@ using llmrt_kernels::has_avx512;
 
 // Query positions per task and keys per block.
 constexpr int64_t kQueryBlock = 32;
-constexpr int64_t kKeyBlock = 64;
+[[maybe_unused]] constexpr int64_t kKeyBlock = 64;
 // Query rows (head, position) per register tile.
-constexpr int kTileRows = 4;
+[[maybe_unused]] constexpr int kTileRows = 4;
 
 struct Strides {
   int64_t b, h, s;  // the last dim is contiguous
@@ -244,12 +245,20 @@ void run_tasks(const std::vector<Segment>& segments, std::vector<Task>& tasks, i
     for (const Task& t : tasks) run(t, work);
     return;
   }
+#if defined(_OPENMP)
 #pragma omp parallel num_threads(nt)
   {
     std::vector<float> work;
 #pragma omp for schedule(dynamic, 1)
     for (int64_t i = 0; i < n; ++i) run(tasks[i], work);
   }
+#else
+  // Without OpenMP: torch's pool (parallel.h), the tasks cut into one chunk per thread.
+  llmrt_kernels::parallel_for(0, n, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> work;
+    for (int64_t i = i0; i < i1; ++i) run(tasks[i], work);
+  });
+#endif
 }
 
 // Every query block of every KV head of ``segments`` (``lens``: queries per segment).

@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "parallel.h"
 #include "cpu.h"
 #include "rms_norm.h"
 #include "vecmath.h"
@@ -69,7 +70,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   float* yp = y.mutable_data_ptr<float>();
   [[maybe_unused]] const bool simd = llmrt_kernels::has_avx512();
   [[maybe_unused]] const float e = static_cast<float>(eps);
-  at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
+  llmrt_kernels::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
 #if defined(LLMRT_X86)
     if (simd) {
       rms_rows_avx512(xp, wp, yp, width, e, r0, r1);

@@ -21,6 +21,7 @@
 
 #include <cstdint>
 
+#include "parallel.h"
 #include "cpu.h"
 #include "vecmath.h"
 
@@ -100,7 +101,7 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   float* op = out.mutable_data_ptr<float>();
   const int64_t sn = x.stride(0), sh = x.stride(1);
   [[maybe_unused]] const bool simd = has_avx512();
-  at::parallel_for(0, n, 64, [&](int64_t n0, int64_t n1) {
+  llmrt_kernels::parallel_for(0, n, 64, [&](int64_t n0, int64_t n1) {
 #if defined(LLMRT_X86)
     if (simd) {
       rope_rows_avx512(xp, sn, sh, cp, sp, op, heads, dim, n0, n1);
