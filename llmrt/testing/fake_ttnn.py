@@ -780,8 +780,18 @@ class FakeTtnn:
 
     # meshes
 
-    def set_fabric_config(self, config: _FabricConfig, *args: Any, **kwargs: Any) -> None:
-        """Select the fabric for meshes opened later (ttnn: before ``open_mesh_device``)."""
+    def set_fabric_config(
+        self,
+        config: _FabricConfig,
+        reliability_mode: Any = None,
+        num_planes: int | None = None,
+        fabric_tensix_config: Any = None,
+        fabric_udm_mode: Any = None,
+        fabric_manager_mode: Any = None,
+        router_config: Any = None,
+    ) -> None:
+        """Select the fabric for meshes opened later (ttnn: before ``open_mesh_device``); the
+        wheel's other settings are accepted by their names and have no emulated effect."""
         self._record("set_fabric_config", None, repr(config))
         if not isinstance(config, FabricConfig):
             raise TypeError(f"set_fabric_config: expected a ttnn.FabricConfig, got {config!r}")
@@ -1689,7 +1699,7 @@ class FakeTtnn:
 
     def concat(
         self,
-        input_tensor: Sequence[Any],
+        tensors: Sequence[Any],
         dim: int = 0,
         *,
         memory_config: Any = None,
@@ -1698,7 +1708,7 @@ class FakeTtnn:
     ) -> Any:
         """The tensors joined along ``dim``: one dtype and one layout for all, as ttnn
         requires (a tile concat off the last two dims keeps tiles whole)."""
-        tensors = list(input_tensor)
+        tensors = list(tensors)
         if not tensors:
             raise RuntimeError("concat: needs at least one tensor")
         if output_tensor is not None or groups != 1:
