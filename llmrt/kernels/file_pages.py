@@ -68,10 +68,11 @@ def only_file_pages(start: int, length: int, *, pagemap: str = PAGEMAP) -> bool:
     return bool(np.all((entries[present] & _FILE_OR_SHARED) != 0))
 
 
-def release_file_pages(tensor: torch.Tensor) -> int:
+def release_file_pages(tensor: torch.Tensor, *, again: bool = False) -> int:
     """Drop the resident pages wholly inside a CPU ``tensor``'s bytes when they are file (or
     shared) pages; returns the bytes of the range advised (0: nothing done). The tensor
-    stays valid: a later read faults its bytes back in."""
+    stays valid: a later read faults its bytes back in. ``again``: a second sweep of a range
+    already given back (not counted twice in ``released_bytes``)."""
     madvise = _madvise()
     if madvise is None or tensor.device.type != "cpu" or not tensor.is_contiguous():
         return 0
@@ -84,7 +85,8 @@ def release_file_pages(tensor: torch.Tensor) -> int:
     if madvise(start, length, mmap.MADV_DONTNEED) != 0:
         return 0
     global _released
-    _released += length
+    if not again:
+        _released += length
     return length
 
 
