@@ -396,10 +396,9 @@ void kquant_gemm(const float* x, int64_t rows, const uint8_t* w, int64_t rb, int
 #if defined(LLMRT_X86)
   TORCH_CHECK(kquant_gemm_max_rows(kind) > 0, "llmrt_kernels: no K-quant GEMM for type ", kind);
   const int64_t groups = k / 32;
-  const int64_t prep_kind = (kind & kInterleaved) ? kQ4_K : kind;  // any K-quant: PGroups
   std::vector<uint8_t> prep(static_cast<size_t>(rows * groups) * sizeof(PGroup));
   at::parallel_for(0, rows, 8, [&](int64_t r0, int64_t r1) {
-    kquant_prepare(x, r0, r1, prep_kind, k, prep.data());
+    kquant_prepare_groups(x, r0, r1, k, prep.data());
   });
   const PGroup* px = reinterpret_cast<const PGroup*>(prep.data());
   const int64_t panels = (n + kCols - 1) / kCols, panel_bytes = groups * kGroupBytes;

@@ -427,6 +427,229 @@ LLMRT_AVX2 void range_avx2(const uint8_t* prep, int64_t rows_m, const uint8_t* w
 }
 #endif
 
+// ---- block-scaled activations: the K-quant GEMV at AVX2 below AVX-512 VNNI -----------------
+// Why: with one activation scale per 32 values (PGroup) every group of every weight row needs
+// its own float scaling (convert, two multiplies, an FMA, two scalar FMAs for the minimum):
+// at batch 1 that float work, not the weight bytes, set the speed (a Q4_K 8192x2048 GEMV read
+// 7 GB/s on one thread, forced AVX2). Here the activations of a K-quant super-block share one
+// scale (ggml's Q8_K, kept in two levels: x ~ d / 256 * (256 h + l), error at most d / 512 with
+// d = max|x| / 127 over 256 values), so a block's eight groups accumulate in integers: the
+// u8 x s8 products (vpmaddubsw), times the 6- or 8-bit group scales (vpmaddwd), summed over
+// the block, then scaled in float once per block. The minimum / offset term is the weights'
+// small integer mins times the activations' sums per 16 / 32 values, also once per block.
+// Bounds (int32 lanes, per block): Q4_K 8 * 2 * (2 * 15 * 127) * 63 < 2^22, Q5_K < 2^23,
+// Q6_K 8 * 2 * (2 * 63 * 127) * 128 < 2^26; the two levels are converted apart.
+
+// One super-block of 256 prepared activations.
+struct KBlock {  // no alignas: the prepared buffers are 16-byte aligned at best
+  int8_t h[256];
+  int8_t l[256];
+  float s16[16];  // sum of 256 h + l per 16 values (exact in float: < 2^20)
+  float s32[8];   // the same per 32 values
+  float d;        // d / 256 is the scale of 256 h + l
+  float pad[7];
+};
+static_assert(sizeof(KBlock) == 640, "KBlock layout");
+
+// Whether the K-quants run the block-scaled path: x86 AVX2 (AVX-VNNI included) below AVX-512
+// VNNI, whose own tile (range_vnni) keeps the per-32 groups.
+inline bool kblock_path(int64_t kind) {
+#if defined(LLMRT_X86)
+  return (kind == kQ4_K || kind == kQ5_K || kind == kQ6_K) && llmrt_kernels::has_avx2() &&
+         !llmrt_kernels::has_avx512_vnni();
+#else
+  (void)kind;
+  return false;
+#endif
+}
+
+#if defined(LLMRT_X86)
+LLMRT_AVX2 void prepare_kblocks_avx2(const float* x, int64_t r0, int64_t r1, int64_t k,
+                                     uint8_t* prep) {
+  const int64_t nb = k / kQK;
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256 lim = _mm256_set1_ps(127.0f), nlim = _mm256_set1_ps(-127.0f);
+  const __m256 k256 = _mm256_set1_ps(256.0f);
+  for (int64_t r = r0; r < r1; ++r) {
+    KBlock* out = reinterpret_cast<KBlock*>(prep) + r * nb;
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + r * k + b * kQK;
+      KBlock& p = out[b];
+      __m256 mx = _mm256_setzero_ps();
+      for (int j = 0; j < 256; j += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + j)));
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+      const float amax = _mm_cvtss_f32(m4);
+      p.d = amax / 127.0f;
+      const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+      for (int j = 0; j < 256; j += 16) {
+        __m256i hv[2], lv[2];
+        __m256i s = _mm256_setzero_si256();
+        for (int u = 0; u < 2; ++u) {
+          const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(xb + j + 8 * u), inv);
+          const __m256 h = _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+          __m256 l = _mm256_round_ps(_mm256_mul_ps(_mm256_sub_ps(v, h), k256),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+          l = _mm256_min_ps(lim, _mm256_max_ps(nlim, l));
+          hv[u] = _mm256_cvtps_epi32(h);
+          lv[u] = _mm256_cvtps_epi32(l);
+          s = _mm256_add_epi32(s, _mm256_add_epi32(_mm256_slli_epi32(hv[u], 8), lv[u]));
+        }
+        // 16 int32 -> 16 int8 (in order: packs works per 128-bit lane, then fix the order)
+        const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        const __m256i h16 = _mm256_packs_epi32(hv[0], hv[1]);  // lanes: h0-3 h8-11 | h4-7 h12-15
+        const __m256i l16 = _mm256_packs_epi32(lv[0], lv[1]);
+        const __m256i hl8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(h16, l16), perm);
+        // hl8 dwords: h0-3 h4-7 h8-11 h12-15 l0-3 l4-7 l8-11 l12-15 (after the permute)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(p.h + j), _mm256_castsi256_si128(hl8));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(p.l + j), _mm256_extracti128_si256(hl8, 1));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+        p.s16[j / 16] = static_cast<float>(_mm_cvtsi128_si32(s4));
+      }
+      for (int g = 0; g < 8; ++g) p.s32[g] = p.s16[2 * g] + p.s16[2 * g + 1];
+    }
+  }
+}
+
+// Group g's 32 quants of a K-quant block as bytes (kquant_group_avx2), its scales below.
+// Q4_K / Q5_K: the eight 6-bit scales and mins as bytes (scale_min_k4, four per word).
+inline void k4_scales_mins(const uint8_t* blk, uint8_t sc[8], uint8_t mn[8]) {
+  uint32_t w[3];
+  std::memcpy(w, blk + 4, 12);
+  const uint32_t v[4] = {w[0] & 0x3F3F3F3Fu,
+                         (w[2] & 0x0F0F0F0Fu) | (((w[0] >> 6) & 0x03030303u) << 4),
+                         w[1] & 0x3F3F3F3Fu,
+                         ((w[2] >> 4) & 0x0F0F0F0Fu) | (((w[1] >> 6) & 0x03030303u) << 4)};
+  std::memcpy(sc, v, 8);
+  std::memcpy(mn, v + 2, 8);
+}
+
+// Rows [0, RT) of block-prepared x against weight row n.
+template <int64_t KIND, int RT>
+LLMRT_AVX2 void row_tile_kblock_avx2(const KBlock* px, int64_t nb, const uint8_t* row, float* y,
+                                     int64_t ldy, int64_t n) {
+  constexpr int64_t bb = kquant_block_bytes(KIND);
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  __m256 acc[RT];
+  for (int r = 0; r < RT; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* blk = row + b * bb;
+    __m256i scv[8];  // group g's scale(s) in every int16 lane (Q6_K: lanes 0-7 and 8-15)
+    __m256 mnf0, mnf1;  // the minimum term's per-16 (Q6_K) / per-32 factors
+    float dw, dm;
+    if constexpr (KIND == kQ6_K) {
+      const __m128i sc8 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
+      const __m256i sc16 = _mm256_cvtepi8_epi16(sc8);
+      const __m256i lo2 = _mm256_permute2x128_si256(sc16, sc16, 0x00);
+      const __m256i hi2 = _mm256_permute2x128_si256(sc16, sc16, 0x11);
+      for (int g = 0; g < 8; ++g) {
+        const char a = static_cast<char>(4 * (g % 4)), c = static_cast<char>(a + 2);
+        const __m256i mask = _mm256_setr_epi8(a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a,
+                                              a + 1, a, a + 1, a, a + 1, c, c + 1, c, c + 1, c,
+                                              c + 1, c, c + 1, c, c + 1, c, c + 1, c, c + 1, c, c + 1);
+        scv[g] = _mm256_shuffle_epi8(g < 4 ? lo2 : hi2, mask);
+      }
+      mnf0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc8));
+      mnf1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc8, 8)));
+      dw = half_at(blk + 208);
+      dm = 32.0f * dw;
+    } else {
+      alignas(16) uint8_t sm[16];
+      k4_scales_mins(blk, sm, sm + 8);
+      const __m128i v = _mm_load_si128(reinterpret_cast<const __m128i*>(sm));
+      const __m256i sc16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(v));
+      for (int g = 0; g < 8; ++g) {
+        const char a = static_cast<char>(2 * g);
+        scv[g] = _mm256_shuffle_epi8(sc16, _mm256_setr_epi8(a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1, a, a + 1));
+      }
+      mnf0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)));
+      mnf1 = _mm256_setzero_ps();
+      dw = half_at(blk);
+      dm = half_at(blk + 2);
+    }
+    // The block's quants, two groups per 32-byte load where the bytes give them so.
+    __m256i q[8];
+    if constexpr (KIND == kQ4_K || KIND == kQ5_K) {
+      const uint8_t* qs = blk + (KIND == kQ5_K ? 48 : 16);
+      for (int i = 0; i < 4; ++i) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(qs + 32 * i));
+        q[2 * i] = _mm256_and_si256(raw, low);
+        q[2 * i + 1] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+      }
+      if constexpr (KIND == kQ5_K) {
+        __m256i qh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16));
+        const __m256i bit4 = _mm256_set1_epi8(0x10);
+        for (int g = 0; g < 8; ++g) {
+          // bit g of each byte, moved to bit 4
+          q[g] = _mm256_or_si256(q[g], _mm256_and_si256(_mm256_slli_epi16(qh, 4), bit4));
+          qh = _mm256_srli_epi16(qh, 1);
+        }
+      }
+    } else {
+      const __m256i three = _mm256_set1_epi8(3);
+      for (int h = 0; h < 2; ++h) {
+        const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 128 + 32 * h));
+        for (int t2 = 0; t2 < 2; ++t2) {  // t = t2 and t2 + 2 share a 32-byte ql chunk
+          const __m256i lo =
+              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 64 * h + 32 * t2));
+          const __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(hi, 2 * t2), three);
+          const __m256i h2 = _mm256_and_si256(_mm256_srli_epi16(hi, 2 * t2 + 4), three);
+          q[4 * h + t2] = _mm256_or_si256(_mm256_and_si256(lo, low), _mm256_slli_epi16(h0, 4));
+          q[4 * h + t2 + 2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(lo, 4), low),
+                                              _mm256_slli_epi16(h2, 4));
+        }
+      }
+    }
+    for (int r = 0; r < RT; ++r) {
+      const KBlock& p = px[r * nb + b];
+      __m256i ih = _mm256_setzero_si256(), il = _mm256_setzero_si256();
+      for (int g = 0; g < 8; ++g) {
+        const __m256i xh = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.h + 32 * g));
+        const __m256i xl = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p.l + 32 * g));
+        ih = _mm256_add_epi32(ih, _mm256_madd_epi16(_mm256_maddubs_epi16(q[g], xh), scv[g]));
+        il = _mm256_add_epi32(il, _mm256_madd_epi16(_mm256_maddubs_epi16(q[g], xl), scv[g]));
+      }
+      const float dd = dw * p.d;
+      __m256 a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(ih), _mm256_set1_ps(dd * 256.0f), acc[r]);
+      a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(il), _mm256_set1_ps(dd), a);
+      __m256 m;
+      if constexpr (KIND == kQ6_K)
+        m = _mm256_fmadd_ps(mnf0, _mm256_loadu_ps(p.s16), _mm256_mul_ps(mnf1, _mm256_loadu_ps(p.s16 + 8)));
+      else
+        m = _mm256_mul_ps(mnf0, _mm256_loadu_ps(p.s32));
+      acc[r] = _mm256_fnmadd_ps(m, _mm256_set1_ps(dm * p.d), a);
+    }
+  }
+  // acc holds 256 x the product (d / 256 is the activations' scale)
+  for (int r = 0; r < RT; ++r) y[r * ldy + n] = hsum_avx2(acc[r]) * (1.0f / 256.0f);
+}
+
+template <int64_t KIND>
+LLMRT_AVX2 void range_kblock_avx2(const uint8_t* prep, int64_t rows_m, const uint8_t* w,
+                                  int64_t rb, int64_t k, float* y, int64_t ldy, int64_t n0,
+                                  int64_t n1) {
+  const int64_t nb = k / kQK;
+  const KBlock* px = reinterpret_cast<const KBlock*>(prep);
+  llmrt_kernels::AheadPrefetch ahead(w + n0 * rb, w + n1 * rb);
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * rb;
+    ahead.upto(row + rb);
+    int64_t r = 0;
+    for (; r + kRowTile <= rows_m; r += kRowTile)
+      row_tile_kblock_avx2<KIND, kRowTile>(px + r * nb, nb, row, y + r * ldy, ldy, n);
+    switch (rows_m - r) {
+      case 3: row_tile_kblock_avx2<KIND, 3>(px + r * nb, nb, row, y + r * ldy, ldy, n); break;
+      case 2: row_tile_kblock_avx2<KIND, 2>(px + r * nb, nb, row, y + r * ldy, ldy, n); break;
+      case 1: row_tile_kblock_avx2<KIND, 1>(px + r * nb, nb, row, y + r * ldy, ldy, n); break;
+      default: break;
+    }
+  }
+}
+#endif
+
 // ---- AVX-512 VNNI: two groups per zmm (K-quants) ---------------------------------------
 // The AVX2 tiles' arithmetic on 64 weights at a time: vpdpbusd multiplies the unsigned quants
 // by the signed activation bytes and sums four products per int32 lane, the two levels
@@ -826,6 +1049,12 @@ void range_kind(const float* x, int64_t rows_m, const uint8_t* w, int64_t rb, in
         return;
       }
     }
+    if constexpr (KIND == kQ4_K || KIND == kQ5_K || KIND == kQ6_K) {
+      if (kblock_path(KIND)) {
+        range_kblock_avx2<KIND>(prep, rows_m, w, rb, k, y, ldy, n0, n1);
+        return;
+      }
+    }
     if (llmrt_kernels::has_avx2()) {
       range_avx2<KIND>(prep, rows_m, w, rb, k, y, ldy, n0, n1);
       return;
@@ -862,12 +1091,23 @@ namespace llmrt_kernels {
 
 int64_t kquant_prep_bytes(int64_t kind, int64_t k) {
   if (kind == kF16 || kind == kBF16) return 0;
+  if (kblock_path(kind)) return k / kQK * static_cast<int64_t>(sizeof(KBlock));
   return k / 32 * static_cast<int64_t>(sizeof(PGroup));
 }
 
 void kquant_prepare(const float* x, int64_t r0, int64_t r1, int64_t kind, int64_t k,
                     uint8_t* prep) {
   if (kind == kF16 || kind == kBF16) return;
+#if defined(LLMRT_X86)
+  if (kblock_path(kind)) {
+    prepare_kblocks_avx2(x, r0, r1, k, prep);
+    return;
+  }
+#endif
+  kquant_prepare_groups(x, r0, r1, k, prep);
+}
+
+void kquant_prepare_groups(const float* x, int64_t r0, int64_t r1, int64_t k, uint8_t* prep) {
 #if defined(LLMRT_X86)
   if (llmrt_kernels::has_avx2()) {
     prepare_rows_avx2(x, r0, r1, k, prep);
