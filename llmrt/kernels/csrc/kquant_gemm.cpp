@@ -8,7 +8,8 @@
 // into unsigned bytes ordered [32-weight group][k/4 step][column][4 k] with the group's
 // float scales beside them, and every activation row multiplies the panel from cache.
 //
-// Numerics are the decode kernels' (kquants.cpp): activations prepared once per row as two
+// Numerics are the decode kernels' per-32 groups (kquants.cpp's kquant_prepare_groups; its
+// AVX2 GEMVs share a scale per 256 values instead): activations prepared once per row as two
 // int8 levels sharing one scale per 32 values (x ~ d / 256 * (256 h + l)), so
 // sum(w * x) = a * d / 256 * (256 (q . h) + (q . l)) - b * c per 16-weight half, with the
 // weights' quants q, scales a and offsets b (w = a * q - b), and c the activation sums.
