@@ -6,7 +6,8 @@ every kernel kind (no binary needed), and SmolLM2 requantized by llama.cpp's own
 ``llama-quantize`` to Q4_K_M, Q5_K_M, Q6_K and Q8_0 (only where that binary exists).
 
 Logit bound: the kernels quantize activations per 32 values in two 8-bit levels
-(``csrc/kquants.cpp``), ~1.6e-5 of each group's largest value; over a few layers that moved
+(``csrc/kquants.cpp``; the K-quant GEMVs at AVX2 below AVX-512 VNNI per 256), ~1.6e-5 of
+each group's largest value; over a few layers that moved
 the tiny model's logits (magnitude ~5) by under 1e-3, and SmolLM2's (magnitude ~20) by about
 1e-2 like the interleaved Q4 layout, whose bound (2e-2) is asserted here too.
 """

@@ -5,8 +5,11 @@ The GEMV bound: activations are quantized per 32 values in two 8-bit levels (x ~
 d2 q2, d1 = amax / 127, d2 <= d1 / 254), so each value is off by at most amax / (2 * 127 *
 254) ~ 1.6e-5 amax of its group. The result may thus differ from the float32 product of the
 dequantized weight by sum_i |w_i| * 1.6e-5 * amax(group of i), plus float32 rounding of the
-sums (1e-5 of sum |w_i x_i|); the test asserts 2e-5 and 1e-5 of those. 16-bit float rows
-read float32 x directly: float32 rounding only.
+sums (1e-5 of sum |w_i x_i|); the test asserts 2e-5 and 1e-5 of those. The K-quants'
+GEMVs at AVX2 below AVX-512 VNNI share one scale per 256 values (their super-block, ggml's
+Q8_K; ``kblock_path`` in kquants.cpp), so there "group" is the 256 values of a super-block:
+the bound for the K-quants takes amax over 256. 16-bit float rows read float32 x directly:
+float32 rounding only.
 """
 
 from __future__ import annotations
@@ -56,7 +59,8 @@ def gemv_bound(kind: str, dense: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     rounding = 1e-5 * (x.abs() @ dense.abs().T) + 1e-6
     if kind in ("f16", "bf16"):
         return rounding
-    groups = x.abs().reshape(x.shape[0], -1, 32).amax(-1).repeat_interleave(32, dim=-1)
+    group = 256 if kind in ("q4_k", "q5_k", "q6_k") else 32
+    groups = x.abs().reshape(x.shape[0], -1, group).amax(-1).repeat_interleave(group, dim=-1)
     return 2e-5 * (groups @ dense.abs().T) + rounding
 
 

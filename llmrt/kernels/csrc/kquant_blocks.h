@@ -96,6 +96,9 @@ constexpr int64_t kquant_block_bytes(int64_t kind) {
 int64_t kquant_prep_bytes(int64_t kind, int64_t k);
 void kquant_prepare(const float* x, int64_t r0, int64_t r1, int64_t kind, int64_t k,
                     uint8_t* prep);
+// The per-32 prepared groups whatever the level (kquant_gemm.cpp's panels read them; the
+// K-quant GEMVs at AVX2 below AVX-512 VNNI read per-256 blocks from kquant_prepare instead).
+void kquant_prepare_groups(const float* x, int64_t r0, int64_t r1, int64_t k, uint8_t* prep);
 void kquant_range(const float* x, int64_t rows_m, const uint8_t* w, int64_t row_bytes,
                   int64_t kind, int64_t k, const uint8_t* prep, float* y, int64_t n, int64_t n0,
                   int64_t n1);

@@ -8,7 +8,8 @@
 // into unsigned bytes ordered [32-weight group][k/4 step][column][4 k] with the group's
 // float scales beside them, and every activation row multiplies the panel from cache.
 //
-// Numerics are the decode kernels' (kquants.cpp): activations prepared once per row as two
+// Numerics are the decode kernels' per-32 groups (kquants.cpp's kquant_prepare_groups; its
+// AVX2 GEMVs share a scale per 256 values instead): activations prepared once per row as two
 // int8 levels sharing one scale per 32 values (x ~ d / 256 * (256 h + l)), so
 // sum(w * x) = a * d / 256 * (256 (q . h) + (q . l)) - b * c per 16-weight half, with the
 // weights' quants q, scales a and offsets b (w = a * q - b), and c the activation sums.
@@ -397,10 +398,9 @@ void kquant_gemm(const float* x, int64_t rows, const uint8_t* w, int64_t rb, int
 #if defined(LLMRT_X86)
   TORCH_CHECK(kquant_gemm_max_rows(kind) > 0, "llmrt_kernels: no K-quant GEMM for type ", kind);
   const int64_t groups = k / 32;
-  const int64_t prep_kind = (kind & kInterleaved) ? kQ4_K : kind;  // any K-quant: PGroups
   std::vector<uint8_t> prep(static_cast<size_t>(rows * groups) * sizeof(PGroup));
   llmrt_kernels::parallel_for(0, rows, 8, [&](int64_t r0, int64_t r1) {
-    kquant_prepare(x, r0, r1, prep_kind, k, prep.data());
+    kquant_prepare_groups(x, r0, r1, k, prep.data());
   });
   const PGroup* px = reinterpret_cast<const PGroup*>(prep.data());
   const int64_t panels = (n + kCols - 1) / kCols, panel_bytes = groups * kGroupBytes;

@@ -13,6 +13,9 @@
 // Then sum(w * x) = d / 256 * (a . (q * (256 h + l))) - b . c, with c the activation sums per
 // half group: integer dot products of u8 weights and s8 activations (AVX2 ``maddubs``, AVX-512
 // VNNI ``vpdpbusd``), the levels combined in integers, scaled in float per 16 weights.
+// The K-quants at AVX2 below AVX-512 VNNI share one activation scale per 256 values instead
+// (``KBlock``, ggml's Q8_K in two levels) and accumulate a whole block in integers (see
+// "block-scaled activations" below): the per-group float work had made them compute-bound.
 //
 // The portable loops are written so the compiler vectorizes them; the same inline code is
 // instantiated under an AVX2 target (``LLMRT_AVX2``, x86 only) where the CPU has it, with the dot
@@ -427,6 +430,122 @@ LLMRT_AVX2 void range_avx2(const uint8_t* prep, int64_t rows_m, const uint8_t* w
     }
   }
 }
+#endif
+
+// ---- block-scaled activations: the K-quant GEMV at AVX2 below AVX-512 VNNI -----------------
+// Why: with one activation scale per 32 values (PGroup) every group of every weight row needs
+// its own float scaling (convert, two multiplies, an FMA, two scalar FMAs for the minimum):
+// at batch 1 that float work, not the weight bytes, set the speed (a Q4_K 8192x2048 GEMV read
+// 7 GB/s on one thread, forced AVX2). Here the activations of a K-quant super-block share one
+// scale (ggml's Q8_K, kept in two levels: x ~ d / 256 * (256 h + l), error at most d / 512 with
+// d = max|x| / 127 over 256 values), so a block's eight groups accumulate in integers: the
+// u8 x s8 products (vpmaddubsw), times the 6- or 8-bit group scales (vpmaddwd), summed over
+// the block, then scaled in float once per block. The minimum / offset term is the weights'
+// small integer mins times the activations' sums per 16 / 32 values, also once per block.
+// Bounds (int32 lanes, per block): Q4_K 8 * 2 * (2 * 15 * 127) * 63 < 2^22, Q5_K < 2^23,
+// Q6_K 8 * 2 * (2 * 63 * 127) * 128 < 2^26; the two levels are converted apart.
+
+// One super-block of 256 prepared activations.
+struct KBlock {  // no alignas: the prepared buffers are 16-byte aligned at best
+  int8_t h[256];
+  int8_t l[256];
+  float s16[16];  // sum of 256 h + l per 16 values (exact in float: < 2^20)
+  float s32[8];   // the same per 32 values
+  float d;        // d / 256 is the scale of 256 h + l
+  float pad[7];
+};
+static_assert(sizeof(KBlock) == 640, "KBlock layout");
+
+// Whether the K-quants run the block-scaled path: x86 AVX2 (AVX-VNNI included) below AVX-512
+// VNNI, whose own tile (range_vnni) keeps the per-32 groups.
+inline bool kblock_path(int64_t kind) {
+#if defined(LLMRT_X86)
+  return (kind == kQ4_K || kind == kQ5_K || kind == kQ6_K) && llmrt_kernels::has_avx2() &&
+         !llmrt_kernels::has_avx512_vnni();
+#else
+  (void)kind;
+  return false;
+#endif
+}
+
+#if defined(LLMRT_X86)
+LLMRT_AVX2 void prepare_kblocks_avx2(const float* x, int64_t r0, int64_t r1, int64_t k,
+                                     uint8_t* prep) {
+  const int64_t nb = k / kQK;
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256 lim = _mm256_set1_ps(127.0f), nlim = _mm256_set1_ps(-127.0f);
+  const __m256 k256 = _mm256_set1_ps(256.0f);
+  for (int64_t r = r0; r < r1; ++r) {
+    KBlock* out = reinterpret_cast<KBlock*>(prep) + r * nb;
+    for (int64_t b = 0; b < nb; ++b) {
+      const float* xb = x + r * k + b * kQK;
+      KBlock& p = out[b];
+      __m256 mx = _mm256_setzero_ps();
+      for (int j = 0; j < 256; j += 8) mx = _mm256_max_ps(mx, _mm256_andnot_ps(sign, _mm256_loadu_ps(xb + j)));
+      __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
+      m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+      m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+      const float amax = _mm_cvtss_f32(m4);
+      p.d = amax / 127.0f;
+      const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+      for (int j = 0; j < 256; j += 16) {
+        __m256i hv[2], lv[2];
+        __m256i s = _mm256_setzero_si256();
+        for (int u = 0; u < 2; ++u) {
+          const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(xb + j + 8 * u), inv);
+          const __m256 h = _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+          __m256 l = _mm256_round_ps(_mm256_mul_ps(_mm256_sub_ps(v, h), k256),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+          l = _mm256_min_ps(lim, _mm256_max_ps(nlim, l));
+          hv[u] = _mm256_cvtps_epi32(h);
+          lv[u] = _mm256_cvtps_epi32(l);
+          s = _mm256_add_epi32(s, _mm256_add_epi32(_mm256_slli_epi32(hv[u], 8), lv[u]));
+        }
+        // 16 int32 -> 16 int8 (in order: packs works per 128-bit lane, then fix the order)
+        const __m256i perm = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+        const __m256i h16 = _mm256_packs_epi32(hv[0], hv[1]);  // lanes: h0-3 h8-11 | h4-7 h12-15
+        const __m256i l16 = _mm256_packs_epi32(lv[0], lv[1]);
+        const __m256i hl8 = _mm256_permutevar8x32_epi32(_mm256_packs_epi16(h16, l16), perm);
+        // hl8 dwords: h0-3 h4-7 h8-11 h12-15 l0-3 l4-7 l8-11 l12-15 (after the permute)
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(p.h + j), _mm256_castsi256_si128(hl8));
+        _mm_storeu_si128(reinterpret_cast<__m128i*>(p.l + j), _mm256_extracti128_si256(hl8, 1));
+        __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+        s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+        p.s16[j / 16] = static_cast<float>(_mm_cvtsi128_si32(s4));
+      }
+      for (int g = 0; g < 8; ++g) p.s32[g] = p.s16[2 * g] + p.s16[2 * g + 1];
+    }
+  }
+}
+
+// Group g's 32 quants of a K-quant block as bytes (kquant_group_avx2), its scales below.
+// Q4_K / Q5_K: the eight 6-bit scales and mins as bytes (scale_min_k4, four per word).
+inline void k4_scales_mins(const uint8_t* blk, uint8_t sc[8], uint8_t mn[8]) {
+  uint32_t w[3];
+  std::memcpy(w, blk + 4, 12);
+  const uint32_t v[4] = {w[0] & 0x3F3F3F3Fu,
+                         (w[2] & 0x0F0F0F0Fu) | (((w[0] >> 6) & 0x03030303u) << 4),
+                         w[1] & 0x3F3F3F3Fu,
+                         ((w[2] >> 4) & 0x0F0F0F0Fu) | (((w[1] >> 6) & 0x03030303u) << 4)};
+  std::memcpy(sc, v, 8);
+  std::memcpy(mn, v + 2, 8);
+}
+
+#define KB_NS kb_avx2
+#define KB_TARGET LLMRT_AVX2
+#define KB_ACC(acc, p16, sc) _mm256_add_epi32(acc, _mm256_madd_epi16(p16, sc))
+#include "kquant_kblock_tile.h"
+#undef KB_NS
+#undef KB_TARGET
+#undef KB_ACC
+#define KB_NS kb_avx_vnni
+#define KB_TARGET LLMRT_AVX_VNNI
+#define KB_ACC(acc, p16, sc) _mm256_dpwssd_avx_epi32(acc, p16, sc)
+#include "kquant_kblock_tile.h"
+#undef KB_NS
+#undef KB_TARGET
+#undef KB_ACC
 #endif
 
 // ---- AVX-512 VNNI: two groups per zmm (K-quants) ---------------------------------------
@@ -920,6 +1039,15 @@ void range_kind(const float* x, int64_t rows_m, const uint8_t* w, int64_t rb, in
         return;
       }
     }
+    if constexpr (KIND == kQ4_K || KIND == kQ5_K || KIND == kQ6_K) {
+      if (kblock_path(KIND)) {
+        if (llmrt_kernels::has_avx_vnni())
+          kb_avx_vnni::range_kblock<KIND>(prep, rows_m, w, rb, k, y, ldy, n0, n1);
+        else
+          kb_avx2::range_kblock<KIND>(prep, rows_m, w, rb, k, y, ldy, n0, n1);
+        return;
+      }
+    }
     if (llmrt_kernels::has_avx2()) {
       range_avx2<KIND>(prep, rows_m, w, rb, k, y, ldy, n0, n1);
       return;
@@ -960,12 +1088,23 @@ namespace llmrt_kernels {
 
 int64_t kquant_prep_bytes(int64_t kind, int64_t k) {
   if (kind == kF16 || kind == kBF16) return 0;
+  if (kblock_path(kind)) return k / kQK * static_cast<int64_t>(sizeof(KBlock));
   return k / 32 * static_cast<int64_t>(sizeof(PGroup));
 }
 
 void kquant_prepare(const float* x, int64_t r0, int64_t r1, int64_t kind, int64_t k,
                     uint8_t* prep) {
   if (kind == kF16 || kind == kBF16) return;
+#if defined(LLMRT_X86)
+  if (kblock_path(kind)) {
+    prepare_kblocks_avx2(x, r0, r1, k, prep);
+    return;
+  }
+#endif
+  kquant_prepare_groups(x, r0, r1, k, prep);
+}
+
+void kquant_prepare_groups(const float* x, int64_t r0, int64_t r1, int64_t k, uint8_t* prep) {
 #if defined(LLMRT_X86)
   if (llmrt_kernels::has_avx2()) {
     prepare_rows_avx2(x, r0, r1, k, prep);
