@@ -1,5 +1,6 @@
 // Many activation rows against a K-quant weight (Q4_K, Q5_K, Q6_K in ggml's blocks), and at
-// AVX2 below VNNI against interleaved Q4_0 / Q4_1 from 128 rows: an integer GEMM (AVX2
+// AVX2 below VNNI against interleaved Q4_0 / Q4_1 from 128 rows and 1024 output columns
+// (kquant_blocks.h says why; narrower ones take interleaved_gemm.cpp): an integer GEMM (AVX2
 // vpmaddubsw / vpmaddwd; AVX-512 VNNI vpdpbusd on 256-bit vectors, 6-row tiles).
 //
 // Why: without it a prefill-sized call dequantized the whole weight to float32 (8 bytes
@@ -232,11 +233,11 @@ LLMRT_AVX2 void tile_avx2(const PGroup* px, int64_t groups, const uint8_t* panel
               asm("" : "+x"(t[r]));
             }
           }
-          const __m128i shift = _mm_cvtsi32_si128(lev == 0 ? 8 : 0);  // 256 h + l
-          for (int r = 0; r < RT; ++r) {
-            const __m256i wide = _mm256_madd_epi16(t[r], ones);
-            iv[r] = _mm256_add_epi32(iv[r], _mm256_sll_epi32(wide, shift));
-          }
+          // 256 h + l: the widening vpmaddwd multiplies the high level's pairs by 256 (one
+          // instruction where a shift after it took two).
+          const __m256i weight = lev == 0 ? _mm256_set1_epi16(256) : ones;
+          for (int r = 0; r < RT; ++r)
+            iv[r] = _mm256_add_epi32(iv[r], _mm256_madd_epi16(t[r], weight));
         }
       }
       const __m256 av = _mm256_loadu_ps(f + kCols * half);
@@ -387,7 +388,8 @@ int64_t kquant_gemm_min_rows(int64_t kind) {
   return (kind & kInterleaved) ? kQ4GemmMinRowsAvx2 : kKquantGemmMinRows;
 }
 
-bool takes_kquant_gemm(int64_t kind, int64_t rows) {
+bool takes_kquant_gemm(int64_t kind, int64_t rows, int64_t n) {
+  if ((kind & kInterleaved) && n < kQ4GemmMinColsAvx2) return false;  // interleaved_gemm.cpp's
   return rows >= kquant_gemm_min_rows(kind) && rows <= kquant_gemm_max_rows(kind);
 }
 
