@@ -124,6 +124,12 @@ constexpr int64_t kQ4GemmMinRowsAvx2 = 128;
 // outputs also split into few of the panels' pack blocks (16 panels each: 576 columns make 5),
 // which two threads share unevenly.
 constexpr int64_t kQ4GemmMinColsAvx2 = 1024;
+// At avx_vnni interleaved_gemm.cpp's loop runs vpdpwssd (one instruction per 16-bit pair
+// product and sum) and won more: 0.57-0.90x the panels' CPU time on every SmolLM2 shape above
+// (576 to 3072 columns) and 0.81-0.93x on 1B's 512x2048 and 2048x2048, tied on 3072x2048
+// (1.01x); the panels kept 16384x2048 (I 1.06x) and the 8192-deep 2048x8192 (I 1.07x).
+constexpr int64_t kQ4GemmMinColsAvxVnni = 4096;
+constexpr int64_t kQ4GemmMinDepthAvxVnni = 4096;
 // Rows up to which the GEMM beats dequantize + MKL's sgemm (``kquant_gemm_max_rows``; the
 // Python policy dequantizes above it). Measured with Llama-3.2-1B's ffn_gate (Q4_K 8192x2048)
 // and ffn_down (Q6_K 2048x8192), 2 threads, alternated in one process: forced AVX2 2.4-4x at
@@ -132,7 +138,7 @@ constexpr int64_t kQ4GemmMinColsAvx2 = 1024;
 // 512, so up to 256.
 constexpr int64_t kKquantGemmMaxRowsVnni = 256;
 int64_t kquant_gemm_max_rows(int64_t kind);
-bool takes_kquant_gemm(int64_t kind, int64_t rows, int64_t n);  // n: output columns
+bool takes_kquant_gemm(int64_t kind, int64_t rows, int64_t n, int64_t k);  // n out, k in
 void kquant_gemm(const float* x, int64_t rows, const uint8_t* w, int64_t rb, int64_t kind,
                  int64_t k, float* y, int64_t n);
 

@@ -33,6 +33,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -388,8 +389,12 @@ int64_t kquant_gemm_min_rows(int64_t kind) {
   return (kind & kInterleaved) ? kQ4GemmMinRowsAvx2 : kKquantGemmMinRows;
 }
 
-bool takes_kquant_gemm(int64_t kind, int64_t rows, int64_t n) {
-  if ((kind & kInterleaved) && n < kQ4GemmMinColsAvx2) return false;  // interleaved_gemm.cpp's
+bool takes_kquant_gemm(int64_t kind, int64_t rows, int64_t n, int64_t k) {
+  if (kind & kInterleaved) {  // narrower / shallower ones run interleaved_gemm.cpp's loop
+    const bool panels = has_avx_vnni() ? n >= kQ4GemmMinColsAvxVnni || k >= kQ4GemmMinDepthAvxVnni
+                                       : n >= kQ4GemmMinColsAvx2;
+    if (!panels) return false;
+  }  // interleaved_gemm.cpp's
   return rows >= kquant_gemm_min_rows(kind) && rows <= kquant_gemm_max_rows(kind);
 }
 
@@ -408,12 +413,15 @@ void kquant_gemm(const float* x, int64_t rows, const uint8_t* w, int64_t rb, int
   const int64_t per_block = std::clamp<int64_t>(kPackBytes / panel_bytes, 1, 16);
   const int64_t blocks = (panels + per_block - 1) / per_block;
   const int64_t tile_rows = has_avx512_vnni() ? kRowsVnni : kRows;
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+  // Pack blocks from a shared counter (as interleaved_gemm.cpp's panels): a core that runs
+  // slower (another tenant's time slice) takes fewer instead of holding the other at the end.
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, blocks, 1, [&](int64_t, int64_t) {
     std::vector<uint8_t> raw(
         static_cast<size_t>(per_block * panel_bytes + 32));
     uint8_t* packed = reinterpret_cast<uint8_t*>(
         (reinterpret_cast<uintptr_t>(raw.data()) + 31) & ~static_cast<uintptr_t>(31));
-    for (int64_t blk = b0; blk < b1; ++blk) {
+    for (int64_t blk = next.fetch_add(1); blk < blocks; blk = next.fetch_add(1)) {
       const int64_t p0 = blk * per_block, p1 = std::min(panels, p0 + per_block);
       for (int64_t p = p0; p < p1; ++p)
         pack_kind(w, rb, kind, k, p * kCols, std::min<int64_t>(kCols, n - p * kCols),
