@@ -5,9 +5,10 @@
 task holds one KV head's whole query group (see ``csrc/prefill_attention.cpp``), and
 ``llmrt_kernels.rope`` for the rotary embedding; ``sdpa`` is torch's
 ``scaled_dot_product_attention`` and torch's RoPE ops. ``auto`` takes the native kernels on
-the CPU where they load and the CPU has AVX-512. Either way a call the native kernels do not
-cover (not float32, another head_dim, under ``torch.compile``) runs torch's; sliding windows
-and soft-capping take the masked paths in ``paged_attention`` as before.
+the CPU where they load and the running level has AVX2 (AVX-512 and AVX2 code per level).
+Either way a call the native kernels do not cover (not float32, another head_dim, under
+``torch.compile``) runs torch's; sliding windows and soft-capping take the masked paths in
+``paged_attention`` as before.
 """
 
 from __future__ import annotations
@@ -86,5 +87,5 @@ def _why_not_native(device: torch.device) -> str | None:
     if not ok:
         return why
     if not bool(torch.ops.llmrt_kernels.causal_attention_supported(64)):
-        return "this CPU has no AVX-512"
+        return "this CPU (or the forced LLMRT_KERNELS_ISA level) has no AVX2"
     return None

@@ -88,9 +88,10 @@ def test_interleave_follows_the_layout_and_dequantizes_exactly(kind: str, cols: 
 
 @pytest.mark.parametrize("kind", KINDS)
 # 1-15 rows: the tile loop; from 16 the integer GEMM (6-row tiles with VNNI, 4 at AVX2, so
-# 17 and 33 end in a partial tile; at AVX2, 130 rows take kquant_gemm.cpp's panels for the
-# 4-bit kinds, of 8 columns and 4-row tiles, and dequantize for Q8_0); 70 output rows end in
-# a partial panel of 32 (VNNI) or 16 (AVX2) columns.
+# 17 and 33 end in a partial tile; at AVX2 the 70 output rows are too few for
+# kquant_gemm.cpp's panels, so 130 rows stay on the integer GEMM for the 4-bit kinds (the
+# panels: test_wide_linears_at_prefill_rows_are_within_the_two_level_bound) and dequantize
+# for Q8_0); 70 output rows end in a partial panel of 32 (VNNI) or 16 (AVX2) columns.
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 15, 16, 17, 33, 130])
 @pytest.mark.parametrize("cols", [96, 160, 576])
 def test_linear_on_interleaved_blocks_is_within_the_two_level_bound(
@@ -116,6 +117,26 @@ def test_linear_on_interleaved_blocks_is_within_the_two_level_bound(
     # One 8-bit level would be off by up to 256 times more: the second level is there.
     one_level = (two_level_bound(x, w64) - 1e-5 * (x.double().abs() @ w64.abs().T)) * 256
     assert float(error.max()) < float(one_level.max()) / 16
+
+
+@pytest.mark.parametrize("kind", ["q4_0", "q4_1"])
+def test_wide_linears_at_prefill_rows_are_within_the_two_level_bound(kind: str) -> None:
+    # At AVX2 below VNNI, 4-bit linears of 1024 output rows or more take kquant_gemm.cpp's
+    # panels from 128 activation rows (narrower ones interleaved_gemm.cpp's loop): 1030
+    # output rows end in a partial 8-column panel, 130 activation rows in a partial tile.
+    weight = random_weight(kind, rows=1030, cols=96, seed=11)
+    w64 = reference(weight)
+    x = torch.randn(130, 96, generator=torch.Generator().manual_seed(11))
+    x[5, 40] = 50.0
+    linear = QuantizedLinear(weight=weight.interleaved())
+    got = linear(x).double()
+    error = (got - x.double() @ w64.T).abs()
+    assert bool((error <= two_level_bound(x, w64)).all())
+    if int8_dot_supported() and not linear.runs_gemm(130):
+        # Each row quantized as the one-row loop does: only float32 summation order differs.
+        alone = torch.cat([linear(x[r : r + 1]) for r in range(0, 130, 13)]).double()
+        sums = x[::13].double().abs() @ w64.abs().T
+        assert bool(((got[::13] - alone).abs() <= 1e-5 * sums + 1e-6).all())
 
 
 _AVX2_GEMM_CHILD = """

@@ -478,7 +478,7 @@ void linear_into(const float* x, int64_t rows_m, const at::Tensor& w, int64_t ki
                  float* y) {
   const int64_t n = w.size(0);
   if (rows_m <= 0 || n <= 0) return;
-  if (takes_kquant_gemm(kind, rows_m)) {  // per-call panels of the blocks (kquant_gemm.cpp)
+  if (takes_kquant_gemm(kind, rows_m, n, k)) {  // per-call panels of the blocks (kquant_gemm.cpp)
     kquant_gemm(x, rows_m, w.const_data_ptr<uint8_t>(), w.size(1), kind, k, y, n);
     return;
   }

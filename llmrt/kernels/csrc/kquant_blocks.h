@@ -117,6 +117,22 @@ constexpr int64_t kKquantGemmMinRows = 8;
 // Interleaved Q4 at AVX2: from here the panels' loop replaces dequantize + sgemm (below it the
 // interleaved layout's own AVX2 GEMM is faster).
 constexpr int64_t kQ4GemmMinRowsAvx2 = 128;
+// ... and from this many output columns (n). Below it interleaved_gemm.cpp's AVX2 loop
+// (16-column panels, from a shared counter) took 0.87-0.89x the panels' CPU time on SmolLM2's
+// 576x576 Q4_1, 0.65x on 192x576, 0.96-0.97x on 960x576 at 128-512 rows in every run (one
+// thread, forced avx2, alternated in one process, minimum of 11-15 under load 10-13), and
+// tied on 576x1536 (0.85-1.08x between runs) and Llama-3.2-1B's 512x2048 Q4_0 (1.00-1.03x);
+// from 1536 columns the panels won or tied (0.9-1.09x on SmolLM2's 1536x576 and 3072x576
+// between runs; 1.2-1.37x on 1B's 2048x2048, 3072x2048, 16384x2048 and 2048x8192). Narrow
+// outputs also split into few of the panels' pack blocks (16 panels each: 576 columns make 5),
+// which two threads share unevenly.
+constexpr int64_t kQ4GemmMinColsAvx2 = 1024;
+// At avx_vnni interleaved_gemm.cpp's loop runs vpdpwssd (one instruction per 16-bit pair
+// product and sum) and won more: 0.57-0.90x the panels' CPU time on every SmolLM2 shape above
+// (576 to 3072 columns) and 0.81-0.93x on 1B's 512x2048 and 2048x2048, tied on 3072x2048
+// (1.01x); the panels kept 16384x2048 (I 1.06x) and the 8192-deep 2048x8192 (I 1.07x).
+constexpr int64_t kQ4GemmMinColsAvxVnni = 4096;
+constexpr int64_t kQ4GemmMinDepthAvxVnni = 4096;
 // Rows up to which the GEMM beats dequantize + MKL's sgemm (``kquant_gemm_max_rows``; the
 // Python policy dequantizes above it). Measured with Llama-3.2-1B's ffn_gate (Q4_K 8192x2048)
 // and ffn_down (Q6_K 2048x8192), 2 threads, alternated in one process: forced AVX2 2.4-4x at
@@ -125,7 +141,7 @@ constexpr int64_t kQ4GemmMinRowsAvx2 = 128;
 // 512, so up to 256.
 constexpr int64_t kKquantGemmMaxRowsVnni = 256;
 int64_t kquant_gemm_max_rows(int64_t kind);
-bool takes_kquant_gemm(int64_t kind, int64_t rows);
+bool takes_kquant_gemm(int64_t kind, int64_t rows, int64_t n, int64_t k);  // n out, k in
 void kquant_gemm(const float* x, int64_t rows, const uint8_t* w, int64_t rb, int64_t kind,
                  int64_t k, float* y, int64_t n);
 

@@ -1,5 +1,6 @@
 // Many activation rows against a K-quant weight (Q4_K, Q5_K, Q6_K in ggml's blocks), and at
-// AVX2 below VNNI against interleaved Q4_0 / Q4_1 from 128 rows: an integer GEMM (AVX2
+// AVX2 below VNNI against interleaved Q4_0 / Q4_1 from 128 rows and 1024 output columns
+// (kquant_blocks.h says why; narrower ones take interleaved_gemm.cpp): an integer GEMM (AVX2
 // vpmaddubsw / vpmaddwd; AVX-512 VNNI vpdpbusd on 256-bit vectors, 6-row tiles).
 //
 // Why: without it a prefill-sized call dequantized the whole weight to float32 (8 bytes
@@ -33,6 +34,7 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -234,11 +236,11 @@ LLMRT_AVX2 void tile_avx2(const PGroup* px, int64_t groups, const uint8_t* panel
               asm("" : "+x"(t[r]));
             }
           }
-          const __m128i shift = _mm_cvtsi32_si128(lev == 0 ? 8 : 0);  // 256 h + l
-          for (int r = 0; r < RT; ++r) {
-            const __m256i wide = _mm256_madd_epi16(t[r], ones);
-            iv[r] = _mm256_add_epi32(iv[r], _mm256_sll_epi32(wide, shift));
-          }
+          // 256 h + l: the widening vpmaddwd multiplies the high level's pairs by 256 (one
+          // instruction where a shift after it took two).
+          const __m256i weight = lev == 0 ? _mm256_set1_epi16(256) : ones;
+          for (int r = 0; r < RT; ++r)
+            iv[r] = _mm256_add_epi32(iv[r], _mm256_madd_epi16(t[r], weight));
         }
       }
       const __m256 av = _mm256_loadu_ps(f + kCols * half);
@@ -389,7 +391,12 @@ int64_t kquant_gemm_min_rows(int64_t kind) {
   return (kind & kInterleaved) ? kQ4GemmMinRowsAvx2 : kKquantGemmMinRows;
 }
 
-bool takes_kquant_gemm(int64_t kind, int64_t rows) {
+bool takes_kquant_gemm(int64_t kind, int64_t rows, int64_t n, int64_t k) {
+  if (kind & kInterleaved) {  // narrower / shallower ones run interleaved_gemm.cpp's loop
+    const bool panels = has_avx_vnni() ? n >= kQ4GemmMinColsAvxVnni || k >= kQ4GemmMinDepthAvxVnni
+                                       : n >= kQ4GemmMinColsAvx2;
+    if (!panels) return false;
+  }  // interleaved_gemm.cpp's
   return rows >= kquant_gemm_min_rows(kind) && rows <= kquant_gemm_max_rows(kind);
 }
 
@@ -407,12 +414,15 @@ void kquant_gemm(const float* x, int64_t rows, const uint8_t* w, int64_t rb, int
   const int64_t per_block = std::clamp<int64_t>(kPackBytes / panel_bytes, 1, 16);
   const int64_t blocks = (panels + per_block - 1) / per_block;
   const int64_t tile_rows = has_avx512_vnni() ? kRowsVnni : kRows;
-  llmrt_kernels::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+  // Pack blocks from a shared counter (as interleaved_gemm.cpp's panels): a core that runs
+  // slower (another tenant's time slice) takes fewer instead of holding the other at the end.
+  std::atomic<int64_t> next{0};
+  llmrt_kernels::parallel_for(0, blocks, 1, [&](int64_t, int64_t) {
     std::vector<uint8_t> raw(
         static_cast<size_t>(per_block * panel_bytes + 32));
     uint8_t* packed = reinterpret_cast<uint8_t*>(
         (reinterpret_cast<uintptr_t>(raw.data()) + 31) & ~static_cast<uintptr_t>(31));
-    for (int64_t blk = b0; blk < b1; ++blk) {
+    for (int64_t blk = next.fetch_add(1); blk < blocks; blk = next.fetch_add(1)) {
       const int64_t p0 = blk * per_block, p1 = std::min(panels, p0 + per_block);
       for (int64_t p = p0; p < p1; ++p)
         pack_kind(w, rb, kind, k, p * kCols, std::min<int64_t>(kCols, n - p * kCols),

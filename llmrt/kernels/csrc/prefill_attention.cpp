@@ -204,12 +204,159 @@ LLMRT_AVX512 void attend_block(const Segment& seg, int64_t g, int64_t group, int
       _mm512_storeu_ps(dst + 16 * c, _mm512_mul_ps(_mm512_loadu_ps(acc + r * D + 16 * c), inv));
   }
 }
+
+// ``attend_block`` on 8-lane vectors (AVX2 + FMA), for CPUs without AVX-512: the same tasks,
+// online softmax and masking (lane masks from a compare against the lane index), with
+// register tiles sized for 16 ymm registers: scores of 4 query rows x 16 keys (eight
+// accumulators) over the key block in four passes, and P V of 2 rows x 32 values of D.
+// ``NV``: 8-float vectors per head (head_dim / 8).
+LLMRT_AVX2 inline __m256 visible_lanes(int64_t n) {
+  const __m256i iota = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const int32_t c = static_cast<int32_t>(std::clamp<int64_t>(n, 0, 8));
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(c), iota));
+}
+
+LLMRT_AVX2 inline float hmax8(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  m = _mm_max_ss(m, _mm_movehdup_ps(m));
+  return _mm_cvtss_f32(m);
+}
+
+template <int NV>
+LLMRT_AVX2 void attend_block_avx2(const Segment& seg, int64_t g, int64_t group, int64_t q0,
+                                  int64_t q1, float scale, std::vector<float>& work) {
+  constexpr int64_t D = 8 * NV;
+  constexpr int kKeyVecs = kKeyBlock / 8;
+  const int64_t positions = q1 - q0, rows = group * positions;
+  work.resize(static_cast<size_t>(3 * rows + rows * D + rows * kKeyBlock + D * kKeyBlock));
+  float* top = work.data();
+  float* total = top + rows;
+  float* poisoned = total + rows;
+  float* acc = poisoned + rows;
+  float* scores = acc + rows * D;
+  float* kt = scores + rows * kKeyBlock;
+  std::fill_n(top, rows, -std::numeric_limits<float>::infinity());
+  std::fill_n(total, rows, 0.0f);
+  std::fill_n(poisoned, rows, 0.0f);
+  std::fill_n(acc, rows * D, 0.0f);
+  const float* kb = seg.k + g * seg.kh;
+  const float* vb = seg.v + g * seg.vh;
+  const auto qrow = [&](int64_t r) {
+    return seg.q + (g * group + r / positions) * seg.qh + (q0 + r % positions) * seg.qs;
+  };
+  const __m256 neg_inf = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  const int64_t keys = seg.offset + q1;
+  for (int64_t k0 = 0; k0 < keys; k0 += kKeyBlock) {
+    const int64_t nk = std::min(kKeyBlock, keys - k0);
+    for (int64_t d = 0; d < D; ++d)
+      for (int64_t t = 0; t < kKeyBlock; ++t)
+        kt[d * kKeyBlock + t] = t < nk ? kb[(k0 + t) * seg.ks + d] : 0.0f;
+    const __m256 vscale = _mm256_set1_ps(scale);
+    for (int64_t r0 = 0; r0 < rows; r0 += kTileRows) {
+      const int tr = static_cast<int>(std::min<int64_t>(kTileRows, rows - r0));
+      const float* qp[kTileRows];
+      for (int i = 0; i < kTileRows; ++i) qp[i] = qrow(r0 + std::min(i, tr - 1));
+      for (int c0 = 0; c0 < kKeyVecs; c0 += 2) {
+        __m256 s[kTileRows][2];
+        for (int i = 0; i < kTileRows; ++i) s[i][0] = s[i][1] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < D; ++d) {
+          const float* kd = kt + d * kKeyBlock + 8 * c0;
+          const __m256 ka = _mm256_loadu_ps(kd), kc = _mm256_loadu_ps(kd + 8);
+          for (int i = 0; i < kTileRows; ++i) {
+            const __m256 qv = _mm256_broadcast_ss(qp[i] + d);
+            s[i][0] = _mm256_fmadd_ps(qv, ka, s[i][0]);
+            s[i][1] = _mm256_fmadd_ps(qv, kc, s[i][1]);
+          }
+        }
+        for (int i = 0; i < tr; ++i) {
+          float* sr = scores + (r0 + i) * kKeyBlock + 8 * c0;
+          _mm256_storeu_ps(sr, _mm256_mul_ps(s[i][0], vscale));
+          _mm256_storeu_ps(sr + 8, _mm256_mul_ps(s[i][1], vscale));
+        }
+      }
+      for (int i = 0; i < tr; ++i) {
+        const int64_t r = r0 + i, pos = seg.offset + q0 + r % positions;
+        const int64_t visible = std::min(nk, pos - k0 + 1);
+        float* sr = scores + r * kKeyBlock;
+        __m256 seen[kKeyVecs];
+        __m256 vmax = neg_inf;
+        bool bad = false;
+        for (int c = 0; c < kKeyVecs; ++c) {
+          seen[c] = visible_lanes(visible - 8 * c);
+          const __m256 x = _mm256_loadu_ps(sr + 8 * c);
+          // A NaN or +inf score poisons the row (torch's softmax gives NaN there).
+          const __m256 over =
+              _mm256_cmp_ps(x, _mm256_set1_ps(std::numeric_limits<float>::max()), _CMP_NLE_UQ);
+          bad = bad || _mm256_movemask_ps(_mm256_and_ps(over, seen[c])) != 0;
+          vmax = _mm256_max_ps(vmax, _mm256_blendv_ps(neg_inf, x, seen[c]));
+        }
+        if (bad) poisoned[r] = 1.0f;
+        const float block_top = hmax8(vmax);
+        const float new_top = std::max(top[r], block_top);
+        const float carry = top[r] == -std::numeric_limits<float>::infinity()
+                                ? 0.0f
+                                : std::exp(top[r] - new_top);
+        const __m256 shift = _mm256_set1_ps(new_top);
+        __m256 sum = _mm256_setzero_ps();
+        for (int c = 0; c < kKeyVecs; ++c) {
+          const __m256 p = _mm256_and_ps(
+              seen[c], llmrt_kernels::exp256(_mm256_sub_ps(_mm256_loadu_ps(sr + 8 * c), shift)));
+          _mm256_storeu_ps(sr + 8 * c, p);
+          sum = _mm256_add_ps(sum, p);
+        }
+        total[r] = total[r] * carry + llmrt_kernels::hadd8(sum);
+        top[r] = new_top;
+        if (carry != 1.0f) {
+          const __m256 vc = _mm256_set1_ps(carry);
+          float* ar = acc + r * D;
+          for (int c = 0; c < NV; ++c)
+            _mm256_storeu_ps(ar + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(ar + 8 * c), vc));
+        }
+      }
+    }
+    // acc += P V: 2 rows x CV vectors of D at a time.
+    constexpr int CV = NV < 4 ? NV : 4;
+    constexpr int kPvRows = 2;
+    for (int64_t r0 = 0; r0 < rows; r0 += kPvRows) {
+      const int tr = static_cast<int>(std::min<int64_t>(kPvRows, rows - r0));
+      const float* pr[kPvRows];
+      for (int i = 0; i < kPvRows; ++i) pr[i] = scores + (r0 + std::min(i, tr - 1)) * kKeyBlock;
+      for (int c0 = 0; c0 < NV; c0 += CV) {
+        __m256 o[kPvRows][CV];
+        for (int i = 0; i < kPvRows; ++i)
+          for (int c = 0; c < CV; ++c)
+            o[i][c] = i < tr ? _mm256_loadu_ps(acc + (r0 + i) * D + 8 * (c0 + c))
+                             : _mm256_setzero_ps();
+        for (int64_t t = 0; t < nk; ++t) {
+          const float* vt = vb + (k0 + t) * seg.vs + 8 * c0;
+          __m256 vv[CV];
+          for (int c = 0; c < CV; ++c) vv[c] = _mm256_loadu_ps(vt + 8 * c);
+          for (int i = 0; i < kPvRows; ++i) {
+            const __m256 p = _mm256_broadcast_ss(pr[i] + t);
+            for (int c = 0; c < CV; ++c) o[i][c] = _mm256_fmadd_ps(p, vv[c], o[i][c]);
+          }
+        }
+        for (int i = 0; i < tr; ++i)
+          for (int c = 0; c < CV; ++c)
+            _mm256_storeu_ps(acc + (r0 + i) * D + 8 * (c0 + c), o[i][c]);
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m256 inv = _mm256_set1_ps(
+        poisoned[r] != 0.0f ? std::numeric_limits<float>::quiet_NaN() : 1.0f / total[r]);
+    float* dst = seg.o + (g * group + r / positions) * seg.oh + (q0 + r % positions) * seg.os;
+    for (int c = 0; c < NV; ++c)
+      _mm256_storeu_ps(dst + 8 * c, _mm256_mul_ps(_mm256_loadu_ps(acc + r * D + 8 * c), inv));
+  }
+}
 #endif  // LLMRT_X86
 
 bool supported_head_dim(int64_t d) { return d == 16 || d == 32 || d == 64 || d == 128; }
 
 bool causal_attention_supported(int64_t head_dim) {
-  return has_avx512() && supported_head_dim(head_dim);
+  return llmrt_kernels::has_avx2() && supported_head_dim(head_dim);
 }
 
 // One task: query block [q0, q1) of KV head ``g`` of segment ``seg``.
@@ -227,6 +374,15 @@ void run_tasks(const std::vector<Segment>& segments, std::vector<Task>& tasks, i
   const auto run = [&](const Task& t, std::vector<float>& work) {
     const Segment& seg = segments[t.seg];
 #if defined(LLMRT_X86)
+    if (!has_avx512()) {
+      switch (dim) {
+        case 16: attend_block_avx2<2>(seg, t.g, group, t.q0, t.q1, scale, work); break;
+        case 32: attend_block_avx2<4>(seg, t.g, group, t.q0, t.q1, scale, work); break;
+        case 64: attend_block_avx2<8>(seg, t.g, group, t.q0, t.q1, scale, work); break;
+        default: attend_block_avx2<16>(seg, t.g, group, t.q0, t.q1, scale, work); break;
+      }
+      return;
+    }
     switch (dim) {
       case 16: attend_block<1>(seg, t.g, group, t.q0, t.q1, scale, work); break;
       case 32: attend_block<2>(seg, t.g, group, t.q0, t.q1, scale, work); break;
@@ -284,7 +440,7 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   TORCH_CHECK(kv_heads > 0 && heads % kv_heads == 0, "llmrt_kernels.", op, ": query heads (",
               heads, ") must be a multiple of KV heads (", kv_heads, ")");
   TORCH_CHECK(causal_attention_supported(dim), "llmrt_kernels.", op,
-              ": needs AVX-512 and head_dim 16, 32, 64 or 128 (got ", dim, ")");
+              ": needs AVX2 and head_dim 16, 32, 64 or 128 (got ", dim, ")");
 }
 
 at::Tensor causal_attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
