@@ -88,15 +88,19 @@ def test_a_bfloat8_b_cache_holds_block_floats_after_a_write(
     assert torch.equal(written, round_block_float(step[0, 0].bfloat16().float(), mantissa_bits=7))
 
 
+@pytest.mark.parametrize("window", [None, 10])
 def test_paged_decode_sdpa_matches_torch_over_each_rows_positions(
-    tt: tuple[FakeTtnn, object],
+    tt: tuple[FakeTtnn, object], window: int | None
 ) -> None:
+    """Each row attends to its own pages up to its position (with a sliding window: only its
+    last ``window`` positions; row 2 at position 3 is still inside it); a -1 row is zeros."""
     fake, mesh = tt
     k = torch.randn(BLOCKS, KVH, BS, D, generator=_gen(4))
     v = torch.randn(BLOCKS, KVH, BS, D, generator=_gen(5))
     q = torch.randn(1, 3, H, D, generator=_gen(6))
     table = torch.cat([TABLE, torch.tensor([[4, 6, 8, 10]])])
-    cur = torch.tensor([20, 47, -1])
+    cur = torch.tensor([20, 47, -1 if window is None else 3])
+    extra = {} if window is None else {"sliding_window_size": window}
     out = fake.transformer.paged_scaled_dot_product_attention_decode(
         _tile(fake, mesh, q),
         _tile(fake, mesh, k),
@@ -104,19 +108,21 @@ def test_paged_decode_sdpa_matches_torch_over_each_rows_positions(
         cur_pos_tensor=_int(fake, mesh, cur),
         page_table_tensor=_int(fake, mesh, table),
         scale=0.2,
+        **extra,
     )
-
     got = fake.to_torch(out).float()
     kh, vh, qh = (t.bfloat16().float() for t in (k, v, q))
-    for b in range(2):
+    for b in range(2 if window is None else 3):
         length = int(cur[b]) + 1
         keys = _gather(kh, table[b].tolist(), length)[None]
         values = _gather(vh, table[b].tolist(), length)[None]
+        mask = None if window is None else _band(cur[b : b + 1], torch.arange(length), window)
         ref = F.scaled_dot_product_attention(
-            qh[0, b][None, :, None], keys, values, scale=0.2, enable_gqa=True
+            qh[0, b][None, :, None], keys, values, attn_mask=mask, scale=0.2, enable_gqa=True
         )[0, :, 0]
         torch.testing.assert_close(got[0, b], ref, **BF16_TOL)
-    assert torch.equal(got[0, 2], torch.zeros(H, D))  # a padding row
+    if window is None:
+        assert torch.equal(got[0, 2], torch.zeros(H, D))  # a padding row
 
 
 def test_causal_prefill_sdpa_with_grouped_kv_heads(tt: tuple[FakeTtnn, object]) -> None:
@@ -273,37 +279,6 @@ def test_a_sliding_window_limits_causal_prefill_to_the_last_positions(
             is_causal=False,
             sliding_window_size=7,
         )
-
-
-def test_a_sliding_window_limits_paged_decode_to_each_rows_last_positions(
-    tt: tuple[FakeTtnn, object],
-) -> None:
-    fake, mesh = tt
-    k = torch.randn(BLOCKS, KVH, BS, D, generator=_gen(22))
-    v = torch.randn(BLOCKS, KVH, BS, D, generator=_gen(23))
-    q = torch.randn(1, 3, H, D, generator=_gen(24))
-    table = torch.cat([TABLE, torch.tensor([[4, 6, 8, 10]])])
-    cur = torch.tensor([20, 47, 3])  # row 2 is still inside its window
-    out = fake.transformer.paged_scaled_dot_product_attention_decode(
-        _tile(fake, mesh, q),
-        _tile(fake, mesh, k),
-        _tile(fake, mesh, v),
-        cur_pos_tensor=_int(fake, mesh, cur),
-        page_table_tensor=_int(fake, mesh, table),
-        scale=0.2,
-        sliding_window_size=10,
-    )
-    got = fake.to_torch(out).float()
-    kh, vh, qh = (t.bfloat16().float() for t in (k, v, q))
-    for b in range(3):
-        length = int(cur[b]) + 1
-        keys = _gather(kh, table[b].tolist(), length)[None]
-        values = _gather(vh, table[b].tolist(), length)[None]
-        mask = _band(cur[b : b + 1], torch.arange(length), 10)
-        ref = F.scaled_dot_product_attention(
-            qh[0, b][None, :, None], keys, values, attn_mask=mask, scale=0.2, enable_gqa=True
-        )[0, :, 0]
-        torch.testing.assert_close(got[0, b], ref, **BF16_TOL)
 
 
 def test_a_sliding_window_reaches_back_across_a_chunk_boundary(
