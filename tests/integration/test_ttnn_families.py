@@ -120,9 +120,14 @@ def _saved(
 ) -> tuple[str, Path, Any]:
     model = _hf(kind)
     directory = tmp_path_factory.mktemp(f"ttnn-{kind}")
+    _save(model, directory, tiny_hf_checkpoint)
+    return kind, directory, model
+
+
+def _save(model: Any, directory: Path, tiny_hf_checkpoint: Path) -> None:
+    """``model`` as a checkpoint directory the ``hf`` recipe loads (the tiny tokenizer beside)."""
     model.save_pretrained(directory, safe_serialization=True)
     shutil.copy(tiny_hf_checkpoint / "tokenizer.json", directory / "tokenizer.json")
-    return kind, directory, model
 
 
 @pytest.fixture(scope="module", params=list(KINDS))
@@ -289,6 +294,19 @@ def _carries_the_parts(kind: str, hf: Any) -> Callable[[TtnnCausalLM, Any], None
     return check
 
 
+def _check_meshes_against_one_chip(
+    kind: str, hf: Any, directory: Path, meshes: list[list[int]], build: Callable[..., Any]
+) -> None:
+    """The one-chip lane's tokens and each mesh's are transformers' where the margin is clear,
+    and each mesh's equal the one-chip lane's up to a near-tie (``_agree_where_clear``)."""
+    one = _tensor_parallel_tokens(directory, [1, 1], build)
+    _check_against_transformers(kind, hf, one, "1x1", at_least=len(PROMPTS) * STEPS // 3)
+    for mesh in meshes:
+        tokens = _tensor_parallel_tokens(directory, mesh, build)
+        _check_against_transformers(kind, hf, tokens, f"{mesh}", at_least=len(PROMPTS) * STEPS // 3)
+        assert _agree_where_clear(hf, one, tokens, f"{mesh}") >= len(PROMPTS) * STEPS // 2
+
+
 @pytest.mark.parametrize(
     ("kind", "meshes"),
     [("llama", [[1, 2], [1, 8]]), ("qwen2", [[1, 8]])],
@@ -307,14 +325,8 @@ def test_a_1x8_tensor_parallel_lane_gives_the_one_chip_tokens(
     same tokens until a step whose margin is within the bfloat16 tolerance
     (``_agree_where_clear``)."""
     hf = _hf(kind, **EIGHT_HEADS)
-    hf.save_pretrained(tmp_path, safe_serialization=True)
-    shutil.copy(tiny_hf_checkpoint / "tokenizer.json", tmp_path / "tokenizer.json")
-    one = _tensor_parallel_tokens(tmp_path, [1, 1], build)
-    _check_against_transformers(kind, hf, one, "1x1", at_least=len(PROMPTS) * STEPS // 3)
-    for mesh in meshes:
-        tokens = _tensor_parallel_tokens(tmp_path, mesh, build)
-        _check_against_transformers(kind, hf, tokens, f"{mesh}", at_least=len(PROMPTS) * STEPS // 3)
-        assert _agree_where_clear(hf, one, tokens, f"{mesh}") >= len(PROMPTS) * STEPS // 2
+    _save(hf, tmp_path, tiny_hf_checkpoint)
+    _check_meshes_against_one_chip(kind, hf, tmp_path, meshes, build)
 
 
 @pytest.mark.slow
@@ -325,8 +337,7 @@ def test_a_galaxy_as_four_1x8_lanes_gives_the_one_chip_tokens(
     over its row (half a minute on the emulator's 32 chips, on top of the 1x8 tests that
     cover the same lane: kept out of the default suite)."""
     hf = _hf("llama", **EIGHT_HEADS)
-    hf.save_pretrained(tmp_path, safe_serialization=True)
-    shutil.copy(tiny_hf_checkpoint / "tokenizer.json", tmp_path / "tokenizer.json")
+    _save(hf, tmp_path, tiny_hf_checkpoint)
     one = _tensor_parallel_tokens(tmp_path, [1, 1], build)
     tokens = _tensor_parallel_tokens(tmp_path, [4, 8], build, lanes=4)
     assert _agree_where_clear(hf, one, tokens, "4x8") >= len(PROMPTS) * STEPS // 2
@@ -350,14 +361,8 @@ def test_fewer_kv_heads_than_a_1x8_lanes_chips_are_replicated_and_give_the_one_c
     k/v biases; the tokens are the one-chip lane's until a near-tie
     (``_agree_where_clear``) and transformers' where the margin is clear."""
     hf = _hf(kind, num_attention_heads=8, num_key_value_heads=2)
-    hf.save_pretrained(tmp_path, safe_serialization=True)
-    shutil.copy(tiny_hf_checkpoint / "tokenizer.json", tmp_path / "tokenizer.json")
-    one = _tensor_parallel_tokens(tmp_path, [1, 1], build)
-    _check_against_transformers(kind, hf, one, "1x1", at_least=len(PROMPTS) * STEPS // 3)
-    for mesh in meshes:
-        tokens = _tensor_parallel_tokens(tmp_path, mesh, build)
-        _check_against_transformers(kind, hf, tokens, f"{mesh}", at_least=len(PROMPTS) * STEPS // 3)
-        assert _agree_where_clear(hf, one, tokens, f"{mesh}") >= len(PROMPTS) * STEPS // 2
+    _save(hf, tmp_path, tiny_hf_checkpoint)
+    _check_meshes_against_one_chip(kind, hf, tmp_path, meshes, build)
 
 
 @pytest.mark.slow
@@ -368,8 +373,7 @@ def test_a_galaxy_as_one_4x8_lane_gives_the_one_chip_tokens(
     heads each replicated on 4 chips, the vocabulary padded to whole tiles on every chip,
     reductions along the rows then the columns (a minute on the emulator's 32 chips)."""
     hf = _hf("llama", num_attention_heads=32, num_key_value_heads=8)
-    hf.save_pretrained(tmp_path, safe_serialization=True)
-    shutil.copy(tiny_hf_checkpoint / "tokenizer.json", tmp_path / "tokenizer.json")
+    _save(hf, tmp_path, tiny_hf_checkpoint)
     one = _tensor_parallel_tokens(tmp_path, [1, 1], build)
     tokens = _tensor_parallel_tokens(tmp_path, [4, 8], build, lanes=1)
     _check_against_transformers("llama", hf, tokens, "4x8", at_least=len(PROMPTS) * STEPS // 3)
@@ -389,10 +393,11 @@ def test_kv_heads_that_neither_split_nor_replicate_over_a_1x8_lane_are_named(
     tmp_path: Path, tiny_hf_checkpoint: Path, build: Callable[..., Any]
 ) -> None:
     """Three KV heads neither divide over 8 chips nor replicate evenly onto them."""
-    _hf("llama", hidden_size=768, num_attention_heads=24, num_key_value_heads=3).save_pretrained(
-        tmp_path, safe_serialization=True
+    _save(
+        _hf("llama", hidden_size=768, num_attention_heads=24, num_key_value_heads=3),
+        tmp_path,
+        tiny_hf_checkpoint,
     )
-    shutil.copy(tiny_hf_checkpoint / "tokenizer.json", tmp_path / "tokenizer.json")
     divisor = r"num_key_value_heads: .*or for KV heads a divisor of 8.*got 3"
     with pytest.raises(ConfigError, match=divisor):
         build("hf", overrides(tmp_path, [1, 8])).ready()
@@ -405,8 +410,7 @@ def test_a_part_the_ttnn_decoder_lacks_is_refused_at_build_naming_it(
     ttnn decoder has no realisation of it, and the build names the part."""
     config = transformers.Olmo2Config(**{**COMMON, "tie_word_embeddings": False})
     torch.manual_seed(0)
-    transformers.Olmo2ForCausalLM(config).save_pretrained(tmp_path, safe_serialization=True)
-    shutil.copy(tiny_hf_checkpoint / "tokenizer.json", tmp_path / "tokenizer.json")
+    _save(transformers.Olmo2ForCausalLM(config), tmp_path, tiny_hf_checkpoint)
     with pytest.raises(UnsupportedError, match=r"attention\.qk_norm='proj'"):
         build("hf", overrides(tmp_path, [1, 1])).ready()
 
