@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import time
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,7 @@ from llmrt.families.base import CausalLM, Family
 from llmrt.families.fused_decode import select_decode_kernel
 from llmrt.families.layers import (
     apply_weight_format,
+    int8_gemm_coverage,
     resolve_gemm_dtype,
     select_gemm_dtype,
     select_linear_kernel,
@@ -313,6 +315,8 @@ def build_model(
                 device=torch_device,
                 on_replaced=checkpoint.follow_relayout,
             )
+        if gemm_dtype == "int8":
+            gemm_why = int8_gemm_note(model, why=gemm_why)
         if torch_device.type == "cpu":
             place_weights(
                 model=model,
@@ -409,6 +413,21 @@ def ttnn_weights_cache(*, recipe: Recipe) -> Path | None:
     return (
         root / "ttnn" / f"{digest[:32]}-{recipe.device.ttnn.weight_dtype}-v{TTNN_CACHE_VERSION}"
     )
+
+
+def int8_gemm_note(model: CausalLM, *, why: str) -> str:
+    """``why`` with how many linears take ``device.gemm_dtype: int8`` at this level; a
+    warning where none does (the GEMMs stay float32: slower than asked, never less exact)."""
+    covered, total = int8_gemm_coverage(model)
+    if covered == 0:
+        warnings.warn(
+            "device.gemm_dtype=int8: no block-quantized linear of this model has an int8 GEMM "
+            "at this instruction-set level (x86 from AVX2: interleaved Q4_0/Q4_1/Q8_0 and "
+            "Q4_K/Q5_K/Q6_K); its GEMMs multiply in float32",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return f"{why}; {covered} of {total} block-quantized linears have the int8 GEMM"
 
 
 def place_weights(

@@ -327,3 +327,16 @@ def bfloat16_gemm_advantage(features: CpuFeatures) -> str | None:
     if features.vendor == "AuthenticAMD" and "avx512_bf16" in features.flags:
         return "AMD AVX-512 BF16 (twice the float32 FMA rate)"
     return None
+
+
+def int8_gemm_advantage(features: CpuFeatures) -> str | None:
+    """Why GEMMs over one-level 8-bit activations (``device.gemm_dtype: int8``) beat the
+    float32 and two-level integer GEMMs on this CPU, or None where llmrt has no such kernel
+    (before AVX2, arm64). Asked only where bfloat16 has no advantage: AMX and Zen 4 multiply
+    bfloat16 at many times the rate. ``csrc/interleaved_q8_gemm.cpp`` and
+    ``csrc/kquant_q8_gemm.cpp`` state the measured rates."""
+    if "avx2" not in features.flags:
+        return None
+    if "avx512_vnni" in features.flags or "avx_vnni" in features.flags:
+        return "one 8-bit activation level: one vpdpbusd per 4 products, not two"
+    return "one 8-bit activation level: one vpmaddubsw per 2 products, not two (AVX2)"

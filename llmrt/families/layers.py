@@ -18,6 +18,7 @@ from torch import nn
 from llmrt.device.cpu_features import (
     CpuFeatures,
     bfloat16_gemm_advantage,
+    int8_gemm_advantage,
     isa_at_least,
     read_cpu_features,
     usable_cpu_features,
@@ -39,6 +40,8 @@ from llmrt.kernels.native import (
     kernels_loaded,
     kquant_gemm_max_rows,
     load_kernels,
+    q8_gemm,
+    q8_gemm_supported,
     vector_kernels,
 )
 
@@ -284,6 +287,14 @@ class QuantizedLinear(_BlockWeightModule):
         rows = x.numel() // self.in_features
         dtype = self.gemm_input_dtype(rows)
         x = x.to(dtype)
+        if self.runs_int8_gemm(rows):
+            return q8_gemm(
+                x,
+                self.blocks,
+                kernel_type=self.ggml_type,
+                in_features=self.in_features,
+                bias=self.bias,
+            )
         if self.runs_gemm(rows):
             return self._dequantized_gemm(x, dtype)
         out: torch.Tensor = torch.ops.llmrt_kernels.gguf_linear(
@@ -316,7 +327,7 @@ class QuantizedLinear(_BlockWeightModule):
         kernel)."""
         if rows < self.gemm_min_rows:
             return False
-        if self.gemm_dtype != torch.float32 and rows >= self.gemm_dtype_min_rows:
+        if self.gemm_dtype == torch.bfloat16 and rows >= self.gemm_dtype_min_rows:
             return True
         if rows <= kquant_gemm_max_rows(self.ggml_type):
             return False  # the kernels' panel GEMM (csrc/kquant_gemm.cpp) is faster
@@ -324,11 +335,22 @@ class QuantizedLinear(_BlockWeightModule):
             return True
         return not integer_gemm_supported() and rows >= INTERLEAVED_FLOAT32_GEMM_MIN_ROWS
 
+    def runs_int8_gemm(self, rows: int) -> bool:
+        """Whether ``rows`` activation rows run the kernels' GEMM over one-level 8-bit
+        activations (``device.gemm_dtype: int8``; kinds without that kernel keep their
+        float32 path). Never below ``GEMM_MIN_ROWS``: decode-sized calls keep the decode
+        kernels' numerics."""
+        return (
+            self.gemm_dtype == torch.int8
+            and rows >= max(self.gemm_dtype_min_rows, GEMM_MIN_ROWS)
+            and q8_gemm_supported(self.ggml_type)
+        )
+
     def gemm_input_dtype(self, rows: int) -> torch.dtype:
-        """The dtype ``rows`` activation rows are multiplied in (what ``x`` is cast to)."""
-        if self.runs_gemm(rows) and rows >= self.gemm_dtype_min_rows:
-            return self.gemm_dtype
-        return torch.float32
+        """The dtype ``rows`` activation rows are multiplied in (what ``x`` is cast to;
+        float32 for the int8 GEMM, which quantizes its rows itself)."""
+        bfloat16 = self.gemm_dtype == torch.bfloat16 and rows >= self.gemm_dtype_min_rows
+        return torch.bfloat16 if bfloat16 and self.runs_gemm(rows) else torch.float32
 
     def extra_repr(self) -> str:
         return (
@@ -649,12 +671,17 @@ def select_weight_layout(
 #: ``GEMM_DTYPE_MIN_ROWS`` rows: prefill, large batches) multiply in. ``bfloat16`` rounds
 #: the activations and the dequantized weight to bfloat16 and accumulates in float32
 #: (oneDNN, AVX-512 BF16 dot products: about 2x the float32 GEMM rate on a 2-core EPYC,
-#: 400 against 200 GFLOPS, but 0.6x on an Emerald Rapids without AMX). ``auto`` is
-#: ``bfloat16`` where the CPU multiplies bfloat16 faster (``bfloat16_gemm_advantage``) and
-#: the weights are block-quantized, else ``float32``.
-GemmDtype = Literal["float32", "bfloat16"]
+#: 400 against 200 GFLOPS, but 0.6x on an Emerald Rapids without AMX). ``int8`` quantizes
+#: the activations in one 8-bit level (llama.cpp's Q8_0 / Q8_K scheme) and multiplies them
+#: with the weights' integer quants (the kernels' ``q8_gemm``; kinds without that kernel keep
+#: their float32 path): half the integer products of the two-level activations the other
+#: integer kernels take, which is what bounds a prefill on CPUs without ``vpdpbusd``.
+#: ``auto`` (block-quantized weights on a CPU) is ``bfloat16`` where the CPU multiplies
+#: bfloat16 faster (``bfloat16_gemm_advantage``), else ``int8`` on x86 from AVX2
+#: (``int8_gemm_advantage``), else ``float32``.
+GemmDtype = Literal["float32", "bfloat16", "int8"]
 GEMM_DTYPES: tuple[str, ...] = get_args(GemmDtype)
-GemmDtypeChoice = Literal["auto", "float32", "bfloat16"]
+GemmDtypeChoice = Literal["auto", "float32", "bfloat16", "int8"]
 GEMM_DTYPE_CHOICES: tuple[str, ...] = get_args(GemmDtypeChoice)
 #: ``device.gemm_dtype_min_rows``: GEMMs of fewer activation rows stay float32 whatever
 #: ``gemm_dtype`` says. Why: bfloat16 GEMMs move SmolLM2's logits by up to ~0.5, and the
@@ -671,20 +698,25 @@ def resolve_gemm_dtype(
 ) -> tuple[GemmDtype, str]:
     """The dtype ``choice`` means for a model on ``device`` (``quantized``: whether it has
     block-quantized linears), and why. ``auto``: ``bfloat16`` on a CPU that multiplies it
-    faster than float32 (``cpu``, read from ``/proc/cpuinfo`` when not given), ``float32``
-    elsewhere; block-quantized weights run on CPUs only."""
+    faster than float32 (``cpu``, read from ``/proc/cpuinfo`` when not given), else ``int8``
+    where the kernels have one-level 8-bit GEMMs (x86 from AVX2), else ``float32``;
+    block-quantized weights run on CPUs only."""
     if choice not in GEMM_DTYPE_CHOICES:
         raise ConfigError("device.gemm_dtype", choice, f"must be one of {list(GEMM_DTYPE_CHOICES)}")
     if choice != "auto":
-        return ("bfloat16" if choice == "bfloat16" else "float32"), "asked for"
+        return choice, "asked for"  # type: ignore[return-value]
     if not quantized:
         return "float32", "no block-quantized weights (float weights keep their dtype)"
     if device.type != "cpu":
         return "float32", f"block-quantized GEMMs run on the CPU, not {device.type}"
-    why = bfloat16_gemm_advantage(cpu if cpu is not None else usable_cpu_features())
-    if why is None:
-        return "float32", "this CPU multiplies bfloat16 no faster than float32"
-    return "bfloat16", why
+    features = cpu if cpu is not None else usable_cpu_features()
+    why = bfloat16_gemm_advantage(features)
+    if why is not None:
+        return "bfloat16", why
+    why = int8_gemm_advantage(features)
+    if why is not None:
+        return "int8", why
+    return "float32", "this CPU multiplies neither bfloat16 nor int8 GEMMs faster than float32"
 
 
 def select_gemm_dtype(model: CausalLM, *, choice: str, min_rows: int = GEMM_DTYPE_MIN_ROWS) -> int:
@@ -706,13 +738,21 @@ def select_gemm_dtype(model: CausalLM, *, choice: str, min_rows: int = GEMM_DTYP
             choice,
             "applies to block-quantized weights (checkpoint.weights: int8, int4 or gguf-native)",
         )
-    dtype = torch.bfloat16 if choice == "bfloat16" else torch.float32
+    dtype = {"bfloat16": torch.bfloat16, "int8": torch.int8}.get(choice, torch.float32)
     if isinstance(min_rows, bool) or not isinstance(min_rows, int) or min_rows < 1:
         raise ConfigError("device.gemm_dtype_min_rows", min_rows, "must be a positive integer")
     for linear in linears:
         linear.gemm_dtype = dtype
         linear.gemm_dtype_min_rows = min_rows
     return len(linears)
+
+
+def int8_gemm_coverage(model: CausalLM) -> tuple[int, int]:
+    """(block-quantized linears whose GEMMs the running level multiplies with int8
+    activations, all block-quantized linears) for ``model`` in its current layout; the rest
+    keep their float32 path under ``device.gemm_dtype: int8``."""
+    linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]  # type: ignore[attr-defined]
+    return sum(q8_gemm_supported(m.ggml_type) for m in linears), len(linears)
 
 
 def frozen_layer_norm(*, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> nn.LayerNorm:

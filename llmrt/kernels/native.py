@@ -30,6 +30,7 @@ import torch
 
 from llmrt.device.cpu_features import pin_torch_isa
 from llmrt.errors import ConfigError, LLMRTError
+from llmrt.kernels.formats import INTERLEAVED_TYPE
 from llmrt.lifecycle.progress import progress_step
 from llmrt.paths import default_cache_dir
 
@@ -291,6 +292,38 @@ def integer_gemm_supported() -> bool:
     if not kernels_loaded():
         return False
     return bool(torch.ops.llmrt_kernels.integer_gemm_supported())
+
+
+@functools.cache
+def q8_gemm_supported(kernel_type: int) -> bool:
+    """Whether the running level multiplies GEMMs over blocks of ``kernel_type`` (a kernel
+    type code) with activations quantized in one 8-bit level, llama.cpp's scheme
+    (``device.gemm_dtype: int8``): the interleaved Q4_0 / Q4_1 / Q8_0
+    (``csrc/interleaved_q8_gemm.cpp``) and Q4_K / Q5_K / Q6_K in the file's order
+    (``csrc/kquant_q8_gemm.cpp``), on x86 from AVX2; False for other kinds, elsewhere, or
+    where the kernels do not load."""
+    if not kernels_loaded():
+        return False
+    ops = torch.ops.llmrt_kernels
+    if kernel_type & INTERLEAVED_TYPE:
+        return bool(ops.interleaved_gemm_q8_supported(kernel_type))
+    return bool(ops.kquant_gemm_q8_supported(kernel_type))
+
+
+def q8_gemm(
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    *,
+    kernel_type: int,
+    in_features: int,
+    bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """``x W^T + b`` over ``W``'s blocks with ``x`` quantized in one 8-bit level (float32
+    in and out); only where ``q8_gemm_supported(kernel_type)``."""
+    ops = torch.ops.llmrt_kernels
+    op = ops.interleaved_gemm_q8 if kernel_type & INTERLEAVED_TYPE else ops.kquant_gemm_q8
+    out: torch.Tensor = op(x, blocks, kernel_type, in_features, bias)
+    return out
 
 
 @functools.cache

@@ -1,6 +1,7 @@
 """``device.gemm_dtype: auto`` through the container: the quantized model's GEMMs run
-bfloat16 on a CPU that multiplies it faster and float32 on one that does not, and the
-``weights.placed`` event says which and why."""
+bfloat16 on a CPU that multiplies it faster, int8 on an x86 CPU from AVX2 that does not, and
+float32 elsewhere, and the ``weights.placed`` event says which and why; ``int8`` asked for
+really runs the one-level 8-bit GEMM on a long prompt."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from llmrt.families.layers import QuantizedLinear
 TINY = ["kv_cache.num_blocks=32", "warmup.prefill_seq_lens=[32]"]
 ZEN4 = CpuFeatures(vendor="AuthenticAMD", flags=frozenset({"avx512_bf16"}))
 INTEL_NO_AMX = CpuFeatures(vendor="GenuineIntel", flags=frozenset({"avx512_bf16"}))
+ZEN3 = CpuFeatures(vendor="AuthenticAMD", flags=frozenset({"avx", "avx2", "fma", "f16c"}))
 
 
 def quantized_linears(runtime: Any) -> list[QuantizedLinear]:
@@ -30,7 +32,9 @@ def placed_gemm_dtypes(log: Path) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    ("cpu", "dtype"), [(ZEN4, "bfloat16"), (INTEL_NO_AMX, "float32")], ids=["amd", "intel"]
+    ("cpu", "dtype"),
+    [(ZEN4, "bfloat16"), (ZEN3, "int8"), (INTEL_NO_AMX, "float32")],
+    ids=["zen4", "avx2", "no-avx2"],
 )
 def test_auto_follows_the_cpu(
     build: Any, lifecycle_log: Path, monkeypatch: pytest.MonkeyPatch, cpu: CpuFeatures, dtype: str
@@ -50,3 +54,37 @@ def test_auto_on_float_weights_is_float32_not_an_error(build: Any, lifecycle_log
     assert quantized_linears(runtime) == []
     (logged,) = placed_gemm_dtypes(lifecycle_log)
     assert logged.startswith("float32 (no block-quantized weights")
+
+
+def test_int8_runs_the_one_level_gemm_on_a_long_prompt(
+    build: Any, lifecycle_log: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import llmrt.families.layers as layers
+
+    runtime = build(
+        "tiny-llama",
+        overrides=[
+            "kv_cache.num_blocks=64",
+            "warmup.prefill_seq_lens=[32]",
+            "checkpoint.weights=int4",
+            "device.gemm_dtype=int8",
+        ],
+    ).ready()
+    covered, total = layers.int8_gemm_coverage(runtime.container.lanes()[0].model())
+    (logged,) = placed_gemm_dtypes(lifecycle_log)
+    assert logged.startswith("int8 (asked for") and f"{covered} of {total}" in logged
+    if covered == 0:
+        pytest.skip("no int8 GEMM at this instruction-set level")
+    calls: list[int] = []
+    original = layers.q8_gemm
+    monkeypatch.setattr(
+        layers,
+        "q8_gemm",
+        lambda x, *a, **kw: calls.append(x.numel() // x.shape[-1]) or original(x, *a, **kw),
+    )
+    long, short = list(range(3, 3 + 140)), [5, 6, 7]
+    out = runtime.generate([long, short], steps=2)
+    assert len(out.tokens[0]) == len(out.tokens[1]) == 2
+    # Only the long prompt's GEMMs (>= 128 rows) took it; the 3-token prompt and the decode
+    # steps kept the decode kernels.
+    assert len(calls) >= covered and min(calls) >= 128

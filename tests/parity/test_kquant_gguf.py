@@ -252,7 +252,37 @@ def test_llama_quantize_mixes_run_as_transformers_does(requantized: Path) -> Non
     assert worst <= LOGIT_BOUND, f"max |logit error| {worst:.3g}"
 
 
+#: Stated bound for ``device.gemm_dtype: int8`` on the requantized mixes (prompt GEMMs over
+#: one-level 8-bit activations); ``test_smollm2_quantized`` states the same for Q4_1.
+INT8_GEMM_LOGIT_BOUND = 0.5
+
+
+def test_llama_quantize_mixes_keep_the_greedy_tokens_with_int8_gemms(requantized: Path) -> None:
+    from llmrt.families.layers import int8_gemm_coverage, select_gemm_dtype
+
+    model = build(requantized)
+    covered, _ = int8_gemm_coverage(model)
+    if covered == 0:
+        pytest.skip("no int8 GEMM for this mix at this instruction-set level")
+    harness = Harness(hf_model=hf_model_of(requantized), model=model, vocab_size=49152, seed=0)
+    tokenizer = load_checkpoint(format="gguf", path=str(requantized), keep_quantized=True).tokenizer
+    assert tokenizer is not None
+    prompts = [tokenizer.encode(text) for text in PARITY_TEXTS]
+    select_gemm_dtype(model, choice="int8", min_rows=16)
+    runs = harness.greedy(prompts, steps=16)
+    worst = 0.0
+    for prompt, run in zip(prompts, runs, strict=True):
+        ref = harness.reference(prompt, steps=16)
+        assert run.tokens == ref.tokens, tokenizer.decode(prompt)
+        worst = max(worst, (run.logits - ref.logits).abs().max().item())
+    # Above the two-level kernels' bound: the one-level GEMM really ran.
+    assert LOGIT_BOUND < worst <= INT8_GEMM_LOGIT_BOUND, f"max |logit error| {worst:.3g}"
+
+
 for _mark in (*NEEDS_SMOLLM2, pytest.mark.slow):
     test_llama_quantize_mixes_run_as_transformers_does = _mark(
         test_llama_quantize_mixes_run_as_transformers_does
+    )
+    test_llama_quantize_mixes_keep_the_greedy_tokens_with_int8_gemms = _mark(
+        test_llama_quantize_mixes_keep_the_greedy_tokens_with_int8_gemms
     )

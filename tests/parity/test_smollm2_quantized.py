@@ -134,3 +134,36 @@ def test_float16_kv_cache_keeps_the_greedy_tokens(harness: Harness) -> None:
         assert run.tokens == ref.tokens, tokenizer.decode(prompt)
         worst = max(worst, (run.logits - ref.logits).abs().max().item())
     assert worst <= FLOAT16_KV_LOGIT_BOUND, f"max |logit error| {worst:.3g}"
+
+
+#: Stated bound for ``device.gemm_dtype: int8`` (prefill GEMMs over one-level 8-bit
+#: activations, llama.cpp's scheme) on the parity prompts; see the test for what it measured.
+INT8_GEMM_LOGIT_BOUND = 0.5
+
+
+def test_int8_gemms_keep_the_greedy_tokens(harness: Harness) -> None:
+    from llmrt.families.layers import int8_gemm_coverage, select_gemm_dtype
+
+    if harness.layout != "interleaved":  # type: ignore[attr-defined]
+        pytest.skip("the int8 GEMM multiplies the interleaved Q4 blocks (and K-quants)")
+    covered, total = int8_gemm_coverage(harness.model)
+    if covered == 0:
+        pytest.skip("no int8 GEMM at this instruction-set level")
+    assert covered == total  # every Q4_1 linear and the interleaved Q8_0 head
+    tokenizer = harness.tokenizer  # type: ignore[attr-defined]
+    prompts = [tokenizer.encode(text) for text in PARITY_TEXTS]
+    assert len(prompts[0]) >= 16  # the chat prompt's prefill runs the int8 GEMM
+    select_gemm_dtype(harness.model, choice="int8", min_rows=16)
+    try:
+        runs = harness.greedy(prompts, steps=STEPS)
+    finally:
+        select_gemm_dtype(harness.model, choice="float32")
+    worst = 0.0
+    for prompt, run in zip(prompts, runs, strict=True):
+        ref = harness.reference(prompt, steps=STEPS)
+        assert run.tokens == ref.tokens, tokenizer.decode(prompt)
+        worst = max(worst, (run.logits - ref.logits).abs().max().item())
+    # More than the two-level kernels' 2e-2: one 8-bit level really ran.
+    assert LOGIT_BOUND["interleaved"] < worst <= INT8_GEMM_LOGIT_BOUND, (
+        f"max |logit error| {worst:.3g}"
+    )

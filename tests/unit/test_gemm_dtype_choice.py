@@ -1,6 +1,7 @@
 """``device.gemm_dtype: auto``: bfloat16 GEMMs only where the CPU multiplies bfloat16 faster
-than float32 (AMX-BF16, or AMD with AVX-512 BF16), float32 elsewhere and for float weights;
-the CPU is read from ``/proc/cpuinfo``."""
+than float32 (AMX-BF16, or AMD with AVX-512 BF16), else int8 (one-level 8-bit activations)
+on x86 from AVX2, float32 elsewhere and for float weights; the CPU is read from
+``/proc/cpuinfo``."""
 
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ CPU = torch.device("cpu")
 ZEN4 = CpuFeatures(vendor="AuthenticAMD", flags=frozenset({"avx512f", "avx512_bf16"}))
 ZEN3 = CpuFeatures(vendor="AuthenticAMD", flags=frozenset({"avx2", "fma"}))
 EMERALD_RAPIDS_VM = CpuFeatures(
-    vendor="GenuineIntel", flags=frozenset({"avx512f", "avx512_bf16", "avx512_vnni"})
+    vendor="GenuineIntel", flags=frozenset({"avx2", "avx512f", "avx512_bf16", "avx512_vnni"})
 )
+GRAVITON3 = CpuFeatures(vendor="", flags=frozenset({"asimd", "asimddp", "i8mm", "bf16"}))
 SAPPHIRE_RAPIDS_AMX = CpuFeatures(
     vendor="GenuineIntel", flags=frozenset({"avx512f", "avx512_bf16", "amx_tile", "amx_bf16"})
 )
@@ -56,13 +58,14 @@ def test_an_unreadable_cpuinfo_reads_as_nothing_known(tmp_path: Path) -> None:
     [
         (ZEN4, "bfloat16"),
         (SAPPHIRE_RAPIDS_AMX, "bfloat16"),
-        (EMERALD_RAPIDS_VM, "float32"),  # AVX-512 BF16 without AMX: 0.6x float32's rate
-        (ZEN3, "float32"),
+        (EMERALD_RAPIDS_VM, "int8"),  # AVX-512 BF16 without AMX: 0.6x float32's rate
+        (ZEN3, "int8"),
+        (GRAVITON3, "float32"),  # no int8 GEMM on arm64
         (CpuFeatures(), "float32"),
     ],
-    ids=["zen4", "amx", "intel-no-amx", "no-bf16", "unknown"],
+    ids=["zen4", "amx", "intel-no-amx", "avx2", "arm64", "unknown"],
 )
-def test_auto_picks_bfloat16_where_the_cpu_multiplies_it_faster(
+def test_auto_picks_the_fastest_gemm_dtype_this_cpu_has(
     cpu: CpuFeatures, expected: str
 ) -> None:
     dtype, why = resolve_gemm_dtype("auto", device=CPU, quantized=True, cpu=cpu)
@@ -76,9 +79,9 @@ def test_auto_is_float32_without_block_quantized_weights_or_off_the_cpu() -> Non
     assert resolve_gemm_dtype("auto", device=cuda, quantized=True, cpu=ZEN4)[0] == "float32"
 
 
-@pytest.mark.parametrize("choice", ["float32", "bfloat16"])
+@pytest.mark.parametrize("choice", ["float32", "bfloat16", "int8"])
 def test_an_explicit_choice_stands_on_any_cpu(choice: str) -> None:
-    for cpu in (ZEN4, EMERALD_RAPIDS_VM):
+    for cpu in (ZEN4, EMERALD_RAPIDS_VM, GRAVITON3):
         assert resolve_gemm_dtype(choice, device=CPU, quantized=True, cpu=cpu)[0] == choice
 
 
