@@ -45,6 +45,7 @@ _SOURCES = (
     _CSRC / "interleaved_neon.cpp",
     _CSRC / "interleaved_avxvnni.cpp",
     _CSRC / "interleaved_gemm.cpp",
+    _CSRC / "interleaved_q8_gemm.cpp",
     _CSRC / "decode_layer.cpp",
     _CSRC / "activation.cpp",
     _CSRC / "prefill_attention.cpp",
