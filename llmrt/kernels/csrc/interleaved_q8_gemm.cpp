@@ -15,7 +15,7 @@
 // summed over the blocks in order in float32.
 //
 // The loops (the weight's panels are packed per call, rows prepared once per row chunk):
-// - AVX2: a panel is 8 * kVecs2 output columns; per 32-weight block its unsigned quant bytes
+// - AVX2: a panel is 8 * kVecs2 (Q8_0: 8 * kVecs2Q8) output columns; per 32-weight block its unsigned quant bytes
 //   are ordered [k/4 step][column][4 k] (one 32-byte vector = 8 columns x 4 k), then d_w and
 //   m_w as floats. vpmaddubsw multiplies a vector by a row's four broadcast int8s; a 4-bit
 //   weight's pair sums (<= 2 * 15 * 127) add up in int16 over the block's 8 steps (<= 30480),
@@ -66,12 +66,30 @@ struct PanelShape {
   int64_t block_bytes() const { return quant_bytes() + 8 * cols(); }
 };
 
-[[maybe_unused]] constexpr int kVecs2 = 2;
-[[maybe_unused]] constexpr int kRows2 = 3;
+// AVX2 tiles (vectors x rows; 16 ymm registers): 4-bit kinds 2 x 3 (6 int16 sums, 6 float
+// sums), Q8_0 1 x 3 (both planes' int16 sums: 6, and 3 float sums). Measured in-process at
+// 512 rows on Llama-3.2-1B's shapes, 2 threads, forced avx2: Q8_0 1 x 3 at 58-65 GMAC/s/core
+// against 52-59 at 1 x 2, 53-59 at 1 x 4, 46-47 at 2 x 1 and 36-43 at 2 x 2; Q4_0 2 x 3 ahead
+// of 1 x 4, 1 x 6 and 2 x 2 by 3-10%. (LLMRT_Q8_TILES: a standalone build's other shapes.)
+#if !defined(LLMRT_Q8_TILES)
+#define LLMRT_Q8_VECS2 2
+#define LLMRT_Q8_ROWS2 3
+#define LLMRT_Q8_ROWS2_Q8 3
+#define LLMRT_Q8_VECS2_Q8 1
+#endif
+[[maybe_unused]] constexpr int kVecs2 = LLMRT_Q8_VECS2;
+[[maybe_unused]] constexpr int kRows2 = LLMRT_Q8_ROWS2;
+[[maybe_unused]] constexpr int kRows2Q8 = LLMRT_Q8_ROWS2_Q8;
+[[maybe_unused]] constexpr int kVecs2Q8 = LLMRT_Q8_VECS2_Q8;
 [[maybe_unused]] constexpr int kVecsV = 2;
 [[maybe_unused]] constexpr int kRowsV = 6;
-// Prepared activation bytes a row chunk keeps under (stays in L2 while panels pass over it).
-[[maybe_unused]] constexpr int64_t kChunkBytes = 512 << 10;
+// Prepared activation bytes per row chunk (each chunk packs every panel again): 1B's
+// 8192-deep down projection at 512 rows, one thread, 174 GMAC/s at 512 KiB, 207-220 from
+// 2 MiB (AVX-512 VNNI); 101 against 111-114 (avx2). The rows stream past a panel held in L2.
+#if !defined(LLMRT_Q8_CHUNK)
+#define LLMRT_Q8_CHUNK (8 << 20)
+#endif
+[[maybe_unused]] constexpr int64_t kChunkBytes = LLMRT_Q8_CHUNK;
 
 #if defined(LLMRT_X86)
 // Rows [r0, r1) of x (k floats each) quantized into ``out`` (q8_stride(k) bytes per row).
@@ -201,11 +219,11 @@ LLMRT_AVX2 inline __m256i bcast4_epi8(const int8_t* p) {
 }
 
 // Rows [0, R) of the prepared chunk (``px``, ``stride`` bytes per row) against one AVX2 panel
-// into y (row stride ``ldy``; kVecs2 * 8 columns). PLANES 2: Q8_0's nibble planes.
-template <int R, int PLANES>
+// of V vectors into y (row stride ``ldy``). PLANES 2: Q8_0's nibble planes (high, then low),
+// both summed in the same pass over the steps.
+template <int R, int V, int PLANES>
 LLMRT_AVX2 void tile_avx2(const uint8_t* px, int64_t stride, int64_t k, int64_t nb,
                           const uint8_t* panel, const PanelShape& shape, float* y, int64_t ldy) {
-  constexpr int V = kVecs2;
   const int64_t bbytes = shape.block_bytes(), qbytes = shape.quant_bytes();
   const __m256i ones = _mm256_set1_epi16(1), sixteen = _mm256_set1_epi16(16);
   __m256 f[R][V];
@@ -214,31 +232,26 @@ LLMRT_AVX2 void tile_avx2(const uint8_t* px, int64_t stride, int64_t k, int64_t 
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* o = panel + b * bbytes;
     const int8_t* xb = reinterpret_cast<const int8_t*>(px) + b * kBlock;
-    __m256i iv[R][V];
-#pragma GCC unroll 1
-    for (int plane = 0; plane < PLANES; ++plane) {
-      __m256i t[R][V];
+    __m256i t[PLANES][R][V];
+    for (int p = 0; p < PLANES; ++p)
       for (int r = 0; r < R; ++r)
-        for (int v = 0; v < V; ++v) t[r][v] = _mm256_setzero_si256();
-      const uint8_t* op = o + plane * 8 * V * 32;
-      for (int s = 0; s < 8; ++s) {
-        __m256i wv[V];
+        for (int v = 0; v < V; ++v) t[p][r][v] = _mm256_setzero_si256();
+    for (int s = 0; s < 8; ++s) {
+      __m256i wv[PLANES][V];
+      for (int p = 0; p < PLANES; ++p)
         for (int v = 0; v < V; ++v)
-          wv[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(op + (s * V + v) * 32));
-        for (int r = 0; r < R; ++r) {
-          const __m256i xv = bcast4_epi8(xb + r * stride + 4 * s);
+          wv[p][v] = _mm256_loadu_si256(
+              reinterpret_cast<const __m256i*>(o + ((p * 8 + s) * V + v) * 32));
+      for (int r = 0; r < R; ++r) {
+        const __m256i xv = bcast4_epi8(xb + r * stride + 4 * s);
+        for (int p = 0; p < PLANES; ++p)
           for (int v = 0; v < V; ++v) {
-            t[r][v] = _mm256_add_epi16(t[r][v], _mm256_maddubs_epi16(wv[v], xv));
-            asm("" : "+x"(t[r][v]));
+            t[p][r][v] = _mm256_add_epi16(t[p][r][v], _mm256_maddubs_epi16(wv[p][v], xv));
+            // Keep each sum a chain (gcc otherwise computes every step's products first and
+            // spills them).
+            asm("" : "+x"(t[p][r][v]));
           }
-        }
       }
-      const __m256i weight = PLANES == 2 && plane == 0 ? sixteen : ones;
-      for (int r = 0; r < R; ++r)
-        for (int v = 0; v < V; ++v) {
-          const __m256i wide = _mm256_madd_epi16(t[r][v], weight);
-          iv[r][v] = plane == 0 ? wide : _mm256_add_epi32(iv[r][v], wide);
-        }
     }
     const float* dm = reinterpret_cast<const float*>(o + qbytes);
     for (int r = 0; r < R; ++r) {
@@ -246,7 +259,9 @@ LLMRT_AVX2 void tile_avx2(const uint8_t* px, int64_t stride, int64_t k, int64_t 
       const __m256 dx = _mm256_set1_ps(sc[b]);
       const __m256 sx = _mm256_set1_ps(sc[nb + b]);
       for (int v = 0; v < V; ++v) {
-        f[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iv[r][v]),
+        __m256i iv = _mm256_madd_epi16(t[0][r][v], PLANES == 2 ? sixteen : ones);
+        if constexpr (PLANES == 2) iv = _mm256_add_epi32(iv, _mm256_madd_epi16(t[1][r][v], ones));
+        f[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(iv),
                                   _mm256_mul_ps(_mm256_loadu_ps(dm + 8 * v), dx), f[r][v]);
         f[r][v] = _mm256_fmadd_ps(_mm256_loadu_ps(dm + shape.cols() + 8 * v), sx, f[r][v]);
       }
@@ -256,16 +271,73 @@ LLMRT_AVX2 void tile_avx2(const uint8_t* px, int64_t stride, int64_t k, int64_t 
     for (int v = 0; v < V; ++v) _mm256_storeu_ps(y + r * ldy + 8 * v, f[r][v]);
 }
 
-template <int PLANES>
+// Rows [0, rows) (rows <= R) in one tile of that height.
+template <int R, int V, int PLANES>
 void rows_avx2(int64_t rows, const uint8_t* px, int64_t stride, int64_t k, int64_t nb,
                const uint8_t* panel, const PanelShape& shape, float* y, int64_t ldy) {
-  switch (rows) {
-    case 3: tile_avx2<3, PLANES>(px, stride, k, nb, panel, shape, y, ldy); break;
-    case 2: tile_avx2<2, PLANES>(px, stride, k, nb, panel, shape, y, ldy); break;
-    default: tile_avx2<1, PLANES>(px, stride, k, nb, panel, shape, y, ldy); break;
+  if constexpr (R > 1) {
+    if (rows < R) {
+      rows_avx2<R - 1, V, PLANES>(rows, px, stride, k, nb, panel, shape, y, ldy);
+      return;
+    }
   }
+  tile_avx2<R, V, PLANES>(px, stride, k, nb, panel, shape, y, ldy);
 }
-static_assert(kRows2 == 3, "rows_avx2's cases cover 1..kRows2");
+
+// tile_avx2 at the avx_vnni level: AVX-VNNI's vpdpbusd sums a step's u8 x s8 products into
+// int32 (one instruction where AVX2 takes vpmaddubsw + vpaddw; Q8_0's stored bytes in one plane).
+template <int R, int V>
+LLMRT_AVX_VNNI void tile_avx_vnni(const uint8_t* px, int64_t stride, int64_t k, int64_t nb,
+                                  const uint8_t* panel, const PanelShape& shape, float* y,
+                                  int64_t ldy) {
+  const int64_t bbytes = shape.block_bytes(), qbytes = shape.quant_bytes();
+  __m256 f[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) f[r][v] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* o = panel + b * bbytes;
+    const int8_t* xb = reinterpret_cast<const int8_t*>(px) + b * kBlock;
+    __m256i acc[R][V];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm256_setzero_si256();
+    for (int s = 0; s < 8; ++s) {
+      __m256i wv[V];
+      for (int v = 0; v < V; ++v)
+        wv[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(o + (s * V + v) * 32));
+      for (int r = 0; r < R; ++r) {
+        int32_t four;
+        std::memcpy(&four, xb + r * stride + 4 * s, 4);
+        const __m256i xv = _mm256_set1_epi32(four);
+        for (int v = 0; v < V; ++v) acc[r][v] = _mm256_dpbusd_avx_epi32(acc[r][v], wv[v], xv);
+      }
+    }
+    const float* dm = reinterpret_cast<const float*>(o + qbytes);
+    for (int r = 0; r < R; ++r) {
+      const float* sc = reinterpret_cast<const float*>(px + r * stride + k);
+      const __m256 dx = _mm256_set1_ps(sc[b]);
+      const __m256 sx = _mm256_set1_ps(sc[nb + b]);
+      for (int v = 0; v < V; ++v) {
+        f[r][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[r][v]),
+                                  _mm256_mul_ps(_mm256_loadu_ps(dm + 8 * v), dx), f[r][v]);
+        f[r][v] = _mm256_fmadd_ps(_mm256_loadu_ps(dm + shape.cols() + 8 * v), sx, f[r][v]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) _mm256_storeu_ps(y + r * ldy + 8 * v, f[r][v]);
+}
+
+template <int R>
+void rows_avx_vnni(int64_t rows, const uint8_t* px, int64_t stride, int64_t k, int64_t nb,
+                   const uint8_t* panel, const PanelShape& shape, float* y, int64_t ldy) {
+  if constexpr (R > 1) {
+    if (rows < R) {
+      rows_avx_vnni<R - 1>(rows, px, stride, k, nb, panel, shape, y, ldy);
+      return;
+    }
+  }
+  tile_avx_vnni<R, kVecs2>(px, stride, k, nb, panel, shape, y, ldy);
+}
 
 // tile_avx2 at AVX-512 VNNI: 64-byte vectors (16 columns), vpdpbusd into int32 per block.
 template <int R>
@@ -322,25 +394,31 @@ void rows_vnni(int64_t rows, const uint8_t* px, int64_t stride, int64_t k, int64
 static_assert(kRowsV == 6, "rows_vnni's cases cover 1..kRowsV");
 
 // The running level's panel shape and tile rows for ``base``.
+enum class Loop { kAvx2, kAvxVnni, kAvx512Vnni };
+
 struct Plan {
   PanelShape shape;
   int64_t tile_rows;
-  bool vnni;
+  Loop loop;
 };
 
 Plan plan_for(int64_t base) {
-  if (llmrt_kernels::has_avx512_vnni()) return {{64, kVecsV, 1}, kRowsV, true};
-  return {{32, kVecs2, base == kQ8_0 ? 2 : 1}, kRows2, false};
+  if (llmrt_kernels::has_avx512_vnni()) return {{64, kVecsV, 1}, kRowsV, Loop::kAvx512Vnni};
+  if (llmrt_kernels::has_avx_vnni()) return {{32, kVecs2, 1}, kRows2, Loop::kAvxVnni};
+  if (base == kQ8_0) return {{32, kVecs2Q8, 2}, kRows2Q8, Loop::kAvx2};
+  return {{32, kVecs2, 1}, kRows2, Loop::kAvx2};
 }
 
 void run_rows(const Plan& plan, int64_t rows, const uint8_t* px, int64_t stride, int64_t k,
               int64_t nb, const uint8_t* panel, float* y, int64_t ldy) {
-  if (plan.vnni)
+  if (plan.loop == Loop::kAvx512Vnni)
     rows_vnni(rows, px, stride, k, nb, panel, plan.shape, y, ldy);
+  else if (plan.loop == Loop::kAvxVnni)
+    rows_avx_vnni<kRows2>(rows, px, stride, k, nb, panel, plan.shape, y, ldy);
   else if (plan.shape.planes == 2)
-    rows_avx2<2>(rows, px, stride, k, nb, panel, plan.shape, y, ldy);
+    rows_avx2<kRows2Q8, kVecs2Q8, 2>(rows, px, stride, k, nb, panel, plan.shape, y, ldy);
   else
-    rows_avx2<1>(rows, px, stride, k, nb, panel, plan.shape, y, ldy);
+    rows_avx2<kRows2, kVecs2, 1>(rows, px, stride, k, nb, panel, plan.shape, y, ldy);
 }
 
 uint8_t* panel_buffer(int64_t bytes) {
