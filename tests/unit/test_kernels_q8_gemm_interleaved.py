@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import torch
 from test_kernels_gguf_blocks import KINDS, random_weight, reference
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from llmrt.device.cpu_features import (
     ISA_VARIABLE,
@@ -28,7 +29,7 @@ from llmrt.device.cpu_features import (
     read_cpu_features,
 )
 from llmrt.kernels.formats import QuantizedWeight
-from llmrt.kernels.native import load_kernels
+from llmrt.kernels.native import interleaved_gemm_q8_supported, load_kernels
 
 load_kernels()
 
@@ -125,6 +126,15 @@ def test_leading_dims_and_strided_x(kind: str) -> None:
     assert torch.equal(got, gemm(x.contiguous().reshape(21, 416), weight, None).reshape(3, 7, 70))
 
 
+def test_the_fake_gives_the_output_shape() -> None:
+    inter = random_weight("q4_0", rows=70, cols=416, seed=5).interleaved()
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        out = torch.ops.llmrt_kernels.interleaved_gemm_q8(
+            torch.empty(3, 7, 416), inter.blocks, inter.kernel_type, 416, None
+        )
+    assert out.shape == (3, 7, 70) and out.dtype == torch.float32
+
+
 @needs_kernel
 def test_rows_are_independent_of_their_neighbours() -> None:
     weight = random_weight("q4_0", rows=100, cols=416, seed=9)
@@ -138,6 +148,7 @@ def test_supported_at_avx2_and_above_for_interleaved_kinds_only() -> None:
     for kind in KINDS:
         inter = random_weight(kind, rows=2, cols=64, seed=1).interleaved()
         assert torch.ops.llmrt_kernels.interleaved_gemm_q8_supported(inter.kernel_type) == SUPPORTED
+        assert interleaved_gemm_q8_supported(inter.kernel_type) == SUPPORTED
         plain = random_weight(kind, rows=2, cols=64, seed=1)
         assert not torch.ops.llmrt_kernels.interleaved_gemm_q8_supported(plain.kernel_type)
 
@@ -172,7 +183,7 @@ def test_a_level_without_the_kernel_refuses_the_call() -> None:
 _CHILD = """
 import sys, torch
 from test_kernels_gguf_blocks import random_weight
-from llmrt.kernels.native import load_kernels
+from llmrt.kernels.native import interleaved_gemm_q8_supported, load_kernels
 load_kernels()
 out = {}
 for kind in ("q4_0", "q4_1", "q8_0"):
