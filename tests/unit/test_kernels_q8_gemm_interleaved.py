@@ -36,9 +36,9 @@ load_kernels()
 SUPPORTED = isa_at_least("avx2")
 needs_kernel = pytest.mark.skipif(not SUPPORTED, reason="the one-level GEMM needs x86 AVX2")
 
-#: (k, n): 3, 13 and 25 blocks (partial interleaved groups; none a multiple of 256), and
+#: (k, n): 3, 13, 25 and 16 blocks (partial interleaved groups; 512 the one multiple of 256), and
 #: outputs that are no multiple of any panel width (8, 16, 32).
-SHAPES = [(96, 40), (416, 72), (800, 52)]
+SHAPES = [(96, 40), (416, 72), (800, 52), (512, 33)]
 ROWS = [1, 5, 17, 130, 512]
 
 
