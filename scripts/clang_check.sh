@@ -22,6 +22,7 @@ if [[ -x .venv/bin/python && -z "${PYTHON:-}" ]]; then PY=.venv/bin/python; fi
 "$PY" -m llmrt.kernels.native
 "$PY" -m pytest -q -p no:cacheprovider \
   tests/unit/test_kernels_gguf_blocks.py tests/unit/test_kernels_interleaved.py \
+  tests/unit/test_kernels_q8_gemm_interleaved.py \
   tests/unit/test_kernels_kquants.py tests/unit/test_kernels_activation.py \
   tests/unit/test_kernels_rope.py tests/unit/test_kernels_causal_attention.py \
   tests/unit/test_kernels_isa.py tests/unit/test_kernels_threads.py \
@@ -34,4 +35,5 @@ export LLMRT_KERNELS_OPENMP=0
 "$PY" -m pytest -q -p no:cacheprovider \
   tests/unit/test_kernels_threads.py tests/unit/test_kernels_gguf_blocks.py \
   tests/unit/test_kernels_interleaved.py tests/unit/test_kernels_kquants.py \
+  tests/unit/test_kernels_q8_gemm_interleaved.py \
   tests/unit/test_kernels_causal_attention.py tests/parity/test_fused_decode.py

@@ -29,6 +29,7 @@ TESTS = Path(__file__).resolve().parents[1]
 MODULES = (
     TESTS / "unit" / "test_kernels_gguf_blocks.py",
     TESTS / "unit" / "test_kernels_interleaved.py",
+    TESTS / "unit" / "test_kernels_q8_gemm_interleaved.py",
     TESTS / "unit" / "test_kernels_kquants.py",
     TESTS / "unit" / "test_kernels_activation.py",
     TESTS / "unit" / "test_families_norm.py",
