@@ -56,12 +56,13 @@ using llmrt_kernels::kQ5_K;
 using llmrt_kernels::kQ6_K;
 using llmrt_kernels::kQK;
 
-// One row's 256 activation values: int8 quants, int16 sums per 16, the float scale d.
+// One row's 256 activation values: int8 quants, int16 sums per 16 and per 32, the scale d.
 struct Q8Block {
   int8_t q[256];
   int16_t s[16];
+  int16_t s32[8];
   float d;
-  float pad[7];
+  float pad[3];
 };
 static_assert(sizeof(Q8Block) == 320, "Q8Block");
 
@@ -72,10 +73,15 @@ constexpr int kCols = 8;
 
 // A panel's bytes per super-block: 8 groups x 8 steps x 32 bytes of quants, the int16
 // sub-block scale vectors (lanes 2c, 2c + 1: column c's scale; one per 32 weights for Q4_K /
-// Q5_K, per 16 for Q6_K), 8 int16 min vectors (lanes 2c, 2c + 1: column c's factors of the
-// sums s[2g], s[2g + 1]), then float d[8] and f[8].
+// Q5_K, per 16 for Q6_K), the int16 min vectors (lanes 2c, 2c + 1: column c's factors of the
+// row's sums: Q4_K / Q5_K the mins of groups 2i, 2i + 1 against s32[2i], s32[2i + 1], four
+// vectors; Q6_K the scales of 16-value parts 2i, 2i + 1 against s[2i], s[2i + 1], eight), then
+// float d[8] and f[8].
 constexpr int64_t scale_vectors(int64_t kind) { return kind == kQ6_K ? 16 : 8; }
-constexpr int64_t sb_bytes(int64_t kind) { return 2048 + 32 * scale_vectors(kind) + 256 + 64; }
+constexpr int64_t min_vectors(int64_t kind) { return kind == kQ6_K ? 8 : 4; }
+constexpr int64_t sb_bytes(int64_t kind) {
+  return 2048 + 32 * scale_vectors(kind) + 32 * min_vectors(kind) + 64;
+}
 
 bool supported(int64_t kind) {
   if (kind != kQ4_K && kind != kQ5_K && kind != kQ6_K) return false;
@@ -127,6 +133,7 @@ LLMRT_AVX2 void quantize_rows_avx2(const float* x, int64_t r0, int64_t r1, int64
         for (int t = 0; t < 16; ++t) sum += o.q[16 * j + t];
         o.s[j] = static_cast<int16_t>(sum);
       }
+      for (int j = 0; j < 8; ++j) o.s32[j] = static_cast<int16_t>(o.s[2 * j] + o.s[2 * j + 1]);
     }
   }
 }
@@ -177,19 +184,15 @@ LLMRT_AVX2 void pack_panel(const uint8_t* w, int64_t rb, int64_t k, int64_t n0, 
     }
     int16_t* scv = reinterpret_cast<int16_t*>(o + 2048);
     int16_t* mnv = reinterpret_cast<int16_t*>(o + 2048 + 32 * nsv);
-    float* fl = reinterpret_cast<float*>(o + 2048 + 32 * nsv + 256);
+    float* fl = reinterpret_cast<float*>(o + 2048 + 32 * nsv + 32 * min_vectors(KIND));
     for (int c = 0; c < kCols; ++c) {
       int16_t sc[16] = {}, mn[16] = {};
       float d = 0.0f, f = 0.0f;
       if (c < cols) block_scales<KIND>(src[c], sc, mn, &d, &f);
       for (int j = 0; j < nsv; ++j) scv[16 * j + 2 * c] = scv[16 * j + 2 * c + 1] = sc[j];
-      for (int g = 0; g < 8; ++g) {
-        if constexpr (KIND == kQ6_K) {
-          mnv[16 * g + 2 * c] = mn[2 * g];
-          mnv[16 * g + 2 * c + 1] = mn[2 * g + 1];
-        } else {
-          mnv[16 * g + 2 * c] = mnv[16 * g + 2 * c + 1] = mn[g];
-        }
+      for (int i = 0; i < min_vectors(KIND); ++i) {
+        mnv[16 * i + 2 * c] = mn[2 * i];
+        mnv[16 * i + 2 * c + 1] = mn[2 * i + 1];
       }
       fl[c] = d;
       fl[kCols + c] = f;
@@ -215,16 +218,19 @@ LLMRT_AVX2 inline void store_row(float* y, __m256 v, int64_t cols) {
 }
 
 // The float step of one super-block: acc += dx * (d * isum - f * msum) per column, with msum
-// the mins' vpmaddwd over the row's 16-value sums.
-template <int RT>
+// the mins' vpmaddwd over the row's 16- (Q6_K) or 32-value sums.
+template <int64_t KIND, int RT>
 LLMRT_AVX2 inline void finish_block(const Q8Block* const* xb, const uint8_t* mins,
                                     const float* fl, const __m256i* isum, __m256* acc) {
   __m256i ms[RT];
   for (int r = 0; r < RT; ++r) ms[r] = _mm256_setzero_si256();
-  for (int g = 0; g < 8; ++g) {
-    const __m256i mv = _mm256_load_si256(reinterpret_cast<const __m256i*>(mins + 32 * g));
-    for (int r = 0; r < RT; ++r)
-      ms[r] = _mm256_add_epi32(ms[r], _mm256_madd_epi16(mv, bcast4(xb[r]->s + 2 * g)));
+  for (int i = 0; i < min_vectors(KIND); ++i) {
+    const __m256i mv = _mm256_load_si256(reinterpret_cast<const __m256i*>(mins + 32 * i));
+    for (int r = 0; r < RT; ++r) {
+      const int16_t* sums = KIND == kQ6_K ? xb[r]->s : xb[r]->s32;
+      ms[r] = _mm256_add_epi32(ms[r], _mm256_madd_epi16(mv, bcast4(sums + 2 * i)));
+      asm("" : "+x"(ms[r]));  // one chain per row (gcc otherwise spilled every product)
+    }
   }
   const __m256 dv = _mm256_load_ps(fl), fv = _mm256_load_ps(fl + kCols);
   for (int r = 0; r < RT; ++r) {
@@ -249,22 +255,26 @@ LLMRT_AVX2 void tile_avx2(const Q8Block* px, int64_t nb, const uint8_t* panel, f
     for (int r = 0; r < RT; ++r) xb[r] = px + r * nb + b;
     __m256i isum[RT];
     for (int r = 0; r < RT; ++r) isum[r] = _mm256_setzero_si256();
-    for (int s0 = 0; s0 < 64; s0 += kSteps16) {
-      __m256i t[RT];
-      for (int r = 0; r < RT; ++r) t[r] = _mm256_setzero_si256();
-      for (int s = s0; s < s0 + kSteps16; ++s) {
-        const __m256i wv = _mm256_load_si256(reinterpret_cast<const __m256i*>(o + 32 * s));
-        for (int r = 0; r < RT; ++r) {
-          t[r] = _mm256_add_epi16(t[r], _mm256_maddubs_epi16(wv, bcast4(xb[r]->q + 4 * s)));
-          asm("" : "+x"(t[r]));  // keep the sum a chain (gcc otherwise spills every product)
+    for (int j = 0; j < nsv; ++j) {
+      const __m256i sv = _mm256_load_si256(reinterpret_cast<const __m256i*>(o + 2048 + 32 * j));
+#pragma GCC unroll 2
+      for (int s0 = j * kStepsPerScale; s0 < (j + 1) * kStepsPerScale; s0 += kSteps16) {
+        __m256i t[RT];
+        for (int s = s0; s < s0 + kSteps16; ++s) {
+          const __m256i wv = _mm256_load_si256(reinterpret_cast<const __m256i*>(o + 32 * s));
+          for (int r = 0; r < RT; ++r) {
+            const __m256i p = _mm256_maddubs_epi16(wv, bcast4(xb[r]->q + 4 * s));
+            t[r] = s == s0 ? p : _mm256_add_epi16(t[r], p);
+            asm("" : "+x"(t[r]));  // keep the sum a chain (gcc otherwise spills every product)
+          }
         }
+        for (int r = 0; r < RT; ++r)
+          isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(t[r], sv));
       }
-      const __m256i sv =
-          _mm256_load_si256(reinterpret_cast<const __m256i*>(o + 2048 + 32 * (s0 / kStepsPerScale)));
-      for (int r = 0; r < RT; ++r) isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(t[r], sv));
     }
-    finish_block<RT>(xb, o + 2048 + 32 * nsv, reinterpret_cast<const float*>(o + 2048 + 32 * nsv + 256),
-                     isum, acc);
+    finish_block<KIND, RT>(xb, o + 2048 + 32 * nsv,
+                           reinterpret_cast<const float*>(o + 2048 + 32 * nsv + 32 * min_vectors(KIND)),
+                           isum, acc);
   }
   for (int r = 0; r < RT; ++r) store_row(y + r * ldy, acc[r], cols);
 }
@@ -301,8 +311,9 @@ LLMRT_AVX2 void tile_avx2(const Q8Block* px, int64_t nb, const uint8_t* panel, f
       for (int r = 0; r < RT; ++r)                                                              \
         isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(t[r], sv));                      \
     }                                                                                           \
-    finish_block<RT>(xb, o + 2048 + 32 * nsv,                                                   \
-                     reinterpret_cast<const float*>(o + 2048 + 32 * nsv + 256), isum, acc);     \
+    finish_block<KIND, RT>(                                                                     \
+        xb, o + 2048 + 32 * nsv,                                                                \
+        reinterpret_cast<const float*>(o + 2048 + 32 * nsv + 32 * min_vectors(KIND)), isum, acc); \
   }                                                                                             \
   for (int r = 0; r < RT; ++r) store_row(y + r * ldy, acc[r], cols);
 
