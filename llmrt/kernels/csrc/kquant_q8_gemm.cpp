@@ -6,11 +6,12 @@
 // Activation numerics (the op's contract; tests restate it): per row, per 256 consecutive
 // values (one weight super-block), amax = max |x|, d = amax / 127 and q = nearbyint(x * s)
 // with s = 127 / amax (float32 divide, float32 product, ties to even; q = 0, d = 0 where amax
-// is 0), so |q| <= 127; beside them the int16 sums of q per 16 values. Why per 256 (ggml's
-// Q8_K shape) rather than per 32: one activation scale per super-block lets the weights'
+// is 0), so |q| <= 127; beside them the int16 sums of q per 16 and per 32 values. Why per 256
+// (ggml's Q8_K shape) rather than per 32: one activation scale per super-block lets the weights'
 // 6- / 8-bit sub-block scales multiply the integer dot products in integers (vpmaddwd), the
 // super-block sums in int32, and only one int32 -> float conversion per super-block, row and
-// column remain; the mins (Q4_K / Q5_K) and Q6_K's -32 offset come from the per-16 sums.
+// column remain; the mins (Q4_K / Q5_K, per 32) and Q6_K's -32 offset (per 16) come from the
+// sums, four or eight vpmaddwd per super-block and row.
 // The result per super-block: dx * (d * sum_j sc_j (q_j . x_j) - f * sum_j m_j (1 . x_j)),
 // with Q4_K / Q5_K f = dmin and m the 6-bit mins (per 32), Q6_K f = 32 d and m = sc (per 16).
 //
@@ -66,7 +67,7 @@ struct Q8Block {
 };
 static_assert(sizeof(Q8Block) == 320, "Q8Block");
 
-constexpr int kCols = 8;
+[[maybe_unused]] constexpr int kCols = 8;
 [[maybe_unused]] constexpr int kRows = 4;
 [[maybe_unused]] constexpr int kRowsVnni = 6;
 [[maybe_unused]] constexpr int64_t kPackBytes = 256 << 10;
@@ -77,9 +78,9 @@ constexpr int kCols = 8;
 // row's sums: Q4_K / Q5_K the mins of groups 2i, 2i + 1 against s32[2i], s32[2i + 1], four
 // vectors; Q6_K the scales of 16-value parts 2i, 2i + 1 against s[2i], s[2i + 1], eight), then
 // float d[8] and f[8].
-constexpr int64_t scale_vectors(int64_t kind) { return kind == kQ6_K ? 16 : 8; }
-constexpr int64_t min_vectors(int64_t kind) { return kind == kQ6_K ? 8 : 4; }
-constexpr int64_t sb_bytes(int64_t kind) {
+[[maybe_unused]] constexpr int64_t scale_vectors(int64_t kind) { return kind == kQ6_K ? 16 : 8; }
+[[maybe_unused]] constexpr int64_t min_vectors(int64_t kind) { return kind == kQ6_K ? 8 : 4; }
+[[maybe_unused]] constexpr int64_t sb_bytes(int64_t kind) {
   return 2048 + 32 * scale_vectors(kind) + 32 * min_vectors(kind) + 64;
 }
 
@@ -235,8 +236,13 @@ LLMRT_AVX2 inline void finish_block(const Q8Block* const* xb, const uint8_t* min
   const __m256 dv = _mm256_load_ps(fl), fv = _mm256_load_ps(fl + kCols);
   for (int r = 0; r < RT; ++r) {
     const __m256 dx = _mm256_set1_ps(xb[r]->d);
-    acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(dv, dx), acc[r]);
-    acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(ms[r]), _mm256_mul_ps(fv, dx), acc[r]);
+    if constexpr (KIND == kQ6_K) {  // f = 32 d: the offset joins the int32 sum (< 4.1e8)
+      const __m256i v = _mm256_sub_epi32(isum[r], _mm256_slli_epi32(ms[r], 5));
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(v), _mm256_mul_ps(dv, dx), acc[r]);
+    } else {
+      acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), _mm256_mul_ps(dv, dx), acc[r]);
+      acc[r] = _mm256_fnmadd_ps(_mm256_cvtepi32_ps(ms[r]), _mm256_mul_ps(fv, dx), acc[r]);
+    }
   }
 }
 
