@@ -41,6 +41,7 @@ _SOURCES = (
     _CSRC / "gguf_blocks.cpp",
     _CSRC / "kquants.cpp",
     _CSRC / "kquant_gemm.cpp",
+    _CSRC / "kquant_q8_gemm.cpp",
     _CSRC / "stacked.cpp",
     _CSRC / "interleaved.cpp",
     _CSRC / "interleaved_neon.cpp",
