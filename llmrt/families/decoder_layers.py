@@ -295,9 +295,11 @@ class DecoderLayer(nn.Module):
         if self.parallel:
             mlp_in = normed if self.mlp_norm is None else self.mlp_norm(x)
             return x + self._scaled(attn) + self._scaled(self.mlp(mlp_in))
+        del normed  # the MLP's temporaries are the prefill's largest: hold less beside them
         if self.post_attn_norm is not None:
             attn = self.post_attn_norm(attn)
         x = x + self._scaled(attn)
+        del attn
         out = self.mlp(x if self.mlp_norm is None else self.mlp_norm(x))
         if self.post_mlp_norm is not None:
             out = self.post_mlp_norm(out)

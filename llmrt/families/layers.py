@@ -307,20 +307,39 @@ class QuantizedLinear(_BlockWeightModule):
         ``DEQUANTIZE_SLICE_BYTES`` of dequantized rows at a time."""
         bias = None if self.bias is None else self.bias.to(dtype)
         step = max(64, DEQUANTIZE_SLICE_BYTES // (dtype.itemsize * self.in_features))
-        outs = []
+        if step >= self.out_features:
+            return self._slice_product(x, dtype, bias, start=0, stop=self.out_features)
+        # Each slice's product is written into the output as it is made, and a slice's
+        # dequantized rows are freed before the next slice's are made: collecting the slices
+        # for one ``torch.cat`` held them twice at its end, beside the last dequantized slice.
+        out = torch.empty((*x.shape[:-1], self.out_features), dtype=dtype, device=x.device)
         for start in range(0, self.out_features, step):
-            blocks = self.blocks[start : start + step]
-            if dtype == torch.float32:
-                dense = torch.ops.llmrt_kernels.gguf_dequantize(
-                    blocks, self.ggml_type, self.in_features
-                )
-            else:
-                dense = torch.ops.llmrt_kernels.gguf_dequantize_bf16(
-                    blocks, self.ggml_type, self.in_features
-                )
-            part = None if bias is None else bias[start : start + step]
-            outs.append(_matmul(x, dense, part, kernel=self.kernel))
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+            stop = min(start + step, self.out_features)
+            out[..., start:stop] = self._slice_product(x, dtype, bias, start=start, stop=stop)
+        return out
+
+    def _slice_product(
+        self,
+        x: torch.Tensor,
+        dtype: torch.dtype,
+        bias: torch.Tensor | None,
+        *,
+        start: int,
+        stop: int,
+    ) -> torch.Tensor:
+        """``x`` times output rows ``[start, stop)`` of the weight, dequantized to ``dtype``
+        (freed on return)."""
+        blocks = self.blocks[start:stop]
+        if dtype == torch.float32:
+            dense = torch.ops.llmrt_kernels.gguf_dequantize(
+                blocks, self.ggml_type, self.in_features
+            )
+        else:
+            dense = torch.ops.llmrt_kernels.gguf_dequantize_bf16(
+                blocks, self.ggml_type, self.in_features
+            )
+        part = None if bias is None else bias[start:stop]
+        return _matmul(x, dense, part, kernel=self.kernel)
 
     def runs_gemm(self, rows: int) -> bool:
         """Whether ``rows`` activation rows run dequantize + GEMM (else the in-register

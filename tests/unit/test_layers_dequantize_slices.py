@@ -2,10 +2,14 @@
 
 A weight larger than that is dequantized and multiplied a slice of output rows at a time;
 the product is still ``x W^T + b`` with ``W`` as gguf-py dequantizes the blocks (the
-independent reference), in float32 and in the bfloat16 GEMM mode.
+independent reference), in float32 and in the bfloat16 GEMM mode. One slice is alive at a
+time (the last is freed before the next is made), and the slices' products land in the
+output with the bits one whole-weight GEMM gives.
 """
 
 from __future__ import annotations
+
+import weakref
 
 import gguf
 import numpy as np
@@ -82,3 +86,33 @@ def test_a_weight_within_the_slice_is_dequantized_once(
     monkeypatch.setattr(layers, "kquant_gemm_max_rows", lambda kernel_type: 0)
     linear.forward_raw(torch.ones(ROWS, K))
     assert dequantized_rows == [OUT]
+
+
+@pytest.mark.parametrize("gemm_dtype", [torch.float32, torch.bfloat16])
+def test_one_dequantized_slice_is_alive_at_a_time(
+    gemm_dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    alive_before: list[int] = []
+    made: list[weakref.ref[torch.Tensor]] = []
+    for name in ("gguf_dequantize", "gguf_dequantize_bf16"):
+        op = getattr(torch.ops.llmrt_kernels, name)
+
+        def tracked(blocks: torch.Tensor, *args: object, _op: object = op) -> torch.Tensor:
+            alive_before.append(sum(ref() is not None for ref in made))
+            dense: torch.Tensor = _op(blocks, *args)  # type: ignore[operator]
+            made.append(weakref.ref(dense))
+            return dense
+
+        monkeypatch.setattr(torch.ops.llmrt_kernels, name, tracked)
+    linear = QuantizedLinear(weight=_weight("q6_k"), bias=torch.randn(OUT))
+    linear.gemm_dtype, linear.gemm_dtype_min_rows = gemm_dtype, 1
+    linear.gemm_min_rows = 1
+    monkeypatch.setattr(layers, "kquant_gemm_max_rows", lambda kernel_type: 0)
+    x = torch.randn(ROWS, K, generator=torch.Generator().manual_seed(3))
+    whole = linear.forward_raw(x)
+    assert alive_before == [0]
+    monkeypatch.setattr(layers, "DEQUANTIZE_SLICE_BYTES", 1)  # slices of 64 rows
+    alive_before.clear()
+    sliced = linear.forward_raw(x)
+    assert alive_before == [0, 0, 0, 0]
+    assert sliced.dtype == whole.dtype and torch.equal(sliced, whole)
