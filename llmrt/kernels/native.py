@@ -306,10 +306,9 @@ def q8_gemm_supported(kernel_type: int) -> bool:
     where the kernels do not load."""
     if not kernels_loaded():
         return False
-    ops = torch.ops.llmrt_kernels
     if kernel_type & INTERLEAVED_TYPE:
-        return bool(ops.interleaved_gemm_q8_supported(kernel_type))
-    return bool(ops.kquant_gemm_q8_supported(kernel_type))
+        return interleaved_gemm_q8_supported(kernel_type)
+    return bool(torch.ops.llmrt_kernels.kquant_gemm_q8_supported(kernel_type))
 
 
 def q8_gemm(
@@ -417,11 +416,13 @@ def _register_fakes() -> None:
     ) -> torch.Tensor:
         return x.new_empty((*x.shape[:-1], blocks.shape[0]))
 
-    @torch.library.register_fake(f"{LIBRARY}::interleaved_gemm_q8")
     def _gemm_q8_fake(
         x: torch.Tensor, blocks: torch.Tensor, kind: int, k: int, bias: torch.Tensor | None
     ) -> torch.Tensor:
         return x.new_empty((*x.shape[:-1], blocks.shape[0]))
+
+    for name in ("interleaved_gemm_q8", "kquant_gemm_q8"):
+        torch.library.register_fake(f"{LIBRARY}::{name}")(_gemm_q8_fake)
 
     @torch.library.register_fake(f"{LIBRARY}::gguf_dequantize")
     def _dequantize_fake(blocks: torch.Tensor, kind: int, in_features: int) -> torch.Tensor:

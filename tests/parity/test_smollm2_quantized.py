@@ -136,9 +136,12 @@ def test_float16_kv_cache_keeps_the_greedy_tokens(harness: Harness) -> None:
     assert worst <= FLOAT16_KV_LOGIT_BOUND, f"max |logit error| {worst:.3g}"
 
 
-#: Stated bound for ``device.gemm_dtype: int8`` (prefill GEMMs over one-level 8-bit
-#: activations, llama.cpp's scheme) on the parity prompts; see the test for what it measured.
-INT8_GEMM_LOGIT_BOUND = 0.5
+#: Stated bound for ``device.gemm_dtype: int8`` (prompt GEMMs over one-level 8-bit
+#: activations, llama.cpp's scheme): measured max |logit error| 1.44 on the parity prompts
+#: (16 steps, logits of magnitude ~20), every greedy token equal; three times bfloat16's.
+#: That is why the default threshold (``gemm_dtype_min_rows``, 128) keeps chat-length
+#: prompts on the two-level kernels.
+INT8_GEMM_LOGIT_BOUND = 2.0
 
 
 def test_int8_gemms_keep_the_greedy_tokens(harness: Harness) -> None:

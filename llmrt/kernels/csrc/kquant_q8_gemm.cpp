@@ -412,11 +412,8 @@ void gemm_kind(const Q8Block* px, int64_t rows, const uint8_t* w, int64_t rb, in
     }
   });
 }
-// The product loop's level (see tile_at); LLMRT_KERNELS_Q8_LOOP=avx2 keeps the AVX2 loop at a
-// VNNI level (for measuring one against the other in one process it is read per call).
+// The product loop's level (see tile_at).
 int loop_level() {
-  const char* force = std::getenv("LLMRT_KERNELS_Q8_LOOP");
-  if (force != nullptr && std::strcmp(force, "avx2") == 0) return 0;
   if (llmrt_kernels::has_avx512_vnni()) return 2;
   if (llmrt_kernels::has_avx_vnni()) return 1;
   return 0;
