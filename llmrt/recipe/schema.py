@@ -394,7 +394,7 @@ class DeviceSpec:
     CPUs without AMX; kinds without that kernel stay float32) for GEMMs of
     ``gemm_dtype_min_rows`` rows or more (fewer stay float32: short prompts keep the
     reference's greedy tokens where its top two logits are close); ``auto``: ``bfloat16`` on
-    CPUs where it is faster, else ``float32``
+    CPUs where it is faster, else ``int8`` on x86 from AVX2, else ``float32``
     (``llmrt.families.layers.resolve_gemm_dtype``; logged as ``weights.placed``).
     ``weight_layout`` orders the blocks of block-quantized weights (``auto``: Q4 blocks, and
     Q8_0 on Intel CPUs, interleaved for the integer-dot kernels on CPUs with AVX-512 VNNI, whose
