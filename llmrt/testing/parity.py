@@ -292,6 +292,18 @@ class Harness:
         del kv
         return [Run(logits=torch.stack(h), tokens=t) for h, t in zip(history, tokens, strict=True)]
 
+    def greedy_error(
+        self, prompts: Sequence[Sequence[int]], *, steps: int, describe: Callable[[Any], str] = str
+    ) -> float:
+        """Run ``greedy`` on ``prompts``; assert every greedy token equals HF's (a failure
+        names the prompt through ``describe``) and return the largest |logit error|."""
+        worst = 0.0
+        for prompt, run in zip(prompts, self.greedy(prompts, steps=steps), strict=True):
+            ref = self.reference(prompt, steps=steps)
+            assert run.tokens == ref.tokens, describe(prompt)
+            worst = max(worst, (run.logits - ref.logits).abs().max().item())
+        return worst
+
     def assert_parity(self, prompts: Sequence[Sequence[int]], runs: Sequence[Run]) -> None:
         """First-token logits within ``LOGIT_TOL`` and every greedy token identical to HF."""
         for r, (prompt, run) in enumerate(zip(prompts, runs, strict=True)):

@@ -154,12 +154,7 @@ def test_a_k_quant_llama_runs_from_its_blocks_as_transformers_does(tiny_file: Pa
     # Decode steps fused (stacked q/k/v and gate/up included), then on the torch ops.
     for choice in ("fused", "ops"):
         select_decode_kernel(model, choice=choice, device=torch.device("cpu"))
-        runs = harness.greedy(prompts, steps=STEPS)
-        worst = 0.0
-        for prompt, run in zip(prompts, runs, strict=True):
-            ref = harness.reference(prompt, steps=STEPS)
-            assert run.tokens == ref.tokens, choice
-            worst = max(worst, (run.logits - ref.logits).abs().max().item())
+        worst = harness.greedy_error(prompts, steps=STEPS, describe=lambda _, c=choice: c)
         assert worst <= LOGIT_BOUND, f"{choice}: max |logit error| {worst:.3g}"
 
 
@@ -243,12 +238,7 @@ def test_llama_quantize_mixes_run_as_transformers_does(requantized: Path) -> Non
     tokenizer = load_checkpoint(format="gguf", path=str(requantized), keep_quantized=True).tokenizer
     assert tokenizer is not None
     prompts = [tokenizer.encode(text) for text in PARITY_TEXTS]
-    runs = harness.greedy(prompts, steps=16)
-    worst = 0.0
-    for prompt, run in zip(prompts, runs, strict=True):
-        ref = harness.reference(prompt, steps=16)
-        assert run.tokens == ref.tokens, tokenizer.decode(prompt)
-        worst = max(worst, (run.logits - ref.logits).abs().max().item())
+    worst = harness.greedy_error(prompts, steps=16, describe=tokenizer.decode)
     assert worst <= LOGIT_BOUND, f"max |logit error| {worst:.3g}"
 
 
@@ -270,12 +260,7 @@ def test_llama_quantize_mixes_keep_the_greedy_tokens_with_int8_gemms(requantized
     assert tokenizer is not None
     prompts = [tokenizer.encode(text) for text in PARITY_TEXTS]
     select_gemm_dtype(model, choice="int8", min_rows=16)
-    runs = harness.greedy(prompts, steps=16)
-    worst = 0.0
-    for prompt, run in zip(prompts, runs, strict=True):
-        ref = harness.reference(prompt, steps=16)
-        assert run.tokens == ref.tokens, tokenizer.decode(prompt)
-        worst = max(worst, (run.logits - ref.logits).abs().max().item())
+    worst = harness.greedy_error(prompts, steps=16, describe=tokenizer.decode)
     # Above the two-level kernels' bound: the one-level GEMM really ran.
     assert LOGIT_BOUND < worst <= INT8_GEMM_LOGIT_BOUND, f"max |logit error| {worst:.3g}"
 
