@@ -30,7 +30,6 @@ import torch
 
 from llmrt.device.cpu_features import pin_torch_isa
 from llmrt.errors import ConfigError, LLMRTError
-from llmrt.kernels.formats import INTERLEAVED_TYPE
 from llmrt.lifecycle.progress import progress_step
 from llmrt.paths import default_cache_dir
 
@@ -306,8 +305,15 @@ def q8_gemm_supported(kernel_type: int) -> bool:
     where the kernels do not load."""
     if not kernels_loaded():
         return False
-    if kernel_type & INTERLEAVED_TYPE:
-        return interleaved_gemm_q8_supported(kernel_type)
+    return interleaved_gemm_q8_supported(kernel_type) or kquant_gemm_q8_supported(kernel_type)
+
+
+@functools.cache
+def kquant_gemm_q8_supported(kernel_type: int) -> bool:
+    """Whether ``kquant_gemm_q8`` (``csrc/kquant_q8_gemm.cpp``) multiplies blocks of
+    ``kernel_type`` at the running level (Q4_K / Q5_K / Q6_K from AVX2)."""
+    if not kernels_loaded():
+        return False
     return bool(torch.ops.llmrt_kernels.kquant_gemm_q8_supported(kernel_type))
 
 
@@ -322,7 +328,8 @@ def q8_gemm(
     """``x W^T + b`` over ``W``'s blocks with ``x`` quantized in one 8-bit level (float32
     in and out); only where ``q8_gemm_supported(kernel_type)``."""
     ops = torch.ops.llmrt_kernels
-    op = ops.interleaved_gemm_q8 if kernel_type & INTERLEAVED_TYPE else ops.kquant_gemm_q8
+    interleaved = interleaved_gemm_q8_supported(kernel_type)
+    op = ops.interleaved_gemm_q8 if interleaved else ops.kquant_gemm_q8
     out: torch.Tensor = op(x, blocks, kernel_type, in_features, bias)
     return out
 
