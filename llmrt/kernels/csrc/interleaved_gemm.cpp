@@ -39,6 +39,7 @@
 #include "blocks.h"
 #include "interleaved_layout.h"
 #include "linear.h"
+#include "transpose.h"
 
 namespace {
 
@@ -289,25 +290,6 @@ LLMRT_AVX2 void prepare_rows_avx2(const float* x, int64_t r0, int64_t r1, int64_
   }
 }
 
-// Eight rows of eight dwords transposed in place (r[i][j] -> r[j][i]).
-LLMRT_AVX2 inline void transpose8x8(__m256i r[8]) {
-  __m256i t[8], u[8];
-  for (int i = 0; i < 4; ++i) {
-    t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 2; ++i) {
-    u[4 * i] = _mm256_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 1] = _mm256_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 2] = _mm256_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    u[4 * i + 3] = _mm256_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  for (int j = 0; j < 4; ++j) {
-    r[j] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x20);
-    r[j + 4] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x31);
-  }
-}
-
 // Weight rows [n0, n0 + cols) (cols <= kCols2; the rest zero) widened to int16 pairs into
 // ``out`` (nb * kPanelBlock2 bytes): per block and 8 columns, each column's 16 pairs (low
 // nibbles or first 16 quants: steps 0-7; the rest: steps 8-15) transposed to steps.
@@ -341,8 +323,8 @@ LLMRT_AVX2 void pack_panel_avx2(const uint8_t* w, int64_t row_bytes, int64_t bas
           second[j] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(z, 4), low));
         }
       }
-      transpose8x8(first);
-      transpose8x8(second);
+      llmrt_kernels::transpose8x8(first);
+      llmrt_kernels::transpose8x8(second);
       for (int t = 0; t < 8; ++t) {
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + (t * 2 + v) * 32), first[t]);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + ((t + 8) * 2 + v) * 32), second[t]);

@@ -51,6 +51,7 @@
 #include "interleaved_layout.h"
 #include "linear.h"
 #include "parallel.h"
+#include "transpose.h"
 
 namespace {
 
@@ -138,25 +139,6 @@ LLMRT_AVX2 void prepare_q8_rows(const float* x, int64_t r0, int64_t r1, int64_t 
   }
 }
 
-// Eight dword rows transposed in place (r[i][j] -> r[j][i]).
-LLMRT_AVX2 inline void transpose8(__m256i r[8]) {
-  __m256i t[8], u[8];
-  for (int i = 0; i < 4; ++i) {
-    t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  for (int i = 0; i < 2; ++i) {
-    u[4 * i] = _mm256_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 1] = _mm256_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
-    u[4 * i + 2] = _mm256_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
-    u[4 * i + 3] = _mm256_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
-  }
-  for (int j = 0; j < 4; ++j) {
-    r[j] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x20);
-    r[j + 4] = _mm256_permute2x128_si256(u[j], u[4 + j], 0x31);
-  }
-}
-
 // Weight rows [n0, n0 + cols) (cols <= shape.cols(); the rest zero) packed into ``out``
 // (nb * shape.block_bytes()): per block and eight columns, each column's 32 quant bytes (one
 // dword per k/4 step) transposed into the steps; then d_w[cols()] and m_w[cols()].
@@ -199,11 +181,11 @@ LLMRT_AVX2 void pack_q8_panel(const uint8_t* w, int64_t row_bytes, int64_t base,
           first[j] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(z, 4), low), _mm_and_si128(z, low));
         }
       }
-      transpose8(first);
+      llmrt_kernels::transpose8x8(first);
       for (int s = 0; s < 8; ++s)
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + s * step_bytes + at), first[s]);
       if (shape.planes == 2) {
-        transpose8(second);
+        llmrt_kernels::transpose8x8(second);
         for (int s = 0; s < 8; ++s)
           _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + (8 + s) * step_bytes + at), second[s]);
       }

@@ -8,6 +8,7 @@
 
 #include "cpu.h"
 #include "kquant_blocks.h"
+#include "transpose.h"
 
 #if defined(LLMRT_X86)
 #include <immintrin.h>
@@ -45,21 +46,10 @@ LLMRT_AVX2 inline __m256i group_avx2(const uint8_t* blk, int grp) {
 // Eight columns' 32 quants of one group (``v[c]``: eight dwords, dword s = quants 4s..4s+3)
 // stored as the group's eight steps (step s: dword s of every column): an 8x8 dword transpose.
 LLMRT_AVX2 inline void store_steps(const __m256i v[8], uint8_t* o) {
-  const __m256i t0 = _mm256_unpacklo_epi32(v[0], v[1]), t1 = _mm256_unpackhi_epi32(v[0], v[1]);
-  const __m256i t2 = _mm256_unpacklo_epi32(v[2], v[3]), t3 = _mm256_unpackhi_epi32(v[2], v[3]);
-  const __m256i t4 = _mm256_unpacklo_epi32(v[4], v[5]), t5 = _mm256_unpackhi_epi32(v[4], v[5]);
-  const __m256i t6 = _mm256_unpacklo_epi32(v[6], v[7]), t7 = _mm256_unpackhi_epi32(v[6], v[7]);
-  // u[s]: steps s (low lane) and s + 4 (high lane) of columns 0-3; u[4 + s] of columns 4-7.
-  const __m256i u[8] = {_mm256_unpacklo_epi64(t0, t2), _mm256_unpackhi_epi64(t0, t2),
-                        _mm256_unpacklo_epi64(t1, t3), _mm256_unpackhi_epi64(t1, t3),
-                        _mm256_unpacklo_epi64(t4, t6), _mm256_unpackhi_epi64(t4, t6),
-                        _mm256_unpacklo_epi64(t5, t7), _mm256_unpackhi_epi64(t5, t7)};
-  for (int st = 0; st < 4; ++st) {
-    _mm256_store_si256(reinterpret_cast<__m256i*>(o + 32 * st),
-                       _mm256_permute2x128_si256(u[st], u[4 + st], 0x20));
-    _mm256_store_si256(reinterpret_cast<__m256i*>(o + 32 * (st + 4)),
-                       _mm256_permute2x128_si256(u[st], u[4 + st], 0x31));
-  }
+  __m256i r[8];
+  for (int c = 0; c < 8; ++c) r[c] = v[c];
+  transpose8x8(r);
+  for (int st = 0; st < 8; ++st) _mm256_store_si256(reinterpret_cast<__m256i*>(o + 32 * st), r[st]);
 }
 
 }  // namespace llmrt_kernels
