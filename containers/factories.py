@@ -34,6 +34,7 @@ from llmrt.families.base import CausalLM, Family
 from llmrt.families.fused_decode import select_decode_kernel
 from llmrt.families.layers import (
     apply_weight_format,
+    int8_fallback_dtype,
     int8_gemm_coverage,
     resolve_gemm_dtype,
     select_gemm_dtype,
@@ -304,8 +305,14 @@ def build_model(
             device=torch_device,
             quantized=recipe.checkpoint.weight_format in QUANTIZED_FORMATS,
         )
+        int8_fallback = int8_fallback_dtype() if gemm_dtype == "int8" else "float32"
         if gemm_dtype != "float32":
-            select_gemm_dtype(model, choice=gemm_dtype, min_rows=recipe.device.gemm_dtype_min_rows)
+            select_gemm_dtype(
+                model,
+                choice=gemm_dtype,
+                min_rows=recipe.device.gemm_dtype_min_rows,
+                int8_fallback=int8_fallback,
+            )
         quantized = recipe.checkpoint.weight_format in QUANTIZED_FORMATS
         repacking = progress_step("repacking weights for the CPU kernels") if quantized else None
         with repacking or contextlib.nullcontext():
@@ -316,7 +323,7 @@ def build_model(
                 on_replaced=checkpoint.follow_relayout,
             )
         if gemm_dtype == "int8":
-            gemm_why = int8_gemm_note(model, why=gemm_why)
+            gemm_why = int8_gemm_note(model, why=gemm_why, fallback=int8_fallback)
         if torch_device.type == "cpu":
             place_weights(
                 model=model,
@@ -410,24 +417,23 @@ def ttnn_weights_cache(*, recipe: Recipe) -> Path | None:
     digest = hashlib.sha256(
         "\0".join(file_digest(f, cache_dir=root) for f in files).encode()
     ).hexdigest()
-    return (
-        root / "ttnn" / f"{digest[:32]}-{recipe.device.ttnn.weight_dtype}-v{TTNN_CACHE_VERSION}"
-    )
+    return root / "ttnn" / f"{digest[:32]}-{recipe.device.ttnn.weight_dtype}-v{TTNN_CACHE_VERSION}"
 
 
-def int8_gemm_note(model: CausalLM, *, why: str) -> str:
-    """``why`` with how many linears take ``device.gemm_dtype: int8`` at this level; a
-    warning where none does (the GEMMs stay float32: slower than asked, never less exact)."""
+def int8_gemm_note(model: CausalLM, *, why: str, fallback: str = "float32") -> str:
+    """``why`` with how many linears take ``device.gemm_dtype: int8`` at this level and what
+    the rest multiply in (``fallback``); a warning where none does (slower than asked)."""
     covered, total = int8_gemm_coverage(model)
     if covered == 0:
         warnings.warn(
             "device.gemm_dtype=int8: no block-quantized linear of this model has an int8 GEMM "
             "at this instruction-set level (x86 from AVX2: interleaved Q4_0/Q4_1/Q8_0 and "
-            "Q4_K/Q5_K/Q6_K); its GEMMs multiply in float32",
+            f"Q4_K/Q5_K/Q6_K); its GEMMs multiply in {fallback}",
             RuntimeWarning,
             stacklevel=2,
         )
-    return f"{why}; {covered} of {total} block-quantized linears have the int8 GEMM"
+    rest = f", the other {total - covered} multiply in {fallback}" if covered < total else ""
+    return f"{why}; {covered} of {total} block-quantized linears have the int8 GEMM{rest}"
 
 
 def place_weights(

@@ -262,6 +262,9 @@ class QuantizedLinear(_BlockWeightModule):
         #: (``device.gemm_dtype``); smaller GEMMs stay float32.
         self.gemm_dtype = torch.float32
         self.gemm_dtype_min_rows = GEMM_DTYPE_MIN_ROWS
+        #: The dtype those GEMMs multiply in where ``gemm_dtype`` is int8 and this kind has
+        #: no int8 GEMM at the running level: bfloat16 where the CPU multiplies it faster.
+        self.int8_fallback_dtype = torch.float32
         self.gemm_min_rows = gemm_min_rows(weight)
 
     @property
@@ -346,7 +349,7 @@ class QuantizedLinear(_BlockWeightModule):
         kernel)."""
         if rows < self.gemm_min_rows:
             return False
-        if self.gemm_dtype == torch.bfloat16 and rows >= self.gemm_dtype_min_rows:
+        if self.float_gemm_dtype() == torch.bfloat16 and rows >= self.gemm_dtype_min_rows:
             return True
         if rows <= kquant_gemm_max_rows(self.ggml_type):
             return False  # the kernels' panel GEMM (csrc/kquant_gemm.cpp) is faster
@@ -365,10 +368,19 @@ class QuantizedLinear(_BlockWeightModule):
             and q8_gemm_supported(self.ggml_type)
         )
 
+    def float_gemm_dtype(self) -> torch.dtype:
+        """The float dtype GEMMs of ``gemm_dtype_min_rows`` rows or more take when they do not
+        run the int8 GEMM: ``gemm_dtype``, or under int8 ``int8_fallback_dtype`` for a kind
+        without that kernel at the running level (float32 for one with it: its smaller GEMMs
+        keep the float32 paths)."""
+        if self.gemm_dtype != torch.int8:
+            return self.gemm_dtype
+        return torch.float32 if q8_gemm_supported(self.ggml_type) else self.int8_fallback_dtype
+
     def gemm_input_dtype(self, rows: int) -> torch.dtype:
         """The dtype ``rows`` activation rows are multiplied in (what ``x`` is cast to;
         float32 for the int8 GEMM, which quantizes its rows itself)."""
-        bfloat16 = self.gemm_dtype == torch.bfloat16 and rows >= self.gemm_dtype_min_rows
+        bfloat16 = self.float_gemm_dtype() == torch.bfloat16 and rows >= self.gemm_dtype_min_rows
         return torch.bfloat16 if bfloat16 and self.runs_gemm(rows) else torch.float32
 
     def extra_repr(self) -> str:
@@ -689,15 +701,17 @@ def select_weight_layout(
 #: ``device.gemm_dtype``: the dtype GEMMs over block-quantized weights (from
 #: ``GEMM_DTYPE_MIN_ROWS`` rows: prefill, large batches) multiply in. ``bfloat16`` rounds
 #: the activations and the dequantized weight to bfloat16 and accumulates in float32
-#: (oneDNN, AVX-512 BF16 dot products: about 2x the float32 GEMM rate on a 2-core EPYC,
-#: 400 against 200 GFLOPS, but 0.6x on an Emerald Rapids without AMX). ``int8`` quantizes
-#: the activations in one 8-bit level (llama.cpp's Q8_0 / Q8_K scheme) and multiplies them
-#: with the weights' integer quants (the kernels' ``q8_gemm``; kinds without that kernel keep
-#: their float32 path): half the integer products of the two-level activations the other
-#: integer kernels take, which is what bounds a prefill on CPUs without ``vpdpbusd``.
-#: ``auto`` (block-quantized weights on a CPU) is ``bfloat16`` where the CPU multiplies
-#: bfloat16 faster (``bfloat16_gemm_advantage``), else ``int8`` on x86 from AVX2
-#: (``int8_gemm_advantage``), else ``float32``.
+#: (oneDNN: AMX tiles, or AVX-512 BF16 dot products at about 2x the float32 GEMM rate on a
+#: 2-core EPYC, 400 against 200 GFLOPS, but 0.6x on an Emerald Rapids without AMX). ``int8``
+#: quantizes the activations in one 8-bit level (llama.cpp's Q8_0 / Q8_K scheme) and
+#: multiplies them with the weights' integer quants (the kernels' ``q8_gemm``): half the
+#: integer products of the two-level activations the other integer kernels take, which is
+#: what bounds a prefill on CPUs without ``vpdpbusd``; kinds without that kernel take
+#: ``int8_fallback_dtype`` (bfloat16 where the CPU multiplies it faster, else float32).
+#: ``auto`` (block-quantized weights on a CPU) is ``bfloat16`` on AMX, else ``int8`` on x86
+#: from AVX2 (``int8_gemm_advantage``; on Zen 4 too: pp512 of a 1B Q4_0 / Q4_K_M 1.39x /
+#: 1.50x its bfloat16 rate, SmolLM2 Q4_1 1.19x), else ``bfloat16`` where it is faster
+#: (``bfloat16_gemm_advantage``), else ``float32``.
 GemmDtype = Literal["float32", "bfloat16", "int8"]
 GEMM_DTYPES: tuple[str, ...] = get_args(GemmDtype)
 GemmDtypeChoice = Literal["auto", "float32", "bfloat16", "int8"]
@@ -716,10 +730,10 @@ def resolve_gemm_dtype(
     choice: str, *, device: torch.device, quantized: bool, cpu: CpuFeatures | None = None
 ) -> tuple[GemmDtype, str]:
     """The dtype ``choice`` means for a model on ``device`` (``quantized``: whether it has
-    block-quantized linears), and why. ``auto``: ``bfloat16`` on a CPU that multiplies it
-    faster than float32 (``cpu``, read from ``/proc/cpuinfo`` when not given), else ``int8``
-    where the kernels have one-level 8-bit GEMMs (x86 from AVX2), else ``float32``;
-    block-quantized weights run on CPUs only."""
+    block-quantized linears), and why. ``auto``: ``bfloat16`` on AMX (``cpu``, read from
+    ``/proc/cpuinfo`` when not given), else ``int8`` where the kernels have one-level 8-bit
+    GEMMs (x86 from AVX2), else ``bfloat16`` where the CPU multiplies it faster than
+    float32, else ``float32``; block-quantized weights run on CPUs only."""
     if choice not in GEMM_DTYPE_CHOICES:
         raise ConfigError("device.gemm_dtype", choice, f"must be one of {list(GEMM_DTYPE_CHOICES)}")
     if choice != "auto":
@@ -729,18 +743,36 @@ def resolve_gemm_dtype(
     if device.type != "cpu":
         return "float32", f"block-quantized GEMMs run on the CPU, not {device.type}"
     features = cpu if cpu is not None else usable_cpu_features()
-    why = bfloat16_gemm_advantage(features)
-    if why is not None:
-        return "bfloat16", why
+    bfloat16_why = bfloat16_gemm_advantage(features)
+    if bfloat16_why is not None and "amx_bf16" in features.flags:
+        return "bfloat16", bfloat16_why
     why = int8_gemm_advantage(features)
     if why is not None:
         return "int8", why
+    if bfloat16_why is not None:
+        return "bfloat16", bfloat16_why
     return "float32", "this CPU multiplies neither bfloat16 nor int8 GEMMs faster than float32"
 
 
-def select_gemm_dtype(model: CausalLM, *, choice: str, min_rows: int = GEMM_DTYPE_MIN_ROWS) -> int:
+def int8_fallback_dtype(cpu: CpuFeatures | None = None) -> GemmDtype:
+    """What GEMMs of kinds without an int8 kernel multiply in under ``gemm_dtype: int8``:
+    ``bfloat16`` where ``cpu`` (this one when not given) multiplies it faster than float32
+    (the int8 choice already accepted a few tenths of a logit), else ``float32``."""
+    features = cpu if cpu is not None else usable_cpu_features()
+    return "bfloat16" if bfloat16_gemm_advantage(features) is not None else "float32"
+
+
+def select_gemm_dtype(
+    model: CausalLM,
+    *,
+    choice: str,
+    min_rows: int = GEMM_DTYPE_MIN_ROWS,
+    int8_fallback: GemmDtype = "float32",
+) -> int:
     """Point every block-quantized linear of ``model`` at ``choice`` for GEMMs of
-    ``min_rows`` rows or more (fewer run float32); returns how many linears.
+    ``min_rows`` rows or more (fewer run float32); under ``int8``, kinds without that kernel
+    at the running level take ``int8_fallback`` (float32 or bfloat16); returns how many
+    linears.
 
     ``bfloat16`` without block-quantized linears is a ``ConfigError`` naming
     ``device.gemm_dtype`` (float weights keep their own dtype).
@@ -757,12 +789,17 @@ def select_gemm_dtype(model: CausalLM, *, choice: str, min_rows: int = GEMM_DTYP
             choice,
             "applies to block-quantized weights (checkpoint.weights: int8, int4 or gguf-native)",
         )
-    dtype = {"bfloat16": torch.bfloat16, "int8": torch.int8}.get(choice, torch.float32)
+    if int8_fallback not in ("float32", "bfloat16"):
+        raise ConfigError(field, int8_fallback, "an int8 fallback is float32 or bfloat16")
+    dtypes = {"bfloat16": torch.bfloat16, "int8": torch.int8}
+    dtype = dtypes.get(choice, torch.float32)
+    fallback = dtypes.get(int8_fallback, torch.float32)
     if isinstance(min_rows, bool) or not isinstance(min_rows, int) or min_rows < 1:
         raise ConfigError("device.gemm_dtype_min_rows", min_rows, "must be a positive integer")
     for linear in linears:
         linear.gemm_dtype = dtype
         linear.gemm_dtype_min_rows = min_rows
+        linear.int8_fallback_dtype = fallback
     return len(linears)
 
 

@@ -391,10 +391,11 @@ class DeviceSpec:
     CPUs, slower than float32 on Intel without AMX; logits within ~0.5 instead of 5e-3 of the
     float32 reference on SmolLM2), or ``int8`` (activations quantized in one 8-bit level as
     llama.cpp does, multiplied with the weights' integer quants: the fastest prefill on x86
-    CPUs without AMX; kinds without that kernel stay float32) for GEMMs of
-    ``gemm_dtype_min_rows`` rows or more (fewer stay float32: short prompts keep the
-    reference's greedy tokens where its top two logits are close); ``auto``: ``bfloat16`` on
-    CPUs where it is faster, else ``int8`` on x86 from AVX2, else ``float32``
+    CPUs without AMX, Zen 4 included; kinds without that kernel take bfloat16 where it is
+    faster than float32, else float32) for GEMMs of ``gemm_dtype_min_rows`` rows or more
+    (fewer stay float32: short prompts keep the reference's greedy tokens where its top two
+    logits are close); ``auto``: ``bfloat16`` on AMX, else ``int8`` on x86 from AVX2, else
+    ``bfloat16`` where it is faster, else ``float32``
     (``llmrt.families.layers.resolve_gemm_dtype``; logged as ``weights.placed``).
     ``weight_layout`` orders the blocks of block-quantized weights (``auto``: Q4 blocks, and
     Q8_0 on Intel CPUs, interleaved for the integer-dot kernels on CPUs with AVX-512 VNNI, whose

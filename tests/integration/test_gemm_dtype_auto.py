@@ -1,7 +1,8 @@
 """``device.gemm_dtype: auto`` through the container: the quantized model's GEMMs run
-bfloat16 on a CPU that multiplies it faster, int8 on an x86 CPU from AVX2 that does not, and
-float32 elsewhere, and the ``weights.placed`` event says which and why; ``int8`` asked for
-really runs the one-level 8-bit GEMM on a long prompt."""
+bfloat16 on AMX, int8 on an x86 CPU from AVX2 (with bfloat16 for uncovered kinds where the
+CPU multiplies it faster: Zen 4), and float32 elsewhere, and the ``weights.placed`` event
+says which and why; ``int8`` asked for really runs the one-level 8-bit GEMM on a long
+prompt."""
 
 from __future__ import annotations
 
@@ -14,9 +15,13 @@ import torch
 
 from llmrt.device.cpu_features import CpuFeatures
 from llmrt.families.layers import QuantizedLinear
+from llmrt.kernels.native import q8_gemm_supported
 
 TINY = ["kv_cache.num_blocks=32", "warmup.prefill_seq_lens=[32]"]
-ZEN4 = CpuFeatures(vendor="AuthenticAMD", flags=frozenset({"avx512_bf16"}))
+ZEN4 = CpuFeatures(
+    vendor="AuthenticAMD", flags=frozenset({"avx", "avx2", "fma", "f16c", "avx512_bf16"})
+)
+AMX = CpuFeatures(vendor="GenuineIntel", flags=frozenset({"avx2", "avx512_bf16", "amx_bf16"}))
 INTEL_NO_AMX = CpuFeatures(vendor="GenuineIntel", flags=frozenset({"avx512_bf16"}))
 ZEN3 = CpuFeatures(vendor="AuthenticAMD", flags=frozenset({"avx", "avx2", "fma", "f16c"}))
 
@@ -32,12 +37,22 @@ def placed_gemm_dtypes(log: Path) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    ("cpu", "dtype"),
-    [(ZEN4, "bfloat16"), (ZEN3, "int8"), (INTEL_NO_AMX, "float32")],
-    ids=["zen4", "avx2", "no-avx2"],
+    ("cpu", "dtype", "fallback"),
+    [
+        (AMX, "bfloat16", "float32"),
+        (ZEN4, "int8", "bfloat16"),
+        (ZEN3, "int8", "float32"),
+        (INTEL_NO_AMX, "float32", "float32"),
+    ],
+    ids=["amx", "zen4", "avx2", "no-avx2"],
 )
 def test_auto_follows_the_cpu(
-    build: Any, lifecycle_log: Path, monkeypatch: pytest.MonkeyPatch, cpu: CpuFeatures, dtype: str
+    build: Any,
+    lifecycle_log: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    cpu: CpuFeatures,
+    dtype: str,
+    fallback: str,
 ) -> None:
     monkeypatch.setattr("llmrt.families.layers.usable_cpu_features", lambda: cpu)
     runtime = build(
@@ -45,8 +60,12 @@ def test_auto_follows_the_cpu(
     ).ready()
     linears = quantized_linears(runtime)
     assert linears and {m.gemm_dtype for m in linears} == {getattr(torch, dtype)}
+    assert {m.int8_fallback_dtype for m in linears} == {getattr(torch, fallback)}
     (logged,) = placed_gemm_dtypes(lifecycle_log)
     assert logged.startswith(f"{dtype} (") and logged != f"{dtype} ()"
+    covered = sum(q8_gemm_supported(m.ggml_type) for m in linears)
+    if dtype == "int8" and covered < len(linears):
+        assert f"the other {len(linears) - covered} multiply in {fallback}" in logged
 
 
 def test_auto_on_float_weights_is_float32_not_an_error(build: Any, lifecycle_log: Path) -> None:

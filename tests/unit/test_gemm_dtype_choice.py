@@ -1,6 +1,7 @@
-"""``device.gemm_dtype: auto``: bfloat16 GEMMs only where the CPU multiplies bfloat16 faster
-than float32 (AMX-BF16, or AMD with AVX-512 BF16), else int8 (one-level 8-bit activations)
-on x86 from AVX2, float32 elsewhere and for float weights; the CPU is read from
+"""``device.gemm_dtype: auto``: bfloat16 GEMMs on AMX, else int8 (one-level 8-bit
+activations) on x86 from AVX2 (Zen 4 included, where it beat bfloat16), else bfloat16 where
+the CPU multiplies it faster than float32, float32 elsewhere and for float weights; under
+int8, kinds without its kernel take bfloat16 only where that is faster. The CPU is read from
 ``/proc/cpuinfo``."""
 
 from __future__ import annotations
@@ -12,10 +13,15 @@ import torch
 
 from llmrt.device.cpu_features import CpuFeatures, bfloat16_gemm_advantage, read_cpu_features
 from llmrt.errors import ConfigError
-from llmrt.families.layers import resolve_gemm_dtype
+from llmrt.families.layers import int8_fallback_dtype, resolve_gemm_dtype
 
 CPU = torch.device("cpu")
-ZEN4 = CpuFeatures(vendor="AuthenticAMD", flags=frozenset({"avx512f", "avx512_bf16"}))
+ZEN4 = CpuFeatures(
+    vendor="AuthenticAMD",
+    flags=frozenset({"avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16"}),
+)
+#: A Zen 4 forced to the AVX-512 BF16 flags alone (no int8 GEMM level): bfloat16 stays faster.
+AMD_BF16_ONLY = CpuFeatures(vendor="AuthenticAMD", flags=frozenset({"avx512f", "avx512_bf16"}))
 ZEN3 = CpuFeatures(vendor="AuthenticAMD", flags=frozenset({"avx2", "fma"}))
 EMERALD_RAPIDS_VM = CpuFeatures(
     vendor="GenuineIntel", flags=frozenset({"avx2", "avx512f", "avx512_bf16", "avx512_vnni"})
@@ -56,21 +62,37 @@ def test_an_unreadable_cpuinfo_reads_as_nothing_known(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("cpu", "expected"),
     [
-        (ZEN4, "bfloat16"),
+        (ZEN4, "int8"),  # pp512 1.2-1.5x its bfloat16 GEMMs' on a 2-core EPYC
+        (AMD_BF16_ONLY, "bfloat16"),
         (SAPPHIRE_RAPIDS_AMX, "bfloat16"),
         (EMERALD_RAPIDS_VM, "int8"),  # AVX-512 BF16 without AMX: 0.6x float32's rate
         (ZEN3, "int8"),
         (GRAVITON3, "float32"),  # no int8 GEMM on arm64
         (CpuFeatures(), "float32"),
     ],
-    ids=["zen4", "amx", "intel-no-amx", "avx2", "arm64", "unknown"],
+    ids=["zen4", "amd-bf16-only", "amx", "intel-no-amx", "avx2", "arm64", "unknown"],
 )
-def test_auto_picks_the_fastest_gemm_dtype_this_cpu_has(
-    cpu: CpuFeatures, expected: str
-) -> None:
+def test_auto_picks_the_fastest_gemm_dtype_this_cpu_has(cpu: CpuFeatures, expected: str) -> None:
     dtype, why = resolve_gemm_dtype("auto", device=CPU, quantized=True, cpu=cpu)
     assert dtype == expected
     assert why  # the reason is logged with the choice
+
+
+@pytest.mark.parametrize(
+    ("cpu", "expected"),
+    [
+        (ZEN4, "bfloat16"),
+        (SAPPHIRE_RAPIDS_AMX, "bfloat16"),
+        (EMERALD_RAPIDS_VM, "float32"),
+        (ZEN3, "float32"),
+        (CpuFeatures(), "float32"),
+    ],
+    ids=["zen4", "amx", "intel-no-amx", "avx2", "unknown"],
+)
+def test_int8_falls_back_to_bfloat16_only_where_it_is_faster(
+    cpu: CpuFeatures, expected: str
+) -> None:
+    assert int8_fallback_dtype(cpu) == expected
 
 
 def test_auto_is_float32_without_block_quantized_weights_or_off_the_cpu() -> None:

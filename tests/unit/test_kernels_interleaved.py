@@ -33,7 +33,12 @@ from llmrt.families.layers import (
     select_weight_layout,
 )
 from llmrt.kernels.formats import BLOCK_BYTES, QuantizedWeight, concat_rows
-from llmrt.kernels.native import int8_dot_supported, integer_gemm_supported, kquant_gemm_max_rows
+from llmrt.kernels.native import (
+    int8_dot_supported,
+    integer_gemm_supported,
+    kquant_gemm_max_rows,
+    q8_gemm_supported,
+)
 
 GROUP = {"q4_0": 4, "q4_1": 4, "q8_0": 2}
 #: Widths whose last group holds 1, 2, 3 or 4 blocks (and several groups).
@@ -361,6 +366,35 @@ def test_bfloat16_dequantize_rounds_the_float32_weight(kind: str, layout: str) -
     got = torch.ops.llmrt_kernels.gguf_dequantize_bf16(weight.blocks, weight.kernel_type, 160)
     assert got.dtype == torch.bfloat16 and got.shape == (37, 160)
     assert torch.equal(got, weight.dequantize().to(torch.bfloat16))
+
+
+def test_int8_leaves_kinds_without_its_kernel_to_the_fallback_dtype() -> None:
+    # Under gemm_dtype int8, a kind the int8 GEMM does not cover (Q4_1 in the file's block
+    # order) multiplies in int8_fallback_dtype from gemm_dtype_min_rows rows: bfloat16 where
+    # the CPU does that faster (Zen 4), else float32; a covered kind runs the int8 GEMM.
+    weight = random_weight("q4_1", rows=40, cols=64, seed=12)
+    covered, uncovered = (
+        QuantizedLinear(weight=weight.interleaved()),
+        QuantizedLinear(weight=weight),
+    )
+    for layer in (covered, uncovered):
+        layer.gemm_dtype = torch.int8
+        layer.gemm_dtype_min_rows = 128
+        layer.int8_fallback_dtype = torch.bfloat16
+    assert not q8_gemm_supported(uncovered.ggml_type) and not uncovered.runs_int8_gemm(128)
+    if q8_gemm_supported(covered.ggml_type):
+        assert covered.runs_int8_gemm(128) and not covered.runs_int8_gemm(127)
+        assert covered.gemm_input_dtype(128) == torch.float32  # it quantizes its own rows
+    assert [uncovered.gemm_input_dtype(r) for r in (127, 128)] == [torch.float32, torch.bfloat16]
+    x = torch.randn(128, 64, generator=torch.Generator().manual_seed(13))
+    reference = x @ weight.dequantize().T
+    bf16 = uncovered.forward_raw(x)
+    assert bf16.dtype == torch.bfloat16
+    torch.testing.assert_close(bf16.float(), reference, atol=0.05, rtol=0.02)
+    uncovered.int8_fallback_dtype = torch.float32
+    f32 = uncovered.forward_raw(x)
+    assert f32.dtype == torch.float32
+    torch.testing.assert_close(f32, reference, atol=1e-4, rtol=1e-4)
 
 
 def test_interleaved_rows_keep_the_integer_kernel_where_a_gemm_would_be_float32() -> None:

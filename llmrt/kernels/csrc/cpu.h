@@ -113,6 +113,9 @@ struct CpuIsa {
   int level = kIsaScalar;
   bool bf16 = false;      // x86: AVX-512 BF16 (needs the avx512 register state)
   bool avx_vnni = false;  // x86: AVX-VNNI (needs the avx2 level)
+  // x86: 512-bit ops issue as two 256-bit halves (AMD family 19h: Zen 4), so a kernel's
+  // zmm form only pays where it also saves work; read from CPUID leaves 0 and 1.
+  bool zmm_halves = false;
 };
 
 #if defined(LLMRT_X86)
@@ -160,6 +163,12 @@ inline CpuIsa detect_cpu_isa() {
   if (!(zmm_state && f && dq && bw && vl)) return isa;
   isa.level = kIsaAvx512;
   if (c7 & (1u << 11)) isa.level = kIsaAvx512Vnni;
+  unsigned a0 = 0, b0 = 0, c0 = 0, d0 = 0;
+  const bool amd = __get_cpuid(0, &a0, &b0, &c0, &d0) && b0 == 0x68747541u &&
+                   d0 == 0x69746e65u && c0 == 0x444d4163u;  // "Auth" "enti" "cAMD"
+  const unsigned base_family = (a >> 8) & 0xF;
+  const unsigned family = base_family + (base_family == 0xF ? (a >> 20) & 0xFF : 0);
+  isa.zmm_halves = amd && family == 0x19;
   isa.bf16 = leaf71 && (a71 & (1u << 5));
 #elif defined(LLMRT_ARM64)
   isa.level = kIsaNeon;  // Advanced SIMD is part of every AArch64 profile Linux and macOS run
@@ -246,6 +255,7 @@ inline bool has_avx512() { return isa_level() >= kIsaAvx512; }
 inline bool has_avx512_vnni() { return isa_level() >= kIsaAvx512Vnni; }
 inline bool has_avx512_bf16() { return has_avx512() && isa_state().run.bf16; }
 inline bool has_avx_vnni() { return has_avx2() && isa_state().run.avx_vnni; }
+inline bool zmm_halves() { return isa_state().cpu.zmm_halves; }
 inline bool has_neon() { return false; }
 inline bool has_dotprod() { return false; }
 inline bool has_i8mm() { return false; }
@@ -254,6 +264,7 @@ inline bool has_avx2() { return false; }
 inline bool has_avx512() { return false; }
 inline bool has_avx512_vnni() { return false; }
 inline bool has_avx512_bf16() { return false; }
+inline bool zmm_halves() { return false; }
 inline bool has_avx_vnni() { return false; }
 #if defined(LLMRT_ARM64)
 inline bool has_neon() { return isa_level() >= kIsaNeon; }
