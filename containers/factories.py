@@ -417,7 +417,9 @@ def ttnn_weights_cache(*, recipe: Recipe) -> Path | None:
     digest = hashlib.sha256(
         "\0".join(file_digest(f, cache_dir=root) for f in files).encode()
     ).hexdigest()
-    return root / "ttnn" / f"{digest[:32]}-{recipe.device.ttnn.weight_dtype}-v{TTNN_CACHE_VERSION}"
+    return (
+        root / "ttnn" / f"{digest[:32]}-{recipe.device.ttnn.weight_dtype}-v{TTNN_CACHE_VERSION}"
+    )
 
 
 def int8_gemm_note(model: CausalLM, *, why: str, fallback: str = "float32") -> str:

@@ -349,7 +349,7 @@ class QuantizedLinear(_BlockWeightModule):
         kernel)."""
         if rows < self.gemm_min_rows:
             return False
-        if self.float_gemm_dtype() == torch.bfloat16 and rows >= self.gemm_dtype_min_rows:
+        if rows >= self.gemm_dtype_min_rows and self.float_gemm_dtype() == torch.bfloat16:
             return True
         if rows <= kquant_gemm_max_rows(self.ggml_type):
             return False  # the kernels' panel GEMM (csrc/kquant_gemm.cpp) is faster
@@ -380,7 +380,7 @@ class QuantizedLinear(_BlockWeightModule):
     def gemm_input_dtype(self, rows: int) -> torch.dtype:
         """The dtype ``rows`` activation rows are multiplied in (what ``x`` is cast to;
         float32 for the int8 GEMM, which quantizes its rows itself)."""
-        bfloat16 = self.float_gemm_dtype() == torch.bfloat16 and rows >= self.gemm_dtype_min_rows
+        bfloat16 = rows >= self.gemm_dtype_min_rows and self.float_gemm_dtype() == torch.bfloat16
         return torch.bfloat16 if bfloat16 and self.runs_gemm(rows) else torch.float32
 
     def extra_repr(self) -> str:

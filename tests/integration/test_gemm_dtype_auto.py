@@ -108,3 +108,23 @@ def test_int8_runs_the_one_level_gemm_on_a_long_prompt(
     # prompt's rows (>= 128) only; the 3-token prompt and the decode steps kept the decode
     # kernels.
     assert len(calls) >= covered - 1 and min(calls) >= 128
+
+
+def test_int8_says_what_kinds_without_its_gemm_multiply_in(
+    build: Any, lifecycle_log: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Q4 blocks in the file's order have no int8 GEMM (it multiplies interleaved blocks):
+    # on Zen 4 they multiply in bfloat16, and the warning and weights.placed say so.
+    monkeypatch.setattr("llmrt.families.layers.usable_cpu_features", lambda: ZEN4)
+    overrides = [*TINY, "checkpoint.weights=int4", "device.weight_layout=ggml"]
+    with pytest.warns(RuntimeWarning, match="its GEMMs multiply in bfloat16"):
+        runtime = build("tiny-llama", overrides=[*overrides, "device.gemm_dtype=auto"]).ready()
+    linears = quantized_linears(runtime)
+    assert linears and not any(q8_gemm_supported(m.ggml_type) for m in linears)
+    assert {m.float_gemm_dtype() for m in linears} == {torch.bfloat16}
+    (logged,) = placed_gemm_dtypes(lifecycle_log)
+    n = len(linears)
+    assert logged.startswith("int8 (")
+    assert logged.endswith(
+        f"0 of {n} block-quantized linears have the int8 GEMM, the other {n} multiply in bfloat16)"
+    )
