@@ -182,7 +182,10 @@ class Device(Protocol):
         ...
 
     def capture_trace(self, program: Callable[[], T]) -> Trace[T]:
-        """Run ``program`` once in capture mode and keep it as a replayable trace."""
+        """Run ``program`` once in capture mode and keep it as a replayable trace.
+
+        On return ``trace.outputs`` hold one run's result on the torch backends (CUDA replays
+        the recorded graph once); ttnn records without running, so replay before reading."""
         ...
 
     def execute_trace(self, trace: Trace[Any], *, blocking: bool = False) -> None:

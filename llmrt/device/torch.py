@@ -297,6 +297,10 @@ class TorchDevice:
         try:
             if self._kind == "cuda":
                 graph, outputs = self._capture_cuda(program)
+                # A CUDA graph records without running: one replay makes the outputs hold the
+                # program's result on return, as on the CPU (the port's contract).
+                with torch.cuda.device(self.torch_device):
+                    graph.replay()
             else:
                 graph, outputs = None, program()
         finally:

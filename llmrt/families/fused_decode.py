@@ -367,6 +367,9 @@ class FusedDecode:
         ok, why = kernels_available()
         if not ok:
             raise NotFusable(f"the kernels are not available ({why})")
+        placed = backbone.embed_tokens.weight.device
+        if placed.type != "cpu":
+            raise NotFusable(f"the weights are on {placed} (the fused op runs on the CPU)")
         layers: list[DecoderLayer] = list(backbone.layers)  # type: ignore[arg-type]
         built = []
         for i, layer in enumerate(layers):

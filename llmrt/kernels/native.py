@@ -127,8 +127,14 @@ def _openmp_flags() -> tuple[str, ...]:
     return ()
 
 
+#: The language level the sources need (``std::atomic::wait`` in the fused decode step's
+#: barrier), named rather than left to torch: cpp_extension passes -std=c++17 before torch
+#: 2.12 and -std=c++20 after, and the later flag wins (torch 2.11 failed to build the kernels).
+CXX_STANDARD = "-std=c++20"
+
+
 def _cflags() -> tuple[str, ...]:
-    return ("-O3", "-fno-math-errno", *_openmp_flags())
+    return (CXX_STANDARD, "-O3", "-fno-math-errno", *_openmp_flags())
 
 
 def _ldflags() -> tuple[str, ...]:
@@ -152,7 +158,8 @@ def build_directories() -> tuple[Path, ...]:
             digest.update(path.name.encode() + path.read_bytes())
     # The flags as asked for (whether the compiler takes -fopenmp is asked only when building,
     # so a load never runs the compiler).
-    digest.update(" ".join(("-O3", "-fno-math-errno", "-fopenmp", "-fopenmp")).encode())
+    asked = (CXX_STANDARD, "-O3", "-fno-math-errno", "-fopenmp", "-fopenmp")
+    digest.update(" ".join(asked).encode())
     if not _openmp_wanted():  # a build without OpenMP is another library
         digest.update(f"{OPENMP_ENV}=0".encode())
     # The compiler as named (torch's cpp_extension builds with $CXX): a gcc and a clang build

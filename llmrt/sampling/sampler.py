@@ -329,6 +329,10 @@ def apply_penalties(
     for name, counts in (("prompt_counts", prompt_counts), ("output_counts", output_counts)):
         if counts is not None:
             _check_shape(name, counts, tuple(logits.shape))
+            if counts.device != logits.device:
+                raise RequestError(
+                    name, f"must be on the logits' device {logits.device}", value=str(counts.device)
+                )
     if not tensors.any_penalties or (prompt_counts is None and output_counts is None):
         return logits
     out_seen = None if output_counts is None else output_counts > 0

@@ -745,3 +745,18 @@ def test_the_fused_step_turns_a_bad_page_table_into_a_device_error(parity_harnes
         )
     for a, b in zip(model._kv.keys, keys, strict=True):
         assert torch.equal(a, b)
+
+
+def test_the_fused_status_names_a_device_other_than_the_cpu(
+    parity_harness: Any, torch_device: str, counted_runs: list[int]
+) -> None:
+    """The status (what ``llmrt bench`` reports) never builds the CPU-only op from weights on
+    another device: it says where they are, and decoding there takes the torch ops."""
+    harness = parity_harness(config=case_config("llama-yarn-biases"), device=torch_device)
+    why = harness.model.backbone.fused_decode_status()
+    if torch_device == "cpu":
+        assert why is None
+    else:
+        assert why == f"not fused: the weights are on {torch_device} (the fused op runs on the CPU)"
+        harness.check_single_prompt()
+        assert counted_runs == []

@@ -33,6 +33,9 @@ ttnn = pytest.importorskip(
     reason=(
         f"needs the ttnn wheel, published for CPython 3.10/3.12 only (this is {_VERSION}); "
         f"run scripts/ttnn_host_tests.sh"
+        if _VERSION not in ("3.10", "3.12")
+        else "needs the ttnn wheel, not installed in this CPython "
+        f"{_VERSION}: pip install 'llmrt[tt]', or run scripts/ttnn_host_tests.sh"
     ),
 )
 

@@ -356,7 +356,13 @@ def test_bad_rows_are_rejected_before_any_kv_write(
 
 def test_prompt_over_the_page_table_capacity_is_rejected(lane: Lane) -> None:
     """A lane whose physical cache holds fewer tokens than the model's context."""
-    small = build_lane(model=lane.model, num_blocks=8, block_size=BS, max_chunk=16)
+    small = build_lane(
+        model=lane.model,
+        num_blocks=8,
+        block_size=BS,
+        max_chunk=16,
+        torch_device=str(lane.inner.torch_device),
+    )
     try:
         assert small.layout.max_sequence_length == 32
         bad = _row(n=33, block_ids=tuple(range(8)))

@@ -525,6 +525,12 @@ def test_bad_inputs_raise_request_errors_naming_them() -> None:
     with pytest.raises(RequestError, match="output_counts"):
         penal = _tensors([SamplingParams(frequency_penalty=1.0)], vocab_size=8)
         apply_penalties(torch.zeros(1, 8), tensors=penal, output_counts=torch.zeros(1, 7))
+    # counts built on the host for logits on a device: named, not a torch device-mismatch error
+    with pytest.raises(RequestError, match="prompt_counts: must be on the logits' device cpu"):
+        penal = _tensors([SamplingParams(repetition_penalty=2.0)], vocab_size=8)
+        apply_penalties(
+            torch.zeros(1, 8), tensors=penal, prompt_counts=torch.zeros(1, 8, device="meta")
+        )
 
 
 @requires_cuda

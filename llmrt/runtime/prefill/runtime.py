@@ -305,7 +305,10 @@ class PrefillRuntime:
             raw = {
                 **raw,
                 "logits": apply_penalties(
-                    raw["logits"], tensors=sampling, prompt_counts=prompt, output_counts=output
+                    raw["logits"],
+                    tensors=sampling,
+                    prompt_counts=prompt.to(raw["logits"].device),
+                    output_counts=output.to(raw["logits"].device),
                 ),
             }
         return sample_outputs(
