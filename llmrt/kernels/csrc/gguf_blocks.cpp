@@ -43,6 +43,9 @@ using llmrt_kernels::has_avx512;
 
 using llmrt_kernels::block_bytes_of;
 using llmrt_kernels::half_at;
+#if defined(LLMRT_X86)
+using llmrt_kernels::half_f16c;
+#endif
 using llmrt_kernels::kBlock;
 using llmrt_kernels::kQ4_0;
 using llmrt_kernels::kQ4_1;
@@ -302,13 +305,13 @@ void dense_rows_scalar(const float* x, int64_t ldx, int64_t rows_m, const float*
 // AVX-512 table's rounding), Q8_0 as d * q.
 template <int64_t KIND>
 LLMRT_AVX2 inline void dequant_block_avx2(const uint8_t* blk, __m256* w) {
-  const __m256 vd = _mm256_set1_ps(half_at(blk));
+  const __m256 vd = _mm256_set1_ps(half_f16c(blk));
   if constexpr (KIND == kQ8_0) {
     for (int i = 0; i < 4; ++i)
       w[i] = _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(
                                    _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 2 + 8 * i)))));
   } else {
-    const __m256 vm = KIND == kQ4_1 ? _mm256_set1_ps(half_at(blk + 2))
+    const __m256 vm = KIND == kQ4_1 ? _mm256_set1_ps(half_f16c(blk + 2))
                                     : _mm256_mul_ps(vd, _mm256_set1_ps(-8.0f));
     const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + (KIND == kQ4_1 ? 4 : 2)));
     const __m128i low = _mm_set1_epi8(15);

@@ -42,6 +42,9 @@ using llmrt_kernels::block_bytes_of;
 using llmrt_kernels::BlockRef;
 using llmrt_kernels::group_of;
 using llmrt_kernels::half_at;
+#if defined(LLMRT_X86)
+using llmrt_kernels::half_f16c;
+#endif
 using llmrt_kernels::kBlock;
 using llmrt_kernels::kQ4_0;
 using llmrt_kernels::kQ4_1;
@@ -784,7 +787,7 @@ LLMRT_AVX2 void q8_rows_m1_avx2(const uint8_t* prep, const uint8_t* row, int64_t
     const uint8_t* p = prep + full * kGroupPrep;
     for (int r = 0; r < R; ++r) {
       const uint8_t* o = row + r * row_bytes + full * 68;
-      q8_block_avx2(q8_widen(o), _mm256_set1_ps(half_at(o + 32)), p, 0, acc[r]);
+      q8_block_avx2(q8_widen(o), _mm256_set1_ps(half_f16c(o + 32)), p, 0, acc[r]);
     }
   }
 #pragma GCC unroll 8
@@ -814,7 +817,7 @@ LLMRT_AVX2 void q8_tile_avx2(const uint8_t* prep, int64_t prep_stride, const uin
       const uint8_t* o = row + gi * 2 * 34;
       for (int64_t i = 0; i < c; ++i) {
         const Q8Wide wq = q8_widen(o + 32 * i);
-        const __m256 d = _mm256_set1_ps(half_at(o + 32 * c + 2 * i));
+        const __m256 d = _mm256_set1_ps(half_f16c(o + 32 * c + 2 * i));
         for (int r = 0; r < MT; ++r)
           q8_block_avx2(wq, d, prep + r * prep_stride + gi * kGroupPrep, i, acc[r]);
       }

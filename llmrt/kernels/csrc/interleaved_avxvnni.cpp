@@ -211,7 +211,7 @@ LLMRT_AVX_VNNI void q8_tile(const uint8_t* prep, int64_t prep_stride, const uint
       for (int64_t i = 0; i < c; ++i) {
         const __m256i q = _mm256_xor_si256(load256(o + 32 * i), flip);
         const __m256i aq = _mm256_abs_epi8(q);
-        const __m256 d = _mm256_set1_ps(half_at(o + 32 * c + 2 * i));
+        const __m256 d = _mm256_set1_ps(half_f16c(o + 32 * c + 2 * i));
         for (int r = 0; r < MT; ++r) {
           const uint8_t* p = prep + r * prep_stride + gi * kGroupPrep;
           const __m256i ih = _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), aq,

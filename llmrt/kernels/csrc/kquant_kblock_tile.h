@@ -33,7 +33,7 @@ KB_TARGET void row_tile_kblock(const KBlock* px, int64_t nb, const uint8_t* row,
       }
       mnf0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(sc8));
       mnf1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(sc8, 8)));
-      dw = half_at(blk + 208);
+      dw = half_f16c(blk + 208);
       dm = 32.0f * dw;
     } else {
       alignas(16) uint8_t sm[16];
@@ -46,8 +46,8 @@ KB_TARGET void row_tile_kblock(const KBlock* px, int64_t nb, const uint8_t* row,
       }
       mnf0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(v, 8)));
       mnf1 = _mm256_setzero_ps();
-      dw = half_at(blk);
-      dm = half_at(blk + 2);
+      dw = half_f16c(blk);
+      dm = half_f16c(blk + 2);
     }
     // The block's quants, two groups per 32-byte load where the bytes give them so.
     __m256i q[8];

@@ -49,6 +49,9 @@
 namespace {
 
 using llmrt_kernels::half_at;
+#if defined(LLMRT_X86)
+using llmrt_kernels::half_f16c;
+#endif
 using llmrt_kernels::kBF16;
 using llmrt_kernels::kF16;
 using llmrt_kernels::kQ4_K;
@@ -297,12 +300,12 @@ LLMRT_AVX2 void row_tile_q5_avx2(const PGroup* px, int64_t groups, const uint8_t
   }
   for (int64_t b = 0; b < nb; ++b) {
     const uint8_t* blk = row + b * bb;
-    const float d = half_at(blk);
+    const float d = half_f16c(blk);
     const uint8_t* p5 = blk + (KIND == kQ5_1 ? 4 : 2);
     uint32_t qh;
     std::memcpy(&qh, p5, 4);
     const __m256i qw = q5_bytes_avx2(p5 + 4, qh);
-    const float off = KIND == kQ5_1 ? -half_at(blk + 2) : 16.0f * d;  // b = d * 16 or -m
+    const float off = KIND == kQ5_1 ? -half_f16c(blk + 2) : 16.0f * d;  // b = d * 16 or -m
     for (int r = 0; r < RT; ++r) {
       const PGroup& p = px[r * groups + b];
       const __m256i iv = two_level_dot_avx2(qw, p, ones);
@@ -629,7 +632,7 @@ LLMRT_VNNI inline void kquant_scales_vnni(const uint8_t* blk, __m512 a[4], __m51
   if constexpr (KIND == kQ6_K) {
     const __m128i sc = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 192));
     a16 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(sc)),
-                        _mm512_set1_ps(half_at(blk + 208)));
+                        _mm512_set1_ps(half_f16c(blk + 208)));
     b = _mm512_mul_ps(a16, _mm512_set1_ps(32.0f));
   } else {
     // The eight 6-bit (scale, min) pairs of scale_min_k4, four per 32-bit word.
@@ -642,9 +645,9 @@ LLMRT_VNNI inline void kquant_scales_vnni(const uint8_t* blk, __m512 a[4], __m51
                                      static_cast<int>(mn_lo), static_cast<int>(mn_hi));
     const __m512 f = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(v));  // sc 0-7, mn 8-15
     const __m512i dup = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
-    a16 = _mm512_mul_ps(_mm512_permutexvar_ps(dup, f), _mm512_set1_ps(half_at(blk)));
+    a16 = _mm512_mul_ps(_mm512_permutexvar_ps(dup, f), _mm512_set1_ps(half_f16c(blk)));
     b = _mm512_mul_ps(_mm512_permutexvar_ps(_mm512_add_epi32(dup, _mm512_set1_epi32(8)), f),
-                      _mm512_set1_ps(half_at(blk + 2)));
+                      _mm512_set1_ps(half_f16c(blk + 2)));
   }
   const __m512i quad = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1);
   for (int j = 0; j < 4; ++j) {
