@@ -179,6 +179,14 @@ def load_kernels() -> Path:
     candidates = build_directories()
     for directory in candidates:
         library = directory / f"{LIBRARY}.so"
+        if library.is_file() and _openmp_arrived(directory):
+            # Built without OpenMP when the compiler lacked it, which it now has (libomp-dev
+            # installed since): the directory's name does not say, so rebuild it in place.
+            library.unlink()
+            (directory / WITHOUT_OPENMP).unlink(missing_ok=True)
+            _build(directory)
+            _register_fakes()
+            return directory
         if library.is_file():
             try:
                 torch.ops.load_library(str(library))
@@ -192,6 +200,24 @@ def load_kernels() -> Path:
     _register_fakes()
     prune_builds(directory.parent, keep=directory)
     return directory
+
+
+#: Marks a build made without OpenMP because the compiler did not take ``-fopenmp`` (not by
+#: ``LLMRT_KERNELS_OPENMP=0``, which names its own directory): a build directory is named
+#: before the compiler is asked (so loading never runs it), so this is how a later load learns
+#: to ask again.
+WITHOUT_OPENMP = "built-without-openmp"
+
+
+def _openmp_arrived(directory: Path) -> bool:
+    """Whether ``directory`` holds a fallback build without OpenMP that the compiler could now
+    build with it (asked once per process, only where such a build is found)."""
+    return (
+        (directory / WITHOUT_OPENMP).is_file()
+        and _openmp_wanted()
+        and _writable(directory)
+        and bool(_openmp_flags())
+    )
 
 
 def _touch(directory: Path) -> None:
@@ -415,6 +441,8 @@ def _build(directory: Path) -> None:
             f"building the CPU kernels in {directory} failed (needs a C++ compiler and "
             f"ninja; scripts/setup.sh builds them): {exc}"
         ) from exc
+    if _openmp_wanted() and not _openmp_flags():
+        (directory / WITHOUT_OPENMP).write_text(f"{_compiler()} did not take -fopenmp\n")
 
 
 def _register_fakes() -> None:

@@ -107,3 +107,47 @@ def test_the_openmp_switch_names_its_own_build_and_rejects_other_values(
     monkeypatch.setenv(OPENMP_ENV, "off")
     with pytest.raises(ConfigError, match=OPENMP_ENV):
         build_directories()
+
+
+@pytest.mark.parametrize("compiler_has_openmp", [True, False])
+def test_a_build_made_without_openmp_is_rebuilt_once_the_compiler_has_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, compiler_has_openmp: bool
+) -> None:
+    """A fallback build (the compiler lacked -fopenmp: clang before libomp-dev) sits in the
+    directory a build with OpenMP would use; a later load asks the compiler again and rebuilds
+    there only if it now takes -fopenmp. ``_build`` is the real one up to the compiler run:
+    its marker is what the load reads."""
+    from llmrt.kernels import native
+
+    directory = tmp_path / "build"
+    built: list[Path] = []
+    loaded: list[str] = []
+    flags = ["-fopenmp"] if compiler_has_openmp else []
+
+    class FakeExtension:
+        @staticmethod
+        def load(*, build_directory: str, **_: object) -> None:
+            built.append(Path(build_directory))
+            (Path(build_directory) / f"{LIBRARY}.so").write_bytes(b"lib")
+
+    monkeypatch.setenv(OPENMP_ENV, "1")
+    monkeypatch.setattr(native, "build_directories", lambda: (directory,))
+    monkeypatch.setattr(native, "pin_torch_isa", lambda: None)
+    monkeypatch.setattr(native, "_register_fakes", lambda: None)
+    monkeypatch.setattr(native, "prune_builds", lambda *a, **k: [])
+    monkeypatch.setattr(native, "_touch", lambda d: None)
+    monkeypatch.setattr(torch.ops, "load_library", loaded.append)
+    monkeypatch.setattr("torch.utils.cpp_extension.load", FakeExtension.load)
+    # The first build: the compiler has no OpenMP, so the library is marked.
+    monkeypatch.setattr(native, "_openmp_flags", lambda: ())
+    assert native.load_kernels.__wrapped__() == directory
+    assert built == [directory] and (directory / native.WITHOUT_OPENMP).is_file()
+    # A later process: the compiler asked again.
+    monkeypatch.setattr(native, "_openmp_flags", lambda: tuple(flags))
+    assert native.load_kernels.__wrapped__() == directory
+    if compiler_has_openmp:
+        assert built == [directory, directory] and loaded == []
+        assert not (directory / native.WITHOUT_OPENMP).exists()
+    else:
+        assert built == [directory] and loaded == [str(directory / f"{LIBRARY}.so")]
+        assert (directory / native.WITHOUT_OPENMP).is_file()
