@@ -185,7 +185,8 @@ class Device(Protocol):
         """Run ``program`` once in capture mode and keep it as a replayable trace.
 
         On return ``trace.outputs`` hold one run's result on the torch backends (CUDA replays
-        the recorded graph once); ttnn records without running, so replay before reading."""
+        the recorded graph once, so in stream order: ``read`` waits for it); ttnn records
+        without running, so replay before reading."""
         ...
 
     def execute_trace(self, trace: Trace[Any], *, blocking: bool = False) -> None:

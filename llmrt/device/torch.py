@@ -299,8 +299,13 @@ class TorchDevice:
                 graph, outputs = self._capture_cuda(program)
                 # A CUDA graph records without running: one replay makes the outputs hold the
                 # program's result on return, as on the CPU (the port's contract).
-                with torch.cuda.device(self.torch_device):
-                    graph.replay()
+                try:
+                    with torch.cuda.device(self.torch_device):
+                        graph.replay()
+                except BaseException:
+                    with contextlib.suppress(Exception):
+                        graph.reset()  # a failed first replay frees the graph, as a failed capture
+                    raise
             else:
                 graph, outputs = None, program()
         finally:

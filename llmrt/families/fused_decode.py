@@ -364,12 +364,12 @@ class FusedDecode:
     @classmethod
     def build(cls, backbone: FusableBackbone) -> FusedDecode:
         """Every part's arguments, or ``NotFusable`` naming the first part that is not."""
+        placed = backbone.embed_tokens.weight.device
+        if placed.type != "cpu":  # asked first: no kernel build for a model that cannot use it
+            raise NotFusable(f"the weights are on {placed} (the fused op runs on the CPU)")
         ok, why = kernels_available()
         if not ok:
             raise NotFusable(f"the kernels are not available ({why})")
-        placed = backbone.embed_tokens.weight.device
-        if placed.type != "cpu":
-            raise NotFusable(f"the weights are on {placed} (the fused op runs on the CPU)")
         layers: list[DecoderLayer] = list(backbone.layers)  # type: ignore[arg-type]
         built = []
         for i, layer in enumerate(layers):

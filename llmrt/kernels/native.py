@@ -6,7 +6,8 @@ The C++ sources (``csrc/``: block and dense linear kernels, the fused decode lay
 flags, torch version and Python ABI: next to this
 module (``_build/``, where ``scripts/setup.sh`` builds it at install time), or, when that is
 not writable, under the cache dir (``$LLMRT_CACHE_DIR/kernels/``). A load that finds the
-shared library skips the compiler. A machine without a compiler gets a
+shared library skips the compiler (except, at most once a day, to ask whether a compiler that
+lacked OpenMP has it now: ``WITHOUT_OPENMP``). A machine without a compiler gets a
 ``KernelUnavailableError`` saying why, which the container turns into a ``ConfigError``
 naming ``checkpoint.weights``; float recipes never need the kernels.
 """
@@ -22,6 +23,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
 from pathlib import Path
 from types import ModuleType
@@ -156,8 +158,8 @@ def build_directories() -> tuple[Path, ...]:
     for path in sorted(_CSRC.iterdir()):
         if path.suffix in (".cpp", ".h"):
             digest.update(path.name.encode() + path.read_bytes())
-    # The flags as asked for (whether the compiler takes -fopenmp is asked only when building,
-    # so a load never runs the compiler).
+    # The flags as asked for (whether the compiler takes -fopenmp is asked when building, so a
+    # load does not run the compiler; a build it refused is marked instead: WITHOUT_OPENMP).
     asked = (CXX_STANDARD, "-O3", "-fno-math-errno", "-fopenmp", "-fopenmp")
     digest.update(" ".join(asked).encode())
     if not _openmp_wanted():  # a build without OpenMP is another library
@@ -182,8 +184,7 @@ def load_kernels() -> Path:
         if library.is_file() and _openmp_arrived(directory):
             # Built without OpenMP when the compiler lacked it, which it now has (libomp-dev
             # installed since): the directory's name does not say, so rebuild it in place.
-            library.unlink()
-            (directory / WITHOUT_OPENMP).unlink(missing_ok=True)
+            library.unlink(missing_ok=True)  # another process may be rebuilding it too
             _build(directory)
             _register_fakes()
             return directory
@@ -204,20 +205,33 @@ def load_kernels() -> Path:
 
 #: Marks a build made without OpenMP because the compiler did not take ``-fopenmp`` (not by
 #: ``LLMRT_KERNELS_OPENMP=0``, which names its own directory): a build directory is named
-#: before the compiler is asked (so loading never runs it), so this is how a later load learns
-#: to ask again.
+#: before the compiler is asked (so loading does not run it), so this is how a later load
+#: learns to ask again (clang before and after ``libomp-dev``).
 WITHOUT_OPENMP = "built-without-openmp"
+
+#: How often a load asks the compiler again about a marked build (the marker's age): once a
+#: day, not every process, where the answer stays no (Apple clang) — a probe runs the compiler.
+REPROBE_OPENMP_S = 24 * 3600
 
 
 def _openmp_arrived(directory: Path) -> bool:
     """Whether ``directory`` holds a fallback build without OpenMP that the compiler could now
-    build with it (asked once per process, only where such a build is found)."""
-    return (
-        (directory / WITHOUT_OPENMP).is_file()
-        and _openmp_wanted()
-        and _writable(directory)
-        and bool(_openmp_flags())
-    )
+    build with it. Asked only where such a build is found and its marker is older than
+    ``REPROBE_OPENMP_S``; a no renews the marker, silently (the build warned already)."""
+    marker = directory / WITHOUT_OPENMP
+    try:
+        age = time.time() - marker.stat().st_mtime
+    except OSError:
+        return False
+    if age < REPROBE_OPENMP_S or not _openmp_wanted() or not _writable(directory):
+        return False
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        arrived = bool(_openmp_flags())
+    if not arrived:
+        with contextlib.suppress(OSError):
+            marker.touch()
+    return arrived
 
 
 def _touch(directory: Path) -> None:
@@ -441,8 +455,11 @@ def _build(directory: Path) -> None:
             f"building the CPU kernels in {directory} failed (needs a C++ compiler and "
             f"ninja; scripts/setup.sh builds them): {exc}"
         ) from exc
+    marker = directory / WITHOUT_OPENMP
     if _openmp_wanted() and not _openmp_flags():
-        (directory / WITHOUT_OPENMP).write_text(f"{_compiler()} did not take -fopenmp\n")
+        marker.write_text(f"{_compiler()} did not take -fopenmp\n")
+    else:
+        marker.unlink(missing_ok=True)
 
 
 def _register_fakes() -> None:

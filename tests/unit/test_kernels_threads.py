@@ -142,12 +142,23 @@ def test_a_build_made_without_openmp_is_rebuilt_once_the_compiler_has_it(
     monkeypatch.setattr(native, "_openmp_flags", lambda: ())
     assert native.load_kernels.__wrapped__() == directory
     assert built == [directory] and (directory / native.WITHOUT_OPENMP).is_file()
-    # A later process: the compiler asked again.
+    marker = directory / native.WITHOUT_OPENMP
+
+    def not_asked() -> tuple[str, ...]:
+        raise AssertionError("a fresh marker must not run the compiler")
+
+    # A later process within the day: the marked build is loaded without asking.
+    monkeypatch.setattr(native, "_openmp_flags", not_asked)
+    assert native.load_kernels.__wrapped__() == directory
+    assert built == [directory] and loaded == [str(directory / f"{LIBRARY}.so")]
+    # A day later: the compiler is asked again.
+    old = marker.stat().st_mtime - native.REPROBE_OPENMP_S - 60
+    os.utime(marker, (old, old))
     monkeypatch.setattr(native, "_openmp_flags", lambda: tuple(flags))
     assert native.load_kernels.__wrapped__() == directory
-    if compiler_has_openmp:
-        assert built == [directory, directory] and loaded == []
-        assert not (directory / native.WITHOUT_OPENMP).exists()
-    else:
-        assert built == [directory] and loaded == [str(directory / f"{LIBRARY}.so")]
-        assert (directory / native.WITHOUT_OPENMP).is_file()
+    if compiler_has_openmp:  # rebuilt with it, unmarked
+        assert built == [directory, directory] and len(loaded) == 1
+        assert not marker.exists()
+    else:  # still without: loaded as it is, the marker renewed
+        assert built == [directory] and len(loaded) == 2
+        assert marker.stat().st_mtime > old + native.REPROBE_OPENMP_S

@@ -8,7 +8,7 @@
 #include <cstdint>
 #include <cstring>
 
-#if defined(__x86_64__) || defined(_M_X64)
+#if defined(__x86_64__) || defined(__i386__) || defined(_M_X64)
 #include <immintrin.h>
 #endif
 
@@ -31,7 +31,7 @@ inline float half_at(const uint8_t* p) {
   return static_cast<float>(c10::Half(bits, c10::Half::from_bits()));
 }
 
-#if defined(__x86_64__) || defined(_M_X64)
+#if defined(__x86_64__) || defined(__i386__) || defined(_M_X64)
 // half_at in one vcvtph2ps, for x86 kernels compiled for AVX2 and up (all include F16C).
 // half_at's portable conversion (c10::Half, ~10 integer and float ops) measured ~1.4 ns per
 // Q4_K block and weight row in the batch-1 K-quant GEMV, ~10% of it (one thread, AVX2).
