@@ -300,10 +300,9 @@ def build_model(
             device=torch_device,
             dtype=dtype,
         )
+        quantized = recipe.checkpoint.weight_format in QUANTIZED_FORMATS
         gemm_dtype, gemm_why = resolve_gemm_dtype(
-            recipe.device.gemm_dtype,
-            device=torch_device,
-            quantized=recipe.checkpoint.weight_format in QUANTIZED_FORMATS,
+            recipe.device.gemm_dtype, device=torch_device, quantized=quantized
         )
         int8_fallback = int8_fallback_dtype() if gemm_dtype == "int8" else "float32"
         if gemm_dtype != "float32":
@@ -313,7 +312,6 @@ def build_model(
                 min_rows=recipe.device.gemm_dtype_min_rows,
                 int8_fallback=int8_fallback,
             )
-        quantized = recipe.checkpoint.weight_format in QUANTIZED_FORMATS
         repacking = progress_step("repacking weights for the CPU kernels") if quantized else None
         with repacking or contextlib.nullcontext():
             select_weight_layout(

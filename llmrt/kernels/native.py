@@ -183,11 +183,9 @@ def load_kernels() -> Path:
         library = directory / f"{LIBRARY}.so"
         if library.is_file() and _openmp_arrived(directory):
             # Built without OpenMP when the compiler lacked it, which it now has (libomp-dev
-            # installed since): the directory's name does not say, so rebuild it in place.
+            # installed since): the directory's name does not say, so build again below.
             library.unlink(missing_ok=True)  # another process may be rebuilding it too
-            _build(directory)
-            _register_fakes()
-            return directory
+            break
         if library.is_file():
             try:
                 torch.ops.load_library(str(library))

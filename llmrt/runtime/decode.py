@@ -621,13 +621,13 @@ class DecodeRuntime:
         logits = raw["logits"]
         if sampling.any_penalties and history is not None:
             prompt, output = history_counts(
-                history, batch=prepared.signature.batch_size, vocab_size=self.config.vocab_size
+                history,
+                batch=prepared.signature.batch_size,
+                vocab_size=self.config.vocab_size,
+                device=logits.device,
             )
             logits = apply_penalties(
-                logits,
-                tensors=sampling,
-                prompt_counts=prompt.to(logits.device),
-                output_counts=output.to(logits.device),
+                logits, tensors=sampling, prompt_counts=prompt, output_counts=output
             )
         return sample_outputs(
             {"logits": logits},

@@ -106,7 +106,7 @@ void linear_rows_scalar(const float* x, int64_t ldx, int64_t rows_m, const uint8
 // no int-to-float conversion, and the values are exactly d * q + m rounded once.
 template <int64_t KIND>
 LLMRT_AVX512 inline void dequant_block_avx512(const uint8_t* blk, __m512& w0, __m512& w1) {
-  const __m512 vd = _mm512_set1_ps(_cvtsh_ss(*reinterpret_cast<const uint16_t*>(blk)));
+  const __m512 vd = _mm512_set1_ps(half_f16c(blk));
   if constexpr (KIND == kQ8_0) {
     const __m128i q0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 2));
     const __m128i q1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk + 18));
@@ -116,7 +116,7 @@ LLMRT_AVX512 inline void dequant_block_avx512(const uint8_t* blk, __m512& w0, __
     __m512 vm;
     const uint8_t* qs;
     if constexpr (KIND == kQ4_1) {
-      vm = _mm512_set1_ps(_cvtsh_ss(*reinterpret_cast<const uint16_t*>(blk + 2)));
+      vm = _mm512_set1_ps(half_f16c(blk + 2));
       qs = blk + 4;
     } else {
       vm = _mm512_mul_ps(vd, _mm512_set1_ps(-8.0f));

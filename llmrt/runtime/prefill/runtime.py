@@ -301,14 +301,12 @@ class PrefillRuntime:
                 [history[src] for src in prepared.request.source_rows],
                 batch=prepared.request.padded_batch_size,
                 vocab_size=self.config.vocab_size,
+                device=raw["logits"].device,
             )
             raw = {
                 **raw,
                 "logits": apply_penalties(
-                    raw["logits"],
-                    tensors=sampling,
-                    prompt_counts=prompt.to(raw["logits"].device),
-                    output_counts=output.to(raw["logits"].device),
+                    raw["logits"], tensors=sampling, prompt_counts=prompt, output_counts=output
                 ),
             }
         return sample_outputs(

@@ -73,22 +73,29 @@ def request_tensors(
 
 
 def history_counts(
-    histories: Sequence[tuple[Sequence[int], Sequence[int]]], *, batch: int, vocab_size: int
+    histories: Sequence[tuple[Sequence[int], Sequence[int]]],
+    *,
+    batch: int,
+    vocab_size: int,
+    device: torch.device,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Prompt and output token counts ``[batch, vocab]`` of each row's ``(prompt, output)``
-    history; rows past ``histories`` (padding) count nothing."""
+    history, on ``device`` (the logits'); rows past ``histories`` (padding) count nothing."""
     rows = [*histories, *([((), ())] * (batch - len(histories)))]
     return (
-        counts_of([prompt for prompt, _ in rows], vocab_size=vocab_size),
-        counts_of([output for _, output in rows], vocab_size=vocab_size),
+        counts_of([prompt for prompt, _ in rows], vocab_size=vocab_size, device=device),
+        counts_of([output for _, output in rows], vocab_size=vocab_size, device=device),
     )
 
 
-def counts_of(rows: Sequence[Sequence[int]], *, vocab_size: int) -> torch.Tensor:
-    """Per-row token occurrence counts ``[len(rows), vocab]`` (for penalties)."""
+def counts_of(
+    rows: Sequence[Sequence[int]], *, vocab_size: int, device: torch.device
+) -> torch.Tensor:
+    """Per-row token occurrence counts ``[len(rows), vocab]`` on ``device`` (for penalties):
+    the ids go there, so the ``[rows, vocab]`` counts are made there, not copied."""
     width = max(1, max((len(r) for r in rows), default=0))
     ids = torch.full((len(rows), width), -1, dtype=torch.int64)
     for i, r in enumerate(rows):
         if len(r):
             ids[i, : len(r)] = torch.as_tensor(list(r), dtype=torch.int64)
-    return token_counts(ids, vocab_size=vocab_size)
+    return token_counts(ids.to(device), vocab_size=vocab_size)
