@@ -43,6 +43,7 @@ from llmrt.families.layers import (
 )
 from llmrt.families.prefill_attention import select_attention_kernel
 from llmrt.families.registry import check_family_backend
+from llmrt.kernels.file_pages import release_file_pages
 from llmrt.kernels.formats import QUANTIZED_FORMATS, QuantizedWeight, dequantized
 from llmrt.kernels.native import require_kernels
 from llmrt.lifecycle.events import component_logger, emit, object_id
@@ -415,9 +416,7 @@ def ttnn_weights_cache(*, recipe: Recipe) -> Path | None:
     digest = hashlib.sha256(
         "\0".join(file_digest(f, cache_dir=root) for f in files).encode()
     ).hexdigest()
-    return (
-        root / "ttnn" / f"{digest[:32]}-{recipe.device.ttnn.weight_dtype}-v{TTNN_CACHE_VERSION}"
-    )
+    return root / "ttnn" / f"{digest[:32]}-{recipe.device.ttnn.weight_dtype}-v{TTNN_CACHE_VERSION}"
 
 
 def int8_gemm_note(model: CausalLM, *, why: str, fallback: str = "float32") -> str:
@@ -467,6 +466,7 @@ def place_weights(
         fields = place_module_weights(
             model,  # type: ignore[arg-type]
             followers=followers,
+            give_back=release_file_pages,
         ).log_fields()
     else:
         fields = {"weights_on_huge_pages": f"off ({why_not})"}

@@ -367,7 +367,12 @@ class StackedWeight:
         views, sources = [], []
         for p, offset in zip(parts, offsets, strict=True):
             row_bytes = int(p.blocks.shape[1])
-            view = flat[offset : offset + p.nbytes].view(p.shape[0], row_bytes)
+            # Made with set_, not by slicing: a slice is an autograd view that holds ``blob``
+            # itself as its base, and rebinding it later (the weight placement's set_) keeps
+            # that base, so the whole blob stayed resident beside its placed copy.
+            view = torch.empty(0, dtype=torch.uint8).set_(
+                blob.untyped_storage(), offset, (p.shape[0], row_bytes), (row_bytes, 1)
+            )
             copy_blocks(view, p.blocks)
             sources.append(_moved_into(p.blocks, blob, offset))
             views.append(attrs.evolve(p, blocks=view))
@@ -379,17 +384,22 @@ class StackedWeight:
         self, *, offsets: list[int], shape: tuple[int, int], head: torch.Tensor
     ) -> torch.Tensor | None:
         """The blob the parts already view when they are packed as ``packed`` would pack
-        them (one storage of ``shape``, each part at its offset, the header written), else
-        None: packing packed parts copies nothing."""
+        them (``shape`` bytes of one storage, each part at its offset, the header written),
+        else None: packing packed parts copies nothing. The blob may lie inside a larger
+        storage: the weight placement (``device.huge_pages``) moves every storage of a model
+        into one mapping, and a second blob made there doubled the fused weight's bytes."""
+        if self.parts[0].device.type != "cpu":
+            return None
         storage = self.parts[0].blocks.untyped_storage()
-        base = storage.data_ptr()
-        if storage.nbytes() != shape[0] * shape[1] or self.parts[0].device.type != "cpu":
+        start = self.parts[0].blocks.data_ptr() - offsets[0]  # where the blob would begin
+        begin = start - storage.data_ptr()
+        if begin < 0 or begin + shape[0] * shape[1] > storage.nbytes():
             return None
         for p, offset in zip(self.parts, offsets, strict=True):
             if (
-                p.blocks.untyped_storage().data_ptr() != base
-                or p.blocks.data_ptr() != base + offset
+                p.blocks.untyped_storage().data_ptr() != storage.data_ptr()
+                or p.blocks.data_ptr() != start + offset
             ):
                 return None
-        blob = torch.empty(0, dtype=torch.uint8).set_(storage, 0, shape, (shape[1], 1))
+        blob = torch.empty(0, dtype=torch.uint8).set_(storage, begin, shape, (shape[1], 1))
         return blob if torch.equal(blob.view(-1)[: head.numel()], head) else None

@@ -5,7 +5,10 @@ shape, strides, dtype, class and ``requires_grad``; tensors that shared a storag
 one (a tied weight, a view); the tensor objects themselves are rebound (so a checkpoint that
 holds them sees the move); all of them end up in one mapping that carries the kernel's
 huge-page advice (``hg`` in its ``VmFlags``); a second call moves nothing; the advice is
-refused with a reason when the system disables transparent huge pages.
+refused with a reason when the system disables transparent huge pages. What was copied is given
+back as the copy goes (resident memory, read from the kernel: ``VmHWM`` / ``statm``): the
+placement never holds all of its sources beside all of the copy, and leaves neither the freed
+heap, nor the sources' file pages, nor a view's old base resident.
 """
 
 from __future__ import annotations
@@ -14,11 +17,17 @@ import gc
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from llmrt.device import huge_pages
+from llmrt.device.host_memory import retain_freed_memory, trim_freed_memory
 from llmrt.device.huge_pages import huge_pages_unavailable, place_module_weights
+from llmrt.kernels.file_pages import release_file_pages
+from llmrt.weights.mapped_pages import mapping_usage
+
+MIB = 1 << 20
 
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux THP")
 
@@ -198,3 +207,107 @@ def test_a_cpu_device_advises_its_large_allocations_when_asked(huge: bool) -> No
         small = owner.allocate(shape=(8,), dtype=torch.float32)  # below the mapping size
         assert torch.count_nonzero(small) == 0
         owner.deallocate(small)
+
+
+def resident() -> int:
+    """This process's resident bytes now."""
+    return int(Path("/proc/self/statm").read_text().split()[1]) * 4096
+
+
+def peak_since_reset() -> int | None:
+    """Resets the kernel's resident high-water mark (``clear_refs`` 5) and returns a reader
+    of it, or None where that is not allowed."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        return None
+    return 0
+
+
+def high_water() -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM in /proc/self/status")
+
+
+needs_placement = [
+    linux_only,
+    pytest.mark.skipif(huge_pages_unavailable() is not None, reason=str(huge_pages_unavailable())),
+]
+
+
+def _heap_module(count: int, each: int) -> torch.nn.Module:
+    module = torch.nn.Module()
+    for i in range(count):
+        module.register_buffer(f"b{i}", torch.full((each // 4,), float(i)))  # resident
+    return module
+
+
+@needs_placement[0]
+@needs_placement[1]
+def test_the_placement_gives_back_its_heap_sources_as_it_copies(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """96 MiB in six 16 MiB heap buffers (kept by the C library once freed, as on every CPU
+    device: ``retain_freed_memory``): resident memory never rises more than one give-back
+    step and one buffer above its start, and ends where it started."""
+    assert retain_freed_memory() is None or pytest.skip("glibc's mallopt is unavailable")
+    monkeypatch.setattr(huge_pages, "GIVE_BACK_BYTES", 32 * MIB)
+    module = _heap_module(6, 16 * MIB)
+    gc.collect()
+    trim_freed_memory()
+    before = resident()
+    if peak_since_reset() is None:
+        pytest.skip("/proc/self/clear_refs is not writable")
+    placement = place_module_weights(module)
+    peak, after = high_water(), resident()
+    assert placement.storages == 6
+    for i in range(6):
+        assert bool((getattr(module, f"b{i}") == float(i)).all())
+    assert peak - before <= (32 + 16 + 16) * MIB, f"peak +{(peak - before) / MIB:.0f} MiB"
+    assert after - before <= 16 * MIB, f"ended +{(after - before) / MIB:.0f} MiB"
+
+
+@needs_placement[0]
+@needs_placement[1]
+def test_the_placement_gives_back_the_file_pages_it_copied(tmp_path: Path) -> None:
+    """A weight read from a file mapping: once placed, none of its file pages stay
+    resident (``give_back``), and the placed copy reads the file's bytes."""
+    data = np.random.default_rng(0).integers(0, 256, 24 * MIB, dtype=np.uint8)
+    path = tmp_path / "weights.bin"
+    path.write_bytes(data.tobytes())
+    mapped = np.memmap(path, mode="c", dtype=np.uint8)  # private, clean: file pages
+    module = torch.nn.Module()
+    module.register_buffer("w", torch.from_numpy(mapped))
+    assert int(module.w[::4096].sum()) >= 0  # fault every page in
+    address = mapped.ctypes.data // 4096 * 4096
+    usage = mapping_usage(address)
+    if usage is None:
+        pytest.skip("/proc/self/smaps is unreadable")
+    assert usage["Rss"] >= 20 * MIB
+    place_module_weights(module, give_back=release_file_pages)
+    usage = mapping_usage(address)
+    assert usage is not None and usage["Rss"] <= 64 * 1024, usage
+    assert np.array_equal(module.w.numpy(), data)
+
+
+@needs_placement[0]
+@needs_placement[1]
+def test_a_placed_view_does_not_keep_its_old_base_resident() -> None:
+    """Buffers sliced from one 64 MiB tensor (autograd views of it): after the placement the
+    old 64 MiB are freed, though the views' base was never a buffer itself."""
+    whole = torch.arange(
+        16 * MIB, dtype=torch.float32
+    )  # 64 MiB: its own mapping, unmapped when freed
+    module = torch.nn.Module()
+    module.register_buffer("head", whole[: 4 * MIB])
+    module.register_buffer("tail", whole[4 * MIB :])
+    del whole
+    gc.collect()
+    before = resident()
+    place_module_weights(module)
+    gc.collect()
+    assert resident() - before <= 16 * MIB, f"+{(resident() - before) / MIB:.0f} MiB"
+    assert int(module.head[-1]) == 4 * MIB - 1 and int(module.tail[0]) == 4 * MIB
+    assert module.tail.data_ptr() == module.head.data_ptr() + 16 * MIB

@@ -123,3 +123,33 @@ def test_packing_packed_parts_copies_nothing() -> None:
     assert again.data_ptr() == blob.data_ptr() and code_again == code and same is viewed
     assert torch.equal(viewed.dequantize(), expected)
     assert torch.equal(stacked.dequantize(), expected)  # the old parts read the blob too
+
+
+def test_packed_parts_found_inside_a_larger_storage_are_not_copied_again() -> None:
+    """The weight placement moves every storage of a model into one mapping; packing its
+    parts again there finds the blob where it was moved (the same bytes) instead of a copy."""
+    rng = np.random.default_rng(2)
+    parts = []
+    for kind, per, rows in (("q4_k", 144, 8), ("q6_k", 210, 4)):
+        raw = rng.integers(0, 256, (rows, per), dtype=np.uint8)
+        raw[:, (1 if kind == "q4_k" else 209)] = 0
+        parts.append(QuantizedWeight(kind=kind, shape=(rows, 256), blocks=torch.from_numpy(raw)))
+    blob, code, viewed = StackedWeight(parts=tuple(parts)).packed()
+    expected = viewed.dequantize()
+    arena = torch.zeros(blob.numel() + 4096, dtype=torch.uint8)
+    at = 1024  # the blob at an offset of a larger storage, as the placement leaves it
+    arena[at : at + blob.numel()] = blob.view(-1)
+    for part in viewed.parts:
+        offset = part.blocks.data_ptr() - blob.data_ptr()
+        part.blocks.set_(
+            arena.untyped_storage(), at + offset, part.blocks.size(), part.blocks.stride()
+        )
+    again, code_again, same = viewed.packed()
+    assert again.untyped_storage().data_ptr() == arena.untyped_storage().data_ptr()
+    assert again.data_ptr() == arena.data_ptr() + at and again.shape == blob.shape
+    assert code_again == code and same is viewed
+    assert torch.equal(viewed.dequantize(), expected)
+    # Moved elsewhere with a header that does not match: packed again into a new blob.
+    arena[at] ^= 0xFF
+    fresh, _, _ = viewed.packed()
+    assert fresh.untyped_storage().data_ptr() != arena.untyped_storage().data_ptr()
