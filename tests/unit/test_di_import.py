@@ -1,7 +1,7 @@
 """``llmrt.containers`` imports dependency_injector without the web frameworks it probes for
 (FastAPI, pydantic-settings, pydantic, werkzeug, Flask, Starlette: ~0.7-1 s of every
-process), and leaves them importable afterwards. Fresh interpreters, since a test session has imported them
-already."""
+process), and leaves them importable afterwards. Fresh interpreters, since a test session has
+imported them already."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ import subprocess
 import sys
 
 PROBED = (
-    "('fastapi', 'fast_depends', 'flask', 'werkzeug', 'pydantic_settings', 'pydantic', "
-    "'starlette')"
+    "('fastapi', 'fast_depends', 'flask', 'werkzeug', 'pydantic_settings', 'pydantic', 'starlette')"
 )
 
 
