@@ -3,10 +3,13 @@
 What a user pays to get ``max_new_tokens`` tokens for one prompt from a cold process with
 warm caches (the weight cache and the OS page cache are warmed by one untimed run of each
 command first): wall time as a ratio to ``python -c "import torch"`` timed in the same run
-(interleaved, medians of ``repeats``), and the generate process's own peak RSS. Python
-commands run with this interpreter, so they share one environment. When found, the same
-one-shot through ``llama-cli`` on the recipe's GGUF, and (``--baseline hf``) through
-transformers loading that GGUF, run interleaved with them as reference points.
+(interleaved, medians of ``repeats``), and the generate process's own peak RSS. The same
+one-shot through the Python API (``LLM.from_recipe``, the recipe as written: what programs
+and ``llmrt serve`` build, where the CLI sizes a one-shot run down) runs with them, and for
+a GGUF recipe both peaks are also given over the file's size. Python commands run with this
+interpreter, so they share one environment. When found, the same one-shot through
+``llama-cli`` on the recipe's GGUF, and (``--baseline hf``) through transformers loading that
+GGUF, run interleaved with them as reference points.
 """
 
 from __future__ import annotations
@@ -47,7 +50,20 @@ def oneshot_commands(settings: BenchSettings) -> dict[str, list[str]]:
     ]
     for override in settings.overrides:
         generate += ["--set", override]
-    commands = {"import_torch": [sys.executable, "-c", "import torch"], "llmrt_generate": generate}
+    api = [
+        sys.executable,
+        "-m",
+        "llmrt.benchmarks.api_oneshot",
+        settings.recipe,
+        ONESHOT_PROMPT,
+        str(settings.new_tokens(ONESHOT_NEW_TOKENS)),
+        *settings.overrides,
+    ]
+    commands = {
+        "import_torch": [sys.executable, "-c", "import torch"],
+        "llmrt_generate": generate,
+        "llm_api": api,
+    }
     found = LlamaCpp.locate(
         directory=settings.llamacpp_dir,
         bench=settings.llamacpp_bench,
@@ -114,6 +130,12 @@ def oneshot(settings: BenchSettings) -> Report:
         rounded({**wall, **{f"{n}_min": min(r.wall_s for r in rs) for n, rs in runs.items()}}),
     )
     report.section("peak_rss_gb", rounded(peak))
+    model = recipe_gguf(load_recipe(settings.recipe, overrides=list(settings.overrides)))
+    if model is not None and model.is_file():
+        size = model.stat().st_size / 1e9
+        report.section("peak_rss_over_file", rounded({
+            name: peak[name] / size for name in ("llmrt_generate", "llm_api") if name in peak
+        }))  # fmt: skip
     report.series = {f"{name} wall": [r.wall_s for r in rs] for name, rs in runs.items()}
     report.ratio(
         "generate_peak_rss_gb",

@@ -47,6 +47,42 @@ def test_oneshot_commands_run_llmrt_generate_with_the_recipe_and_overrides() -> 
     assert argv[:5] == [PY, "-m", "llmrt.cli", "generate", "tiny-llama"]
     assert argv[argv.index("--max-new-tokens") + 1] == "16"
     assert argv[-2:] == ["--set", "lanes=1"]
+    api = commands["llm_api"]  # the recipe as written, through LLM.from_recipe
+    assert api[:4] == [PY, "-m", "llmrt.benchmarks.api_oneshot", "tiny-llama"]
+    assert api[-2:] == ["16", "lanes=1"]
+
+
+def test_the_api_oneshot_generates_through_llm_from_recipe(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from llmrt.benchmarks import api_oneshot
+    from llmrt.serving import llm as llm_module
+
+    seen: dict[str, object] = {}
+
+    class FakeLLM:
+        @classmethod
+        def from_recipe(cls, recipe: str, *, overrides: list[str]) -> FakeLLM:
+            seen.update(recipe=recipe, overrides=overrides)
+            return cls()
+
+        def __enter__(self) -> FakeLLM:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            seen["closed"] = True
+
+        def generate(self, prompts: list[str], params: object) -> list[object]:
+            seen.update(prompts=prompts, max_tokens=getattr(params, "max_tokens", None))
+            return [type("Out", (), {"text": " Paris."})()]
+
+    monkeypatch.setattr(llm_module, "LLM", FakeLLM)
+    assert api_oneshot.main(["tiny-llama", "The capital", "5", "lanes=1"]) == 0
+    assert capsys.readouterr().out == " Paris.\n"
+    assert seen == {
+        "recipe": "tiny-llama", "overrides": ["lanes=1"], "prompts": ["The capital"],
+        "max_tokens": 5, "closed": True,
+    }  # fmt: skip
 
 
 def test_oneshot_reports_ratio_and_peak_rss(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -65,6 +101,28 @@ def test_oneshot_reports_ratio_and_peak_rss(monkeypatch: pytest.MonkeyPatch) -> 
         data["wall_s"]["llmrt_generate"] / data["wall_s"]["import_torch"], rel=1e-3
     )
     assert set(data["targets"]) == {"generate_peak_rss_gb", "generate_over_import_torch_wall"}
+    assert "peak_rss_over_file" not in data  # tiny-llama is not a GGUF recipe
+
+
+def test_oneshot_gives_each_peak_over_the_gguf_file(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"\0" * (32 << 20))
+    fake = {
+        "import_torch": [PY, "-c", "pass"],
+        "llmrt_generate": [PY, "-c", "b = bytearray(64 << 20); b[::4096] = b'x' * len(b[::4096])"],
+        "llm_api": [PY, "-c", "b = bytearray(128 << 20); b[::4096] = b'x' * len(b[::4096])"],
+    }
+    monkeypatch.setattr(oneshot_module, "oneshot_commands", lambda settings: fake)
+    monkeypatch.setattr(oneshot_module, "recipe_gguf", lambda recipe: model)
+    report = bench_report(BenchSettings(recipe="tiny-llama", workload="oneshot", num_prompts=1))
+    data = report.to_json()
+    over = data["peak_rss_over_file"]
+    size = model.stat().st_size / 1e9
+    for name in ("llmrt_generate", "llm_api"):
+        assert over[name] == pytest.approx(data["peak_rss_gb"][name] / size, rel=1e-2)
+    assert over["llm_api"] > over["llmrt_generate"] + 1.5  # 64 MiB more over a 32 MiB file
     assert report.headline.startswith("llmrt generate / import torch wall: ")
 
 
@@ -89,4 +147,4 @@ def test_oneshot_adds_llama_cli_and_transformers_baselines_when_available(
     assert commands["hf_generate"][1:4] == ["-m", "llmrt.benchmarks.hf_oneshot", str(model)]
     monkeypatch.delenv("LLMRT_LLAMACPP_CLI")
     plain = oneshot_module.oneshot_commands(attrs.evolve(settings, baseline="none"))
-    assert set(plain) == {"import_torch", "llmrt_generate"}
+    assert set(plain) == {"import_torch", "llmrt_generate", "llm_api"}
