@@ -82,20 +82,28 @@ def advised_mapping(nbytes: int, *, huge: bool) -> mmap.mmap:
 class WeightPlacement:
     """What ``place_module_weights`` did: ``placed_bytes`` of ``storages`` copied into one
     advised mapping, ``huge_bytes`` of it on huge pages (from ``/proc/self/smaps``; None where
-    unreadable), and ``skipped`` storages already placed (shared with another lane's model)."""
+    unreadable), ``skipped`` storages already placed (shared with another lane's model), and
+    ``pinned`` moved tensors that are views of another storage (their base keeps it resident;
+    logged when there are any)."""
 
     placed_bytes: int
     storages: int
     skipped: int
     huge_bytes: int | None
+    pinned: int = 0
 
     def log_fields(self) -> dict[str, object]:
         huge = "unknown" if self.huge_bytes is None else f"{self.huge_bytes >> 20} MiB"
-        return {
+        fields: dict[str, object] = {
             "weights_placed": f"{self.placed_bytes >> 20} MiB in {self.storages} storages",
             "weights_on_huge_pages": huge,
             "weights_shared": self.skipped,
         }
+        if self.pinned:
+            fields["weights_pinning_old_storage"] = (
+                f"{self.pinned} tensors (views whose base is another storage, kept resident)"
+            )
+        return fields
 
 
 def place_module_weights(
@@ -121,20 +129,14 @@ def place_module_weights(
     and held 3.2 GiB after, against 2.2 GiB without it.
 
     The caller checks ``huge_pages_unavailable()`` first; the module must not be running."""
-    groups = _storage_groups(module)
-    for tensor in followers:
-        if tensor.device.type == "cpu" and tensor.layout == torch.strided and tensor.numel():
-            group = groups.get(tensor.untyped_storage().data_ptr())
-            if group is not None and not any(tensor is held for held in group[1]):
-                group[1].append(tensor)
-    todo = {ptr: group for ptr, group in groups.items() if not _is_placed(ptr)}
-    skipped = len(groups) - len(todo)
-    del groups  # ``todo`` alone holds the old storages: each is freed once it is rebound
+    # ``todo`` alone holds the old storages (no other local names one): each is freed as soon
+    # as it is rebound.
+    todo, skipped = _storages_to_place(module, followers=followers)
     offsets: dict[int, int] = {}
     total = 0
-    for ptr, (storage, _) in todo.items():
+    for ptr in todo:
         offsets[ptr] = total
-        total += -(-storage.nbytes() // ALIGNMENT) * ALIGNMENT
+        total += -(-todo[ptr][0].nbytes() // ALIGNMENT) * ALIGNMENT
     if total == 0:
         return WeightPlacement(placed_bytes=0, storages=0, skipped=skipped, huge_bytes=None)
     pages = advised_mapping(total + HUGE_PAGE, huge=True)
@@ -143,7 +145,7 @@ def place_module_weights(
     arena = whole[start : start + total]
     target = arena.untyped_storage()
     base = arena.storage_offset()
-    placed, since_trim = len(todo), 0
+    placed, since_trim, pinned = len(todo), 0, 0
     with torch.inference_mode():
         for ptr in list(todo):
             storage, tensors = todo.pop(ptr)
@@ -154,7 +156,9 @@ def place_module_weights(
                 arena[at + lo : at + hi].copy_(source[lo:hi])
                 if give_back is not None:
                     give_back(source[lo:hi])
-            for tensor in _with_view_bases(tensors, ptr):
+            moved, elsewhere = _with_view_bases(tensors=tensors, ptr=ptr)
+            pinned += elsewhere
+            for tensor in moved:
                 item = tensor.element_size()
                 tensor.set_(
                     target,
@@ -162,7 +166,12 @@ def place_module_weights(
                     tensor.size(),
                     tensor.stride(),
                 )
-            del source, storage, tensors  # the old storage is freed here unless held elsewhere
+            del (
+                source,
+                storage,
+                tensors,
+                moved,
+            )  # the old storage is freed here unless held elsewhere
             since_trim += size
             if since_trim >= GIVE_BACK_BYTES:
                 trim()
@@ -178,24 +187,42 @@ def place_module_weights(
         storages=placed,
         skipped=skipped,
         huge_bytes=_at_most(huge_resident_bytes(arena.data_ptr(), total), total),
+        pinned=pinned,
     )
 
 
-def _with_view_bases(tensors: list[torch.Tensor], ptr: int) -> list[torch.Tensor]:
+def _storages_to_place(
+    module: torch.nn.Module, *, followers: Iterable[torch.Tensor]
+) -> tuple[dict[int, tuple[torch.UntypedStorage, list[torch.Tensor]]], int]:
+    """The module's storages not placed yet, each with its tensors and the ``followers``
+    that view it, and how many were placed already. A function of its own so that none of
+    its locals outlives it holding an old storage."""
+    groups = _storage_groups(module)
+    for tensor in followers:
+        if tensor.device.type == "cpu" and tensor.layout == torch.strided and tensor.numel():
+            group = groups.get(tensor.untyped_storage().data_ptr())
+            if group is not None and not any(tensor is held for held in group[1]):
+                group[1].append(tensor)
+    todo = {ptr: group for ptr, group in groups.items() if not _is_placed(ptr)}
+    return todo, len(groups) - len(todo)
+
+
+def _with_view_bases(*, tensors: list[torch.Tensor], ptr: int) -> tuple[list[torch.Tensor], int]:
     """``tensors`` and, once each, the autograd view bases (``_base``) among them that hold
-    the same storage (at ``ptr``). Why: ``set_`` rebinds a view's storage but keeps its
+    the same storage (at ``ptr``); and how many of them have a base on another storage (the
+    move leaves that storage held). Why: ``set_`` rebinds a view's storage but keeps its
     base, and the base kept the old storage alive: a fused weight's parts, sliced from the
     blob they were packed into, held the whole blob resident beside its placed copy."""
-    out = list(tensors)
+    out, elsewhere = list(tensors), 0
     for tensor in tensors:
         root = tensor._base
-        if (
-            root is not None
-            and root.untyped_storage().data_ptr() == ptr
-            and not any(root is held for held in out)
-        ):
+        if root is None or any(root is held for held in out):
+            continue
+        if root.untyped_storage().data_ptr() == ptr:
             out.append(root)
-    return out
+        else:
+            elsewhere += 1
+    return out, elsewhere
 
 
 def _at_most(value: int | None, bound: int) -> int | None:

@@ -42,7 +42,7 @@ def test_a_framework_imported_before_stays_the_real_module() -> None:
     assert out == ["True"]
 
 
-def test_the_containers_still_build_from_a_recipe_after_the_hidden_import() -> None:
+def test_the_hidden_import_leaves_no_finder_and_working_providers() -> None:
     """The import leaves no finder behind and the DI providers work (no pydantic needed)."""
     out = _run(
         "import sys\n"
