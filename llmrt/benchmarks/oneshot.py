@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import statistics
 import sys
+from pathlib import Path
 
 import torch
 
@@ -35,8 +36,14 @@ WALL_TARGET = 2.0  # generate wall / import torch wall
 RSS_TARGET_GB = 1.2
 
 
-def oneshot_commands(settings: BenchSettings) -> dict[str, list[str]]:
-    """The commands timed: the ``import torch`` baseline and the one-shot generate."""
+def oneshot_model(settings: BenchSettings) -> Path | None:
+    """The GGUF file the bench's recipe (with its overrides) serves, or None."""
+    return recipe_gguf(load_recipe(settings.recipe, overrides=list(settings.overrides)))
+
+
+def oneshot_commands(settings: BenchSettings, *, model: Path | None = None) -> dict[str, list[str]]:
+    """The commands timed: the ``import torch`` baseline, the one-shot generate and its API
+    twin, and the baselines that ``model`` (the recipe's GGUF) allows."""
     generate = [
         sys.executable,
         "-m",
@@ -69,7 +76,6 @@ def oneshot_commands(settings: BenchSettings) -> dict[str, list[str]]:
         bench=settings.llamacpp_bench,
         server=settings.llamacpp_server,
     )
-    model = recipe_gguf(load_recipe(settings.recipe, overrides=list(settings.overrides)))
     if found.cli is not None and model is not None:
         commands["llamacpp_cli"] = [
             str(found.cli),
@@ -106,7 +112,8 @@ def _checked(name: str, run: ProcessRun) -> ProcessRun:
 
 def oneshot(settings: BenchSettings) -> Report:
     repeats = settings.count(ONESHOT_REPEATS)
-    commands = oneshot_commands(settings)
+    model = oneshot_model(settings)
+    commands = oneshot_commands(settings, model=model)
     report = Report(workload="oneshot", recipe=settings.recipe)
     report.section(
         "config",
@@ -130,7 +137,6 @@ def oneshot(settings: BenchSettings) -> Report:
         rounded({**wall, **{f"{n}_min": min(r.wall_s for r in rs) for n, rs in runs.items()}}),
     )
     report.section("peak_rss_gb", rounded(peak))
-    model = recipe_gguf(load_recipe(settings.recipe, overrides=list(settings.overrides)))
     if model is not None and model.is_file():
         size = model.stat().st_size / 1e9
         report.section("peak_rss_over_file", rounded({

@@ -90,7 +90,7 @@ def test_oneshot_reports_ratio_and_peak_rss(monkeypatch: pytest.MonkeyPatch) -> 
         "import_torch": [PY, "-c", "pass"],
         "llmrt_generate": [PY, "-c", "b = bytearray(64 << 20); b[::4096] = b'x' * len(b[::4096])"],
     }
-    monkeypatch.setattr(oneshot_module, "oneshot_commands", lambda settings: fake)
+    monkeypatch.setattr(oneshot_module, "oneshot_commands", lambda settings, **kw: fake)
     report = bench_report(BenchSettings(recipe="tiny-llama", workload="oneshot", num_prompts=1))
     data = report.to_json()
     assert set(data["wall_s"]) == {
@@ -114,7 +114,7 @@ def test_oneshot_gives_each_peak_over_the_gguf_file(
         "llmrt_generate": [PY, "-c", "b = bytearray(64 << 20); b[::4096] = b'x' * len(b[::4096])"],
         "llm_api": [PY, "-c", "b = bytearray(128 << 20); b[::4096] = b'x' * len(b[::4096])"],
     }
-    monkeypatch.setattr(oneshot_module, "oneshot_commands", lambda settings: fake)
+    monkeypatch.setattr(oneshot_module, "oneshot_commands", lambda settings, **kw: fake)
     monkeypatch.setattr(oneshot_module, "recipe_gguf", lambda recipe: model)
     report = bench_report(BenchSettings(recipe="tiny-llama", workload="oneshot", num_prompts=1))
     data = report.to_json()
@@ -128,7 +128,7 @@ def test_oneshot_gives_each_peak_over_the_gguf_file(
 
 def test_oneshot_names_a_failing_command(monkeypatch: pytest.MonkeyPatch) -> None:
     fake = {"import_torch": [PY, "-c", "pass"], "llmrt_generate": [PY, "-c", "raise SystemExit(2)"]}
-    monkeypatch.setattr(oneshot_module, "oneshot_commands", lambda settings: fake)
+    monkeypatch.setattr(oneshot_module, "oneshot_commands", lambda settings, **kw: fake)
     with pytest.raises(ConfigError, match="oneshot llmrt_generate: exited 2"):
         bench_report(BenchSettings(recipe="tiny-llama", workload="oneshot", num_prompts=1))
 
@@ -140,11 +140,12 @@ def test_oneshot_adds_llama_cli_and_transformers_baselines_when_available(
     monkeypatch.setattr(oneshot_module, "recipe_gguf", lambda recipe: model)
     monkeypatch.setenv("LLMRT_LLAMACPP_CLI", str(FAKE_CLI))
     settings = BenchSettings(recipe="tiny-llama", workload="oneshot", baseline="hf")
-    commands = oneshot_module.oneshot_commands(settings)
+    assert oneshot_module.oneshot_model(settings) == model
+    commands = oneshot_module.oneshot_commands(settings, model=model)
     cli = commands["llamacpp_cli"]
     assert cli[0] == str(FAKE_CLI) and cli[cli.index("-m") + 1] == str(model)
     assert cli[cli.index("-n") + 1] == "16" and "-st" in cli
     assert commands["hf_generate"][1:4] == ["-m", "llmrt.benchmarks.hf_oneshot", str(model)]
     monkeypatch.delenv("LLMRT_LLAMACPP_CLI")
-    plain = oneshot_module.oneshot_commands(attrs.evolve(settings, baseline="none"))
+    plain = oneshot_module.oneshot_commands(attrs.evolve(settings, baseline="none"), model=model)
     assert set(plain) == {"import_torch", "llmrt_generate", "llm_api"}
