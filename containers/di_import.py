@@ -39,7 +39,7 @@ PROBED = (
 class _Hidden(importlib.abc.MetaPathFinder):
     """Answers "not installed" for ``names`` (and their submodules)."""
 
-    def __init__(self, names: Sequence[str]) -> None:
+    def __init__(self, *, names: Sequence[str]) -> None:
         self.names = frozenset(names)
 
     def find_spec(
@@ -57,7 +57,7 @@ def import_dependency_injector() -> None:
     """Import ``dependency_injector.containers`` and ``.providers`` (once per process)."""
     if "dependency_injector.containers" in sys.modules:
         return
-    finder = _Hidden([name for name in PROBED if name not in sys.modules])
+    finder = _Hidden(names=[name for name in PROBED if name not in sys.modules])
     sys.meta_path.insert(0, finder)
     try:
         importlib.import_module("dependency_injector.containers")

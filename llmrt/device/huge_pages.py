@@ -166,12 +166,8 @@ def place_module_weights(
                     tensor.size(),
                     tensor.stride(),
                 )
-            del (
-                source,
-                storage,
-                tensors,
-                moved,
-            )  # the old storage is freed here unless held elsewhere
+            # The old storage is freed here unless something outside holds it.
+            del source, storage, tensors, moved
             since_trim += size
             if since_trim >= GIVE_BACK_BYTES:
                 trim()
