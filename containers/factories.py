@@ -52,7 +52,7 @@ from llmrt.paths import default_cache_dir
 from llmrt.recipe.loader import Recipe
 from llmrt.runtime.compiled_step import StepCompiler
 from llmrt.runtime.config import PageTableLayout, TraceConfig
-from llmrt.runtime.decode import DecodeRuntime, DecodeRuntimeConfig
+from llmrt.runtime.decode import LADDER_FIRST_TOKENS, DecodeRuntime, DecodeRuntimeConfig
 from llmrt.runtime.execution import EagerExecutor, TracedExecutor
 from llmrt.runtime.model_executor import ModelExecutor
 from llmrt.runtime.output_reader import OutputReader
@@ -593,6 +593,12 @@ def build_decode(
         device_sampling_enabled=recipe.decode.device_sampling,
         batch_sizes=recipe.decode_batch_sizes,
         lane=lane,
+        # A captured CUDA graph attends over its table's whole width (an eager step trims it).
+        width_ladder=(
+            LADDER_FIRST_TOKENS
+            if device.torch_device.type == "cuda" and recipe.trace.mode != "none"
+            else None
+        ),
     )
     return DecodeRuntime(config, step_compiler=steps)
 

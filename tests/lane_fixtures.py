@@ -264,6 +264,7 @@ def build_runtimes(
     max_batch_size: int,
     batching_enabled: bool = True,
     wave_rules: WaveRules = "spec",
+    width_ladder: int | None = None,
 ) -> Runtimes:
     """A lane's reader, prefill/decode runtimes, program compiler and eager executor over a
     bound KV cache (fine buckets of 8, device sampling on)."""
@@ -290,6 +291,7 @@ def build_runtimes(
             lane_capacity=lane_capacity,
             page_table_layout=layout,
             device_sampling_enabled=True,
+            width_ladder=width_ladder,
         )
     )
     compiler = ProgramCompiler(device=device, kv_cache=kv)
@@ -310,6 +312,7 @@ def build_lane(
     kv_fill_seed: int | None = 1,
     wave_rules: WaveRules = "spec",
     torch_device: str = "cpu",
+    width_ladder: int | None = None,
 ) -> Lane:
     """Assemble a lane over ``device`` (default a fresh ``TorchDevice(torch_device)``) for
     ``model`` (default ``tiny_llama`` on ``torch_device``)."""
@@ -348,6 +351,7 @@ def build_lane(
         max_batch_size=max_batch_size,
         batching_enabled=batching_enabled,
         wave_rules=wave_rules,
+        width_ladder=width_ladder,
     )
     return Lane(
         model=model,

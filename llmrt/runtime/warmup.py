@@ -264,13 +264,17 @@ class WarmupCoordinator:
 
     def warmup_decode(self) -> None:
         if not self._decode_done:
-            sizes = self._eager.decode.config.batch_sizes
-            emit(self._log, "warmup.started", operation="decode", geometries=len(sizes))
-            batches = sorted(sizes, reverse=True)
-            for batch in progress(batches, desc="compiling decode", unit="program"):
-                self.execution.compile_decode(self._representative_decode(batch))
+            config = self._eager.decode.config
+            geometries = [
+                (batch, width)
+                for batch in sorted(config.batch_sizes, reverse=True)
+                for width in reversed(config.widths)
+            ]
+            emit(self._log, "warmup.started", operation="decode", geometries=len(geometries))
+            for batch, width in progress(geometries, desc="compiling decode", unit="program"):
+                self.execution.compile_decode(self._representative_decode(batch, width))
             self._decode_done = True
-            emit(self._log, "warmup.completed", operation="decode", geometries=len(sizes))
+            emit(self._log, "warmup.completed", operation="decode", geometries=len(geometries))
         self._maybe_capture()
 
     def _maybe_capture(self) -> None:
@@ -341,7 +345,8 @@ class WarmupCoordinator:
         prepared = runtime.prepare(rows=rows)
         return _without_kv_writes(prepared)
 
-    def _representative_decode(self, batch: int) -> PreparedDecode:
+    def _representative_decode(self, batch: int, width: int) -> PreparedDecode:
+        """A step of ``batch`` rows at page-table ``width`` that reads and writes no KV."""
         runtime = self._eager.decode
         table = torch.zeros((batch, 1), dtype=torch.int32)
         prepared = runtime.prepare(
@@ -350,7 +355,11 @@ class WarmupCoordinator:
             page_table=table,
             reset_batch=True,
         )
-        return attrs.evolve(prepared, page_table=torch.full_like(prepared.page_table, -1))
+        return attrs.evolve(
+            prepared,
+            page_table=torch.full((prepared.page_table.shape[0], width), -1, dtype=torch.int32),
+            signature=attrs.evolve(prepared.signature, page_table_width=width),
+        )
 
     # -- coverage ------------------------------------------------------------------------
 

@@ -235,3 +235,23 @@ def test_a_malformed_page_table_is_refused_by_name_through_the_group(
             page_table=table,
             sampling_params=[GREEDY, GREEDY],
         )
+
+
+def test_traced_decode_widths_follow_the_device_and_crossing_one_keeps_the_tokens(
+    build: Callable[..., Runtime], torch_device: str
+) -> None:
+    """A CUDA graph attends over its whole page table, so traced CUDA decode gets a width
+    ladder (tiny-llama: 16 blocks of 16 tokens, then the layout's 32); the CPU trims the
+    table to the blocks in use and keeps one width. A request decoding across position 256
+    changes width mid-run and gives the eager run's tokens."""
+    prompt = [(13 * i + 5) % 250 + 1 for i in range(250)]
+    traced = build("tiny-llama", _on(torch_device)).ready()
+    lane = traced.group.lanes[0]
+    config = lane.decode.config
+    widths = (16, 32) if torch.device(torch_device).type == "cuda" else (lane.layout.width,)
+    assert lane.layout.width == 32 and config.widths == widths
+    got = traced.generate([prompt], steps=12)
+    traced.close()
+    eager = build("tiny-llama", [*_on(torch_device), "trace.mode=none"]).ready()
+    assert eager.group.lanes[0].decode.config.widths == (32,)
+    assert got.tokens == eager.generate([prompt], steps=12).tokens

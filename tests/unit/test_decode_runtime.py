@@ -608,6 +608,60 @@ def test_decode_batch_sizes_must_increase_to_the_lane_capacity(
         )
 
 
+# -- page-table width ladder -------------------------------------------------------------
+
+
+def test_a_width_ladder_doubles_from_its_first_tokens_to_the_layout_width(fresh: Lane) -> None:
+    """Blocks of 4, a 48-block layout: 8 tokens take 2 blocks, doubled while narrower than
+    48, which ends the ladder; 9 tokens round up to 3 blocks."""
+    config = fresh.decode.config
+    assert fresh.layout.width == 48 and config.widths == (48,)
+    assert attrs.evolve(config, width_ladder=8).widths == (2, 4, 8, 16, 32, 48)
+    assert attrs.evolve(config, width_ladder=9).widths == (3, 6, 12, 24, 48)
+    assert attrs.evolve(config, width_ladder=1000).widths == (48,)
+
+
+def test_a_step_runs_at_the_narrowest_width_holding_its_furthest_position(fresh: Lane) -> None:
+    """Positions 5 and 17 (blocks 1 and 4): 5 blocks needed, the ladder's 8 taken; the
+    table keeps its first 8 columns and the step's logits equal the full-width step's."""
+    saved = fresh.snapshot()
+    tokens = torch.tensor([3, 7], dtype=torch.int64)
+    positions = torch.tensor([5, 17], dtype=torch.int32)
+    table = torch.full((2, fresh.layout.width), -1, dtype=torch.int32)
+    table[0, :2] = torch.tensor([0, 1])
+    table[1, :5] = torch.tensor([2, 3, 4, 5, 6])
+    full = _blocking(fresh, tokens=tokens, start_pos=positions, page_table=table)
+    fresh.restore(saved)
+    config = fresh.decode.config
+    fresh.decode.config = attrs.evolve(config, width_ladder=8)
+    try:
+        prepared = fresh.decode.prepare(tokens=tokens, start_pos=positions, page_table=table)
+        assert prepared.signature.page_table_width == 8
+        assert torch.equal(prepared.page_table[:2], table[:, :8])
+        early = fresh.decode.prepare(tokens=tokens, start_pos=positions - 5, page_table=table)
+        assert early.signature.page_table_width == 4  # positions 0 and 12: 4 blocks
+        narrow = _blocking(fresh, tokens=tokens, start_pos=positions, page_table=table)
+    finally:
+        fresh.decode.config = config
+    assert full.logits is not None and narrow.logits is not None
+    torch.testing.assert_close(narrow.logits, full.logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("tokens", [0, -8, True, 2.5])
+def test_a_width_ladder_needs_a_positive_token_count(fresh: Lane, tokens: object) -> None:
+    config = fresh.decode.config
+    with pytest.raises(ConfigError, match=r"width_ladder.*positive number of tokens"):
+        DecodeRuntimeConfig.resolve(
+            model=config.model,
+            device=config.device,
+            output_reader=config.output_reader,
+            lane_capacity=CAPACITY,
+            page_table_layout=config.layout,
+            device_sampling_enabled=True,
+            width_ladder=tokens,  # type: ignore[arg-type]
+        )
+
+
 # -- tokens from the device (vLLM's overlapped steps) ------------------------------------
 
 

@@ -48,8 +48,14 @@ def make(model: CausalLM) -> Iterator[Callable[..., Lane]]:
     every lane is cleaned up and checked for leaks at teardown."""
     made: list[Lane] = []
 
-    def build(mode: str, *, warm: bool = True) -> Lane:
-        lane = build_lane(model=model, block_size=BS, num_blocks=NUM_BLOCKS, max_chunk=CHUNK)
+    def build(mode: str, *, warm: bool = True, width_ladder: int | None = None) -> Lane:
+        lane = build_lane(
+            model=model,
+            block_size=BS,
+            num_blocks=NUM_BLOCKS,
+            max_chunk=CHUNK,
+            width_ladder=width_ladder,
+        )
         tracing = add_tracing(lane, mode=mode)
         if warm:
             tracing.warm()
@@ -147,6 +153,33 @@ def test_every_trace_mode_gives_identical_greedy_tokens(make: Callable[..., Lane
         assert tokens == want_tokens, f"{mode} differs from eager"
         for index, (got, want) in enumerate(zip(kv, want_kv, strict=True)):
             assert torch.equal(got, want), f"{mode}: KV tensor {index} differs from eager"
+
+
+def test_a_width_ladder_switches_traces_as_positions_grow(make: Callable[..., Lane]) -> None:
+    """With a page-table width ladder (12 blocks of 4 first: 12, 24, 48, 64), each decode
+    step runs the trace of the narrowest width that holds its furthest position: 40-47 fit
+    12 blocks, 48-51 need 13. Tokens and KV equal the eager full-width run's."""
+    eager = make("none")
+    want_tokens, _ = _scenario(eager)
+    want_kv = eager.snapshot()
+    eager.cleanup()
+    lane = make("decode_only", width_ladder=48)
+    decode = lane.decode.config
+    assert decode.widths == (12, 24, 48, 64)
+    # Warmup captured the batch size at every width, not at the full width alone.
+    captured = {a.plan.description for a in _traced(lane).trace_compiler.artifacts.values()}
+    assert captured == {f"decode[b8 w{w}]" for w in (12, 24, 48, 64)}
+    tokens, _ = _scenario(lane)
+    counts = _traced(lane).trace_compiler.replay_counts()
+    assert counts == {
+        "decode[b8 w12]": 8,
+        "decode[b8 w24]": 4,
+        "decode[b8 w48]": 0,
+        "decode[b8 w64]": 0,
+    }
+    assert tokens == want_tokens
+    for index, (got, want) in enumerate(zip(lane.snapshot(), want_kv, strict=True)):
+        assert torch.equal(got, want), f"KV tensor {index} differs from the full-width run"
 
 
 # -- coverage misses and the compile gate ----------------------------------------------
