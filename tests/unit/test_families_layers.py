@@ -3,6 +3,9 @@ the RoPE cache."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -53,6 +56,34 @@ def test_onednn_accepts_a_non_contiguous_input() -> None:
     expected = layer(x)
     layer.kernel = "onednn"
     torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-4)
+
+
+@needs_onednn
+def test_a_bfloat16_product_runs_where_onednn_has_no_bfloat16_inner_product() -> None:
+    """oneDNN capped at AVX2 (an AVX2-only CPU; ``LLMRT_KERNELS_ISA=avx2`` caps it the same
+    way) cannot create a bfloat16 inner product: a layer on the oneDNN kernel multiplying in
+    bfloat16 (``device.gemm_dtype: bfloat16`` dequantizes to bfloat16) must still run, and
+    give torch's own bfloat16 product. In a fresh process: the cap is read at oneDNN's first
+    use."""
+    script = """
+import torch
+from llmrt.families.layers import FrozenLinear
+g = torch.Generator().manual_seed(0)
+layer = FrozenLinear(weight=torch.randn(48, 40, generator=g).bfloat16(), bias=None)
+layer.kernel = "onednn"
+x = torch.randn(17, 40, generator=g).bfloat16()
+got = layer(x)
+with torch.backends.mkldnn.flags(enabled=False):
+    want = torch.nn.functional.linear(x, layer.weight)
+torch.testing.assert_close(got, want)
+print("ok", got.dtype)
+"""
+    env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["ok", "torch.bfloat16"]
 
 
 @needs_onednn
