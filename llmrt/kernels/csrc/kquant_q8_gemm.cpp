@@ -17,7 +17,7 @@
 //
 // The product loop (AVX2): panels of 8 output columns, unpacked per call from the blocks
 // (kquant_panel.h: one 32-byte vector holds 8 columns' four consecutive quants), each row's
-// four int8s broadcast into one vpmaddubsw per step. The int16 pair sums add up in int16 over
+// four int8s broadcast into one vpmaddubsw per step and panel (two panels per tile). The int16 pair sums add up in int16 over
 // as many steps as cannot overflow (|q| <= 127: Q4_K u <= 15, 8 steps <= 30480; Q5_K u <= 31,
 // 4 steps <= 31496; Q6_K u <= 63, 2 steps <= 32004), then one vpmaddwd by the sub-block scale
 // widens them into the int32 super-block sum (at most 3.1e7, 6.4e7, 2.7e8: no overflow).
@@ -32,8 +32,10 @@
 // ran 1.0-1.5x the AVX2 loop's speed; forced avx_vnni its loop tied the AVX2 loop on Q4_K and
 // won 1.13-1.18x on Q6_K. By rows at AVX2 (Q4_K): 0.6x at 16, 1.0x at 32, 1.1-1.3x at 64,
 // 1.4-1.65x at 128 (Q6_K 1.7-2.4x from 16); at AVX-512 VNNI 1.0-1.6x at 128, 1.3-1.95x at 256.
-// A two-panel tile (3 rows x 16 columns, two vpmaddubsw per broadcast) ran 0.77-0.88x on Q4_K
-// and tied on Q6_K.
+// The AVX2 loop now takes two panels per broadcast (4 rows x 16 columns, tile_avx2): on a
+// 2-core Zen 4 forced to AVX2, one thread, Llama-3.2-1B Q4_K_M tensors at 512 rows, Q4_K
+// 111-115 -> 127-130 GMAC/s, Q6_K 87-100 -> 93-104. (A first two-panel try ran 0.77-0.88x:
+// its step loop was left rolled, see tile_avx2.)
 
 #include <c10/util/Exception.h>
 #include <torch/library.h>
@@ -257,43 +259,71 @@ LLMRT_AVX2 inline void finish_block(const Q8Block* const* xb, const uint8_t* min
   }
 }
 
-// Rows [0, RT) of the quantized x (``nb`` Q8Blocks per row) against one packed panel.
-template <int64_t KIND, int RT>
-LLMRT_AVX2 void tile_avx2(const Q8Block* px, int64_t nb, const uint8_t* panel, float* y,
-                          int64_t ldy, int64_t cols) {
+// Rows [0, RT) of the quantized x (``nb`` Q8Blocks per row) against CP consecutive packed
+// panels (``panel_bytes`` apart): each broadcast of a row's four int8s feeds CP vpmaddubsw.
+// Why CP = 2 at AVX2: the 4-row x 8-column tile issues 5 loads (one weight vector, four
+// broadcasts, which issue like loads) per 4 vpmaddubsw and is load-bound at ~2.5 cycles per
+// step; 4 x 16 issues 6 loads per 8 and is bound by the multiplies instead. Only the 8 int16
+// chains and the 2 weight vectors stay in registers; the int32 and float sums are touched
+// once per sub-block and super-block. The step loops are unrolled by pragma: at 16 columns
+// the body passes gcc's size limit for complete unrolling, and the rolled loop ran at half
+// speed. Replica loop (one thread, forced AVX2, -O3, Q4_K): 4 x 8 at 115-126 GMAC/s against
+// 135-148 for 3 to 6 rows x 16.
+template <int64_t KIND, int RT, int CP>
+LLMRT_AVX2 void tile_avx2(const Q8Block* px, int64_t nb, const uint8_t* panel,
+                          int64_t panel_bytes, float* y, int64_t ldy, int64_t cols) {
   constexpr int kSteps16 = KIND == kQ4_K ? 8 : (KIND == kQ5_K ? 4 : 2);
   constexpr int kStepsPerScale = KIND == kQ6_K ? 4 : 8;
   constexpr int64_t nsv = scale_vectors(KIND);
-  __m256 acc[RT];
-  for (int r = 0; r < RT; ++r) acc[r] = _mm256_setzero_ps();
+  __m256 acc[CP][RT];
+  for (int c = 0; c < CP; ++c)
+    for (int r = 0; r < RT; ++r) acc[c][r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* o = panel + b * sb_bytes(KIND);
+    const uint8_t* o[CP];
+    for (int c = 0; c < CP; ++c) o[c] = panel + c * panel_bytes + b * sb_bytes(KIND);
     const Q8Block* xb[RT];
     for (int r = 0; r < RT; ++r) xb[r] = px + r * nb + b;
-    __m256i isum[RT];
-    for (int r = 0; r < RT; ++r) isum[r] = _mm256_setzero_si256();
+    __m256i isum[CP][RT];
+    for (int c = 0; c < CP; ++c)
+      for (int r = 0; r < RT; ++r) isum[c][r] = _mm256_setzero_si256();
     for (int j = 0; j < nsv; ++j) {
-      const __m256i sv = _mm256_load_si256(reinterpret_cast<const __m256i*>(o + 2048 + 32 * j));
 #pragma GCC unroll 2
       for (int s0 = j * kStepsPerScale; s0 < (j + 1) * kStepsPerScale; s0 += kSteps16) {
-        __m256i t[RT];
+        __m256i t[CP][RT];
+#pragma GCC unroll 8
         for (int s = s0; s < s0 + kSteps16; ++s) {
-          const __m256i wv = _mm256_load_si256(reinterpret_cast<const __m256i*>(o + 32 * s));
+          __m256i wv[CP];
+#pragma GCC unroll 2
+          for (int c = 0; c < CP; ++c)
+            wv[c] = _mm256_load_si256(reinterpret_cast<const __m256i*>(o[c] + 32 * s));
+#pragma GCC unroll 6
           for (int r = 0; r < RT; ++r) {
-            const __m256i p = _mm256_maddubs_epi16(wv, bcast4(xb[r]->q + 4 * s));
-            t[r] = s == s0 ? p : _mm256_add_epi16(t[r], p);
-            asm("" : "+x"(t[r]));  // keep the sum a chain (gcc otherwise spills every product)
+            const __m256i xv = bcast4(xb[r]->q + 4 * s);
+#pragma GCC unroll 2
+            for (int c = 0; c < CP; ++c) {
+              const __m256i p = _mm256_maddubs_epi16(wv[c], xv);
+              t[c][r] = s == s0 ? p : _mm256_add_epi16(t[c][r], p);
+              asm("" : "+x"(t[c][r]));  // keep the sum a chain (gcc otherwise spills products)
+            }
           }
         }
-        for (int r = 0; r < RT; ++r)
-          isum[r] = _mm256_add_epi32(isum[r], _mm256_madd_epi16(t[r], sv));
+        for (int c = 0; c < CP; ++c) {
+          const __m256i sv =
+              _mm256_load_si256(reinterpret_cast<const __m256i*>(o[c] + 2048 + 32 * j));
+          for (int r = 0; r < RT; ++r)
+            isum[c][r] = _mm256_add_epi32(isum[c][r], _mm256_madd_epi16(t[c][r], sv));
+        }
       }
     }
-    finish_block<KIND, RT>(xb, o + 2048 + 32 * nsv,
-                           reinterpret_cast<const float*>(o + 2048 + 32 * nsv + 32 * min_vectors(KIND)),
-                           isum, acc);
+    for (int c = 0; c < CP; ++c)
+      finish_block<KIND, RT>(
+          xb, o[c] + 2048 + 32 * nsv,
+          reinterpret_cast<const float*>(o[c] + 2048 + 32 * nsv + 32 * min_vectors(KIND)),
+          isum[c], acc[c]);
   }
-  for (int r = 0; r < RT; ++r) store_row(y + r * ldy, acc[r], cols);
+  for (int c = 0; c < CP; ++c)
+    for (int r = 0; r < RT; ++r)
+      store_row(y + r * ldy + c * kCols, acc[c][r], std::min<int64_t>(kCols, cols - c * kCols));
 }
 
 // tile_avx2 with vpdpbusd (AVX-512 VNNI on 256-bit vectors, or AVX-VNNI): each step's u8 x s8
@@ -346,39 +376,46 @@ LLMRT_AVX_VNNI void tile_avxvnni(const Q8Block* px, int64_t nb, const uint8_t* p
 }
 #undef LLMRT_Q8_TILE_DP
 
-// Which product loop runs (``level``): 0 AVX2, 1 AVX-VNNI, 2 AVX-512 VNNI.
-template <int64_t KIND, int RT>
-void tile_at(int level, const Q8Block* px, int64_t nb, const uint8_t* panel, float* y,
-             int64_t ldy, int64_t cols) {
-  if (level == 2) {
-    tile_vnni<KIND, RT>(px, nb, panel, y, ldy, cols);
-  } else if (level == 1) {
-    tile_avxvnni<KIND, RT>(px, nb, panel, y, ldy, cols);
-  } else {
-    tile_avx2<KIND, RT>(px, nb, panel, y, ldy, cols);
+// Which product loop runs (``level``): 0 AVX2, 1 AVX-VNNI, 2 AVX-512 VNNI. ``CP`` panels
+// (``panel_bytes`` apart) at a time: 2 only at AVX2 (see tile_avx2).
+template <int64_t KIND, int RT, int CP>
+void tile_at(int level, const Q8Block* px, int64_t nb, const uint8_t* panel, int64_t panel_bytes,
+             float* y, int64_t ldy, int64_t cols) {
+  if constexpr (CP == 1) {
+    if (level == 2) {
+      tile_vnni<KIND, RT>(px, nb, panel, y, ldy, cols);
+      return;
+    }
+    if (level == 1) {
+      tile_avxvnni<KIND, RT>(px, nb, panel, y, ldy, cols);
+      return;
+    }
   }
+  tile_avx2<KIND, RT, CP>(px, nb, panel, panel_bytes, y, ldy, cols);
 }
 
-template <int64_t KIND>
+template <int64_t KIND, int CP>
 void rows_kind(int level, const Q8Block* px, int64_t rows, int64_t nb, const uint8_t* panel,
-               float* y, int64_t ldy, int64_t cols) {
+               int64_t panel_bytes, float* y, int64_t ldy, int64_t cols) {
   const int tile = level == 2 ? kRowsVnni : kRows;
   int64_t r = 0;
   for (; r + tile <= rows; r += tile) {
     if (tile == kRowsVnni) {
-      tile_at<KIND, kRowsVnni>(level, px + r * nb, nb, panel, y + r * ldy, ldy, cols);
+      tile_at<KIND, kRowsVnni, CP>(level, px + r * nb, nb, panel, panel_bytes, y + r * ldy, ldy,
+                                   cols);
     } else {
-      tile_at<KIND, kRows>(level, px + r * nb, nb, panel, y + r * ldy, ldy, cols);
+      tile_at<KIND, kRows, CP>(level, px + r * nb, nb, panel, panel_bytes, y + r * ldy, ldy,
+                               cols);
     }
   }
   const Q8Block* pr = px + r * nb;
   float* yr = y + r * ldy;
   switch (rows - r) {
-    case 5: tile_at<KIND, 5>(level, pr, nb, panel, yr, ldy, cols); break;
-    case 4: tile_at<KIND, 4>(level, pr, nb, panel, yr, ldy, cols); break;
-    case 3: tile_at<KIND, 3>(level, pr, nb, panel, yr, ldy, cols); break;
-    case 2: tile_at<KIND, 2>(level, pr, nb, panel, yr, ldy, cols); break;
-    case 1: tile_at<KIND, 1>(level, pr, nb, panel, yr, ldy, cols); break;
+    case 5: tile_at<KIND, 5, CP>(level, pr, nb, panel, panel_bytes, yr, ldy, cols); break;
+    case 4: tile_at<KIND, 4, CP>(level, pr, nb, panel, panel_bytes, yr, ldy, cols); break;
+    case 3: tile_at<KIND, 3, CP>(level, pr, nb, panel, panel_bytes, yr, ldy, cols); break;
+    case 2: tile_at<KIND, 2, CP>(level, pr, nb, panel, panel_bytes, yr, ldy, cols); break;
+    case 1: tile_at<KIND, 1, CP>(level, pr, nb, panel, panel_bytes, yr, ldy, cols); break;
     default: break;
   }
 }
@@ -403,11 +440,23 @@ void gemm_kind(const Q8Block* px, int64_t rows, const uint8_t* w, int64_t rb, in
       for (int64_t p = p0; p < p1; ++p)
         pack_panel<KIND>(w, rb, k, p * kCols, std::min<int64_t>(kCols, n - p * kCols),
                          packed + (p - p0) * panel_bytes);
+      const int64_t pair = level == 0 ? 2 : 1;  // panels per tile (see tile_avx2)
       for (int64_t r = 0; r < rows; r += tile_rows) {
         const int64_t rt = std::min<int64_t>(tile_rows, rows - r);
-        for (int64_t p = p0; p < p1; ++p)
-          rows_kind<KIND>(level, px + r * nb, rt, nb, packed + (p - p0) * panel_bytes,
-                          y + r * n + p * kCols, n, std::min<int64_t>(kCols, n - p * kCols));
+        for (int64_t p = p0; p < p1; p += pair) {
+          const uint8_t* pp = packed + (p - p0) * panel_bytes;
+          float* yp = y + r * n + p * kCols;
+          const int64_t cols = n - p * kCols;
+          if (pair == 2 && p + 1 < p1) {
+            rows_kind<KIND, 2>(level, px + r * nb, rt, nb, pp, panel_bytes, yp, n,
+                               std::min<int64_t>(2 * kCols, cols));
+          } else {
+            for (int64_t q = p; q < std::min(p + pair, p1); ++q)
+              rows_kind<KIND, 1>(level, px + r * nb, rt, nb, packed + (q - p0) * panel_bytes,
+                                 panel_bytes, y + r * n + q * kCols, n,
+                                 std::min<int64_t>(kCols, n - q * kCols));
+          }
+        }
       }
     }
   });
