@@ -595,17 +595,22 @@ def test_a_step_runs_at_the_smallest_batch_size_holding_its_rows(fresh: Lane) ->
 def test_decode_batch_sizes_must_increase_to_the_lane_capacity(
     fresh: Lane, sizes: tuple[int, ...]
 ) -> None:
-    config = fresh.decode.config
     with pytest.raises(ConfigError, match=r"decode\.batch_sizes.*ending at the lane capacity"):
-        DecodeRuntimeConfig.resolve(
-            model=config.model,
-            device=config.device,
-            output_reader=config.output_reader,
-            lane_capacity=CAPACITY,
-            page_table_layout=config.layout,
-            device_sampling_enabled=True,
-            batch_sizes=sizes,
-        )
+        _resolve_like(fresh, batch_sizes=sizes)
+
+
+def _resolve_like(lane: Lane, **changes: Any) -> DecodeRuntimeConfig:
+    """``DecodeRuntimeConfig.resolve`` over ``lane``'s collaborators with ``changes``."""
+    config = lane.decode.config
+    return DecodeRuntimeConfig.resolve(
+        model=config.model,
+        device=config.device,
+        output_reader=config.output_reader,
+        lane_capacity=CAPACITY,
+        page_table_layout=config.layout,
+        device_sampling_enabled=True,
+        **changes,
+    )
 
 
 # -- page-table width ladder -------------------------------------------------------------
@@ -649,17 +654,8 @@ def test_a_step_runs_at_the_narrowest_width_holding_its_furthest_position(fresh:
 
 @pytest.mark.parametrize("tokens", [0, -8, True, 2.5])
 def test_a_width_ladder_needs_a_positive_token_count(fresh: Lane, tokens: object) -> None:
-    config = fresh.decode.config
     with pytest.raises(ConfigError, match=r"width_ladder.*positive number of tokens"):
-        DecodeRuntimeConfig.resolve(
-            model=config.model,
-            device=config.device,
-            output_reader=config.output_reader,
-            lane_capacity=CAPACITY,
-            page_table_layout=config.layout,
-            device_sampling_enabled=True,
-            width_ladder=tokens,  # type: ignore[arg-type]
-        )
+        _resolve_like(fresh, width_ladder=tokens)
 
 
 # -- tokens from the device (vLLM's overlapped steps) ------------------------------------
