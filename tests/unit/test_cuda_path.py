@@ -23,11 +23,15 @@ from lane_fixtures import (  # noqa: F401 (single_torch_thread: autouse)
     prompt,
     single_torch_thread,
 )
+from llmrt.containers.factories import build_decode
 
 import llmrt.runtime.decode
 import llmrt.runtime.prefill.runtime
 from llmrt.errors import DeviceError
+from llmrt.recipe.loader import load_recipe
+from llmrt.runtime.config import PageTableLayout
 from llmrt.runtime.decode import DecodeOutput, DecodeRuntime
+from llmrt.runtime.output_reader import OutputReader
 from llmrt.runtime.prefill.runtime import PrefillRuntime
 from llmrt.sampling.params import SamplingParams
 from llmrt.sampling.sampler import SamplingTensors, device_generator, sample
@@ -75,6 +79,44 @@ def test_runtimes_draw_unseeded_noise_from_a_generator_on_their_lane_device(
         assert decode.generator.device == torch.device("cuda", 0)
         assert prefill.generator.device == torch.device("cuda", 0)
         assert device_generator("cuda:1").device == torch.device("cuda", 1)
+    finally:
+        monkeypatch.undo()
+        lane.cleanup()
+
+
+@pytest.mark.parametrize("mode", ["decode_only", "all", "none"])
+def test_the_container_gives_traced_cuda_decode_a_width_ladder(
+    monkeypatch: pytest.MonkeyPatch, mode: str
+) -> None:
+    """``build_decode`` (the container's factory) pads traced CUDA steps to a width ladder
+    (a captured graph attends over its whole table): 256 tokens of 16-token blocks first,
+    doubled up to the layout's 128; eager CUDA and the CPU keep the layout's width (their
+    steps trim the table to the blocks in use)."""
+    lane = build_lane(block_size=BS, num_blocks=16, lane_capacity=2)
+    # 2048 positions in 16-token blocks (the lane's own layout is too narrow for a ladder).
+    layout = PageTableLayout.resolve(
+        block_size=16,
+        model_max_sequence_length=2048,
+        physical_num_blocks=128,
+        max_prefill_chunk_size=64,
+    )
+    try:
+        recipe = load_recipe("tiny-llama", overrides=[f"trace.mode={mode}"])
+        monkeypatch.setattr(torch, "Generator", _PlacedOn)
+        widths = {}
+        for name, device in (("cuda", _CudaView(lane.device)), ("cpu", lane.device)):
+            decode = build_decode(
+                recipe=recipe,
+                model=lane.model,
+                device=device,
+                reader=OutputReader(device=device),
+                layout=layout,
+                lane=0,
+            )
+            widths[name] = decode.config.widths
+        assert layout.width == 128
+        traced = mode != "none"
+        assert widths == {"cuda": (16, 32, 64, 128) if traced else (128,), "cpu": (128,)}
     finally:
         monkeypatch.undo()
         lane.cleanup()
