@@ -593,12 +593,10 @@ def build_decode(
         device_sampling_enabled=recipe.decode.device_sampling,
         batch_sizes=recipe.decode_batch_sizes,
         lane=lane,
-        # A captured CUDA graph attends over its table's whole width (an eager step trims it).
-        width_ladder=(
-            LADDER_FIRST_TOKENS
-            if device.torch_device.type == "cuda" and recipe.trace.mode != "none"
-            else None
-        ),
+        # On CUDA a step attends over its table's whole width (trimming it to the blocks in
+        # use would read the positions back on the host: a sync per step; a captured graph
+        # cannot at all); the CPU's step trims it.
+        width_ladder=LADDER_FIRST_TOKENS if device.torch_device.type == "cuda" else None,
     )
     return DecodeRuntime(config, step_compiler=steps)
 

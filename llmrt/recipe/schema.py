@@ -614,8 +614,8 @@ class PrefillSpec:
 class DecodeSpec:
     """Decode policy: fixed slots per lane, physical step batches, on-device sampling.
 
-    ``batch_sizes`` are the decode batches warmed (one program and trace each; traced CUDA
-    decode one per page-table width too, ``DecodeRuntimeConfig.widths``), the lane
+    ``batch_sizes`` are the decode batches warmed (one program and trace each; CUDA decode
+    one per page-table width too, ``DecodeRuntimeConfig.widths``), the lane
     capacity always among them; a step pads its rows to the smallest that holds them.
     None: powers of two up to ``lane_capacity`` on the torch backend, ``lane_capacity``
     alone on ttnn.

@@ -12,6 +12,7 @@ raw output into a :class:`DecodeOutputLease` for an external scheduler.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
@@ -56,12 +57,18 @@ def decode_widths(
 ) -> tuple[int, ...]:
     """``layout``'s width ladder: the blocks ``first_tokens`` take, doubled up to (and
     ending at) the layout's width."""
+    return _ladder(layout.block_size, layout.width, first_tokens)
+
+
+@functools.cache
+def _ladder(block_size: int, width: int, first_tokens: int) -> tuple[int, ...]:
+    """``decode_widths`` by value, computed once (every step's ``prepare`` asks)."""
     widths = []
-    width = max(1, -(-first_tokens // layout.block_size))
-    while width < layout.width:
-        widths.append(width)
-        width *= 2
-    widths.append(layout.width)
+    step = max(1, -(-first_tokens // block_size))
+    while step < width:
+        widths.append(step)
+        step *= 2
+    widths.append(width)
     return tuple(widths)
 
 
@@ -148,15 +155,15 @@ class DecodeRuntimeConfig:
         """The page-table widths a step may run at, increasing, ending at the layout's.
 
         The layout's alone, unless ``width_ladder``: then doubling from that many tokens'
-        worth of blocks. Why: a step that attends over its table's
-        whole width (a captured CUDA graph cannot trim the table to the blocks in use, as an
-        eager step does) paid for ``max_model_len`` at every step: on an H200 a 16-row step
-        of a SmolLM2-shaped model ran 22.4 ms with 4096 positions against 8.1 ms with 512.
-        Each width is its own program and trace (warmed up), a step at most twice the
-        blocks it needs."""
+        worth of blocks. Why: a step that attends over its table's whole width (on CUDA: the
+        CPU's step trims the table to the blocks in use by reading the positions on the host,
+        which a captured graph cannot do and an eager CUDA step would pay a sync for) paid for
+        ``max_model_len`` at every step: on an H200 a traced 16-row step of a SmolLM2-shaped
+        model ran 22.4 ms with 4096 positions against 8.1 ms with 512. Each width is its own
+        program and trace (warmed up), a step at most twice the blocks it needs."""
         if self.width_ladder is None:
             return (self.layout.width,)
-        return decode_widths(self.layout, first_tokens=self.width_ladder)
+        return _ladder(self.layout.block_size, self.layout.width, self.width_ladder)
 
     def padded_width(self, blocks: int) -> int:
         """The page-table width a step whose furthest position is in block ``blocks - 1``

@@ -169,12 +169,15 @@ class TraceCompiler:
     # -- capture -------------------------------------------------------------------------
 
     def capture_order(self) -> list[TraceArtifact]:
-        """Decode before prefill; larger batches first (one CUDA graph pool fits them all)."""
+        """Decode before prefill; larger batches, then wider page tables, first (one CUDA graph
+        pool fits them all: a width's attention buffers grow with it, and its description
+        sorts as text, w128 before w16)."""
         return sorted(
             (a for a in self._artifacts.values() if a.state is not ArtifactState.RELEASED),
             key=lambda a: (
                 _OPERATION_ORDER.get(a.plan.operation, 2),
                 -a.plan.batch_size,
+                -int(a.plan.material.get("page_table_width", 0)),
                 a.plan.description,
             ),
         )

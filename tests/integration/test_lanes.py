@@ -240,18 +240,24 @@ def test_a_malformed_page_table_is_refused_by_name_through_the_group(
 def test_traced_decode_widths_follow_the_device_and_crossing_one_keeps_the_tokens(
     build: Callable[..., Runtime], torch_device: str
 ) -> None:
-    """A CUDA graph attends over its whole page table, so traced CUDA decode gets a width
-    ladder (tiny-llama: 16 blocks of 16 tokens, then the layout's 32); the CPU trims the
-    table to the blocks in use and keeps one width. A request decoding across position 256
-    changes width mid-run and gives the eager run's tokens."""
+    """A CUDA step attends over its whole page table, so CUDA decode gets a width ladder
+    (tiny-llama: 16 blocks of 16 tokens, then the layout's 32); the CPU trims the table to
+    the blocks in use and keeps one width. A request decoding across position 256 replays
+    the w16 trace, then the w32 one (CUDA), and gives the eager run's tokens."""
     prompt = [(13 * i + 5) % 250 + 1 for i in range(250)]
     traced = build("tiny-llama", _on(torch_device)).ready()
     lane = traced.group.lanes[0]
-    config = lane.decode.config
-    widths = (16, 32) if torch.device(torch_device).type == "cuda" else (lane.layout.width,)
-    assert lane.layout.width == 32 and config.widths == widths
+    widths = (16, 32) if torch.device(torch_device).type == "cuda" else (32,)
+    assert lane.layout.width == 32 and lane.decode.config.widths == widths
     got = traced.generate([prompt], steps=12)
+    (container,) = traced.container.lane_containers()
+    replayed = {
+        key.rsplit(" w", 1)[1].rstrip("]")
+        for key, count in container.trace_compiler().replay_counts().items()
+        if key.startswith("decode[") and count > 0
+    }
+    assert replayed == {str(w) for w in widths}
     traced.close()
     eager = build("tiny-llama", [*_on(torch_device), "trace.mode=none"]).ready()
-    assert eager.group.lanes[0].decode.config.widths == (32,)
+    assert eager.group.lanes[0].decode.config.widths == widths
     assert got.tokens == eager.generate([prompt], steps=12).tokens

@@ -85,13 +85,13 @@ def test_runtimes_draw_unseeded_noise_from_a_generator_on_their_lane_device(
 
 
 @pytest.mark.parametrize("mode", ["decode_only", "all", "none"])
-def test_the_container_gives_traced_cuda_decode_a_width_ladder(
+def test_the_container_gives_cuda_decode_a_width_ladder(
     monkeypatch: pytest.MonkeyPatch, mode: str
 ) -> None:
-    """``build_decode`` (the container's factory) pads traced CUDA steps to a width ladder
-    (a captured graph attends over its whole table): 256 tokens of 16-token blocks first,
-    doubled up to the layout's 128; eager CUDA and the CPU keep the layout's width (their
-    steps trim the table to the blocks in use)."""
+    """``build_decode`` (the container's factory) pads CUDA steps, traced or eager, to a
+    width ladder (they attend over their whole table: trimming it would read the positions
+    back on the host): 256 tokens of 16-token blocks first, doubled up to the layout's 128.
+    The CPU keeps the layout's width (its step trims the table to the blocks in use)."""
     lane = build_lane(block_size=BS, num_blocks=16, lane_capacity=2)
     # 2048 positions in 16-token blocks (the lane's own layout is too narrow for a ladder).
     layout = PageTableLayout.resolve(
@@ -115,8 +115,7 @@ def test_the_container_gives_traced_cuda_decode_a_width_ladder(
             )
             widths[name] = decode.config.widths
         assert layout.width == 128
-        traced = mode != "none"
-        assert widths == {"cuda": (16, 32, 64, 128) if traced else (128,), "cpu": (128,)}
+        assert widths == {"cuda": (16, 32, 64, 128), "cpu": (128,)}
     finally:
         monkeypatch.undo()
         lane.cleanup()

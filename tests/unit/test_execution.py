@@ -117,7 +117,21 @@ def _scenario(lane: Lane, steps: int = 12, join_at: int = 4) -> tuple[list[list[
         history.append(list(tokens))
         decode = [a for a in traces.artifacts.values() if a.plan.operation == "decode"]
         decisions.append(decode[0].replay_state.get("last_refresh") if decode else None)
+    lane.notes["rows"] = (tokens, positions, blocks)  # where each request stands now
     return history, decisions
+
+
+def _short_rows_step(lane: Lane) -> list[int]:
+    """After ``_scenario``: one more greedy step of its two short requests alone."""
+    tokens, positions, blocks = lane.notes["rows"]
+    out = _traced(lane).decode_forward(
+        tokens=tokens[:2],
+        start_pos=positions[:2],
+        page_table=page_table(blocks[:2], width=lane.layout.width),
+        sampling_params=[GREEDY] * 2,
+    )
+    assert out.tokens is not None
+    return [int(t) for t in out.tokens.tolist()]
 
 
 def test_every_trace_mode_gives_identical_greedy_tokens(make: Callable[..., Lane]) -> None:
@@ -158,17 +172,20 @@ def test_every_trace_mode_gives_identical_greedy_tokens(make: Callable[..., Lane
 def test_a_width_ladder_switches_traces_as_positions_grow(make: Callable[..., Lane]) -> None:
     """With a page-table width ladder (12 blocks of 4 first: 12, 24, 48, 64), each decode
     step runs the trace of the narrowest width that holds its furthest position: 40-47 fit
-    12 blocks, 48-51 need 13. Tokens and KV equal the eager full-width run's."""
+    12 blocks, 48-51 need 13, and a later step of the short requests alone fits 12 again.
+    Tokens and KV equal the eager full-width run's."""
     eager = make("none")
     want_tokens, _ = _scenario(eager)
     want_kv = eager.snapshot()
+    want_short = _short_rows_step(eager)
     eager.cleanup()
     lane = make("decode_only", width_ladder=48)
     decode = lane.decode.config
     assert decode.widths == (12, 24, 48, 64)
-    # Warmup captured the batch size at every width, not at the full width alone.
-    captured = {a.plan.description for a in _traced(lane).trace_compiler.artifacts.values()}
-    assert captured == {f"decode[b8 w{w}]" for w in (12, 24, 48, 64)}
+    # Warmup captured the batch size at every width, the widest first (their buffers share
+    # one CUDA graph pool, sized by the first capture), not by the description's text order.
+    order = [a.plan.description for a in _traced(lane).trace_compiler.capture_order()]
+    assert order == [f"decode[b8 w{w}]" for w in (64, 48, 24, 12)]
     tokens, _ = _scenario(lane)
     counts = _traced(lane).trace_compiler.replay_counts()
     assert counts == {
@@ -180,6 +197,15 @@ def test_a_width_ladder_switches_traces_as_positions_grow(make: Callable[..., La
     assert tokens == want_tokens
     for index, (got, want) in enumerate(zip(lane.snapshot(), want_kv, strict=True)):
         assert torch.equal(got, want), f"KV tensor {index} differs from the full-width run"
+    # Back to the narrow trace once the long rows leave (positions 17 and 19: 5 blocks): its
+    # inputs still hold the step before the switch, so the replay rewrites them all.
+    assert _short_rows_step(lane) == want_short
+    w12 = next(
+        a
+        for a in _traced(lane).trace_compiler.artifacts.values()
+        if a.plan.description == "decode[b8 w12]"
+    )
+    assert w12.replays == 9 and w12.replay_state["last_refresh"] == "full"
 
 
 # -- coverage misses and the compile gate ----------------------------------------------
