@@ -52,17 +52,10 @@ DECODE_PATHS = ("logits", "argmax", "sample")
 LADDER_FIRST_TOKENS = 256
 
 
-def decode_widths(
-    layout: PageTableLayout, *, first_tokens: int = LADDER_FIRST_TOKENS
-) -> tuple[int, ...]:
-    """``layout``'s width ladder: the blocks ``first_tokens`` take, doubled up to (and
-    ending at) the layout's width."""
-    return _ladder(layout.block_size, layout.width, first_tokens)
-
-
 @functools.cache
-def _ladder(block_size: int, width: int, first_tokens: int) -> tuple[int, ...]:
-    """``decode_widths`` by value, computed once (every step's ``prepare`` asks)."""
+def decode_widths(*, block_size: int, width: int, first_tokens: int) -> tuple[int, ...]:
+    """A width ladder: the blocks of ``block_size`` tokens that ``first_tokens`` take,
+    doubled up to (and ending at) ``width``. Cached: every step's ``prepare`` asks."""
     widths = []
     step = max(1, -(-first_tokens // block_size))
     while step < width:
@@ -163,7 +156,11 @@ class DecodeRuntimeConfig:
         program and trace (warmed up), a step at most twice the blocks it needs."""
         if self.width_ladder is None:
             return (self.layout.width,)
-        return _ladder(self.layout.block_size, self.layout.width, self.width_ladder)
+        return decode_widths(
+            block_size=self.layout.block_size,
+            width=self.layout.width,
+            first_tokens=self.width_ladder,
+        )
 
     def padded_width(self, blocks: int) -> int:
         """The page-table width a step whose furthest position is in block ``blocks - 1``
