@@ -17,8 +17,8 @@
 //
 // The product loop (AVX2): panels of 8 output columns, unpacked per call from the blocks
 // (kquant_panel.h: one 32-byte vector holds 8 columns' four consecutive quants), each row's
-// four int8s broadcast into one vpmaddubsw per step and panel (two panels per tile). The int16 pair sums add up in int16 over
-// as many steps as cannot overflow (|q| <= 127: Q4_K u <= 15, 8 steps <= 30480; Q5_K u <= 31,
+// four int8s broadcast into one vpmaddubsw per step and panel (two panels per tile). The
+// int16 pair sums add up in int16 over as many steps as cannot overflow (|q| <= 127: Q4_K u <= 15, 8 steps <= 30480; Q5_K u <= 31,
 // 4 steps <= 31496; Q6_K u <= 63, 2 steps <= 32004), then one vpmaddwd by the sub-block scale
 // widens them into the int32 super-block sum (at most 3.1e7, 6.4e7, 2.7e8: no overflow).
 // At AVX-512 VNNI / AVX-VNNI each step is one vpdpbusd into int32 per row, the sub-block
@@ -450,11 +450,9 @@ void gemm_kind(const Q8Block* px, int64_t rows, const uint8_t* w, int64_t rb, in
           if (pair == 2 && p + 1 < p1) {
             rows_kind<KIND, 2>(level, px + r * nb, rt, nb, pp, panel_bytes, yp, n,
                                std::min<int64_t>(2 * kCols, cols));
-          } else {
-            for (int64_t q = p; q < std::min(p + pair, p1); ++q)
-              rows_kind<KIND, 1>(level, px + r * nb, rt, nb, packed + (q - p0) * panel_bytes,
-                                 panel_bytes, y + r * n + q * kCols, n,
-                                 std::min<int64_t>(kCols, n - q * kCols));
+          } else {  // one panel: every panel at VNNI, the block's odd last one at AVX2
+            rows_kind<KIND, 1>(level, px + r * nb, rt, nb, pp, panel_bytes, yp, n,
+                               std::min<int64_t>(kCols, cols));
           }
         }
       }
