@@ -4,8 +4,9 @@ and the loader against gguf-py and transformers on the same bytes."""
 from __future__ import annotations
 
 import numpy as np
+import torch
 
-from llmrt.kernels.formats import BLOCK_BYTES, BLOCK_WEIGHTS
+from llmrt.kernels.formats import BLOCK_BYTES, BLOCK_WEIGHTS, QuantizedWeight
 
 #: Byte offsets of each block kind's fp16 scale fields (random bytes there could be inf or
 #: NaN), and the size that keeps a weight of random quants around 0.05 (d * sc * q).
@@ -40,3 +41,11 @@ def random_blocks(kind: str, rows: int, k: int, *, seed: int, scale: float = 1.0
         )
         raw[:, :, offset : offset + 2] = halves.view(np.uint8).reshape(rows, k // per, 2)
     return raw.reshape(rows, -1)
+
+
+def random_quantized(
+    kind: str, rows: int, k: int, *, seed: int, scale: float = 1.0
+) -> QuantizedWeight:
+    """A ``rows x k`` weight of ``random_blocks`` (the blocks as a torch tensor)."""
+    blocks = torch.from_numpy(random_blocks(kind, rows, k, seed=seed, scale=scale))
+    return QuantizedWeight(kind=kind, shape=(rows, k), blocks=blocks)  # type: ignore[arg-type]

@@ -25,7 +25,8 @@ import torch
 from llmrt.device import huge_pages
 from llmrt.device.huge_pages import huge_pages_unavailable, place_module_weights
 from llmrt.kernels.file_pages import release_file_pages
-from llmrt.kernels.formats import QuantizedWeight, StackedWeight
+from llmrt.kernels.formats import StackedWeight
+from llmrt.testing.gguf_blocks import random_quantized
 from llmrt.weights.mapped_pages import mapping_usage
 
 MIB = 1 << 20
@@ -334,13 +335,8 @@ def test_a_view_whose_base_is_another_storage_is_reported() -> None:
 def test_a_fused_weight_packed_before_the_placement_is_not_copied_again_after_it() -> None:
     """The fused decode step packs a stacked weight's parts after the placement moved them
     (``StackedWeight.packed``): it finds them in the placed mapping, no second blob."""
-    rng = np.random.default_rng(3)
-    parts = []
-    for kind, per, rows in (("q4_k", 144, 64), ("q6_k", 210, 32)):
-        raw = rng.integers(0, 256, (rows, per), dtype=np.uint8)
-        raw[:, [1, 3] if kind == "q4_k" else [209]] = 0  # finite fp16 d (and dmin)
-        parts.append(QuantizedWeight(kind=kind, shape=(rows, 256), blocks=torch.from_numpy(raw)))
-    _, code, viewed = StackedWeight(parts=tuple(parts)).packed()
+    parts = (random_quantized("q4_k", 64, 256, seed=3), random_quantized("q6_k", 32, 256, seed=4))
+    _, code, viewed = StackedWeight(parts=parts).packed()
     expected = viewed.dequantize()
     module = torch.nn.Module()
     for i, part in enumerate(viewed.parts):

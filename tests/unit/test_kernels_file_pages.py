@@ -21,6 +21,7 @@ import torch
 
 from llmrt.kernels.file_pages import release_file_pages, released_bytes
 from llmrt.kernels.formats import QuantizedWeight, StackedWeight, concat_rows
+from llmrt.testing.gguf_blocks import random_quantized
 from llmrt.weights.mapped_pages import mapping_address, mapping_usage
 
 pytestmark = pytest.mark.skipif(
@@ -109,14 +110,16 @@ def test_fused_parts_read_the_fused_copy_and_give_their_pages_back(
     assert rss(mapping) <= 4 * PAGE
 
 
+def _mixed_parts(*, seed: int) -> tuple[QuantizedWeight, ...]:
+    """A fused weight's parts in two block kinds (8 rows of Q4_K, 4 of Q6_K)."""
+    return (
+        random_quantized("q4_k", 8, 256, seed=seed),
+        random_quantized("q6_k", 4, 256, seed=seed + 100),
+    )
+
+
 def test_packing_packed_parts_copies_nothing() -> None:
-    rng = np.random.default_rng(1)
-    parts = []
-    for kind, per, rows in (("q4_k", 144, 8), ("q6_k", 210, 4)):
-        raw = rng.integers(0, 256, (rows, per), dtype=np.uint8)
-        raw[:, (1 if kind == "q4_k" else 209)] = 0  # finite fp16 scales
-        parts.append(QuantizedWeight(kind=kind, shape=(rows, 256), blocks=torch.from_numpy(raw)))
-    stacked = StackedWeight(parts=tuple(parts))
+    stacked = StackedWeight(parts=_mixed_parts(seed=1))
     expected = stacked.dequantize()
     blob, code, viewed = stacked.packed()
     again, code_again, same = viewed.packed()
@@ -128,13 +131,7 @@ def test_packing_packed_parts_copies_nothing() -> None:
 def test_packed_parts_found_inside_a_larger_storage_are_not_copied_again() -> None:
     """The weight placement moves every storage of a model into one mapping; packing its
     parts again there finds the blob where it was moved (the same bytes) instead of a copy."""
-    rng = np.random.default_rng(2)
-    parts = []
-    for kind, per, rows in (("q4_k", 144, 8), ("q6_k", 210, 4)):
-        raw = rng.integers(0, 256, (rows, per), dtype=np.uint8)
-        raw[:, (1 if kind == "q4_k" else 209)] = 0
-        parts.append(QuantizedWeight(kind=kind, shape=(rows, 256), blocks=torch.from_numpy(raw)))
-    blob, code, viewed = StackedWeight(parts=tuple(parts)).packed()
+    blob, code, viewed = StackedWeight(parts=_mixed_parts(seed=2)).packed()
     expected = viewed.dequantize()
     arena = torch.zeros(blob.numel() + 4096, dtype=torch.uint8)
     at = 1024  # the blob at an offset of a larger storage, as the placement leaves it

@@ -26,7 +26,7 @@ from llmrt.kernels.formats import (
     quantize,
 )
 from llmrt.kernels.native import kernels_available
-from llmrt.testing.gguf_blocks import random_blocks
+from llmrt.testing.gguf_blocks import random_quantized
 
 pytestmark = pytest.mark.skipif(not kernels_available()[0], reason="needs the CPU kernels")
 
@@ -43,8 +43,7 @@ def reference(kind: str, blocks: np.ndarray, k: int) -> torch.Tensor:
 
 
 def weight(kind: str, rows: int, k: int, seed: int = 0) -> QuantizedWeight:
-    blocks = torch.from_numpy(random_blocks(kind, rows, k, seed=seed, scale=10.0))
-    return QuantizedWeight(kind=kind, shape=(rows, k), blocks=blocks)  # type: ignore[arg-type]
+    return random_quantized(kind, rows, k, seed=seed, scale=10.0)
 
 
 def linear(w: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
