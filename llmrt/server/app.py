@@ -34,6 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from llmrt.errors import LLMRTError, RequestError, UnsupportedError
 from llmrt.sampling.guided import GuidedDecoding
 from llmrt.sampling.params import SamplingParams
+from llmrt.server import heap
 from llmrt.server.access_log import AccessLog, RequestUsage, usage_of
 from llmrt.server.body_limit import DEFAULT_MAX_REQUEST_BYTES, BodyLimit
 from llmrt.server.engine_loop import (
@@ -108,6 +109,8 @@ class ServerState:
     text: TextWorkers | None = None
     build_error: BaseException | None = None
     stopping: bool = False
+    #: Objects frozen out of the collector's full passes once warm (``freeze_heap``).
+    frozen_objects: int = 0
 
     def cut_streams(self, reason: str) -> None:
         """End every open request now with ``finish_reason="abort"`` (its stream still gets
@@ -125,12 +128,16 @@ def create_app(
     on_fatal: Callable[[BaseException], None] | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     allowed_origins: Sequence[str] = (),
+    freeze_heap: bool = False,
 ) -> FastAPI:
     """The server app; ``build`` makes the warmed runtime (owned by the app from then on).
 
     ``on_fatal`` is called (from any thread) when building fails or the engine dies, so
     the process around the app can shut down. ``allowed_origins`` turns CORS on for those
-    browser origins (``*``: any); empty leaves it off.
+    browser origins (``*``: any); empty leaves it off. ``freeze_heap`` (only for a process
+    the server owns: ``llmrt serve``) freezes what is alive once the runtime is warm out of
+    the garbage collector's full passes, and unfreezes it before the teardown
+    (``llmrt.server.heap``).
     """
     state = ServerState(
         model_name=model_name,
@@ -161,6 +168,8 @@ def create_app(
             # by the first JSON request on the engine thread while every stream waits.
             if llm.tokenizer.eos_token_ids:
                 llm.engine.guided.warm()
+            if freeze_heap:
+                state.frozen_objects = heap.freeze_heap()
         except BaseException as exc:
             state.build_error = exc
             llm.close(primary=exc)
@@ -181,6 +190,8 @@ def create_app(
         finally:
             state.stopping = True
             await asyncio.to_thread(builder.join)
+            if state.frozen_objects:
+                heap.unfreeze_heap()
             close(state)
 
     app = FastAPI(title="llmrt", lifespan=lifespan, docs_url=None, redoc_url=None)

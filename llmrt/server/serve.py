@@ -151,6 +151,7 @@ def serve(
         on_fatal=fatal,
         max_request_bytes=max_request_bytes,
         allowed_origins=allowed_origins,
+        freeze_heap=True,
     )
     server = _Server(
         _config(app, shutdown_timeout=shutdown_timeout, log_level=log_level),
@@ -184,6 +185,8 @@ class BackgroundServer:
 
     A context manager: entering starts it and waits until ``/health`` is ready; leaving
     shuts it down (draining for ``shutdown_timeout``) and re-raises a build failure.
+    ``freeze_heap`` as ``create_app``'s: off here, since this process is not the server's
+    alone (``llmrt serve`` turns it on).
     """
 
     def __init__(
@@ -197,6 +200,7 @@ class BackgroundServer:
         shutdown_timeout: float = 5.0,
         max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
         allowed_origins: Sequence[str] = (),
+        freeze_heap: bool = False,
     ) -> None:
         self.app = create_app(
             build=build,
@@ -206,6 +210,7 @@ class BackgroundServer:
             on_fatal=self._fatal,
             max_request_bytes=max_request_bytes,
             allowed_origins=allowed_origins,
+            freeze_heap=freeze_heap,
         )
         self._sock = bind_socket(host, 0)
         self.port = int(self._sock.getsockname()[1])

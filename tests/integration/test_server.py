@@ -9,6 +9,7 @@ since the server runs in this process, directly on its scheduler.
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import random
@@ -502,6 +503,30 @@ def test_bench_server_drives_a_running_server_against_offline(server: Background
 # -- the process ---------------------------------------------------------------------------
 
 
+def test_a_warm_server_freezes_its_heap_out_of_full_collections_and_thaws_it_to_tear_down(
+    server: BackgroundServer,
+) -> None:
+    # Off by default: this process is the tests' as much as the server's.
+    assert server.state.frozen_objects == 0 and gc.get_freeze_count() == 0
+    with BackgroundServer(
+        build=lambda: LLM.from_recipe(RECIPE), model_name=RECIPE, max_waiting=8, freeze_heap=True
+    ) as frozen:
+        state = frozen.state
+        # (objects freed by their references since leave the count: no equality)
+        assert state.llm is not None and state.frozen_objects > 0 and gc.get_freeze_count() > 0
+        walked = {id(o) for o in gc.get_objects()}  # what a full collection walks
+        # The warm runtime is out of the collector's generations, the requests' objects not.
+        assert id(state.llm) not in walked and id(state.llm.engine.scheduler) not in walked
+        assert len(walked) < state.frozen_objects
+        body = {"model": RECIPE, "prompt": [3] * 8, "max_tokens": 4, "ignore_eos": True}
+        reply = httpx.post(f"{frozen.url}/v1/completions", json=body, timeout=TIMEOUT)
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 4
+        llm = state.llm
+    # Thawed before the teardown, so cycles among the runtime's objects are collectable.
+    assert gc.get_freeze_count() == 0
+    assert any(o is llm for o in gc.get_objects()) and llm._closed
+
+
 def test_sigterm_during_load_drains_exits_0_and_leaves_a_passing_audit_log(
     tmp_path: Path,
 ) -> None:
@@ -511,7 +536,7 @@ def test_sigterm_during_load_drains_exits_0_and_leaves_a_passing_audit_log(
     with log.open("w") as sink:
         proc = subprocess.Popen(
             [sys.executable, "-m", "llmrt.cli", "serve", RECIPE, "--port", "0",
-             "--audit-log", str(audit), "--shutdown-timeout", "20"],
+             "--audit-log", str(audit), "--shutdown-timeout", "20", "--log-level", "info"],
             stderr=sink,
             stdout=subprocess.DEVNULL,
             env=env,
@@ -560,6 +585,9 @@ def test_sigterm_during_load_drains_exits_0_and_leaves_a_passing_audit_log(
             proc.kill()
             proc.wait()
     assert "llmrt serve: stopped" in log.read_text()
+    # `llmrt serve` owns its process: the warm heap is frozen out of full collections.
+    frozen = r"\d+ objects frozen out of the garbage collector's full passes"
+    assert re.search(frozen, log.read_text())
     checked = subprocess.run(
         [sys.executable, "-m", "llmrt.cli", "audit", str(audit)],
         capture_output=True,
