@@ -14,6 +14,11 @@ float32 rounding only.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import gguf
 import numpy as np
 import pytest
@@ -25,6 +30,7 @@ from llmrt.kernels.formats import (
     StackedWeight,
     quantize,
 )
+from llmrt.device.cpu_features import ISA_VARIABLE, forceable_levels, read_cpu_features
 from llmrt.kernels.native import kernels_available
 from llmrt.testing.gguf_blocks import random_quantized
 
@@ -61,6 +67,51 @@ def gemv_bound(kind: str, dense: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     group = 256 if kind in ("q4_k", "q5_k", "q6_k") else 32
     groups = x.abs().reshape(x.shape[0], -1, group).amax(-1).repeat_interleave(group, dim=-1)
     return 2e-5 * (groups @ dense.abs().T) + rounding
+
+
+#: The products the next test compares across levels: each K-quant kind at 1-5 rows.
+_PRODUCTS = """
+import sys, torch
+from llmrt.testing.gguf_blocks import random_quantized
+out = {}
+for kind in ("q4_k", "q5_k", "q6_k"):
+    w = random_quantized(kind, 48, 512, seed=7, scale=10.0)
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(1))
+    for rows in range(1, 6):
+        out[kind, rows] = torch.ops.llmrt_kernels.gguf_linear(
+            x[:rows].contiguous(), w.blocks, w.kernel_type, 512, None)
+torch.save(out, sys.argv[1])
+"""
+
+
+def _products(path: Path, level: str | None) -> dict[tuple[str, int], torch.Tensor]:
+    env = {k: v for k, v in os.environ.items() if k != ISA_VARIABLE}
+    if level is not None:
+        env[ISA_VARIABLE] = level
+    code = "import llmrt.kernels.native as n; n.load_kernels()\n" + _PRODUCTS
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(path)], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    products: dict[tuple[str, int], torch.Tensor] = torch.load(path)
+    return products
+
+
+@pytest.mark.skipif(
+    not (
+        read_cpu_features().vendor == "AuthenticAMD"
+        and "avx512_vnni" in forceable_levels(read_cpu_features())
+    ),
+    reason="needs an AMD CPU with AVX-512 VNNI (there the K-quants take the block-scaled path)",
+)
+def test_an_avx512_vnni_zen_runs_the_block_scaled_gemv_to_the_avx2_bits(tmp_path: Path) -> None:
+    # On Zen 4 (512-bit ops in two halves) the K-quant GEMVs take the block-scaled path at
+    # AVX-512 VNNI too, with vpdpwssd for vpmaddwd + vpaddd: integer sums, so the same bits.
+    native = _products(tmp_path / "native.pt", None)
+    avx2 = _products(tmp_path / "avx2.pt", "avx2")
+    assert native.keys() == avx2.keys()
+    for key, value in native.items():
+        assert torch.equal(value, avx2[key]), key
 
 
 @pytest.mark.parametrize("kind", KINDS)
