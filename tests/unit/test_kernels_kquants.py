@@ -24,13 +24,13 @@ import numpy as np
 import pytest
 import torch
 
+from llmrt.device.cpu_features import ISA_VARIABLE, forceable_levels, read_cpu_features
 from llmrt.kernels.formats import (
     GGML_TYPE,
     QuantizedWeight,
     StackedWeight,
     quantize,
 )
-from llmrt.device.cpu_features import ISA_VARIABLE, forceable_levels, read_cpu_features
 from llmrt.kernels.native import kernels_available
 from llmrt.testing.gguf_blocks import random_quantized
 
