@@ -14,17 +14,15 @@ float32 rounding only.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import gguf
 import numpy as np
 import pytest
 import torch
+from isa_products import has_level, products_at
 
-from llmrt.device.cpu_features import ISA_VARIABLE, forceable_levels, read_cpu_features
+from llmrt.device.cpu_features import read_cpu_features
 from llmrt.kernels.formats import (
     GGML_TYPE,
     QuantizedWeight,
@@ -84,31 +82,15 @@ torch.save(out, sys.argv[1])
 """
 
 
-def _products(path: Path, level: str | None) -> dict[tuple[str, int], torch.Tensor]:
-    env = {k: v for k, v in os.environ.items() if k != ISA_VARIABLE}
-    if level is not None:
-        env[ISA_VARIABLE] = level
-    code = "import llmrt.kernels.native as n; n.load_kernels()\n" + _PRODUCTS
-    done = subprocess.run(
-        [sys.executable, "-c", code, str(path)], env=env, capture_output=True, text=True
-    )
-    assert done.returncode == 0, done.stderr
-    products: dict[tuple[str, int], torch.Tensor] = torch.load(path)
-    return products
-
-
 @pytest.mark.skipif(
-    not (
-        read_cpu_features().vendor == "AuthenticAMD"
-        and "avx512_vnni" in forceable_levels(read_cpu_features())
-    ),
+    not (read_cpu_features().vendor == "AuthenticAMD" and has_level("avx512_vnni")),
     reason="needs an AMD CPU with AVX-512 VNNI (there the K-quants take the block-scaled path)",
 )
 def test_an_avx512_vnni_zen_runs_the_block_scaled_gemv_to_the_avx2_bits(tmp_path: Path) -> None:
     # On Zen 4 (512-bit ops in two halves) the K-quant GEMVs take the block-scaled path at
     # AVX-512 VNNI too, with vpdpwssd for vpmaddwd + vpaddd: integer sums, so the same bits.
-    native = _products(tmp_path / "native.pt", None)
-    avx2 = _products(tmp_path / "avx2.pt", "avx2")
+    native = products_at(None, code=_PRODUCTS, path=tmp_path / "native.pt")
+    avx2 = products_at("avx2", code=_PRODUCTS, path=tmp_path / "avx2.pt")
     assert native.keys() == avx2.keys()
     for key, value in native.items():
         assert torch.equal(value, avx2[key]), key

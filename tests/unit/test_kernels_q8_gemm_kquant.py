@@ -16,10 +16,13 @@ coarsely, fails).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import gguf
 import numpy as np
 import pytest
 import torch
+from isa_products import has_level, products_at
 
 from llmrt.kernels.formats import GGML_TYPE
 from llmrt.kernels.native import kernels_available, kernels_isa
@@ -136,3 +139,35 @@ def test_supported_only_for_k_quants_at_avx2_and_above() -> None:
         assert torch.ops.llmrt_kernels.kquant_gemm_q8_supported(GGML_TYPE[kind]) == SUPPORTED
     for other in ("q4_0", "q4_1", "q8_0", "q5_0"):
         assert not torch.ops.llmrt_kernels.kquant_gemm_q8_supported(GGML_TYPE[other])
+
+
+#: The products the next test compares across levels: odd panel counts (a block's last
+#: panel alone), row counts around the 4- and 6-row tiles.
+_PRODUCTS = """
+import sys, torch
+from llmrt.kernels.formats import GGML_TYPE
+from llmrt.testing.gguf_blocks import random_blocks
+out = {}
+for kind in ("q4_k", "q5_k", "q6_k"):
+    for n, k in ((13, 256), (203, 768)):
+        blocks = torch.from_numpy(random_blocks(kind, n, k, seed=n + k, scale=10.0))
+        x = torch.randn(41, k, generator=torch.Generator().manual_seed(n))
+        for rows in (1, 5, 6, 7, 12, 41):
+            out[kind, n, rows] = torch.ops.llmrt_kernels.kquant_gemm_q8(
+                x[:rows].contiguous(), blocks, GGML_TYPE[kind], k, None)
+torch.save(out, sys.argv[1])
+"""
+
+
+@needs_kernel
+@pytest.mark.parametrize("level", ["avx_vnni", "avx512_vnni"])
+def test_the_vnni_loops_give_the_avx2_loops_bits(level: str, tmp_path: Path) -> None:
+    # Integer dot products both ways (vpdpbusd against vpmaddubsw + vpmaddwd), then the same
+    # float steps: the same bits, one panel or two per broadcast.
+    if not has_level(level):
+        pytest.skip(f"this CPU has no {level}")
+    vnni = products_at(level, code=_PRODUCTS, path=tmp_path / "vnni.pt")
+    avx2 = products_at("avx2", code=_PRODUCTS, path=tmp_path / "avx2.pt")
+    assert vnni.keys() == avx2.keys()
+    for key, value in vnni.items():
+        assert torch.equal(value, avx2[key]), key

@@ -35,7 +35,10 @@
 // The AVX2 loop now takes two panels per broadcast (4 rows x 16 columns, tile_avx2): on a
 // 2-core Zen 4 forced to AVX2, one thread, Llama-3.2-1B Q4_K_M tensors at 512 rows, Q4_K
 // 111-115 -> 127-130 GMAC/s, Q6_K 87-100 -> 93-104. (A first two-panel try ran 0.77-0.88x:
-// its step loop was left rolled, see tile_avx2.)
+// its step loop was left rolled, see tile_avx2.) The vpdpbusd loop takes two panels too:
+// on the same Zen 4 at AVX-512 VNNI, one thread, 512 rows, best of five interleaved runs,
+// Q4_K 118-133 -> 139-157 GMAC/s, Q6_K 127 -> 136; pp512 of the 1B Q4_K_M 208-232 -> 233-267
+// tok/s. AVX-VNNI keeps one panel (16 registers; not measured here).
 
 #include <c10/util/Exception.h>
 #include <torch/library.h>
@@ -329,49 +332,67 @@ LLMRT_AVX2 void tile_avx2(const Q8Block* px, int64_t nb, const uint8_t* panel,
 // tile_avx2 with vpdpbusd (AVX-512 VNNI on 256-bit vectors, or AVX-VNNI): each step's u8 x s8
 // products sum straight into int32 per sub-block, the scale one vpmulld after it. The body is
 // one macro so each level's function holds its own vpdpbusd inline (a shared template under
-// the AVX2 target could not inline the VNNI instruction).
-// The scale vector's int16 lanes 2c, 2c + 1 hold column c's scale (Q6_K's int8 sign-extended),
-// so the dword's low half, sign-extended, is the scale.
+// the AVX2 target could not inline the VNNI instruction). CP panels per broadcast as at AVX2:
+// at one panel the 6-row tile issued 7 loads (one weight vector, six broadcasts) per 6
+// vpdpbusd and was load-bound; two issue 8 per 12 (AVX-512 VL has the 32 registers the 12
+// chains need). The scale vector's int16 lanes 2c, 2c + 1 hold column c's scale (Q6_K's int8
+// sign-extended), so the dword's low half, sign-extended, is the scale.
 #define LLMRT_Q8_TILE_DP(DPBUSD)                                                                  \
   constexpr int kStepsPerScale = KIND == kQ6_K ? 4 : 8;                                         \
   constexpr int64_t nsv = scale_vectors(KIND);                                                  \
-  __m256 acc[RT];                                                                               \
-  for (int r = 0; r < RT; ++r) acc[r] = _mm256_setzero_ps();                                    \
+  __m256 acc[CP][RT];                                                                           \
+  for (int c = 0; c < CP; ++c)                                                                  \
+    for (int r = 0; r < RT; ++r) acc[c][r] = _mm256_setzero_ps();                               \
   for (int64_t b = 0; b < nb; ++b) {                                                            \
-    const uint8_t* o = panel + b * sb_bytes(KIND);                                              \
+    const uint8_t* o[CP];                                                                       \
+    for (int c = 0; c < CP; ++c) o[c] = panel + c * panel_bytes + b * sb_bytes(KIND);           \
     const Q8Block* xb[RT];                                                                      \
     for (int r = 0; r < RT; ++r) xb[r] = px + r * nb + b;                                       \
-    __m256i isum[RT];                                                                           \
-    for (int r = 0; r < RT; ++r) isum[r] = _mm256_setzero_si256();                              \
+    __m256i isum[CP][RT];                                                                       \
+    for (int c = 0; c < CP; ++c)                                                                \
+      for (int r = 0; r < RT; ++r) isum[c][r] = _mm256_setzero_si256();                         \
     for (int s0 = 0; s0 < 64; s0 += kStepsPerScale) {                                           \
-      __m256i t[RT];                                                                            \
-      for (int r = 0; r < RT; ++r) t[r] = _mm256_setzero_si256();                               \
-      for (int s = s0; s < s0 + kStepsPerScale; ++s) {                                          \
-        const __m256i wv = _mm256_load_si256(reinterpret_cast<const __m256i*>(o + 32 * s));    \
-        for (int r = 0; r < RT; ++r) t[r] = DPBUSD(t[r], wv, bcast4(xb[r]->q + 4 * s));         \
+      __m256i t[CP][RT];                                                                        \
+      for (int c = 0; c < CP; ++c)                                                              \
+        for (int r = 0; r < RT; ++r) t[c][r] = _mm256_setzero_si256();                          \
+      _Pragma("GCC unroll 8") for (int s = s0; s < s0 + kStepsPerScale; ++s) {                  \
+        __m256i wv[CP];                                                                         \
+        _Pragma("GCC unroll 2") for (int c = 0; c < CP; ++c) wv[c] =                            \
+            _mm256_load_si256(reinterpret_cast<const __m256i*>(o[c] + 32 * s));                 \
+        _Pragma("GCC unroll 6") for (int r = 0; r < RT; ++r) {                                  \
+          const __m256i xv = bcast4(xb[r]->q + 4 * s);                                          \
+          _Pragma("GCC unroll 2") for (int c = 0; c < CP; ++c) t[c][r] =                        \
+              DPBUSD(t[c][r], wv[c], xv);                                                       \
+        }                                                                                       \
       }                                                                                         \
-      const __m256i sv = _mm256_srai_epi32(                                                     \
-          _mm256_slli_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(                 \
-                                o + 2048 + 32 * (s0 / kStepsPerScale))),                        \
-                            16),                                                                \
-          16);                                                                                  \
-      for (int r = 0; r < RT; ++r)                                                              \
-        isum[r] = _mm256_add_epi32(isum[r], _mm256_mullo_epi32(t[r], sv));                      \
+      for (int c = 0; c < CP; ++c) {                                                            \
+        const __m256i sv = _mm256_srai_epi32(                                                   \
+            _mm256_slli_epi32(_mm256_load_si256(reinterpret_cast<const __m256i*>(               \
+                                  o[c] + 2048 + 32 * (s0 / kStepsPerScale))),                   \
+                              16),                                                              \
+            16);                                                                                \
+        for (int r = 0; r < RT; ++r)                                                            \
+          isum[c][r] = _mm256_add_epi32(isum[c][r], _mm256_mullo_epi32(t[c][r], sv));           \
+      }                                                                                         \
     }                                                                                           \
-    finish_block<KIND, RT>(                                                                     \
-        xb, o + 2048 + 32 * nsv,                                                                \
-        reinterpret_cast<const float*>(o + 2048 + 32 * nsv + 32 * min_vectors(KIND)), isum, acc); \
+    for (int c = 0; c < CP; ++c)                                                                \
+      finish_block<KIND, RT>(                                                                   \
+          xb, o[c] + 2048 + 32 * nsv,                                                           \
+          reinterpret_cast<const float*>(o[c] + 2048 + 32 * nsv + 32 * min_vectors(KIND)),      \
+          isum[c], acc[c]);                                                                     \
   }                                                                                             \
-  for (int r = 0; r < RT; ++r) store_row(y + r * ldy, acc[r], cols);
+  for (int c = 0; c < CP; ++c)                                                                  \
+    for (int r = 0; r < RT; ++r)                                                                \
+      store_row(y + r * ldy + c * kCols, acc[c][r], std::min<int64_t>(kCols, cols - c * kCols));
 
-template <int64_t KIND, int RT>
-LLMRT_VNNI void tile_vnni(const Q8Block* px, int64_t nb, const uint8_t* panel, float* y,
-                          int64_t ldy, int64_t cols) {
+template <int64_t KIND, int RT, int CP>
+LLMRT_VNNI void tile_vnni(const Q8Block* px, int64_t nb, const uint8_t* panel,
+                          int64_t panel_bytes, float* y, int64_t ldy, int64_t cols) {
   LLMRT_Q8_TILE_DP(_mm256_dpbusd_epi32)
 }
-template <int64_t KIND, int RT>
-LLMRT_AVX_VNNI void tile_avxvnni(const Q8Block* px, int64_t nb, const uint8_t* panel, float* y,
-                                 int64_t ldy, int64_t cols) {
+template <int64_t KIND, int RT, int CP>
+LLMRT_AVX_VNNI void tile_avxvnni(const Q8Block* px, int64_t nb, const uint8_t* panel,
+                                 int64_t panel_bytes, float* y, int64_t ldy, int64_t cols) {
   LLMRT_Q8_TILE_DP(_mm256_dpbusd_avx_epi32)
 }
 #undef LLMRT_Q8_TILE_DP
@@ -381,13 +402,13 @@ LLMRT_AVX_VNNI void tile_avxvnni(const Q8Block* px, int64_t nb, const uint8_t* p
 template <int64_t KIND, int RT, int CP>
 void tile_at(int level, const Q8Block* px, int64_t nb, const uint8_t* panel, int64_t panel_bytes,
              float* y, int64_t ldy, int64_t cols) {
+  if (level == 2) {
+    tile_vnni<KIND, RT, CP>(px, nb, panel, panel_bytes, y, ldy, cols);
+    return;
+  }
   if constexpr (CP == 1) {
-    if (level == 2) {
-      tile_vnni<KIND, RT>(px, nb, panel, y, ldy, cols);
-      return;
-    }
     if (level == 1) {
-      tile_avxvnni<KIND, RT>(px, nb, panel, y, ldy, cols);
+      tile_avxvnni<KIND, RT, CP>(px, nb, panel, panel_bytes, y, ldy, cols);
       return;
     }
   }
@@ -440,7 +461,7 @@ void gemm_kind(const Q8Block* px, int64_t rows, const uint8_t* w, int64_t rb, in
       for (int64_t p = p0; p < p1; ++p)
         pack_panel<KIND>(w, rb, k, p * kCols, std::min<int64_t>(kCols, n - p * kCols),
                          packed + (p - p0) * panel_bytes);
-      const int64_t pair = level == 0 ? 2 : 1;  // panels per tile (see tile_avx2)
+      const int64_t pair = level == 1 ? 1 : 2;  // panels per tile (see tile_avx2)
       for (int64_t r = 0; r < rows; r += tile_rows) {
         const int64_t rt = std::min<int64_t>(tile_rows, rows - r);
         for (int64_t p = p0; p < p1; p += pair) {
@@ -450,7 +471,7 @@ void gemm_kind(const Q8Block* px, int64_t rows, const uint8_t* w, int64_t rb, in
           if (pair == 2 && p + 1 < p1) {
             rows_kind<KIND, 2>(level, px + r * nb, rt, nb, pp, panel_bytes, yp, n,
                                std::min<int64_t>(2 * kCols, cols));
-          } else {  // one panel: every panel at VNNI, the block's odd last one at AVX2
+          } else {  // one panel: every panel at AVX-VNNI, else the block's odd last one
             rows_kind<KIND, 1>(level, px + r * nb, rt, nb, pp, panel_bytes, yp, n,
                                std::min<int64_t>(kCols, cols));
           }
