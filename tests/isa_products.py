@@ -22,7 +22,11 @@ def products_at(level: str | None, *, code: str, path: Path) -> dict[Any, Any]:
         env[ISA_VARIABLE] = level
     prelude = "import llmrt.kernels.native as n; n.load_kernels()\n"
     done = subprocess.run(
-        [sys.executable, "-c", prelude + code, str(path)], env=env, capture_output=True, text=True
+        [sys.executable, "-c", prelude + code, str(path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert done.returncode == 0, done.stderr
     saved: dict[Any, Any] = torch.load(path)

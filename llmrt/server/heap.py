@@ -11,7 +11,9 @@ objects made since: a full collection of the same process then takes well under 
 
 Only a process the server owns should do this (``llmrt serve``): freezing is process-wide,
 and frozen objects are never collected, so the server unfreezes before it tears the runtime
-down (cycles among its objects are then collectable again).
+down (cycles among its objects are then collectable again). Objects frozen then dropped
+while serving are freed by their reference counts as usual; only a cycle among them waits
+for the unfreeze (the runtime's own state is released explicitly, not by the collector).
 """
 
 from __future__ import annotations

@@ -141,15 +141,16 @@ def test_supported_only_for_k_quants_at_avx2_and_above() -> None:
         assert not torch.ops.llmrt_kernels.kquant_gemm_q8_supported(GGML_TYPE[other])
 
 
-#: The products the next test compares across levels: odd panel counts (a block's last
-#: panel alone), row counts around the 4- and 6-row tiles.
+#: The products the next test compares across levels: one, two and three panels (9 and 17
+#: columns leave a panel alone, the one-panel tile), two pack blocks (203 x 768: 16 + 10
+#: panels), row counts around the 4- and 6-row tiles.
 _PRODUCTS = """
 import sys, torch
 from llmrt.kernels.formats import GGML_TYPE
 from llmrt.testing.gguf_blocks import random_blocks
 out = {}
 for kind in ("q4_k", "q5_k", "q6_k"):
-    for n, k in ((13, 256), (203, 768)):
+    for n, k in ((9, 256), (13, 256), (17, 256), (203, 768)):
         blocks = torch.from_numpy(random_blocks(kind, n, k, seed=n + k, scale=10.0))
         x = torch.randn(41, k, generator=torch.Generator().manual_seed(n))
         for rows in (1, 5, 6, 7, 12, 41):

@@ -398,7 +398,8 @@ LLMRT_AVX_VNNI void tile_avxvnni(const Q8Block* px, int64_t nb, const uint8_t* p
 #undef LLMRT_Q8_TILE_DP
 
 // Which product loop runs (``level``): 0 AVX2, 1 AVX-VNNI, 2 AVX-512 VNNI. ``CP`` panels
-// (``panel_bytes`` apart) at a time: 2 only at AVX2 (see tile_avx2).
+// (``panel_bytes`` apart) at a time: 2 at AVX2 and AVX-512 VNNI (see tile_avx2 and the
+// vpdpbusd tile), 1 at AVX-VNNI and for a pack block's odd last panel.
 template <int64_t KIND, int RT, int CP>
 void tile_at(int level, const Q8Block* px, int64_t nb, const uint8_t* panel, int64_t panel_bytes,
              float* y, int64_t ldy, int64_t cols) {
