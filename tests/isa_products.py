@@ -33,6 +33,18 @@ def products_at(level: str | None, *, code: str, path: Path) -> dict[Any, Any]:
     return saved
 
 
+def assert_same_bits(level: str | None, other: str, *, code: str, directory: Path) -> None:
+    """``code``'s tensors at ``level`` (None: the CPU's own) equal, bit for bit, those at
+    ``other``."""
+    import torch
+
+    first = products_at(level, code=code, path=directory / f"{level or 'native'}.pt")
+    second = products_at(other, code=code, path=directory / f"{other}.pt")
+    assert first.keys() == second.keys()
+    for key, value in first.items():
+        assert torch.equal(value, second[key]), key
+
+
 def has_level(level: str) -> bool:
     """Whether this CPU runs ``level`` (its own or one it can be forced to)."""
     return level in forceable_levels(read_cpu_features())

@@ -33,10 +33,10 @@ def random_blocks(kind: str, rows: int, k: int, *, seed: int, scale: float = 1.0
             return values.astype(np.float16).view(np.uint8).reshape(rows, -1)
         bits = (values.view(np.uint32) >> 16).astype(np.uint16)
         return bits.view(np.uint8).reshape(rows, -1)
-    if kind not in EXTRA_BLOCKS and kind not in BLOCK_BYTES:
-        known = sorted({*BLOCK_BYTES, *EXTRA_BLOCKS, "f16", "bf16"})
+    if kind not in HALF_FIELDS:  # the block kinds made here (f16 / bf16 above)
+        known = sorted({*HALF_FIELDS, "f16", "bf16"})
         raise ValueError(f"no random blocks for kind {kind!r} (kinds: {', '.join(known)})")
-    per, size = EXTRA_BLOCKS.get(kind, (BLOCK_WEIGHTS.get(kind, 0), BLOCK_BYTES.get(kind, 0)))
+    per, size = EXTRA_BLOCKS.get(kind) or (BLOCK_WEIGHTS[kind], BLOCK_BYTES[kind])
     raw = rng.integers(0, 256, (rows, k // per, size), dtype=np.uint8)
     for offset in HALF_FIELDS[kind]:
         halves = (rng.standard_normal((rows, k // per)) * SCALE_SIZE[kind] * scale).astype(

@@ -20,7 +20,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from isa_products import has_level, products_at
+from isa_products import assert_same_bits, has_level
 
 from llmrt.device.cpu_features import read_cpu_features
 from llmrt.kernels.formats import (
@@ -85,22 +85,15 @@ torch.save(out, sys.argv[1])
 #: Zen 4 (AMD family 25) with AVX-512 VNNI: 512-bit ops in two halves, so its K-quants take
 #: the block-scaled path (``zmm_halves`` in csrc/cpu.h); other AVX-512 VNNI CPUs (Intel, Zen 5)
 #: run the per-32 VNNI tile, whose numerics differ.
-_ZEN4_VNNI = (
-    read_cpu_features().vendor == "AuthenticAMD"
-    and read_cpu_features().family == "25"
-    and has_level("avx512_vnni")
-)
+_CPU = read_cpu_features()
+_ZEN4_VNNI = _CPU.vendor == "AuthenticAMD" and _CPU.family == "25" and has_level("avx512_vnni")
 
 
 @pytest.mark.skipif(not _ZEN4_VNNI, reason="needs a Zen 4 CPU (AMD family 25) with AVX-512 VNNI")
 def test_an_avx512_vnni_zen_runs_the_block_scaled_gemv_to_the_avx2_bits(tmp_path: Path) -> None:
     # On Zen 4 (512-bit ops in two halves) the K-quant GEMVs take the block-scaled path at
     # AVX-512 VNNI too, with vpdpwssd for vpmaddwd + vpaddd: integer sums, so the same bits.
-    native = products_at(None, code=_PRODUCTS, path=tmp_path / "native.pt")
-    avx2 = products_at("avx2", code=_PRODUCTS, path=tmp_path / "avx2.pt")
-    assert native.keys() == avx2.keys()
-    for key, value in native.items():
-        assert torch.equal(value, avx2[key]), key
+    assert_same_bits(None, "avx2", code=_PRODUCTS, directory=tmp_path)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -22,7 +22,7 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from isa_products import has_level, products_at
+from isa_products import assert_same_bits, has_level
 
 from llmrt.kernels.formats import GGML_TYPE
 from llmrt.kernels.native import kernels_available, kernels_isa
@@ -167,8 +167,4 @@ def test_the_vnni_loops_give_the_avx2_loops_bits(level: str, tmp_path: Path) -> 
     # float steps: the same bits, one panel or two per broadcast.
     if not has_level(level):
         pytest.skip(f"this CPU has no {level}")
-    vnni = products_at(level, code=_PRODUCTS, path=tmp_path / "vnni.pt")
-    avx2 = products_at("avx2", code=_PRODUCTS, path=tmp_path / "avx2.pt")
-    assert vnni.keys() == avx2.keys()
-    for key, value in vnni.items():
-        assert torch.equal(value, avx2[key]), key
+    assert_same_bits(level, "avx2", code=_PRODUCTS, directory=tmp_path)
