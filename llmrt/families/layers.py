@@ -372,6 +372,12 @@ class QuantizedLinear(_BlockWeightModule):
             and q8_gemm_supported(self.ggml_type)
         )
 
+    def runs_gemm_dtype(self, rows: int) -> bool:
+        """Whether ``rows`` activation rows multiply in ``gemm_dtype`` (the one-level int8
+        GEMM, or a bfloat16 GEMM) rather than at the float32 / two-level kernels' numerics,
+        which the fused decode op keeps: from here a decode batch takes the torch ops."""
+        return self.runs_int8_gemm(rows) or self.gemm_input_dtype(rows) == torch.bfloat16
+
     def float_gemm_dtype(self) -> torch.dtype:
         """The float dtype GEMMs of ``gemm_dtype_min_rows`` rows or more take when they do not
         run the int8 GEMM: ``gemm_dtype``, or under int8 ``int8_fallback_dtype`` for a kind
@@ -804,6 +810,7 @@ def select_gemm_dtype(
         linear.gemm_dtype = dtype
         linear.gemm_dtype_min_rows = min_rows
         linear.int8_fallback_dtype = fallback
+    _forget_fused_decode(model)  # its row limit follows the linears' GEMM dtype
     return len(linears)
 
 

@@ -394,8 +394,9 @@ class DeviceSpec:
     CPUs without AMX, Zen 4 included; kinds without that kernel take bfloat16 where it is
     faster than float32, else float32) for GEMMs of ``gemm_dtype_min_rows`` rows or more
     (fewer stay float32: short prompts keep the reference's greedy tokens where its top two
-    logits are close); ``auto``: ``bfloat16`` on AMX, else ``int8`` on x86 from AVX2, else
-    ``bfloat16`` where it is faster, else ``float32``
+    logits are close; a decode batch of that many rows leaves the fused op, which keeps the
+    float32 numerics, for the torch ops); ``auto``: ``bfloat16`` on AMX, else ``int8`` on x86
+    from AVX2, else ``bfloat16`` where it is faster, else ``float32``
     (``llmrt.families.layers.resolve_gemm_dtype``; logged as ``weights.placed``).
     ``weight_layout`` orders the blocks of block-quantized weights (``auto``: Q4 blocks, and
     Q8_0 on Intel CPUs, interleaved for the integer-dot kernels on CPUs with AVX-512 VNNI, whose

@@ -25,7 +25,13 @@ from test_architectures_parity import case_config
 from llmrt.errors import ConfigError
 from llmrt.families import fused_decode
 from llmrt.families.fused_decode import FusedDecode, select_decode_kernel
-from llmrt.families.layers import QuantizedLinear, apply_weight_format, select_weight_layout
+from llmrt.families.layers import (
+    QuantizedLinear,
+    apply_weight_format,
+    int8_gemm_coverage,
+    select_gemm_dtype,
+    select_weight_layout,
+)
 
 #: Cases whose every layer the op runs, and the parts each one exercises.
 FUSABLE = {
@@ -371,6 +377,41 @@ def test_batches_from_the_gemm_threshold_use_the_ops(
     prompts = [harness.prompt(5, seed=s) for s in range(fused_decode.MAX_ROWS_DENSE)]
     harness.greedy(prompts, steps=2)
     assert counted_runs == []
+
+
+def test_decode_batches_from_the_gemm_dtype_threshold_multiply_in_it(
+    parity_harness: Any, counted_runs: list[int]
+) -> None:
+    """``device.gemm_dtype_min_rows`` means the same whichever path a step takes: a decode
+    batch of that many rows multiplies in ``gemm_dtype`` (here int8: one activation level),
+    which the op does not, so it runs the torch ops; one row fewer stays fused."""
+    harness = _build("llama-yarn-biases", parity_harness, weights="int4")
+    select_weight_layout(harness.model, choice="interleaved", device=torch.device("cpu"))
+    if int8_gemm_coverage(harness.model)[0] == 0:
+        pytest.skip("no int8 GEMM at this instruction-set level")
+    rows = 15  # and a padding row: 16-row steps
+    two_level, _ = _run(harness, fused=True, rows=rows)
+    assert max(counted_runs) == rows + 1  # the plan is built before the threshold changes
+    counted_runs.clear()
+
+    select_gemm_dtype(harness.model, choice="int8", min_rows=rows + 1)
+    fused, fused_kv = _run(harness, fused=True, rows=rows)
+    assert rows + 1 not in counted_runs
+    ops, ops_kv = _run(harness, fused=False, rows=rows)
+    for a, b in zip(fused, ops, strict=True):
+        assert a.tokens == b.tokens
+        torch.testing.assert_close(a.logits, b.logits, rtol=0, atol=1e-6)
+    for a, b in zip(fused_kv, ops_kv, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    moved = max(
+        float((a.logits - b.logits).abs().max()) for a, b in zip(fused, two_level, strict=True)
+    )
+    assert moved > 1e-3, "no int8 GEMM ran"
+
+    counted_runs.clear()
+    select_gemm_dtype(harness.model, choice="int8", min_rows=rows + 2)
+    _run(harness, fused=True, rows=rows)
+    assert max(counted_runs) == rows + 1
 
 
 def test_the_op_rejects_mismatched_inputs_by_name() -> None:
