@@ -349,7 +349,8 @@ def gemm_dtype_rows(backbone: Any, *, limit: int) -> int:
     path a step runs (a 16-row step of a 1B Q4_K_M under int8 from 16 rows: 180 against 290
     ms fused)."""
     linears = [m for m in backbone.modules() if isinstance(m, QuantizedLinear)]
-    for rows in range(1, limit):
+    lowest = min((linear.gemm_dtype_min_rows for linear in linears), default=limit)
+    for rows in range(lowest, limit):  # neither dtype applies below its linear's threshold
         if any(linear.runs_gemm_dtype(rows) for linear in linears):
             return rows
     return limit
