@@ -98,7 +98,7 @@ class LLM:
                 num_blocks=num_blocks,
                 block_size=block_size,
                 prefix_caching=recipe.serving.prefix_caching,
-                max_num_batched_tokens=recipe.serving.max_num_batched_tokens,
+                max_num_batched_tokens=recipe.max_num_batched_tokens,
                 # A sequence must fit one lane's whole pool, or it could never be scheduled.
                 max_model_len=min(
                     recipe.serving.max_model_len,

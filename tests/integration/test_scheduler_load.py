@@ -378,3 +378,23 @@ def test_real_load_with_preemption_matches_an_unconstrained_run() -> None:
     for lane in lanes:
         assert lane.kv_cache.state is KVCacheState.RELEASED and not lane.kv_cache.orphans
     assert all(a.state is ArtifactState.RELEASED for t in traces for a in t.artifacts.values())
+
+
+def test_the_engine_steps_within_the_recipes_budget_on_the_cpu() -> None:
+    """Unset, the budget is the CPU's (512 prompt tokens a step): of two 300-token prompts
+    the first step prefills one whole and the other only up to the budget."""
+    overrides: dict[str, Any] = {"serving.max_num_batched_tokens": None, "trace.mode": "none"}
+    with LLM.from_recipe("tiny-llama", overrides=overrides) as llm:
+        scheduler = llm.engine.scheduler
+        assert scheduler.config.max_num_batched_tokens == 512
+        rng = random.Random(0)
+        for index in range(2):
+            llm.engine.add_request(
+                prompt_token_ids=[rng.randrange(3, 256) for _ in range(300)],
+                params=SamplingParams(max_tokens=1),
+                index=index,
+            )
+        plan = scheduler.schedule()
+        spans = [(w.start, w.end) for w in plan.prefill]
+        assert spans[0] == (0, 300) and len(spans) == 2
+        assert spans[1][0] == 0 and 512 - llm.recipe.kv_cache.block_size < 300 + spans[1][1] <= 512

@@ -164,7 +164,7 @@ def recipes(draw: st.DrawFn) -> Recipe:
                           include_decode_top_k=draw(st.booleans()))
     serving = ServingSpec(
         prefix_caching=draw(st.booleans()),
-        max_num_batched_tokens=draw(st.integers(1, 1 << 16)),
+        max_num_batched_tokens=draw(st.none() | st.integers(1, 1 << 16)),
         max_model_len=draw(st.integers(1, block * max_blocks)),
         max_num_seqs=draw(st.none() | st.integers(1, lanes * decode.lane_capacity)),
     )

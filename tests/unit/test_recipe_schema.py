@@ -75,6 +75,17 @@ def test_minimal_recipe_is_valid_and_defaults_fill_in() -> None:
     assert recipe.max_num_seqs == 4
 
 
+def test_the_step_token_budget_follows_the_device_unless_given() -> None:
+    # Unset: 512 prompt tokens a step on the CPU (a CPU step's prefill stalls every stream),
+    # 2048 where a prefill takes milliseconds; a value in the recipe wins on every device.
+    assert build().serving.max_num_batched_tokens is None
+    assert build().max_num_batched_tokens == 512
+    assert build(**{"device.kind": "cuda"}).max_num_batched_tokens == 2048
+    given = {"serving.max_num_batched_tokens": 300}
+    assert build(**given).max_num_batched_tokens == 300
+    assert build(**given, **{"device.kind": "cuda"}).max_num_batched_tokens == 300
+
+
 #: (overrides, field, reason). ``"model": None`` empties ``model`` first (overrides merge).
 RULES: list[tuple[dict[str, Any], str, str]] = [
     # section-level rules
