@@ -33,6 +33,7 @@ from llmrt.families.layers import (
     QuantizedEmbedding,
     QuantizedLinear,
     StackedLinear,
+    quantized_linears,
 )
 from llmrt.families.parts import DecoderSpec
 from llmrt.kernels.native import (
@@ -348,7 +349,7 @@ def gemm_dtype_rows(backbone: Any, *, limit: int) -> int:
     batches from there take the torch ops: ``gemm_dtype_min_rows`` means the same whichever
     path a step runs (a 16-row step of a 1B Q4_K_M under int8 from 16 rows: 180 against 290
     ms fused)."""
-    linears = [m for m in backbone.modules() if isinstance(m, QuantizedLinear)]
+    linears = quantized_linears(backbone)
     lowest = min((linear.gemm_dtype_min_rows for linear in linears), default=limit)
     for rows in range(lowest, limit):  # neither dtype applies below its linear's threshold
         if any(linear.runs_gemm_dtype(rows) for linear in linears):

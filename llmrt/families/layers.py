@@ -792,7 +792,7 @@ def select_gemm_dtype(
         raise ConfigError(field, choice, f"must be one of {list(GEMM_DTYPES)}")
     if not isinstance(model, nn.Module):
         raise ConfigError(field, choice, f"needs a torch model, not a {type(model).__name__}")
-    linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
+    linears = quantized_linears(model)
     if choice != "float32" and not linears:
         raise ConfigError(
             field,
@@ -814,11 +814,16 @@ def select_gemm_dtype(
     return len(linears)
 
 
+def quantized_linears(module: nn.Module) -> list[QuantizedLinear]:
+    """Every block-quantized linear of ``module`` (its own submodules, in module order)."""
+    return [m for m in module.modules() if isinstance(m, QuantizedLinear)]
+
+
 def int8_gemm_coverage(model: CausalLM) -> tuple[int, int]:
     """(block-quantized linears whose GEMMs the running level multiplies with int8
     activations, all block-quantized linears) for ``model`` in its current layout; the rest
     keep their float32 path under ``device.gemm_dtype: int8``."""
-    linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]  # type: ignore[attr-defined]
+    linears = quantized_linears(model)  # type: ignore[arg-type]
     return sum(q8_gemm_supported(m.ggml_type) for m in linears), len(linears)
 
 

@@ -67,9 +67,10 @@ BYTE_TOKENIZER_VOCAB_SIZE = 258
 #: ``serving.max_num_batched_tokens`` on the CPU. Every decode row waits for the step's
 #: prefill, and a CPU prefills a few hundred to a few thousand tokens a second: on a 2-core
 #: Zen 4 a 2048-token step stalled every stream of a Llama-3.2-1B-shaped Q4_K_M for ~7.5 s
-#: (mixed workload: ITL p99 8.7 s; 512 tokens: 2.5 s, TTFT p50 27 against 33 s, 27.7 against
-#: 25.8-26.9 tokens/s) and SmolLM2's for ~1.3 s (p99 1.2-1.3 against 0.35-0.43 s, the same
-#: throughput within the runs' spread); at 512 rows the prompt GEMMs already run at full rate.
+#: (``llmrt bench --workload mixed``: ITL p99 8.7 s; at 512 tokens 2.5 s, TTFT p50 27 against
+#: 33 s, 27.7 against 25.8-26.9 tokens/s) and SmolLM2's for ~1.3 s (its mixed ITL p99 1.2-1.3
+#: against 0.35-0.43 s, tokens/s within the runs' spread); at 512 rows the prompt GEMMs
+#: already run at full rate.
 CPU_STEP_TOKENS = 512
 #: ``serving.max_num_batched_tokens`` on CUDA and ttnn, where a 2048-token prefill takes
 #: milliseconds and larger steps keep the device busy.
@@ -404,8 +405,9 @@ class DeviceSpec:
     CPUs without AMX, Zen 4 included; kinds without that kernel take bfloat16 where it is
     faster than float32, else float32) for GEMMs of ``gemm_dtype_min_rows`` rows or more
     (fewer stay float32: short prompts keep the reference's greedy tokens where its top two
-    logits are close; a decode batch of that many rows leaves the fused op, which keeps the
-    float32 numerics, for the torch ops); ``auto``: ``bfloat16`` on AMX, else ``int8`` on x86
+    logits are close; a decode batch whose linears would multiply in ``gemm_dtype`` leaves
+    the fused op, which keeps the float32 / two-level numerics, for the torch ops: int8 from
+    ``max(gemm_dtype_min_rows, 16)`` rows); ``auto``: ``bfloat16`` on AMX, else ``int8`` on x86
     from AVX2, else ``bfloat16`` where it is faster, else ``float32``
     (``llmrt.families.layers.resolve_gemm_dtype``; logged as ``weights.placed``).
     ``weight_layout`` orders the blocks of block-quantized weights (``auto``: Q4 blocks, and

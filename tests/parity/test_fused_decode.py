@@ -379,22 +379,28 @@ def test_batches_from_the_gemm_threshold_use_the_ops(
     assert counted_runs == []
 
 
+@pytest.mark.parametrize(
+    ("layout", "choice"),
+    [("interleaved", "int8"), ("ggml", "bfloat16")],
+    ids=["int8-one-level", "bfloat16-dequantized"],
+)
 def test_decode_batches_from_the_gemm_dtype_threshold_multiply_in_it(
-    parity_harness: Any, counted_runs: list[int]
+    layout: str, choice: str, parity_harness: Any, counted_runs: list[int]
 ) -> None:
     """``device.gemm_dtype_min_rows`` means the same whichever path a step takes: a decode
-    batch of that many rows multiplies in ``gemm_dtype`` (here int8: one activation level),
-    which the op does not, so it runs the torch ops; one row fewer stays fused."""
+    batch of that many rows multiplies in ``gemm_dtype`` (int8: one activation level;
+    bfloat16: dequantized weights), which the op does not, so it runs the torch ops; one row
+    fewer stays fused."""
     harness = _build("llama-yarn-biases", parity_harness, weights="int4")
-    select_weight_layout(harness.model, choice="interleaved", device=torch.device("cpu"))
-    if int8_gemm_coverage(harness.model)[0] == 0:
+    select_weight_layout(harness.model, choice=layout, device=torch.device("cpu"))
+    if choice == "int8" and int8_gemm_coverage(harness.model)[0] == 0:
         pytest.skip("no int8 GEMM at this instruction-set level")
     rows = 15  # and a padding row: 16-row steps
-    two_level, _ = _run(harness, fused=True, rows=rows)
+    reference, _ = _run(harness, fused=True, rows=rows)
     assert max(counted_runs) == rows + 1  # the plan is built before the threshold changes
     counted_runs.clear()
 
-    select_gemm_dtype(harness.model, choice="int8", min_rows=rows + 1)
+    select_gemm_dtype(harness.model, choice=choice, min_rows=rows + 1)
     fused, fused_kv = _run(harness, fused=True, rows=rows)
     assert rows + 1 not in counted_runs
     ops, ops_kv = _run(harness, fused=False, rows=rows)
@@ -404,14 +410,50 @@ def test_decode_batches_from_the_gemm_dtype_threshold_multiply_in_it(
     for a, b in zip(fused_kv, ops_kv, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
     moved = max(
-        float((a.logits - b.logits).abs().max()) for a, b in zip(fused, two_level, strict=True)
+        float((a.logits - b.logits).abs().max()) for a, b in zip(fused, reference, strict=True)
     )
-    assert moved > 1e-3, "no int8 GEMM ran"
+    assert moved > 1e-3, f"no {choice} GEMM ran"
 
     counted_runs.clear()
-    select_gemm_dtype(harness.model, choice="int8", min_rows=rows + 2)
+    select_gemm_dtype(harness.model, choice=choice, min_rows=rows + 2)
     _run(harness, fused=True, rows=rows)
     assert max(counted_runs) == rows + 1
+
+
+def test_the_bound_step_leaves_batches_from_the_gemm_dtype_threshold_to_the_ops(
+    parity_harness: Any,
+) -> None:
+    """The fast path a fused step leaves behind (``decode_fast``) takes smaller steps only:
+    3 rows fused, 16 through the ops (int8 from 16 rows), 3 fused again."""
+    harness = _build("llama-yarn-biases", parity_harness, weights="int4")
+    select_weight_layout(harness.model, choice="interleaved", device=torch.device("cpu"))
+    if int8_gemm_coverage(harness.model)[0] == 0:
+        pytest.skip("no int8 GEMM at this instruction-set level")
+    select_gemm_dtype(harness.model, choice="int8", min_rows=16)
+    backbone, model = harness.model.backbone, harness.model
+    harness.bind(fill_seed=1)
+
+    def step(rows: int, position: int) -> None:
+        model.decode_forward(
+            tokens=torch.arange(rows) + 3,
+            positions=torch.full((rows,), position, dtype=torch.int32),
+            page_table=torch.tensor([[1, 0]] * rows, dtype=torch.int32),
+        )
+
+    step(3, 2)
+    fast = backbone.decode_fast
+    assert fast is not None and fast.max_rows == 16
+    calls: list[int] = []
+    bound = fast.step_bound
+
+    def counted(**kwargs: Any) -> torch.Tensor:
+        calls.append(int(kwargs["tokens"].shape[0]))
+        return bound(**kwargs)
+
+    fast.step_bound = counted  # type: ignore[method-assign]
+    step(16, 3)
+    step(3, 4)
+    assert calls == [3]
 
 
 def test_the_op_rejects_mismatched_inputs_by_name() -> None:

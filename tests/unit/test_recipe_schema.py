@@ -81,6 +81,7 @@ def test_the_step_token_budget_follows_the_device_unless_given() -> None:
     assert build().serving.max_num_batched_tokens is None
     assert build().max_num_batched_tokens == 512
     assert build(**{"device.kind": "cuda"}).max_num_batched_tokens == 2048
+    assert build(**{"device.backend": "ttnn"}).max_num_batched_tokens == 2048
     given = {"serving.max_num_batched_tokens": 300}
     assert build(**given).max_num_batched_tokens == 300
     assert build(**given, **{"device.kind": "cuda"}).max_num_batched_tokens == 300
