@@ -761,11 +761,12 @@ class Recipe:
     def max_num_batched_tokens(self) -> int:
         """The prompt tokens a scheduler step prefills at most (``serving.
         max_num_batched_tokens``, None resolved by the device: ``CPU_STEP_TOKENS`` on the
-        CPU, ``ACCELERATOR_STEP_TOKENS`` on CUDA and ttnn)."""
+        CPU, ``ACCELERATOR_STEP_TOKENS`` on CUDA and ttnn, and never below
+        ``prefill.max_chunk_size``, so a larger chunk asked for still runs whole)."""
         if self.serving.max_num_batched_tokens is not None:
             return self.serving.max_num_batched_tokens
         cpu = self.device.backend == "torch" and self.device.torch_device == "cpu"
-        return CPU_STEP_TOKENS if cpu else ACCELERATOR_STEP_TOKENS
+        return max(CPU_STEP_TOKENS if cpu else ACCELERATOR_STEP_TOKENS, self.prefill.max_chunk_size)
 
     @property
     def max_num_seqs(self) -> int:

@@ -82,6 +82,8 @@ def test_the_step_token_budget_follows_the_device_unless_given() -> None:
     assert build().max_num_batched_tokens == 512
     assert build(**{"device.kind": "cuda"}).max_num_batched_tokens == 2048
     assert build(**{"device.backend": "ttnn"}).max_num_batched_tokens == 2048
+    # A larger prefill chunk asked for raises the unset budget with it (else it never runs whole).
+    assert build(**{"prefill.max_chunk_size": 1024}).max_num_batched_tokens == 1024
     given = {"serving.max_num_batched_tokens": 300}
     assert build(**given).max_num_batched_tokens == 300
     assert build(**given, **{"device.kind": "cuda"}).max_num_batched_tokens == 300
