@@ -137,7 +137,7 @@ def server(settings: BenchSettings) -> Report:
             "texts differ from the offline run's: the server forms other prefill waves, and a "
             "wave's rows decide whether its prompt GEMMs take device.gemm_dtype (from "
             "device.gemm_dtype_min_rows rows); --set device.gemm_dtype=float32 tells that from "
-            "a serving fault (SmolLM2 on a Zen 4: 29 of 32 equal by default, 32 of 32 so)"
+            "a serving fault (SmolLM2 on a Zen 4: 29 of 32 equal by default, 32 of 32 in float32)"
         )
     report.section("server", served)
     report.section(f"server_{TTFT_CONCURRENCY}_clients", at_eight)

@@ -661,7 +661,7 @@ class ServingSpec:
     ``max_num_batched_tokens`` is the prompt tokens one scheduler step may prefill beside its
     decode rows, so it bounds how long a step keeps every streaming request waiting; None
     follows the device (``Recipe.max_num_batched_tokens``: ``CPU_STEP_TOKENS`` on the CPU,
-    ``ACCELERATOR_STEP_TOKENS`` elsewhere).
+    ``ACCELERATOR_STEP_TOKENS`` elsewhere, at least ``prefill.max_chunk_size``).
     ``max_num_seqs`` None means every decode slot (``lanes * decode.lane_capacity``).
     ``max_waiting`` bounds the requests ``llmrt serve`` queues behind the running ones;
     one more is refused with HTTP 429 instead of queueing without limit.
