@@ -136,7 +136,15 @@ def serve(
 
     def build() -> LLM:
         llm = LLM.from_recipe(loaded)
-        print(f"llmrt serve: ready ({loaded.name})", file=sys.stderr, flush=True)
+        # What bounds the service, as the engine runs it: requests decoded at once, and the
+        # prompt tokens a step prefills while every stream waits for it.
+        scheduling = llm.engine.scheduler.config
+        print(
+            f"llmrt serve: ready ({loaded.name}: {scheduling.max_num_seqs} requests at once, "
+            f"{scheduling.max_num_batched_tokens} prompt tokens a step)",
+            file=sys.stderr,
+            flush=True,
+        )
         return llm
 
     def fatal(exc: BaseException) -> None:

@@ -585,6 +585,10 @@ def test_sigterm_during_load_drains_exits_0_and_leaves_a_passing_audit_log(
             proc.kill()
             proc.wait()
     assert "llmrt serve: stopped" in log.read_text()
+    # tiny-llama: 4 decode slots, 256 prompt tokens a step (its recipe's budget).
+    assert "llmrt serve: ready (tiny-llama: 4 requests at once, 256 prompt tokens a step)" in (
+        log.read_text()
+    )
     # `llmrt serve` owns its process: the warm heap is frozen out of full collections.
     frozen = r"\d+ objects frozen out of the garbage collector's full passes"
     assert re.search(frozen, log.read_text())
