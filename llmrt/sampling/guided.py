@@ -50,8 +50,9 @@ class GuidedMatcher:
 
     @property
     def error(self) -> str | None:
+        """llguidance's reason, first line only (the rest dumps its parser state and grammar)."""
         if self._matcher.is_error():
-            return str(self._matcher.get_error())
+            return str(self._matcher.get_error()).strip().split("\n", 1)[0]
         return None
 
 

@@ -310,6 +310,7 @@ def create_app(
             n=body.n,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
             usage=usage_of(request.scope),
+            structured_field=_structured_field(body),
         )
         return await run.respond(request, stream=body.stream)
 
@@ -350,6 +351,7 @@ def create_app(
             n=body.n,
             include_usage=bool(body.stream_options and body.stream_options.include_usage),
             usage=usage_of(request.scope),
+            structured_field="tool_choice" if forced is not None else _structured_field(body),
         )
         return await run.respond(request, stream=body.stream)
 
@@ -432,17 +434,23 @@ def _check_response_format(body: CompletionRequest | ChatCompletionRequest) -> N
     try:
         GuidedDecoding.grammar(structured)
     except RequestError as exc:
-        if body.response_format is not None:
-            field = "response_format"
-            if structured.kind == "json_schema":
-                field = "response_format.json_schema.schema"
-        else:
-            field = next(
-                name
-                for name in ("guided_json", "guided_regex", "guided_choice")
-                if getattr(body, name) is not None
-            )
-        raise RequestError(field, exc.reason) from None
+        raise RequestError(_structured_field(body) or "response_format", exc.reason) from None
+
+
+def _structured_field(body: CompletionRequest | ChatCompletionRequest) -> str | None:
+    """The request field its structured output comes from (what an error names)."""
+    structured = body.structured_output()
+    if structured is None:
+        return None
+    if body.response_format is not None:
+        if structured.kind == "json_schema":
+            return "response_format.json_schema.schema"
+        return "response_format"
+    return next(
+        name
+        for name in ("guided_json", "guided_regex", "guided_choice")
+        if getattr(body, name) is not None
+    )
 
 
 def _encode_prompts(
@@ -598,6 +606,8 @@ class _Run:
     usage: RequestUsage = attrs.Factory(RequestUsage)
     n: int = 1
     tools: ToolUse | None = None
+    structured_field: str | None = None
+    """The request field its structured output came from (named when it cannot be held)."""
     id: str = attrs.Factory(
         lambda self: f"{'chatcmpl' if self.kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex}",
         takes_self=True,
@@ -672,7 +682,7 @@ class _Run:
         choices = [_Choice() for _ in self.tickets]
         async for item in self._items():
             if isinstance(item, Failure):
-                raise APIError(500, f"generation failed: {item.error}", type="internal_error")
+                raise _failure_error(item, self.structured_field)
             choice = choices[item.choice]
             choice.text += item.text
             if item.token_id >= 0:
@@ -743,8 +753,7 @@ class _Run:
                     yield self._chunk(i, {"role": "assistant", "content": ""}, None, None)
             async for item in self._items():
                 if isinstance(item, Failure):
-                    error = APIError(500, f"generation failed: {item.error}", type="internal_error")
-                    yield _sse(error.body())
+                    yield _sse(_failure_error(item, self.structured_field).body())
                     return
                 completion[item.choice] = item.completion_tokens
                 logprobs = None
@@ -940,6 +949,18 @@ async def _until_disconnected(request: Request) -> None:
 
 
 # -- errors --------------------------------------------------------------------------------
+
+
+def _failure_error(failure: Failure, structured_field: str | None) -> APIError:
+    """A failed generation as an API error: the request's own fault (a structured output
+    that could not be enforced) is a 400 naming the field it came from, the engine's a 500."""
+    error = failure.error
+    if isinstance(error, RequestError):
+        param = error.field
+        if param == "structured_output" and structured_field is not None:
+            param = structured_field
+        return APIError(400, f"generation failed: {error}", param=param)
+    return APIError(500, f"generation failed: {error}", type="internal_error")
 
 
 def _install_error_handlers(app: FastAPI, state: ServerState) -> None:

@@ -53,7 +53,9 @@ class Delta:
 
 @attrs.frozen(kw_only=True)
 class Failure:
-    """The engine failed: the request ends with this error (HTTP 500 / an error event)."""
+    """The request ends with this error: the engine's (HTTP 500, every request) or the
+    request's own :class:`~llmrt.errors.RequestError` (HTTP 400, that request alone); a
+    stream gets it as an error event."""
 
     choice: int
     error: BaseException
@@ -256,8 +258,13 @@ class EngineLoop:
             ticket = self._live.get(event.request_id)
             if ticket is None:
                 continue
-            delta = self._delta(ticket, event)
-            batches.setdefault(ticket.loop, []).append((ticket.sink, delta))
+            item: Item = self._delta(ticket, event)
+            if event.error is not None:
+                item = Failure(choice=ticket.choice, error=event.error)
+                LOGGER.warning(
+                    "llmrt serve: %s failed: %s", ticket.label or "a request", event.error
+                )
+            batches.setdefault(ticket.loop, []).append((ticket.sink, item))
             if self.metrics is not None:
                 start = ticket.last_token_time
                 if start is None:

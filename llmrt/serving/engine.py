@@ -44,6 +44,8 @@ class TokenEvent:
     text: str
     finished: bool
     finish_reason: str | None
+    error: RequestError | None = None
+    """Why the request failed (``finish_reason`` ``"error"``); the others run on."""
 
 
 @attrs.frozen(kw_only=True)
@@ -337,10 +339,7 @@ class Engine:
         constraint = request.params.constraint
         if constraint is not None and reason is None:
             if not constraint.accept(token):
-                raise RuntimeError(
-                    f"{request.request_id}: the sampled token {token} broke its structured "
-                    f"output ({constraint.error}); the mask was not applied"
-                )
+                return self._fail(request, token, constraint.error)
             if constraint.finished:
                 reason = "stop"
         if reason is not None:
@@ -373,6 +372,29 @@ class Engine:
         delta = request.text[request.streamed_chars : end]
         request.streamed_chars = end
         return delta
+
+    def _fail(self, request: Request, token: int, why: str | None) -> TokenEvent:
+        """End one request whose structured output broke (its grammar's matcher failed,
+        e.g. a lexer past llguidance's limits, so the mask could not hold): it finishes with
+        ``finish_reason="error"`` and frees its slot; the step's other requests run on.
+        The refused token is not reported."""
+        request.error = RequestError(
+            "structured_output",
+            f"could not be enforced at output token {len(request.output_token_ids) - 1} "
+            f"(token {token} left the grammar: {why or 'the matcher refused it'})",
+            row=request.index,
+        )
+        self.scheduler.finish(request, "error")
+        del self._streams[request.request_id]
+        return TokenEvent(
+            index=request.index,
+            request_id=request.request_id,
+            token_id=token,
+            text="",
+            finished=True,
+            finish_reason="error",
+            error=request.error,
+        )
 
     def _stop_reason(self, request: Request, token: int) -> str | None:
         params = request.params

@@ -180,11 +180,16 @@ class LLM:
     ) -> Generator[TokenEvent, None, None]:
         """Yield each generated token as soon as its step finishes.
 
-        Closing the generator early (or dropping it) aborts every request it submitted.
+        Closing the generator early (or dropping it) aborts every request it submitted; so
+        does a request's own failure (a structured output that cannot be enforced), raised
+        as its :class:`~llmrt.errors.RequestError`.
         """
         self._submit(_prompt_list(prompts), sampling_params)
         try:
-            yield from self.engine.run()
+            for event in self.engine.run():
+                if event.error is not None:
+                    raise event.error
+                yield event
         except BaseException:
             self.engine.abort_all()
             raise
@@ -194,12 +199,17 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt (strings or token-id lists); outputs in prompt order."""
+        """Generate for every prompt (strings or token-id lists); outputs in prompt order.
+
+        A request that fails on its own (a structured output that cannot be enforced)
+        raises its :class:`~llmrt.errors.RequestError` and aborts the others; the engine
+        stays usable."""
         raw = _prompt_list(prompts)
         requests = self._submit(raw, sampling_params)
         try:
-            for _ in self.engine.run():
-                pass
+            for event in self.engine.run():
+                if event.error is not None:
+                    raise event.error
         except BaseException:
             self.engine.abort_all()
             raise

@@ -26,6 +26,7 @@ import openai
 import pytest
 from lane_fixtures import module_torch_thread  # noqa: F401  (autouse fixture)
 
+from llmrt.errors import RequestError
 from llmrt.sampling.params import SamplingParams
 from llmrt.sampling.structured import StructuredOutput
 from llmrt.server.serve import BackgroundServer
@@ -434,6 +435,60 @@ def test_response_format_text_is_plain_and_a_bad_schema_is_a_400(
         timeout=TIMEOUT,
     )
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format.json_schema"
+
+
+#: A pattern llguidance accepts when it is compiled but cannot lex once decoding starts
+#: ("lexer error: too many expressions constructed" at the first mask).
+UNLEXABLE = "(a{1000}){1000}"
+
+
+def test_a_structured_output_that_breaks_mid_decode_fails_alone(
+    server: BackgroundServer, client: openai.OpenAI
+) -> None:
+    """The request's own failure is its 400 (an error event when streamed); the requests
+    beside it finish and the server keeps serving, every KV block back."""
+    bad = {"prompt": "code:", "max_tokens": 5, "guided_regex": UNLEXABLE}
+    url = f"{server.url}/v1/completions"
+    beside = threading.Thread(
+        target=lambda: results.append(
+            client.completions.create(model=RECIPE, prompt="x", max_tokens=40, temperature=0)
+        )
+    )
+    results: list[Any] = []
+    beside.start()
+    r = httpx.post(url, json=bad, timeout=TIMEOUT)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == "guided_regex" and "too many expressions" in error["message"]
+    assert "<state>" not in error["message"]  # llguidance's parser dump stays out
+    with httpx.stream("POST", url, json={**bad, "stream": True}, timeout=TIMEOUT) as streamed:
+        events = [line for line in streamed.iter_lines() if line.startswith("data: ")]
+    assert streamed.status_code == 200
+    assert json.loads(events[-1][len("data: ") :])["error"]["param"] == "guided_regex"
+    beside.join(TIMEOUT)
+    assert results and results[0].choices[0].finish_reason == "length"
+    assert httpx.get(f"{server.url}/health", timeout=TIMEOUT).status_code == 200
+    after = client.completions.create(model=RECIPE, prompt="x", max_tokens=3, temperature=0)
+    assert after.choices[0].finish_reason == "length"
+    idle(server)
+
+
+def test_offline_a_broken_structured_output_raises_and_leaves_the_engine_usable(
+    reference: LLM,
+) -> None:
+    bad = SamplingParams(
+        temperature=0.0, max_tokens=5, structured_output=StructuredOutput.regex(UNLEXABLE)
+    )
+    good = SamplingParams(temperature=0.0, max_tokens=5)
+    with pytest.raises(RequestError, match=r"structured_output.*too many expressions"):
+        reference.generate(["code:", "x"], [good, bad])
+    with pytest.raises(RequestError, match="structured_output"):
+        list(reference.stream(["code:"], bad))
+    scheduler = reference.engine.scheduler
+    assert not scheduler.running and not scheduler.waiting
+    assert all(a.num_free_blocks == a.config.num_blocks for a in scheduler.allocators)
+    (out,) = reference.generate(["x"], good)
+    assert out.finish_reason == "length" and len(out.token_ids) == 5
 
 
 def test_vllm_guided_extensions(client: openai.OpenAI) -> None:
