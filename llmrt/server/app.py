@@ -328,7 +328,11 @@ def create_app(
             )
         ids = await text.run(_chat_ids, llm, text, body, tools)
         max_len = llm.engine.scheduler.config.max_model_len
-        max_tokens = body.max_completion_tokens or body.max_tokens
+        max_tokens = (
+            body.max_completion_tokens
+            if body.max_completion_tokens is not None
+            else body.max_tokens
+        )
         if max_tokens is None:
             max_tokens = max(1, max_len - len(ids))
         logprobs = body.engine_logprobs()
@@ -576,7 +580,6 @@ def _params(
             field,
             f"prompt ({len(ids)} tokens) + {field} ({max_tokens}) exceeds this model's "
             f"maximum context length max_model_len={max_len}",
-            value=max_tokens,
         )
     return params
 
@@ -741,6 +744,7 @@ class _Run:
 
     async def _stream(self) -> AsyncIterator[str]:
         completion = [0] * len(self.tickets)
+        offsets = [0] * len(self.tickets)  # each completion choice's logprobs text so far
         # Tools: a choice's text is held back while it may still be a call.
         held = ["" for _ in self.tickets]
         plain = [self.tools is None for _ in self.tickets]
@@ -764,7 +768,10 @@ class _Run:
                         [item.logprob if item.logprob is not None else 0.0],
                         [item.top_logprobs or {}],
                         params.logprobs,
+                        start=offsets[item.choice],
                     )
+                    if "text_offset" in logprobs:
+                        offsets[item.choice] += len(logprobs["tokens"][0])
                 if self.kind == "chat" and named:
                     yield self._named_chunk(item.choice, item.text, item.finish_reason, calls)
                 elif self.kind == "chat" and not plain[item.choice]:
@@ -869,7 +876,11 @@ class _Run:
         logprobs: Sequence[float],
         top: Sequence[dict[int, float]],
         n: int,
+        *,
+        start: int = 0,
     ) -> dict[str, Any]:
+        """OpenAI logprobs of these tokens; a completion's ``text_offset`` counts from
+        ``start`` (a stream passes the choice's text so far)."""
         tokens = [self._token(t) for t in token_ids]
         if self.kind == "chat":
             return {
@@ -889,7 +900,7 @@ class _Run:
                     for tok, lp, t in zip(tokens, logprobs, top, strict=True)
                 ]
             }
-        offsets, at = [], 0
+        offsets, at = [], start
         for tok in tokens:
             offsets.append(at)
             at += len(tok)

@@ -60,7 +60,11 @@ class StartingResponder:
     (idempotent) hands the socket over: call it just before the server starts accepting.
     """
 
-    _BODY = b'{"status": "starting"}'
+    #: What ``/health`` says and, for OpenAI clients, the API's own error shape.
+    _BODY = (
+        b'{"status": "starting", "error": {"message": "the model is still loading", '
+        b'"type": "service_unavailable", "param": null, "code": null}}'
+    )
     _REPLY = (
         b"HTTP/1.1 503 Service Unavailable\r\n"
         b"Content-Type: application/json\r\n"

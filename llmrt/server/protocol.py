@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 from llmrt.errors import RequestError
 from llmrt.sampling.params import SamplingParams
@@ -84,6 +84,17 @@ class _Sampling(_Strict):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     user: str | None = None
+
+    @field_validator(
+        "n", "stream", "ignore_eos", "echo", "logprobs", mode="before", check_fields=False
+    )
+    @classmethod
+    def _null_is_the_default(cls, value: Any, info: ValidationInfo) -> Any:
+        """``null`` means the default, as OpenAI's schema types these fields (the openai
+        client sends ``n=None`` as null)."""
+        if value is None and info.field_name is not None:
+            return cls.model_fields[info.field_name].default
+        return value
 
     def check_unsupported(self) -> None:
         if not 1 <= self.n <= MAX_CHOICES:

@@ -328,6 +328,41 @@ def test_max_waiting_counts_only_requests_without_a_slot(server: BackgroundServe
     idle(server)
 
 
+def test_null_means_the_default_and_a_zero_token_budget_is_refused(
+    server: BackgroundServer,
+) -> None:
+    """OpenAI's schema types n, stream, echo and logprobs as nullable (the openai client
+    sends n=None as null); max_completion_tokens=0 is refused as max_tokens=0 is."""
+    chat = f"{server.url}/v1/chat/completions"
+    messages = [{"role": "user", "content": "x"}]
+    nulls = {"n": None, "stream": None, "logprobs": None, "ignore_eos": None}
+    r = httpx.post(chat, json={"messages": messages, "max_tokens": 3, **nulls}, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 1 and r.json()["choices"][0]["logprobs"] is None
+    r = httpx.post(
+        f"{server.url}/v1/completions",
+        json={"prompt": "x", "max_tokens": 3, "echo": None, "n": None, "stream": None},
+        timeout=TIMEOUT,
+    )
+    assert r.status_code == 200, r.text
+    for field in ("max_tokens", "max_completion_tokens"):
+        r = httpx.post(chat, json={"messages": messages, field: 0}, timeout=TIMEOUT)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+def test_streamed_text_offsets_continue_across_chunks(server: BackgroundServer) -> None:
+    body = {"prompt": "Once upon", "max_tokens": 6, "temperature": 0, "logprobs": 1}
+    url = f"{server.url}/v1/completions"
+    whole = httpx.post(url, json=body, timeout=TIMEOUT).json()["choices"][0]["logprobs"]
+    offsets: list[int] = []
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=TIMEOUT) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                logprobs = json.loads(line[len("data: ") :])["choices"][0]["logprobs"]
+                offsets += logprobs["text_offset"] if logprobs else []
+    assert offsets == whole["text_offset"] and offsets[-1] > 0
+
+
 # -- structured output ---------------------------------------------------------------------
 
 #: Bounded in length, so even a random model completes it within max_tokens.
@@ -810,6 +845,7 @@ def test_the_port_answers_503_from_the_first_moment_until_warm(tmp_path: Path) -
         env=env,
     )
     answers: list[tuple[int, str]] = []
+    first: dict[str, Any] = {}
     try:
         deadline = time.monotonic() + TIMEOUT
         while not answers or answers[-1][0] != 200:
@@ -821,11 +857,14 @@ def test_the_port_answers_503_from_the_first_moment_until_warm(tmp_path: Path) -
                 time.sleep(0.02)
                 continue
             answers.append((r.status_code, r.json()["status"]))
+            first = first or r.json()
             time.sleep(0.05)
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(TIMEOUT)
     assert answers[0] == (503, "starting")  # answered while still importing and building
+    # ... in a shape OpenAI clients read as well (the API's own error object)
+    assert first["error"]["type"] == "service_unavailable", first
     assert set(answers[:-1]) == {(503, "starting")} and answers[-1] == (200, "ok")
 
 
