@@ -20,6 +20,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Generator, Sequence
+from types import FrameType
 
 import uvicorn
 from fastapi import FastAPI
@@ -49,6 +50,7 @@ class _Server(uvicorn.Server):
         super().__init__(config)
         self.state = state
         self.cut_after = cut_after
+        self._cuts_asked = False
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         reason = f"still open {self.cut_after:g} s into shutdown (--shutdown-timeout)"
@@ -59,6 +61,20 @@ class _Server(uvicorn.Server):
             await super().shutdown(sockets)
         finally:
             cutter.cancel()
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        """A second SIGINT / SIGTERM during the shutdown cuts every open request now (each
+        gets its ending: ``finish_reason="abort"``, ``[DONE]``), where uvicorn's forced exit
+        cancelled the responses mid-write (500s, streams without an end, tracebacks). A
+        third is uvicorn's forced exit, for a shutdown that still hangs."""
+        if not self.should_exit or self._cuts_asked:
+            super().handle_exit(sig, frame)
+            return
+        self._cuts_asked = True
+        self._captured_signals.append(sig)
+        # Runs on the main thread between bytecodes; cut_all only sets a flag under the
+        # engine loop's reentrant lock.
+        self.state.cut_streams(f"{signal.Signals(sig).name} again during shutdown")
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:

@@ -832,6 +832,69 @@ def test_shutdown_past_its_timeout_ends_every_stream_and_exits_promptly(tmp_path
     print(f"exited {exited:.2f} s after SIGTERM (timeout {timeout} s), {cut} streams cut")
 
 
+def test_a_second_sigint_cuts_every_request_with_its_ending(tmp_path: Path) -> None:
+    """The first SIGINT drains (30 s default timeout); a second cuts the open requests now:
+    streams end with "abort" and [DONE], plain requests answer 200 with what they have,
+    no traceback, exit 0 long before the timeout."""
+    log = tmp_path / "serve.log"
+    longer = [
+        "--set", "model.max_position_embeddings=4096",
+        "--set", "serving.max_model_len=4096",
+        "--set", "kv_cache.max_num_blocks=2048",
+    ]  # fmt: skip
+    proc, url = _start(["--log-level", "info", *longer], log)
+    results: list[tuple[str, int, str | None, bool]] = []
+    try:
+        started = threading.Barrier(5)
+
+        def client(stream: bool) -> None:
+            body = {"prompt": "story", "max_tokens": 3000, "ignore_eos": True, "stream": stream}
+            if not stream:
+                started.wait(TIMEOUT)  # its request is queued before the signals
+                r = httpx.post(f"{url}/v1/completions", json=body, timeout=TIMEOUT)
+                reason = r.json()["choices"][0]["finish_reason"] if r.status_code == 200 else None
+                results.append(("plain", r.status_code, reason, True))
+                return
+            reason, done = None, False
+            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=TIMEOUT) as r:
+                for n, sse in enumerate(r.iter_lines()):
+                    if n == 0:
+                        started.wait(TIMEOUT)
+                    if sse == "data: [DONE]":
+                        done = True
+                    elif sse.startswith("data: "):
+                        reason = json.loads(sse[6:])["choices"][0]["finish_reason"] or reason
+            results.append(("stream", r.status_code, reason, done))
+
+        threads = [threading.Thread(target=client, args=(i < 2,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        started.wait(TIMEOUT)
+        time.sleep(0.5)
+        signalled = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(TIMEOUT) == 0, log.read_text()
+        exited = time.monotonic() - signalled
+        for t in threads:
+            t.join(TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    text = log.read_text()
+    assert sorted(results) == [
+        ("plain", 200, "abort", True),
+        ("plain", 200, "abort", True),
+        ("stream", 200, "abort", True),
+        ("stream", 200, "abort", True),
+    ], (results, text)
+    assert "Traceback" not in text and "CancelledError" not in text, text
+    assert "SIGINT again during shutdown" in text, text
+    assert exited < 15, (exited, text)  # the drain alone would wait 30 s
+
+
 def test_the_port_answers_503_from_the_first_moment_until_warm(tmp_path: Path) -> None:
     probe = socket.socket()
     probe.bind(("127.0.0.1", 0))
