@@ -494,8 +494,9 @@ def build_step_compiler(*, recipe: Recipe, lane: int) -> StepCompiler:
 def resolve_num_blocks(*, recipe: Recipe, model: CausalLM) -> int:
     """Physical blocks for one lane when the recipe leaves ``kv_cache.num_blocks`` unset.
 
-    Enough for every decode slot at ``serving.max_model_len``, never above
-    ``kv_cache.max_num_blocks``, and within a fraction of physical memory.
+    Enough for every decode slot at ``Recipe.max_model_len`` (within the model's
+    positions), never above ``kv_cache.max_num_blocks``, and within a fraction of
+    physical memory.
     """
     kv = recipe.kv_cache
     if kv.num_blocks is not None:
@@ -509,7 +510,8 @@ def resolve_num_blocks(*, recipe: Recipe, model: CausalLM) -> int:
         * meta.head_dim
         * torch.tensor([], dtype=kv.torch_dtype).element_size()
     )
-    wanted = -(-recipe.decode.lane_capacity * recipe.serving.max_model_len // kv.block_size)
+    longest = min(model.config.max_position_embeddings, recipe.max_model_len)
+    wanted = -(-recipe.decode.lane_capacity * longest // kv.block_size)
     try:
         memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError):
@@ -530,7 +532,7 @@ def build_layout(*, recipe: Recipe, model: CausalLM, kv: PagedKVCacheManager) ->
     layout = PageTableLayout.resolve(
         block_size=kv.config.block_size,
         model_max_sequence_length=min(
-            model.config.max_position_embeddings, recipe.serving.max_model_len
+            model.config.max_position_embeddings, recipe.max_model_len
         ),
         physical_num_blocks=blocks,
         max_prefill_chunk_size=recipe.prefill.max_chunk_size,

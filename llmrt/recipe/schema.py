@@ -662,6 +662,9 @@ class ServingSpec:
     decode rows, so it bounds how long a step keeps every streaming request waiting; None
     follows the device (``Recipe.max_num_batched_tokens``: ``CPU_STEP_TOKENS`` on the CPU,
     ``ACCELERATOR_STEP_TOKENS`` elsewhere, at least ``prefill.max_chunk_size``).
+    ``max_model_len`` None follows the KV cache (``Recipe.max_model_len``: at most
+    ``DEFAULT_MAX_MODEL_LEN`` tokens, fewer where ``kv_cache`` holds fewer; the runtime also
+    keeps it within the model's positions).
     ``max_num_seqs`` None means every decode slot (``lanes * decode.lane_capacity``).
     ``max_waiting`` bounds the requests ``llmrt serve`` queues behind the running ones;
     one more is refused with HTTP 429 instead of queueing without limit.
@@ -669,7 +672,7 @@ class ServingSpec:
 
     prefix_caching: bool = True
     max_num_batched_tokens: int | None = None
-    max_model_len: int = 4096
+    max_model_len: int | None = None
     max_num_seqs: int | None = None
     max_waiting: int = 256
 
@@ -677,10 +680,15 @@ class ServingSpec:
         _bool("serving.prefix_caching", self.prefix_caching)
         if self.max_num_batched_tokens is not None:
             _positive_int("serving.max_num_batched_tokens", self.max_num_batched_tokens)
-        _positive_int("serving.max_model_len", self.max_model_len)
+        if self.max_model_len is not None:
+            _positive_int("serving.max_model_len", self.max_model_len)
         if self.max_num_seqs is not None:
             _positive_int("serving.max_num_seqs", self.max_num_seqs)
         _positive_int("serving.max_waiting", self.max_waiting)
+
+
+#: ``serving.max_model_len`` when unset and the KV cache holds at least this many tokens.
+DEFAULT_MAX_MODEL_LEN = 4096
 
 
 def _default_kv_cache() -> PagedKVCacheConfig:
@@ -767,6 +775,15 @@ class Recipe:
             return self.serving.max_num_batched_tokens
         cpu = self.device.backend == "torch" and self.device.torch_device == "cpu"
         return max(CPU_STEP_TOKENS if cpu else ACCELERATOR_STEP_TOKENS, self.prefill.max_chunk_size)
+
+    @property
+    def max_model_len(self) -> int:
+        """The longest sequence (prompt + output) a request may reach: ``serving.
+        max_model_len``, or when unset ``DEFAULT_MAX_MODEL_LEN`` within what ``kv_cache``
+        holds (a smaller cache makes the default follow rather than fail validation)."""
+        if self.serving.max_model_len is not None:
+            return self.serving.max_model_len
+        return min(DEFAULT_MAX_MODEL_LEN, self.kv_cache.max_capacity_tokens)
 
     @property
     def max_num_seqs(self) -> int:
@@ -1145,7 +1162,7 @@ class Recipe:
         )
         capacity = self.kv_cache.max_capacity_tokens
         _check(
-            self.serving.max_model_len <= capacity,
+            self.max_model_len <= capacity,
             "serving.max_model_len",
             self.serving.max_model_len,
             f"must fit the KV cache: kv_cache.max_num_blocks * kv_cache.block_size = "

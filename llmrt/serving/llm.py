@@ -101,7 +101,7 @@ class LLM:
                 max_num_batched_tokens=recipe.max_num_batched_tokens,
                 # A sequence must fit one lane's whole pool, or it could never be scheduled.
                 max_model_len=min(
-                    recipe.serving.max_model_len,
+                    recipe.max_model_len,
                     group.lanes[0].layout.max_sequence_length,
                     min(num_blocks) * block_size,
                 ),

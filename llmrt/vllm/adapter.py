@@ -366,12 +366,12 @@ class VLLMAdapter:
         choice = select_recipe(hf_config=hf_config, recipe=recipe, overrides=overrides)
         loaded = choice.load_for(lanes=lanes, lane_capacity=lane_capacity)
         if max_seq_len is not None and (
-            not _is_int(max_seq_len) or not 0 < max_seq_len <= loaded.serving.max_model_len
+            not _is_int(max_seq_len) or not 0 < max_seq_len <= loaded.max_model_len
         ):
             raise ConfigError(
                 "max_seq_len",
                 max_seq_len,
-                f"exceeds the recipe's serving.max_model_len={loaded.serving.max_model_len} "
+                f"exceeds the recipe's serving.max_model_len={loaded.max_model_len} "
                 "(pass vLLM --max-model-len at most that)",
             )
         device = _device_for(mesh_device, loaded)
@@ -384,7 +384,7 @@ class VLLMAdapter:
             config = VLLMAdapterConfig.resolve(
                 group=group,
                 max_model_len=min(
-                    max_seq_len or loaded.serving.max_model_len,
+                    max_seq_len or loaded.max_model_len,
                     group.lanes[0].layout.max_sequence_length,
                 ),
                 mesh_devices=_mesh_devices(mesh_device),

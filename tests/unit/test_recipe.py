@@ -113,7 +113,8 @@ def test_default_recipe_matches_the_brief() -> None:
     assert recipe.trace == TraceConfig(mode="decode_only")
     assert recipe.warmup == WarmupConfig(prefill_seq_lens=(128,), prefill_batch_sizes=(1, 2, 4, 8))
     assert recipe.serving.prefix_caching is True
-    assert (recipe.serving.max_num_batched_tokens, recipe.serving.max_model_len) == (None, 4096)
+    assert (recipe.serving.max_num_batched_tokens, recipe.serving.max_model_len) == (None, None)
+    assert recipe.max_model_len == 4096  # what its 2048 x 32-token KV cache holds, capped
 
 
 def test_variants_differ_from_the_default_only_where_named() -> None:

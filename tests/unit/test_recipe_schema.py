@@ -14,6 +14,7 @@ from llmrt.recipe.loader import (
     DeviceSpec,
     Recipe,
     TokenizerSpec,
+    load_recipe,
     recipe_from_dict,
 )
 from llmrt.runtime.config import PagedKVCacheConfig, TraceConfig
@@ -87,6 +88,28 @@ def test_the_step_token_budget_follows_the_device_unless_given() -> None:
     given = {"serving.max_num_batched_tokens": 300}
     assert build(**given).max_num_batched_tokens == 300
     assert build(**given, **{"device.kind": "cuda"}).max_num_batched_tokens == 300
+
+
+def test_the_context_length_follows_the_kv_cache_unless_given() -> None:
+    # Unset: 4096 tokens, or what the cache holds when that is less (a smaller cache is
+    # not an error about a value nobody wrote); a given value must still fit.
+    def unset(**overrides: Any) -> Recipe:
+        data = tiny()
+        data["serving"].pop("max_model_len")
+        return recipe_from_dict(data, overrides=overrides)
+
+    assert unset().serving.max_model_len is None
+    assert unset().max_model_len == 64 * 16
+    large = {"kv_cache.max_num_blocks": 1024}
+    assert unset(**large).max_model_len == 4096
+    assert unset(**{"kv_cache.max_num_blocks": 4}).max_model_len == 64
+    assert unset(**large, **{"serving.max_model_len": 8192}).max_model_len == 8192
+    assert build(**large, **{"serving.max_model_len": 100}).max_model_len == 100
+    with pytest.raises(ConfigError, match=r"serving\.max_model_len"):
+        build(**{"kv_cache.max_num_blocks": 4, "serving.max_model_len": 65})
+    # The bundled templates leave it unset, so a smaller cache on them starts too.
+    smaller = load_recipe("smollm2-135m", overrides={"kv_cache.max_num_blocks": 8})
+    assert smaller.max_model_len == 8 * smaller.kv_cache.block_size
 
 
 #: (overrides, field, reason). ``"model": None`` empties ``model`` first (overrides merge).
