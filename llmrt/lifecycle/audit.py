@@ -36,6 +36,7 @@ from typing import Any
 import attrs
 
 from llmrt.errors import RequestError
+from llmrt.lifecycle.events import CATALOGUE
 
 Record = Mapping[str, Any]
 
@@ -151,6 +152,14 @@ class _Auditor:
 
     def event(self, number: int, e: Record) -> None:
         name = e.get("event")
+        if name not in CATALOGUE:
+            self.add(
+                "unknown-event",
+                number,
+                f"event {name!r} is not one of the lifecycle catalogue's "
+                "(llmrt.lifecycle.events): a misspelt or foreign line",
+            )
+            return
         handler = getattr(self, "_on_" + str(name).replace(".", "_"), None)
         if handler is not None:
             handler(number, e)
@@ -163,7 +172,13 @@ class _Auditor:
             self.add("one-mesh-per-lane", number, f"kv.allocated of {obj} names no device")
             return
         expected = self.lane_devices.get(lane)
-        if expected and str(device) not in expected:
+        if not expected:
+            self.add(
+                "one-mesh-per-lane",
+                number,
+                f"lane {lane} allocated KV on {device} with no device of its own open",
+            )
+        elif str(device) not in expected:
             self.add(
                 "one-mesh-per-lane",
                 number,
@@ -285,8 +300,14 @@ class _Auditor:
                 f"line {line}) is still {'orphaned' if status == 'failed' else 'open'}",
             )
         known = objects.get(index)
-        if known is not None:
-            known[1] = state
+        if known is None:
+            self.add(
+                "owned-unknown",
+                number,
+                f"{e.get('step')} (created #{index}) closed, but no scope.owned line recorded it",
+            )
+            return
+        known[1] = state
 
     def _unclosed(self, root: str, line: int | None) -> None:
         left = [o[0] for _, o in sorted(self.owned.pop(root, {}).items()) if o[1] != "closed"]

@@ -65,7 +65,19 @@ def _read(*, file: Path, directory: Path, hf_config: Mapping[str, Any]) -> Token
     if bos_token is None and isinstance(hf_config.get("bos_token_id"), int):
         bos_token = backend.id_to_token(hf_config["bos_token_id"])
     eos_token = _token_content(config.get("eos_token"))
-    eos_ids = [*_ids(hf_config.get("eos_token_id")), *_ids(generation.get("eos_token_id"))]
+    size = backend.get_vocab_size(with_added_tokens=True)
+    eos_ids = []
+    for source, ids in (
+        ("config.json", _ids(hf_config.get("eos_token_id"))),
+        ("generation_config.json", _ids(generation.get("eos_token_id"))),
+    ):
+        for token_id in ids:  # named here: Tokenizer.create would blame tokenizer_config.json
+            if not 0 <= token_id < size:
+                raise CheckpointError(
+                    f"{directory / source}.eos_token_id",
+                    f"{token_id} outside the tokenizer's vocab of {size} ({file.name})",
+                )
+        eos_ids.extend(ids)
     if eos_token is None and eos_ids:
         eos_token = backend.id_to_token(eos_ids[0])
     return Tokenizer.create(

@@ -92,6 +92,7 @@ def clean_run(obj: str = "0x1") -> list[dict[str, Any]]:
     return [
         scope("entered", "runtime"),
         scope("entered", "runtime/lane0"),
+        lane_device(0, "cpu:0/lane0"),
         kv("allocated", obj),
         compiled("decode[b4 w32]", obj),
         gate("closed", obj),
@@ -152,8 +153,8 @@ def test_a_hand_made_clean_log_and_reused_object_ids_audit_clean(
 
 CASES: dict[str, tuple[list[dict[str, Any]], list[str]]] = {
     "double-release": (
-        [kv("allocated"), kv("released"), kv("released")],
-        ["[kv-once] line 3: KV cache 0xkv released twice"],
+        [lane_device(0, "cpu:0/lane0"), kv("allocated"), kv("released"), kv("released")],
+        ["[kv-once] line 4: KV cache 0xkv released twice"],
     ),
     "release-without-allocation": (
         [kv("released", "0xghost")],
@@ -275,6 +276,27 @@ CASES: dict[str, tuple[list[dict[str, Any]], list[str]]] = {
             "[one-mesh-per-lane] line 5: kv.allocated of 0xk1 names no device",
         ],
     ),
+    "kv-on-a-lane-with-no-device-open": (
+        [kv("allocated", "0xk2", lane=2), kv("released", "0xk2", lane=2)],
+        [
+            "[one-mesh-per-lane] line 1: lane 2 allocated KV on cpu:0/lane0 with no device of "
+            "its own open"
+        ],
+    ),
+    "unknown-event": (
+        [{"event": "cleanup.stepp", "component": "scope"}],
+        [
+            "[unknown-event] line 1: event 'cleanup.stepp' is not one of the lifecycle "
+            "catalogue's (llmrt.lifecycle.events): a misspelt or foreign line"
+        ],
+    ),
+    "owned-closed-but-never-recorded": (
+        [owned("device", 0), closed("model", 1), closed("device", 0)],
+        [
+            "[owned-unknown] line 2: runtime/model (created #1) closed, but no scope.owned "
+            "line recorded it"
+        ],
+    ),
     "owned-closed-out-of-order": (
         [
             owned("device", 0),
@@ -318,10 +340,15 @@ CASES: dict[str, tuple[list[dict[str, Any]], list[str]]] = {
         ],
     ),
     "never-released": (
-        [scope("entered", "runtime"), kv("allocated"), trace("captured", "t9")],
         [
-            "[kv-once] line 2: KV cache 0xkv never released",
-            "[trace-once] line 3: trace t9 never released",
+            scope("entered", "runtime"),
+            lane_device(0, "cpu:0/lane0"),
+            kv("allocated"),
+            trace("captured", "t9"),
+        ],
+        [
+            "[kv-once] line 3: KV cache 0xkv never released",
+            "[trace-once] line 4: trace t9 never released",
             "[scope-reverse] scope runtime was entered but never exited",
         ],
     ),
@@ -369,8 +396,10 @@ def test_every_violation_of_a_log_is_listed(
         "[orphan]",
         "[owned-not-closed]",
         "[owned-reverse]",
+        "[owned-unknown]",
         "[scope-reverse]",
         "[trace-once]",
+        "[unknown-event]",
     ]
     assert len(out) - 1 == sum(len(expected) for _, expected in CASES.values())
     assert main(["audit", "--json", str(log)]) == 1

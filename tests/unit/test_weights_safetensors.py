@@ -239,3 +239,17 @@ def test_load_tokenizer_from_file_or_directory(tmp_path: Path) -> None:
     (tmp_path / "tokenizer.json").write_text("{truncated")
     with pytest.raises(CheckpointError, match="unreadable tokenizer"):
         load_tokenizer(tmp_path)
+
+
+def test_an_eos_id_outside_the_vocab_names_the_file_it_came_from(tmp_path: Path) -> None:
+    from llmrt.weights.tokenizer_files import read_tokenizer_dir
+
+    save_tokenizer(tmp_path)
+    with pytest.raises(CheckpointError) as info:
+        read_tokenizer_dir(tmp_path, hf_config={"eos_token_id": 32000})
+    assert info.value.item == f"{tmp_path / 'config.json'}.eos_token_id"
+    assert "32000 outside the tokenizer's vocab of 258" in str(info.value)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [257, 999]}))
+    with pytest.raises(CheckpointError) as info:
+        read_tokenizer_dir(tmp_path, hf_config={"eos_token_id": 257})
+    assert info.value.item == f"{tmp_path / 'generation_config.json'}.eos_token_id"
