@@ -7,6 +7,7 @@ import atexit
 import contextlib
 import json
 import os
+import secrets
 import signal
 import sys
 import threading
@@ -104,7 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument(
+        "--seed", type=int, default=None, help="sampling seed (default: a fresh one each run)"
+    )
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt per line")
 
     chat = sub.add_parser(
@@ -121,7 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--temperature", type=float, default=0.0)
     chat.add_argument("--top-k", type=int, default=0)
     chat.add_argument("--top-p", type=float, default=1.0)
-    chat.add_argument("--seed", type=int, default=None)
+    chat.add_argument(
+        "--seed", type=int, default=None, help="sampling seed (default: a fresh one each run)"
+    )
     chat.add_argument("--ignore-eos", action="store_true", help="answer until --max-new-tokens")
     chat.add_argument("--no-stats", action="store_true", help="no stats line after answers")
 
@@ -501,17 +506,27 @@ def _description(name: str) -> str:
     return description if isinstance(description, str) else ""
 
 
-def _sampling(args: argparse.Namespace) -> Any:
+def _sampling(args: argparse.Namespace, *, prompts: int = 1) -> Any:
+    """The command's sampling params, one per prompt. Without ``--seed`` a sampled run
+    (temperature > 0) draws a fresh seed, so two runs differ as a user expects (the engine's
+    own unseeded stream starts from seed 0 in every process, as vLLM's); prompt i gets seed
+    + i, so identical prompts of one run still differ."""
     from llmrt.sampling.params import SamplingParams
 
-    return SamplingParams(
-        max_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        ignore_eos=getattr(args, "ignore_eos", False),
-    )
+    seed = args.seed
+    if seed is None and args.temperature > 0:
+        seed = secrets.randbelow(2**31)
+    return [
+        SamplingParams(
+            max_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=None if seed is None else seed + i,
+            ignore_eos=getattr(args, "ignore_eos", False),
+        )
+        for i in range(prompts)
+    ]
 
 
 def _prompt_ids(values: Sequence[str]) -> list[list[int]]:
@@ -533,8 +548,8 @@ def _generate(args: argparse.Namespace) -> int:
     from llmrt.recipe.sizing import request_overrides
     from llmrt.serving.llm import LLM
 
-    params = _sampling(args)
     requests = 1 if args.chat is not None else len(args.prompt_ids or args.prompt)
+    params = _sampling(args, prompts=requests)
     base = load_recipe(args.recipe, overrides=args.overrides)
     given = {o.split("=", 1)[0].strip() for o in args.overrides}
     sized = request_overrides(base, requests=requests, given=given, new_tokens=args.max_new_tokens)
@@ -574,7 +589,7 @@ def _chat(args: argparse.Namespace) -> int:
     from llmrt.recipe.sizing import request_overrides
     from llmrt.serving.llm import LLM
 
-    params = _sampling(args)
+    (params,) = _sampling(args)
     base = load_recipe(args.recipe, overrides=args.overrides)
     given = {o.split("=", 1)[0].strip() for o in args.overrides}
     sized = request_overrides(base, requests=1, given=given)

@@ -306,3 +306,22 @@ def test_console_exit_flushes_output_and_runs_exit_handlers(argv: list[str], cod
         assert "smollm2-135m " in done.stdout and "tiny-llama" in done.stdout
     else:
         assert "llmrt: error:" in done.stderr
+
+
+def test_sampling_without_a_seed_differs_between_runs_and_a_seed_repeats(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Each run is a fresh engine (whose unseeded stream starts at seed 0): the command
+    draws a fresh seed unless --seed is given; two identical prompts of a run still differ."""
+    args = ["generate", "tiny-llama", "--prompt", "hi", "--max-new-tokens", "24", "--json"]
+    sampled = [*args, "--temperature", "1.0", "--prompt", "hi"]
+
+    def texts(*argv: str) -> list[str]:
+        code, out, _ = run(capsys, *argv)
+        assert code == 0
+        return [str(o["text"]) for o in json_lines(out)]
+
+    first, second = texts(*sampled), texts(*sampled)
+    assert first != second and first[0] != first[1]
+    assert texts(*sampled, "--seed", "7") == texts(*sampled, "--seed", "7")
+    assert texts(*args) == texts(*args)  # greedy needs no seed
