@@ -5,7 +5,8 @@ template over the whole conversation (the prefix cache keeps earlier turns' KV, 
 prefills only what is new), the answer streams as it decodes, and a stats line (prompt
 tokens, time to first token, tokens/s) follows it on stderr. ``/reset`` forgets the
 conversation, ``/system TEXT`` sets the system prompt (and resets), ``/exit`` leaves (so do
-Ctrl-D and end of input). Ctrl-C stops the answer being written, not the session. When
+Ctrl-D and end of input). Ctrl-C stops the answer being written, not the session. A
+conversation that outgrows ``serving.max_model_len`` drops its oldest exchanges. When
 stdin is not a terminal each line is one user turn, and only the answers go to stdout.
 """
 
@@ -48,7 +49,10 @@ class AnswerStats:
         return self.new_tokens / self.total_s if self.total_s > 0 else 0.0
 
     def line(self) -> str:
-        stopped = ", stopped" if self.finish_reason == "interrupted" else ""
+        stopped = {
+            "interrupted": ", stopped",
+            "length": ", cut at the token limit",
+        }.get(self.finish_reason, "")
         return (
             f"[{self.new_tokens} tokens, {self.tokens_per_s:.1f} tokens/s, first token "
             f"{self.ttft_s * 1000:.0f} ms, prompt {self.prompt_tokens} tokens{stopped}]"
@@ -202,7 +206,9 @@ def chat_loop(
         if text.startswith("/") and " " not in text:
             print(f"unknown command {text} ({HELP})", file=stderr)
             continue
-        messages = conversation.with_user(text)
+        messages = _fit(llm, conversation, text, params, stderr=stderr)
+        if messages is None:
+            continue
         with interrupts.answering() as stop:
             reply, stats = answer(llm, messages, params, stop=stop, write=write)
         write("\n")
@@ -210,6 +216,38 @@ def chat_loop(
         conversation.messages.append({"role": "assistant", "content": reply})
         if show_stats:
             print(stats.line(), file=stderr, flush=True)
+
+
+def _fit(
+    llm: LLM, conversation: Conversation, text: str, params: SamplingParams, *, stderr: TextIO
+) -> list[dict[str, str]] | None:
+    """The turn's messages, its oldest exchanges dropped (and said so) until the prompt
+    leaves room for an answer within ``serving.max_model_len`` (as ollama and llama-cli
+    shift their context); None, said why, when the turn alone does not fit."""
+    limit = llm.engine.scheduler.config.max_model_len
+    room = min(params.max_tokens, max(1, limit // 4))
+    dropped = 0
+    while True:
+        messages = conversation.with_user(text)
+        rendered = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        tokens = len(llm.tokenizer.encode(rendered, add_special_tokens=False))
+        if tokens + room <= limit:
+            break
+        if not conversation.messages:
+            print(
+                f"(this message alone is {tokens} tokens; with room for an answer it does not "
+                f"fit max_model_len={limit}: shorten it)",
+                file=stderr,
+            )
+            return None
+        conversation.messages = conversation.messages[2:]  # the oldest user + assistant
+        dropped += 1
+    if dropped:
+        print(
+            f"(dropped the {dropped} oldest exchange(s) to fit max_model_len={limit})",
+            file=stderr,
+        )
+    return messages
 
 
 def _read_turn(stdin: TextIO, stdout: TextIO, *, interactive: bool) -> str | None:

@@ -116,7 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="An interactive conversation with the model's chat template, streamed as "
         "it decodes, with a stats line (tokens/s, time to first token) after each answer. "
         "/reset forgets the conversation, /system TEXT sets the system prompt, /exit (or "
-        "Ctrl-D) leaves; Ctrl-C stops an answer. Piped stdin: one user turn per line.",
+        "Ctrl-D) leaves; Ctrl-C stops an answer. A conversation outgrowing "
+        "serving.max_model_len drops its oldest exchanges (said on stderr). Piped stdin: one "
+        "user turn per line.",
     )
     _add_recipe_args(chat)
     chat.add_argument("--system", metavar="TEXT", help="the system prompt")

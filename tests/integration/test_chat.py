@@ -25,7 +25,8 @@ pytest.importorskip("transformers")
 SMALL = ["decode.lane_capacity=1", "kv_cache.num_blocks=160", "trace.mode=none"]
 SETS = [x for o in SMALL for x in ("--set", o)]
 STATS = re.compile(
-    r"^\[(\d+) tokens, [\d.]+ tokens/s, first token \d+ ms, prompt (\d+) tokens(, stopped)?\]$"
+    r"^\[(\d+) tokens, [\d.]+ tokens/s, first token \d+ ms, prompt (\d+) tokens"
+    r"(, stopped|, cut at the token limit)?\]$"
 )
 
 
@@ -84,6 +85,33 @@ def test_piped_turns_answer_like_llm_chat_with_history_reset_and_system(
     prompts = [int(m.group(2)) for m in stats if m]
     assert prompts[1] > prompts[0] == prompts[2]  # history, then reset
     assert "(conversation reset)" in done.stderr
+
+
+def test_a_conversation_past_the_context_drops_its_oldest_exchanges_and_goes_on(
+    model_file: Path, tmp_path: Path
+) -> None:
+    """The session outlives its context: old exchanges make room (said on stderr), a turn
+    too long on its own is refused with a reason, and the session carries on."""
+    lines = ["tell me a story", "go on", "and more", "x " * 400, "last one", "/exit"]
+    done = subprocess.run(
+        [
+            *llmrt_command(), "chat", "-m", str(model_file), "--max-new-tokens", "40",
+            "--ignore-eos", *SETS, "--set", "serving.max_model_len=160",
+        ],
+        input="\n".join(lines) + "\n",
+        capture_output=True,
+        text=True,
+        env=env(tmp_path),
+        timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    stats = [STATS.match(line) for line in done.stderr.splitlines() if line.startswith("[")]
+    assert len(stats) == 4 and all(stats), done.stderr  # every turn but the long one answered
+    assert all(m.group(3) == ", cut at the token limit" for m in stats if m), done.stderr
+    assert all(int(m.group(2)) + 40 <= 160 for m in stats if m), done.stderr
+    assert "oldest exchange(s) to fit max_model_len=160" in done.stderr, done.stderr
+    assert "does not fit max_model_len=160: shorten it" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def _read_until(fd: int, pattern: re.Pattern[str], *, seen: list[str], timeout: float) -> str:
