@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping, Sequence
+from collections.abc import Generator, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -72,6 +72,9 @@ class LLM:
         download: bool = False,
     ) -> None:
         self._closed = False
+        # Events of open streams' requests that another call's steps produced, by request.
+        self._stashed: dict[str, list[TokenEvent]] = {}
+        self._streams_open: set[str] = set()
         if container is None:
             from llmrt.containers import RuntimeContainer
 
@@ -164,14 +167,43 @@ class LLM:
                     "sampling_params", f"has {len(per)} entries for {len(prompts)} prompts"
                 )
         encoded = [self.encode(p) for p in prompts]
-        requests = []
+        requests: list[Request] = []
         try:
             for i, (ids, p) in enumerate(zip(encoded, per, strict=True)):
                 requests.append(self.engine.add_request(prompt_token_ids=ids, params=p, index=i))
         except BaseException:
-            self.engine.abort_all()
+            self._abort(requests)
             raise
         return requests
+
+    def _abort(self, requests: Sequence[Request]) -> None:
+        """Abort these requests only (another open stream's keep running)."""
+        for request in requests:
+            self.engine.abort(request)
+            self._stashed.pop(request.request_id, None)
+
+    def _events(self, requests: Sequence[Request]) -> Iterator[TokenEvent]:
+        """``requests``' events until all finished, stepping the engine as needed. Steps run
+        every scheduled request: events of another open stream's requests wait for it in
+        ``_stashed``; a request's own failure raises its error."""
+        mine = {r.request_id for r in requests}
+        while True:
+            for request in requests:
+                for event in self._stashed.pop(request.request_id, ()):
+                    if event.error is not None:
+                        raise event.error
+                    yield event
+            if all(r.finished for r in requests):
+                return
+            if not self.engine.has_work:  # nothing would ever finish them
+                raise RuntimeError("requests left unfinished by an engine with no work")
+            for event in self.engine.step():
+                if event.request_id in mine:
+                    if event.error is not None:
+                        raise event.error
+                    yield event
+                elif event.request_id in self._streams_open:
+                    self._stashed.setdefault(event.request_id, []).append(event)
 
     def stream(
         self,
@@ -180,19 +212,22 @@ class LLM:
     ) -> Generator[TokenEvent, None, None]:
         """Yield each generated token as soon as its step finishes.
 
-        Closing the generator early (or dropping it) aborts every request it submitted; so
+        Other calls may run while it is open (a ``generate``, another stream): their steps
+        advance its requests too, and its tokens wait for it. Closing the generator early
+        (or dropping it) aborts the requests it submitted, no others; so
         does a request's own failure (a structured output that cannot be enforced), raised
         as its :class:`~llmrt.errors.RequestError`.
         """
-        self._submit(_prompt_list(prompts), sampling_params)
+        requests = self._submit(_prompt_list(prompts), sampling_params)
+        ids = {r.request_id for r in requests}
+        self._streams_open |= ids
         try:
-            for event in self.engine.run():
-                if event.error is not None:
-                    raise event.error
-                yield event
+            yield from self._events(requests)
         except BaseException:
-            self.engine.abort_all()
+            self._abort(requests)
             raise
+        finally:
+            self._streams_open -= ids
 
     def generate(
         self,
@@ -207,11 +242,10 @@ class LLM:
         raw = _prompt_list(prompts)
         requests = self._submit(raw, sampling_params)
         try:
-            for event in self.engine.run():
-                if event.error is not None:
-                    raise event.error
+            for _ in self._events(requests):
+                pass
         except BaseException:
-            self.engine.abort_all()
+            self._abort(requests)
             raise
         return [_output(r, _text(raw[r.index])) for r in requests]
 

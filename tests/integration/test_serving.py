@@ -90,6 +90,27 @@ def test_abandoned_stream_aborts_and_returns_every_block(llm: LLM) -> None:
     assert_idle(llm)
 
 
+def test_calls_interleaved_with_an_open_stream_leave_it_every_token(llm: LLM) -> None:
+    """A generate (or a second stream) run while a stream is half read steps the stream's
+    requests too: their tokens wait for it, none lost; closing one stream aborts only its
+    own requests."""
+    params = greedy(12, ignore_eos=True)
+    alone = [o.token_ids for o in llm.generate(PROMPTS[:2], params)]
+    first = llm.stream(PROMPTS[:2], params)
+    seen = [next(first), next(first)]
+    other = llm.generate(PROMPTS[2:], params)
+    second = llm.stream(PROMPTS[2:3], params)
+    next(second)
+    second.close()  # aborts its request, not the first stream's
+    seen += list(first)
+    by_prompt: dict[int, list[int]] = defaultdict(list)
+    for event in seen:
+        by_prompt[event.index].append(event.token_id)
+    assert [tuple(by_prompt[i]) for i in range(2)] == alone
+    assert [len(o.token_ids) for o in other] == [12, 12]
+    assert_idle(llm)
+
+
 def test_max_tokens_and_stop_token_ids(llm: LLM) -> None:
     reference = llm.generate(PROMPTS[1], greedy(16, ignore_eos=True))[0].token_ids
     # The first token that has not appeared before position 3 stops the request there.
