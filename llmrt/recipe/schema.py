@@ -1108,13 +1108,15 @@ class Recipe:
         a chunk reaches; any other becomes the padded length it rounds up to. Batch sizes
         past ``prefill.max_batch_size`` or ``decode.lane_capacity`` (a wave holds at most a
         lane's rows) can never form and are dropped (the largest that can is warmed instead
-        when none is left). Overriding ``prefill.max_chunk_size`` or ``decode.lane_capacity``
-        therefore keeps a recipe valid instead of failing on the warmup fields.
+        when none is left). Overriding ``prefill.max_chunk_size``, ``serving.max_model_len``
+        (a context shorter than the chunk narrows it, as the page table does at run time) or
+        ``decode.lane_capacity`` therefore keeps a recipe valid instead of failing on the
+        warmup fields.
         """
-        chunk = self.prefill.max_chunk_size
-        if chunk % self.kv_cache.block_size:
+        chunk = self._effective_chunk()
+        if chunk is None:
             return  # _check_geometry names the field
-        lengths = self.prefill.buckets().lengths()
+        lengths = self._prefill_buckets(chunk).lengths()
         usable = [n for n in lengths if n <= chunk]
         if not usable:
             return  # _check_geometry reports the chunk
@@ -1134,6 +1136,21 @@ class Recipe:
                 self.warmup, prefill_seq_lens=tuple(derived), prefill_batch_sizes=tuple(batches)
             )
             object.__setattr__(self, "warmup", warmup)
+
+    def _effective_chunk(self) -> int | None:
+        """The longest chunk a prefill runs: ``prefill.max_chunk_size``, within
+        ``max_model_len`` rounded up to whole blocks (the page table's width, as
+        ``PageTableLayout`` clamps it); None when the chunk is not whole blocks."""
+        block = self.kv_cache.block_size
+        if self.prefill.max_chunk_size % block:
+            return None
+        return min(self.prefill.max_chunk_size, -(-self.max_model_len // block) * block)
+
+    def _prefill_buckets(self, chunk: int) -> SeqLenBuckets:
+        """The padded lengths prefills of at most ``chunk`` tokens run at (the runtime's)."""
+        return SeqLenBuckets.named(
+            self.prefill.seq_len_buckets, max_len=chunk, step=self.prefill.fine_step
+        )
 
     def _check_family_backend(self) -> None:
         """The family (named, or ``auto`` from a random checkpoint's ``model_type``) supports
@@ -1176,14 +1193,16 @@ class Recipe:
                 f"must not exceed the decode slots lanes * decode.lane_capacity = "
                 f"{self.lanes} * {self.decode.lane_capacity} = {self.decode_slots}",
             )
-        lengths = self.prefill.buckets().lengths()
+        effective = self._effective_chunk() or chunk
+        lengths = self._prefill_buckets(effective).lengths()
         for i, n in enumerate(self.warmup.prefill_seq_lens):
             _check(
-                n <= chunk,
+                n <= effective,
                 f"warmup.prefill_seq_lens[{i}]",
                 n,
-                f"must not exceed prefill.max_chunk_size={chunk} (longer prefills run "
-                "in chunks, so that length is never used)",
+                f"must not exceed prefill.max_chunk_size={chunk} within max_model_len="
+                f"{self.max_model_len} ({effective}: longer prefills run in chunks, so that "
+                "length is never used)",
             )
             _check(
                 n in lengths,

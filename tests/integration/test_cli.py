@@ -325,3 +325,18 @@ def test_sampling_without_a_seed_differs_between_runs_and_a_seed_repeats(
     assert first != second and first[0] != first[1]
     assert texts(*sampled, "--seed", "7") == texts(*sampled, "--seed", "7")
     assert texts(*args) == texts(*args)  # greedy needs no seed
+
+
+def test_a_short_max_model_len_narrows_the_warmup_lengths_it_implies(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A context shorter than the warmup lengths clamps the prefill chunk at run time (the
+    page table is that wide): the warmup lengths follow, instead of failing at startup on
+    fields the user never set; recipes show says what runs."""
+    small = ["--set", "serving.max_model_len=16"]
+    code, out, err = run(
+        capsys, "generate", "tiny-llama", *small, "--prompt-ids", "1,2,3", "--max-new-tokens", "3"
+    )
+    assert code == 0, err
+    code, out, err = run(capsys, "recipes", "show", "tiny-llama", *small)
+    assert code == 0 and "prefill_seq_lens:\n  - 16\n" in out, out
