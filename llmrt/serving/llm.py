@@ -256,6 +256,13 @@ class LLM:
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or several, then generate."""
         conversations: list[Sequence[Message]]
+        if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
+            raise RequestError(
+                "messages",
+                'must be a list of {"role": ..., "content": ...} messages (or a list of such '
+                "conversations)",
+                value=type(messages).__name__,
+            )
         if messages and isinstance(messages[0], Mapping):
             conversations = [messages]  # type: ignore[list-item]
         else:
@@ -306,13 +313,37 @@ def _recipe_for(
 
 
 def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    """One prompt (a string or a token-id list) or many, as a list of prompts."""
+    """One prompt (a string or a token-id list) or many, as a list of prompts; anything
+    else is a RequestError naming what was given."""
     if isinstance(prompts, str):
         return [prompts]
+    if isinstance(prompts, (bytes, bytearray, Mapping)) or not isinstance(prompts, Sequence):
+        raise RequestError(
+            "prompts",
+            "must be a string, a list of token ids, or a list of those",
+            value=type(prompts).__name__,
+        )
     items = list(prompts)
-    if items and all(isinstance(t, int) for t in items):
+    if items and all(_is_token(t) for t in items):
         return [[int(t) for t in items]]  # type: ignore[arg-type]
+    for i, item in enumerate(items):
+        ok = isinstance(item, str) or (
+            isinstance(item, Sequence)
+            and not isinstance(item, (bytes, bytearray))
+            and all(_is_token(t) for t in item)
+        )
+        if not ok:
+            raise RequestError(
+                "prompts",
+                "each prompt must be a string or a list of token ids (ints)",
+                row=i,
+                value=item,
+            )
     return items  # type: ignore[return-value]
+
+
+def _is_token(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _text(prompt: Prompt) -> str | None:

@@ -212,6 +212,9 @@ def test_logprobs_are_rejected_clearly_with_two_lanes() -> None:
         (["x" * 600], None, "max_model_len=512"),
         ([[1, 2, 999]], None, r"token id out of range \[0, 258\)"),
         (["a", "b"], [SamplingParams()], "has 2 entries for 3 prompts"),
+        ([None], None, r"row 1: prompts: each prompt must be a string or a list of token ids"),
+        ([b"bytes"], None, "row 1: prompts: each prompt"),
+        ([[1, "a"]], None, "row 1: prompts: each prompt"),
     ],
 )
 def test_request_errors_leave_the_engine_idle(
@@ -221,6 +224,15 @@ def test_request_errors_leave_the_engine_idle(
         llm.generate(["fine", *prompts], None if params is None else [SamplingParams(), *params])
     assert_idle(llm)
     assert len(llm.generate("still works", greedy(2))[0].token_ids) <= 2
+
+
+def test_arguments_of_the_wrong_kind_are_request_errors(llm: LLM) -> None:
+    for bad in (None, 5, b"bytes", {"prompt": "x"}):
+        with pytest.raises(RequestError, match="prompts: must be a string, a list of token"):
+            llm.generate(bad)  # type: ignore[arg-type]
+    with pytest.raises(RequestError, match="messages: must be a list"):
+        llm.chat("hello")  # type: ignore[arg-type]
+    assert_idle(llm)
 
 
 def test_close_releases_kv_traces_and_device_memory() -> None:
