@@ -114,6 +114,14 @@ class Owned(Singleton):
                 f"{name} was already built ({type(self._yielded[0]).__name__}); override "
                 "providers before the runtime is built (before lane_group() / startup())"
             )
+        if isinstance(provider, (providers.Factory, providers.Callable)):
+            # Each call would build another object: a second device, KV pool, ... each
+            # recorded as owned, the lanes built from one and the container serving another.
+            raise ContainerStateError(
+                f"{name} is one object per container; override it with providers.Singleton"
+                f"(...) or providers.Object(...), not {type(provider).__name__} (a new object "
+                "at every call)"
+            )
         governor = self._lifetime.governor if self._lifetime is not None else None
         if isinstance(provider, Borrowed) and governor is not None:
             raise ContainerStateError(

@@ -359,6 +359,12 @@ def _declared_lanes(container: Any) -> tuple[LaneContainer, ...]:
         "override lane_container before lane_containers(), or override a declared lane's "
         "providers (container.lane_containers()[i].<provider>.override(...))"
     )
+    # The lanes hold the recipe they were declared from: another one now would build the
+    # root from it and the lanes from this one.
+    container.recipe.freeze_with(
+        "recipe is spent: lane_containers() already declared every lane from it; override "
+        "the recipe before lane_containers()"
+    )
     if container.root_scope.frozen:
         _freeze_lanes(lanes)
     return lanes

@@ -159,6 +159,38 @@ def test_overriding_after_build_is_an_error_not_a_silent_no_op(
     runtime.close()
 
 
+def test_a_provider_building_anew_per_call_cannot_stand_in_for_an_owned_one(
+    build: Callable[..., Runtime],
+) -> None:
+    """A Factory (or Callable) override of a one-per-container object would open another
+    device, KV pool, ... at every call, each owned, the lanes built from one of them."""
+    runtime = build("tiny-llama", SMALL)
+    recipe = runtime.container.recipe()
+    opened: list[Any] = []
+
+    def open_device() -> Any:
+        opened.append(factories.open_device(recipe=recipe))
+        return opened[-1]
+
+    for kind in (providers.Factory, providers.Callable):
+        with pytest.raises(ContainerStateError, match="device is one object per container"):
+            runtime.container.device.device.override(kind(open_device))
+    assert opened == []
+    runtime.container.device.device.override(providers.Singleton(open_device))
+    runtime.container.lane_group()
+    assert runtime.container.device.device() is runtime.container.device.device()
+    assert len(opened) == 1
+    runtime.close()
+
+
+def test_the_recipe_is_spent_once_the_lanes_are_declared(build: Callable[..., Runtime]) -> None:
+    runtime = build("tiny-llama", SMALL)
+    runtime.container.lane_containers()
+    with pytest.raises(ContainerStateError, match="recipe is spent"):
+        runtime.container.recipe.override(providers.Object(runtime.container.recipe()))
+    runtime.close()
+
+
 def test_a_lane_container_that_replaces_an_owned_provider_is_refused(
     build: Callable[..., Runtime],
 ) -> None:
