@@ -18,14 +18,20 @@ class ConfigError(LLMRTError, ValueError):
     """A static configuration value is invalid.
 
     ``field`` is the dotted path of the bad value (``kv_cache.block_size``),
-    ``value`` the value that was given.
+    ``value`` the value that was given; ``MISSING`` where nothing was (the message then
+    says only what is needed).
     """
 
     def __init__(self, field: str, value: Any, reason: str) -> None:
         self.field = field
         self.value = value
         self.reason = reason
-        super().__init__(f"{field}: {reason}, got {value!r}")
+        shown = "" if value is MISSING else f", got {value!r}"
+        super().__init__(f"{field}: {reason}{shown}")
+
+
+#: ``ConfigError``'s value where the field was not given at all.
+MISSING: Any = type("Missing", (), {"__repr__": lambda self: "MISSING"})()
 
 
 class RecipeError(ConfigError):

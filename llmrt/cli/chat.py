@@ -198,7 +198,8 @@ def chat_loop(
         if text == "/system" or text.startswith("/system "):
             conversation.system = text.removeprefix("/system").strip() or None
             conversation.reset()
-            print("(system prompt set; conversation reset)", file=stderr)
+            done = "set" if conversation.system else "cleared"
+            print(f"(system prompt {done}; conversation reset)", file=stderr)
             continue
         if text in ("/help", "/?"):
             print(HELP, file=stderr)

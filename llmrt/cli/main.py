@@ -373,9 +373,9 @@ def _resolve_model(args: argparse.Namespace, *, default: str | None) -> None:
             raise ConfigError("--gguf-file", args.gguf_file, "needs -m SOURCE")
         if args.recipe is None:
             if default is None:
-                from llmrt.errors import ConfigError
+                from llmrt.errors import MISSING, ConfigError
 
-                raise ConfigError("recipe", None, "give a recipe or -m SOURCE")
+                raise ConfigError("recipe", MISSING, "give a recipe or -m SOURCE")
             args.recipe = default
         return
     from llmrt.recipe.derived import model_recipe_args

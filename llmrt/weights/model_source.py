@@ -19,7 +19,7 @@ from typing import Literal
 
 import attrs
 
-from llmrt.errors import CheckpointError, ConfigError
+from llmrt.errors import MISSING, CheckpointError, ConfigError
 
 SourceKind = Literal["gguf", "safetensors"]
 
@@ -162,7 +162,7 @@ def _pick_gguf(path: Path, ggufs: list[str], *, gguf_file: str | None, source: s
     if len(ggufs) > 1:
         raise ConfigError(
             "--gguf-file",
-            None,
+            MISSING,
             f"{source} holds {len(ggufs)} GGUF files; pick one of: " + ", ".join(ggufs),
         )
     return ggufs[0]
@@ -243,7 +243,7 @@ def _download_patterns(repo: str, *, revision: str | None, gguf_file: str | None
         if len(ggufs) > 1:
             raise ConfigError(
                 "--gguf-file",
-                None,
+                MISSING,
                 f"{repo} holds {len(ggufs)} GGUF files; pick one of: " + ", ".join(ggufs),
             )
         return ggufs

@@ -82,7 +82,8 @@ def test_a_directory_is_a_checkpoint_or_holds_one_gguf(
     os.symlink(files["gguf"], tmp_path / "a" / "x.gguf")
     assert resolve_model_source(str(tmp_path / "a")).kind == "gguf"
     os.symlink(files["gguf"], tmp_path / "a" / "y.gguf")
-    with pytest.raises(ConfigError, match=r"^--gguf-file: .*2 GGUF files; pick one of: x.gguf"):
+    picks = r"^--gguf-file: .*2 GGUF files; pick one of: x.gguf, y.gguf$"  # nothing was given
+    with pytest.raises(ConfigError, match=picks):
         resolve_model_source(str(tmp_path / "a"))
     picked = resolve_model_source(str(tmp_path / "a"), gguf_file="y.gguf")
     assert picked.path == files["gguf"].resolve() and picked.name == "y"
