@@ -211,7 +211,8 @@ class ChatMessage(_Strict):
     def to_template(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
-            content = "".join(part.text for part in content)
+            # Text parts are lines of one message, as vLLM's chat parser joins them.
+            content = "\n".join(part.text for part in content)
         message: dict[str, Any] = {"role": self.role, "content": content or ""}
         if self.name is not None:
             message["name"] = self.name
