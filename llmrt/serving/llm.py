@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Generator, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -72,9 +73,12 @@ class LLM:
         download: bool = False,
     ) -> None:
         self._closed = False
-        # Events of open streams' requests that another call's steps produced, by request.
+        # Calls may run together (threads, a generate while a stream is open): each steps
+        # the engine under the lock when it has nothing to yield, and the events a step
+        # makes for another call's requests wait for it here.
+        self._lock = threading.RLock()
+        self._live: set[str] = set()
         self._stashed: dict[str, list[TokenEvent]] = {}
-        self._streams_open: set[str] = set()
         if container is None:
             from llmrt.containers import RuntimeContainer
 
@@ -168,42 +172,60 @@ class LLM:
                 )
         encoded = [self.encode(p) for p in prompts]
         requests: list[Request] = []
-        try:
-            for i, (ids, p) in enumerate(zip(encoded, per, strict=True)):
-                requests.append(self.engine.add_request(prompt_token_ids=ids, params=p, index=i))
-        except BaseException:
-            self._abort(requests)
-            raise
+        with self._lock:
+            if self._closed:
+                raise RequestError("llm", "is closed")
+            try:
+                for i, (ids, p) in enumerate(zip(encoded, per, strict=True)):
+                    request = self.engine.add_request(prompt_token_ids=ids, params=p, index=i)
+                    requests.append(request)
+                    self._live.add(request.request_id)
+            except BaseException:
+                self._end(requests, abort=True)
+                raise
         return requests
 
-    def _abort(self, requests: Sequence[Request]) -> None:
-        """Abort these requests only (another open stream's keep running)."""
-        for request in requests:
-            self.engine.abort(request)
-            self._stashed.pop(request.request_id, None)
+    def _run(self, requests: Sequence[Request]) -> Iterator[TokenEvent]:
+        """``requests``' events until all finished; however it ends, they leave the engine
+        (aborted when unfinished: another call's requests keep running)."""
+        finished = False
+        try:
+            yield from self._events(requests)
+            finished = True
+        finally:
+            self._end(requests, abort=not finished)
+
+    def _end(self, requests: Sequence[Request], *, abort: bool) -> None:
+        with self._lock:
+            for request in requests:
+                if abort:
+                    self.engine.abort(request)
+                self._live.discard(request.request_id)
+                self._stashed.pop(request.request_id, None)
 
     def _events(self, requests: Sequence[Request]) -> Iterator[TokenEvent]:
-        """``requests``' events until all finished, stepping the engine as needed. Steps run
-        every scheduled request: events of another open stream's requests wait for it in
-        ``_stashed``; a request's own failure raises its error."""
+        """Step the engine (under the lock) whenever these requests have nothing to yield;
+        a step's events for another live call's requests wait for it in ``_stashed``. A
+        request's own failure raises its error."""
         mine = {r.request_id for r in requests}
         while True:
-            for request in requests:
-                for event in self._stashed.pop(request.request_id, ()):
-                    if event.error is not None:
-                        raise event.error
-                    yield event
-            if all(r.finished for r in requests):
+            with self._lock:
+                ready = [e for r in requests for e in self._stashed.pop(r.request_id, ())]
+                done = all(r.finished for r in requests)
+                if not ready and not done:
+                    if not self.engine.has_work:  # nothing would ever finish them
+                        raise RuntimeError("requests left unfinished by an engine with no work")
+                    for event in self.engine.step():
+                        if event.request_id in mine:
+                            ready.append(event)
+                        elif event.request_id in self._live:
+                            self._stashed.setdefault(event.request_id, []).append(event)
+            for event in ready:
+                if event.error is not None:
+                    raise event.error
+                yield event
+            if done and not ready:
                 return
-            if not self.engine.has_work:  # nothing would ever finish them
-                raise RuntimeError("requests left unfinished by an engine with no work")
-            for event in self.engine.step():
-                if event.request_id in mine:
-                    if event.error is not None:
-                        raise event.error
-                    yield event
-                elif event.request_id in self._streams_open:
-                    self._stashed.setdefault(event.request_id, []).append(event)
 
     def stream(
         self,
@@ -212,22 +234,15 @@ class LLM:
     ) -> Generator[TokenEvent, None, None]:
         """Yield each generated token as soon as its step finishes.
 
-        Other calls may run while it is open (a ``generate``, another stream): their steps
-        advance its requests too, and its tokens wait for it. Closing the generator early
+        Other calls may run while it is open (a ``generate``, another stream, other
+        threads'): their steps advance its requests too, and its tokens wait for it. Closing
+        the generator early
         (or dropping it) aborts the requests it submitted, no others; so
         does a request's own failure (a structured output that cannot be enforced), raised
         as its :class:`~llmrt.errors.RequestError`.
         """
         requests = self._submit(_prompt_list(prompts), sampling_params)
-        ids = {r.request_id for r in requests}
-        self._streams_open |= ids
-        try:
-            yield from self._events(requests)
-        except BaseException:
-            self._abort(requests)
-            raise
-        finally:
-            self._streams_open -= ids
+        yield from self._run(requests)
 
     def generate(
         self,
@@ -241,12 +256,8 @@ class LLM:
         stays usable."""
         raw = _prompt_list(prompts)
         requests = self._submit(raw, sampling_params)
-        try:
-            for _ in self._events(requests):
-                pass
-        except BaseException:
-            self._abort(requests)
-            raise
+        for _ in self._run(requests):
+            pass
         return [_output(r, _text(raw[r.index])) for r in requests]
 
     def chat(

@@ -4,6 +4,7 @@ sampling, log-probabilities, request errors and teardown."""
 from __future__ import annotations
 
 import random
+import threading
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 
@@ -108,6 +109,39 @@ def test_calls_interleaved_with_an_open_stream_leave_it_every_token(llm: LLM) ->
         by_prompt[event.index].append(event.token_id)
     assert [tuple(by_prompt[i]) for i in range(2)] == alone
     assert [len(o.token_ids) for o in other] == [12, 12]
+    assert_idle(llm)
+
+
+def test_threads_sharing_one_llm_batch_together_and_get_their_own_tokens(llm: LLM) -> None:
+    """generate / stream from several threads at once (a web app's handlers): every call
+    steps the engine under its lock, so they share steps, and each gets exactly its tokens."""
+    params = greedy(16, ignore_eos=True)
+    alone = {i: llm.generate([p], params)[0].token_ids for i, p in enumerate(PROMPTS)}
+    got: dict[int, tuple[int, ...]] = {}
+    errors: list[BaseException] = []
+    start = threading.Barrier(len(PROMPTS) * 2)
+
+    def call(i: int, streamed: bool) -> None:
+        try:
+            start.wait(30)
+            if streamed:
+                got[100 + i] = tuple(e.token_id for e in llm.stream([PROMPTS[i]], params))
+            else:
+                got[i] = llm.generate([PROMPTS[i]], params)[0].token_ids
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [
+        threading.Thread(target=call, args=(i, streamed))
+        for i in range(len(PROMPTS))
+        for streamed in (False, True)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert got == {**alone, **{100 + i: ids for i, ids in alone.items()}}
     assert_idle(llm)
 
 
