@@ -236,8 +236,7 @@ class LLM:
 
         Other calls may run while it is open (a ``generate``, another stream, other
         threads'): their steps advance its requests too, and its tokens wait for it. Closing
-        the generator early
-        (or dropping it) aborts the requests it submitted, no others; so
+        the generator early (or dropping it) aborts the requests it submitted, no others; so
         does a request's own failure (a structured output that cannot be enforced), raised
         as its :class:`~llmrt.errors.RequestError`.
         """
