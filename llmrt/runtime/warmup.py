@@ -61,13 +61,8 @@ class WarmupCoordinatorConfig:
     ) -> WarmupCoordinatorConfig:
         prefill = execution.prefill.config
         policy = prefill.policy
+        warmup = _within_chunk(warmup, policy.buckets.lengths(), policy.max_chunk_size)
         for i, n in enumerate(warmup.prefill_seq_lens):
-            if n > policy.max_chunk_size:
-                raise ConfigError(
-                    f"warmup.prefill_seq_lens[{i}]",
-                    n,
-                    f"exceeds prefill.max_chunk_size={policy.max_chunk_size}",
-                )
             if policy.buckets.pad(n) != n:
                 raise ConfigError(
                     f"warmup.prefill_seq_lens[{i}]",
@@ -443,3 +438,15 @@ def _without_kv_writes(prepared: PreparedPrefill) -> PreparedPrefill:
         )
         requests.append(attrs.evolve(req, request=request))
     return attrs.evolve(prepared, requests=tuple(requests))
+
+
+def _within_chunk(warmup: WarmupConfig, lengths: tuple[int, ...], chunk: int) -> WarmupConfig:
+    """The warmup lengths as prefills run them when the page table is narrower than the
+    recipe's chunk (a model with fewer positions than ``prefill.max_chunk_size``): a length
+    past the chunk runs as its largest padded length, as ``Recipe`` derives them for
+    ``serving.max_model_len``; the recipe validated every length against its own chunk."""
+    if all(n <= chunk for n in warmup.prefill_seq_lens):
+        return warmup
+    usable = [n for n in lengths if n <= chunk] or [chunk]
+    fitted = sorted({min(n, usable[-1]) for n in warmup.prefill_seq_lens})
+    return attrs.evolve(warmup, prefill_seq_lens=tuple(fitted))

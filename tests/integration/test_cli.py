@@ -340,3 +340,9 @@ def test_a_short_max_model_len_narrows_the_warmup_lengths_it_implies(
     assert code == 0, err
     code, out, err = run(capsys, "recipes", "show", "tiny-llama", *small)
     assert code == 0 and "prefill_seq_lens:\n  - 16\n" in out, out
+    # A model with fewer positions than the chunk narrows it the same way at run time.
+    few = ["--set", "model.max_position_embeddings=16"]
+    code, out, err = run(
+        capsys, "generate", "tiny-llama", *few, "--prompt-ids", "1,2,3", "--max-new-tokens", "3"
+    )
+    assert code == 0, err
