@@ -220,6 +220,8 @@ class PageTableLayout:
     ``width`` is the number of page-table columns every request carries: enough
     blocks for the longest sequence the model and the physical cache allow.
     ``chunk_width`` is the number of blocks one regular prefill chunk spans.
+    ``requested_prefill_chunk_size`` is the chunk asked for, before the table's width
+    narrowed it to ``max_prefill_chunk_size`` (None: not recorded).
     """
 
     block_size: int
@@ -229,6 +231,7 @@ class PageTableLayout:
     max_sequence_length: int
     width: int
     chunk_width: int
+    requested_prefill_chunk_size: int | None = None
 
     @classmethod
     def resolve(
@@ -263,6 +266,7 @@ class PageTableLayout:
             max_sequence_length=max_len,
             width=width,
             chunk_width=min(max_prefill_chunk_size, width * block_size) // block_size,
+            requested_prefill_chunk_size=max_prefill_chunk_size,
         )
 
     def with_physical_blocks(self, num_blocks: int) -> PageTableLayout:
@@ -278,7 +282,7 @@ class PageTableLayout:
             block_size=self.block_size,
             model_max_sequence_length=self.model_max_sequence_length,
             physical_num_blocks=num_blocks,
-            max_prefill_chunk_size=self.max_prefill_chunk_size,
+            max_prefill_chunk_size=self.requested_prefill_chunk_size or self.max_prefill_chunk_size,
         )
 
     def check_replacement(self, new: PageTableLayout) -> None:

@@ -61,6 +61,14 @@ class WarmupCoordinatorConfig:
     ) -> WarmupCoordinatorConfig:
         prefill = execution.prefill.config
         policy = prefill.policy
+        requested = prefill.layout.requested_prefill_chunk_size or policy.max_chunk_size
+        for i, n in enumerate(warmup.prefill_seq_lens):
+            if n > max(requested, policy.max_chunk_size):
+                raise ConfigError(
+                    f"warmup.prefill_seq_lens[{i}]",
+                    n,
+                    f"exceeds prefill.max_chunk_size={requested}",
+                )
         warmup = _within_chunk(warmup, policy.buckets.lengths(), policy.max_chunk_size)
         for i, n in enumerate(warmup.prefill_seq_lens):
             if policy.buckets.pad(n) != n:
@@ -442,9 +450,9 @@ def _without_kv_writes(prepared: PreparedPrefill) -> PreparedPrefill:
 
 def _within_chunk(warmup: WarmupConfig, lengths: tuple[int, ...], chunk: int) -> WarmupConfig:
     """The warmup lengths as prefills run them when the page table is narrower than the
-    recipe's chunk (a model with fewer positions than ``prefill.max_chunk_size``): a length
-    past the chunk runs as its largest padded length, as ``Recipe`` derives them for
-    ``serving.max_model_len``; the recipe validated every length against its own chunk."""
+    chunk asked for (a model with fewer positions than ``prefill.max_chunk_size``): a length
+    past the narrowed chunk runs as its largest padded length, as ``Recipe`` derives them for
+    ``serving.max_model_len`` (lengths past the chunk asked for are refused before)."""
     if all(n <= chunk for n in warmup.prefill_seq_lens):
         return warmup
     usable = [n for n in lengths if n <= chunk] or [chunk]
