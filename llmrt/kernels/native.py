@@ -19,14 +19,17 @@ import functools
 import hashlib
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import torch
 
@@ -185,6 +188,15 @@ def load_kernels() -> Path:
             # Built without OpenMP when the compiler lacked it, which it now has (libomp-dev
             # installed since): the directory's name does not say, so build again below.
             library.unlink(missing_ok=True)  # another process may be rebuilding it too
+            break
+        if library.is_file() and _damaged(library):
+            warnings.warn(
+                f"{library} is not the size its build left (damaged or truncated); "
+                "building it again",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            library.unlink(missing_ok=True)
             break
         if library.is_file():
             try:
@@ -436,28 +448,107 @@ def vector_kernels() -> bool:
 def _build(directory: Path) -> None:
     from torch.utils import cpp_extension
 
-    directory.mkdir(parents=True, exist_ok=True)
     try:
-        with progress_step("building llmrt's CPU kernels (once per machine, a minute or more)"):
-            cpp_extension.load(
-                name=LIBRARY,
-                sources=[str(path) for path in _SOURCES],
-                build_directory=str(directory),
-                extra_cflags=list(_cflags()),
-                extra_ldflags=list(_ldflags()),
-                is_python_module=False,
-                verbose=bool(os.environ.get("LLMRT_KERNELS_VERBOSE")),
-            )
-    except (OSError, RuntimeError, ImportError) as exc:
-        raise KernelUnavailableError(
-            f"building the CPU kernels in {directory} failed (needs a C++ compiler and "
-            f"ninja; scripts/setup.sh builds them): {exc}"
-        ) from exc
+        directory.mkdir(parents=True, exist_ok=True)
+        lock_file = (directory / BUILD_LOCK).open("a")
+    except OSError as exc:
+        raise KernelUnavailableError(f"cannot build the CPU kernels in {directory}: {exc}") from exc
+    with lock_file, _exclusive(lock_file, directory):
+        library = directory / f"{LIBRARY}.so"
+        if library.is_file():  # built by the process this one waited for
+            try:
+                torch.ops.load_library(str(library))
+            except OSError as exc:
+                raise KernelUnavailableError(f"cannot load {library}: {exc}") from exc
+            return
+        # torch's own build lock (a file it waits on without limit): left by a build that
+        # was killed, since no live build holds ours.
+        (directory / "lock").unlink(missing_ok=True)
+        try:
+            with progress_step("building llmrt's CPU kernels (once per machine, a minute or more)"):
+                cpp_extension.load(
+                    name=LIBRARY,
+                    sources=[str(path) for path in _SOURCES],
+                    build_directory=str(directory),
+                    extra_cflags=list(_cflags()),
+                    extra_ldflags=list(_ldflags()),
+                    is_python_module=False,
+                    verbose=bool(os.environ.get("LLMRT_KERNELS_VERBOSE")),
+                )
+        except (OSError, RuntimeError, ImportError) as exc:
+            raise KernelUnavailableError(
+                f"building the CPU kernels in {directory} failed: {_build_cause(exc)} (needs a "
+                f"C++ compiler and ninja; scripts/setup.sh builds them): {exc}"
+            ) from exc
+        _record_size(library)
     marker = directory / WITHOUT_OPENMP
     if _openmp_wanted() and not _openmp_flags():
         marker.write_text(f"{_compiler()} did not take -fopenmp\n")
     else:
         marker.unlink(missing_ok=True)
+
+
+#: The file whose ``flock`` one build of a directory holds (released by the OS however the
+#: process ends, unlike torch's ``lock`` file, which a killed build leaves for every later
+#: build to wait on forever).
+BUILD_LOCK = "llmrt-build.lock"
+
+#: Beside the library: its size when its build finished (a later mismatch means the file was
+#: damaged, e.g. truncated, and loading it would crash the process with SIGBUS).
+SIZE_RECORD = f"{LIBRARY}.so.size"
+
+
+@contextlib.contextmanager
+def _exclusive(lock_file: Any, directory: Path) -> Iterator[None]:
+    """Hold the directory's build lock (waiting, and saying so, while another process
+    builds); a platform without ``fcntl`` builds unlocked, as torch's own lock still guards."""
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    try:
+        fcntl.flock(lock_file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        with progress_step(f"waiting for another process building the CPU kernels in {directory}"):
+            fcntl.flock(lock_file.fileno(), fcntl.LOCK_EX)
+    try:
+        yield
+    finally:
+        fcntl.flock(lock_file.fileno(), fcntl.LOCK_UN)
+
+
+def _build_cause(exc: BaseException) -> str:
+    """The lines of a failed build that say why (torch's message starts with its own
+    preamble and the ninja command lines; the compiler's or linker's words come later)."""
+    words = ("error", "not found", "no space left", "cannot", "undefined reference", "fatal")
+    lines = [
+        line.strip()
+        for line in str(exc).splitlines()
+        if any(w in line.lower() for w in words)
+        and not re.search(r"\[\d+/\d+\]|^\s*(Error building extension|FAILED:)", line)
+    ]
+    return "; ".join(dict.fromkeys(lines[:3])) or type(exc).__name__
+
+
+def _record_size(library: Path) -> None:
+    with contextlib.suppress(OSError):
+        (library.parent / SIZE_RECORD).write_text(f"{library.stat().st_size}\n")
+
+
+def _damaged(library: Path) -> bool:
+    """Whether the library's size differs from the one its build recorded (a library from
+    before the record was kept gets one now)."""
+    record = library.parent / SIZE_RECORD
+    try:
+        size = library.stat().st_size
+        expected = int(record.read_text().strip())
+    except FileNotFoundError:
+        _record_size(library)
+        return False
+    except (OSError, ValueError):
+        return False
+    return size != expected
 
 
 def _register_fakes() -> None:
