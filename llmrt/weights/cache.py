@@ -40,9 +40,14 @@ _log = logging.getLogger(__name__)
 
 
 def file_digest(path: Path, *, cache_dir: Path) -> str:
-    """SHA-256 of `path`'s content, memoized under `cache_dir` by (real path, size, mtime)."""
+    """SHA-256 of `path`'s content, memoized under `cache_dir` by (real path, inode, size,
+    mtime, ctime): a file rewritten in place keeps its size and can be given its old mtime
+    back (``cp -p``, ``rsync -a``, ``touch -r``, builds with fixed mtimes), never its ctime."""
     stat = path.stat()
-    identity = f"{path.resolve()}\0{stat.st_size}\0{stat.st_mtime_ns}"
+    identity = (
+        f"{path.resolve()}\0{stat.st_ino}\0{stat.st_size}\0{stat.st_mtime_ns}\0"
+        f"{stat.st_ctime_ns}"
+    )
     memo = cache_dir / "digests" / hashlib.sha256(identity.encode()).hexdigest()
     try:
         remembered = memo.read_text(encoding="ascii").strip()

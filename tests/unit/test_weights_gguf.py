@@ -349,6 +349,27 @@ def test_changed_content_gets_a_new_entry(
     assert not torch.equal(first.tensors[name], second.tensors[name])
 
 
+def test_content_rewritten_in_place_with_its_old_size_and_mtime_is_hashed_again(
+    tmp_path: Path, bpe_meta: dict[str, Any], cache_dir: Path, dequantize_calls: list[str]
+) -> None:
+    """``cp -p`` / ``rsync -a`` / ``touch -r`` give a rewritten file its old mtime back and a
+    same-shape fine-tune has the same size: the memo key's ctime still moves."""
+    path = tmp_path / "m.gguf"
+    write_llama_gguf(path, tiny_llama(len(bpe_meta["tokens"]), seed=1), bpe_meta)
+    first = load(path)
+    before = path.stat()
+    other = tmp_path / "other.gguf"
+    write_llama_gguf(other, tiny_llama(len(bpe_meta["tokens"]), seed=2), bpe_meta)
+    assert other.stat().st_size == before.st_size
+    path.write_bytes(other.read_bytes())  # in place: same inode, same size
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    dequantize_calls.clear()
+    second = load(path)
+    assert dequantize_calls  # a new entry, not the stale one
+    name = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.equal(first.tensors[name], second.tensors[name])
+
+
 @pytest.mark.parametrize(
     "damage",
     [
