@@ -171,8 +171,25 @@ def set_torch_threads(*, recipe: Recipe) -> TorchThreads:
     previous = torch.get_num_threads()
     wanted = recipe.device.num_threads if recipe.device.backend == "torch" else None
     if wanted is not None:
+        cpus = usable_cpus()
+        if wanted > cpus:
+            warnings.warn(
+                f"device.num_threads={wanted} is more than the {cpus} CPUs this process may "
+                f"use: running {cpus} (more threads than CPUs only slows every step)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            wanted = cpus
         torch.set_num_threads(wanted)
     return TorchThreads(wanted=wanted, previous=previous)
+
+
+def usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity where the OS says, else all)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
 
 
 def restore_torch_threads(threads: TorchThreads) -> Callable[[], str] | None:

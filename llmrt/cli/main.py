@@ -11,6 +11,7 @@ import secrets
 import signal
 import sys
 import threading
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
@@ -309,14 +310,38 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where the command is, so its teardown runs as for Ctrl-C (the
+    default action would end the process with temporary files and build locks left)."""
+
+
+def _terminated(signum: int, frame: Any) -> None:
+    raise Terminated()
+
+
+def _warning_line(
+    message: Warning | str, category: type[Warning], filename: str, lineno: int, line: Any = None
+) -> str:
+    return f"llmrt: warning: {message}\n"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if threading.current_thread() is threading.main_thread():
+        previous_term = signal.signal(signal.SIGTERM, _terminated)
+    else:
+        previous_term = None
+    previous_format = warnings.formatwarning
+    warnings.formatwarning = _warning_line  # one line a user can read, not a source excerpt
     try:
         return _dispatch(args)
     except USER_ERRORS as exc:
         print(f"llmrt: error: {_one_line(exc)}", file=sys.stderr)
         return 2
+    except Terminated:
+        print("llmrt: terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:
         print("llmrt: interrupted", file=sys.stderr)
         return 130
@@ -326,6 +351,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         with contextlib.suppress(OSError, ValueError):  # stdout may have no descriptor
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 128 + signal.SIGPIPE
+    finally:
+        warnings.formatwarning = previous_format
+        if previous_term is not None:
+            signal.signal(signal.SIGTERM, previous_term)
 
 
 def console_main() -> NoReturn:

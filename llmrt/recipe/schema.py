@@ -476,6 +476,13 @@ class DeviceSpec:
         )
         if self.num_threads is not None:
             _positive_int("device.num_threads", self.num_threads)
+            _check(
+                self.num_threads <= MAX_NUM_THREADS,
+                "device.num_threads",
+                self.num_threads,
+                f"must be at most {MAX_NUM_THREADS} (more than the machine's CPUs only slows a "
+                "step; torch cannot start that many threads)",
+            )
         _bool("device.retain_freed_memory", self.retain_freed_memory)
         _bool("device.huge_pages", self.huge_pages)
         _check(isinstance(self.ttnn, TtnnSpec), "device.ttnn", self.ttnn, "must be a ttnn section")
@@ -686,6 +693,10 @@ class ServingSpec:
             _positive_int("serving.max_num_seqs", self.max_num_seqs)
         _positive_int("serving.max_waiting", self.max_waiting)
 
+
+#: ``device.num_threads`` beyond this is refused (torch crashes starting ~100k threads);
+#: at run time a count above the CPUs this process may use is lowered to them, with a warning.
+MAX_NUM_THREADS = 1024
 
 #: ``serving.max_model_len`` when unset and the KV cache holds at least this many tokens.
 DEFAULT_MAX_MODEL_LEN = 4096

@@ -346,3 +346,35 @@ def test_a_short_max_model_len_narrows_the_warmup_lengths_it_implies(
         capsys, "generate", "tiny-llama", *few, "--prompt-ids", "1,2,3", "--max-new-tokens", "3"
     )
     assert code == 0, err
+
+
+def test_sigterm_tears_down_like_ctrl_c_and_warnings_are_one_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGTERM during a command raises where it is (so teardowns, temporary files and build
+    locks are handled as for Ctrl-C) and exits 143; a warning prints as one line."""
+    import os
+    import signal
+    import time
+    import warnings
+
+    from llmrt.cli import main as cli
+
+    unwound: list[str] = []
+
+    def command(args: object) -> int:
+        shown = warnings.formatwarning(RuntimeWarning("costs more"), RuntimeWarning, "f.py", 1)
+        unwound.append(shown)
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        finally:
+            unwound.append("cleanup ran")
+        return 0
+
+    monkeypatch.setattr(cli, "_dispatch", command)
+    before = signal.getsignal(signal.SIGTERM)
+    code, _, err = run(capsys, "recipes", "list")
+    assert code == 143 and unwound == ["llmrt: warning: costs more\n", "cleanup ran"]
+    assert err.splitlines() == ["llmrt: terminated"]
+    assert signal.getsignal(signal.SIGTERM) == before  # restored for the embedding process

@@ -194,6 +194,7 @@ RULES: list[tuple[dict[str, Any], str, str]] = [
     ({"warmup.prefill_batch_sizes": [3]}, "warmup.prefill_batch_sizes[0]", "must be one of"),
     ({"serving.max_num_batched_tokens": 0}, "serving.max_num_batched_tokens", "positive"),
     ({"serving.max_num_seqs": 0}, "serving.max_num_seqs", "positive integer"),
+    ({"device.num_threads": 1025}, "device.num_threads", "at most 1024"),
     # cross-field rules
     ({"prefill.max_chunk_size": 120}, "prefill.max_chunk_size",
      "multiple of kv_cache.block_size=16"),
@@ -525,3 +526,21 @@ def test_weight_format_defaults_to_the_compute_dtype() -> None:
     overrides = {**GGUF, "tokenizer.source": "checkpoint", "checkpoint.weights": "gguf-native"}
     native = recipe_from_dict(data, overrides=overrides)
     assert native.checkpoint.weight_format == "gguf-native"
+
+
+def test_more_threads_than_cpus_run_as_many_as_the_cpus_with_a_warning(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import torch
+    from llmrt.containers import factories
+
+    monkeypatch.setattr(factories, "usable_cpus", lambda: 2)
+    before = torch.get_num_threads()
+    try:
+        with pytest.warns(RuntimeWarning, match="num_threads=8 is more than the 2 CPUs"):
+            threads = factories.set_torch_threads(recipe=build(**{"device.num_threads": 8}))
+        assert (threads.wanted, torch.get_num_threads()) == (2, 2)
+        threads = factories.set_torch_threads(recipe=build(**{"device.num_threads": 1}))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
