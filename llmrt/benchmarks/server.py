@@ -102,6 +102,7 @@ def server(settings: BenchSettings) -> Report:
         # The 8-client run gets its own prompts (same lengths): reusing the first run's
         # would hit the server's prefix cache and flatter its TTFT.
         fresh = random_prompts(lengths, pool=pool, seed=settings.seed + 1)
+        max_len = llm.engine.scheduler.config.max_model_len
     clients = min(settings.concurrency or n, n)
     report.section(
         "config",
@@ -125,7 +126,9 @@ def server(settings: BenchSettings) -> Report:
         if settings.schema:
             _structured_runs(report, url, model, lengths, pool, settings, new, clients)
         if settings.stall_check:
-            _stall_runs(report, url, model, lengths, pool, settings, max(new, 128))
+            # Long enough streams to see a stall, within the context of the prompts they get.
+            room = max_len - max(sorted(lengths)[:STALL_STREAMS])
+            _stall_runs(report, url, model, lengths, pool, settings, min(max(new, 128), room))
     served = _stats(full, prompt_tokens=sum(lengths))
     served["greedy_texts_identical"] = sum(
         a == b for a, b in zip(full.texts, expected, strict=True)
@@ -226,9 +229,10 @@ def _structured_runs(
 
 def _check_structured(run: ClientRun) -> None:
     """Every structured text is a prefix of a JSON value the schema allows: it opens the
-    array of strings (what a cut at max_tokens leaves)."""
+    array of strings, or is cut by max_tokens before it could."""
+    opening = '{"items":["'
     for text in run.texts:
-        if not text.startswith('{"items":["'):
+        if not (text.startswith(opening) or opening.startswith(text)):
             raise RuntimeError(f"a JSON-schema stream broke its schema: {text[:80]!r}")
 
 
@@ -282,6 +286,11 @@ async def _stall(
             "stream": True,
         }
         async with http.stream("POST", "/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                detail = (await response.aread()).decode(errors="replace")[:300]
+                raise RuntimeError(
+                    f"the server refused a stall-check stream: {response.status_code} {detail}"
+                )
             async for line in response.aiter_lines():
                 if line.startswith("data: {"):
                     times[i].append(time.perf_counter())
@@ -300,12 +309,19 @@ async def _stall(
 
     async with httpx.AsyncClient(base_url=url, timeout=REQUEST_TIMEOUT_S) as http:
         tasks = [asyncio.create_task(stream(http, i)) for i in range(len(prompts))]
+        streams = asyncio.gather(*tasks)
+        flows = asyncio.create_task(flowing.wait())
+        # A stream that fails (or ends before 4 tokens) must end the wait, not leave it.
+        waiting: set[asyncio.Future[Any]] = {streams, flows}
+        await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        if not flowing.is_set():
+            flows.cancel()
+            await streams  # raises the failed stream's error
+            raise RuntimeError("the stall-check streams ended before each had 4 tokens")
         status, took = (0, 0.0)
         if large:
             status, took = await big(http)
-        else:
-            await flowing.wait()
-        await asyncio.gather(*tasks)
+        await streams
     worst = 0.0
     medians = []
     for t in times:

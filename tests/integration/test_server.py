@@ -500,6 +500,25 @@ def test_bench_server_drives_a_running_server_against_offline(server: Background
     assert_idle(server)
 
 
+def test_bench_server_schema_and_stall_checks_fit_a_short_context(
+    server: BackgroundServer,
+) -> None:
+    """tiny-llama's 512 positions: the stall streams ask for what their prompts leave room
+    for (they asked 128 and the server refused them: the check waited forever), and a
+    schema answer cut by a small max_tokens before its array opens is still valid."""
+    from llmrt.benchmarks.settings import BenchSettings
+    from llmrt.cli.bench import bench_report
+
+    settings = BenchSettings(
+        recipe=RECIPE, server=server.url, num_prompts=4, max_new_tokens=8, schema=True,
+        stall_check=True,
+    )  # fmt: skip
+    report = bench_report(settings).to_json()
+    assert report["stall"]["large_request_large_request_status"] == 400
+    assert report["structured"]["json_schema_tokens_per_s"] > 0
+    assert_idle(server)
+
+
 # -- the process ---------------------------------------------------------------------------
 
 
