@@ -336,6 +336,10 @@ def _ttnn_decode(
     _lane_steps(
         report, lane, context=context, table=table, repeats=repeats, sync=sync, bare=False
     )
+    ratios = report.results.get("ratios", {})
+    report.promote(
+        "traced_over_eager_step" if "traced_over_eager_step" in ratios else "host_overhead_fraction"
+    )
 
 
 def _lane_steps(

@@ -36,8 +36,16 @@ def require_transformers() -> ModuleType:
 def build_hf_model(checkpoint: Checkpoint, *, device: torch.device) -> Any:
     """An HF causal LM (float32, eval) holding exactly ``checkpoint``'s tensors (dequantized)."""
     tf = require_transformers()
-    config = tf.AutoConfig.for_model(**checkpoint.hf_config)
-    model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model_type = checkpoint.hf_config.get("model_type")
+    try:
+        config = tf.AutoConfig.for_model(**checkpoint.hf_config)
+        model = tf.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    except (ValueError, KeyError) as exc:  # transformers' "Unrecognized model identifier"
+        reason = str(exc).split(". ")[0][:120]  # not its list of every model type
+        raise UnsupportedError(
+            f"the Hugging Face baseline has no causal LM for model_type {model_type!r} in "
+            f"transformers {tf.__version__} ({reason})"
+        ) from None
     missing, unexpected = model.load_state_dict(dequantized(checkpoint.tensors), strict=False)
     model.tie_weights()
     if unexpected:

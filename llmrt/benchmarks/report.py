@@ -52,6 +52,7 @@ class Report:
     headline: str = ""
     headline_key: str | None = None
     series: dict[str, list[float]] = attrs.Factory(dict)
+    _ratio_lines: dict[str, str] = attrs.Factory(dict)
 
     def section(self, name: str, values: Mapping[str, Any]) -> None:
         """Record ``values`` under ``results[name]`` and print them as ``name.key: value``."""
@@ -97,6 +98,14 @@ class Report:
             self.headline_key = key
         else:
             self.lines.append(text)
+            self._ratio_lines[key] = text
+
+    def promote(self, key: str) -> None:
+        """Make the already recorded ratio ``key`` the headline (its line moves last)."""
+        line = self._ratio_lines[key]
+        self.lines.remove(line)
+        self.headline = line
+        self.headline_key = key
 
     def to_json(self) -> dict[str, Any]:
         ratios = self.results.get("ratios", {})

@@ -352,3 +352,29 @@ def test_the_clock_probe_reads_a_core_clock() -> None:
     assert 40_000_000 / took < 6.5e9
     with pytest.raises(RuntimeError, match="adds must be positive"):
         probe(0)
+
+
+def test_recipes_outside_the_defaults_bench_without_crashing() -> None:
+    """A model transformers has no class for keeps llmrt's numbers (the HF ratio says why it
+    is missing); ttnn's decode ends on its own headline; a context under 512 tokens sizes the
+    prefill workload's long prompt to it."""
+    mixed = bench_report(
+        BenchSettings(
+            recipe="toy-ttnn", workload="mixed", baseline="hf", num_prompts=2, max_new_tokens=4
+        )
+    )
+    assert any("no HF baseline" in line and "toy_ttnn" in line for line in mixed.lines)
+    assert mixed.results["llmrt"]["output_tokens"] == 8 and mixed.headline
+    decode = bench_report(BenchSettings(recipe="toy-ttnn", workload="decode", num_prompts=2))
+    assert decode.to_json()["headline_ratio"] is not None and decode.headline
+    assert decode.headline not in decode.lines
+    prefill = bench_report(
+        BenchSettings(
+            recipe=RECIPE,
+            workload="prefill",
+            num_prompts=1,
+            overrides=("serving.max_model_len=256",),
+        )
+    )
+    assert prefill.results["config"]["long_prompt_len"] == 256
+    assert prefill.to_json()["headline_ratio"] is not None
