@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 import attrs
 
-from llmrt.errors import ConfigError
+from llmrt.errors import MISSING, ConfigError
 
 Workload = Literal["mixed", "shared-prefix", "decode", "prefill", "oneshot", "llamacpp"]
 WORKLOADS: tuple[str, ...] = (
@@ -68,6 +68,14 @@ class BenchSettings:
         _optional_positive("--concurrency", self.concurrency)
         if self.server and not self.server.startswith(("http://", "https://")):
             raise ConfigError("--server", self.server, "must be an http:// or https:// URL")
+        if self.server is None:
+            for flag, given in (
+                ("--concurrency", self.concurrency is not None),
+                ("--schema", self.schema),
+                ("--stall-check", self.stall_check),
+            ):
+                if given:
+                    raise ConfigError(flag, MISSING, "measures llmrt serve: add --server")
         if not self.planner_rows:
             raise ConfigError("--planner-rows", self.planner_rows, "needs at least one size")
         for rows in self.planner_rows:

@@ -35,8 +35,8 @@ MODEL_HELP = (
 )
 
 
-def _add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("-m", "--model", metavar="SOURCE", help=MODEL_HELP)
+def _add_model_args(p: argparse.ArgumentParser, *, help: str = MODEL_HELP) -> None:
+    p.add_argument("-m", "--model", metavar="SOURCE", help=help)
     p.add_argument(
         "--gguf-file",
         metavar="NAME",
@@ -300,14 +300,39 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument(
         "target", metavar="RECIPE|DIR", nargs="?", help="recipe name or path, or HF dir"
     )
-    _add_model_args(check)
+    _add_model_args(
+        check,
+        help="the model: a Hugging Face checkpoint directory or a cached Hub id (a GGUF file "
+        "has no transformers reference to compare with)",
+    )
     check.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    check.add_argument("--steps", type=int, default=32, help="greedy decode steps (default 32)")
-    check.add_argument("--tolerance", type=float, default=1e-4)
+    check.add_argument(
+        "--steps", type=_positive_int, default=32, help="greedy decode steps (default 32)"
+    )
+    check.add_argument(
+        "--tolerance",
+        type=_positive_float,
+        default=1e-4,
+        help="largest logit difference allowed (default 1e-4)",
+    )
     check.add_argument(
         "--full-size", action="store_true", help="keep the recipe's geometry (default: shrink)"
     )
     return parser
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:  # NaN too
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
 
 
 class Terminated(KeyboardInterrupt):

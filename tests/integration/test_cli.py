@@ -378,3 +378,12 @@ def test_sigterm_tears_down_like_ctrl_c_and_warnings_are_one_line(
     assert code == 143 and unwound == ["llmrt: warning: costs more\n", "cleanup ran"]
     assert err.splitlines() == ["llmrt: terminated"]
     assert signal.getsignal(signal.SIGTERM) == before  # restored for the embedding process
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--steps", "0"), ("--tolerance", "-1")])
+def test_check_refuses_a_check_that_checks_nothing(
+    capsys: pytest.CaptureFixture[str], flag: str, value: str
+) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["check", "tiny-llama", flag, value])
+    assert info.value.code == 2 and flag in capsys.readouterr().err

@@ -249,6 +249,15 @@ def test_bad_options_are_one_line_user_errors(
     assert len(err) == 1 and flag in err[0], err
 
 
+@pytest.mark.parametrize("flags", [["--schema"], ["--stall-check"], ["--concurrency", "4"]])
+def test_server_only_options_without_server_are_refused(
+    flags: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["bench", RECIPE, *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"llmrt: error: {flags[0]}: measures llmrt serve: add --server"], err
+
+
 def test_report_formats_targets_and_keeps_the_headline_last() -> None:
     report = Report(workload="w", recipe="r")
     report.ratio("main", 1.5, label="main ratio", target=Target(op=">=", bound=2.0), headline=True)
