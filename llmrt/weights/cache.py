@@ -80,6 +80,26 @@ def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
         tmp.unlink(missing_ok=True)
 
 
+#: Pages ``sample_digest`` reads, spread evenly over the file.
+SAMPLE_PAGES = 256
+_PAGE = 4096
+
+
+def sample_digest(path: Path) -> str:
+    """BLAKE2 of ``SAMPLE_PAGES`` pages spread over ``path``: catches a cache file damaged
+    in place at its size (zeroed or overwritten ranges, a bad copy) for a ~1 MiB read per
+    load, where hashing every byte would add ~0.3 s per GB; single flipped bits can pass."""
+    size = path.stat().st_size
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(size.to_bytes(8, "little"))
+    last = max(0, size - _PAGE)
+    with path.open("rb") as handle:
+        for i in range(SAMPLE_PAGES):
+            handle.seek(last * i // (SAMPLE_PAGES - 1))
+            digest.update(handle.read(_PAGE))
+    return digest.hexdigest()
+
+
 @attrs.frozen(kw_only=True)
 class CachedCheckpoint:
     """What a cache entry holds: config, float32 tensors, serialized tokenizer (if any)."""
@@ -138,6 +158,9 @@ class CacheEntry:
             raise ValueError(f"entry format {meta['format']}")
         if self.tensors_path.stat().st_size != meta["tensors_bytes"]:
             raise ValueError("tensors.safetensors has the wrong size")
+        sampled = meta.get("tensors_sample")  # absent in entries written before it was kept
+        if sampled is not None and sampled != sample_digest(self.tensors_path):
+            raise ValueError("tensors.safetensors changed since it was written (sampled pages)")
         listing: dict[str, list[int]] = meta["tensors"]
         with safe_open(str(self.tensors_path), framework="pt") as handle:
             stored = {name: list(handle.get_slice(name).get_shape()) for name in handle.keys()}  # noqa: SIM118
@@ -168,6 +191,7 @@ class CacheEntry:
             "hf_config": content.hf_config,
             "tensors": {name: list(t.shape) for name, t in tensors.items()},
             "tensors_bytes": self.tensors_path.stat().st_size,
+            "tensors_sample": sample_digest(self.tensors_path),
             "tokenizer_bytes": tokenizer_bytes,
         }
         text = json.dumps(meta, indent=1, sort_keys=True)

@@ -379,6 +379,7 @@ def test_content_rewritten_in_place_with_its_old_size_and_mtime_is_hashed_again(
         pytest.param(lambda e: _truncate(e / "tokenizer.json", 0.5), id="truncated-tokenizer"),
         pytest.param(lambda e: (e / "tensors.safetensors").unlink(), id="missing-tensors"),
         pytest.param(lambda e: _scramble(e / "tokenizer.json"), id="scrambled-tokenizer"),
+        pytest.param(lambda e: _zero_half(e / "tensors.safetensors"), id="zeroed-at-its-size"),
     ],
 )
 def test_corrupt_cache_entry_is_rebuilt(
@@ -689,6 +690,14 @@ def test_gpt2_gguf_round_trip(tmp_path: Path, bpe_meta: dict[str, Any]) -> None:
 def _truncate(path: Path, keep: float) -> None:
     data = path.read_bytes()
     path.write_bytes(data[: int(len(data) * keep)])
+
+
+def _zero_half(path: Path) -> None:
+    """Same size and header, the second half of the tensor data zeroed (parses fine)."""
+    data = bytearray(path.read_bytes())
+    half = len(data) // 2
+    data[half:] = bytes(len(data) - half)
+    path.write_bytes(bytes(data))
 
 
 def _scramble(path: Path) -> None:
