@@ -767,17 +767,53 @@ def _start(args: list[str], log: Path) -> tuple[subprocess.Popen[bytes], str]:
     return proc, url
 
 
+#: Room for long streams (tiny-llama holds 512 positions by default).
+LONGER = [
+    "--set", "model.max_position_embeddings=4096",
+    "--set", "serving.max_model_len=4096",
+    "--set", "kv_cache.max_num_blocks=2048",
+]  # fmt: skip
+
+
+def _signal_once_running(
+    proc: subprocess.Popen[bytes],
+    threads: list[threading.Thread],
+    started: threading.Barrier,
+    log: Path,
+    signals: list[signal.Signals],
+    *,
+    settle: float = 0.0,
+) -> float:
+    """Start the clients, send ``signals`` (``settle`` s apart, the first ``settle`` s after
+    every client ran) and require exit 0; the seconds from the first signal to the exit."""
+    for t in threads:
+        t.start()
+    started.wait(TIMEOUT)
+    time.sleep(settle)
+    signalled = time.monotonic()
+    for i, sig in enumerate(signals):
+        if i:
+            time.sleep(settle)
+        proc.send_signal(sig)
+    assert proc.wait(TIMEOUT) == 0, log.read_text()
+    exited = time.monotonic() - signalled
+    for t in threads:
+        t.join(TIMEOUT)
+    return exited
+
+
+def _reap(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+
+
 def test_shutdown_past_its_timeout_ends_every_stream_and_exits_promptly(tmp_path: Path) -> None:
     """Eight long streams on four slots: past the timeout each open one gets a final chunk
     with finish_reason "abort" and [DONE], one log line each, no traceback."""
     log = tmp_path / "serve.log"
     timeout = 1.0
-    longer = [
-        "--set", "model.max_position_embeddings=4096",
-        "--set", "serving.max_model_len=4096",
-        "--set", "kv_cache.max_num_blocks=2048",
-    ]  # fmt: skip
-    proc, url = _start(["--shutdown-timeout", str(timeout), "--log-level", "info", *longer], log)
+    proc, url = _start(["--shutdown-timeout", str(timeout), "--log-level", "info", *LONGER], log)
     try:
         results: list[tuple[list[str], bool]] = []
         started = threading.Barrier(9)
@@ -806,19 +842,9 @@ def test_shutdown_past_its_timeout_ends_every_stream_and_exits_promptly(tmp_path
             results.append((reasons, done))
 
         threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
-        for t in threads:
-            t.start()
-        started.wait(TIMEOUT)
-        signalled = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(TIMEOUT) == 0, log.read_text()
-        exited = time.monotonic() - signalled
-        for t in threads:
-            t.join(TIMEOUT)
+        exited = _signal_once_running(proc, threads, started, log, [signal.SIGTERM])
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _reap(proc)
     text = log.read_text()
     assert len(results) == 8 and all(done for _, done in results), results
     assert all(reasons in (["abort"], ["length"]) for reasons, _ in results), results
@@ -837,12 +863,7 @@ def test_a_second_sigint_cuts_every_request_with_its_ending(tmp_path: Path) -> N
     streams end with "abort" and [DONE], plain requests answer 200 with what they have,
     no traceback, exit 0 long before the timeout."""
     log = tmp_path / "serve.log"
-    longer = [
-        "--set", "model.max_position_embeddings=4096",
-        "--set", "serving.max_model_len=4096",
-        "--set", "kv_cache.max_num_blocks=2048",
-    ]  # fmt: skip
-    proc, url = _start(["--log-level", "info", *longer], log)
+    proc, url = _start(["--log-level", "info", *LONGER], log)
     results: list[tuple[str, int, str | None, bool]] = []
     try:
         started = threading.Barrier(5)
@@ -867,22 +888,11 @@ def test_a_second_sigint_cuts_every_request_with_its_ending(tmp_path: Path) -> N
             results.append(("stream", r.status_code, reason, done))
 
         threads = [threading.Thread(target=client, args=(i < 2,)) for i in range(4)]
-        for t in threads:
-            t.start()
-        started.wait(TIMEOUT)
-        time.sleep(0.5)
-        signalled = time.monotonic()
-        proc.send_signal(signal.SIGINT)
-        time.sleep(0.5)
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(TIMEOUT) == 0, log.read_text()
-        exited = time.monotonic() - signalled
-        for t in threads:
-            t.join(TIMEOUT)
+        exited = _signal_once_running(
+            proc, threads, started, log, [signal.SIGINT, signal.SIGINT], settle=0.5
+        )
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        _reap(proc)
     text = log.read_text()
     assert sorted(results) == [
         ("plain", 200, "abort", True),
