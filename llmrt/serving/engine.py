@@ -334,8 +334,18 @@ class Engine:
                     }
                 )
         stream = self._streams[request.request_id]
-        request.text += stream.push(token)
-        reason = self._stop_reason(request, token)
+        params = request.params
+        reason: str | None
+        if token in params.stop_token_ids or (
+            not params.ignore_eos and token in self.tokenizer.eos_token_ids
+        ):
+            # Its text stays out of the output, as vLLM's (include_stop_str_in_output=False);
+            # what earlier tokens held back (a partial character) comes out now.
+            request.text += stream.flush()
+            reason = "stop_token"
+        else:
+            request.text += stream.push(token)
+            reason = self._stop_reason(request, token)
         constraint = request.params.constraint
         if constraint is not None and reason is None:
             if not constraint.accept(token):
@@ -343,8 +353,8 @@ class Engine:
             if constraint.finished:
                 reason = "stop"
         if reason is not None:
-            if reason == "stop_string":
-                reason = "stop"
+            if reason in ("stop_string", "stop_token"):
+                reason = "stop"  # the text is final: cut at the stop string, or flushed above
             else:
                 request.text += stream.flush()
             self.scheduler.finish(request, reason)

@@ -137,10 +137,15 @@ class LLM:
         After a teardown that raised ``CleanupError``, calling ``close`` again retries exactly
         the steps that failed (their orphans); once everything is released it does nothing.
         """
-        if self._closed and not self.container.root_scope().orphans():
-            return
-        self._closed = True
-        self._teardown(primary=primary)
+        with self._lock:  # never between another call's steps: they end "closed" instead
+            if self._closed and not self.container.root_scope().orphans():
+                return
+            if not self._closed:
+                self._closed = True
+                self.engine.abort_all()  # every live call's requests; each sees it's closed
+                self._live.clear()
+                self._stashed.clear()
+            self._teardown(primary=primary)
 
     def _teardown(self, *, primary: BaseException | None) -> None:
         self._closed = True
@@ -148,10 +153,10 @@ class LLM:
 
     # -- generation ----------------------------------------------------------------------
 
-    def encode(self, prompt: Prompt) -> tuple[int, ...]:
+    def encode(self, prompt: Prompt, *, row: int | None = None) -> tuple[int, ...]:
         if isinstance(prompt, str):
             if not prompt:
-                raise RequestError("prompt", "is empty")
+                raise RequestError("prompt", "is empty", row=row)
             return tuple(self.tokenizer.encode(prompt))
         return tuple(int(t) for t in prompt)
 
@@ -170,7 +175,13 @@ class LLM:
                 raise RequestError(
                     "sampling_params", f"has {len(per)} entries for {len(prompts)} prompts"
                 )
-        encoded = [self.encode(p) for p in prompts]
+            for i, p in enumerate(per):
+                if not isinstance(p, SamplingParams):
+                    raise RequestError(
+                        "sampling_params", "each entry must be a SamplingParams", row=i,
+                        value=type(p).__name__,
+                    )  # fmt: skip
+        encoded = [self.encode(p, row=i) for i, p in enumerate(prompts)]
         requests: list[Request] = []
         with self._lock:
             if self._closed:
@@ -198,7 +209,7 @@ class LLM:
     def _end(self, requests: Sequence[Request], *, abort: bool) -> None:
         with self._lock:
             for request in requests:
-                if abort:
+                if abort and not self._closed:  # close() aborted everything already
                     self.engine.abort(request)
                 self._live.discard(request.request_id)
                 self._stashed.pop(request.request_id, None)
@@ -210,6 +221,8 @@ class LLM:
         mine = {r.request_id for r in requests}
         while True:
             with self._lock:
+                if self._closed:
+                    raise RequestError("llm", "was closed while this call ran (its requests ended)")
                 ready = [e for r in requests for e in self._stashed.pop(r.request_id, ())]
                 done = all(r.finished for r in requests)
                 if not ready and not done:
@@ -277,6 +290,16 @@ class LLM:
             conversations = [messages]  # type: ignore[list-item]
         else:
             conversations = list(messages)  # type: ignore[arg-type]
+        for i, conversation in enumerate(conversations):
+            if isinstance(conversation, (str, bytes, Mapping)) or not all(
+                isinstance(m, Mapping) for m in conversation
+            ):
+                raise RequestError(
+                    "messages",
+                    "each conversation must be a list of message dicts (not mixed with "
+                    "bare messages)",
+                    row=i,
+                )
         prompts = [
             self.tokenizer.encode(
                 self.tokenizer.apply_chat_template(c, add_generation_prompt=True),

@@ -152,6 +152,12 @@ def test_max_tokens_and_stop_token_ids(llm: LLM) -> None:
     stopped = llm.generate(PROMPTS[1], greedy(16, stop_token_ids=[reference[cut]]))[0]
     assert stopped.finish_reason == "stop"
     assert stopped.token_ids == reference[: cut + 1]  # the stop token is part of the output
+    # ... but not of the text (vLLM's include_stop_str_in_output=False)
+    assert stopped.text == llm.tokenizer.decode(list(reference[:cut]))
+    streamed = "".join(
+        e.text for e in llm.stream(PROMPTS[1], greedy(16, stop_token_ids=[reference[cut]]))
+    )
+    assert streamed == stopped.text
     short = llm.generate(PROMPTS[1], greedy(3, ignore_eos=True))[0]
     assert short.finish_reason == "length" and short.token_ids == reference[:3]
     assert_idle(llm)
@@ -266,7 +272,40 @@ def test_arguments_of_the_wrong_kind_are_request_errors(llm: LLM) -> None:
             llm.generate(bad)  # type: ignore[arg-type]
     with pytest.raises(RequestError, match="messages: must be a list"):
         llm.chat("hello")  # type: ignore[arg-type]
+    user = {"role": "user", "content": "hi"}
+    with pytest.raises(RequestError, match="row 1: messages: each conversation"):
+        llm.chat([[user], user])  # type: ignore[list-item]
+    with pytest.raises(RequestError, match="row 1: sampling_params: each entry"):
+        llm.generate(["a", "b"], [SamplingParams(), {"max_tokens": 3}])  # type: ignore[list-item]
+    with pytest.raises(RequestError, match="row 1: prompt: is empty"):
+        llm.generate(["a", ""])
     assert_idle(llm)
+
+
+def test_close_while_another_thread_generates_ends_that_call_cleanly() -> None:
+    """close() waits for the step in progress, aborts every live request, and the calls
+    still running end with 'llm was closed' (no teardown failure, nothing orphaned)."""
+    served = LLM.from_recipe("tiny-llama")
+    errors: list[BaseException] = []
+    started = threading.Event()
+
+    def long_call() -> None:
+        try:
+            for _ in served.stream(["Once upon a time"], greedy(400, ignore_eos=True)):
+                started.set()
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    worker = threading.Thread(target=long_call)
+    worker.start()
+    assert started.wait(60)
+    served.close()
+    worker.join(60)
+    assert len(errors) == 1 and isinstance(errors[0], RequestError), errors
+    assert "was closed while this call ran" in str(errors[0])
+    assert not served.container.root_scope().orphans()
+    with pytest.raises(RequestError, match="llm: is closed"):
+        served.generate("x")
 
 
 def test_close_releases_kv_traces_and_device_memory() -> None:
