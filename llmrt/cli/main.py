@@ -259,7 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument(
         "--api-key",
         default=os.environ.get("LLMRT_API_KEY"),
-        help="require 'Authorization: Bearer KEY' on /v1 routes (default: $LLMRT_API_KEY)",
+        help="require 'Authorization: Bearer KEY' on /v1 routes, /tokenize and /detokenize "
+        "(default: $LLMRT_API_KEY)",
     )
     srv.add_argument(
         "--shutdown-timeout",
