@@ -42,7 +42,12 @@ class RequestOutput:
     token_times: tuple[float, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
+        """What the request produced, JSON-ready (top logprobs keyed by token id as text, as
+        JSON objects need); not the timings (``ttft_s``, ``token_times``), so two runs of
+        the same greedy request print the same object."""
         out: dict[str, Any] = {
+            "index": self.index,
+            "prompt": self.prompt,
             "prompt_token_ids": list(self.prompt_token_ids),
             "token_ids": list(self.token_ids),
             "text": self.text,
@@ -50,6 +55,8 @@ class RequestOutput:
         }
         if self.logprobs is not None:
             out["logprobs"] = list(self.logprobs)
+        if self.top_logprobs is not None:
+            out["top_logprobs"] = [{str(t): v for t, v in d.items()} for d in self.top_logprobs]
         return out
 
 

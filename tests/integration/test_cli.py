@@ -38,7 +38,9 @@ def test_generate_json_prints_one_object_per_prompt(capsys: pytest.CaptureFixtur
     records = json_lines(out)
     assert len(records) == 2
     for record, prompt in zip(records, ["hello", "hi there"], strict=True):
-        assert set(record) == {"prompt_token_ids", "token_ids", "text", "finish_reason"}
+        assert set(record) == {
+            "index", "prompt", "prompt_token_ids", "token_ids", "text", "finish_reason"
+        }  # fmt: skip
         assert record["prompt_token_ids"] == [256, *prompt.encode()]
         assert len(record["token_ids"]) == 5  # type: ignore[arg-type]
         assert record["finish_reason"] in {"length", "stop"}

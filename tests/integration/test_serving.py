@@ -228,6 +228,11 @@ def test_logprobs_when_asked(llm: LLM) -> None:
         for token, logprob, top in zip(got.token_ids, got.logprobs, got.top_logprobs, strict=True):
             assert logprob <= 0 and len(top) == 2
             assert top[token] == pytest.approx(logprob) == max(top.values())  # greedy: top-1
+        record = got.to_json()  # what --json prints: the top logprobs too
+        assert record["top_logprobs"] == [
+            {str(t): v for t, v in d.items()} for d in got.top_logprobs
+        ]
+        assert (record["index"], record["logprobs"]) == (got.index, list(got.logprobs))
     chosen_only = llm.generate(PROMPTS[0], greedy(3, logprobs=0))[0]
     assert chosen_only.logprobs is not None and len(chosen_only.logprobs) == 3
     assert chosen_only.top_logprobs is None
