@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, TypeGuard
 
 import attrs
@@ -113,7 +113,7 @@ def _to_stop(value: str | Iterable[str] | None) -> tuple[str, ...]:
     items: tuple[object, ...]
     if isinstance(value, str):
         items = (value,)
-    elif isinstance(value, Iterable) and not isinstance(value, (bytes, bytearray)):
+    elif isinstance(value, Iterable) and not isinstance(value, (bytes, bytearray, Mapping)):
         items = tuple(value)
     else:
         raise RequestError("stop", "must be a string or a list of strings", value=value)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 import threading
 from collections.abc import Generator, Iterator, Mapping, Sequence
 from typing import Any
@@ -383,7 +384,8 @@ def _prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
 
 
 def _is_token(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An integer token id (numpy's too), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _text(prompt: Prompt) -> str | None:

@@ -284,6 +284,10 @@ def test_arguments_of_the_wrong_kind_are_request_errors(llm: LLM) -> None:
         llm.generate(["a", "b"], [SamplingParams(), {"max_tokens": 3}])  # type: ignore[list-item]
     with pytest.raises(RequestError, match="row 1: prompt: is empty"):
         llm.generate(["a", ""])
+    import numpy as np
+
+    ids = np.array([5, 6, 7])  # numpy's integers are token ids too
+    assert llm.generate(list(ids), greedy(2))[0].prompt_token_ids == (5, 6, 7)
     assert_idle(llm)
 
 

@@ -149,6 +149,8 @@ def test_stop_and_stop_token_ids_are_normalised_to_tuples() -> None:
     assert SamplingParams(stop=None).stop == ()
     assert SamplingParams(stop_token_ids=[3, 4]).stop_token_ids == (3, 4)
     assert SamplingParams(stop="x") == SamplingParams(stop=("x",))
+    with pytest.raises(RequestError, match="stop: must be a string or a list"):
+        SamplingParams(stop={"a": 1})  # type: ignore[arg-type]  # its keys were taken
 
 
 def test_greedy_and_disabled_top_k() -> None:
