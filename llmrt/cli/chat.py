@@ -179,7 +179,9 @@ def chat_loop(
     while True:
         try:
             line = _read_turn(stdin, stdout, interactive=interactive)
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as exc:
+            if type(exc) is not KeyboardInterrupt:  # SIGTERM's subclass ends the session
+                raise
             print("\n(/exit or Ctrl-D leaves)", file=stderr)
             continue
         if line is None:

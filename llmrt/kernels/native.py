@@ -29,7 +29,6 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
-from typing import Any
 
 import torch
 
@@ -184,25 +183,33 @@ def load_kernels() -> Path:
     candidates = build_directories()
     for directory in candidates:
         library = directory / f"{LIBRARY}.so"
-        if library.is_file() and _openmp_arrived(directory):
-            # Built without OpenMP when the compiler lacked it, which it now has (libomp-dev
-            # installed since): the directory's name does not say, so build again below.
-            library.unlink(missing_ok=True)  # another process may be rebuilding it too
-            break
-        if library.is_file() and _damaged(library):
-            warnings.warn(
-                f"{library} is not the size its build left (damaged or truncated); "
-                "building it again",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-            library.unlink(missing_ok=True)
-            break
-        if library.is_file():
+        if not library.is_file():
+            continue
+        # Shared: waits out a build in progress here (its half-linked library must not load).
+        with _build_lock(directory, exclusive=False):
+            if _openmp_arrived(directory):
+                # Built without OpenMP when the compiler lacked it, which it now has
+                # (libomp-dev installed since): the directory's name does not say, so build
+                # again below.
+                _discard(library)
+                break
+            if _damaged(library):
+                warnings.warn(
+                    f"{library} is not the size its build left (damaged or truncated); "
+                    "building it again",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                _discard(library)
+                break
+            if not library.is_file():  # discarded by a process that held the lock before
+                break
             try:
                 torch.ops.load_library(str(library))
             except OSError as exc:
                 raise KernelUnavailableError(f"cannot load {library}: {exc}") from exc
+            if not (directory / SIZE_RECORD).exists():  # built before the record was kept
+                _record_size(library)
             _touch(directory)
             _register_fakes()
             return directory
@@ -450,10 +457,10 @@ def _build(directory: Path) -> None:
 
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        lock_file = (directory / BUILD_LOCK).open("a")
+        (directory / BUILD_LOCK).touch()
     except OSError as exc:
         raise KernelUnavailableError(f"cannot build the CPU kernels in {directory}: {exc}") from exc
-    with lock_file, _exclusive(lock_file, directory):
+    with _build_lock(directory, exclusive=True) as held:
         library = directory / f"{LIBRARY}.so"
         if library.is_file():  # built by the process this one waited for
             try:
@@ -461,9 +468,11 @@ def _build(directory: Path) -> None:
             except OSError as exc:
                 raise KernelUnavailableError(f"cannot load {library}: {exc}") from exc
             return
-        # torch's own build lock (a file it waits on without limit): left by a build that
-        # was killed, since no live build holds ours.
-        (directory / "lock").unlink(missing_ok=True)
+        if held:
+            # torch's own build lock (a file it waits on without limit): left by a build
+            # that was killed, since no live build holds ours.
+            (directory / "lock").unlink(missing_ok=True)
+        (directory / SIZE_RECORD).unlink(missing_ok=True)
         try:
             with progress_step("building llmrt's CPU kernels (once per machine, a minute or more)"):
                 cpp_extension.load(
@@ -499,23 +508,40 @@ SIZE_RECORD = f"{LIBRARY}.so.size"
 
 
 @contextlib.contextmanager
-def _exclusive(lock_file: Any, directory: Path) -> Iterator[None]:
-    """Hold the directory's build lock (waiting, and saying so, while another process
-    builds); a platform without ``fcntl`` builds unlocked, as torch's own lock still guards."""
+def _build_lock(directory: Path, *, exclusive: bool) -> Iterator[bool]:
+    """Hold the directory's build lock: exclusive to build, shared to load (so a load waits
+    out a build, saying so). Yields whether it is held: not without ``fcntl`` (torch's own
+    lock guards the build then), on a directory where the lock file cannot be opened (a
+    read-only install nobody builds in), or on a file system refusing locks."""
     try:
         import fcntl
-    except ImportError:
-        yield
+
+        handle = (directory / BUILD_LOCK).open("a")
+    except (ImportError, OSError):
+        yield False
         return
-    try:
-        fcntl.flock(lock_file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        with progress_step(f"waiting for another process building the CPU kernels in {directory}"):
-            fcntl.flock(lock_file.fileno(), fcntl.LOCK_EX)
-    try:
-        yield
-    finally:
-        fcntl.flock(lock_file.fileno(), fcntl.LOCK_UN)
+    with handle:
+        mode = fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH
+        try:
+            fcntl.flock(handle.fileno(), mode | fcntl.LOCK_NB)
+        except BlockingIOError:
+            with progress_step(
+                f"waiting for another process building the CPU kernels in {directory}"
+            ):
+                fcntl.flock(handle.fileno(), mode)
+        except OSError:  # ENOLCK / EOPNOTSUPP: some network file systems
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+def _discard(library: Path) -> None:
+    """Remove a library that must be built again, and its size record with it."""
+    library.unlink(missing_ok=True)
+    (library.parent / SIZE_RECORD).unlink(missing_ok=True)
 
 
 def _build_cause(exc: BaseException) -> str:
@@ -537,15 +563,12 @@ def _record_size(library: Path) -> None:
 
 
 def _damaged(library: Path) -> bool:
-    """Whether the library's size differs from the one its build recorded (a library from
-    before the record was kept gets one now)."""
+    """Whether the library's size differs from the one its build recorded (a library with
+    no record, built before it was kept, gets one once it has loaded)."""
     record = library.parent / SIZE_RECORD
     try:
         size = library.stat().st_size
         expected = int(record.read_text().strip())
-    except FileNotFoundError:
-        _record_size(library)
-        return False
     except (OSError, ValueError):
         return False
     return size != expected

@@ -569,7 +569,10 @@ def _params(
         if isinstance(body, ChatCompletionRequest) and exc.field == "logprobs":
             raise RequestError("top_logprobs", exc.reason, value=exc.value) from None
         if isinstance(body, ChatCompletionRequest) and exc.field == "max_tokens":
-            field = "max_tokens" if body.max_tokens is not None else "max_completion_tokens"
+            # the one that was used: max_completion_tokens wins when both are given
+            field = (
+                "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+            )
             raise RequestError(field, exc.reason, value=exc.value) from None
         raise
     if len(ids) + max_tokens > max_len:
@@ -966,7 +969,7 @@ def _failure_error(failure: Failure, structured_field: str | None) -> APIError:
     """A failed generation as an API error: the request's own fault (a structured output
     that could not be enforced) is a 400 naming the field it came from, the engine's a 500."""
     error = failure.error
-    if isinstance(error, RequestError):
+    if failure.own and isinstance(error, RequestError):
         param = error.field
         if param == "structured_output" and structured_field is not None:
             param = structured_field

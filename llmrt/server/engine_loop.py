@@ -59,6 +59,8 @@ class Failure:
 
     choice: int
     error: BaseException
+    own: bool = False
+    """The request's own failure (the engine runs on), not the engine's."""
 
 
 Item = Delta | Failure
@@ -260,7 +262,7 @@ class EngineLoop:
                 continue
             item: Item = self._delta(ticket, event)
             if event.error is not None:
-                item = Failure(choice=ticket.choice, error=event.error)
+                item = Failure(choice=ticket.choice, error=event.error, own=True)
                 LOGGER.warning(
                     "llmrt serve: %s failed: %s", ticket.label or "a request", event.error
                 )

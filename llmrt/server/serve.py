@@ -65,8 +65,8 @@ class _Server(uvicorn.Server):
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         """A second SIGINT / SIGTERM during the shutdown cuts every open request now (each
         gets its ending: ``finish_reason="abort"``, ``[DONE]``), where uvicorn's forced exit
-        cancelled the responses mid-write (500s, streams without an end, tracebacks). A
-        third is uvicorn's forced exit, for a shutdown that still hangs."""
+        cancelled the responses mid-write (500s, streams without an end, tracebacks). A third
+        SIGINT is uvicorn's forced exit, for a shutdown that still hangs."""
         if not self.should_exit or self._cuts_asked:
             super().handle_exit(sig, frame)
             return

@@ -87,6 +87,8 @@ class LLM:
         self._lock = threading.RLock()
         self._live: set[str] = set()
         self._stashed: dict[str, list[TokenEvent]] = {}
+        self._stepping = False
+        self._deferred: list[Request] = []
         if container is None:
             from llmrt.containers import RuntimeContainer
 
@@ -148,12 +150,16 @@ class LLM:
         with self._lock:  # never between another call's steps: they end "closed" instead
             if self._closed and not self.container.root_scope().orphans():
                 return
-            if not self._closed:
-                self._closed = True
+            if self._closed:
+                self._teardown(primary=primary)  # the retry of what failed before
+                return
+            self._closed = True
+            try:
                 self.engine.abort_all()  # every live call's requests; each sees it's closed
+            finally:
                 self._live.clear()
                 self._stashed.clear()
-            self._teardown(primary=primary)
+                self._teardown(primary=primary)
 
     def _teardown(self, *, primary: BaseException | None) -> None:
         self._closed = True
@@ -214,10 +220,29 @@ class LLM:
         finally:
             self._end(requests, abort=not finished)
 
+    def _step(self) -> list[TokenEvent]:
+        """One engine step (the lock held). A step that raises took tokens for other calls'
+        requests whose events are lost with it: every live request is aborted, as the engine
+        cannot say which (their calls end, ``finish_reason="abort"``). Aborts asked for while
+        it runs (a dropped stream finalized by the collector on this thread) wait for it."""
+        self._stepping = True
+        try:
+            return self.engine.step()
+        except BaseException:
+            self.engine.abort_all()
+            raise
+        finally:
+            self._stepping = False
+            deferred, self._deferred = self._deferred, []
+            for request in deferred:
+                self.engine.abort(request)
+
     def _end(self, requests: Sequence[Request], *, abort: bool) -> None:
         with self._lock:
             for request in requests:
-                if abort and not self._closed:  # close() aborted everything already
+                if abort and self._stepping:
+                    self._deferred.append(request)
+                elif abort and not self._closed:  # close() aborted everything already
                     self.engine.abort(request)
                 self._live.discard(request.request_id)
                 self._stashed.pop(request.request_id, None)
@@ -236,7 +261,7 @@ class LLM:
                 if not ready and not done:
                     if not self.engine.has_work:  # nothing would ever finish them
                         raise RuntimeError("requests left unfinished by an engine with no work")
-                    for event in self.engine.step():
+                    for event in self._step():
                         if event.request_id in mine:
                             ready.append(event)
                         elif event.request_id in self._live:

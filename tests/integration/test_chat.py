@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -171,3 +172,39 @@ def test_in_a_terminal_ctrl_c_stops_the_answer_not_the_session(
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
         os.close(fd)
+
+
+def test_sigterm_at_the_prompt_ends_the_session_while_ctrl_c_does_not() -> None:
+    """Ctrl-C at the prompt only reminds how to leave; SIGTERM (the CLI's Terminated, a
+    KeyboardInterrupt subclass so teardowns treat it alike) ends the session."""
+    import io
+    from types import SimpleNamespace
+
+    from llmrt.cli.chat import chat_loop
+    from llmrt.cli.main import Terminated
+
+    class Interrupting(io.StringIO):
+        def __init__(self, *raised: BaseException) -> None:
+            super().__init__()
+            self.raised = list(raised)
+
+        def readline(self, *args: object) -> str:
+            if self.raised:
+                raise self.raised.pop(0)
+            return ""
+
+    llm: Any = SimpleNamespace(
+        tokenizer=SimpleNamespace(chat_template="{{ x }}"), recipe=SimpleNamespace(name="m")
+    )
+    err = io.StringIO()
+    params = SamplingParams()
+    assert chat_loop(
+        llm, params, system=None, stdin=Interrupting(KeyboardInterrupt()), stdout=io.StringIO(),
+        stderr=err, interactive=False,
+    ) == 0  # fmt: skip
+    assert "(/exit or Ctrl-D leaves)" in err.getvalue()
+    with pytest.raises(Terminated):
+        chat_loop(
+            llm, params, system=None, stdin=Interrupting(Terminated()), stdout=io.StringIO(),
+            stderr=io.StringIO(), interactive=False,
+        )  # fmt: skip

@@ -348,6 +348,9 @@ def test_null_means_the_default_and_a_zero_token_budget_is_refused(
     for field in ("max_tokens", "max_completion_tokens"):
         r = httpx.post(chat, json={"messages": messages, field: 0}, timeout=TIMEOUT)
         assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    both = {"messages": messages, "max_tokens": 10, "max_completion_tokens": 0}
+    r = httpx.post(chat, json=both, timeout=TIMEOUT)  # the one used is the one named
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_completion_tokens"
 
 
 def test_streamed_text_offsets_continue_across_chunks(server: BackgroundServer) -> None:

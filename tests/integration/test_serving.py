@@ -7,6 +7,7 @@ import random
 import threading
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import pytest
 from lane_fixtures import module_torch_thread  # noqa: F401  (autouse fixture)
@@ -289,6 +290,46 @@ def test_arguments_of_the_wrong_kind_are_request_errors(llm: LLM) -> None:
     ids = np.array([5, 6, 7])  # numpy's integers are token ids too
     assert llm.generate(list(ids), greedy(2))[0].prompt_token_ids == (5, 6, 7)
     assert_idle(llm)
+
+
+def test_a_failing_step_ends_every_live_call_and_leaves_the_engine_usable(
+    llm: LLM, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A step that raises has taken tokens for other calls' requests whose events it lost:
+    they are aborted with it (ended, not silently missing a token), the caller gets the
+    error, and the engine serves the next call."""
+    params = greedy(12, ignore_eos=True)
+    reference = llm.generate(PROMPTS[:1], params)[0].token_ids
+    other = llm.stream(PROMPTS[:1], params)
+    seen = [next(other)]
+    real_step = llm.engine.step
+
+    def failing() -> list[Any]:
+        real_step()  # the step ran (tokens taken), then failed
+        raise RuntimeError("device fault")
+
+    monkeypatch.setattr(llm.engine, "step", failing)
+    with pytest.raises(RuntimeError, match="device fault"):
+        llm.generate(PROMPTS[1:2], params)
+    monkeypatch.setattr(llm.engine, "step", real_step)
+    seen += list(other)  # ends: its request was aborted with the failed step
+    tokens = [e.token_id for e in seen]
+    assert len(tokens) < 12 and tokens == list(reference[: len(tokens)])  # no token skipped
+    assert_idle(llm)
+    assert len(llm.generate(PROMPTS[0], greedy(3, ignore_eos=True))[0].token_ids) == 3
+
+
+def test_close_tears_down_even_when_aborting_the_requests_fails() -> None:
+    served = LLM.from_recipe("tiny-llama")
+
+    def broken() -> None:
+        raise RuntimeError("abort failed")
+
+    served.engine.abort_all = broken  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="abort failed"):
+        served.close()
+    assert served.container.root_scope().closed
+    served.close()  # nothing left: a no-op
 
 
 def test_close_while_another_thread_generates_ends_that_call_cleanly() -> None:

@@ -127,3 +127,44 @@ def test_a_library_damaged_after_its_build_is_built_again_not_loaded(
     with pytest.warns(RuntimeWarning, match="not the size its build left"):
         assert native.load_kernels.__wrapped__() == directory
     assert len(compiler.built) == 2 and library.stat().st_size == compiler.size
+
+
+def test_a_load_waits_out_a_build_in_progress_and_records_a_legacy_library(
+    compiler: FakeCompiler, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A library present but still being linked by another process must not load until
+    that build ends (the load takes the lock shared); a library from before the size record
+    gets its record only once it has loaded."""
+    import fcntl
+
+    directory = tmp_path / "build"
+    directory.mkdir()
+    loaded: list[str] = []
+    monkeypatch.setattr(native, "build_directories", lambda: (directory,))
+    monkeypatch.setattr(native, "pin_torch_isa", lambda: None)
+    monkeypatch.setattr(native, "_register_fakes", lambda: None)
+    monkeypatch.setattr(native, "_touch", lambda d: None)
+    monkeypatch.setattr(native, "_openmp_arrived", lambda d: False)
+
+    def load(path: str) -> None:
+        assert (Path(path).read_bytes() == b"linked"), "loaded a half-linked library"
+        loaded.append(path)
+
+    monkeypatch.setattr(torch.ops, "load_library", load)
+    library = directory / f"{LIBRARY}.so"
+    library.write_bytes(b"half")  # the other process's linker is writing it
+    holder = (directory / native.BUILD_LOCK).open("a")
+    fcntl.flock(holder.fileno(), fcntl.LOCK_EX)
+
+    def finish_link() -> None:
+        time.sleep(0.3)
+        library.write_bytes(b"linked")
+        fcntl.flock(holder.fileno(), fcntl.LOCK_UN)
+
+    other = threading.Thread(target=finish_link)
+    other.start()
+    assert native.load_kernels.__wrapped__() == directory
+    other.join()
+    holder.close()
+    assert loaded == [str(library)] and compiler.built == []
+    assert (directory / native.SIZE_RECORD).read_text().strip() == "6"  # after the load
