@@ -20,6 +20,7 @@ import json
 import logging
 import os
 import re
+import time
 import uuid
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -67,9 +68,20 @@ def file_digest(path: Path, *, cache_dir: Path) -> str:
     return value
 
 
+#: A temporary file of ``atomic_write`` untouched this long was left by a writer that was
+#: killed (a live one writes it continuously): the next write of that file removes it.
+STALE_TMP_S = 600
+
+
 def atomic_write(path: Path, write: Callable[[Path], object]) -> None:
-    """Create `path` via a fsync-ed sibling temporary file and `os.replace`."""
+    """Create `path` via a fsync-ed sibling temporary file and `os.replace` (removing the
+    temporary files of earlier writers of `path` that were killed before either)."""
     path.parent.mkdir(parents=True, exist_ok=True)
+    now = time.time()
+    for left in path.parent.glob(f".{path.name}.*.tmp"):
+        with contextlib.suppress(OSError):
+            if now - left.stat().st_mtime > STALE_TMP_S:
+                left.unlink()
     tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
     try:
         write(tmp)

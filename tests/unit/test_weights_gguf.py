@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -400,6 +401,25 @@ def test_corrupt_cache_entry_is_rebuilt(
     dequantize_calls.clear()
     load(path)
     assert dequantize_calls == []  # the rebuilt entry is good
+
+
+def test_a_killed_writers_temporary_file_is_removed_by_the_next_write(
+    llama_file: tuple[Path, Any], cache_dir: Path
+) -> None:
+    """SIGKILL (or a power cut) mid-write leaves the hidden temporary file, as large as the
+    tensors; the next write of that entry removes it, not a live writer's fresh one."""
+    path, _ = llama_file
+    load(path)
+    (entry,) = (p.parent for p in cache_dir.glob("gguf/*/meta.json"))
+    stale = entry / ".tensors.safetensors.dead.tmp"
+    fresh = entry / ".tensors.safetensors.live.tmp"
+    for left in (stale, fresh):
+        left.write_bytes(b"x" * 1024)
+    old = time.time() - 3600
+    os.utime(stale, (old, old))
+    (entry / "meta.json").unlink()  # the entry is rewritten on the next load
+    load(path)
+    assert not stale.exists() and fresh.exists()
 
 
 def test_failed_cache_write_leaves_no_entry_and_still_loads(
