@@ -175,8 +175,13 @@ class LLM:
         return tuple(int(t) for t in prompt)
 
     def _submit(
-        self, prompts: Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None
-    ) -> list[Request]:
+        self,
+        prompts: Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None,
+        requests: list[Request],
+    ) -> None:
+        """Add the prompts' requests to the engine, each appended to ``requests`` as it is
+        added (so whoever ends the call frees them, however it ends)."""
         if self._closed:
             raise RequestError("llm", "is closed")
         if params is None:
@@ -196,25 +201,25 @@ class LLM:
                         value=type(p).__name__,
                     )  # fmt: skip
         encoded = [self.encode(p, row=i) for i, p in enumerate(prompts)]
-        requests: list[Request] = []
         with self._lock:
             if self._closed:
                 raise RequestError("llm", "is closed")
-            try:
-                for i, (ids, p) in enumerate(zip(encoded, per, strict=True)):
-                    request = self.engine.add_request(prompt_token_ids=ids, params=p, index=i)
-                    requests.append(request)
-                    self._live.add(request.request_id)
-            except BaseException:
-                self._end(requests, abort=True)
-                raise
-        return requests
+            for i, (ids, p) in enumerate(zip(encoded, per, strict=True)):
+                requests.append(self.engine.add_request(prompt_token_ids=ids, params=p, index=i))
+                self._live.add(requests[-1].request_id)
 
-    def _run(self, requests: Sequence[Request]) -> Iterator[TokenEvent]:
-        """``requests``' events until all finished; however it ends, they leave the engine
-        (aborted when unfinished: another call's requests keep running)."""
+    def _run(
+        self,
+        prompts: Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None,
+        requests: list[Request],
+    ) -> Iterator[TokenEvent]:
+        """Submit the prompts (into ``requests``), then their events until all finished;
+        however it ends, from the first request added on, they leave the engine (aborted
+        when unfinished: another call's requests keep running)."""
         finished = False
         try:
+            self._submit(prompts, params, requests)
             yield from self._events(requests)
             finished = True
         finally:
@@ -286,8 +291,7 @@ class LLM:
         does a request's own failure (a structured output that cannot be enforced), raised
         as its :class:`~llmrt.errors.RequestError`.
         """
-        requests = self._submit(_prompt_list(prompts), sampling_params)
-        yield from self._run(requests)
+        yield from self._run(_prompt_list(prompts), sampling_params, [])
 
     def generate(
         self,
@@ -300,8 +304,8 @@ class LLM:
         raises its :class:`~llmrt.errors.RequestError` and aborts the others; the engine
         stays usable."""
         raw = _prompt_list(prompts)
-        requests = self._submit(raw, sampling_params)
-        for _ in self._run(requests):
+        requests: list[Request] = []
+        for _ in self._run(raw, sampling_params, requests):
             pass
         return [_output(r, _text(raw[r.index])) for r in requests]
 
