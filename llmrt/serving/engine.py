@@ -334,18 +334,15 @@ class Engine:
                     }
                 )
         stream = self._streams[request.request_id]
-        params = request.params
         reason: str | None
-        if token in params.stop_token_ids or (
-            not params.ignore_eos and token in self.tokenizer.eos_token_ids
-        ):
+        if self._is_stop_token(request.params, token):
             # Its text stays out of the output, as vLLM's (include_stop_str_in_output=False);
             # what earlier tokens held back (a partial character) comes out now.
             request.text += stream.flush()
             reason = "stop_token"
         else:
             request.text += stream.push(token)
-            reason = self._stop_reason(request, token)
+            reason = self._stop_reason(request)
         constraint = request.params.constraint
         if constraint is not None and reason is None:
             if not constraint.accept(token):
@@ -406,12 +403,16 @@ class Engine:
             error=request.error,
         )
 
-    def _stop_reason(self, request: Request, token: int) -> str | None:
+    def _is_stop_token(self, params: SamplingParams, token: int) -> bool:
+        """EOS (unless ignored) or one of the request's ``stop_token_ids``."""
+        return token in params.stop_token_ids or (
+            not params.ignore_eos and token in self.tokenizer.eos_token_ids
+        )
+
+    def _stop_reason(self, request: Request) -> str | None:
+        """Why the request ends after its latest token, a stop string or a length limit
+        (stop tokens are ``_is_stop_token``'s)."""
         params = request.params
-        if not params.ignore_eos and token in self.tokenizer.eos_token_ids:
-            return "stop"
-        if token in params.stop_token_ids:
-            return "stop"
         for stop in params.stop:
             at = request.text.find(stop)
             if at >= 0:
