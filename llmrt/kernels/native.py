@@ -204,10 +204,7 @@ def load_kernels() -> Path:
                 break
             if not library.is_file():  # discarded by a process that held the lock before
                 break
-            try:
-                torch.ops.load_library(str(library))
-            except OSError as exc:
-                raise KernelUnavailableError(f"cannot load {library}: {exc}") from exc
+            _load(library)
             if not (directory / SIZE_RECORD).exists():  # built before the record was kept
                 _record_size(library)
             _touch(directory)
@@ -463,10 +460,7 @@ def _build(directory: Path) -> None:
     with _build_lock(directory, exclusive=True) as held:
         library = directory / f"{LIBRARY}.so"
         if library.is_file():  # built by the process this one waited for
-            try:
-                torch.ops.load_library(str(library))
-            except OSError as exc:
-                raise KernelUnavailableError(f"cannot load {library}: {exc}") from exc
+            _load(library)
             return
         if held:
             # torch's own build lock (a file it waits on without limit): left by a build
@@ -536,6 +530,13 @@ def _build_lock(directory: Path, *, exclusive: bool) -> Iterator[bool]:
             yield True
         finally:
             fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
+
+
+def _load(library: Path) -> None:
+    try:
+        torch.ops.load_library(str(library))
+    except OSError as exc:
+        raise KernelUnavailableError(f"cannot load {library}: {exc}") from exc
 
 
 def _discard(library: Path) -> None:
