@@ -68,9 +68,7 @@ def prefill(settings: BenchSettings) -> Report:
     spec = base.prefill
     wave = min(PREFILL_WAVE_ROWS, spec.max_batch_size, base.decode.lane_capacity)
     wave_len = min(PREFILL_WAVE_LEN, spec.max_chunk_size)
-    bucket = SeqLenBuckets.named(
-        spec.seq_len_buckets, max_len=spec.max_chunk_size, step=spec.fine_step
-    ).pad(wave_len)
+    bucket = spec.buckets().pad(wave_len)
     sizes = [b for b in PREFILL_BATCH_SIZES if b <= wave]
     # The long prompt within the recipe's context (toy models hold fewer than 512 tokens).
     long_len = min(PREFILL_LONG, base.max_model_len)

@@ -623,10 +623,13 @@ class PrefillSpec:
             "must be a positive multiple of 8",
         )
 
-    def buckets(self) -> SeqLenBuckets:
-        """The padded-length policy these settings select (``llmrt.runtime.prefill.buckets``)."""
+    def buckets(self, *, max_len: int | None = None) -> SeqLenBuckets:
+        """The padded-length policy these settings select (``llmrt.runtime.prefill.buckets``),
+        up to ``max_chunk_size`` or the narrower chunk ``max_len`` a page table allows."""
         return SeqLenBuckets.named(
-            self.seq_len_buckets, max_len=self.max_chunk_size, step=self.fine_step
+            self.seq_len_buckets,
+            max_len=self.max_chunk_size if max_len is None else max_len,
+            step=self.fine_step,
         )
 
 
@@ -1127,7 +1130,7 @@ class Recipe:
         chunk = self._effective_chunk()
         if chunk is None:
             return  # _check_geometry names the field
-        lengths = self._prefill_buckets(chunk).lengths()
+        lengths = self.prefill.buckets(max_len=chunk).lengths()
         usable = [n for n in lengths if n <= chunk]
         if not usable:
             return  # _check_geometry reports the chunk
@@ -1156,12 +1159,6 @@ class Recipe:
         if self.prefill.max_chunk_size % block:
             return None
         return min(self.prefill.max_chunk_size, -(-self.max_model_len // block) * block)
-
-    def _prefill_buckets(self, chunk: int) -> SeqLenBuckets:
-        """The padded lengths prefills of at most ``chunk`` tokens run at (the runtime's)."""
-        return SeqLenBuckets.named(
-            self.prefill.seq_len_buckets, max_len=chunk, step=self.prefill.fine_step
-        )
 
     def _check_family_backend(self) -> None:
         """The family (named, or ``auto`` from a random checkpoint's ``model_type``) supports
@@ -1205,7 +1202,7 @@ class Recipe:
                 f"{self.lanes} * {self.decode.lane_capacity} = {self.decode_slots}",
             )
         effective = self._effective_chunk() or chunk
-        lengths = self._prefill_buckets(effective).lengths()
+        lengths = self.prefill.buckets(max_len=effective).lengths()
         for i, n in enumerate(self.warmup.prefill_seq_lens):
             _check(
                 n <= effective,
