@@ -385,7 +385,7 @@ class Engine:
         e.g. a lexer past llguidance's limits, so the mask could not hold): it finishes with
         ``finish_reason="error"`` and frees its slot; the step's other requests run on.
         The refused token is not reported."""
-        request.error = RequestError(
+        error = RequestError(
             "structured_output",
             f"could not be enforced at output token {len(request.output_token_ids) - 1} "
             f"(token {token} left the grammar: {why or 'the matcher refused it'})",
@@ -400,7 +400,7 @@ class Engine:
             text="",
             finished=True,
             finish_reason="error",
-            error=request.error,
+            error=error,
         )
 
     def _is_stop_token(self, params: SamplingParams, token: int) -> bool:

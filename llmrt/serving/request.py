@@ -6,7 +6,6 @@ import enum
 
 import attrs
 
-from llmrt.errors import RequestError
 from llmrt.sampling.params import SamplingParams
 
 
@@ -43,8 +42,6 @@ class Request:
     first_token_time: float | None = None
     token_times: list[float] = attrs.Factory(list)
     prefill_tokens_computed: int = 0
-    error: RequestError | None = None
-    """Why the request ended with ``finish_reason="error"`` (its own fault, not the engine's)."""
 
     @property
     def all_token_ids(self) -> list[int]:
