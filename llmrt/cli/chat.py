@@ -106,17 +106,14 @@ class _Scope:
 
 def answer(
     llm: LLM,
-    messages: list[dict[str, str]],
+    prompt: list[int],
     params: SamplingParams,
     *,
     stop: threading.Event,
     write: Callable[[str], None],
 ) -> tuple[str, AnswerStats]:
-    """Stream one answer to ``messages`` through ``write``; returns its text and stats."""
-    prompt = llm.tokenizer.encode(
-        llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True),
-        add_special_tokens=False,
-    )
+    """Stream one answer to ``prompt`` (a rendered conversation's token ids) through
+    ``write``; returns its text and stats."""
     start = time.perf_counter()
     first: float | None = None
     pieces: list[str] = []
@@ -209,11 +206,12 @@ def chat_loop(
         if text.startswith("/") and " " not in text:
             print(f"unknown command {text} ({HELP})", file=stderr)
             continue
-        messages = _fit(llm, conversation, text, params, stderr=stderr)
-        if messages is None:
+        fitted = _fit(llm, conversation, text, params, stderr=stderr)
+        if fitted is None:
             continue
+        messages, prompt = fitted
         with interrupts.answering() as stop:
-            reply, stats = answer(llm, messages, params, stop=stop, write=write)
+            reply, stats = answer(llm, prompt, params, stop=stop, write=write)
         write("\n")
         conversation.messages = [*messages[1 if conversation.system else 0 :]]
         conversation.messages.append({"role": "assistant", "content": reply})
@@ -223,17 +221,19 @@ def chat_loop(
 
 def _fit(
     llm: LLM, conversation: Conversation, text: str, params: SamplingParams, *, stderr: TextIO
-) -> list[dict[str, str]] | None:
-    """The turn's messages, its oldest exchanges dropped (and said so) until the prompt
-    leaves room for an answer within ``serving.max_model_len`` (as ollama and llama-cli
-    shift their context); None, said why, when the turn alone does not fit."""
+) -> tuple[list[dict[str, str]], list[int]] | None:
+    """The turn's messages and their rendered prompt, its oldest exchanges dropped (and said
+    so) until the prompt leaves room for an answer within ``serving.max_model_len`` (as
+    ollama and llama-cli shift their context); None, said why, when the turn alone does not
+    fit."""
     limit = llm.engine.scheduler.config.max_model_len
     room = min(params.max_tokens, max(1, limit // 4))
     dropped = 0
     while True:
         messages = conversation.with_user(text)
         rendered = llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        tokens = len(llm.tokenizer.encode(rendered, add_special_tokens=False))
+        prompt = llm.tokenizer.encode(rendered, add_special_tokens=False)
+        tokens = len(prompt)
         if tokens + room <= limit:
             break
         if not conversation.messages:
@@ -250,7 +250,7 @@ def _fit(
             f"(dropped the {dropped} oldest exchange(s) to fit max_model_len={limit})",
             file=stderr,
         )
-    return messages
+    return messages, prompt
 
 
 def _read_turn(stdin: TextIO, stdout: TextIO, *, interactive: bool) -> str | None:
